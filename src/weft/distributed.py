@@ -1,0 +1,176 @@
+"""Process groups for expert parallelism, launch helpers and gradient reduction.
+
+The only global state weft relies on is torch.distributed's own process-group registry: every
+module takes its group explicitly, and `None` means "the default group if one is initialised,
+else a single process".
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "DistContext",
+    "MoEGroups",
+    "init_distributed",
+    "build_moe_groups",
+    "resolve_group",
+    "group_rank",
+    "group_size",
+    "expert_parameters",
+    "reduce_gradients",
+]
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits: its rank, the world, and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistContext:
+    """Initialise torch.distributed from torchrun's environment (RANK, WORLD_SIZE, ...).
+
+    NCCL with one GPU per process when CUDA is available, gloo on the CPU otherwise. Without
+    torchrun's variables this is a single process and no group is created. Calling it again
+    after initialisation just describes the existing world.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        backend = backend or ("nccl" if use_cuda else "gloo")
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if not dist.is_initialized():
+        return DistContext(0, 1, 0, 1, device, None)
+    world = dist.get_world_size()
+    return DistContext(
+        rank=dist.get_rank(),
+        world_size=world,
+        local_rank=local_rank,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", str(world))),
+        device=device,
+        backend=dist.get_backend(),
+    )
+
+
+def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group a layer communicates over: the one given, else the default group if any."""
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+@dataclass(frozen=True)
+class MoEGroups:
+    """The groups of expert-parallel training.
+
+    `ep`: ranks that together hold one copy of every expert (tokens are exchanged inside it).
+    `edp`: expert-data-parallel ranks holding the same experts (expert gradients are averaged here).
+    `dp`: all data-parallel ranks (non-expert gradients are averaged here).
+    A group is None when it would hold a single process.
+    """
+
+    ep: dist.ProcessGroup | None
+    edp: dist.ProcessGroup | None
+    dp: dist.ProcessGroup | None
+    ep_size: int
+    edp_size: int
+
+
+def build_moe_groups(ep_size: int | None = None, device_type: str | None = None) -> MoEGroups:
+    """Split the world into a (edp, ep) DeviceMesh: ranks [i*ep, (i+1)*ep) form EP group i.
+
+    `ep_size` defaults to the whole world. It must divide the world size; with fewer experts
+    than ranks choose `ep_size <= num_experts` so every EP group holds all experts.
+    """
+    if not dist.is_initialized():
+        if ep_size not in (None, 1):
+            raise ValueError(f"ep_size={ep_size} needs an initialised process group (world size is 1)")
+        return MoEGroups(None, None, None, 1, 1)
+    world = dist.get_world_size()
+    ep_size = world if ep_size is None else ep_size
+    if ep_size < 1 or world % ep_size != 0:
+        raise ValueError(f"ep_size ({ep_size}) must be a positive divisor of the world size ({world})")
+    if ep_size == world:
+        return MoEGroups(dist.group.WORLD, None, dist.group.WORLD, world, 1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
+    ep = mesh.get_group("ep") if ep_size > 1 else None
+    edp = mesh.get_group("edp")
+    return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that are sharded over the EP group (the weights of every `weft` expert block)."""
+    from weft.moe.experts import Experts
+
+    params: list[nn.Parameter] = []
+    for module in model.modules():
+        if isinstance(module, Experts):
+            params.extend(module.parameters())
+    return params
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """Sum `grads` over `group` in one flat bucket per dtype, then divide by `divisor`."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for bucket in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        if group is not None:
+            dist.all_reduce(flat, group=group)
+        flat.div_(divisor)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:
+    """Make every gradient the gradient of the mean loss over all data-parallel ranks.
+
+    Call after `backward` and before the optimizer step. Expert gradients (already summed over
+    the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
+    all other gradients over every rank; both are divided by the data-parallel world size.
+    """
+    world = group_size(groups.dp)
+    if world == 1:
+        return
+    experts = {id(p) for p in expert_parameters(model)}
+    expert_grads, dense_grads = [], []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        (expert_grads if id(p) in experts else dense_grads).append(p.grad)
+    if expert_grads:
+        _all_reduce_mean(expert_grads, groups.edp, world)
+    if dense_grads:
+        _all_reduce_mean(dense_grads, groups.dp, world)
+

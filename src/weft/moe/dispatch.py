@@ -1,0 +1,27 @@
+"""Index-based encode (dispatch) and decode (combine), Tutel's fast encode/decode idea.
+
+No (T, E, C) one-hot tensors and no einsum: each kept slot moves one row. Time and memory
+are O(T*k*dim) plus the capacity buffer itself. Autograd differentiates the index ops:
+the gradient of a dispatched row returns to its token, and each gate gets dy . expert_out.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def dispatch_padded(x: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Buffer (num_rows, dim) with x[tokens[i]] at row rows[i]; unused rows are zero.
+
+    `rows` may point at the extra row `num_rows` (dropped slots); that row is discarded.
+    """
+    buffer = x.new_zeros(num_rows + 1, x.shape[1])
+    return buffer.index_copy(0, rows, x.index_select(0, tokens))[:num_rows]
+
+
+def combine(
+    expert_out: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, gates: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
+    """y[t] = sum over slots i of token t: gates[i] * expert_out[rows[i]], accumulated in float32."""
+    picked = expert_out.index_select(0, rows).float() * gates.unsqueeze(1)
+    out = torch.zeros(num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+    return out.index_add(0, tokens, picked)

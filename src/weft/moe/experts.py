@@ -1,0 +1,104 @@
+"""Expert FFN weights and their computation.
+
+Weights are stacked per local expert: w1 (El, dim, hidden), w2 (El, hidden, dim) and, for
+swiglu, w3 (El, dim, hidden). Padded layouts compute with one batched matmul; dropless
+(variable rows per expert) with grouped GEMM on GPUs that have it, a per-expert loop elsewhere.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+_ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+
+
+class Experts(nn.Module):
+    """The `num_local` experts of this rank; global expert ids `first_expert + i`.
+
+    Initialisation depends only on the global expert id and one seed drawn from torch's RNG,
+    so the full set of experts is the same whatever the expert-parallel size.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_local: int,
+        activation: str = "gelu",
+        first_expert: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.dim, self.hidden_dim, self.num_local, self.activation = dim, hidden_dim, num_local, activation
+        self.first_expert = first_expert
+        factory = {"dtype": dtype, "device": device}
+        self.w1 = nn.Parameter(torch.empty(num_local, dim, hidden_dim, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_dim, dim, **factory))
+        if activation == "swiglu":
+            self.w3 = nn.Parameter(torch.empty(num_local, dim, hidden_dim, **factory))
+        else:
+            self.register_parameter("w3", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        for i in range(self.num_local):
+            gen = torch.Generator().manual_seed(seed + self.first_expert + i)
+            for w, fan_in in ((self.w1, self.dim), (self.w2, self.hidden_dim), (self.w3, self.dim)):
+                if w is None:
+                    continue
+                bound = 1.0 / math.sqrt(fan_in)
+                values = torch.rand(w.shape[1:], generator=gen, dtype=torch.float32) * (2 * bound) - bound
+                with torch.no_grad():
+                    w[i].copy_(values)
+
+    def _hidden(self, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return F.silu(h1) * h3
+        return _ACT[self.activation](h1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Padded layout: x (El, M, dim) -> (El, M, dim), one bmm per weight."""
+        x = x.to(self._compute_dtype(x))
+        h3 = torch.bmm(x, self.w3) if self.w3 is not None else None
+        return torch.bmm(self._hidden(torch.bmm(x, self.w1), h3), self.w2)
+
+    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Dropless layout: rows of x (M, dim) sorted by local expert, `counts[i]` rows each."""
+        x = x.to(self._compute_dtype(x))
+        if use_grouped_mm(x, self.w1, self.w2):
+            offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
+            h1 = torch._grouped_mm(x, self.w1, offs=offs)
+            h3 = torch._grouped_mm(x, self.w3, offs=offs) if self.w3 is not None else None
+            return torch._grouped_mm(self._hidden(h1, h3), self.w2, offs=offs)
+        return grouped_mm_reference(x, counts, self)
+
+    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return self.w1.dtype
+
+
+def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts) -> torch.Tensor:
+    """Per-expert loop over the row groups: the plain-PyTorch oracle for grouped GEMM."""
+    outs = []
+    for i, rows in enumerate(torch.split(x, counts)):
+        h3 = rows @ experts.w3[i] if experts.w3 is not None else None
+        outs.append(experts._hidden(rows @ experts.w1[i], h3) @ experts.w2[i])
+    return torch.cat(outs) if outs else x.new_zeros(0, experts.dim)
+
+
+def use_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm needs CUDA sm90+, bf16 and 16-byte aligned row strides."""
+    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
+        return False
+    if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    return w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0

@@ -1,0 +1,125 @@
+"""Routers (token -> expert logits) and the gate rules that turn logits into routed slots.
+
+Every gate yields slots: (token, expert, gate value) triples. Token-choice gates (topk, bpr,
+cosine, random) produce k slots per token and a priority order for capacity; expert choice
+produces C slots per expert. Routing math runs in float32 whatever the input dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+GATES = ("topk", "bpr", "cosine", "expert_choice", "random")
+
+
+class LinearRouter(nn.Module):
+    """`logits = x.float() @ weight.T`; `weight` is (E, dim) and always kept in float32."""
+
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=torch.float32))
+        nn.init.normal_(self.weight, std=dim**-0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() @ self.weight.float().t()
+
+    def _apply(self, fn, recurse=True):
+        # Routing decisions are discrete: keep them in float32 even when the model is cast.
+        super()._apply(fn, recurse)
+        for p in self.parameters(recurse=False):
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+
+class CosineRouter(LinearRouter):
+    """Tutel's cosine router: learned projection, cosine similarity to expert embeddings,
+    scaled by a learned temperature clamped at 1/0.01.
+
+    `proj.weight` is (proj_dim, dim); `weight` (the expert embeddings) is (E, proj_dim).
+    """
+
+    max_log_scale = math.log(1.0 / 0.01)
+
+    def __init__(self, dim: int, num_experts: int, proj_dim: int = 256, init_temperature: float = 0.5):
+        nn.Module.__init__(self)
+        self.proj = nn.Linear(dim, proj_dim, bias=False, dtype=torch.float32)
+        self.weight = nn.Parameter(torch.empty(num_experts, proj_dim, dtype=torch.float32))
+        nn.init.normal_(self.weight, std=proj_dim**-0.5)
+        self.log_scale = nn.Parameter(torch.tensor([math.log(1.0 / init_temperature)]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.normalize(x.float() @ self.proj.weight.float().t(), dim=-1)
+        emb = F.normalize(self.weight.float(), dim=-1)
+        return (h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for p in self.proj.parameters():
+            if p.dtype != torch.float32:
+                p.data = p.data.float()
+        return self
+
+
+@dataclass
+class TokenChoice:
+    """k slots per token: `experts` (T, k) and `gates` (T, k); `order` ranks tokens for capacity
+    (None = token order)."""
+
+    experts: torch.Tensor
+    gates: torch.Tensor
+    order: torch.Tensor | None
+
+
+def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores along the last dim, descending, ties to the lower index."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def token_choice(
+    gate: str, logits: torch.Tensor, probs: torch.Tensor, k: int, normalize: bool
+) -> TokenChoice:
+    """Route each token to k experts by the rule of `gate` (topk, bpr, cosine, random)."""
+    if gate == "random":
+        # Benchmark/ablation gate: experts drawn uniformly (torch's RNG), gates still learned.
+        experts = topk_desc(torch.rand(probs.shape, device=probs.device), k)
+    else:
+        experts = topk_desc(probs, k)
+    gates = probs.gather(1, experts)
+    if normalize and k > 1:
+        gates = gates / gates.sum(dim=1, keepdim=True)
+    order = None
+    if gate == "bpr":
+        importance = probs.max(dim=1).values
+        order = torch.sort(importance, descending=True, stable=True).indices
+    return TokenChoice(experts, gates, order)
+
+
+def expert_choice_capacity(k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
+    """Tokens each expert takes under expert choice: ceil(k * cf * T / E), within [1, T]."""
+    return max(1, min(num_tokens, math.ceil(k * capacity_factor * num_tokens / num_experts)))
+
+
+def expert_choice(probs: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each expert takes its top-`capacity` tokens by probability: token ids (E, C), gates (E, C)."""
+    tokens = topk_desc(probs.t(), capacity)
+    gates = probs.t().gather(1, tokens)
+    return tokens, gates
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """Switch/GShard auxiliary loss `E * sum_e f_e * P_e` (f_e: share of slots routed to e
+    before dropping, P_e: mean router probability of e)."""
+    num_experts = probs.shape[1]
+    f = counts.float() / max(num_slots, 1)
+    p = probs.mean(dim=0)
+    return num_experts * (f * p).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()

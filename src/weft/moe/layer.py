@@ -1,0 +1,219 @@
+"""The MoE layer: gate -> dispatch -> all-to-all -> experts -> all-to-all -> combine.
+
+Semantics are those of DESIGN.md ("The MoE layer contract"); every faster path in weft is
+checked against this layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from weft.comm import all_to_all, all_to_all_counts
+from weft.distributed import group_rank, group_size, resolve_group
+from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
+from weft.moe.dispatch import combine, dispatch_padded
+from weft.moe.experts import ACTIVATIONS, Experts
+from weft.moe.gates import (
+    GATES,
+    CosineRouter,
+    LinearRouter,
+    TokenChoice,
+    expert_choice,
+    expert_choice_capacity,
+    load_balancing_loss,
+    router_z_loss,
+    token_choice,
+)
+
+
+@dataclass
+class MoEStats:
+    """Routing statistics of the last forward on this rank (tensors stay on the device)."""
+
+    expert_counts: torch.Tensor  # (E,) slots routed to each expert, before dropping
+    dropped: torch.Tensor  # () dropped slots (expert choice: tokens no expert took)
+    capacity: int | None  # C per expert per source rank; None when dropless
+
+
+class MoE(nn.Module):
+    """Mixture-of-Experts FFN with expert parallelism over `group`.
+
+    Args:
+        dim: model width; `x` has shape (..., dim).
+        hidden_dim: expert FFN width.
+        num_experts: experts in total, E; each of the W ranks of `group` holds E / W of them.
+        top_k: experts per token (k = 1 with gate "topk" is the Switch gate); for
+            "expert_choice" it sets the capacity ceil(k * cf * T / E) instead.
+        gate: "topk", "bpr", "cosine", "expert_choice" or "random".
+        capacity_factor: > 0 fixed capacity; 0 smallest capacity that drops nothing; < 0 like 0
+            with |cf| as upper bound; None dropless (exact counts, all-to-allv, grouped GEMM).
+        activation: "relu", "gelu", "silu" or "swiglu".
+        normalize_gates: divide the k gates of a token by their sum (k > 1).
+        group: expert-parallel process group; None = the default group if initialised.
+        cosine_proj_dim: projection width of the cosine router.
+
+    After each forward: `aux_loss`, `z_loss` (scalars) and `stats` (`MoEStats`).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden_dim: int,
+        num_experts: int,
+        top_k: int = 2,
+        gate: str = "topk",
+        capacity_factor: float | None = 1.25,
+        activation: str = "gelu",
+        normalize_gates: bool = True,
+        group: dist.ProcessGroup | None = None,
+        *,
+        cosine_proj_dim: int = 256,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        self.group = resolve_group(group)
+        ep_size = group_size(self.group)
+        _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size)
+        self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
+        self.top_k, self.gate, self.capacity_factor = top_k, gate, capacity_factor
+        self.normalize_gates, self.ep_size = normalize_gates, ep_size
+        self.num_local_experts = num_experts // ep_size
+        if gate == "cosine":
+            self.router = CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim).to(device)
+        else:
+            self.router = LinearRouter(dim, num_experts).to(device)
+        first = group_rank(self.group) * self.num_local_experts
+        self.experts = Experts(dim, hidden_dim, self.num_local_experts, activation, first, dtype, device)
+        self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
+        self.stats: MoEStats | None = None
+
+    def extra_repr(self) -> str:
+        return (
+            f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, gate={self.gate!r}, capacity_factor={self.capacity_factor}, "
+            f"ep_size={self.ep_size}"
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        tokens = x.reshape(-1, self.dim)
+        logits = self.router(tokens)
+        probs = F.softmax(logits, dim=-1)
+        self.z_loss = router_z_loss(logits)
+        if self.gate == "expert_choice":
+            y = self._expert_choice(tokens, probs)
+        else:
+            choice = token_choice(self.gate, logits, probs, self.top_k, self.normalize_gates)
+            slots = slot_positions(choice.experts, self.num_experts, choice.order)
+            self.aux_loss = load_balancing_loss(probs, slots.counts, tokens.shape[0] * self.top_k)
+            if self.capacity_factor is None:
+                y = self._dropless(tokens, choice, slots)
+            else:
+                y = self._padded_token_choice(tokens, choice, slots)
+        return y.to(x.dtype).reshape(x.shape)
+
+    # -- padded modes: fixed-size all-to-all, Flexible layout (El, W*C, dim) ------------------
+    def _padded_token_choice(self, tokens: torch.Tensor, choice: TokenChoice, slots: SlotPositions) -> torch.Tensor:
+        num_tokens, num_experts = tokens.shape[0], self.num_experts
+        cap = capacity_for(self.capacity_factor, self.top_k, num_tokens, num_experts, slots.counts, self.group)
+        kept = slots.positions < cap
+        rows = torch.where(kept, choice.experts * cap + slots.positions, num_experts * cap).reshape(-1)
+        token_ids = torch.arange(num_tokens, device=tokens.device).repeat_interleave(self.top_k)
+        gates = (choice.gates * kept).reshape(-1)
+        self.stats = MoEStats(slots.counts, (~kept).sum(), cap)
+        return self._padded(tokens, token_ids, rows, gates, cap)
+
+    def _expert_choice(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        num_tokens, num_experts = tokens.shape[0], self.num_experts
+        cap = expert_choice_capacity(self.top_k, self.capacity_factor, num_tokens, num_experts)
+        chosen, gates = expert_choice(probs, cap)
+        rows = torch.arange(num_experts * cap, device=tokens.device)
+        self.aux_loss = probs.new_zeros(())  # balanced by construction
+        taken = torch.bincount(chosen.reshape(-1), minlength=num_tokens)
+        counts = torch.full((num_experts,), cap, dtype=torch.long, device=tokens.device)
+        self.stats = MoEStats(counts, (taken == 0).sum(), cap)
+        return self._padded(tokens, chosen.reshape(-1), rows, gates.reshape(-1), cap)
+
+    def _padded(self, tokens, token_ids, rows, gates, cap: int) -> torch.Tensor:
+        num_rows = self.num_experts * cap
+        buffer = dispatch_padded(tokens, token_ids, rows, num_rows)
+        expert_out = self._exchange_and_compute(buffer, cap)
+        return combine(expert_out, rows.clamp(max=num_rows - 1), token_ids, gates, tokens.shape[0])
+
+    def _exchange_and_compute(self, buffer: torch.Tensor, cap: int) -> torch.Tensor:
+        """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
+        ep, local, dim = self.ep_size, self.num_local_experts, self.dim
+        received = all_to_all(buffer, self.group)  # (W * El * C, dim), source-major
+        flexible = received.view(ep, local, cap, dim).transpose(0, 1).reshape(local, ep * cap, dim)
+        out = self.experts(flexible)
+        out = out.view(local, ep, cap, dim).transpose(0, 1).reshape(ep * local * cap, dim)
+        return all_to_all(out, self.group)
+
+    # -- dropless: counts first, then exactly the routed rows (all-to-allv), grouped GEMM --------
+    def _dropless(self, tokens: torch.Tensor, choice: TokenChoice, slots: SlotPositions) -> torch.Tensor:
+        order = slots.sort_index  # slot ids (t*k + j) grouped by expert
+        token_ids = torch.div(order, self.top_k, rounding_mode="floor")
+        gates = choice.gates.reshape(-1).index_select(0, order)
+        send = tokens.index_select(0, token_ids)
+        self.stats = MoEStats(slots.counts, slots.counts.new_zeros(()), None)
+        if self.ep_size == 1:
+            out = self.experts.forward_grouped(send, slots.counts.tolist())
+        else:
+            out = self._exchange_dropless(send, slots.counts)
+        rows = torch.arange(out.shape[0], device=out.device)
+        return combine(out, rows, token_ids, gates, tokens.shape[0])
+
+    def _exchange_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep, local = self.ep_size, self.num_local_experts
+        recv_counts = all_to_all_counts(counts, self.group)  # (W*El,): [source][local expert]
+        sent, received = torch.stack([counts, recv_counts]).view(2, ep, local).tolist()
+        send_splits = [sum(r) for r in sent]
+        recv_splits = [sum(r) for r in received]
+        per_expert = [sum(r[i] for r in received) for i in range(local)]
+        recv = all_to_all(send, self.group, recv_splits, send_splits)
+        # Rows arrive grouped by source rank; the experts want them grouped by local expert.
+        expert_of_row = torch.arange(local, device=recv.device).repeat(ep)
+        expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=recv.shape[0])
+        by_expert = torch.sort(expert_of_row, stable=True).indices
+        out = self.experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
+        out = torch.zeros_like(out).index_copy(0, by_expert, out)
+        return all_to_all(out, self.group, send_splits, recv_splits)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"MoE input must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise TypeError(f"MoE input must be a floating-point tensor, got dtype {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.dim:
+            raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
+
+
+def _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size) -> None:
+    for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts), ("top_k", top_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; choose one of {', '.join(GATES)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if top_k > num_experts:
+        raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
+    if num_experts % ep_size != 0:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep_size})"
+        )
+    if capacity_factor is not None and (
+        isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
+    ):
+        raise TypeError(f"capacity_factor must be a number or None, got {capacity_factor!r}")
+    if gate == "expert_choice" and (capacity_factor is None or capacity_factor <= 0):
+        raise ValueError(
+            f"gate 'expert_choice' needs capacity_factor > 0 (each expert takes ceil(k*cf*T/E) tokens), "
+            f"got {capacity_factor!r}"
+        )

@@ -1,0 +1,158 @@
+"""weft.MoE equals the dense reference (tests/moe_reference.py) on 1, 2 and 4 gloo ranks:
+outputs, aux/z losses, router and expert gradients, routed counts and drops, for every gate,
+capacity mode, top_k in {1, 2, 4}, activation and dtype (float32, bfloat16)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moe_reference as ref
+from weft import MoE
+from weft.testing import run_distributed
+
+DIM, HIDDEN, EXPERTS = 16, 24, 8
+GATES = ("topk", "bpr", "cosine", "expert_choice", "random")
+TOKEN_CHOICE_CAPACITIES = (1.0, 0, -1.0, None)  # with skewed routing 1.0 and -1.0 drop slots
+EXPERT_CHOICE_CAPACITIES = (1.25, 0.5)
+TOP_KS = (1, 2, 4)
+ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+DTYPES = (torch.float32, torch.bfloat16)
+AUX_COEF, Z_COEF = 0.3, 0.05
+
+
+def full_parameters(gate: str, activation: str) -> dict[str, torch.Tensor]:
+    """Every expert's weights (same on all ranks), with a router skewed towards expert 0."""
+    gen = torch.Generator().manual_seed(7)
+    p = {
+        "experts.w1": torch.randn(EXPERTS, DIM, HIDDEN, generator=gen) / DIM**0.5,
+        "experts.w2": torch.randn(EXPERTS, HIDDEN, DIM, generator=gen) / HIDDEN**0.5,
+    }
+    if activation == "swiglu":
+        p["experts.w3"] = torch.randn(EXPERTS, DIM, HIDDEN, generator=gen) / DIM**0.5
+    skew = torch.zeros(DIM)
+    skew[0] = 2.5
+    if gate == "cosine":
+        p["router.proj.weight"] = torch.randn(32, DIM, generator=gen) / DIM**0.5
+        p["router.weight"] = torch.randn(EXPERTS, 32, generator=gen)
+        p["router.weight"][0] += 3 * p["router.proj.weight"][:, 0]
+        p["router.log_scale"] = torch.tensor([1.5])
+    else:
+        p["router.weight"] = torch.randn(EXPERTS, DIM, generator=gen) / DIM**0.5
+        p["router.weight"][0] += skew
+    return p
+
+
+def load_shard(moe: MoE, full: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    rank, local = moe.experts.first_expert, moe.num_local_experts
+    state = {}
+    for name, value in full.items():
+        state[name] = value[rank : rank + local].to(dtype) if name.startswith("experts.") else value
+    moe.load_state_dict(state)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm().clamp_min(1e-12))
+
+
+def check_case(gate, cap, k, activation, dtype, normalize=True) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    label = f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize}"
+    full = full_parameters(gate, activation)
+    moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
+              normalize_gates=normalize, cosine_proj_dim=32)
+    load_shard(moe, full, dtype)
+    num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
+    gen = torch.Generator().manual_seed(100 + rank)
+    x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(dtype).requires_grad_()
+    dy = torch.randn(num_tokens, DIM, generator=gen)
+
+    torch.manual_seed(1000 + rank)  # the random gate draws from torch's RNG
+    y = moe(x)
+    (
+        (y.float() * dy).sum() + AUX_COEF * moe.aux_loss + Z_COEF * moe.z_loss
+    ).backward()
+
+    params = {n: v.to(dtype).float().requires_grad_() if n.startswith("experts.") else v.clone().requires_grad_()
+              for n, v in full.items()}
+    xr = x.detach().float().requires_grad_()
+    cfg = {"gate": gate, "top_k": k, "num_experts": EXPERTS, "activation": activation, "normalize_gates": normalize}
+    torch.manual_seed(1000 + rank)
+    scores = torch.rand(num_tokens, EXPERTS) if gate == "random" else None
+    if cap is None:
+        cap_ref = None
+    elif gate == "expert_choice":
+        cap_ref = max(1, min(num_tokens, -(-int(k * cap * num_tokens * 100) // (EXPERTS * 100))))
+    else:
+        *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores)
+        need = torch.tensor([ref.no_drop_capacity(ref.positions(experts, order, EXPERTS)[1])])
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        cap_ref = ref.capacity(cap, k, num_tokens, EXPERTS, int(need))
+    y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores)
+    loss_ref = (y_ref * dy).sum() + AUX_COEF * aux + Z_COEF * z
+    names = list(params)
+    grads = dict(zip(names, torch.autograd.grad(loss_ref, [params[n] for n in names] + [xr])))
+
+    failures = []
+    fp32 = dtype == torch.float32
+    tol = 2e-5 if fp32 else 2e-2
+
+    def expect(cond, what):
+        if not cond:
+            failures.append(f"{label}: {what}")
+
+    expect(y.dtype == dtype and y.shape == x.shape, f"output dtype/shape {y.dtype} {tuple(y.shape)}")
+    expect(relative_error(y, y_ref) < tol, f"output rel err {relative_error(y, y_ref):.2e}")
+    expect(abs(float(moe.aux_loss) - float(aux)) < 1e-5, f"aux {float(moe.aux_loss)} vs {float(aux)}")
+    expect(abs(float(moe.z_loss) - float(z)) < 1e-4 * max(1.0, float(z)), f"z {float(moe.z_loss)} vs {float(z)}")
+    expect(torch.equal(moe.stats.expert_counts.cpu(), counts.long()), f"counts {moe.stats.expert_counts} vs {counts}")
+    expect(int(moe.stats.dropped) == dropped, f"dropped {int(moe.stats.dropped)} vs {dropped}")
+    expect(moe.stats.capacity == cap_ref, f"capacity {moe.stats.capacity} vs {cap_ref}")
+    for name, param in moe.named_parameters():
+        expected = grads[name]
+        if name.startswith("experts."):
+            dist.all_reduce(expected)  # the owner holds every rank's contribution
+            first = moe.experts.first_expert
+            expected = expected[first : first + moe.num_local_experts]
+        # bf16: expert outputs are rounded to 8 bits, so a gradient that sums many cancelling
+        # terms (the cosine router's scalar temperature) gets an absolute floor as well.
+        diff = float((param.grad.float() - expected.float()).norm())
+        bound = (1e-4 if fp32 else 3e-2) * float(expected.norm()) + (0.0 if fp32 else 1e-2)
+        expect(diff <= bound, f"grad {name}: |diff| {diff:.2e} > {bound:.2e} (|expected| {float(expected.norm()):.2e})")
+    return failures
+
+
+def equivalence_worker(gate: str) -> list[str]:
+    caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
+    failures = []
+    for cap, k, activation, dtype in itertools.product(caps, TOP_KS, ACTIVATIONS, DTYPES):
+        failures += check_case(gate, cap, k, activation, dtype)
+    if gate in ("topk", "bpr"):
+        for cap in TOKEN_CHOICE_CAPACITIES:
+            failures += check_case(gate, cap, 2, "gelu", torch.float32, normalize=False)
+    return failures
+
+
+def drops_worker() -> int:
+    """Total slots dropped on this rank over the skewed capacity-1.0 cases (must be > 0)."""
+    rank = dist.get_rank()
+    moe = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0)
+    load_shard(moe, full_parameters("topk", "gelu"), torch.float32)
+    x = torch.randn(16, DIM, generator=torch.Generator().manual_seed(100 + rank)) + torch.eye(DIM)[0]
+    moe(x)
+    return int(moe.stats.dropped)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("gate", GATES)
+def test_matches_dense_reference(world_size, gate):
+    failures = run_distributed(equivalence_worker, world_size, args=(gate,), timeout=600)
+    flat = [f for rank_failures in failures for f in rank_failures]
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size", [1, 4])
+def test_skewed_routing_forces_drops(world_size):
+    assert all(d > 0 for d in run_distributed(drops_worker, world_size))
