@@ -57,30 +57,30 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm().clamp_min(1e-12))
 
 
-def check_case(gate, cap, k, activation, dtype, normalize=True) -> list[str]:
+def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu") -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     label = f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize}"
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
-              normalize_gates=normalize, cosine_proj_dim=32)
+              normalize_gates=normalize, cosine_proj_dim=32, device=device)
     load_shard(moe, full, dtype)
     num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
     gen = torch.Generator().manual_seed(100 + rank)
-    x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(dtype).requires_grad_()
+    x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype).requires_grad_()
     dy = torch.randn(num_tokens, DIM, generator=gen)
 
     torch.manual_seed(1000 + rank)  # the random gate draws from torch's RNG
     y = moe(x)
     (
-        (y.float() * dy).sum() + AUX_COEF * moe.aux_loss + Z_COEF * moe.z_loss
+        (y.float() * dy.to(device)).sum() + AUX_COEF * moe.aux_loss + Z_COEF * moe.z_loss
     ).backward()
 
     params = {n: v.to(dtype).float().requires_grad_() if n.startswith("experts.") else v.clone().requires_grad_()
               for n, v in full.items()}
-    xr = x.detach().float().requires_grad_()
+    xr = x.detach().cpu().float().requires_grad_()
     cfg = {"gate": gate, "top_k": k, "num_experts": EXPERTS, "activation": activation, "normalize_gates": normalize}
     torch.manual_seed(1000 + rank)
-    scores = torch.rand(num_tokens, EXPERTS) if gate == "random" else None
+    scores = torch.rand(num_tokens, EXPERTS, device=device).cpu() if gate == "random" else None
     if cap is None:
         cap_ref = None
     elif gate == "expert_choice":
@@ -88,6 +88,7 @@ def check_case(gate, cap, k, activation, dtype, normalize=True) -> list[str]:
     else:
         *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores)
         need = torch.tensor([ref.no_drop_capacity(ref.positions(experts, order, EXPERTS)[1])])
+        need = need.to(device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         cap_ref = ref.capacity(cap, k, num_tokens, EXPERTS, int(need))
     y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores)
@@ -104,6 +105,7 @@ def check_case(gate, cap, k, activation, dtype, normalize=True) -> list[str]:
             failures.append(f"{label}: {what}")
 
     expect(y.dtype == dtype and y.shape == x.shape, f"output dtype/shape {y.dtype} {tuple(y.shape)}")
+    y = y.detach().cpu()
     expect(relative_error(y, y_ref) < tol, f"output rel err {relative_error(y, y_ref):.2e}")
     expect(abs(float(moe.aux_loss) - float(aux)) < 1e-5, f"aux {float(moe.aux_loss)} vs {float(aux)}")
     expect(abs(float(moe.z_loss) - float(z)) < 1e-4 * max(1.0, float(z)), f"z {float(moe.z_loss)} vs {float(z)}")
@@ -113,25 +115,29 @@ def check_case(gate, cap, k, activation, dtype, normalize=True) -> list[str]:
     for name, param in moe.named_parameters():
         expected = grads[name]
         if name.startswith("experts."):
+            expected = expected.to(device)
             dist.all_reduce(expected)  # the owner holds every rank's contribution
+            expected = expected.cpu()
             first = moe.experts.first_expert
             expected = expected[first : first + moe.num_local_experts]
         # bf16: expert outputs are rounded to 8 bits, so a gradient that sums many cancelling
         # terms (the cosine router's scalar temperature) gets an absolute floor as well.
-        diff = float((param.grad.float() - expected.float()).norm())
+        diff = float((param.grad.cpu().float() - expected.float()).norm())
         bound = (1e-4 if fp32 else 3e-2) * float(expected.norm()) + (0.0 if fp32 else 1e-2)
         expect(diff <= bound, f"grad {name}: |diff| {diff:.2e} > {bound:.2e} (|expected| {float(expected.norm()):.2e})")
     return failures
 
 
-def equivalence_worker(gate: str) -> list[str]:
+def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu") -> list[str]:
     caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
     failures = []
-    for cap, k, activation, dtype in itertools.product(caps, TOP_KS, ACTIVATIONS, DTYPES):
-        failures += check_case(gate, cap, k, activation, dtype)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    for cap, k, activation, dtype in itertools.product(caps, TOP_KS, ACTIVATIONS, dtypes):
+        failures += check_case(gate, cap, k, activation, dtype, device=device)
     if gate in ("topk", "bpr"):
         for cap in TOKEN_CHOICE_CAPACITIES:
-            failures += check_case(gate, cap, 2, "gelu", torch.float32, normalize=False)
+            failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, device=device)
     return failures
 
 

@@ -90,7 +90,8 @@ class MoEGroups:
     `ep`: ranks that together hold one copy of every expert (tokens are exchanged inside it).
     `edp`: expert-data-parallel ranks holding the same experts (expert gradients are averaged here).
     `dp`: all data-parallel ranks (non-expert gradients are averaged here).
-    A group is None when it would hold a single process.
+    In a distributed run every group is a real process group (possibly of one rank, e.g. `ep`
+    with ep_size=1 keeps all experts local); without torch.distributed all are None.
     """
 
     ep: dist.ProcessGroup | None
@@ -114,15 +115,12 @@ def build_moe_groups(ep_size: int | None = None, device_type: str | None = None)
     ep_size = world if ep_size is None else ep_size
     if ep_size < 1 or world % ep_size != 0:
         raise ValueError(f"ep_size ({ep_size}) must be a positive divisor of the world size ({world})")
-    if ep_size == world:
-        return MoEGroups(dist.group.WORLD, None, dist.group.WORLD, world, 1)
     from torch.distributed.device_mesh import init_device_mesh
 
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
-    ep = mesh.get_group("ep") if ep_size > 1 else None
-    edp = mesh.get_group("edp")
+    ep, edp = mesh.get_group("ep"), mesh.get_group("edp")
     return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size)
 
 
@@ -144,7 +142,7 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
         by_dtype.setdefault(g.dtype, []).append(g)
     for bucket in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        if group is not None:
+        if group_size(group) > 1:
             dist.all_reduce(flat, group=group)
         flat.div_(divisor)
         offset = 0

@@ -1,0 +1,1 @@
+"""Benchmark harness: layer timings (more modes and the profiler decomposition come later)."""

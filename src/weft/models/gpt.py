@@ -1,0 +1,281 @@
+"""A GPT-style decoder whose feed-forward blocks can be weft.MoE layers.
+
+    token embedding -> n_layer x [RMSNorm -> causal self-attention (rotary q, k) -> +residual,
+                                  RMSNorm -> dense MLP or MoE -> +residual]
+                    -> RMSNorm -> head (tied to the embedding) -> logits
+
+No dropout and no randomness in the forward (except gate="random"), so training is exactly
+reproducible. With expert parallelism each rank holds num_experts / W experts; everything else
+is replicated and initialised identically on every rank from the same torch.manual_seed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from weft.moe import ACTIVATIONS, GATES, MoE
+
+
+@dataclass
+class GPTConfig:
+    """Shape and MoE settings of a GPT. `moe_every` = 0 is a dense model; otherwise block i is
+    an MoE block iff i % moe_every == moe_every - 1 (2: every other block, as in Lancet's GPT-2 MoE)."""
+
+    vocab_size: int = 256
+    block_size: int = 128  # longest sequence the model accepts
+    n_layer: int = 4
+    n_head: int = 4
+    dim: int = 128
+    mlp_hidden_dim: int | None = None  # dense MLP width; None = 4 * dim
+    moe_every: int = 0
+    num_experts: int = 8
+    top_k: int = 2
+    moe_hidden_dim: int | None = None  # expert FFN width; None = the dense MLP width
+    gate: str = "topk"
+    capacity_factor: float | None = 1.25  # see weft.MoE; None = dropless
+    activation: str = "gelu"  # expert activation
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def dense_hidden(self) -> int:
+        return self.mlp_hidden_dim if self.mlp_hidden_dim is not None else 4 * self.dim
+
+    @property
+    def expert_hidden(self) -> int:
+        return self.moe_hidden_dim if self.moe_hidden_dim is not None else self.dense_hidden
+
+    def is_moe_block(self, i: int) -> bool:
+        return self.moe_every > 0 and i % self.moe_every == self.moe_every - 1
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "dim", "num_experts", "top_k"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("mlp_hidden_dim", "moe_hidden_dim"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        if self.dim % self.n_head != 0:
+            raise ValueError(f"dim ({self.dim}) must be divisible by n_head ({self.n_head})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head_dim = dim / n_head ({self.head_dim}) must be even: rotary embeddings rotate pairs"
+            )
+        if not isinstance(self.moe_every, int) or isinstance(self.moe_every, bool) or self.moe_every < 0:
+            raise ValueError(f"moe_every must be an integer >= 0 (0 = dense), got {self.moe_every!r}")
+        if self.moe_every > self.n_layer:
+            raise ValueError(
+                f"moe_every ({self.moe_every}) exceeds n_layer ({self.n_layer}): no block would be MoE; "
+                "use moe_every=0 for a dense model"
+            )
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})")
+        if self.gate not in GATES:
+            raise ValueError(f"unknown gate {self.gate!r}; choose one of {', '.join(GATES)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown activation {self.activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
+            raise ValueError(f"capacity_factor must be a number or None (dropless), got {cf!r}")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            if not _is_number(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        for name in ("rope_theta", "norm_eps"):
+            if not _is_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
+        """Build from a dict (e.g. parsed JSON/TOML); missing keys keep their defaults."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown GPTConfig field(s): {', '.join(unknown)}; valid fields: {', '.join(sorted(known))}"
+            )
+        config = cls(**values)
+        config.validate()
+        return config
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# -- rotary position embeddings (RoFormer), half-split pairing ---------------------------------
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotation angles, each (seq_len, head_dim / 2), float32.
+
+    Recomputed per forward (cheap next to attention) rather than cached in a buffer, so the
+    model can be built on the meta device and materialised later without stale tables.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (..., seq, head_dim) by position; the math runs in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+# -- the blocks -------------------------------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.out_proj = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden_dim, bias=False)
+        self.out_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        if moe:
+            self.ffn = MoE(
+                config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
+                config.capacity_factor, config.activation, group=group,
+            )
+        else:
+            self.ffn = MLP(config.dim, config.dense_hidden)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoE)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+# -- the model --------------------------------------------------------------------------------
+class GPT(nn.Module):
+    """GPT with optional MoE blocks; `group` is the expert-parallel group of every MoE layer
+    (None = the default group if initialised, as for weft.MoE)."""
+
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group) for i in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
+        self._init_weights()
+        # Detached parts of the last loss, for logging: aux and z are sums over the MoE layers
+        # before their coefficients are applied.
+        self.last_ce_loss: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
+
+    def _init_weights(self) -> None:
+        # nanoGPT / GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) because each
+        # block adds two of them to the residual stream. weft.MoE initialises itself (its expert
+        # init is EP-size invariant), so modules inside an MoE are left alone.
+        inside_moe = {id(m) for moe in self.moe_layers() for m in moe.modules()}
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if id(module) in inside_moe or not isinstance(module, (nn.Linear, nn.Embedding)):
+                continue
+            std = residual_std if name.endswith("out_proj") else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def moe_layers(self) -> list[MoE]:
+        """The MoE layers in block order."""
+        return [block.ffn for block in self.blocks if block.is_moe]
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, S) token ids -> logits (B, S, vocab) and, with targets (B, S), the training loss
+        cross_entropy + aux_loss_coef * sum(aux_loss) + z_loss_coef * sum(z_loss)."""
+        self._check_input(idx, targets)
+        x = self.tok_emb(idx)
+        rope = rotary_tables(idx.shape[1], self.config.head_dim, self.config.rope_theta, idx.device)
+        for block in self.blocks:
+            x = block(x, rope)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits, None
+        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        zero = ce.new_zeros(())
+        aux = sum((moe.aux_loss for moe in self.moe_layers()), zero)
+        z = sum((moe.z_loss for moe in self.moe_layers()), zero)
+        self.last_ce_loss, self.last_aux_loss, self.last_z_loss = ce.detach(), aux.detach(), z.detach()
+        return logits, ce + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
+
+    def _check_input(self, idx: torch.Tensor, targets: torch.Tensor | None) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32):
+            kind = idx.dtype if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise TypeError(f"idx must be an int64 (or int32) tensor of token ids, got {kind}")
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
+        if not 1 <= idx.shape[1] <= self.config.block_size:
+            raise ValueError(
+                f"sequence length {idx.shape[1]} must be in [1, block_size={self.config.block_size}]"
+            )
+        if targets is not None and targets.shape != idx.shape:
+            raise ValueError(f"targets shape {tuple(targets.shape)} must equal idx shape {tuple(idx.shape)}")
+
+    def num_parameters(self, active_only: bool = False) -> int:
+        """Parameters of the whole model, counting all E experts of each MoE layer even when this
+        rank holds a shard; `active_only` counts top_k experts per MoE layer (what a token uses)."""
+        expert_params: set[int] = set()
+        total = 0
+        for moe in self.moe_layers():
+            params = list(moe.experts.parameters())
+            expert_params.update(id(p) for p in params)
+            per_expert = sum(p.numel() for p in params) // moe.num_local_experts
+            total += per_expert * (moe.top_k if active_only else moe.num_experts)
+        return total + sum(p.numel() for p in self.parameters() if id(p) not in expert_params)
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward), the PaLM / nanoGPT MFU estimate:
+        6 * active parameters + 12 * n_layer * dim * seq_len for attention scores and values."""
+        seq_len = self.config.block_size if seq_len is None else seq_len
+        return 6 * self.num_parameters(active_only=True) + 12 * self.config.n_layer * self.config.dim * seq_len

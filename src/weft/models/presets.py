@@ -1,0 +1,49 @@
+"""Named model configurations.
+
+All presets use the byte-level vocabulary (256) of weft's data pipeline; a preset fixes the
+shape, and callers change fields on the copy `get_preset` returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from weft.models.gpt import GPTConfig
+
+# Lancet sec. 7 ("Benchmark Models and Datasets"): GPT-2 with every other block's FFN replaced
+# by an MoE layer; GPT2-S-MoE 12 layers x 768, GPT2-L-MoE 24 layers x 1024; experts scale with
+# the GPUs at two per GPU (Fig. 6: 32 experts on 16 A100s); Switch gate (top-1) in Fig. 11,
+# batch-prioritized in Fig. 12. The paper gives no capacity factor: 1.25 is the Switch/Tutel
+# default. It trains at sequence length 512; block_size keeps GPT-2's 1024.
+_LANCET_MOE = dict(moe_every=2, num_experts=32, top_k=1, gate="topk", capacity_factor=1.25, activation="gelu")
+
+# Layer-benchmark shapes of DESIGN.md ("Measuring") as 2-block models, every block MoE with
+# swiglu experts; one 4096-token sequence per GPU. Attention is plain multi-head (the real
+# models use grouped-query attention, and Qwen2-MoE adds shared experts): these are benchmark
+# shapes, not reproductions. The real models are dropless; capacity 1.25 is the padded mode that
+# every overlap engine supports.
+_BENCH = dict(n_layer=2, block_size=4096, moe_every=1, activation="swiglu", capacity_factor=1.25)
+
+PRESETS: dict[str, GPTConfig] = {
+    # Trains on 2 CPU cores in minutes.
+    "tiny": GPTConfig(
+        block_size=128, n_layer=4, n_head=4, dim=128, moe_every=2, num_experts=8, top_k=2, moe_hidden_dim=256,
+    ),
+    "gpt2-s-moe": GPTConfig(block_size=1024, n_layer=12, n_head=12, dim=768, moe_hidden_dim=3072, **_LANCET_MOE),
+    "gpt2-l-moe": GPTConfig(block_size=1024, n_layer=24, n_head=16, dim=1024, moe_hidden_dim=4096, **_LANCET_MOE),
+    "mixtral-8x7b-2l": GPTConfig(
+        dim=4096, n_head=32, num_experts=8, top_k=2, moe_hidden_dim=14336, rope_theta=1e6, **_BENCH,
+    ),
+    "qwen2-moe-2l": GPTConfig(
+        dim=2048, n_head=16, num_experts=64, top_k=4, moe_hidden_dim=1408, rope_theta=1e6, **_BENCH,
+    ),
+    "phi35-moe-2l": GPTConfig(
+        dim=4096, n_head=32, num_experts=16, top_k=2, moe_hidden_dim=6400, **_BENCH,
+    ),
+}
+
+
+def get_preset(name: str) -> GPTConfig:
+    """A copy of the named preset (safe to modify)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name])

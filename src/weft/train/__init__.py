@@ -1,0 +1,1 @@
+"""Training: data pipeline, loop, checkpoints, metrics."""

@@ -1,0 +1,95 @@
+"""Single-process use of weft.MoE: drop-in FFN, bad input, dtypes, routing cost O(T*k*dim)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import moe_reference as ref
+from weft import MoE
+
+
+def test_drop_in_ffn_without_process_group():
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 4, top_k=2, capacity_factor=None)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    y = moe(x)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    y.square().sum().backward()
+    assert x.grad is not None and moe.experts.w1.grad is not None and moe.router.weight.grad is not None
+    params = {n: p.detach() for n, p in moe.named_parameters()}
+    cfg = {"gate": "topk", "top_k": 2, "num_experts": 4, "activation": "gelu", "normalize_gates": True}
+    y_ref = ref.moe_forward(x.detach().reshape(-1, 16), params, cfg, None)[0]
+    torch.testing.assert_close(y.detach().reshape(-1, 16), y_ref, rtol=1e-5, atol=1e-6)
+    assert moe.stats.capacity is None and int(moe.stats.dropped) == 0
+    assert int(moe.stats.expert_counts.sum()) == 10 * 2
+
+
+def test_router_stays_float32_when_model_is_cast():
+    moe = MoE(16, 32, 4, gate="cosine").to(torch.bfloat16)
+    assert moe.experts.w1.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in moe.router.parameters())
+    assert moe(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_parameter_names_and_shapes_follow_the_contract():
+    shapes = {n: tuple(p.shape) for n, p in MoE(16, 24, 4, activation="swiglu").named_parameters()}
+    assert shapes == {"router.weight": (4, 16), "experts.w1": (4, 16, 24), "experts.w2": (4, 24, 16),
+                      "experts.w3": (4, 16, 24)}
+    assert "experts.w3" not in dict(MoE(16, 24, 4, activation="relu").named_parameters())
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"gate": "switch"}, ValueError, "unknown gate"),
+        ({"activation": "tanh"}, ValueError, "unknown activation"),
+        ({"top_k": 5}, ValueError, r"top_k \(5\) must not exceed num_experts \(4\)"),
+        ({"top_k": 0}, ValueError, "top_k must be a positive integer"),
+        ({"capacity_factor": "1.0"}, TypeError, "capacity_factor"),
+        ({"gate": "expert_choice", "capacity_factor": None}, ValueError, "expert_choice"),
+        ({"gate": "expert_choice", "capacity_factor": 0}, ValueError, "expert_choice"),
+    ],
+)
+def test_bad_configuration_raises(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        MoE(16, 32, 4, **kwargs)
+
+
+def test_bad_input_raises():
+    moe = MoE(16, 32, 4)
+    with pytest.raises(ValueError, match="last dimension must be dim=16"):
+        moe(torch.randn(3, 15))
+    with pytest.raises(TypeError, match="floating-point"):
+        moe(torch.ones(3, 16, dtype=torch.long))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        moe([[0.0] * 16])
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("capacity_factor", [1.25, None])
+def test_routing_never_materialises_tokens_by_experts_by_capacity(capacity_factor):
+    """Tutel's fast encode/decode: no (T, E, C) tensor; the biggest is O(T*k*dim + E*C*dim + T*E)."""
+    tokens, experts, k, dim = 2048, 64, 2, 8
+    moe = MoE(dim, 8, experts, top_k=k, capacity_factor=capacity_factor)
+    x = torch.randn(tokens, dim, requires_grad=True)
+    with _LargestTensor() as mode:
+        moe(x).sum().backward()
+    cap = -(-int(k * 1.25 * tokens) // experts)
+    dense_one_hot = tokens * experts * cap
+    linear_bound = tokens * k * dim + experts * cap * dim + tokens * experts
+    assert mode.largest <= linear_bound < dense_one_hot / 50

@@ -1,0 +1,45 @@
+"""The multi-process test helper reports failures and never hangs."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft.testing import DistributedTestError, run_distributed
+
+
+def rank_and_sum() -> tuple[int, float]:
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), float(t)
+
+
+def rank_one_fails() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 would wait here forever without the helper
+
+
+def rank_one_hangs() -> None:
+    if dist.get_rank() == 1:
+        time.sleep(600)
+
+
+def test_results_in_rank_order():
+    assert run_distributed(rank_and_sum, 3) == [(0, 6.0), (1, 6.0), (2, 6.0)]
+
+
+def test_first_failure_is_reported_with_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="rank 1 of 2 failed(.|\n)*boom on rank one"):
+        run_distributed(rank_one_fails, 2, timeout=60)
+    assert time.monotonic() - start < 50
+
+
+def test_timeout_kills_a_hanging_rank():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match=r"timed out.*\[1\]"):
+        run_distributed(rank_one_hangs, 2, timeout=8)
+    assert time.monotonic() - start < 30
