@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -41,25 +42,108 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None =
         return fn(*args)
     use_cuda = torch.cuda.is_available() and device != "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("weft: --device cuda but no CUDA GPU is visible")
+        raise SystemExit("weft: error: --device cuda but no CUDA GPU is visible")
     from weft.launch import run_distributed
 
     world = torch.cuda.device_count() if use_cuda else nproc
     return run_distributed(fn, world, args=args, timeout=None, backend="nccl" if use_cuda else "gloo")[0]
 
 
-def _bench_layer(ns: argparse.Namespace) -> None:
+def _bench_layer(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from weft.bench import layer
 
     if ns.config not in layer.CONFIGS:
-        raise SystemExit(f"weft bench layer: unknown --config {ns.config!r}; choose from {', '.join(layer.CONFIGS)}")
+        parser.error(f"unknown --config {ns.config!r}; choose from {', '.join(layer.CONFIGS)}")
     args = (ns.config, ns.tokens_per_rank, ns.capacity, ns.activation, DTYPES[ns.dtype], ns.steps, ns.warmup, ns.json)
     launch(layer.run, args, ns.nproc, ns.device)
+
+
+def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
+    from weft.train.config import TrainConfig, load_toml
+
+    try:
+        cfg = load_toml(ns.config) if ns.config else TrainConfig()
+        for name in ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed"):
+            value = getattr(ns, name)
+            if value is not None:
+                setattr(cfg, name, value)
+        cfg.resume = cfg.resume or ns.resume
+        if ns.sample_tokens is not None:
+            cfg.sample_tokens = ns.sample_tokens
+        if cfg.data is not None and not Path(cfg.data).exists():
+            raise FileNotFoundError(f"--data {cfg.data} does not exist")
+        cfg.validate()
+        from weft.train.loop import check_run_dir
+
+        check_run_dir(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    return cfg
+
+
+def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.train.loop import train
+
+    cfg = _train_config(ns, parser)
+    launch(train, (cfg,), ns.nproc, cfg.device)
+
+
+def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.train.generate import generate_from_checkpoint
+
+    try:
+        text = generate_from_checkpoint(ns.ckpt, ns.prompt, ns.tokens, ns.temperature, ns.seed, ns.device)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        parser.error(str(e))
+    print(text)
+
+
+def _plot(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.train.plots import plot_run
+
+    try:
+        paths = plot_run(ns.run_dir, ns.out)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    for p in paths:
+        print(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+
+    tr = sub.add_parser("train", help="train an MoE GPT (default: tiny preset on the embedded corpus)")
+    tr.add_argument("--preset", default=None, help="model preset (default tiny); see weft.models.PRESETS")
+    tr.add_argument("--steps", type=_positive_int, default=None, help="optimizer steps (default 400)")
+    tr.add_argument("--data", default=None, help="text file, folder of text files, or token .bin "
+                    "(default: the Python standard library's source)")
+    tr.add_argument("--out", default=None, help="run folder (default runs/<preset>)")
+    tr.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
+    tr.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    tr.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    tr.add_argument("--config", default=None, help="TOML file with [train] and [model] tables")
+    tr.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per rank per micro-step")
+    tr.add_argument("--grad-accum", type=_positive_int, default=None)
+    tr.add_argument("--lr", type=float, default=None)
+    tr.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel group size")
+    tr.add_argument("--seed", type=int, default=None)
+    tr.add_argument("--sample-tokens", type=int, default=None, help="length of the text sample at the end")
+    tr.set_defaults(run=_train, parser=tr)
+
+    ge = sub.add_parser("generate", help="sample text from a checkpoint")
+    ge.add_argument("--ckpt", required=True, help="a run folder (latest checkpoint) or a checkpoints/step_N folder")
+    ge.add_argument("--prompt", default="def ")
+    ge.add_argument("--tokens", type=_positive_int, default=200)
+    ge.add_argument("--temperature", type=float, default=0.8)
+    ge.add_argument("--seed", type=int, default=0)
+    ge.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    ge.set_defaults(run=_generate, parser=ge)
+
+    pl = sub.add_parser("plot", help="PNG plots of a run: loss, throughput, expert load")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
+    pl.set_defaults(run=_plot, parser=pl)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lay = bench.add_parser("layer", help="time forward+backward of one MoE layer")
@@ -74,13 +158,20 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--json", default=None, help="write the results to this JSON file")
     lay.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
     lay.add_argument("--device", choices=["cpu", "cuda"], default=None)
-    lay.set_defaults(run=_bench_layer)
+    lay.set_defaults(run=_bench_layer, parser=lay)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = build_parser().parse_args(argv)
-    ns.run(ns)
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        ns.run(ns, ns.parser)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -46,16 +46,21 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        seed = int(torch.randint(0, 2**62, (1,)).item())
+        """Uniform(+-1/sqrt(fan_in)) per expert from a generator seeded by its global id.
+
+        Values depend on the device type's generator (CPU or CUDA), not on the EP size.
+        """
+        seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        if self.w1.device.type == "meta":
+            return
         for i in range(self.num_local):
-            gen = torch.Generator().manual_seed(seed + self.first_expert + i)
+            gen = torch.Generator(device=self.w1.device).manual_seed(seed + self.first_expert + i)
             for w, fan_in in ((self.w1, self.dim), (self.w2, self.hidden_dim), (self.w3, self.dim)):
                 if w is None:
                     continue
                 bound = 1.0 / math.sqrt(fan_in)
-                values = torch.rand(w.shape[1:], generator=gen, dtype=torch.float32) * (2 * bound) - bound
                 with torch.no_grad():
-                    w[i].copy_(values)
+                    w[i].uniform_(-bound, bound, generator=gen)
 
     def _hidden(self, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
         if self.activation == "swiglu":
@@ -64,13 +69,13 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Padded layout: x (El, M, dim) -> (El, M, dim), one bmm per weight."""
-        x = x.to(self._compute_dtype(x))
+        x = x.to(self.compute_dtype(x))
         h3 = torch.bmm(x, self.w3) if self.w3 is not None else None
         return torch.bmm(self._hidden(torch.bmm(x, self.w1), h3), self.w2)
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Dropless layout: rows of x (M, dim) sorted by local expert, `counts[i]` rows each."""
-        x = x.to(self._compute_dtype(x))
+        x = x.to(self.compute_dtype(x))
         if use_grouped_mm(x, self.w1, self.w2):
             offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
             h1 = torch._grouped_mm(x, self.w1, offs=offs)
@@ -78,7 +83,7 @@ class Experts(nn.Module):
             return torch._grouped_mm(self._hidden(h1, h3), self.w2, offs=offs)
         return grouped_mm_reference(x, counts, self)
 
-    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+    def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return self.w1.dtype

@@ -106,6 +106,8 @@ class MoE(nn.Module):
         logits = self.router(tokens)
         probs = F.softmax(logits, dim=-1)
         self.z_loss = router_z_loss(logits)
+        # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
+        tokens = tokens.to(self.experts.compute_dtype(tokens))
         if self.gate == "expert_choice":
             y = self._expert_choice(tokens, probs)
         else:

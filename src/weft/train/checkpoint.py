@@ -1,0 +1,416 @@
+"""Checkpoints of expert-parallel training: sharded experts, atomic folders, resharding on load.
+
+    RUN_DIR/checkpoints/step_N/
+      manifest.json               written last: format version, step, world_size, ep_size, extra,
+                                  expert range of every shard file, size + sha256 of every file
+      model.pt                    non-expert entries of model.state_dict()          (global rank 0)
+      optim.pt                    optimizer state of non-expert parameters by name and the
+                                  param_groups, parameters named                    (global rank 0)
+      experts_ep{r:03d}.pt        local tensors of every Experts module of EP rank r and their
+                                  global expert ranges              (expert-data-parallel rank 0)
+      optim_experts_ep{r:03d}.pt  optimizer state of those parameters by name, per expert alike
+      rng_rank{r:05d}.pt          torch CPU (and CUDA) and python `random` states     (every rank)
+
+Files go to `checkpoints/.step_N.tmp`, which becomes `step_N` by a rename only after the manifest
+is on disk: a crash leaves the earlier checkpoints and at worst a `.tmp` folder, never loaded.
+Loading may use another world or EP size: each rank takes the global experts it holds from the
+shard files that contain them. RNG states are restored only for the same world size.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weft.distributed import MoEGroups, group_rank
+from weft.moe.experts import Experts
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint"]
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step_(\d+)")
+Pieces = list[tuple[str, int, int]]  # (shard file, start, stop) in the shard's own expert indices
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is incomplete, corrupt, or does not fit the model it is loaded into."""
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _experts_modules(model: nn.Module) -> dict[str, Experts]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, Experts)}
+
+
+def _expert_keys(model: nn.Module) -> dict[str, str]:
+    """state_dict key -> name of the Experts module it belongs to."""
+    return {f"{name}.{k}": name for name, m in _experts_modules(model).items() for k in m.state_dict()}
+
+
+def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[tuple[str, Any]]]:
+    """(name, parameter) per param group, in the order torch's optimizer state_dict numbers them."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    try:
+        return [[(names[id(p)], p) for p in group["params"]] for group in optimizer.param_groups]
+    except KeyError:
+        raise ValueError("the optimizer holds a parameter that is not a parameter of the model") from None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order (a barrier too)."""
+    out: list[Any] = [obj] * _world()[1]
+    if len(out) > 1:
+        dist.all_gather_object(out, obj)
+    return out
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- save -----------------------------------------------------------------------------------
+def _write(folder: Path, name: str, obj: Any) -> dict[str, dict[str, Any]]:
+    """torch.save + fsync; returns {name: {size, sha256}} for the manifest."""
+    with open(folder / name, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    return {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}}
+
+
+def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Contents of optim.pt (dense state and param_groups, by name) and of this rank's expert file."""
+    state_dict, expert_keys = optimizer.state_dict(), _expert_keys(model)
+    named = _optimizer_names(model, optimizer)
+    dense, experts = {}, {}
+    for index, (name, param) in enumerate(pair for group in named for pair in group):
+        state = state_dict["state"].get(index, {})
+        if name in expert_keys and state:  # tensors shaped like the parameter are per expert
+            per_expert = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == param.shape}
+            experts[name] = {
+                "per_expert": {k: state[k] for k in per_expert},
+                "shared": {k: v for k, v in state.items() if k not in per_expert},  # e.g. Adam's step
+            }
+        elif state:
+            dense[name] = state
+    param_groups = [
+        {**{k: v for k, v in saved.items() if k != "params"}, "params": [name for name, _ in group]}
+        for saved, group in zip(state_dict["param_groups"], named)
+    ]
+    return {"state": dense, "param_groups": param_groups}, {"state": experts}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _write_rank_files(
+    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups
+) -> tuple[dict, dict]:
+    """Write this rank's files; return (their sizes and checksums, {module: (shard, expert range)})."""
+    rank, files, ranges = _world()[0], {}, {}
+    state, expert_keys = model.state_dict(), _expert_keys(model)
+    dense_optim, expert_optim = _optimizer_files(model, optimizer) if optimizer is not None else ({}, {})
+    if rank == 0:
+        files |= _write(folder, "model.pt", {k: v for k, v in state.items() if k not in expert_keys})
+        if optimizer is not None:
+            files |= _write(folder, "optim.pt", dense_optim)
+    if group_rank(groups.edp) == 0:  # one copy of each EP shard
+        shard = f"experts_ep{group_rank(groups.ep):03d}.pt"
+        spans = {n: [m.first_expert, m.first_expert + m.num_local] for n, m in _experts_modules(model).items()}
+        tensors = {k: v for k, v in state.items() if k in expert_keys}
+        files |= _write(folder, shard, {"tensors": tensors, "ranges": spans})
+        if optimizer is not None:
+            files |= _write(folder, f"optim_{shard}", expert_optim)
+        ranges = {n: (shard, span) for n, span in spans.items()}
+    files |= _write(folder, f"rng_rank{rank:05d}.pt", _rng_state())
+    return files, ranges
+
+
+def _manifest(step: int, ep_size: int, extra: dict, gathered: list) -> dict[str, Any]:
+    files: dict[str, Any] = {}
+    experts: dict[str, dict[str, list[int]]] = {}
+    for rank_files, rank_ranges in gathered:
+        files |= rank_files
+        for module, (shard, span) in rank_ranges.items():
+            experts.setdefault(module, {})[shard] = span
+    return {
+        "format_version": FORMAT_VERSION, "step": step, "world_size": len(gathered), "ep_size": ep_size,
+        "extra": extra, "experts": experts, "files": dict(sorted(files.items())),
+    }
+
+
+def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest, then swap `tmp` in as `final` (an old `final` is renamed away first)."""
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = final.with_name(f".{final.name}.old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    groups: MoEGroups,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write `run_dir/checkpoints/step_{step}` atomically and return it; every rank must call it.
+
+    `extra` (JSON-serialisable: model and train config, data position, ...) is returned by
+    `load_checkpoint`. An existing `step_{step}` is replaced.
+    """
+    extra = {} if extra is None else extra
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must be JSON-serialisable (it goes into {MANIFEST}): {e}") from None
+    root, rank = Path(run_dir) / "checkpoints", _world()[0]
+    tmp, final = root / f".step_{step}.tmp", root / f"step_{step}"
+    _on_every_rank(lambda: _fresh_folder(tmp) if rank == 0 else None, final, "create its folder")
+    gathered = _on_every_rank(lambda: _write_rank_files(tmp, model, optimizer, groups), final, "write its files")
+    manifest = _manifest(step, groups.ep_size, extra, gathered)
+    _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, final, "publish it")
+    return final
+
+
+def _fresh_folder(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # left by a crash
+    path.mkdir(parents=True)
+
+
+def _on_every_rank(action: Callable[[], Any], final: Path, what: str) -> list[Any]:
+    """Run `action` here and gather every rank's result; if any rank failed, raise on all of them
+    (a rank raising alone would leave the others waiting forever in the next collective)."""
+    try:
+        result = ("ok", action())
+    except Exception as e:  # noqa: BLE001
+        result = ("error", f"rank {_world()[0]} could not {what}: {e!r}")
+    gathered = _all_gather(result)
+    for status, value in gathered:
+        if status == "error":
+            raise CheckpointError(f"checkpoint {final} was not saved: {value}")
+    return [value for _, value in gathered]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete `step_N` folder (one with a manifest) with the largest N, or None."""
+    root = Path(run_dir) / "checkpoints"
+    steps = [
+        (int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+        if (m := _STEP_DIR.fullmatch(p.name)) and (p / MANIFEST).is_file()
+    ]
+    return max(steps)[1] if steps else None
+
+
+# -- load -----------------------------------------------------------------------------------
+class _Files:
+    """The files a manifest lists: sizes checked up front, sha256 checked before a file is read."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any]):
+        self.path, self.listed, self._cache = path, manifest["files"], {}
+        for name, meta in self.listed.items():
+            if not (path / name).is_file():
+                raise CheckpointError(f"checkpoint {path}: file {name} listed in the manifest is missing")
+            if (size := (path / name).stat().st_size) != meta["size"]:
+                raise CheckpointError(f"checkpoint {path}: file {name} has {size} bytes, not {meta['size']}")
+
+    def verify(self, name: str) -> None:
+        if name not in self.listed:
+            raise CheckpointError(f"checkpoint {self.path}: the manifest lists no file {name}")
+        if _sha256(self.path / name) != self.listed[name]["sha256"]:
+            raise CheckpointError(f"checkpoint {self.path}: file {name} fails its sha256 check (corrupt)")
+
+    def load(self, name: str) -> Any:
+        if name not in self._cache:
+            self.verify(name)
+            self._cache[name] = torch.load(self.path / name, map_location="cpu", weights_only=True)
+        return self._cache[name]
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is missing (incomplete checkpoint)") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable or corrupt: {e}") from None
+    required = ("format_version", "step", "world_size", "ep_size", "extra", "experts", "files")
+    if not isinstance(manifest, dict) or any(k not in manifest for k in required):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks one of the fields {', '.join(required)}")
+    if manifest["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format version {manifest['format_version']} is unknown")
+    return manifest
+
+
+def verify_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Check the manifest and the size and sha256 of every file it lists; return the manifest."""
+    manifest = _read_manifest(Path(path))
+    files = _Files(Path(path), manifest)
+    for name in manifest["files"]:
+        files.verify(name)
+    return manifest
+
+
+def _expert_layout(path: Path, manifest: dict[str, Any], model: nn.Module, ep_size: int) -> dict[str, Pieces]:
+    """For each Experts module: where its global experts [first, first + num_local) lie in the shards."""
+    modules, saved = _experts_modules(model), manifest["experts"]
+    if modules.keys() != saved.keys():
+        raise CheckpointError(
+            f"checkpoint {path}: parameter names differ from the model's; expert modules in the "
+            f"checkpoint: {sorted(saved)}, in the model: {sorted(modules)}"
+        )
+    layout = {}
+    for module, expert in modules.items():
+        total, expected = max(stop for _, stop in saved[module].values()), expert.num_local * ep_size
+        if total != expected:
+            raise CheckpointError(f"checkpoint {path}: {module} has {total} experts, the model {expected}")
+        pieces, pos, stop = [], expert.first_expert, expert.first_expert + expert.num_local
+        for shard, (a, b) in sorted(saved[module].items(), key=lambda item: item[1]):
+            if a <= pos < min(b, stop):
+                pieces.append((shard, pos - a, min(b, stop) - a))
+                pos = min(b, stop)
+        if pos != stop:
+            raise CheckpointError(f"checkpoint {path}: no shard holds expert {pos} of {module}")
+        layout[module] = pieces
+    return layout
+
+
+def _gather_experts(files: _Files, pieces: Pieces, get: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+    """Concatenate `get(contents of shard)[start:stop]` over the pieces."""
+    parts = [get(files.load(shard))[a:b] for shard, a, b in pieces]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _model_state(files: _Files, model: nn.Module, layout: dict[str, Pieces]) -> dict[str, torch.Tensor]:
+    """This rank's full state_dict, checked against the model name by name and shape by shape."""
+    state = dict(files.load("model.pt"))
+    for key, module in _expert_keys(model).items():
+        if any(key not in files.load(shard)["tensors"] for shard, _, _ in layout[module]):
+            raise CheckpointError(f"checkpoint {files.path}: expert parameter {key} is missing")
+        state[key] = _gather_experts(files, layout[module], lambda contents: contents["tensors"][key])
+    expected = model.state_dict()
+    missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {files.path}: parameter names differ from the model's; "
+            f"not in the checkpoint: {missing}, not in the model: {unexpected}"
+        )
+    for name, tensor in expected.items():
+        if state[name].shape != tensor.shape:
+            raise CheckpointError(
+                f"checkpoint {files.path}: parameter {name} has shape {tuple(state[name].shape)} "
+                f"in the checkpoint but {tuple(tensor.shape)} in the model"
+            )
+    return state
+
+
+def _optimizer_state_dict(
+    files: _Files, model: nn.Module, optimizer: torch.optim.Optimizer, layout: dict[str, Pieces]
+) -> dict[str, Any]:
+    """A torch optimizer state_dict (integer ids in param_groups order) rebuilt from names."""
+    saved, expert_keys = files.load("optim.pt"), _expert_keys(model)
+    current = [[name for name, _ in group] for group in _optimizer_names(model, optimizer)]
+    if [g["params"] for g in saved["param_groups"]] != current:
+        raise CheckpointError(f"checkpoint {files.path}: the parameter groups in optim.pt differ from the optimizer's")
+    state = {}
+    for index, name in enumerate(name for group in current for name in group):
+        if name in expert_keys:
+            value = _expert_optim_state(files, name, layout[expert_keys[name]])
+        else:
+            value = saved["state"].get(name)
+        if value is not None:
+            state[index] = value
+    ids = iter(range(sum(map(len, current))))
+    groups = [{**g, "params": [next(ids) for _ in names]} for g, names in zip(saved["param_groups"], current)]
+    return {"state": state, "param_groups": groups}
+
+
+def _expert_optim_state(files: _Files, name: str, pieces: Pieces) -> dict[str, Any] | None:
+    pieces = [(f"optim_{shard}", a, b) for shard, a, b in pieces]
+    first = files.load(pieces[0][0])["state"].get(name)
+    if first is None:  # no optimizer step taken yet
+        return None
+    per_expert = {
+        k: _gather_experts(files, pieces, lambda contents: contents["state"][name]["per_expert"][k])
+        for k in first["per_expert"]
+    }
+    return {**first["shared"], **per_expert}
+
+
+def _restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    groups: MoEGroups,
+) -> dict[str, Any]:
+    """Load a checkpoint folder into this rank's model (and optimizer); return the saved `extra`.
+
+    Everything is checked before anything changes: the manifest, the size of every listed file,
+    the sha256 of every file this rank reads (a rank reads only the shards it needs;
+    `verify_checkpoint` hashes them all), parameter names and shapes, the number of experts.
+    The checkpoint may come from another world or EP size: the experts are resharded. RNG
+    states are restored only when the world size is the same, else left alone. No collectives:
+    a rank that finds a problem raises on its own.
+    """
+    path = Path(path)
+    manifest = _read_manifest(path)
+    files = _Files(path, manifest)
+    layout = _expert_layout(path, manifest, model, groups.ep_size)
+    state = _model_state(files, model, layout)
+    optim_state = _optimizer_state_dict(files, model, optimizer, layout) if optimizer is not None else None
+    rank, world = _world()
+    rng = files.load(f"rng_rank{rank:05d}.pt") if manifest["world_size"] == world else None
+    model.load_state_dict(state)
+    if optim_state is not None:
+        optimizer.load_state_dict(optim_state)
+    if rng is not None:
+        _restore_rng(rng)
+    return manifest["extra"]

@@ -1,0 +1,110 @@
+"""Training configuration: one dataclass, loadable from TOML, overridable from the CLI.
+
+A TOML file has a `[train]` table with TrainConfig fields and an optional `[model]` table
+with GPTConfig fields that override the preset (`capacity_factor = "dropless"` means None).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from weft.models import GPTConfig, get_preset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs besides the model shape (which comes from `preset`)."""
+
+    preset: str = "tiny"
+    model: dict[str, Any] = field(default_factory=dict)  # GPTConfig overrides
+    data: str | None = None  # None: the Python standard library's source (embedded corpus)
+    out: str | None = None  # run folder; default runs/<preset>
+    steps: int = 400
+    batch_size: int = 16  # sequences per rank per micro-step
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 40
+    lr_decay_steps: int | None = None  # cosine horizon; None = steps (set it to stop a run early)
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    eval_interval: int = 100
+    eval_batches: int = 8
+    ckpt_interval: int = 100
+    log_interval: int = 20
+    val_fraction: float = 0.01
+    seed: int = 1337
+    ep_size: int | None = None  # expert-parallel size; None = all ranks
+    device: str | None = None  # cpu or cuda; None = cuda when available
+    resume: bool = False
+    sample_tokens: int = 200
+    sample_prompt: str = "def "
+
+    def __post_init__(self) -> None:
+        self.betas = tuple(self.betas)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out) if self.out else Path("runs") / self.preset
+
+    def model_config(self) -> GPTConfig:
+        """The preset with the `model` overrides applied (validated)."""
+        base = get_preset(self.preset).to_dict()
+        overrides = {k: (None if v == "dropless" else v) for k, v in self.model.items()}
+        return GPTConfig.from_dict({**base, **overrides})
+
+    def validate(self) -> None:
+        positive = ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "ckpt_interval",
+                    "log_interval")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ValueError("train.warmup_steps and train.grad_clip must be >= 0")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.ep_size is not None and self.ep_size < 1:
+            raise ValueError(f"train.ep_size must be positive, got {self.ep_size}")
+        self.model_config()  # raises for unknown presets and bad model fields
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown train config keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+
+def load_toml(path: str | Path) -> TrainConfig:
+    """A TrainConfig from a TOML file with `[train]` and `[model]` tables."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    try:
+        doc = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    unknown = sorted(set(doc) - {"train", "model"})
+    if unknown:
+        raise ValueError(f"config file {path}: unknown tables {unknown}; use [train] and [model]")
+    values = dict(doc.get("train", {}))
+    values["model"] = {**values.get("model", {}), **doc.get("model", {})}
+    return TrainConfig.from_dict(values)

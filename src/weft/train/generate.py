@@ -1,0 +1,34 @@
+"""`weft generate`: sample text from a checkpoint in a single process (experts are resharded)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from weft.distributed import MoEGroups
+from weft.models import GPT, GPTConfig
+from weft.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
+from weft.train.loop import sample
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A `checkpoints/step_N` folder, or the latest complete one of a run folder."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if (path / "manifest.json").exists():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(f"no complete checkpoint in {path} (expected {path}/checkpoints/step_N/manifest.json)")
+    return latest
+
+
+def generate_from_checkpoint(path: str | Path, prompt: str, tokens: int, temperature: float = 0.8,
+                             seed: int = 0, device: str | None = None) -> str:
+    ckpt = resolve_checkpoint(path)
+    model_cfg = GPTConfig.from_dict(verify_checkpoint(ckpt)["extra"]["model"])
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = GPT(model_cfg, group=None).to(dev)
+    load_checkpoint(ckpt, model, None, MoEGroups(None, None, None, 1, 1))
+    return sample(model, prompt, tokens, dev, temperature=temperature, seed=seed)

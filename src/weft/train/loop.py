@@ -1,0 +1,242 @@
+"""`weft train`: the training loop of an MoE GPT with expert parallelism.
+
+Every rank runs `train(cfg)`. Non-expert gradients are averaged over all ranks and expert
+gradients over their expert-data-parallel replicas (`weft.reduce_gradients`); the global
+gradient norm counts each expert shard once.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from weft.distributed import MoEGroups, build_moe_groups, expert_parameters, group_size, init_distributed, reduce_gradients
+from weft.models import GPT
+from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from weft.train.config import TrainConfig
+from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
+from weft.train.metrics import MetricsLog, Progress, peak_flops
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at step
+    `lr_decay_steps` (default: the last step)."""
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(cfg.warmup_steps, 1)
+    horizon = cfg.lr_decay_steps or cfg.steps
+    progress = (step - cfg.warmup_steps) / max(horizon - cfg.warmup_steps, 1)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; matrices (and expert weight stacks) decay, vectors (norms) do not."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+
+
+def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
+    """Clip by the global norm: replicated gradients once, each expert shard once (sum over EP)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    dense_sq = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
+    expert_sq = torch.zeros_like(dense_sq)
+    for p in model.parameters():
+        if p.grad is not None:
+            sq = p.grad.float().square().sum()
+            if id(p) in experts:
+                expert_sq += sq
+            else:
+                dense_sq += sq
+    if group_size(groups.ep) > 1:
+        dist.all_reduce(expert_sq, group=groups.ep)
+    norm = float((dense_sq + expert_sq).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.device) -> float:
+    model.eval()
+    total = torch.zeros((), device=device)
+    for x, y in sampler.eval_batches(batches):
+        with _autocast(device):
+            model(x.to(device), y.to(device))
+        total += model.last_ce_loss.float()
+    model.train()
+    total = _all_reduce(total) / (batches * max(dist.get_world_size() if dist.is_initialized() else 1, 1))
+    return float(total)
+
+
+@torch.no_grad()
+def sample(model: GPT, prompt: str, tokens: int, device: torch.device, temperature: float = 0.8,
+           top_k: int = 40, seed: int = 0) -> str:
+    """Autoregressive sampling; collective under expert parallelism (every rank must call it).
+
+    MoE layers run dropless while sampling so a short batch never drops tokens.
+    """
+    tok = ByteTokenizer()
+    model.eval()
+    saved = [moe.capacity_factor for moe in model.moe_layers()]
+    for moe in model.moe_layers():
+        moe.capacity_factor = None
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
+    try:
+        for _ in range(tokens):
+            with _autocast(device):
+                logits, _ = model(idx[:, -model.config.block_size:])
+            logits = logits[0, -1].float().cpu() / max(temperature, 1e-5)
+            if top_k:
+                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+                logits[logits < kth] = -math.inf
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).to(device)
+            if dist.is_initialized():
+                dist.broadcast(nxt, src=0)  # every rank continues the same text
+            idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
+    finally:
+        for moe, cf in zip(model.moe_layers(), saved):
+            moe.capacity_factor = cf
+        model.train()
+    return tok.decode(idx[0].tolist())
+
+
+def token_cache_dir() -> Path:
+    """Where tokenized corpora are cached: $WEFT_CACHE, else ~/.cache/weft/tokens."""
+    root = os.environ.get("WEFT_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "weft"
+    return Path(root) / "tokens"
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Refuse to start a fresh run over an existing one: nothing written is lost."""
+    run_dir = cfg.run_dir
+    if not cfg.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        raise ValueError(
+            f"{run_dir} already holds a run; pass --resume to continue it or --out to start a new one"
+        )
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train on every rank of the current world; returns a summary (rank 0's view)."""
+    cfg.validate()
+    ctx = init_distributed(backend="gloo" if cfg.device == "cpu" else None)
+    device = ctx.device
+    groups = build_moe_groups(cfg.ep_size)
+    run_dir = cfg.run_dir
+    model_cfg = cfg.model_config()
+    check_run_dir(cfg)
+    _all_reduce(torch.zeros(1, device=device))  # nobody writes before every rank has checked
+
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg, group=groups.ep).to(device)
+    optimizer = build_optimizer(model, cfg)
+    data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction, vocab_size=model_cfg.vocab_size)
+    block = model_cfg.block_size
+    train_batches = BatchSampler(data.train, cfg.batch_size, block, ctx.rank, ctx.world_size, cfg.seed)
+    val_batches = BatchSampler(data.val, cfg.batch_size, block, ctx.rank, ctx.world_size, cfg.seed)
+
+    start = 0
+    ckpt = latest_checkpoint(run_dir) if cfg.resume else None
+    if ckpt is not None:
+        start = int(load_checkpoint(ckpt, model, optimizer, groups)["step"])
+    log = MetricsLog(run_dir / "metrics.jsonl") if ctx.rank == 0 else None
+    if ctx.rank == 0:
+        (run_dir / "config.json").write_text(json.dumps(
+            {"train": cfg.to_dict(), "model": model_cfg.to_dict()}, indent=2))
+        print(f"weft train: {cfg.preset} ({model.num_parameters() / 1e6:.2f}M params, "
+              f"{model.num_parameters(active_only=True) / 1e6:.2f}M active) on {ctx.world_size} x {device.type}"
+              f"{'' if groups.ep_size == 1 else f', expert parallel over {groups.ep_size}'}; "
+              f"data: {data.source}, {data.num_tokens / 1e6:.1f}M tokens; run dir {run_dir}"
+              + (f"; resumed from {ckpt.name}" if ckpt else ""), flush=True)
+
+    tokens_per_step = cfg.batch_size * block * cfg.grad_accum * ctx.world_size
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    flops_per_token = model.flops_per_token(block)
+    progress = Progress(start, cfg.steps, cfg.log_interval)
+    val_loss = None
+    for step in range(start + 1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device)
+        elapsed = time.perf_counter() - t0
+        row.update(step=step, lr=lr, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
+                   mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None)
+        val_loss = None
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            val_loss = evaluate(model, val_batches, cfg.eval_batches, device)
+        if log is not None:
+            log.write(row)
+            if val_loss is not None:
+                log.write({"step": step, "val_loss": val_loss})
+            line = progress.line(step, row["loss"], row["tokens_per_s"], lr, val_loss)
+            if line:
+                print(line, flush=True)
+        if step % cfg.ckpt_interval == 0 or step == cfg.steps:
+            extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
+            save_checkpoint(run_dir, step, model, optimizer, groups, extra)
+
+    text = sample(model, cfg.sample_prompt, cfg.sample_tokens, device, seed=cfg.seed) if cfg.sample_tokens else ""
+    if log is not None:
+        log.close()
+        if text:
+            print("\n--- sample ---\n" + text + "\n--------------", flush=True)
+        print(f"weft train: done; metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
+              f"; plots: weft plot {run_dir}", flush=True)
+    return {"val_loss": val_loss, "steps": cfg.steps, "sample": text, "run_dir": str(run_dir)}
+
+
+def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
+                groups: MoEGroups, device: torch.device) -> dict:
+    moes = model.moe_layers()
+    loss_sum = torch.zeros(3, device=device)  # total, ce, aux
+    counts = torch.zeros(len(moes), model.config.num_experts, device=device)
+    dropped = torch.zeros((), device=device)
+    for micro in range(cfg.grad_accum):
+        x, y = batches.get(step, micro)
+        with _autocast(device):
+            _, loss = model(x.to(device), y.to(device))
+        (loss / cfg.grad_accum).backward()
+        loss_sum += torch.stack([loss.detach().float(), model.last_ce_loss.float(), model.last_aux_loss.float()])
+        for i, moe in enumerate(moes):
+            counts[i] += moe.stats.expert_counts.float()
+            dropped += moe.stats.dropped.float()
+    reduce_gradients(model, groups)
+    grad_norm = clip_gradients(model, cfg.grad_clip, groups)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    stats = _all_reduce(torch.cat([loss_sum / cfg.grad_accum / world, dropped.reshape(1), counts.flatten()]))
+    slots = stats[4:].sum().clamp_min(1)
+    counts = stats[4:].view(len(moes), -1)
+    mean = counts.mean(1).clamp_min(1e-9)
+    return {
+        "loss": float(stats[0]), "ce_loss": float(stats[1]), "aux_loss": float(stats[2]),
+        "grad_norm": grad_norm, "dropped_share": float(stats[3] / slots),
+        "expert_load": counts.long().tolist(), "imbalance": (counts.max(1).values / mean).tolist(),
+    }

@@ -1,0 +1,323 @@
+"""Checkpoints: exact resume, resharding across EP sizes, atomic folders, corruption detected.
+
+A source run trains two steps, saves `step_2`, and records a snapshot (its state, optimizer state
+by parameter name, logits on fixed batches, its next RNG draws, its parameters after a third
+step). A loader builds a differently seeded model, loads the checkpoint and must match the
+snapshot on the experts it holds; with the same layout it must also continue identically.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft.distributed import build_moe_groups, reduce_gradients
+from weft.models.gpt import GPT, GPTConfig
+from weft.train import checkpoint
+from weft.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from weft.testing import run_distributed
+
+CONFIG = GPTConfig(
+    block_size=16, n_layer=2, n_head=2, dim=32, moe_every=1, num_experts=4, top_k=2,
+    moe_hidden_dim=32, capacity_factor=None,
+)
+EXTRA = {"model": CONFIG.to_dict(), "train": {"lr": 1e-2}, "data_step": 2}
+
+
+# -- a tiny training run ---------------------------------------------------------------------
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def build(groups, seed: int, **overrides):
+    torch.manual_seed(seed)
+    model = GPT(dataclasses.replace(CONFIG, **overrides), group=groups.ep)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
+
+
+def train(model, opt, groups, steps: range) -> None:
+    for step in steps:
+        _, loss = model(*batch(step, _rank()))
+        loss.backward()
+        reduce_gradients(model, groups)
+        opt.step()
+        opt.zero_grad()
+
+
+def logits_on(model, rank: int) -> torch.Tensor:
+    with torch.no_grad():
+        return model(batch(99, rank)[0])[0]
+
+
+def named_optim_state(model, opt) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(p)]: {k: v.clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def clone_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# -- source runs and loaders (module level: they run in spawned ranks) -------------------------
+def train_and_save(run_dir: str, ep_size: int | None) -> None:
+    groups = build_moe_groups(ep_size)
+    model, opt = build(groups, seed=0)
+    train(model, opt, groups, range(2))
+    save_checkpoint(run_dir, 2, model, opt, groups, EXTRA)
+    snap = {"state": clone_state(model), "optim": named_optim_state(model, opt), "ep_size": groups.ep_size}
+    snap["draws"] = (torch.rand(4), random.random())
+    ranks = range(4) if _world() == 1 else [_rank()]
+    snap["logits"] = {r: logits_on(model, r) for r in ranks}
+    train(model, opt, groups, range(2, 3))
+    snap["next"] = clone_state(model)
+    torch.save(snap, Path(run_dir) / f"snapshot_rank{_rank()}.pt")
+
+
+def full_experts(snaps: list[dict], part: str) -> dict:
+    """The source's state with every expert tensor concatenated over its first EP group."""
+    ep = snaps[0]["ep_size"]
+
+    def join(key: str, values: list):
+        if isinstance(values[0], dict):
+            return {k: join(key, [v[k] for v in values]) for k in values[0]}
+        is_expert = ".experts." in key and values[0].dim() > 0
+        return torch.cat(values) if is_expert else values[0]
+
+    return {k: join(k, [s[part][k] for s in snaps[:ep]]) for k in snaps[0][part]}
+
+
+def local_slice(full: dict, model) -> dict:
+    """`full` cut down to the experts this rank's model holds."""
+    moe = model.moe_layers()[0].experts
+    cut = slice(moe.first_expert, moe.first_expert + moe.num_local)
+
+    def pick(key: str, value):
+        if isinstance(value, dict):
+            return {k: pick(key, v) for k, v in value.items()}
+        return value[cut] if ".experts." in key and value.dim() > 0 else value
+
+    return {k: pick(k, v) for k, v in full.items()}
+
+
+def assert_equal_nested(actual: dict, expected: dict, what: str) -> None:
+    assert actual.keys() == expected.keys(), what
+    for k in expected:
+        if isinstance(expected[k], dict):
+            assert_equal_nested(actual[k], expected[k], f"{what} {k}")
+        else:
+            assert torch.equal(actual[k], expected[k]), f"{what}: {k} differs"
+
+
+def load_and_check(source_dir: str, ep_size: int | None = None) -> None:
+    """Load the source's latest checkpoint into a fresh model here and compare with its snapshot."""
+    snaps = [torch.load(p, weights_only=True) for p in sorted(Path(source_dir).glob("snapshot_rank*.pt"))]
+    groups = build_moe_groups(ep_size)
+    model, opt = build(groups, seed=1)
+    rng_before = torch.get_rng_state()
+    extra = load_checkpoint(latest_checkpoint(source_dir), model, opt, groups)
+    same_layout = len(snaps) == _world() and snaps[0]["ep_size"] == groups.ep_size
+    if len(snaps) == _world():  # RNG restored: the next draws are the source's
+        draws = (torch.rand(4), random.random())
+        assert torch.equal(draws[0], snaps[_rank()]["draws"][0]) and draws[1] == snaps[_rank()]["draws"][1]
+    else:  # another world size: RNG left alone
+        assert torch.equal(torch.get_rng_state(), rng_before)
+    assert extra == EXTRA
+    assert_equal_nested(clone_state(model), local_slice(full_experts(snaps, "state"), model), "model")
+    assert_equal_nested(named_optim_state(model, opt), local_slice(full_experts(snaps, "optim"), model), "optim")
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.param_groups[0]["weight_decay"] == 0.1
+    source_logits = {r: v for s in snaps for r, v in s["logits"].items()}
+    for rank in source_logits if _world() == 1 else [_rank()]:
+        torch.testing.assert_close(logits_on(model, rank), source_logits[rank], rtol=1e-5, atol=1e-5)
+    if same_layout:  # resuming continues exactly as the uninterrupted run
+        train(model, opt, groups, range(2, 3))
+        assert_equal_nested(clone_state(model), snaps[_rank()]["next"], "after the next step")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> str:
+    run_dir = str(tmp_path_factory.mktemp("one_process"))
+    train_and_save(run_dir, None)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> str:
+    run_dir = str(tmp_path_factory.mktemp("two_ranks"))
+    run_distributed(train_and_save, 2, args=(run_dir, None), timeout=120)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def four_ranks_ep2(tmp_path_factory) -> str:
+    run_dir = str(tmp_path_factory.mktemp("four_ranks_ep2"))
+    run_distributed(train_and_save, 4, args=(run_dir, 2), timeout=120)
+    return run_dir
+
+
+# -- resume and reshard ----------------------------------------------------------------------
+def test_single_process_resume_is_exact(one_process):
+    load_and_check(one_process)
+
+
+def test_two_ranks_resume_is_exact(two_ranks):
+    run_distributed(load_and_check, 2, args=(two_ranks,), timeout=120)
+
+
+def test_reshard_two_ranks_into_one_process(two_ranks):
+    load_and_check(two_ranks)
+
+
+def test_reshard_one_process_into_two_ranks(one_process):
+    run_distributed(load_and_check, 2, args=(one_process,), timeout=120)
+
+
+def test_four_ranks_ep2_write_one_copy_per_shard_and_load_into_two(four_ranks_ep2):
+    files = sorted(p.name for p in latest_checkpoint(four_ranks_ep2).iterdir())
+    assert files == [
+        "experts_ep000.pt", "experts_ep001.pt", "manifest.json", "model.pt", "optim.pt",
+        "optim_experts_ep000.pt", "optim_experts_ep001.pt",
+        "rng_rank00000.pt", "rng_rank00001.pt", "rng_rank00002.pt", "rng_rank00003.pt",
+    ]
+    manifest = json.loads((latest_checkpoint(four_ranks_ep2) / "manifest.json").read_text())
+    assert (manifest["step"], manifest["world_size"], manifest["ep_size"]) == (2, 4, 2)
+    assert manifest["experts"]["blocks.0.ffn.experts"] == {"experts_ep000.pt": [0, 2], "experts_ep001.pt": [2, 4]}
+    run_distributed(load_and_check, 2, args=(four_ranks_ep2,), timeout=120)
+
+
+# -- finding the latest ----------------------------------------------------------------------
+def test_latest_checkpoint_is_the_largest_complete_step(tmp_path):
+    assert latest_checkpoint(tmp_path) is None
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    for step in (2, 10):
+        save_checkpoint(tmp_path, step, model, opt, groups, {})
+    (tmp_path / "checkpoints" / ".step_11.tmp").mkdir()
+    (tmp_path / "checkpoints" / ".step_11.tmp" / "manifest.json").write_text("{}")
+    (tmp_path / "checkpoints" / "step_12").mkdir()  # crashed before its manifest
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_10"
+
+
+def test_saving_over_an_existing_step_replaces_it_and_leaves_no_temporary_folders(tmp_path):
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    save_checkpoint(tmp_path, 3, model, opt, groups, {"version": 1})
+    (tmp_path / "checkpoints" / ".step_3.tmp").mkdir()  # left by a crash
+    train(model, opt, groups, range(1))
+    path = save_checkpoint(tmp_path, 3, model, opt, groups, {"version": 2})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_3"]
+    fresh, fresh_opt = build(groups, seed=1)
+    assert load_checkpoint(path, fresh, fresh_opt, groups) == {"version": 2}
+    assert_equal_nested(clone_state(fresh), clone_state(model), "model")
+
+
+def test_extra_must_be_json_serialisable(tmp_path):
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    with pytest.raises(TypeError, match="extra must be JSON-serialisable"):
+        save_checkpoint(tmp_path, 1, model, opt, groups, {"bad": object()})
+    assert latest_checkpoint(tmp_path) is None
+
+
+def test_a_crash_while_publishing_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    save_checkpoint(tmp_path, 1, model, opt, groups, {"step": 1})
+
+    def crash(src, dst):
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash)
+    with pytest.raises(CheckpointError, match="step_2 was not saved.*disk gone"):
+        save_checkpoint(tmp_path, 2, model, opt, groups, {"step": 2})
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoints" / ".step_2.tmp" / "manifest.json").is_file()
+    assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"
+    assert load_checkpoint(latest_checkpoint(tmp_path), model, opt, groups) == {"step": 1}
+
+
+def _no_rng_state():
+    raise OSError("no space left on device")
+
+
+def save_with_rank_one_failing(run_dir: str) -> str:
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    if dist.get_rank() == 1:
+        checkpoint._rng_state = _no_rng_state
+    with pytest.raises(CheckpointError) as error:
+        save_checkpoint(run_dir, 1, model, opt, groups, {})
+    return str(error.value)
+
+
+def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank(tmp_path):
+    errors = run_distributed(save_with_rank_one_failing, 2, args=(str(tmp_path),), timeout=60)
+    assert all("rank 1 could not write its files" in e and "no space left" in e for e in errors)
+    assert latest_checkpoint(tmp_path) is None
+
+
+# -- corruption and mismatches ---------------------------------------------------------------
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "flipped byte": ("experts_ep001.pt", flip_byte, "experts_ep001.pt fails its sha256"),
+    "deleted file": ("optim_experts_ep000.pt", Path.unlink, "optim_experts_ep000.pt .*missing"),
+    "grown file": ("model.pt", lambda p: p.write_bytes(p.read_bytes() + b"x"), "model.pt has .* bytes"),
+    "truncated manifest": ("manifest.json", lambda p: p.write_text(p.read_text()[:40]), "manifest.json is unreadable"),
+    "no manifest": ("manifest.json", Path.unlink, "manifest.json is missing"),
+}
+
+
+@pytest.mark.parametrize("corruption", CORRUPTIONS)
+def test_corruption_is_detected_before_anything_is_loaded(two_ranks, tmp_path, corruption):
+    name, damage, message = CORRUPTIONS[corruption]
+    path = tmp_path / "step_2"
+    shutil.copytree(latest_checkpoint(two_ranks), path)
+    damage(path / name)
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=1)
+    before = clone_state(model)
+    with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
+        load_checkpoint(path, model, opt, groups)
+    with pytest.raises(CheckpointError, match=f"{path}.*{message}"):
+        verify_checkpoint(path)
+    assert_equal_nested(clone_state(model), before, "model after a failed load")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"dim": 48}, r"parameter tok_emb.weight has shape \(256, 32\) in the checkpoint but \(256, 48\)"),
+        ({"num_experts": 8}, "blocks.0.ffn.experts has 4 experts, the model 8"),
+        ({"n_layer": 3}, r"parameter names differ.*blocks\.2\."),
+    ],
+)
+def test_a_model_of_another_shape_is_refused(one_process, overrides, message):
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=1, **overrides)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(latest_checkpoint(one_process), model, opt, groups)

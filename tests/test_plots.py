@@ -1,0 +1,127 @@
+"""Specification of weft.train.plots: reading metrics.jsonl and drawing a run's figures."""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from weft.train.plots import load_metrics, plot_run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def train_row(step: int, layers: int = 2, experts: int = 8, loss: float | None = None) -> dict:
+    rng = random.Random(step)
+    load = [[rng.randint(0, 100) + (400 if e == step % experts else 0) for e in range(experts)] for _ in range(layers)]
+    return {"step": step, "loss": 5.0 / step ** 0.3 if loss is None else loss, "ce_loss": 4.9 / step ** 0.3,
+            "aux_loss": 0.01 + 0.001 * rng.random(), "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 4e4 + step,
+            "mfu": 0.3 if layers else None, "dropped_share": 0.01, "expert_load": load,
+            "imbalance": [max(c) / (sum(c) / len(c)) for c in load], "elapsed_s": 0.1}
+
+
+def write_run(run_dir: Path, rows: list[dict], tail: str = "") -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return path
+
+
+def assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    assert path.stat().st_size > 5_000
+
+
+@pytest.fixture
+def resumed_run(tmp_path: Path) -> Path:
+    """Steps 1-6 with a val line, killed and resumed from step 4 (steps 5-6 re-logged), truncated at the end."""
+    rows = [train_row(s) for s in range(1, 7)] + [{"step": 5, "val_loss": 4.0}]
+    rows += [train_row(s, loss=1.0) for s in (5, 6)] + [{"step": 6, "val_loss": 3.5}, train_row(7)]
+    write_run(tmp_path / "run", rows, tail='{"step": 8, "loss": 2.')
+    return tmp_path / "run"
+
+
+def test_load_metrics_keeps_the_last_row_of_each_step(resumed_run: Path):
+    with pytest.warns(UserWarning, match="metrics.jsonl:12: skipping truncated last line"):
+        train, val = load_metrics(resumed_run / "metrics.jsonl")
+    assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6, 7]
+    assert [r["loss"] for r in train if r["step"] in (5, 6)] == [1.0, 1.0]
+    assert val == [{"step": 5, "val_loss": 4.0}, {"step": 6, "val_loss": 3.5}]
+
+
+def test_plot_run_writes_three_pngs(resumed_run: Path):
+    with pytest.warns(UserWarning, match="truncated"):
+        paths = plot_run(resumed_run)
+    assert [p.name for p in paths] == ["loss.png", "throughput.png", "expert_load.png"]
+    for path in paths:
+        assert path.parent == resumed_run / "plots"
+        assert_png(path)
+
+
+def test_plot_run_out_dir_and_log_y(resumed_run: Path, tmp_path: Path):
+    with pytest.warns(UserWarning):
+        paths = plot_run(str(resumed_run), tmp_path / "figs" / "nested", log_y=True)
+    assert all(p.parent == tmp_path / "figs" / "nested" and p.is_file() for p in paths)
+
+
+def test_dense_run_skips_the_expert_heatmap(tmp_path: Path):
+    write_run(tmp_path, [train_row(s, layers=0) for s in range(1, 20)])
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["loss.png", "throughput.png"]
+    assert not (tmp_path / "plots" / "expert_load.png").exists()
+    for path in paths:
+        assert_png(path)
+
+
+def test_single_step_without_optional_fields(tmp_path: Path):
+    write_run(tmp_path, [{"step": 1, "loss": 3.0}])
+    assert [p.name for p in plot_run(tmp_path)] == ["loss.png", "throughput.png"]
+
+
+def test_layers_missing_from_some_steps_still_plot(tmp_path: Path):
+    """A step that logged fewer layers (or none) leaves a gap in that layer's heatmap, not an error."""
+    rows = [train_row(1, layers=2), train_row(2, layers=1), {"step": 3, "loss": 2.0, "expert_load": []}]
+    write_run(tmp_path, rows)
+    assert_png(plot_run(tmp_path)[-1])
+
+
+def test_corrupt_middle_line_names_its_number(tmp_path: Path):
+    path = write_run(tmp_path, [train_row(1)], tail='{"step": 2, "lo\n' + json.dumps(train_row(3)) + "\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not valid JSON"):
+        load_metrics(path)
+    with pytest.raises(ValueError, match=r":2: "):
+        plot_run(tmp_path)
+
+
+def test_row_without_integer_step_names_its_line(tmp_path: Path):
+    path = write_run(tmp_path, [train_row(1), {"loss": 2.0}, train_row(3)])
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: expected a JSON object with an integer 'step'"):
+        load_metrics(path)
+
+
+def test_missing_run_dir_or_metrics_file(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        plot_run(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path)
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        load_metrics(tmp_path / "metrics.jsonl")
+
+
+def test_no_training_steps(tmp_path: Path):
+    write_run(tmp_path, [{"step": 10, "val_loss": 3.0}])
+    with pytest.raises(ValueError, match="no training steps"):
+        plot_run(tmp_path)
+
+
+def test_large_run_plots_in_seconds(tmp_path: Path):
+    """10k steps x 2 layers x 64 experts: the heatmap is binned, so drawing stays fast."""
+    row = train_row(1, layers=2, experts=64)
+    lines = [json.dumps({**row, "step": s, "loss": 5.0 / s ** 0.3}) for s in range(1, 10_001)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    start = time.perf_counter()
+    paths = plot_run(tmp_path)
+    assert time.perf_counter() - start < 10
+    assert len(paths) == 3

@@ -1,0 +1,118 @@
+"""End-to-end training on CPU gloo ranks: the loss falls, resume is exact, checkpoints load into
+one process for sampling, and the CLI rejects bad arguments with clear messages."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from weft.cli import main
+from weft.testing import run_distributed
+from weft.train.config import TrainConfig, load_toml
+from weft.train.generate import generate_from_checkpoint
+from weft.train.loop import train
+from weft.train.plots import plot_run
+
+SMALL_MODEL = {"dim": 32, "n_layer": 2, "n_head": 2, "block_size": 32, "num_experts": 4,
+               "moe_hidden_dim": 64, "top_k": 2}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(3000)]
+    path = tmp_path_factory.mktemp("corpus") / "code.txt"
+    path.write_text("".join(lines))
+    return path
+
+
+def config(corpus: Path, out: Path, **kw) -> TrainConfig:
+    values = dict(data=str(corpus), out=str(out), model=dict(SMALL_MODEL), steps=30, batch_size=8,
+                  warmup_steps=5, eval_interval=10, eval_batches=2, ckpt_interval=10, log_interval=10,
+                  sample_tokens=0, lr=3e-3)
+    values.update(kw)
+    return TrainConfig(**values)
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def run(cfg: TrainConfig, world: int, cache: Path) -> dict:
+    return run_distributed(train, world, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(cache)})[0]
+
+
+def test_loss_falls_and_run_folder_is_complete(corpus, tmp_path):
+    out = tmp_path / "run"
+    summary = run(config(corpus, out, steps=60, sample_tokens=20), 2, tmp_path / "cache")
+    loss = losses(out)
+    assert sorted(loss) == list(range(1, 61))
+    assert sum(loss[s] for s in range(51, 61)) / 10 < sum(loss[s] for s in range(1, 6)) / 5 - 1.0
+    assert summary["val_loss"] < loss[1] - 1.0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    step_row = next(r for r in rows if "loss" in r)
+    for key in ("ce_loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "dropped_share",
+                "expert_load", "imbalance"):
+        assert key in step_row
+    assert len(step_row["expert_load"]) == 1 and len(step_row["expert_load"][0]) == 4
+    assert sum(step_row["expert_load"][0]) == 2 * 8 * 32 * 2  # ranks * batch * seq * top_k
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step_10", "step_20", "step_30", "step_40", "step_50", "step_60"]
+    assert summary["sample"].startswith("def ") and len(summary["sample"]) > 4
+    assert {p.name for p in plot_run(out)} == {"loss.png", "throughput.png", "expert_load.png"}
+
+
+def test_resume_is_exact(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "full"), 2, cache)
+    run(config(corpus, tmp_path / "split", steps=20, lr_decay_steps=30), 2, cache)
+    run(config(corpus, tmp_path / "split", steps=30, resume=True), 2, cache)
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert [full[s] for s in range(21, 31)] == [split[s] for s in range(21, 31)]
+
+
+def test_checkpoint_of_two_ranks_samples_in_one_process(corpus, tmp_path):
+    out = tmp_path / "run"
+    run(config(corpus, out, steps=10), 2, tmp_path / "cache")
+    a = generate_from_checkpoint(out, "def ", 30, seed=1)
+    b = generate_from_checkpoint(out / "checkpoints" / "step_10", "def ", 30, seed=1)
+    assert a == b and a.startswith("def ") and len(a) >= 4
+
+
+def test_toml_config_maps_onto_the_dataclasses(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[train]\npreset = "tiny"\nsteps = 7\n\n[model]\ncapacity_factor = "dropless"\ndim = 64\n')
+    cfg = load_toml(path)
+    assert cfg.steps == 7 and cfg.model_config().capacity_factor is None and cfg.model_config().dim == 64
+    path.write_text("[train]\nstepz = 7\n")
+    with pytest.raises(ValueError, match="unknown train config keys.*stepz"):
+        load_toml(path)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["train", "--steps", "0"], "must be a positive integer"),
+        (["train", "--preset", "huge"], "unknown preset 'huge'"),
+        (["train", "--data", "/no/such/corpus"], "/no/such/corpus does not exist"),
+        (["train", "--config", "/no/such.toml"], "config file /no/such.toml does not exist"),
+        (["train", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["generate", "--ckpt", "/no/such/run"], "checkpoint path /no/such/run does not exist"),
+        (["plot", "/no/such/run"], "/no/such/run"),
+        (["bench", "layer", "--config", "gpt5"], "unknown --config 'gpt5'"),
+    ],
+)
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code not in (0, None)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_refuses_to_overwrite_a_run(corpus, tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    with pytest.raises(SystemExit):
+        main(["train", "--data", str(corpus), "--out", str(tmp_path / "run")])
+    assert "already holds a run; pass --resume" in capsys.readouterr().err
