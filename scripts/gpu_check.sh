@@ -19,6 +19,15 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1 || status=1
 fi
 
+# Training: gpt2-s-moe under torchrun on every GPU, then `weft train` spawning NCCL ranks itself.
+export WEFT_CACHE="$WORK/cache"
+if [ "${SKIP_TRAIN:-0}" != 1 ]; then
+  torchrun --standalone --nproc_per_node="$NGPU" -m weft train --preset gpt2-s-moe --steps "${TRAIN_STEPS:-40}" \
+    --batch-size 8 --out "$WORK/train_gpt2-s-moe" --sample-tokens 0 > "$WORK/train_gpt2-s-moe.log" 2>&1 || status=1
+  python3 -m weft train --steps 60 --out "$WORK/train_tiny" --sample-tokens 100 > "$WORK/train_tiny.log" 2>&1 || status=1
+  python3 -m weft plot "$WORK/train_tiny" > /dev/null 2>&1 || status=1
+fi
+
 for regime in nvlink p2p_disabled; do
   for cfg in $CONFIGS; do
     env_p2p=""; [ "$regime" = p2p_disabled ] && env_p2p="NCCL_P2P_DISABLE=1"
@@ -30,6 +39,19 @@ done
 
 cat "$WORK/machine.txt"
 echo "== GPU tests =="; tail -n 3 "$WORK/gpu_tests.log" 2>/dev/null
+for run in "$WORK"/train_*/; do
+  [ -f "$run/metrics.jsonl" ] || continue
+  echo "== $(basename "$run") =="; tail -n 2 "$WORK/$(basename "$run").log"
+  python3 - "$run/metrics.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
+steady = rows[5:] or rows
+mfu = [r["mfu"] for r in steady if r.get("mfu") is not None]
+print(f"steps {len(rows)}  final loss {rows[-1]['loss']:.3f}  median tokens/s {statistics.median(r['tokens_per_s'] for r in steady):,.0f}"
+      + (f"  median MFU {statistics.median(mfu):.1%}" if mfu else ""))
+PY
+done
 for f in "$WORK"/layer_*.log; do echo "== $(basename "$f" .log) =="; grep -A8 "weft bench layer" "$f" || tail -n 20 "$f"; done
-tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" .
+# Checkpoints and the token cache stay behind: they are gigabytes.
+tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=checkpoints --exclude=cache .
 exit $status
