@@ -1,17 +1,29 @@
 #!/usr/bin/env bash
-# GPU check on a lent machine (see CONTRIBUTING.md): the GPU tests on NCCL, then the layer
-# benchmarks on every GPU, with NVLink and with NCCL_P2P_DISABLE=1. Logs and JSON are written
-# to a work folder and packed into $OUT/gpu_check.tar.gz (default OUT: ./gpu_out); the tables
-# are printed last.
+# GPU check on a lent machine (see CONTRIBUTING.md): the GPU tests on NCCL, a short training run,
+# `weft bench comm`, then `weft bench layer` for every config with NVLink and with
+# NCCL_P2P_DISABLE=1. Logs and JSON go to a work folder packed into $OUT/gpu_check.tar.gz
+# (default OUT: ./gpu_out); the tables are printed last.
+# Knobs: CONFIGS, MODES, STEPS, OPTIMIZER, ACTIVATION, PEER_ACTIVATION, SKIP_TESTS, SKIP_TRAIN,
+# SKIP_COMM, TRAIN_STEPS.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+if ls .whl/*.whl > /dev/null 2>&1; then  # optional peers (torchtitan, megatron-core), carried as wheels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
 OUT=${OUT:-./gpu_out}
 WORK=$(mktemp -d /tmp/weft_gpu_check.XXXX)
 mkdir -p "$OUT"
+export WEFT_CACHE="$WORK/cache"
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")
-CONFIGS=${CONFIGS:-"qwen2 mixtral"}
-STEPS=${STEPS:-30}
+CONFIGS=${CONFIGS:-"qwen2 mixtral phi35 deepseek"}
+MODES=${MODES:-"plain,no-comm,torchtitan,megatron"}
+STEPS=${STEPS:-20}
+OPTIMIZER=${OPTIMIZER:-sgd}
+ACTIVATION=${ACTIVATION:-relu}
+PEER_ACTIVATION=${PEER_ACTIVATION:-swiglu}
+RUN="torchrun --standalone --nproc_per_node=$NGPU -m weft"
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())"; date -u; } > "$WORK/machine.txt" 2>&1
 
 status=0
@@ -19,23 +31,32 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$WORK/gpu_tests.log" 2>&1 || status=1
 fi
 
-# Training: gpt2-s-moe under torchrun on every GPU, then `weft train` spawning NCCL ranks itself.
-export WEFT_CACHE="$WORK/cache"
 if [ "${SKIP_TRAIN:-0}" != 1 ]; then
-  torchrun --standalone --nproc_per_node="$NGPU" -m weft train --preset gpt2-s-moe --steps "${TRAIN_STEPS:-40}" \
-    --batch-size 8 --out "$WORK/train_gpt2-s-moe" --sample-tokens 0 > "$WORK/train_gpt2-s-moe.log" 2>&1 || status=1
+  $RUN train --preset gpt2-s-moe --steps "${TRAIN_STEPS:-40}" --batch-size 8 --out "$WORK/train_gpt2-s-moe" \
+    --sample-tokens 0 > "$WORK/train_gpt2-s-moe.log" 2>&1 || status=1
   python3 -m weft train --steps 60 --out "$WORK/train_tiny" --sample-tokens 100 > "$WORK/train_tiny.log" 2>&1 || status=1
   python3 -m weft plot "$WORK/train_tiny" > /dev/null 2>&1 || status=1
 fi
 
 for regime in nvlink p2p_disabled; do
+  env_p2p=""; [ "$regime" = p2p_disabled ] && env_p2p="NCCL_P2P_DISABLE=1"
+  if [ "${SKIP_COMM:-0}" != 1 ]; then
+    env $env_p2p $RUN bench comm --json "$WORK/comm_${regime}.json" > "$WORK/comm_${regime}.log" 2>&1 || status=1
+  fi
   for cfg in $CONFIGS; do
-    env_p2p=""; [ "$regime" = p2p_disabled ] && env_p2p="NCCL_P2P_DISABLE=1"
-    env $env_p2p torchrun --standalone --nproc_per_node="$NGPU" -m weft bench layer --config "$cfg" \
-      --tokens-per-rank 4096 --capacity 1.0,dropless --activation relu --dtype bf16 --steps "$STEPS" \
+    env $env_p2p $RUN bench layer --config "$cfg" --capacity 1.0,dropless --activation "$ACTIVATION" \
+      --dtype bf16 --steps "$STEPS" --optimizer "$OPTIMIZER" --modes "$MODES" \
       --json "$WORK/layer_${cfg}_${regime}.json" > "$WORK/layer_${cfg}_${regime}.log" 2>&1 || status=1
   done
 done
+# The peers implement gated (swiglu) experts: one more pass with them on the NVLink regime.
+if [ -n "$PEER_ACTIVATION" ] && [ "$PEER_ACTIVATION" != "$ACTIVATION" ]; then
+  for cfg in $CONFIGS; do
+    $RUN bench layer --config "$cfg" --capacity 1.0,dropless --activation "$PEER_ACTIVATION" --dtype bf16 \
+      --steps "$STEPS" --optimizer "$OPTIMIZER" --modes "$MODES" \
+      --json "$WORK/layer_${cfg}_${PEER_ACTIVATION}_nvlink.json" > "$WORK/layer_${cfg}_${PEER_ACTIVATION}_nvlink.log" 2>&1 || status=1
+  done
+fi
 
 cat "$WORK/machine.txt"
 echo "== GPU tests =="; tail -n 3 "$WORK/gpu_tests.log" 2>/dev/null
@@ -51,7 +72,10 @@ print(f"steps {len(rows)}  final loss {rows[-1]['loss']:.3f}  median tokens/s {s
       + (f"  median MFU {statistics.median(mfu):.1%}" if mfu else ""))
 PY
 done
-for f in "$WORK"/layer_*.log; do echo "== $(basename "$f" .log) =="; grep -A8 "weft bench layer" "$f" || tail -n 20 "$f"; done
+for f in "$WORK"/comm_*.log; do [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 30 "$f"; }; done
+for f in "$WORK"/layer_*.log; do
+  echo "== $(basename "$f" .log) =="; grep -A12 "weft bench layer" "$f" || tail -n 20 "$f"
+done
 # Checkpoints and the token cache stay behind: they are gigabytes.
 tar -czf "$OUT/gpu_check.tar.gz" -C "$WORK" --exclude=checkpoints --exclude=cache .
 exit $status

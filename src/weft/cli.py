@@ -54,7 +54,14 @@ def _bench_layer(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
 
     if ns.config not in layer.CONFIGS:
         parser.error(f"unknown --config {ns.config!r}; choose from {', '.join(layer.CONFIGS)}")
-    args = (ns.config, ns.tokens_per_rank, ns.capacity, ns.activation, DTYPES[ns.dtype], ns.steps, ns.warmup, ns.json)
+    modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip())
+    known = list(layer.MODES) + list(layer.PEER_MODES)
+    if not modes or any(m not in known for m in modes):
+        parser.error(f"--modes {ns.modes!r}: choose from {', '.join(known)}")
+    if ns.baseline not in modes:
+        parser.error(f"--baseline {ns.baseline!r} must be one of the --modes")
+    args = (ns.config, ns.tokens_per_rank, ns.capacity, ns.activation, DTYPES[ns.dtype], ns.steps, ns.warmup,
+            ns.json, modes, ns.baseline, ns.optimizer, ns.trace)
     launch(layer.run, args, ns.nproc, ns.device)
 
 
@@ -109,6 +116,37 @@ def _plot(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         print(p)
 
 
+def _sizes(text: str) -> list[int]:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    out = []
+    for item in text.split(","):
+        item = item.strip().lower().removesuffix("ib").removesuffix("b")
+        try:
+            out.append(int(float(item[:-1]) * units[item[-1]]) if item and item[-1] in units else int(item))
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(f"sizes are bytes like 1024, 64K or 256M, got {item!r}") from None
+    return out
+
+
+def _bench_comm(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.bench import comm
+
+    collectives = tuple(c.strip() for c in ns.collectives.split(",") if c.strip())
+    if not collectives or any(c not in comm.COLLECTIVES for c in collectives):
+        parser.error(f"--collectives {ns.collectives!r}: choose from {', '.join(comm.COLLECTIVES)}")
+    args = (ns.sizes, collectives, ns.steps, ns.warmup, ns.json, ns.model, None)
+    launch(comm.run, args, ns.nproc, ns.device)
+
+
+def _bench_plot(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.bench.plot import plot_layer_results
+
+    try:
+        print(plot_layer_results(ns.json_file, ns.out))
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -148,17 +186,41 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lay = bench.add_parser("layer", help="time forward+backward of one MoE layer")
     lay.add_argument("--config", default="tiny", help="mixtral, qwen2, phi35, deepseek or tiny")
-    lay.add_argument("--tokens-per-rank", type=_positive_int, default=4096)
+    lay.add_argument("--tokens-per-rank", type=_positive_int, default=None,
+                     help="tokens per rank (default 4096; deepseek 1024, tiny 256)")
+    lay.add_argument("--modes", default="plain,no-comm",
+                     help="comma-separated: plain, no-comm, torchtitan, megatron (default plain,no-comm)")
+    lay.add_argument("--baseline", default="plain", help="mode the ratios are relative to")
     lay.add_argument("--capacity", type=_capacity_list, default=(1.0, None),
                      help="comma-separated capacity factors, 'dropless' for None (default 1.0,dropless)")
     lay.add_argument("--activation", default="relu", choices=["relu", "gelu", "silu", "swiglu"])
     lay.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    lay.add_argument("--optimizer", default="none", choices=["none", "sgd", "adamw"],
+                     help="also time an optimizer step (Tutel's reference numbers include SGD)")
     lay.add_argument("--steps", type=_positive_int, default=20)
     lay.add_argument("--warmup", type=_positive_int, default=5)
     lay.add_argument("--json", default=None, help="write the results to this JSON file")
+    lay.add_argument("--trace", default=None, help="folder for Chrome traces of each mode (GPU)")
     lay.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
     lay.add_argument("--device", choices=["cpu", "cuda"], default=None)
     lay.set_defaults(run=_bench_layer, parser=lay)
+
+    com = bench.add_parser("comm", help="all-to-all and all-reduce bandwidth/latency; fits the comm cost model")
+    com.add_argument("--sizes", type=_sizes, default=None,
+                     help="bytes per rank, comma-separated (default 1K..256M in powers of 4; CPU up to 16M)")
+    com.add_argument("--collectives", default="all_to_all,all_reduce")
+    com.add_argument("--steps", type=_positive_int, default=20)
+    com.add_argument("--warmup", type=_positive_int, default=5)
+    com.add_argument("--json", default=None, help="write the measurements here (and comm_model.json beside it)")
+    com.add_argument("--model", default=None, help="where to write the fitted piecewise-linear cost model")
+    com.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
+    com.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    com.set_defaults(run=_bench_comm, parser=com)
+
+    plo = bench.add_parser("plot", help="stacked bar chart of a `weft bench layer --json` file")
+    plo.add_argument("json_file")
+    plo.add_argument("--out", default=None, help="PNG path (default: the JSON path with .png)")
+    plo.set_defaults(run=_bench_plot, parser=plo)
     return parser
 
 

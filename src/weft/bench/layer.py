@@ -1,19 +1,27 @@
-"""`weft bench layer`: forward+backward time of one MoE layer, every capacity mode side by side.
+"""`weft bench layer`: forward+backward of one MoE layer, every mode side by side in one run.
 
-Timed with CUDA events on GPUs (perf_counter on the CPU), after warm-up, as the median over
-many steps with inputs rotated; the slowest rank's median is reported.
+For each capacity setting, one layer is built and each mode reconfigures it: `plain` (the
+reference layer), `no-comm` (the all-to-alls removed, the same expert work: the optimum overlap
+can reach) and the peers (`torchtitan`, `megatron`) when installed. Before timing, each mode's
+output and input gradient are compared with `plain` on the same input. Timing: CUDA events
+(perf_counter on the CPU), warm-up, median over steps, inputs rotated, slowest rank reported.
+On GPUs the profiler splits a step into exposed communication, overlap and exposed compute.
 """
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from weft.bench.trace import profile_decomposition
 from weft.distributed import init_distributed
 from weft.moe import MoE
 
@@ -24,27 +32,31 @@ class LayerConfig:
     hidden_dim: int
     num_experts: int
     top_k: int
+    tokens_per_rank: int = 4096
 
 
 CONFIGS = {
     "mixtral": LayerConfig(4096, 14336, 8, 2),
     "qwen2": LayerConfig(2048, 1408, 64, 4),
     "phi35": LayerConfig(4096, 6400, 16, 2),
-    "deepseek": LayerConfig(7168, 2048, 256, 8),
-    "tiny": LayerConfig(64, 128, 8, 2),
+    "deepseek": LayerConfig(7168, 2048, 256, 8, tokens_per_rank=1024),
+    "tiny": LayerConfig(64, 128, 8, 2, tokens_per_rank=256),
 }
 
 
-@dataclass
-class LayerResult:
-    config: str
-    capacity_factor: float | None
-    activation: str
-    tokens_per_rank: int
-    world_size: int
-    median_ms: float
-    tflops_per_rank: float
-    dropped_share: float
+def _plain(moe: MoE) -> None:
+    moe.communicate = True
+
+
+def _no_comm(moe: MoE) -> None:
+    moe.communicate = False
+
+
+# Mode name -> how it configures the layer. Modes must compute the plain layer's function,
+# except `no-comm`, which is a measurement device.
+MODES: dict[str, Callable[[MoE], None]] = {"plain": _plain, "no-comm": _no_comm}
+NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
+PEER_MODES = ("torchtitan", "megatron")
 
 
 def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
@@ -53,96 +65,210 @@ def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
     return 3 * 2 * tokens * cfg.top_k * cfg.dim * cfg.hidden_dim * mats
 
 
-def _timer(device: torch.device):
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-        def begin():
-            start.record()
+    def begin(self) -> None:
+        if self.cuda:
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
 
-        def stop() -> float:
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end)
-
-        return begin, stop
-    t0 = [0.0]
-
-    def begin_cpu():
-        t0[0] = time.perf_counter()
-
-    def stop_cpu() -> float:
-        return (time.perf_counter() - t0[0]) * 1e3
-
-    return begin_cpu, stop_cpu
+    def stop(self) -> float:
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end)
+        return (time.perf_counter() - self.t0) * 1e3
 
 
-def time_layer(moe: MoE, inputs: list[torch.Tensor], steps: int, warmup: int) -> float:
-    """Median milliseconds of forward+backward over `steps`, inputs rotated."""
-    begin, stop = _timer(inputs[0].device)
+def median_ms(step: Callable[[int], None], steps: int, warmup: int, device: torch.device) -> float:
+    timer = _Timer(device)
     times = []
     for i in range(warmup + steps):
-        x = inputs[i % len(inputs)]
         if dist.is_initialized():
             dist.barrier()
-        begin()
-        moe(x).backward(x)
-        elapsed = stop()
+        timer.begin()
+        step(i)
+        elapsed = timer.stop()
         if i >= warmup:
             times.append(elapsed)
-        moe.zero_grad(set_to_none=True)
-        x.grad = None
     return statistics.median(times)
+
+
+def _slowest(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _max_error(module_forward, x: torch.Tensor, grad: torch.Tensor, reference) -> float:
+    x = x.detach().requires_grad_()
+    y = module_forward(x)
+    y.backward(grad)
+    err = max(float((y.detach().float() - reference[0]).abs().max()),
+              float((x.grad.float() - reference[1]).abs().max()))
+    return _slowest(err, x.device)
 
 
 def run(
     config: str,
-    tokens_per_rank: int = 4096,
+    tokens_per_rank: int | None = None,
     capacity_factors: tuple[float | None, ...] = (1.0, None),
     activation: str = "relu",
     dtype: torch.dtype = torch.bfloat16,
     steps: int = 20,
     warmup: int = 5,
     json_path: str | None = None,
-) -> list[LayerResult]:
+    modes: tuple[str, ...] = ("plain", "no-comm"),
+    baseline: str = "plain",
+    optimizer: str = "none",
+    trace_dir: str | None = None,
+    profile_steps: int = 5,
+) -> dict:
+    """Benchmark every mode for every capacity factor; returns {"meta": ..., "results": [...]}."""
     ctx = init_distributed()
     cfg = CONFIGS[config]
-    if ctx.device.type == "cpu" and dtype == torch.bfloat16:
-        dtype = torch.float32
+    tokens = tokens_per_rank or cfg.tokens_per_rank
+    if ctx.device.type == "cpu" and dtype != torch.float32:
+        dtype = torch.float32  # bf16 matmuls on the CPU measure nothing useful
+    unknown = [m for m in modes if m not in MODES and m not in PEER_MODES]
+    if unknown:
+        raise ValueError(f"unknown modes {unknown}; choose from {list(MODES) + list(PEER_MODES)}")
     results = []
     for cf in capacity_factors:
-        torch.manual_seed(0)
-        moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf,
-                  activation=activation, device=ctx.device, dtype=dtype)
-        gen = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
-        inputs = [torch.randn(tokens_per_rank, cfg.dim, device=ctx.device, dtype=dtype, generator=gen)
-                  .requires_grad_() for _ in range(4)]
-        ms = torch.tensor([time_layer(moe, inputs, steps, warmup)], device=ctx.device)
-        dropped = moe.stats.dropped.float().reshape(1) / (tokens_per_rank * cfg.top_k)
-        if dist.is_initialized():
-            dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-            dist.all_reduce(dropped)
-            dropped /= ctx.world_size
-        median = float(ms)
-        tflops = expert_flops(cfg, tokens_per_rank, activation) / (median * 1e-3) / 1e12
-        results.append(LayerResult(config, cf, activation, tokens_per_rank, ctx.world_size, median, tflops,
-                                   float(dropped)))
-        del moe, inputs
+        results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
+                                   trace_dir, profile_steps, ctx)
+    for row in results:
+        base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
+                     and r.get("median_ms")), None)
+        row["ratio"] = row["median_ms"] / base["median_ms"] if base and row.get("median_ms") else None
+    report = {"meta": _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "results": results}
     if ctx.rank == 0:
-        print_table(results, ctx.device, dtype)
+        print_table(report)
         if json_path:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps([asdict(r) for r in results], indent=2))
-    return results
+            Path(json_path).write_text(json.dumps(report, indent=2))
+    return report
 
 
-def print_table(results: list[LayerResult], device: torch.device, dtype: torch.dtype) -> None:
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    base = results[0].median_ms
-    print(f"\nweft bench layer: {results[0].config}, {results[0].world_size} x {name}, {dtype}, "
-          f"{results[0].tokens_per_rank} tokens/rank, {results[0].activation} experts, fwd+bwd")
-    print(f"{'capacity':>10} {'median ms':>10} {'vs first':>9} {'TFLOP/s/rank':>13} {'dropped':>8}")
-    for r in results:
-        cap = "dropless" if r.capacity_factor is None else f"{r.capacity_factor:g}"
-        print(f"{cap:>10} {r.median_ms:>10.3f} {r.median_ms / base:>8.2f}x {r.tflops_per_rank:>13.1f} "
-              f"{r.dropped_share:>8.1%}")
+def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> dict:
+    name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    return {
+        "config": config, **cfg.__dict__, "tokens_per_rank": tokens, "activation": activation,
+        "dtype": str(dtype).replace("torch.", ""), "optimizer": optimizer, "baseline": baseline,
+        "world_size": ctx.world_size, "device": name, "torch": torch.__version__,
+        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
+                    profile_steps, ctx) -> list[dict]:
+    device = ctx.device
+    torch.manual_seed(0)
+    moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
+              device=device, dtype=dtype)
+    gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)
+    inputs = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
+    grads = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
+
+    MODES["plain"](moe)
+    x0 = inputs[0].detach().requires_grad_()
+    y0 = moe(x0)
+    y0.backward(grads[0])
+    reference = (y0.detach().float(), x0.grad.float())
+    dropped = _slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
+    moe.zero_grad(set_to_none=True)
+
+    rows = []
+    for mode in modes:
+        row = {"config": config, "mode": mode, "capacity_factor": cf, "activation": activation,
+               "tokens_per_rank": tokens, "world_size": ctx.world_size, "dropped_share": dropped}
+        try:
+            forward, params, description = _mode_forward(mode, moe, cfg, cf, activation, dtype, device,
+                                                         ctx.world_size)
+        except Exception as e:  # a peer that cannot run here is reported, not fatal
+            row.update(median_ms=None, error=f"{type(e).__name__}: {e}")
+            rows.append(row)
+            continue
+        row["description"] = description
+        row["max_abs_error"] = None if mode in NOT_THE_LAYER_FUNCTION else _max_error(forward, x0, grads[0], reference)
+        opt = _optimizer(optimizer, params)
+        step = _step_fn(forward, params, inputs, grads, opt)
+        row["median_ms"] = _slowest(median_ms(step, steps, warmup, device), device)
+        row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
+        if device.type == "cuda" and profile_steps > 0:
+            trace = None
+            if trace_dir:
+                cap = "dropless" if cf is None else f"cf{cf:g}"
+                trace = Path(trace_dir) / f"{config}_{cap}_{mode}_rank{ctx.rank}.json"
+            row["decomposition"] = profile_decomposition(lambda: step(0), profile_steps, trace).to_dict()
+        rows.append(row)
+    MODES["plain"](moe)
+    return rows
+
+
+def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size):
+    if mode in MODES:
+        MODES[mode](moe)
+        return moe, list(moe.parameters()), f"weft {mode}"
+    from weft.bench.peers import build_peer
+
+    peer = build_peer(mode, cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cf, activation, dtype, device,
+                      world_size)
+    return peer.forward, list(peer.module.parameters()), peer.description
+
+
+def _optimizer(name: str, params: list[torch.nn.Parameter]):
+    if name == "none":
+        return None
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-6)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-6)
+    raise ValueError(f"unknown optimizer {name!r}; choose none, sgd or adamw")
+
+
+def _step_fn(forward, params, inputs, grads, opt) -> Callable[[int], None]:
+    xs = [x.detach().requires_grad_() for x in inputs]
+
+    def step(i: int) -> None:
+        x = xs[i % len(xs)]
+        forward(x).backward(grads[i % len(grads)])
+        if opt is not None:
+            opt.step()
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    return step
+
+
+def print_table(report: dict) -> None:
+    meta, rows = report["meta"], report["results"]
+    print(f"\nweft bench layer: {meta['config']} (E{meta['num_experts']} k{meta['top_k']} {meta['dim']}x"
+          f"{meta['hidden_dim']}), {meta['world_size']} x {meta['device']}, {meta['dtype']}, "
+          f"{meta['tokens_per_rank']} tokens/rank, {meta['activation']} experts, fwd+bwd"
+          f"{'' if meta['optimizer'] == 'none' else ' + ' + meta['optimizer']}"
+          f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
+    head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'vs ' + meta['baseline']:>9} {'max err':>9} "
+            f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
+    print(head)
+    for r in rows:
+        cap = "dropless" if r["capacity_factor"] is None else f"{r['capacity_factor']:g}"
+        if r.get("median_ms") is None:
+            print(f"{cap:>9} {r['mode']:>10}  unavailable: {r.get('error', '?')[:150]}")
+            continue
+        d = r.get("decomposition") or {}
+        err = "n/a" if r.get("max_abs_error") is None else f"{r['max_abs_error']:.1e}"
+        ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
+        hidden = "" if d.get("hidden_share") is None else f"{d['hidden_share']:.0%}"
+        comm = f"{d['comm_ms']:.3f}" if d else ""
+        exposed = f"{d['comm_only_ms']:.3f}" if d else ""
+        print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {ratio:>9} {err:>9} {comm:>8} {exposed:>8} "
+              f"{hidden:>7} {r['tflops_per_rank']:>8.1f}")

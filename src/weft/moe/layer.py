@@ -92,6 +92,10 @@ class MoE(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
+        # Benchmarks only: False keeps every token on its rank (no all-to-all) while the local
+        # experts do the same amount of work: the no-communication optimum that overlap can
+        # reach. The output is then NOT the layer's function.
+        self.communicate = True
 
     def extra_repr(self) -> str:
         return (
@@ -151,11 +155,11 @@ class MoE(nn.Module):
     def _exchange_and_compute(self, buffer: torch.Tensor, cap: int) -> torch.Tensor:
         """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
         ep, local, dim = self.ep_size, self.num_local_experts, self.dim
-        received = all_to_all(buffer, self.group)  # (W * El * C, dim), source-major
+        received = self._all_to_all(buffer)  # (W * El * C, dim), source-major
         flexible = received.view(ep, local, cap, dim).transpose(0, 1).reshape(local, ep * cap, dim)
         out = self.experts(flexible)
         out = out.view(local, ep, cap, dim).transpose(0, 1).reshape(ep * local * cap, dim)
-        return all_to_all(out, self.group)
+        return self._all_to_all(out)
 
     # -- dropless: counts first, then exactly the routed rows (all-to-allv), grouped GEMM --------
     def _dropless(self, tokens: torch.Tensor, choice: TokenChoice, slots: SlotPositions) -> torch.Tensor:
@@ -173,19 +177,22 @@ class MoE(nn.Module):
 
     def _exchange_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local_experts
-        recv_counts = all_to_all_counts(counts, self.group)  # (W*El,): [source][local expert]
+        recv_counts = all_to_all_counts(counts, self.group) if self.communicate else counts
         sent, received = torch.stack([counts, recv_counts]).view(2, ep, local).tolist()
         send_splits = [sum(r) for r in sent]
         recv_splits = [sum(r) for r in received]
         per_expert = [sum(r[i] for r in received) for i in range(local)]
-        recv = all_to_all(send, self.group, recv_splits, send_splits)
+        recv = self._all_to_all(send, recv_splits, send_splits)  # rows by [source][local expert]
         # Rows arrive grouped by source rank; the experts want them grouped by local expert.
         expert_of_row = torch.arange(local, device=recv.device).repeat(ep)
         expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=recv.shape[0])
         by_expert = torch.sort(expert_of_row, stable=True).indices
         out = self.experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
         out = torch.zeros_like(out).index_copy(0, by_expert, out)
-        return all_to_all(out, self.group, send_splits, recv_splits)
+        return self._all_to_all(out, send_splits, recv_splits)
+
+    def _all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None) -> torch.Tensor:
+        return all_to_all(x, self.group, output_splits, input_splits) if self.communicate else x
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):

@@ -1,0 +1,113 @@
+"""Time decomposition of a profiled step (Lancet fig. 13): how much communication is hidden.
+
+GPU kernels from a PyTorch profiler trace are split into communication (NCCL and other
+collective kernels) and computation (everything else). With C the union of communication
+intervals and K the union of computation intervals:
+    overlapped = |C n K|, non-overlapped comm = |C| - overlapped,
+    non-overlapped compute = |K| - overlapped, hidden share = overlapped / |C|.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+Interval = tuple[float, float]
+COMM_KERNEL_MARKERS = ("nccl", "all_to_all", "alltoall", "allreduce", "all_reduce", "reduce_scatter", "allgather")
+
+
+@dataclass
+class Decomposition:
+    """Per-step milliseconds of each part, and the share of communication hidden under compute."""
+
+    comm_ms: float
+    compute_ms: float
+    comm_only_ms: float
+    overlap_ms: float
+    compute_only_ms: float
+    hidden_share: float | None  # None when there was no communication
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def merge(intervals: Iterable[Interval]) -> list[Interval]:
+    """Union of intervals as sorted, disjoint intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(s, e) for s, e in merged]
+
+
+def length(merged: list[Interval]) -> float:
+    return sum(e - s for s, e in merged)
+
+
+def overlap_length(a: list[Interval], b: list[Interval]) -> float:
+    """|A n B| for two merged interval lists (two-pointer sweep)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def decompose(comm: Iterable[Interval], compute: Iterable[Interval], steps: int = 1, unit_ms: float = 1e-3) -> Decomposition:
+    """Decompose kernel intervals (in microseconds by default) into per-step milliseconds."""
+    c, k = merge(comm), merge(compute)
+    comm_t, comp_t, both = length(c), length(k), overlap_length(c, k)
+    scale = unit_ms / max(steps, 1)
+    return Decomposition(
+        comm_ms=comm_t * scale,
+        compute_ms=comp_t * scale,
+        comm_only_ms=(comm_t - both) * scale,
+        overlap_ms=both * scale,
+        compute_only_ms=(comp_t - both) * scale,
+        hidden_share=(both / comm_t) if comm_t > 0 else None,
+    )
+
+
+def is_comm_kernel(name: str) -> bool:
+    lowered = name.lower()
+    return any(marker in lowered for marker in COMM_KERNEL_MARKERS)
+
+
+def kernel_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
+    """(communication, computation) GPU intervals of a Chrome trace exported by torch.profiler."""
+    comm, compute = [], []
+    for event in trace.get("traceEvents", []):
+        if event.get("ph") != "X" or event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        interval = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
+        (comm if is_comm_kernel(event.get("name", "")) else compute).append(interval)
+    return comm, compute
+
+
+def profile_decomposition(step: Callable[[], None], steps: int = 5, trace_path: str | Path | None = None) -> Decomposition:
+    """Run `step` under the CUDA profiler `steps` times and decompose its GPU time per step."""
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(trace_path) if trace_path else Path(tmp) / "trace.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+        trace = json.loads(path.read_text())
+    return decompose(*kernel_intervals(trace), steps=steps)

@@ -1,0 +1,33 @@
+"""`weft bench layer` end to end on 2 gloo ranks: every mode, both capacity regimes, JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weft.bench import layer
+from weft.testing import DistributedTestError, run_distributed
+
+
+def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
+    out = tmp_path / "tiny.json"
+    run_distributed(layer.run, 2, args=("tiny", 64, (1.0, None), "swiglu", None, 3, 1, str(out),
+                                        ("plain", "no-comm", "megatron")), timeout=300)
+    report = json.loads(out.read_text())
+    assert report["meta"]["world_size"] == 2 and report["meta"]["tokens_per_rank"] == 64
+    rows = report["results"]
+    assert [(r["capacity_factor"], r["mode"]) for r in rows] == [
+        (1.0, "plain"), (1.0, "no-comm"), (1.0, "megatron"), (None, "plain"), (None, "no-comm"), (None, "megatron")]
+    for r in rows:
+        if r["mode"] == "megatron":  # not installed here: reported, not fatal
+            assert r["median_ms"] is None and r["error"]
+            continue
+        assert r["median_ms"] > 0 and r["ratio"] == pytest.approx(r["median_ms"] / next(
+            b["median_ms"] for b in rows if b["mode"] == "plain" and b["capacity_factor"] == r["capacity_factor"]))
+        assert r["max_abs_error"] == (0.0 if r["mode"] == "plain" else None)
+        assert "decomposition" not in r  # the profiler decomposition is GPU-only
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(DistributedTestError, match=r"unknown modes \['fastest'\]"):
+        run_distributed(layer.run, 1, args=("tiny", 16, (1.0,), "relu", None, 1, 1, None, ("fastest",)))

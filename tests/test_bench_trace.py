@@ -1,0 +1,43 @@
+"""The time-decomposition arithmetic on synthetic kernel intervals."""
+from __future__ import annotations
+
+import pytest
+
+from weft.bench.trace import decompose, is_comm_kernel, kernel_intervals, merge, overlap_length
+
+
+def test_merge_and_overlap():
+    assert merge([(5, 7), (0, 2), (1, 3), (7, 8), (9, 9)]) == [(0, 3), (5, 8)]
+    assert overlap_length([(0, 3), (5, 8)], [(2, 6), (7, 10)]) == 1 + 1 + 1
+
+
+def test_fully_exposed_communication():
+    d = decompose(comm=[(0, 1000)], compute=[(1000, 3000)], steps=1)
+    assert (d.comm_ms, d.compute_ms, d.overlap_ms) == (1.0, 2.0, 0.0)
+    assert d.comm_only_ms == 1.0 and d.compute_only_ms == 2.0 and d.hidden_share == 0.0
+
+
+def test_partly_hidden_communication_over_two_steps():
+    # Per step: comm 0-400 us, compute 100-1100 us -> 300 us of comm hidden, 100 us exposed.
+    comm = [(0, 400), (2000, 2400)]
+    compute = [(100, 600), (600, 1100), (2100, 3100)]
+    d = decompose(comm, compute, steps=2)
+    assert d.comm_ms == pytest.approx(0.4) and d.compute_ms == pytest.approx(1.0)
+    assert d.overlap_ms == pytest.approx(0.3) and d.comm_only_ms == pytest.approx(0.1)
+    assert d.compute_only_ms == pytest.approx(0.7) and d.hidden_share == pytest.approx(0.75)
+
+
+def test_no_communication_has_no_hidden_share():
+    assert decompose([], [(0, 10)]).hidden_share is None
+
+
+def test_kernel_classification_from_a_chrome_trace():
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 0, "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16", "ts": 10, "dur": 100},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 200, "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},
+    ]}
+    comm, compute = kernel_intervals(trace)
+    assert comm == [(0.0, 50.0)] and compute == [(10.0, 110.0), (200.0, 205.0)]
+    assert is_comm_kernel("ncclKernel_AllToAll_RING") and not is_comm_kernel("vectorized_elementwise_kernel")
