@@ -3,8 +3,8 @@
 # `weft bench comm`, then `weft bench layer` for every config with NVLink and with
 # NCCL_P2P_DISABLE=1. Logs and JSON go to a work folder packed into $OUT/gpu_check.tar.gz
 # (default OUT: ./gpu_out); the tables are printed last.
-# Knobs: CONFIGS, MODES, STEPS, OPTIMIZER, ACTIVATION, PEER_ACTIVATION, SKIP_TESTS, SKIP_TRAIN,
-# SKIP_COMM, TRAIN_STEPS.
+# Knobs: CONFIGS, PEER_CONFIGS, MODES, STEPS, OPTIMIZER, ACTIVATION, PEER_ACTIVATION, SKIP_TESTS,
+# SKIP_TRAIN, SKIP_COMM, TRAIN_STEPS, BUDGET_S (no new benchmark starts after that many seconds).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
@@ -38,25 +38,28 @@ if [ "${SKIP_TRAIN:-0}" != 1 ]; then
   python3 -m weft plot "$WORK/train_tiny" > /dev/null 2>&1 || status=1
 fi
 
-for regime in nvlink p2p_disabled; do
-  env_p2p=""; [ "$regime" = p2p_disabled ] && env_p2p="NCCL_P2P_DISABLE=1"
-  if [ "${SKIP_COMM:-0}" != 1 ]; then
-    env $env_p2p $RUN bench comm --json "$WORK/comm_${regime}.json" > "$WORK/comm_${regime}.log" 2>&1 || status=1
-  fi
-  for cfg in $CONFIGS; do
-    env $env_p2p $RUN bench layer --config "$cfg" --capacity 1.0,dropless --activation "$ACTIVATION" \
-      --dtype bf16 --steps "$STEPS" --optimizer "$OPTIMIZER" --modes "$MODES" \
-      --json "$WORK/layer_${cfg}_${regime}.json" > "$WORK/layer_${cfg}_${regime}.log" 2>&1 || status=1
-  done
-done
-# The peers implement gated (swiglu) experts: one more pass with them on the NVLink regime.
+deadline=$((SECONDS + ${BUDGET_S:-100000}))  # stop starting benchmarks after BUDGET_S seconds
+have_time() { [ "$SECONDS" -lt "$deadline" ] || { echo "budget spent: skipping $*" >> "$WORK/skipped.txt"; return 1; }; }
+p2p_env() { [ "$1" = p2p_disabled ] && echo "NCCL_P2P_DISABLE=1"; }
+bench_comm() {  # regime
+  [ "${SKIP_COMM:-0}" = 1 ] && return 0; have_time "comm $1" || return 0
+  env $(p2p_env "$1") $RUN bench comm --json "$WORK/comm_$1.json" > "$WORK/comm_$1.log" 2>&1 || status=1
+}
+bench_layer() {  # config activation regime
+  have_time "layer $*" || return 0
+  env $(p2p_env "$3") $RUN bench layer --config "$1" --capacity 1.0,dropless --activation "$2" --dtype bf16 \
+    --steps "$STEPS" --optimizer "$OPTIMIZER" --modes "$MODES" \
+    --json "$WORK/layer_$1_$2_$3.json" > "$WORK/layer_$1_$2_$3.log" 2>&1 || status=1
+}
+# Most important first, so a time budget cuts the least useful runs: NVLink, then the peers'
+# gated (swiglu) experts, then the bandwidth-limited regime.
+bench_comm nvlink
+for cfg in $CONFIGS; do bench_layer "$cfg" "$ACTIVATION" nvlink; done
 if [ -n "$PEER_ACTIVATION" ] && [ "$PEER_ACTIVATION" != "$ACTIVATION" ]; then
-  for cfg in $CONFIGS; do
-    $RUN bench layer --config "$cfg" --capacity 1.0,dropless --activation "$PEER_ACTIVATION" --dtype bf16 \
-      --steps "$STEPS" --optimizer "$OPTIMIZER" --modes "$MODES" \
-      --json "$WORK/layer_${cfg}_${PEER_ACTIVATION}_nvlink.json" > "$WORK/layer_${cfg}_${PEER_ACTIVATION}_nvlink.log" 2>&1 || status=1
-  done
+  for cfg in ${PEER_CONFIGS:-$CONFIGS}; do bench_layer "$cfg" "$PEER_ACTIVATION" nvlink; done
 fi
+bench_comm p2p_disabled
+for cfg in $CONFIGS; do bench_layer "$cfg" "$ACTIVATION" p2p_disabled; done
 
 cat "$WORK/machine.txt"
 echo "== GPU tests =="; tail -n 3 "$WORK/gpu_tests.log" 2>/dev/null
@@ -72,7 +75,8 @@ print(f"steps {len(rows)}  final loss {rows[-1]['loss']:.3f}  median tokens/s {s
       + (f"  median MFU {statistics.median(mfu):.1%}" if mfu else ""))
 PY
 done
-for f in "$WORK"/comm_*.log; do [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; tail -n 30 "$f"; }; done
+for f in "$WORK"/comm_*.log; do [ -f "$f" ] && { echo "== $(basename "$f" .log) =="; grep -E "all_to_all|all_reduce" "$f" | tail -n 20; }; done
+[ -f "$WORK/skipped.txt" ] && cat "$WORK/skipped.txt"
 for f in "$WORK"/layer_*.log; do
   echo "== $(basename "$f" .log) =="; grep -A12 "weft bench layer" "$f" || tail -n 20 "$f"
 done

@@ -125,4 +125,4 @@ def test_bench_comm_on_two_gloo_ranks(tmp_path: Path):
 
 def test_model_defaults_to_a_file_beside_the_json(tmp_path: Path):
     run_distributed(comm.run, 2, args=([4096], ("all_reduce",), 2, 0, str(tmp_path / "c.json")), timeout=60)
-    assert CommCostModel.from_json(tmp_path / "comm_model.json").collectives == ["all_reduce"]
+    assert CommCostModel.from_json(tmp_path / "c.model.json").collectives == ["all_reduce"]

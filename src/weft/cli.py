@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     com.add_argument("--collectives", default="all_to_all,all_reduce")
     com.add_argument("--steps", type=_positive_int, default=20)
     com.add_argument("--warmup", type=_positive_int, default=5)
-    com.add_argument("--json", default=None, help="write the measurements here (and comm_model.json beside it)")
+    com.add_argument("--json", default=None, help="write the measurements here (and the fitted model as <stem>.model.json beside it)")
     com.add_argument("--model", default=None, help="where to write the fitted piecewise-linear cost model")
     com.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
     com.add_argument("--device", choices=["cpu", "cuda"], default=None)
@@ -227,11 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    import torch.distributed as dist
+
     try:
         ns.run(ns, ns.parser)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # nobody tears down while a peer is still inside a collective
     finally:
-        import torch.distributed as dist
-
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 

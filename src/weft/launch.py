@@ -46,6 +46,7 @@ def _worker(fn, rank, world_size, port, backend, env, args, results) -> None:
         # the parent must see the root cause first. The parent terminates the survivors.
         results.put(("error", rank, traceback.format_exc()))
         return
+    dist.barrier()  # nobody tears down while a peer is still inside a collective
     dist.destroy_process_group()
     results.put(("ok", rank, value))
 

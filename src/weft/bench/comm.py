@@ -134,7 +134,7 @@ def run(
     Call on every rank of an initialised world (torchrun, or `weft.launch.run_distributed`).
     `sizes` defaults to 1 KiB..256 MiB in powers of 4 (to 16 MiB on the CPU); `dtype` to bf16
     on GPUs and fp32 on the CPU. `json_path` receives the table, `model_path` the fitted
-    `CommCostModel` (default: comm_model.json beside `json_path`; neither given: not written).
+    `CommCostModel` (default: `<json stem>.model.json` beside `json_path`; neither given: not written).
     """
     ctx = init_distributed()
     if not dist.is_initialized():
@@ -184,7 +184,7 @@ def run(
             path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
             print(f"wrote {path}")
         if model_path is None and json_path:
-            model_path = str(Path(json_path).with_name("comm_model.json"))
+            model_path = str(Path(json_path).with_suffix(".model.json"))
         if model_path:
             print(f"wrote {fit_cost_model(results, ctx.backend, device_name).to_json(model_path)}")
     return results

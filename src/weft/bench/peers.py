@@ -1,0 +1,297 @@
+"""Other libraries' MoE layers, set up for `weft bench layer`.
+
+There are two peers, built with the same shapes as weft's layer:
+
+* ``torchtitan``: torchtitan's ``MoE`` (``torchtitan.models.common.moe``, tested with 0.3.0).
+* ``megatron``: Megatron-Core's ``MoELayer`` with the all-to-all token dispatcher (tested with
+  0.19.2).
+
+Each peer is imported only inside :func:`build_peer`, so weft never needs them. Call
+:func:`build_peer` on every rank after torch.distributed is initialised. Experts are split over
+all ``world_size`` ranks (expert parallel), with no tensor or pipeline parallelism. Each
+``PeerLayer.forward`` takes and returns ``(tokens, dim)`` tensors, and the result can be
+backpropagated through.
+
+The peers are not dependencies of weft. On a machine without network, put their wheels in
+``.whl/`` (``pip download --no-deps`` of torchtitan==0.3.0, spmd_types==0.2.3, tyro,
+docstring-parser, typeguard, typing_extensions>=4.13, megatron-core==0.19.2) and install them
+beside the system's torch::
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+PEERS = ("torchtitan", "megatron")
+_ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
+_INIT_STD = 0.02
+_SEED = 1234
+_EP_MESHES: dict[tuple[str, int], object] = {}  # (device type, world size) -> torchtitan's EP DeviceMesh
+_TORCH_SHIMS: list[str] = []  # what was added to torch for a peer, once per process
+
+
+class PeerUnavailable(RuntimeError):
+    """The peer cannot run here: it is not installed, it fails to import, or it does not support
+    the requested configuration. The message gives the reason."""
+
+
+@dataclass
+class PeerLayer:
+    """One peer's MoE layer behind a common interface.
+
+    Attributes:
+        module: the peer's own ``nn.Module`` (its parameters are the layer's parameters).
+        description: how the peer is configured (dispatcher, expert GEMMs, capacity handling).
+        run: maps ``(T, D)`` to ``(T, D)``; :meth:`forward` calls it.
+    """
+
+    module: nn.Module
+    description: str
+    run: Callable[[torch.Tensor], torch.Tensor]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``(tokens, dim)``; returns ``(tokens, dim)``."""
+        if x.dim() != 2:
+            raise ValueError(f"expected x of shape (tokens, dim), got {tuple(x.shape)}")
+        return self.run(x)
+
+    __call__ = forward
+
+
+def build_peer(
+    name: str,
+    dim: int,
+    hidden_dim: int,
+    num_experts: int,
+    top_k: int,
+    capacity_factor: float | None,
+    activation: str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    world_size: int,
+) -> PeerLayer:
+    """Build peer ``name`` with weft's layer shapes, with experts split over ``world_size`` ranks.
+
+    ``capacity_factor`` None means dropless. A number means a fixed capacity: tokens over it are
+    dropped and the expert inputs are padded up to it. Raises ``ValueError`` for an unknown peer
+    or impossible shapes, and :class:`PeerUnavailable` when the peer cannot run this here.
+    """
+    if name not in PEERS:
+        raise ValueError(f"unknown peer {name!r}; choose from {PEERS}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose from {_ACTIVATIONS}")
+    if world_size < 1 or num_experts % world_size:
+        raise ValueError(f"num_experts ({num_experts}) must be a multiple of world_size ({world_size})")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k ({top_k}) must be in [1, num_experts={num_experts}]")
+    if capacity_factor is not None and capacity_factor <= 0:
+        raise ValueError(f"capacity_factor must be positive or None, got {capacity_factor}")
+    device = torch.device(device)
+    build = _build_torchtitan if name == "torchtitan" else _build_megatron
+    return build(dim, hidden_dim, num_experts, top_k, capacity_factor, activation, dtype, device, world_size)
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+def _import(package: str, modules: tuple[str, ...], wheel: str) -> list:
+    """Import ``modules`` of ``package``, turning every failure into PeerUnavailable."""
+    try:
+        found = importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise PeerUnavailable(f"{package} is not installed (install the wheel {wheel}; see peers.py)")
+    try:
+        with warnings.catch_warnings():  # both warn about missing Apex / Transformer Engine at import
+            warnings.simplefilter("ignore")
+            return [importlib.import_module(m) for m in modules]
+    except Exception as e:  # an import can fail on any API mismatch, not only ImportError
+        raise PeerUnavailable(f"importing {package} failed: {type(e).__name__}: {e}") from e
+
+
+def _version(dist_name: str) -> str:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown version"
+
+
+def _check_distributed(world_size: int) -> None:
+    if not dist.is_initialized():
+        raise RuntimeError("build_peer needs torch.distributed initialised (NCCL) on every rank first")
+    if dist.get_world_size() != world_size:
+        raise ValueError(f"world_size {world_size} != torch.distributed world size {dist.get_world_size()}")
+
+
+# -- torchtitan ------------------------------------------------------------------------------
+
+def _build_torchtitan(dim, hidden_dim, num_experts, top_k, capacity_factor, activation, dtype, device,
+                      world_size) -> PeerLayer:
+    """torchtitan's MoE: token-choice top-k router, GroupedExperts (SwiGLU, torch._grouped_mm) and
+    AllToAllTokenDispatcher. The experts are split over the ranks by hand: each rank builds only its
+    ``E / W`` experts as plain tensors, which is what ``to_local()`` of torchtitan's Shard(0)
+    expert weights gives. torchtitan's own ParallelDims / ``Module.parallelize`` route is not used."""
+    if capacity_factor is not None:
+        raise PeerUnavailable(
+            "torchtitan 0.3.0's MoE is dropless only: its all-to-all dispatcher (AllToAllTokenDispatcher) "
+            "has no capacity factor. The only capacity setting, HybridEPTokenDispatcher's "
+            "non_blocking_capacity_factor, needs DeepEP's HybridEP kernels")
+    if activation != "swiglu":
+        raise PeerUnavailable(f"torchtitan's GroupedExperts is SwiGLU only (w1, w3, silu, w2); {activation!r} "
+                              "experts are not offered")
+    moe_mod, disp_mod, lin_mod, utils_mod = _import(
+        "torchtitan", ("torchtitan.models.common.moe", "torchtitan.models.common.token_dispatcher",
+                       "torchtitan.models.common.linear", "torchtitan.distributed.utils"), "torchtitan==0.3.0")
+    if world_size > 1 or dist.is_initialized():  # one process without torch.distributed is fine here
+        _check_distributed(world_size)
+    if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # used by the dispatcher; not in torch 2.11
+        torch.compiler._is_non_strict_tracing = lambda: False
+        _TORCH_SHIMS.append("torch.compiler._is_non_strict_tracing (absent in this torch) shimmed to False")
+    # "partial_dtensor" sends the dispatcher down plain funcol all_to_all_single on its EP mesh.
+    # The default, "spmd_types", needs meshes that only torchtitan's trainer registers.
+    utils_mod.set_spmd_backend("partial_dtensor")
+
+    num_local = num_experts // world_size
+    config = moe_mod.MoE.Config(
+        num_experts=num_experts,
+        load_balance_coeff=None,  # no expert-bias load balancing: the layer function alone
+        router=moe_mod.TokenChoiceTopKRouter.Config(
+            num_experts=num_experts, top_k=top_k, score_func="softmax", route_norm=True,
+            gate=lin_mod.Linear.Config(in_features=dim, out_features=num_experts, bias=False)),
+        routed_experts=moe_mod.RoutedExperts.Config(
+            inner_experts=moe_mod.GroupedExperts.Config(dim=dim, hidden_dim=hidden_dim, num_experts=num_local),
+            token_dispatcher=disp_mod.AllToAllTokenDispatcher.Config(num_experts=num_experts, top_k=top_k)),
+    )
+    with torch.device(device):
+        moe = config.build()
+    experts = moe.routed_experts.inner_experts
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    gen = torch.Generator(device=device).manual_seed(_SEED + 7919 * rank)
+    with torch.no_grad():
+        for w in (experts.w1_EFD, experts.w2_EDF, experts.w3_EFD):
+            w.normal_(0.0, _INIT_STD, generator=gen)
+        for p in moe.parameters():  # buffers (token counts) stay float32
+            p.data = p.data.to(dtype)
+    mesh = None
+    if world_size > 1:
+        key = (device.type, world_size)
+        if key not in _EP_MESHES:
+            from torch.distributed.device_mesh import init_device_mesh
+            _EP_MESHES[key] = init_device_mesh(device.type, (world_size,), mesh_dim_names=("ep",))
+        mesh = _EP_MESHES[key]
+    moe.routed_experts.token_dispatcher.wire_meshes(ep_mesh=mesh)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return moe(x.reshape(1, x.shape[0], x.shape[1])).reshape(x.shape)
+
+    description = (
+        f"torchtitan {_version('torchtitan')} MoE (torchtitan.models.common.moe), dropless: "
+        f"TokenChoiceTopKRouter softmax top-{top_k} with route_norm (gate under fp32 autocast), no expert-bias "
+        f"balancing; GroupedExperts SwiGLU on torch._grouped_mm in bf16, {num_local} local of {num_experts} "
+        f"experts, params {str(dtype).replace('torch.', '')}; "
+        + (f"AllToAllTokenDispatcher over a 1-D 'ep' DeviceMesh of {world_size} ranks (funcol "
+           "all_to_all_single with host-synced split sizes, spmd_backend=partial_dtensor)"
+           if mesh is not None else "LocalTokenDispatcher path (EP=1, no all-to-all)")
+        + "; experts sharded by hand (no ParallelDims/FSDP/compile)"
+        + "".join(f"; {s}" for s in _TORCH_SHIMS))
+    return PeerLayer(moe, description, run)
+
+
+# -- Megatron-Core ---------------------------------------------------------------------------
+
+def _require_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise PeerUnavailable("Megatron-Core's MoELayer needs CUDA (it allocates on torch.cuda.current_device() "
+                              "and copies split sizes on a CUDA side stream)")
+
+
+def _megatron_parallel_state(parallel_state, tensor_parallel, world_size: int, device: torch.device) -> None:
+    """Expert-parallel groups over all ranks (TP = PP = 1), set up once per process. Reseeding
+    Megatron's RNG tracker leaves the caller's CUDA RNG state as it was."""
+    ready = parallel_state.model_parallel_is_initialized()
+    if ready and (parallel_state.get_expert_model_parallel_world_size() != world_size
+                  or parallel_state.get_tensor_model_parallel_world_size() != 1):
+        parallel_state.destroy_model_parallel()
+        ready = False
+    if not ready:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+            expert_model_parallel_size=world_size, create_gloo_process_groups=False)
+    rng = torch.cuda.get_rng_state(device)
+    tensor_parallel.model_parallel_cuda_manual_seed(_SEED)
+    torch.cuda.set_rng_state(rng, device)
+
+
+def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activation, dtype, device,
+                    world_size) -> PeerLayer:
+    """Megatron-Core's MoELayer from the local (no Transformer Engine) spec: TopKRouter,
+    MoEAlltoAllTokenDispatcher and SequentialMLP experts, with EP over all ranks."""
+    ps, tp, cfg_mod, specs = _import(
+        "megatron.core", ("megatron.core.parallel_state", "megatron.core.tensor_parallel",
+                          "megatron.core.transformer.transformer_config", "megatron.core.models.gpt.moe_module_specs"),
+        "megatron-core==0.19.2")
+    _require_cuda(device)
+    _check_distributed(world_size)
+    torch.cuda.set_device(device)
+    _megatron_parallel_state(ps, tp, world_size, device)
+
+    act = {"relu": torch.nn.functional.relu, "gelu": torch.nn.functional.gelu,
+           "silu": torch.nn.functional.silu, "swiglu": torch.nn.functional.silu}[activation]
+    padded = capacity_factor is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = cfg_mod.TransformerConfig(
+            num_layers=1, hidden_size=dim, num_attention_heads=1,  # attention is not built
+            ffn_hidden_size=hidden_dim, moe_ffn_hidden_size=hidden_dim,
+            num_moe_experts=num_experts, moe_router_topk=top_k,
+            moe_router_pre_softmax=top_k == 1,  # Megatron requires it for top-1 softmax routing
+            moe_router_score_function="softmax", moe_router_dtype="fp32",
+            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+            moe_token_dispatcher_type="alltoall",
+            moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=padded,
+            moe_token_drop_policy="probs",
+            moe_grouped_gemm=False,  # grouped GEMM experts (TEGroupedMLP) need Transformer Engine
+            moe_permute_fusion=False, moe_router_fusion=False,
+            activation_func=act, gated_linear_unit=activation == "swiglu",
+            add_bias_linear=False, bias_activation_fusion=False, gradient_accumulation_fusion=False,
+            hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=1, pipeline_model_parallel_size=1, expert_model_parallel_size=world_size,
+            sequence_parallel=False,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            init_method_std=_INIT_STD, use_cpu_initialization=False, perform_initialization=True,
+        )
+        spec = specs.get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False)
+        layer = spec(config=config)
+    layer.to(device)  # the router weight is created on the CPU
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out, bias = layer(x.reshape(x.shape[0], 1, x.shape[1]))  # Megatron's layout is [S, B, D]
+        if bias is not None:
+            out = out + bias
+        return out.reshape(x.shape)
+
+    if padded:
+        capacity = (f"capacity factor {capacity_factor:g}: per source rank and expert "
+                    f"ceil(T*{top_k}/{num_experts}*{capacity_factor:g}) slots, tokens over it dropped (probs "
+                    "policy), expert inputs padded to capacity (fixed-size all-to-all, no host sync)")
+    else:
+        capacity = "dropless (variable all-to-all splits, host sync for the split sizes)"
+    act_desc = "swiglu (gated_linear_unit, silu)" if activation == "swiglu" else activation
+    description = (
+        f"Megatron-Core {_version('megatron-core')} MoELayer, local spec without Transformer Engine: "
+        f"TopKRouter softmax top-{top_k} (fp32 router, no aux loss), MoEAlltoAllTokenDispatcher over EP={world_size} "
+        f"(TP=1, unfused permute), SequentialMLP experts ({num_experts // world_size} local; a per-expert loop of "
+        f"ColumnParallelLinear/RowParallelLinear, no grouped GEMM), activation {act_desc}, no bias, "
+        f"params {str(dtype).replace('torch.', '')}; {capacity}")
+    return PeerLayer(layer, description, run)
