@@ -31,3 +31,11 @@ def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
 def test_unknown_mode_is_refused():
     with pytest.raises(DistributedTestError, match=r"unknown modes \['fastest'\]"):
         run_distributed(layer.run, 1, args=("tiny", 16, (1.0,), "relu", None, 1, 1, None, ("fastest",)))
+
+
+def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
+    out = tmp_path / "sgd.json"
+    run_distributed(layer.run, 2, args=("tiny", 64, (1.0,), "relu", None, 3, 1, str(out), ("plain", "d2", "d4"),
+                                        "plain", "sgd"), timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    assert [r["max_abs_error"] for r in rows] == [0.0, 0.0, 0.0]

@@ -1,8 +1,9 @@
 """Process groups for expert parallelism, launch helpers and gradient reduction.
 
-The only global state weft relies on is torch.distributed's own process-group registry: every
-module takes its group explicitly, and `None` means "the default group if one is initialised,
-else a single process".
+The only global state weft relies on is process groups: torch.distributed's own registry, and
+the cache of hierarchical (2DH) groups below, which exists because building them is a collective
+that must not be repeated per call. Every module takes its group explicitly, and `None` means
+"the default group if one is initialised, else a single process".
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from torch import nn
 __all__ = [
     "DistContext",
     "MoEGroups",
+    "HierarchicalGroups",
     "init_distributed",
     "build_moe_groups",
+    "hierarchical_groups",
     "resolve_group",
     "group_rank",
     "group_size",
@@ -122,6 +125,119 @@ def build_moe_groups(ep_size: int | None = None, device_type: str | None = None)
     mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     ep, edp = mesh.get_group("ep"), mesh.get_group("edp")
     return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size)
+
+
+@dataclass(frozen=True)
+class HierarchicalGroups:
+    """An EP group seen as `num_nodes` nodes of `local_size` consecutive group ranks (for 2DH).
+
+    Group rank `r` is local index `r % local_size` on node `r // local_size`. `intra`: the ranks
+    of this rank's node, in local-index order; `inter`: the ranks with this rank's local index,
+    in node order. Both are None only for a single process or a group of one rank.
+    """
+
+    intra: dist.ProcessGroup | None
+    inter: dist.ProcessGroup | None
+    local_size: int
+    num_nodes: int
+
+    @property
+    def size(self) -> int:
+        """The size of the EP group the two levels together span."""
+        return self.local_size * self.num_nodes
+
+
+# The one weft-owned registry of process groups (see the module docstring): the hierarchical
+# groups of (EP group, local size), since building them is a world-wide collective.
+_HIERARCHICAL_GROUPS: dict[tuple[dist.ProcessGroup, int], HierarchicalGroups] = {}
+
+
+def _ranks_in_group_order(group: dist.ProcessGroup) -> list[int]:
+    """Global ranks of `group`, ordered by their rank inside it."""
+    return sorted(dist.get_process_group_ranks(group), key=lambda g: dist.get_group_rank(group, g))
+
+
+def _default_local_size(ranks: list[int]) -> int:
+    """How many ranks of the group share this rank's node (LOCAL_WORLD_SIZE ranks per node)."""
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        return len(ranks)
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    node = dist.get_rank() // per_node
+    return sum(1 for r in ranks if r // per_node == node)
+
+
+def _check_layout(ranks: tuple[int, ...], local_size: int, seen: dict[tuple[int, ...], int]) -> None:
+    size = len(ranks)
+    if local_size < 1 or size % local_size != 0:
+        raise ValueError(f"local_size ({local_size}) must be a positive divisor of the group size ({size})")
+    if seen.setdefault(ranks, local_size) != local_size:
+        raise ValueError(
+            f"the ranks of group {list(ranks)} disagree on local_size ({seen[ranks]} vs {local_size}); "
+            "pass the same local_size on every rank"
+        )
+
+
+def _new_group(ranks: list[int]) -> dist.ProcessGroup:
+    # Keep the given order: a subgroup's rank must equal the local index (intra) or node (inter).
+    if ranks == sorted(ranks):
+        return dist.new_group(ranks)
+    return dist.new_group(ranks, sort_ranks=False)
+
+
+def hierarchical_groups(
+    group: dist.ProcessGroup | None = None, local_size: int | None = None
+) -> HierarchicalGroups:
+    """Split `group` (None: the default group) into node-local and cross-node groups for 2DH.
+
+    The group's ranks, in group-rank order, form nodes of `local_size` consecutive ranks.
+    `local_size` defaults to the number of the group's ranks on this rank's node, nodes being
+    `LOCAL_WORLD_SIZE` consecutive global ranks (so `LOCAL_WORLD_SIZE` for node-aligned groups
+    spanning whole nodes; the group size when the variable is unset). It must divide the
+    group size.
+
+    Collective over the whole world: every rank of the default group calls it, in the same
+    order, each with its own EP group (they may differ). Results are cached per
+    (group, local_size), so build them once, e.g. when a layer is constructed.
+    """
+    if not dist.is_initialized():
+        if local_size not in (None, 1):
+            raise ValueError(f"local_size ({local_size}) must be a positive divisor of the group size (1)")
+        return HierarchicalGroups(None, None, 1, 1)
+    group = resolve_group(group)
+    ranks = _ranks_in_group_order(group)
+    local_size = _default_local_size(ranks) if local_size is None else local_size
+    key = (group, local_size)
+    if key in _HIERARCHICAL_GROUPS:
+        return _HIERARCHICAL_GROUPS[key]
+
+    # Every rank learns every EP group's layout, so all create the same subgroups in the same
+    # order (new_group is a world collective). Checking all layouts on every rank makes a bad
+    # local_size raise everywhere instead of leaving the other ranks waiting.
+    layouts: list[tuple[tuple[int, ...], int]] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(layouts, (tuple(ranks), local_size))
+    seen: dict[tuple[int, ...], int] = {}
+    _check_layout(tuple(ranks), local_size, seen)
+    for layout in layouts:
+        _check_layout(*layout, seen)
+
+    created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for members, size in sorted(set(layouts)):
+        if len(members) == 1:
+            continue
+        nodes = [members[i : i + size] for i in range(0, len(members), size)]
+        same_local = [members[i::size] for i in range(size)]
+        for sub in nodes + same_local:
+            if sub not in created:
+                created[sub] = _new_group(list(sub))
+    intra = inter = None
+    if len(ranks) > 1:
+        pos = ranks.index(dist.get_rank())
+        node_start = pos - pos % local_size
+        intra = created[tuple(ranks[node_start : node_start + local_size])]
+        inter = created[tuple(ranks[pos % local_size :: local_size])]
+    result = HierarchicalGroups(intra, inter, local_size, len(ranks) // local_size)
+    _HIERARCHICAL_GROUPS[key] = result
+    return result
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:

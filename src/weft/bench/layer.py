@@ -45,16 +45,27 @@ CONFIGS = {
 
 
 def _plain(moe: MoE) -> None:
-    moe.communicate = True
+    moe.communicate, moe.overlap_degree = True, 1
 
 
 def _no_comm(moe: MoE) -> None:
-    moe.communicate = False
+    moe.communicate, moe.overlap_degree = False, 1
+
+
+def _pipelined(degree: int) -> Callable[[MoE], None]:
+    def configure(moe: MoE) -> None:
+        if moe.capacity_factor is None:
+            raise ValueError("overlap_degree > 1 is not implemented for dropless yet")
+        moe.communicate, moe.overlap_degree = True, degree
+
+    return configure
 
 
 # Mode name -> how it configures the layer. Modes must compute the plain layer's function,
-# except `no-comm`, which is a measurement device.
-MODES: dict[str, Callable[[MoE], None]] = {"plain": _plain, "no-comm": _no_comm}
+# except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N.
+MODES: dict[str, Callable[[MoE], None]] = {
+    "plain": _plain, "no-comm": _no_comm, "d2": _pipelined(2), "d4": _pipelined(4), "d8": _pipelined(8),
+}
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 
@@ -185,19 +196,30 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     dropped = _slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
     moe.zero_grad(set_to_none=True)
 
-    rows = []
+    # Check every mode against plain before any timing: the optimizer steps of the timing loop
+    # change the weights, so a later check would compare against stale reference outputs.
+    built, rows = {}, []
     for mode in modes:
         row = {"config": config, "mode": mode, "capacity_factor": cf, "activation": activation,
                "tokens_per_rank": tokens, "world_size": ctx.world_size, "dropped_share": dropped}
+        rows.append(row)
         try:
             forward, params, description = _mode_forward(mode, moe, cfg, cf, activation, dtype, device,
                                                          ctx.world_size)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             row.update(median_ms=None, error=f"{type(e).__name__}: {e}")
-            rows.append(row)
             continue
         row["description"] = description
         row["max_abs_error"] = None if mode in NOT_THE_LAYER_FUNCTION else _max_error(forward, x0, grads[0], reference)
+        moe.zero_grad(set_to_none=True)
+        built[mode] = (forward, params)
+    for row in rows:
+        mode = row["mode"]
+        if mode not in built:
+            continue
+        forward, params = built[mode]
+        if mode in MODES:
+            MODES[mode](moe)
         opt = _optimizer(optimizer, params)
         step = _step_fn(forward, params, inputs, grads, opt)
         row["median_ms"] = _slowest(median_ms(step, steps, warmup, device), device)
@@ -208,7 +230,6 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 cap = "dropless" if cf is None else f"cf{cf:g}"
                 trace = Path(trace_dir) / f"{config}_{cap}_{mode}_rank{ctx.rank}.json"
             row["decomposition"] = profile_decomposition(lambda: step(0), profile_steps, trace).to_dict()
-        rows.append(row)
     MODES["plain"](moe)
     return rows
 

@@ -1,4 +1,4 @@
-"""Differentiable all-to-all over a process group.
+"""Differentiable all-to-all over a process group: linear (one call) or 2DH (two levels).
 
 The backward of an all-to-all is the all-to-all of the output gradient with the split sizes
 swapped, so gradients of tokens sent to an expert's owner flow back to the sender.
@@ -8,7 +8,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from weft.distributed import group_size
+from weft.comm.two_dim import all_to_all_2dh
+from weft.distributed import HierarchicalGroups, group_size, hierarchical_groups
+
+ALGOS = ("linear", "2dh")
 
 
 class _AllToAll(torch.autograd.Function):
@@ -37,16 +40,36 @@ def all_to_all(
     group: dist.ProcessGroup | None,
     output_splits: list[int] | None = None,
     input_splits: list[int] | None = None,
+    algo: str = "linear",
+    groups_2dh: HierarchicalGroups | None = None,
 ) -> torch.Tensor:
     """All-to-all along dim 0, differentiable.
 
     With no splits, dim 0 is cut into W equal chunks and chunk i goes to rank i (fixed size).
     With splits (all-to-allv), `input_splits[i]` rows go to rank i and `output_splits[i]` rows
-    arrive from rank i. A single-process group returns `x` unchanged.
+    arrive from rank i. A single-process group (or None) returns `x` unchanged.
+
+    `algo="2dh"` computes the same fixed-size exchange hierarchically (Tutel appendix A) over
+    `groups_2dh`, the `hierarchical_groups(group)` of this group. Building those is a collective
+    over the whole world, so build them ahead of time (e.g. at layer construction) and pass
+    them; left None, they are built (once, then cached) here, which every rank must reach.
     """
-    if group_size(group) == 1:
+    if algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if algo == "2dh" and (output_splits is not None or input_splits is not None):
+        raise ValueError("algo='2dh' needs equal splits: pass no output_splits/input_splits")
+    world = group_size(group)
+    if world == 1:
         return x
-    return _AllToAll.apply(x, group, output_splits, input_splits)
+    if algo == "linear":
+        return _AllToAll.apply(x, group, output_splits, input_splits)
+    groups_2dh = hierarchical_groups(group) if groups_2dh is None else groups_2dh
+    if groups_2dh.size != world:
+        raise ValueError(
+            f"groups_2dh spans {groups_2dh.num_nodes} x {groups_2dh.local_size} ranks, "
+            f"but the group has {world}"
+        )
+    return all_to_all_2dh(x, groups_2dh)
 
 
 def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

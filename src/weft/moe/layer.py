@@ -6,6 +6,7 @@ checked against this layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import EllipsisType
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from weft.distributed import group_rank, group_size, resolve_group
 from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
 from weft.moe.dispatch import combine, dispatch_padded
 from weft.moe.experts import ACTIVATIONS, Experts
+from weft.moe.pipeline import pipelined_exchange
 from weft.moe.gates import (
     GATES,
     CosineRouter,
@@ -54,9 +56,13 @@ class MoE(nn.Module):
         activation: "relu", "gelu", "silu" or "swiglu".
         normalize_gates: divide the k gates of a token by their sum (k > 1).
         group: expert-parallel process group; None = the default group if initialised.
+        overlap_degree: d > 1 cuts the capacity into d chunks so the all-to-all of one chunk
+            overlaps the experts of another (Tutel 3.2); same result as 1. Padded modes only.
         cosine_proj_dim: projection width of the cosine router.
 
-    After each forward: `aux_loss`, `z_loss` (scalars) and `stats` (`MoEStats`).
+    `moe(x, top_k=..., capacity_factor=..., overlap_degree=...)` overrides those settings for
+    one call (Tutel's dynamic top-ANY and capacity). After each forward: `aux_loss`, `z_loss`
+    (scalars) and `stats` (`MoEStats`).
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class MoE(nn.Module):
         normalize_gates: bool = True,
         group: dist.ProcessGroup | None = None,
         *,
+        overlap_degree: int = 1,
         cosine_proj_dim: int = 256,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -79,9 +86,11 @@ class MoE(nn.Module):
         self.group = resolve_group(group)
         ep_size = group_size(self.group)
         _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size)
+        _check_overlap(overlap_degree, capacity_factor)
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
         self.top_k, self.gate, self.capacity_factor = top_k, gate, capacity_factor
         self.normalize_gates, self.ep_size = normalize_gates, ep_size
+        self.overlap_degree = overlap_degree
         self.num_local_experts = num_experts // ep_size
         if gate == "cosine":
             self.router = CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim).to(device)
@@ -104,7 +113,30 @@ class MoE(nn.Module):
             f"ep_size={self.ep_size}"
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        top_k: int | None = None,
+        capacity_factor: float | None | EllipsisType = ...,
+        overlap_degree: int | None = None,
+    ) -> torch.Tensor:
+        """y = MoE(x); keyword arguments override the layer's settings for this call only."""
+        saved = (self.top_k, self.capacity_factor, self.overlap_degree)
+        top_k = self.top_k if top_k is None else top_k
+        capacity_factor = self.capacity_factor if capacity_factor is ... else capacity_factor
+        overlap_degree = self.overlap_degree if overlap_degree is None else overlap_degree
+        if (top_k, capacity_factor, overlap_degree) != saved:
+            _check_config(self.dim, self.hidden_dim, self.num_experts, top_k, self.gate, capacity_factor,
+                          self.experts.activation, self.ep_size)
+            _check_overlap(overlap_degree, capacity_factor)
+        self.top_k, self.capacity_factor, self.overlap_degree = top_k, capacity_factor, overlap_degree
+        try:
+            return self._forward(x)
+        finally:
+            self.top_k, self.capacity_factor, self.overlap_degree = saved
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         tokens = x.reshape(-1, self.dim)
         logits = self.router(tokens)
@@ -155,6 +187,8 @@ class MoE(nn.Module):
     def _exchange_and_compute(self, buffer: torch.Tensor, cap: int) -> torch.Tensor:
         """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
         ep, local, dim = self.ep_size, self.num_local_experts, self.dim
+        if self.overlap_degree > 1 and self.communicate:
+            return pipelined_exchange(buffer, self.experts, self.group, ep, local, cap, self.overlap_degree)
         received = self._all_to_all(buffer)  # (W * El * C, dim), source-major
         flexible = received.view(ep, local, cap, dim).transpose(0, 1).reshape(local, ep * cap, dim)
         out = self.experts(flexible)
@@ -201,6 +235,14 @@ class MoE(nn.Module):
             raise TypeError(f"MoE input must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
+
+
+def _check_overlap(overlap_degree, capacity_factor) -> None:
+    if isinstance(overlap_degree, bool) or not isinstance(overlap_degree, int) or overlap_degree < 1:
+        raise ValueError(f"overlap_degree must be a positive integer, got {overlap_degree!r}")
+    if overlap_degree > 1 and capacity_factor is None:
+        raise ValueError("overlap_degree > 1 needs a padded capacity mode (capacity_factor not None); "
+                         "pipelining the dropless all-to-allv is not implemented yet")
 
 
 def _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size) -> None:

@@ -1,0 +1,93 @@
+"""Tutel's pipelined exchange (overlap_degree d) computes exactly the layer of degree 1, and the
+per-call overrides of top_k / capacity_factor equal a layer built with those settings."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft import MoE
+from weft.moe.pipeline import chunk_bounds
+from weft.testing import run_distributed
+
+DIM, HIDDEN, EXPERTS, TOKENS = 16, 24, 8, 24
+
+
+def _run(moe: MoE, x: torch.Tensor, dy: torch.Tensor, **overrides):
+    moe.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = moe(x, **overrides)
+    (y.float() * dy).sum().backward()
+    return y.detach().float(), x.grad.float(), {n: p.grad.float().clone() for n, p in moe.named_parameters()}
+
+
+def pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu") -> list[str]:
+    rank = dist.get_rank()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    failures = []
+    cases = itertools.product(("topk", "expert_choice"), (1.0, 0, -1.0), (2, 4, 8), dtypes)
+    for gate, cap, degree, dtype in cases:
+        if gate == "expert_choice" and cap <= 0:
+            continue
+        torch.manual_seed(0)
+        moe = MoE(DIM, HIDDEN, EXPERTS, top_k=2, gate=gate, capacity_factor=cap, activation="swiglu", dtype=dtype,
+                  device=device)
+        gen = torch.Generator().manual_seed(10 + rank)
+        x = (torch.randn(TOKENS, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype)
+        dy = torch.randn(TOKENS, DIM, generator=gen).to(device)
+        y1, gx1, g1 = _run(moe, x, dy)
+        yd, gxd, gd = _run(moe, x, dy, overlap_degree=degree)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        label = f"rank {rank} gate={gate} cf={cap} d={degree} {dtype}"
+        for name, a, b in [("y", yd, y1), ("dx", gxd, gx1)] + [(n, gd[n], g1[n]) for n in g1]:
+            err = float((a - b).norm() / b.norm().clamp_min(1e-12))
+            if err > tol:
+                failures.append(f"{label}: {name} rel err {err:.2e}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_every_overlap_degree_matches_degree_one(world_size):
+    failures = [f for rank in run_distributed(pipeline_worker, world_size, timeout=300) for f in rank]
+    assert not failures, "\n".join(failures[:10])
+
+
+def test_chunk_bounds_cover_the_capacity():
+    assert chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert chunk_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
+    assert chunk_bounds(5, 1) == [(0, 5)]
+
+
+@pytest.mark.parametrize("top_k, cap", [(1, 2.0), (4, 0), (2, None), (3, -0.5)])
+def test_per_call_overrides_equal_a_layer_built_with_them(top_k, cap):
+    torch.manual_seed(0)
+    base = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.25)
+    built = MoE(DIM, HIDDEN, EXPERTS, top_k=top_k, capacity_factor=cap)
+    built.load_state_dict(base.state_dict())
+    x, dy = torch.randn(TOKENS, DIM), torch.randn(TOKENS, DIM)
+    y_over, gx_over, g_over = _run(base, x, dy, top_k=top_k, capacity_factor=cap)
+    assert (base.top_k, base.capacity_factor) == (2, 1.25)  # the override lasted one call
+    over_stats = base.stats
+    y_built, gx_built, g_built = _run(built, x, dy)
+    torch.testing.assert_close(y_over, y_built)
+    torch.testing.assert_close(gx_over, gx_built)
+    for name in g_built:
+        torch.testing.assert_close(g_over[name], g_built[name])
+    assert over_stats.capacity == built.stats.capacity and int(over_stats.dropped) == int(built.stats.dropped)
+
+
+def test_bad_overrides_and_degrees_are_refused():
+    moe = MoE(DIM, HIDDEN, EXPERTS, top_k=2)
+    x = torch.randn(4, DIM)
+    with pytest.raises(ValueError, match=r"top_k \(9\) must not exceed num_experts \(8\)"):
+        moe(x, top_k=9)
+    with pytest.raises(ValueError, match="overlap_degree must be a positive integer"):
+        moe(x, overlap_degree=0)
+    with pytest.raises(ValueError, match="overlap_degree > 1 needs a padded capacity mode"):
+        moe(x, capacity_factor=None, overlap_degree=2)
+    with pytest.raises(ValueError, match="overlap_degree > 1 needs a padded capacity mode"):
+        MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree=4)
+    assert moe.top_k == 2 and moe.overlap_degree == 1  # a refused call changes nothing
