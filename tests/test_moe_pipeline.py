@@ -55,6 +55,36 @@ def test_every_overlap_degree_matches_degree_one(world_size):
     assert not failures, "\n".join(failures[:10])
 
 
+def two_dim_worker() -> list[str]:
+    rank = dist.get_rank()
+    failures = []
+    for gate, cap, dtype in itertools.product(("topk", "bpr", "expert_choice"), (1.0, 0, -1.0), (torch.float32, torch.bfloat16)):
+        if gate == "expert_choice" and cap <= 0:
+            continue
+        torch.manual_seed(0)
+        linear = MoE(DIM, HIDDEN, EXPERTS, top_k=2, gate=gate, capacity_factor=cap, dtype=dtype)
+        torch.manual_seed(0)
+        two_dim = MoE(DIM, HIDDEN, EXPERTS, top_k=2, gate=gate, capacity_factor=cap, dtype=dtype, a2a_algo="2dh")
+        gen = torch.Generator().manual_seed(10 + rank)
+        x = (torch.randn(TOKENS, DIM, generator=gen) + torch.eye(DIM)[0]).to(dtype)
+        dy = torch.randn(TOKENS, DIM, generator=gen)
+        ref, got = _run(linear, x, dy), _run(two_dim, x, dy)
+        pairs = [("y", got[0], ref[0]), ("dx", got[1], ref[1])] + [(n, got[2][n], ref[2][n]) for n in ref[2]]
+        for name, a, b in pairs:
+            if not torch.equal(a, b):
+                failures.append(f"rank {rank} gate={gate} cf={cap} {dtype}: {name} differs by {float((a - b).abs().max()):.2e}")
+    groups = two_dim.groups_2dh
+    failures += [] if groups is None or groups.num_nodes * groups.local_size == dist.get_world_size() else ["bad groups"]
+    return failures
+
+
+@pytest.mark.parametrize("world_size, local_size", [(2, 1), (4, 2)])
+def test_two_dim_all_to_all_layer_equals_linear(world_size, local_size):
+    results = run_distributed(two_dim_worker, world_size, env={"LOCAL_WORLD_SIZE": local_size}, timeout=300)
+    failures = [f for rank in results for f in rank]
+    assert not failures, "\n".join(failures[:10])
+
+
 def test_chunk_bounds_cover_the_capacity():
     assert chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert chunk_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
@@ -90,4 +120,8 @@ def test_bad_overrides_and_degrees_are_refused():
         moe(x, capacity_factor=None, overlap_degree=2)
     with pytest.raises(ValueError, match="overlap_degree > 1 needs a padded capacity mode"):
         MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree=4)
+    with pytest.raises(ValueError, match="unknown a2a_algo 'ring'"):
+        MoE(DIM, HIDDEN, EXPERTS, a2a_algo="ring")
+    with pytest.raises(ValueError, match="a2a_algo='2dh' needs a padded capacity mode"):
+        MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, a2a_algo="2dh")
     assert moe.top_k == 2 and moe.overlap_degree == 1  # a refused call changes nothing

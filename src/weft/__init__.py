@@ -1,6 +1,8 @@
 """weft: Mixture-of-Experts training with communication woven through computation."""
-from weft.distributed import MoEGroups, build_moe_groups, init_distributed, reduce_gradients
+from weft.distributed import MoEGroups, build_moe_groups, hierarchical_groups, init_distributed, reduce_gradients
 from weft.moe import MoE, MoEStats
 
 __version__ = "0.1.0"
-__all__ = ["MoE", "MoEStats", "MoEGroups", "init_distributed", "build_moe_groups", "reduce_gradients"]
+__all__ = [
+    "MoE", "MoEStats", "MoEGroups", "init_distributed", "build_moe_groups", "hierarchical_groups", "reduce_gradients",
+]

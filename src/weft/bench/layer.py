@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from weft.bench.trace import profile_decomposition
-from weft.distributed import init_distributed
+from weft.distributed import hierarchical_groups, init_distributed
 from weft.moe import MoE
 
 
@@ -44,27 +44,26 @@ CONFIGS = {
 }
 
 
-def _plain(moe: MoE) -> None:
-    moe.communicate, moe.overlap_degree = True, 1
-
-
-def _no_comm(moe: MoE) -> None:
-    moe.communicate, moe.overlap_degree = False, 1
-
-
-def _pipelined(degree: int) -> Callable[[MoE], None]:
-    def configure(moe: MoE) -> None:
+def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = "linear") -> None:
+    if degree > 1 and moe.capacity_factor is None:
+        raise ValueError("overlap_degree > 1 is not implemented for dropless yet")
+    if algo == "2dh":
         if moe.capacity_factor is None:
-            raise ValueError("overlap_degree > 1 is not implemented for dropless yet")
-        moe.communicate, moe.overlap_degree = True, degree
-
-    return configure
+            raise ValueError("the 2DH all-to-all needs a padded capacity mode")
+        moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
+    moe.communicate, moe.overlap_degree, moe.a2a_algo = communicate, degree, algo
 
 
 # Mode name -> how it configures the layer. Modes must compute the plain layer's function,
-# except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N.
+# except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N;
+# `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks).
 MODES: dict[str, Callable[[MoE], None]] = {
-    "plain": _plain, "no-comm": _no_comm, "d2": _pipelined(2), "d4": _pipelined(4), "d8": _pipelined(8),
+    "plain": _configure,
+    "no-comm": lambda moe: _configure(moe, communicate=False),
+    "d2": lambda moe: _configure(moe, degree=2),
+    "d4": lambda moe: _configure(moe, degree=4),
+    "d8": lambda moe: _configure(moe, degree=8),
+    "2dh": lambda moe: _configure(moe, algo="2dh"),
 }
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")

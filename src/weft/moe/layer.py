@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.comm import all_to_all, all_to_all_counts
-from weft.distributed import group_rank, group_size, resolve_group
+from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
 from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
 from weft.moe.dispatch import combine, dispatch_padded
 from weft.moe.experts import ACTIVATIONS, Experts
@@ -58,6 +58,9 @@ class MoE(nn.Module):
         group: expert-parallel process group; None = the default group if initialised.
         overlap_degree: d > 1 cuts the capacity into d chunks so the all-to-all of one chunk
             overlaps the experts of another (Tutel 3.2); same result as 1. Padded modes only.
+        a2a_algo: "linear" (one all_to_all_single) or "2dh" (Tutel's two-level hierarchical
+            all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A); same result. Choosing
+            "2dh" builds its process groups here, a collective: construct the layer on every rank.
         cosine_proj_dim: projection width of the cosine router.
 
     `moe(x, top_k=..., capacity_factor=..., overlap_degree=...)` overrides those settings for
@@ -78,6 +81,7 @@ class MoE(nn.Module):
         group: dist.ProcessGroup | None = None,
         *,
         overlap_degree: int = 1,
+        a2a_algo: str = "linear",
         cosine_proj_dim: int = 256,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -87,10 +91,13 @@ class MoE(nn.Module):
         ep_size = group_size(self.group)
         _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size)
         _check_overlap(overlap_degree, capacity_factor)
+        _check_algo(a2a_algo, capacity_factor, overlap_degree)
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
         self.top_k, self.gate, self.capacity_factor = top_k, gate, capacity_factor
         self.normalize_gates, self.ep_size = normalize_gates, ep_size
         self.overlap_degree = overlap_degree
+        self.a2a_algo = a2a_algo
+        self.groups_2dh = hierarchical_groups(self.group) if a2a_algo == "2dh" else None
         self.num_local_experts = num_experts // ep_size
         if gate == "cosine":
             self.router = CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim).to(device)
@@ -130,6 +137,7 @@ class MoE(nn.Module):
             _check_config(self.dim, self.hidden_dim, self.num_experts, top_k, self.gate, capacity_factor,
                           self.experts.activation, self.ep_size)
             _check_overlap(overlap_degree, capacity_factor)
+            _check_algo(self.a2a_algo, capacity_factor, overlap_degree)
         self.top_k, self.capacity_factor, self.overlap_degree = top_k, capacity_factor, overlap_degree
         try:
             return self._forward(x)
@@ -226,7 +234,11 @@ class MoE(nn.Module):
         return self._all_to_all(out, send_splits, recv_splits)
 
     def _all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None) -> torch.Tensor:
-        return all_to_all(x, self.group, output_splits, input_splits) if self.communicate else x
+        if not self.communicate:
+            return x
+        if output_splits is None and self.a2a_algo == "2dh":
+            return all_to_all(x, self.group, algo="2dh", groups_2dh=self.groups_2dh)
+        return all_to_all(x, self.group, output_splits, input_splits)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -243,6 +255,15 @@ def _check_overlap(overlap_degree, capacity_factor) -> None:
     if overlap_degree > 1 and capacity_factor is None:
         raise ValueError("overlap_degree > 1 needs a padded capacity mode (capacity_factor not None); "
                          "pipelining the dropless all-to-allv is not implemented yet")
+
+
+def _check_algo(a2a_algo, capacity_factor, overlap_degree) -> None:
+    if a2a_algo not in ("linear", "2dh"):
+        raise ValueError(f"unknown a2a_algo {a2a_algo!r}; choose 'linear' or '2dh'")
+    if a2a_algo == "2dh" and capacity_factor is None:
+        raise ValueError("a2a_algo='2dh' needs a padded capacity mode: dropless exchanges uneven splits")
+    if a2a_algo == "2dh" and overlap_degree > 1:
+        raise ValueError("a2a_algo='2dh' with overlap_degree > 1 is not implemented yet")
 
 
 def _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size) -> None:
