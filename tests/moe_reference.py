@@ -6,6 +6,7 @@ token, masks instead of indices.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +65,13 @@ def no_drop_capacity(counts):
     return max(1, int(counts.max()))
 
 
+def exact_ceil(k, cf, T, E):
+    """ceil(k * cf * T / E) with cf taken as the decimal it was written as."""
+    return math.ceil(Fraction(k) * abs(Fraction(str(cf))) * T / E)
+
+
 def capacity(cf, k, T, E, group_no_drop):
-    bound = math.ceil(k * abs(cf) * T / E)
+    bound = exact_ceil(k, cf, T, E)
     if cf > 0:
         return max(1, bound)
     if cf == 0:

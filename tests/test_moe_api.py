@@ -93,3 +93,47 @@ def test_routing_never_materialises_tokens_by_experts_by_capacity(capacity_facto
     dense_one_hot = tokens * experts * cap
     linear_bound = tokens * k * dim + experts * cap * dim + tokens * experts
     assert mode.largest <= linear_bound < dense_one_hot / 50
+
+
+def test_capacity_is_the_exact_ceiling_of_the_decimal_factor():
+    # 1 * 1.1 * 100 / 2 is 55.000000000000007 in floats; the capacity is 55.
+    moe = MoE(8, 8, 2, top_k=1, capacity_factor=1.1)
+    moe(torch.randn(100, 8))
+    assert moe.stats.capacity == 55
+
+
+def test_router_runs_in_float32_under_autocast():
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 8, top_k=2, gate="topk", capacity_factor=None)
+    x = torch.randn(256, 16)
+    logits = moe.router(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        auto_logits = moe.router(x)
+        moe(x)
+    assert auto_logits.dtype == torch.float32 and torch.equal(auto_logits, logits)
+    assert moe.z_loss.dtype == torch.float32
+
+
+def test_an_inf_in_an_unused_expert_row_does_not_reach_dropped_tokens():
+    torch.manual_seed(0)
+    moe = MoE(8, 8, 2, top_k=1, capacity_factor=0.25)
+    x = torch.randn(32, 8)
+    with torch.no_grad():
+        moe.experts.w2[1].fill_(float("inf"))  # every token routed to expert 1 turns inf...
+        moe.router.weight[0] += 100.0 * x.mean(0)  # ...but almost all go to expert 0 and drop
+    y = moe(x)
+    assert int(moe.stats.dropped) > 0
+    finite_rows = torch.isfinite(y).all(dim=1)
+    assert finite_rows.sum() >= 32 - moe.stats.capacity  # only tokens kept by expert 1 may be inf
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_capacity_factor_is_refused(bad):
+    with pytest.raises(ValueError, match="capacity_factor must be finite"):
+        MoE(8, 8, 2, capacity_factor=bad)
+
+
+def test_a_rank_without_tokens_gets_finite_losses():
+    moe = MoE(8, 8, 4, capacity_factor=None)
+    y = moe(torch.randn(0, 8))
+    assert y.shape == (0, 8) and float(moe.aux_loss) == 0.0 and float(moe.z_loss) == 0.0

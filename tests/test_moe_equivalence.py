@@ -84,7 +84,7 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu") ->
     if cap is None:
         cap_ref = None
     elif gate == "expert_choice":
-        cap_ref = max(1, min(num_tokens, -(-int(k * cap * num_tokens * 100) // (EXPERTS * 100))))
+        cap_ref = max(1, min(num_tokens, ref.exact_ceil(k, cap, num_tokens, EXPERTS)))
     else:
         *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores)
         need = torch.tensor([ref.no_drop_capacity(ref.positions(experts, order, EXPERTS)[1])])

@@ -41,6 +41,9 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None =
     if "WORLD_SIZE" in os.environ:
         return fn(*args)
     use_cuda = torch.cuda.is_available() and device != "cpu"
+    if use_cuda and nproc != 2:
+        print(f"weft: using all {torch.cuda.device_count()} GPUs (--nproc applies to CPU runs; use "
+              f"CUDA_VISIBLE_DEVICES or torchrun to choose GPUs)", file=sys.stderr)
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("weft: error: --device cuda but no CUDA GPU is visible")
     from weft.launch import run_distributed
@@ -80,12 +83,30 @@ def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
         if cfg.data is not None and not Path(cfg.data).exists():
             raise FileNotFoundError(f"--data {cfg.data} does not exist")
         cfg.validate()
+        _check_world(cfg, ns.nproc)
         from weft.train.loop import check_run_dir
 
         check_run_dir(cfg)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     return cfg
+
+
+def _check_world(cfg, nproc: int) -> None:
+    """What can be known before spawning: the world and expert-parallel sizes fit the model."""
+    if "WORLD_SIZE" in os.environ:
+        world = int(os.environ["WORLD_SIZE"])
+    elif torch.cuda.is_available() and cfg.device != "cpu":
+        world = torch.cuda.device_count()
+    else:
+        world = nproc
+    ep = cfg.ep_size or world
+    if world % ep:
+        raise ValueError(f"--ep-size {ep} must divide the number of processes ({world})")
+    model = cfg.model_config()
+    if model.moe_every and model.num_experts % ep:
+        raise ValueError(f"the model's {model.num_experts} experts cannot be split over {ep} expert-parallel "
+                         f"ranks; choose --nproc/--ep-size dividing {model.num_experts}")
 
 
 def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -7,13 +7,13 @@ Computed with one stable sort: O(T*k log(T*k)), no (T, E) or (T, E, C) tensors.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from weft.distributed import group_size
+from weft.moe.gates import ceil_exact
 
 
 @dataclass
@@ -31,7 +31,9 @@ def slot_positions(experts: torch.Tensor, num_experts: int, order: torch.Tensor 
     slot_ids = (token_rank.unsqueeze(0) * k + torch.arange(k, device=experts.device).unsqueeze(1)).reshape(-1)
     ranked_experts = experts.reshape(-1)[slot_ids]
     sorted_experts, perm = torch.sort(ranked_experts, stable=True)
-    counts = torch.bincount(ranked_experts, minlength=num_experts)
+    # Counts from the sorted ids (bincount would read max/min back to the host on GPUs).
+    bounds = torch.searchsorted(sorted_experts, torch.arange(num_experts + 1, device=experts.device))
+    counts = bounds.diff()
     starts = torch.cumsum(counts, 0) - counts
     sorted_pos = torch.arange(slot_ids.numel(), device=experts.device) - starts[sorted_experts]
     sort_index = slot_ids[perm]
@@ -53,7 +55,7 @@ def capacity_for(
     cf > 0: max(1, ceil(k*cf*T/E)); cf == 0: the smallest C that drops nothing, agreed across
     the EP group; cf < 0: min(that no-drop C, ceil(k*|cf|*T/E)).
     """
-    bound = math.ceil(top_k * abs(capacity_factor) * num_tokens / num_experts)
+    bound = ceil_exact(top_k * abs(capacity_factor) * num_tokens / num_experts)
     if capacity_factor > 0:
         return max(1, bound)
     needed = counts.max().reshape(1).to(torch.int64)

@@ -19,9 +19,21 @@ def dispatch_padded(x: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, n
 
 
 def combine(
-    expert_out: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, gates: torch.Tensor, num_tokens: int
+    expert_out: torch.Tensor,
+    rows: torch.Tensor | None,
+    tokens: torch.Tensor,
+    gates: torch.Tensor,
+    num_tokens: int,
+    kept: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y[t] = sum over slots i of token t: gates[i] * expert_out[rows[i]], accumulated in float32."""
-    picked = expert_out.index_select(0, rows).float() * gates.unsqueeze(1)
+    """y[t] = sum over slots i of token t: gates[i] * expert_out[rows[i]], accumulated in float32.
+
+    `rows` None means slot i reads row i. Slots with `kept` False add exactly nothing (their
+    row is masked, not just multiplied by a zero gate, so an inf in an unused row stays out).
+    """
+    picked = expert_out if rows is None else expert_out.index_select(0, rows)
+    picked = picked.float() * gates.unsqueeze(1)
+    if kept is not None:
+        picked = torch.where(kept.unsqueeze(1), picked, 0.0)
     out = torch.zeros(num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
     return out.index_add(0, tokens, picked)

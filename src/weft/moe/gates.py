@@ -25,7 +25,8 @@ class LinearRouter(nn.Module):
         nn.init.normal_(self.weight, std=dim**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float() @ self.weight.float().t()
+        with torch.autocast(x.device.type, enabled=False):  # autocast would route in bf16
+            return x.float() @ self.weight.float().t()
 
     def _apply(self, fn, recurse=True):
         # Routing decisions are discrete: keep them in float32 even when the model is cast.
@@ -53,9 +54,10 @@ class CosineRouter(LinearRouter):
         self.log_scale = nn.Parameter(torch.tensor([math.log(1.0 / init_temperature)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.normalize(x.float() @ self.proj.weight.float().t(), dim=-1)
-        emb = F.normalize(self.weight.float(), dim=-1)
-        return (h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp()
+        with torch.autocast(x.device.type, enabled=False):
+            h = F.normalize(x.float() @ self.proj.weight.float().t(), dim=-1)
+            emb = F.normalize(self.weight.float(), dim=-1)
+            return (h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -80,9 +82,7 @@ def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def token_choice(
-    gate: str, logits: torch.Tensor, probs: torch.Tensor, k: int, normalize: bool
-) -> TokenChoice:
+def token_choice(gate: str, probs: torch.Tensor, k: int, normalize: bool) -> TokenChoice:
     """Route each token to k experts by the rule of `gate` (topk, bpr, cosine, random)."""
     if gate == "random":
         # Benchmark/ablation gate: experts drawn uniformly (torch's RNG), gates still learned.
@@ -101,7 +101,13 @@ def token_choice(
 
 def expert_choice_capacity(k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
     """Tokens each expert takes under expert choice: ceil(k * cf * T / E), within [1, T]."""
-    return max(1, min(num_tokens, math.ceil(k * capacity_factor * num_tokens / num_experts)))
+    return max(1, min(num_tokens, ceil_exact(k * capacity_factor * num_tokens / num_experts)))
+
+
+def ceil_exact(value: float) -> int:
+    """ceil of a product of decimal settings: round off float noise first, so that
+    ceil(1 * 1.1 * 100 / 2) is 55, not 56."""
+    return math.ceil(round(value, 9))
 
 
 def expert_choice(probs: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,6 +121,8 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, num_slots: in
     """Switch/GShard auxiliary loss `E * sum_e f_e * P_e` (f_e: share of slots routed to e
     before dropping, P_e: mean router probability of e)."""
     num_experts = probs.shape[1]
+    if probs.shape[0] == 0:
+        return probs.new_zeros(())
     f = counts.float() / max(num_slots, 1)
     p = probs.mean(dim=0)
     return num_experts * (f * p).sum()
@@ -122,4 +130,6 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor, num_slots: in
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE z-loss: mean over tokens of logsumexp(logits)^2."""
+    if logits.shape[0] == 0:
+        return logits.new_zeros(())
     return torch.logsumexp(logits, dim=-1).square().mean()

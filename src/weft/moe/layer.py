@@ -5,6 +5,7 @@ checked against this layer.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import EllipsisType
 
@@ -62,6 +63,11 @@ class MoE(nn.Module):
             all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A); same result. Choosing
             "2dh" builds its process groups here, a collective: construct the layer on every rank.
         cosine_proj_dim: projection width of the cosine router.
+
+    In the padded modes (capacity_factor not None) with cf > 0 and for expert choice, every rank
+    of the EP group must pass the same number of tokens: the capacity, and so the size of the
+    fixed all-to-all, comes from the local token count (as in Tutel). Dropless and cf <= 0 agree
+    on sizes across the group and accept uneven token counts.
 
     `moe(x, top_k=..., capacity_factor=..., overlap_degree=...)` overrides those settings for
     one call (Tutel's dynamic top-ANY and capacity). After each forward: `aux_loss`, `z_loss`
@@ -155,7 +161,7 @@ class MoE(nn.Module):
         if self.gate == "expert_choice":
             y = self._expert_choice(tokens, probs)
         else:
-            choice = token_choice(self.gate, logits, probs, self.top_k, self.normalize_gates)
+            choice = token_choice(self.gate, probs, self.top_k, self.normalize_gates)
             slots = slot_positions(choice.experts, self.num_experts, choice.order)
             self.aux_loss = load_balancing_loss(probs, slots.counts, tokens.shape[0] * self.top_k)
             if self.capacity_factor is None:
@@ -173,7 +179,7 @@ class MoE(nn.Module):
         token_ids = torch.arange(num_tokens, device=tokens.device).repeat_interleave(self.top_k)
         gates = (choice.gates * kept).reshape(-1)
         self.stats = MoEStats(slots.counts, (~kept).sum(), cap)
-        return self._padded(tokens, token_ids, rows, gates, cap)
+        return self._padded(tokens, token_ids, rows, gates, cap, kept.reshape(-1))
 
     def _expert_choice(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         num_tokens, num_experts = tokens.shape[0], self.num_experts
@@ -181,16 +187,17 @@ class MoE(nn.Module):
         chosen, gates = expert_choice(probs, cap)
         rows = torch.arange(num_experts * cap, device=tokens.device)
         self.aux_loss = probs.new_zeros(())  # balanced by construction
-        taken = torch.bincount(chosen.reshape(-1), minlength=num_tokens)
+        taken = torch.zeros(num_tokens, dtype=torch.long, device=tokens.device)
+        taken.index_add_(0, chosen.reshape(-1), torch.ones_like(chosen.reshape(-1)))
         counts = torch.full((num_experts,), cap, dtype=torch.long, device=tokens.device)
         self.stats = MoEStats(counts, (taken == 0).sum(), cap)
         return self._padded(tokens, chosen.reshape(-1), rows, gates.reshape(-1), cap)
 
-    def _padded(self, tokens, token_ids, rows, gates, cap: int) -> torch.Tensor:
+    def _padded(self, tokens, token_ids, rows, gates, cap: int, kept: torch.Tensor | None = None) -> torch.Tensor:
         num_rows = self.num_experts * cap
         buffer = dispatch_padded(tokens, token_ids, rows, num_rows)
         expert_out = self._exchange_and_compute(buffer, cap)
-        return combine(expert_out, rows.clamp(max=num_rows - 1), token_ids, gates, tokens.shape[0])
+        return combine(expert_out, rows.clamp(max=num_rows - 1), token_ids, gates, tokens.shape[0], kept)
 
     def _exchange_and_compute(self, buffer: torch.Tensor, cap: int) -> torch.Tensor:
         """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
@@ -214,8 +221,7 @@ class MoE(nn.Module):
             out = self.experts.forward_grouped(send, slots.counts.tolist())
         else:
             out = self._exchange_dropless(send, slots.counts)
-        rows = torch.arange(out.shape[0], device=out.device)
-        return combine(out, rows, token_ids, gates, tokens.shape[0])
+        return combine(out, None, token_ids, gates, tokens.shape[0])
 
     def _exchange_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local_experts
@@ -284,6 +290,8 @@ def _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, ac
         isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))
     ):
         raise TypeError(f"capacity_factor must be a number or None, got {capacity_factor!r}")
+    if capacity_factor is not None and not math.isfinite(capacity_factor):
+        raise ValueError(f"capacity_factor must be finite, got {capacity_factor!r}")
     if gate == "expert_choice" and (capacity_factor is None or capacity_factor <= 0):
         raise ValueError(
             f"gate 'expert_choice' needs capacity_factor > 0 (each expert takes ceil(k*cf*T/E) tokens), "

@@ -9,6 +9,8 @@ independent slice of the (El, W*C, dim) Flexible layout, so the result equals ov
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -44,7 +46,8 @@ class PipelinedExchange(torch.autograd.Function):
     """buffer (W*El*C, dim) in source layout -> expert outputs in the same layout."""
 
     @staticmethod
-    def forward(ctx, buffer, experts, group, ep, local, cap, degree, *params):
+    def forward(ctx, buffer, experts, group, ep, local, cap, degree, track, *params):
+        ctx.track = track
         dim = buffer.shape[-1]
         bounds = chunk_bounds(cap, degree)
         grid = buffer.view(ep, local, cap, dim)
@@ -54,8 +57,9 @@ class PipelinedExchange(torch.autograd.Function):
             _wait(handle)
             width = b - a
             flexible = recv.view(ep, local, width, dim).transpose(0, 1).reshape(local, ep * width, dim)
-            with torch.enable_grad():
-                inp = flexible.detach().requires_grad_()
+            # Keep each chunk's expert graph for backward, unless nothing needs gradients (eval).
+            with torch.enable_grad() if ctx.track else contextlib.nullcontext():
+                inp = flexible.detach().requires_grad_(ctx.track)
                 out = experts(inp)
             ctx.inputs.append(inp)
             ctx.outputs.append(out)
@@ -89,9 +93,10 @@ class PipelinedExchange(torch.autograd.Function):
             _wait(handle)
         grad_buffer = torch.cat([r.view(ep, local, b - a, dim) for (r, _), (a, b) in zip(sent, bounds)], dim=2)
         ctx.inputs = ctx.outputs = None  # free the saved graphs
-        return (grad_buffer.view(ep * local * cap, dim), None, None, None, None, None, None, *param_grads)
+        return (grad_buffer.view(ep * local * cap, dim), None, None, None, None, None, None, None, *param_grads)
 
 
 def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int, cap: int, degree: int) -> torch.Tensor:
-    params = [p for p in experts.parameters()]
-    return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, *params)
+    params = list(experts.parameters())
+    track = torch.is_grad_enabled() and (buffer.requires_grad or any(p.requires_grad for p in params))
+    return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, track, *params)

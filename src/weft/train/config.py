@@ -50,7 +50,7 @@ class TrainConfig:
     sample_prompt: str = "def "
 
     def __post_init__(self) -> None:
-        self.betas = tuple(self.betas)
+        self.betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else (self.betas,)
 
     @property
     def run_dir(self) -> Path:
@@ -63,6 +63,13 @@ class TrainConfig:
         return GPTConfig.from_dict({**base, **overrides})
 
     def validate(self) -> None:
+        numbers = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction")
+        for name in numbers:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"train.{name} must be a number, got {value!r}")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ValueError(f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
         positive = ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "ckpt_interval",
                     "log_interval")
         for name in positive:

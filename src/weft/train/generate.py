@@ -27,7 +27,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def generate_from_checkpoint(path: str | Path, prompt: str, tokens: int, temperature: float = 0.8,
                              seed: int = 0, device: str | None = None) -> str:
     ckpt = resolve_checkpoint(path)
-    model_cfg = GPTConfig.from_dict(verify_checkpoint(ckpt)["extra"]["model"])
+    extra = verify_checkpoint(ckpt).get("extra") or {}
+    if "model" not in extra:
+        raise ValueError(f"checkpoint {ckpt} has no model configuration (extra['model']); "
+                         "it was not written by `weft train`")
+    model_cfg = GPTConfig.from_dict(extra["model"])
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = GPT(model_cfg, group=None).to(dev)
     load_checkpoint(ckpt, model, None, MoEGroups(None, None, None, 1, 1))

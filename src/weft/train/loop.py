@@ -96,13 +96,15 @@ def sample(model: GPT, prompt: str, tokens: int, device: torch.device, temperatu
            top_k: int = 40, seed: int = 0) -> str:
     """Autoregressive sampling; collective under expert parallelism (every rank must call it).
 
-    MoE layers run dropless while sampling so a short batch never drops tokens.
+    Token-choice MoE layers run dropless while sampling so a short batch never drops tokens
+    (expert choice keeps its capacity: it has no dropless form).
     """
     tok = ByteTokenizer()
     model.eval()
     saved = [moe.capacity_factor for moe in model.moe_layers()]
     for moe in model.moe_layers():
-        moe.capacity_factor = None
+        if moe.gate != "expert_choice":
+            moe.capacity_factor = None
     gen = torch.Generator(device="cpu").manual_seed(seed)
     idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
     try:
@@ -162,6 +164,9 @@ def train(cfg: TrainConfig) -> dict:
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
         start = int(load_checkpoint(ckpt, model, optimizer, groups)["step"])
+    elif cfg.resume and ctx.rank == 0:
+        print(f"weft train: --resume but no complete checkpoint in {run_dir / 'checkpoints'}; starting at step 0",
+              flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl") if ctx.rank == 0 else None
     if ctx.rank == 0:
         (run_dir / "config.json").write_text(json.dumps(
