@@ -168,6 +168,18 @@ def _bench_plot(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error(str(e))
 
 
+def _tune(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.bench.layer import CONFIGS
+    from weft.tune.run import run
+
+    if ns.config not in CONFIGS:
+        parser.error(f"unknown --config {ns.config!r}; choose from {', '.join(CONFIGS)}")
+    if ns.capacity is None or ns.capacity <= 0:
+        parser.error("--capacity must be a positive capacity factor (tuning applies to the padded modes)")
+    args = (ns.config, ns.tokens_per_rank, ns.capacity, ns.activation, DTYPES[ns.dtype], ns.out, ns.trials, ns.a2a)
+    launch(run, args, ns.nproc, ns.device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -204,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
     pl.set_defaults(run=_plot, parser=pl)
 
+    tu = sub.add_parser("tune", help="time the equivalent settings of a layer config and save the fastest")
+    tu.add_argument("--config", default="tiny", help="mixtral, qwen2, phi35, deepseek or tiny")
+    tu.add_argument("--tokens-per-rank", type=_positive_int, default=None)
+    tu.add_argument("--capacity", type=float, default=1.0, help="capacity factor (> 0)")
+    tu.add_argument("--activation", default="relu", choices=["relu", "gelu", "silu", "swiglu"])
+    tu.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    tu.add_argument("--trials", type=_positive_int, default=3)
+    tu.add_argument("--a2a", default="auto", choices=["auto", "linear", "2dh"], help="all-to-all algorithms to try")
+    tu.add_argument("--out", default="tuning.json", help="tuning dictionary file (created or extended)")
+    tu.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
+    tu.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    tu.set_defaults(run=_tune, parser=tu)
+
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     lay = bench.add_parser("layer", help="time forward+backward of one MoE layer")
     lay.add_argument("--config", default="tiny", help="mixtral, qwen2, phi35, deepseek or tiny")
@@ -211,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per rank (default 4096; deepseek 1024, tiny 256)")
     lay.add_argument("--modes", default="plain,no-comm",
                      help="comma-separated: plain, no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
-                          "all-to-all), torchtitan, megatron (default plain,no-comm)")
+                          "all-to-all), auto (tuning dictionary), torchtitan, megatron (default plain,no-comm)")
     lay.add_argument("--baseline", default="plain", help="mode the ratios are relative to")
     lay.add_argument("--capacity", type=_capacity_list, default=(1.0, None),
                      help="comma-separated capacity factors, 'dropless' for None (default 1.0,dropless)")

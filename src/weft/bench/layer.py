@@ -24,6 +24,7 @@ import torch.distributed as dist
 from weft.bench.trace import profile_decomposition
 from weft.distributed import hierarchical_groups, init_distributed
 from weft.moe import MoE
+from weft.tune import TuningDictionary
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,19 @@ def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = 
     moe.communicate, moe.overlap_degree, moe.a2a_algo = communicate, degree, algo
 
 
+def _auto(moe: MoE) -> None:
+    """Tuning dictionary over degrees (and 2DH with several nodes); one trial per candidate, so
+    the check call and the warm-up steps finish tuning before the timed steps."""
+    if moe.groups_2dh is None:
+        moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
+    moe.tuning = TuningDictionary(trials=1)
+    moe.communicate, moe.overlap_degree, moe.a2a_algo = True, "auto", "auto"
+
+
 # Mode name -> how it configures the layer. Modes must compute the plain layer's function,
 # except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N;
-# `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks).
+# `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks); `auto`: Tutel 3.3's
+# tuning dictionary picks among them.
 MODES: dict[str, Callable[[MoE], None]] = {
     "plain": _configure,
     "no-comm": lambda moe: _configure(moe, communicate=False),
@@ -64,6 +75,7 @@ MODES: dict[str, Callable[[MoE], None]] = {
     "d4": lambda moe: _configure(moe, degree=4),
     "d8": lambda moe: _configure(moe, degree=8),
     "2dh": lambda moe: _configure(moe, algo="2dh"),
+    "auto": _auto,
 }
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")

@@ -20,6 +20,7 @@ from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
 from weft.moe.dispatch import combine, dispatch_padded
 from weft.moe.experts import ACTIVATIONS, Experts
 from weft.moe.pipeline import pipelined_exchange
+from weft.tune.dictionary import Setting, TuningDictionary, candidates_for
 from weft.moe.gates import (
     GATES,
     CosineRouter,
@@ -59,9 +60,13 @@ class MoE(nn.Module):
         group: expert-parallel process group; None = the default group if initialised.
         overlap_degree: d > 1 cuts the capacity into d chunks so the all-to-all of one chunk
             overlaps the experts of another (Tutel 3.2); same result as 1. Padded modes only.
+            "auto": the tuning dictionary picks d per capacity bucket (Tutel 3.3).
         a2a_algo: "linear" (one all_to_all_single) or "2dh" (Tutel's two-level hierarchical
-            all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A); same result. Choosing
-            "2dh" builds its process groups here, a collective: construct the layer on every rank.
+            all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A); same result; "auto"
+            lets the tuning dictionary choose. "2dh"/"auto" build process groups here, a
+            collective: construct the layer on every rank.
+        tuning: the `weft.tune.TuningDictionary` used by "auto" settings (shared between layers,
+            persisted if it has a path); default: a fresh in-memory one.
         cosine_proj_dim: projection width of the cosine router.
 
     In the padded modes (capacity_factor not None) with cf > 0 and for expert choice, every rank
@@ -86,8 +91,9 @@ class MoE(nn.Module):
         normalize_gates: bool = True,
         group: dist.ProcessGroup | None = None,
         *,
-        overlap_degree: int = 1,
+        overlap_degree: int | str = 1,
         a2a_algo: str = "linear",
+        tuning: TuningDictionary | None = None,
         cosine_proj_dim: int = 256,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -103,7 +109,8 @@ class MoE(nn.Module):
         self.normalize_gates, self.ep_size = normalize_gates, ep_size
         self.overlap_degree = overlap_degree
         self.a2a_algo = a2a_algo
-        self.groups_2dh = hierarchical_groups(self.group) if a2a_algo == "2dh" else None
+        self.groups_2dh = hierarchical_groups(self.group) if a2a_algo in ("2dh", "auto") else None
+        self.tuning = tuning if tuning is not None else TuningDictionary()
         self.num_local_experts = num_experts // ep_size
         if gate == "cosine":
             self.router = CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim).to(device)
@@ -132,7 +139,7 @@ class MoE(nn.Module):
         *,
         top_k: int | None = None,
         capacity_factor: float | None | EllipsisType = ...,
-        overlap_degree: int | None = None,
+        overlap_degree: int | str | None = None,
     ) -> torch.Tensor:
         """y = MoE(x); keyword arguments override the layer's settings for this call only."""
         saved = (self.top_k, self.capacity_factor, self.overlap_degree)
@@ -201,14 +208,20 @@ class MoE(nn.Module):
 
     def _exchange_and_compute(self, buffer: torch.Tensor, cap: int) -> torch.Tensor:
         """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
+        if self.communicate and "auto" in (self.overlap_degree, self.a2a_algo):
+            run = lambda setting: self._exchange_with(buffer, cap, setting)  # noqa: E731
+            return self.tuning.run(self, cap, candidates_for(self), run)
+        return self._exchange_with(buffer, cap, Setting(self.overlap_degree, self.a2a_algo))
+
+    def _exchange_with(self, buffer: torch.Tensor, cap: int, setting: Setting) -> torch.Tensor:
         ep, local, dim = self.ep_size, self.num_local_experts, self.dim
-        if self.overlap_degree > 1 and self.communicate:
-            return pipelined_exchange(buffer, self.experts, self.group, ep, local, cap, self.overlap_degree)
-        received = self._all_to_all(buffer)  # (W * El * C, dim), source-major
+        if setting.overlap_degree > 1 and self.communicate:
+            return pipelined_exchange(buffer, self.experts, self.group, ep, local, cap, setting.overlap_degree)
+        received = self._all_to_all(buffer, algo=setting.a2a_algo)  # (W * El * C, dim), source-major
         flexible = received.view(ep, local, cap, dim).transpose(0, 1).reshape(local, ep * cap, dim)
         out = self.experts(flexible)
         out = out.view(local, ep, cap, dim).transpose(0, 1).reshape(ep * local * cap, dim)
-        return self._all_to_all(out)
+        return self._all_to_all(out, algo=setting.a2a_algo)
 
     # -- dropless: counts first, then exactly the routed rows (all-to-allv), grouped GEMM --------
     def _dropless(self, tokens: torch.Tensor, choice: TokenChoice, slots: SlotPositions) -> torch.Tensor:
@@ -239,10 +252,10 @@ class MoE(nn.Module):
         out = torch.zeros_like(out).index_copy(0, by_expert, out)
         return self._all_to_all(out, send_splits, recv_splits)
 
-    def _all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None) -> torch.Tensor:
+    def _all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo="linear") -> torch.Tensor:
         if not self.communicate:
             return x
-        if output_splits is None and self.a2a_algo == "2dh":
+        if output_splits is None and algo == "2dh":
             return all_to_all(x, self.group, algo="2dh", groups_2dh=self.groups_2dh)
         return all_to_all(x, self.group, output_splits, input_splits)
 
@@ -256,19 +269,21 @@ class MoE(nn.Module):
 
 
 def _check_overlap(overlap_degree, capacity_factor) -> None:
+    if overlap_degree == "auto":
+        return
     if isinstance(overlap_degree, bool) or not isinstance(overlap_degree, int) or overlap_degree < 1:
-        raise ValueError(f"overlap_degree must be a positive integer, got {overlap_degree!r}")
+        raise ValueError(f"overlap_degree must be a positive integer or 'auto', got {overlap_degree!r}")
     if overlap_degree > 1 and capacity_factor is None:
         raise ValueError("overlap_degree > 1 needs a padded capacity mode (capacity_factor not None); "
                          "pipelining the dropless all-to-allv is not implemented yet")
 
 
 def _check_algo(a2a_algo, capacity_factor, overlap_degree) -> None:
-    if a2a_algo not in ("linear", "2dh"):
-        raise ValueError(f"unknown a2a_algo {a2a_algo!r}; choose 'linear' or '2dh'")
+    if a2a_algo not in ("linear", "2dh", "auto"):
+        raise ValueError(f"unknown a2a_algo {a2a_algo!r}; choose 'linear', '2dh' or 'auto'")
     if a2a_algo == "2dh" and capacity_factor is None:
         raise ValueError("a2a_algo='2dh' needs a padded capacity mode: dropless exchanges uneven splits")
-    if a2a_algo == "2dh" and overlap_degree > 1:
+    if a2a_algo == "2dh" and overlap_degree != "auto" and overlap_degree > 1:
         raise ValueError("a2a_algo='2dh' with overlap_degree > 1 is not implemented yet")
 
 

@@ -1,0 +1,4 @@
+"""Adaptive choices (Tutel 3.3): the tuning dictionary that picks the fastest equivalent setting."""
+from weft.tune.dictionary import Setting, TuningDictionary
+
+__all__ = ["Setting", "TuningDictionary"]

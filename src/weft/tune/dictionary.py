@@ -1,0 +1,150 @@
+"""Tutel's tuning dictionary (Tutel 3.3): per capacity bucket floor(C / R), the fastest of several
+mathematically identical settings of the expert exchange (pipelining degree d, all-to-all
+algorithm), measured the first times the bucket is seen and reused afterwards.
+
+Every candidate computes the same outputs and gradients, so tuning changes only speed. The
+measuring calls run in the same order on every rank (the capacity, and so the bucket, is the
+same across the EP group); the decision is taken on the group's rank 0 and broadcast, so all
+ranks always run the same setting. Decisions can be persisted as JSON and reloaded.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.distributed as dist
+
+from weft.distributed import group_rank, group_size
+
+if TYPE_CHECKING:
+    from weft.moe.layer import MoE
+
+DEGREES = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Setting:
+    overlap_degree: int
+    a2a_algo: str
+
+    @property
+    def name(self) -> str:
+        return f"d{self.overlap_degree}-{self.a2a_algo}"
+
+
+def candidates_for(layer: MoE) -> list[Setting]:
+    """The settings to try: every degree if `overlap_degree="auto"` (padded modes only), both
+    all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes."""
+    padded = layer.capacity_factor is not None
+    if layer.overlap_degree == "auto":
+        degrees = DEGREES if padded else (1,)
+    else:
+        degrees = (layer.overlap_degree,)
+    hierarchy = layer.groups_2dh
+    several_nodes = padded and hierarchy is not None and hierarchy.num_nodes > 1
+    algos = (["linear", "2dh"] if several_nodes else ["linear"]) if layer.a2a_algo == "auto" else [layer.a2a_algo]
+    # The 2DH exchange is not pipelined (yet): it runs with degree 1 only.
+    found = [Setting(d, a) for a in algos for d in degrees if a == "linear" or d == 1]
+    return found or [Setting(1, algos[0])]
+
+
+class TuningDictionary:
+    """Fastest setting per (layer shape, capacity bucket); optionally persisted at `path`."""
+
+    def __init__(self, path: str | Path | None = None, bucket_size: int = 128, trials: int = 2):
+        if bucket_size < 1 or trials < 1:
+            raise ValueError(f"bucket_size ({bucket_size}) and trials ({trials}) must be positive")
+        self.path = Path(path) if path else None
+        self.bucket_size, self.trials = bucket_size, trials
+        self.table: dict[str, dict[str, dict]] = {}
+        self.measurements = 0  # candidate runs timed by this process (for tests and logs)
+        if self.path is not None and self.path.exists():
+            self.table = _load(self.path)
+
+    def bucket(self, capacity: int) -> int:
+        return capacity // self.bucket_size
+
+    def best(self, key: str, capacity: int) -> Setting | None:
+        entry = self.table.get(key, {}).get(str(self.bucket(capacity)))
+        return Setting(*entry["best"]) if entry and entry.get("best") else None
+
+    def run(self, layer: MoE, capacity: int, candidates: list[Setting], execute: Callable[[Setting], torch.Tensor]):
+        """Run `execute` with the best setting, or time the next candidate while tuning."""
+        key = layer_key(layer)
+        best = self.best(key, capacity)
+        if best is not None:
+            return execute(best)
+        if len(candidates) == 1:
+            return execute(candidates[0])
+        entry = self.table.setdefault(key, {}).setdefault(str(self.bucket(capacity)), {"times_ms": {}, "best": None})
+        times = entry["times_ms"]
+        # Round robin, so warm-up effects and drifts hit every candidate alike.
+        candidate = min(candidates, key=lambda c: len(times.get(c.name, [])))
+        out, elapsed = _timed(lambda: execute(candidate), layer)
+        times.setdefault(candidate.name, []).append(elapsed)
+        self.measurements += 1
+        if all(len(times.get(c.name, [])) >= self.trials for c in candidates):
+            entry["best"] = list(_decide(candidates, times, layer.group).__dict__.values())
+            if self.path is not None and group_rank(layer.group) == 0:
+                _save(self.path, self.table)  # atomic: EP groups sharing the file cannot tear it
+        return out
+
+    def summary(self) -> str:
+        lines = []
+        for key, buckets in sorted(self.table.items()):
+            for bucket, entry in sorted(buckets.items(), key=lambda kv: int(kv[0])):
+                times = ", ".join(f"{n} {min(v):.3f}" for n, v in entry["times_ms"].items())
+                best = Setting(*entry["best"]).name if entry.get("best") else "(tuning)"
+                lines.append(f"{key} capacity bucket {bucket}: best {best}; fastest ms: {times}")
+        return "\n".join(lines)
+
+
+def layer_key(layer: MoE) -> str:
+    """Everything but the capacity that changes which setting is fastest."""
+    return (f"E{layer.num_experts}-k{layer.top_k}-dim{layer.dim}-h{layer.hidden_dim}-{layer.experts.activation}"
+            f"-W{layer.ep_size}-{str(layer.experts.w1.dtype).replace('torch.', '')}")
+
+
+def _timed(fn: Callable[[], torch.Tensor], layer: MoE) -> tuple[torch.Tensor, float]:
+    cuda = layer.experts.w1.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def _decide(candidates: list[Setting], times: dict[str, list[float]], group) -> Setting:
+    """Rank 0 of the group picks the fastest (best of its trials) and broadcasts it: all ranks agree."""
+    choice = torch.tensor([min(range(len(candidates)), key=lambda i: min(times[candidates[i].name]))])
+    if group_size(group) > 1:
+        if dist.get_backend(group) == "nccl":
+            choice = choice.cuda()
+        dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
+    return candidates[int(choice)]
+
+
+def _save(path: Path, table: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump({"format": "weft.tuning/1", "table": table}, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _load(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"tuning dictionary {path} is not readable JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != "weft.tuning/1" or not isinstance(doc.get("table"), dict):
+        raise ValueError(f"tuning dictionary {path} is not a weft tuning file (format weft.tuning/1)")
+    return doc["table"]

@@ -1,0 +1,93 @@
+"""The tuning dictionary (Tutel 3.3): "auto" never changes results, all ranks agree on the
+choice, decisions are reused per capacity bucket and survive a reload from JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft import MoE
+from weft.testing import run_distributed
+from weft.tune import Setting, TuningDictionary
+from weft.tune.dictionary import candidates_for
+
+DIM, HIDDEN, EXPERTS = 16, 24, 8
+
+
+def auto_worker(path: str, a2a_auto: bool) -> dict:
+    rank = dist.get_rank()
+    tuning = TuningDictionary(path, bucket_size=4, trials=2)
+    torch.manual_seed(0)
+    auto = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto", tuning=tuning,
+               a2a_algo="auto" if a2a_auto else "linear")
+    torch.manual_seed(0)
+    plain = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0)
+    gen = torch.Generator().manual_seed(rank)
+    candidates = candidates_for(auto)
+    for step in range(len(candidates) * 2 + 3):
+        x = torch.randn(32, DIM, generator=gen)
+        xa, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yp = auto(xa), plain(xp)
+        ya.square().sum().backward()
+        yp.square().sum().backward()
+        assert torch.allclose(ya, yp, atol=1e-5) and torch.allclose(xa.grad, xp.grad, atol=1e-5), step
+    for (name, pa), pp in zip(auto.named_parameters(), plain.parameters()):
+        assert torch.allclose(pa.grad, pp.grad, atol=1e-4), name
+    best = tuning.best(next(iter(tuning.table)), auto.stats.capacity)
+    measured = tuning.measurements
+    reloaded = TuningDictionary(path, bucket_size=4, trials=2)
+    torch.manual_seed(0)
+    again = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto", tuning=reloaded,
+                a2a_algo="auto" if a2a_auto else "linear")
+    again(torch.randn(32, DIM, generator=gen))
+    return {"best": best, "measured": measured, "remeasured": reloaded.measurements,
+            "candidates": [c.name for c in candidates]}
+
+
+@pytest.mark.parametrize("world_size, a2a_auto", [(1, False), (2, False), (4, True)])
+def test_auto_equals_plain_and_all_ranks_agree(tmp_path, world_size, a2a_auto):
+    path = tmp_path / "tuning.json"
+    results = run_distributed(auto_worker, world_size, args=(str(path), a2a_auto), timeout=300,
+                              env={"LOCAL_WORLD_SIZE": 2})
+    assert len({r["best"] for r in results}) == 1 and results[0]["best"] is not None
+    expected = ["d1-linear", "d2-linear", "d4-linear", "d8-linear"] + (["d1-2dh"] if a2a_auto else [])
+    assert results[0]["candidates"] == expected
+    assert all(r["measured"] == 2 * len(expected) for r in results)  # each candidate twice, then reused
+    assert all(r["remeasured"] == 0 for r in results)  # the reloaded dictionary knows the answer
+    doc = json.loads(path.read_text())
+    assert doc["format"] == "weft.tuning/1"
+
+
+def test_buckets_are_tuned_separately_and_dropless_needs_no_tuning():
+    tuning = TuningDictionary(bucket_size=4, trials=1)
+    moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto", tuning=tuning)
+    for tokens in (32, 32, 32, 32, 128):
+        moe(torch.randn(tokens, DIM))
+    buckets = next(iter(tuning.table.values()))
+    assert set(buckets) == {str(8 // 4), str(32 // 4)}  # C = 8 and C = 32 (k=2, E=8, cf=1)
+    dropless = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree="auto", tuning=TuningDictionary())
+    assert candidates_for(dropless) == [Setting(1, "linear")]
+    dropless(torch.randn(8, DIM))
+    assert dropless.tuning.measurements == 0
+
+
+def test_corrupt_tuning_file_is_refused(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        TuningDictionary(path)
+    path.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a weft tuning file"):
+        TuningDictionary(path)
+
+
+def test_weft_tune_writes_a_dictionary_that_layers_reuse(tmp_path):
+    from weft.tune.run import run
+
+    path = tmp_path / "tiny.json"
+    summary = run_distributed(run, 2, args=("tiny", 64, 1.0, "relu", torch.float32, str(path), 1, "auto"))[0]
+    assert "best d" in summary
+    tuning = TuningDictionary(path)
+    assert len(tuning.table) == 1 and all(e["best"] for e in next(iter(tuning.table.values())).values())
