@@ -91,3 +91,25 @@ def test_weft_tune_writes_a_dictionary_that_layers_reuse(tmp_path):
     assert "best d" in summary
     tuning = TuningDictionary(path)
     assert len(tuning.table) == 1 and all(e["best"] for e in next(iter(tuning.table.values())).values())
+
+
+def adaptive_tuning_worker() -> dict:
+    tuning = TuningDictionary(bucket_size=4, trials=1)
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, parallel="adaptive", tuning=tuning)
+    torch.manual_seed(0)
+    plain = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0)
+    x = torch.randn(32, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    names = [c.name for c in candidates_for(moe)]
+    for _ in range(3):
+        assert torch.allclose(moe(x), plain(x), atol=1e-6)
+    fixed = [c.name for c in (moe.__setattr__("parallel_r", 0) or candidates_for(moe))]
+    return {"candidates": names, "fixed_r0": fixed, "measured": tuning.measurements,
+            "best": tuning.best(next(iter(tuning.table)), moe.stats.capacity)}
+
+
+def test_adaptive_layers_tune_r_unless_a_call_fixes_it():
+    results = run_distributed(adaptive_tuning_worker, 2)
+    assert results[0]["candidates"] == ["d1-linear", "d1-linear-r0"]
+    assert results[0]["fixed_r0"] == ["d1-linear-r0"]
+    assert all(r["measured"] == 2 for r in results) and len({r["best"] for r in results}) == 1

@@ -236,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokens per rank (default 4096; deepseek 1024, tiny 256)")
     lay.add_argument("--modes", default="plain,no-comm",
                      help="comma-separated: plain, no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
-                          "all-to-all), auto (tuning dictionary), torchtitan, megatron (default plain,no-comm)")
+                          "all-to-all), r0 (data-parallel experts), auto (tuning dictionary), torchtitan, megatron "
+                          "(default plain,no-comm)")
     lay.add_argument("--baseline", default="plain", help="mode the ratios are relative to")
     lay.add_argument("--capacity", type=_capacity_list, default=(1.0, None),
                      help="comma-separated capacity factors, 'dropless' for None (default 1.0,dropless)")

@@ -52,7 +52,14 @@ def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = 
         if moe.capacity_factor is None:
             raise ValueError("the 2DH all-to-all needs a padded capacity mode")
         moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
-    moe.communicate, moe.overlap_degree, moe.a2a_algo = communicate, degree, algo
+    moe.communicate, moe.overlap_degree, moe.a2a_algo, moe.parallel = communicate, degree, algo, "ep"
+
+
+def _data_parallel(moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Tutel's r = 0 on the same sharded weights: gather the experts, keep the tokens."""
+    _configure(moe)
+    moe.parallel = "adaptive"
+    return lambda x: moe(x, parallel=0)
 
 
 def _auto(moe: MoE) -> None:
@@ -61,20 +68,22 @@ def _auto(moe: MoE) -> None:
     if moe.groups_2dh is None:
         moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
     moe.tuning = TuningDictionary(trials=1)
-    moe.communicate, moe.overlap_degree, moe.a2a_algo = True, "auto", "auto"
+    moe.communicate, moe.overlap_degree, moe.a2a_algo, moe.parallel = True, "auto", "auto", "adaptive"
 
 
 # Mode name -> how it configures the layer. Modes must compute the plain layer's function,
 # except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N;
-# `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks); `auto`: Tutel 3.3's
-# tuning dictionary picks among them.
-MODES: dict[str, Callable[[MoE], None]] = {
+# `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks); `r0`: data-parallel
+# experts (Tutel 3.1, r = 0); `auto`: Tutel 3.3's tuning dictionary picks among them. A configure
+# function may return the forward to call (default: the layer itself).
+MODES: dict[str, Callable[[MoE], Callable | None]] = {
     "plain": _configure,
     "no-comm": lambda moe: _configure(moe, communicate=False),
     "d2": lambda moe: _configure(moe, degree=2),
     "d4": lambda moe: _configure(moe, degree=4),
     "d8": lambda moe: _configure(moe, degree=8),
     "2dh": lambda moe: _configure(moe, algo="2dh"),
+    "r0": _data_parallel,
     "auto": _auto,
 }
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
@@ -230,7 +239,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             continue
         forward, params = built[mode]
         if mode in MODES:
-            MODES[mode](moe)
+            MODES[mode](moe)  # the same configuration the check used
         opt = _optimizer(optimizer, params)
         step = _step_fn(forward, params, inputs, grads, opt)
         row["median_ms"] = _slowest(median_ms(step, steps, warmup, device), device)
@@ -247,8 +256,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size):
     if mode in MODES:
-        MODES[mode](moe)
-        return moe, list(moe.parameters()), f"weft {mode}"
+        forward = MODES[mode](moe) or moe
+        return forward, list(moe.parameters()), f"weft {mode}"
     from weft.bench.peers import build_peer
 
     peer = build_peer(mode, cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cf, activation, dtype, device,

@@ -1,5 +1,5 @@
-"""Communication primitives: differentiable all-to-all (fixed-size, irregular, 2DH)."""
-from weft.comm.all_to_all import all_to_all, all_to_all_counts
+"""Communication primitives: differentiable all-to-all (fixed-size, irregular, 2DH), all-gather."""
+from weft.comm.all_to_all import all_gather, all_to_all, all_to_all_counts
 from weft.comm.two_dim import all_to_all_2dh
 
-__all__ = ["all_to_all", "all_to_all_2dh", "all_to_all_counts"]
+__all__ = ["all_gather", "all_to_all", "all_to_all_2dh", "all_to_all_counts"]

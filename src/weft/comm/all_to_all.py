@@ -79,3 +79,30 @@ def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
     out = torch.empty_like(counts)
     dist.all_to_all_single(out, counts.contiguous(), group=group)
     return out
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate every rank's tensor along dim 0; backward: reduce-scatter (sum) of the grad."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()
+        out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = grad.new_empty((grad.shape[0] // group_size(ctx.group),) + tuple(grad.shape[1:]))
+        dist.reduce_scatter_tensor(out, grad, group=ctx.group)
+        return out, None
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All ranks' `x` stacked along dim 0 in group-rank order, differentiable (the gradient of a
+    rank's slice is the sum of every rank's gradient for it). One process: `x` itself."""
+    if group_size(group) == 1:
+        return x
+    return _AllGather.apply(x, group)

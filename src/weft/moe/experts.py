@@ -67,21 +67,27 @@ class Experts(nn.Module):
             return F.silu(h1) * h3
         return _ACT[self.activation](h1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Padded layout: x (El, M, dim) -> (El, M, dim), one bmm per weight."""
-        x = x.to(self.compute_dtype(x))
-        h3 = torch.bmm(x, self.w3) if self.w3 is not None else None
-        return torch.bmm(self._hidden(torch.bmm(x, self.w1), h3), self.w2)
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return self.w1, self.w2, self.w3
 
-    def forward_grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Dropless layout: rows of x (M, dim) sorted by local expert, `counts[i]` rows each."""
+    def forward(self, x: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+        """Padded layout: x (G, M, dim) -> (G, M, dim), one bmm per weight. `weights` (w1, w2, w3)
+        stacked over G experts replaces this rank's own (e.g. all experts, gathered)."""
+        w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
-        if use_grouped_mm(x, self.w1, self.w2):
+        h3 = torch.bmm(x, w3) if w3 is not None else None
+        return torch.bmm(self._hidden(torch.bmm(x, w1), h3), w2)
+
+    def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None) -> torch.Tensor:
+        """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each."""
+        w1, w2, w3 = weights or self.weights()
+        x = x.to(self.compute_dtype(x))
+        if use_grouped_mm(x, w1, w2):
             offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
-            h1 = torch._grouped_mm(x, self.w1, offs=offs)
-            h3 = torch._grouped_mm(x, self.w3, offs=offs) if self.w3 is not None else None
-            return torch._grouped_mm(self._hidden(h1, h3), self.w2, offs=offs)
-        return grouped_mm_reference(x, counts, self)
+            h1 = torch._grouped_mm(x, w1, offs=offs)
+            h3 = torch._grouped_mm(x, w3, offs=offs) if w3 is not None else None
+            return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs)
+        return grouped_mm_reference(x, counts, self, (w1, w2, w3))
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -89,12 +95,13 @@ class Experts(nn.Module):
         return self.w1.dtype
 
 
-def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts) -> torch.Tensor:
+def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts, weights: tuple | None = None) -> torch.Tensor:
     """Per-expert loop over the row groups: the plain-PyTorch oracle for grouped GEMM."""
+    w1, w2, w3 = weights or experts.weights()
     outs = []
     for i, rows in enumerate(torch.split(x, counts)):
-        h3 = rows @ experts.w3[i] if experts.w3 is not None else None
-        outs.append(experts._hidden(rows @ experts.w1[i], h3) @ experts.w2[i])
+        h3 = rows @ w3[i] if w3 is not None else None
+        outs.append(experts._hidden(rows @ w1[i], h3) @ w2[i])
     return torch.cat(outs) if outs else x.new_zeros(0, experts.dim)
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from weft.comm import all_to_all, all_to_all_counts
+from weft.comm import all_gather, all_to_all, all_to_all_counts
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
 from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
 from weft.moe.dispatch import combine, dispatch_padded
@@ -67,6 +67,12 @@ class MoE(nn.Module):
             collective: construct the layer on every rank.
         tuning: the `weft.tune.TuningDictionary` used by "auto" settings (shared between layers,
             persisted if it has a path); default: a fresh in-memory one.
+        parallel: "ep" (expert parallel) or "adaptive" (Tutel 3.1's switchable parallelism: the
+            same sharded weights serve r = 1, expert parallel, and r = 0, data parallel for
+            experts: all-gather the expert weights, compute local tokens, reduce-scatter the
+            gradients; no parameter moves between calls, results identical). The tuning
+            dictionary picks r per capacity bucket unless a call fixes it, `moe(x, parallel=r)`.
+            r > 1 (fewer experts than ranks) is not implemented yet.
         cosine_proj_dim: projection width of the cosine router.
 
     In the padded modes (capacity_factor not None) with cf > 0 and for expert choice, every rank
@@ -94,6 +100,7 @@ class MoE(nn.Module):
         overlap_degree: int | str = 1,
         a2a_algo: str = "linear",
         tuning: TuningDictionary | None = None,
+        parallel: str = "ep",
         cosine_proj_dim: int = 256,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -111,6 +118,10 @@ class MoE(nn.Module):
         self.a2a_algo = a2a_algo
         self.groups_2dh = hierarchical_groups(self.group) if a2a_algo in ("2dh", "auto") else None
         self.tuning = tuning if tuning is not None else TuningDictionary()
+        if parallel not in ("ep", "adaptive"):
+            raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
+        self.parallel = parallel
+        self.parallel_r: int | None = None  # r of this call (None: 1, or tuned when "auto")
         self.num_local_experts = num_experts // ep_size
         if gate == "cosine":
             self.router = CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim).to(device)
@@ -140,8 +151,17 @@ class MoE(nn.Module):
         top_k: int | None = None,
         capacity_factor: float | None | EllipsisType = ...,
         overlap_degree: int | str | None = None,
+        parallel: int | None = None,
     ) -> torch.Tensor:
         """y = MoE(x); keyword arguments override the layer's settings for this call only."""
+        if parallel is not None and parallel != 1:
+            if self.parallel != "adaptive":
+                raise ValueError(f"parallel={parallel!r} needs MoE(..., parallel='adaptive')")
+            if parallel != 0:
+                raise ValueError(f"parallel (r) must be 0 or 1 when num_experts ({self.num_experts}) >= the "
+                                 f"EP size ({self.ep_size}); r > 1 (experts split over several ranks) is not "
+                                 f"implemented yet")
+        self.parallel_r = parallel
         saved = (self.top_k, self.capacity_factor, self.overlap_degree)
         top_k = self.top_k if top_k is None else top_k
         capacity_factor = self.capacity_factor if capacity_factor is ... else capacity_factor
@@ -156,6 +176,7 @@ class MoE(nn.Module):
             return self._forward(x)
         finally:
             self.top_k, self.capacity_factor, self.overlap_degree = saved
+            self.parallel_r = None
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -208,13 +229,19 @@ class MoE(nn.Module):
 
     def _exchange_and_compute(self, buffer: torch.Tensor, cap: int) -> torch.Tensor:
         """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
-        if self.communicate and "auto" in (self.overlap_degree, self.a2a_algo):
+        free_r = self.parallel == "adaptive" and self.parallel_r is None and self.ep_size > 1
+        if self.communicate and ("auto" in (self.overlap_degree, self.a2a_algo) or free_r):
             run = lambda setting: self._exchange_with(buffer, cap, setting)  # noqa: E731
             return self.tuning.run(self, cap, candidates_for(self), run)
-        return self._exchange_with(buffer, cap, Setting(self.overlap_degree, self.a2a_algo))
+        degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
+        algo = "linear" if self.a2a_algo == "auto" else self.a2a_algo
+        return self._exchange_with(buffer, cap, Setting(degree, algo, 1 if self.parallel_r is None else self.parallel_r))
 
     def _exchange_with(self, buffer: torch.Tensor, cap: int, setting: Setting) -> torch.Tensor:
         ep, local, dim = self.ep_size, self.num_local_experts, self.dim
+        if setting.parallel == 0:  # Tutel's r = 0: keep the tokens, bring the weights
+            by_expert = buffer.view(self.num_experts, cap, dim)
+            return self.experts(by_expert, self._all_expert_weights()).reshape(-1, dim)
         if setting.overlap_degree > 1 and self.communicate:
             return pipelined_exchange(buffer, self.experts, self.group, ep, local, cap, setting.overlap_degree)
         received = self._all_to_all(buffer, algo=setting.a2a_algo)  # (W * El * C, dim), source-major
@@ -230,7 +257,9 @@ class MoE(nn.Module):
         gates = choice.gates.reshape(-1).index_select(0, order)
         send = tokens.index_select(0, token_ids)
         self.stats = MoEStats(slots.counts, slots.counts.new_zeros(()), None)
-        if self.ep_size == 1:
+        if self.parallel_r == 0 and self.ep_size > 1:
+            out = self.experts.forward_grouped(send, slots.counts.tolist(), self._all_expert_weights())
+        elif self.ep_size == 1:
             out = self.experts.forward_grouped(send, slots.counts.tolist())
         else:
             out = self._exchange_dropless(send, slots.counts)
@@ -251,6 +280,11 @@ class MoE(nn.Module):
         out = self.experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
         out = torch.zeros_like(out).index_copy(0, by_expert, out)
         return self._all_to_all(out, send_splits, recv_splits)
+
+    def _all_expert_weights(self) -> tuple:
+        """Tutel's r = 0: every expert's weights on every rank, gathered from their owners (the
+        backward reduce-scatters the gradients back, summed over ranks as in expert parallelism)."""
+        return tuple(None if w is None else all_gather(w, self.group) for w in self.experts.weights())
 
     def _all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo="linear") -> torch.Tensor:
         if not self.communicate:

@@ -32,15 +32,17 @@ DEGREES = (1, 2, 4, 8)
 class Setting:
     overlap_degree: int
     a2a_algo: str
+    parallel: int = 1  # Tutel's r: 1 expert parallel, 0 data parallel (weights gathered)
 
     @property
     def name(self) -> str:
-        return f"d{self.overlap_degree}-{self.a2a_algo}"
+        return f"d{self.overlap_degree}-{self.a2a_algo}" + ("" if self.parallel == 1 else f"-r{self.parallel}")
 
 
 def candidates_for(layer: MoE) -> list[Setting]:
     """The settings to try: every degree if `overlap_degree="auto"` (padded modes only), both
-    all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes."""
+    all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes, and r = 0 as
+    well as r = 1 for `parallel="adaptive"` layers whose call did not fix r."""
     padded = layer.capacity_factor is not None
     if layer.overlap_degree == "auto":
         degrees = DEGREES if padded else (1,)
@@ -51,7 +53,12 @@ def candidates_for(layer: MoE) -> list[Setting]:
     algos = (["linear", "2dh"] if several_nodes else ["linear"]) if layer.a2a_algo == "auto" else [layer.a2a_algo]
     # The 2DH exchange is not pipelined (yet): it runs with degree 1 only.
     found = [Setting(d, a) for a in algos for d in degrees if a == "linear" or d == 1]
-    return found or [Setting(1, algos[0])]
+    found = found or [Setting(1, algos[0])]
+    if layer.parallel_r == 0:
+        return [Setting(1, "linear", 0)]
+    if padded and layer.parallel == "adaptive" and layer.parallel_r is None and layer.ep_size > 1:
+        found.append(Setting(1, "linear", 0))
+    return found
 
 
 class TuningDictionary:
