@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from test_moe_equivalence import GATES, equivalence_worker
-from test_moe_pipeline import pipeline_worker
+from test_moe_pipeline import dropless_worker, pipeline_worker
 from weft.testing import run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -27,6 +27,14 @@ def test_matches_dense_reference_on_nccl_bf16(gate):
 @needs_cuda
 def test_pipelined_exchange_matches_degree_one_on_nccl():
     failures = run_distributed(pipeline_worker, torch.cuda.device_count(), args=((torch.bfloat16,), "cuda"),
+                               backend="nccl", timeout=600)
+    flat = [f for rank_failures in failures for f in rank_failures]
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_dropless_pipelining_matches_degree_one_on_nccl():
+    failures = run_distributed(dropless_worker, torch.cuda.device_count(), args=((torch.bfloat16,), "cuda"),
                                backend="nccl", timeout=600)
     flat = [f for rank_failures in failures for f in rank_failures]
     assert not flat, "\n".join(flat[:15])

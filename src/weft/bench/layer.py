@@ -46,8 +46,6 @@ CONFIGS = {
 
 
 def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = "linear") -> None:
-    if degree > 1 and moe.capacity_factor is None:
-        raise ValueError("overlap_degree > 1 is not implemented for dropless yet")
     if algo == "2dh":
         if moe.capacity_factor is None:
             raise ValueError("the 2DH all-to-all needs a padded capacity mode")

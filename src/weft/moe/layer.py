@@ -19,7 +19,7 @@ from weft.distributed import group_rank, group_size, hierarchical_groups, resolv
 from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
 from weft.moe.dispatch import combine, dispatch_padded
 from weft.moe.experts import ACTIVATIONS, Experts
-from weft.moe.pipeline import pipelined_exchange
+from weft.moe.pipeline import dropless_pipelined_exchange, pipelined_exchange
 from weft.tune.dictionary import Setting, TuningDictionary, candidates_for
 from weft.moe.gates import (
     GATES,
@@ -58,8 +58,9 @@ class MoE(nn.Module):
         activation: "relu", "gelu", "silu" or "swiglu".
         normalize_gates: divide the k gates of a token by their sum (k > 1).
         group: expert-parallel process group; None = the default group if initialised.
-        overlap_degree: d > 1 cuts the capacity into d chunks so the all-to-all of one chunk
-            overlaps the experts of another (Tutel 3.2); same result as 1. Padded modes only.
+        overlap_degree: d > 1 cuts the capacity (dropless: each rank-to-expert segment) into d
+            chunks so the all-to-all of one chunk overlaps the experts of another (Tutel 3.2);
+            same result as 1.
             "auto": the tuning dictionary picks d per capacity bucket (Tutel 3.3).
         a2a_algo: "linear" (one all_to_all_single) or "2dh" (Tutel's two-level hierarchical
             all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A); same result; "auto"
@@ -109,7 +110,7 @@ class MoE(nn.Module):
         self.group = resolve_group(group)
         ep_size = group_size(self.group)
         _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size)
-        _check_overlap(overlap_degree, capacity_factor)
+        _check_overlap(overlap_degree)
         _check_algo(a2a_algo, capacity_factor, overlap_degree)
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
         self.top_k, self.gate, self.capacity_factor = top_k, gate, capacity_factor
@@ -169,7 +170,7 @@ class MoE(nn.Module):
         if (top_k, capacity_factor, overlap_degree) != saved:
             _check_config(self.dim, self.hidden_dim, self.num_experts, top_k, self.gate, capacity_factor,
                           self.experts.activation, self.ep_size)
-            _check_overlap(overlap_degree, capacity_factor)
+            _check_overlap(overlap_degree)
             _check_algo(self.a2a_algo, capacity_factor, overlap_degree)
         self.top_k, self.capacity_factor, self.overlap_degree = top_k, capacity_factor, overlap_degree
         try:
@@ -269,6 +270,9 @@ class MoE(nn.Module):
         ep, local = self.ep_size, self.num_local_experts
         recv_counts = all_to_all_counts(counts, self.group) if self.communicate else counts
         sent, received = torch.stack([counts, recv_counts]).view(2, ep, local).tolist()
+        degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
+        if degree > 1 and self.communicate:
+            return dropless_pipelined_exchange(send, self.experts, self.group, sent, received, degree)
         send_splits = [sum(r) for r in sent]
         recv_splits = [sum(r) for r in received]
         per_expert = [sum(r[i] for r in received) for i in range(local)]
@@ -302,14 +306,11 @@ class MoE(nn.Module):
             raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
 
 
-def _check_overlap(overlap_degree, capacity_factor) -> None:
+def _check_overlap(overlap_degree) -> None:
     if overlap_degree == "auto":
         return
     if isinstance(overlap_degree, bool) or not isinstance(overlap_degree, int) or overlap_degree < 1:
         raise ValueError(f"overlap_degree must be a positive integer or 'auto', got {overlap_degree!r}")
-    if overlap_degree > 1 and capacity_factor is None:
-        raise ValueError("overlap_degree > 1 needs a padded capacity mode (capacity_factor not None); "
-                         "pipelining the dropless all-to-allv is not implemented yet")
 
 
 def _check_algo(a2a_algo, capacity_factor, overlap_degree) -> None:

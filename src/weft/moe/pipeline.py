@@ -100,3 +100,111 @@ def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int
     params = list(experts.parameters())
     track = torch.is_grad_enabled() and (buffer.requires_grad or any(p.requires_grad for p in params))
     return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, track, *params)
+
+
+# -- dropless: every (destination rank, local expert) segment is cut into d parts -----------------
+def _part(n: int, i: int, degree: int) -> tuple[int, int]:
+    """Rows [a, b) of a segment of n rows that belong to chunk i of `degree` (parts may be empty)."""
+    return n * i // degree, n * (i + 1) // degree
+
+
+def dropless_plan(sent: list[list[int]], received: list[list[int]], degree: int, device) -> list[dict]:
+    """Per chunk: which sent rows go (`index`), the split sizes both ways, the permutation that
+    groups received rows by local expert (`by_expert`) and the rows per local expert. Sender and
+    receiver cut each (source, expert) segment the same way, so both sides agree without talking."""
+    ep, local = len(sent), len(sent[0])
+    offsets, start = [], 0
+    for r in range(ep):
+        row = []
+        for e in range(local):
+            row.append(start)
+            start += sent[r][e]
+        offsets.append(row)
+    plans = []
+    for i in range(degree):
+        index, send_splits = [], []
+        for r in range(ep):
+            total = 0
+            for e in range(local):
+                a, b = _part(sent[r][e], i, degree)
+                index.append(torch.arange(offsets[r][e] + a, offsets[r][e] + b))
+                total += b - a
+            send_splits.append(total)
+        sizes = [[_part(received[s][e], i, degree)[1] - _part(received[s][e], i, degree)[0] for e in range(local)]
+                 for s in range(ep)]
+        expert_of_row = torch.tensor([e for s in range(ep) for e in range(local) for _ in range(sizes[s][e])],
+                                     dtype=torch.long)
+        plans.append({
+            "index": torch.cat(index).to(device),
+            "send_splits": send_splits,
+            "recv_splits": [sum(row) for row in sizes],
+            "by_expert": torch.sort(expert_of_row, stable=True).indices.to(device),
+            "per_expert": [sum(sizes[s][e] for s in range(ep)) for e in range(local)],
+        })
+    return plans
+
+
+def _launch_v(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int]):
+    """Start an all-to-allv of x: in_splits[r] rows to rank r, out_splits[r] rows from rank r."""
+    if group_size(group) == 1:
+        return x, None
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+
+
+class DroplessPipelinedExchange(torch.autograd.Function):
+    """send (N, dim) rows grouped by destination expert -> expert outputs in the same order."""
+
+    @staticmethod
+    def forward(ctx, send, experts, group, plans, track, *params):
+        ctx.track, ctx.group, ctx.plans, ctx.params = track, group, plans, params
+        launched = [_launch_v(send.index_select(0, p["index"]), group, p["recv_splits"], p["send_splits"])
+                    for p in plans]
+        ctx.inputs, ctx.outputs, results = [], [], []
+        for plan, (recv, handle) in zip(plans, launched):
+            _wait(handle)
+            with torch.enable_grad() if track else contextlib.nullcontext():
+                inp = recv.index_select(0, plan["by_expert"]).detach().requires_grad_(track)
+                out = experts.forward_grouped(inp, plan["per_expert"])
+            ctx.inputs.append(inp)
+            ctx.outputs.append(out)
+            back = torch.zeros_like(out).index_copy_(0, plan["by_expert"], out.detach())
+            results.append(_launch_v(back, group, plan["send_splits"], plan["recv_splits"]))
+        for _, handle in results:
+            _wait(handle)
+        index = torch.cat([p["index"] for p in plans])
+        rows = torch.cat([r for r, _ in results])
+        return torch.zeros(send.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device).index_copy_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, plans = ctx.group, ctx.plans
+        launched = [_launch_v(grad.index_select(0, p["index"]), group, p["recv_splits"], p["send_splits"])
+                    for p in plans]
+        param_grads = [None] * len(ctx.params)
+        sent = []
+        for plan, (recv, handle), inp, out in zip(plans, launched, ctx.inputs, ctx.outputs):
+            _wait(handle)
+            grad_out = recv.index_select(0, plan["by_expert"])
+            grads = torch.autograd.grad(out, [inp, *ctx.params], grad_out, allow_unused=True)
+            for i, g in enumerate(grads[1:]):
+                if g is not None:
+                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
+            back = torch.zeros_like(grads[0]).index_copy_(0, plan["by_expert"], grads[0])
+            sent.append(_launch_v(back, group, plan["send_splits"], plan["recv_splits"]))
+        for _, handle in sent:
+            _wait(handle)
+        index = torch.cat([p["index"] for p in plans])
+        rows = torch.cat([r for r, _ in sent])
+        grad_send = torch.zeros(grad.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
+        ctx.inputs = ctx.outputs = None
+        return (grad_send.index_copy_(0, index, rows), None, None, None, None, *param_grads)
+
+
+def dropless_pipelined_exchange(send: torch.Tensor, experts, group, sent: list[list[int]],
+                                received: list[list[int]], degree: int) -> torch.Tensor:
+    """Tutel's pipelining for the dropless all-to-allv: the same function as one exchange."""
+    params = list(experts.parameters())
+    track = torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params))
+    plans = dropless_plan(sent, received, degree, send.device)
+    return DroplessPipelinedExchange.apply(send, experts, group, plans, track, *params)
