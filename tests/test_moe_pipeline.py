@@ -23,6 +23,14 @@ def _run(moe: MoE, x: torch.Tensor, dy: torch.Tensor, **overrides):
     return y.detach().float(), x.grad.float(), {n: p.grad.float().clone() for n, p in moe.named_parameters()}
 
 
+def mismatches(label: str, got: tuple, ref: tuple, dtype: torch.dtype) -> list[str]:
+    """Relative errors of output, input gradient and every parameter gradient above tolerance."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    pairs = [("y", got[0], ref[0]), ("dx", got[1], ref[1])] + [(n, got[2][n], ref[2][n]) for n in ref[2]]
+    errors = [(name, float((a - b).norm() / b.norm().clamp_min(1e-12))) for name, a, b in pairs]
+    return [f"{label}: {name} rel err {err:.2e}" for name, err in errors if err > tol]
+
+
 def pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu") -> list[str]:
     rank = dist.get_rank()
     if device == "cuda":
@@ -38,14 +46,8 @@ def pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu")
         gen = torch.Generator().manual_seed(10 + rank)
         x = (torch.randn(TOKENS, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype)
         dy = torch.randn(TOKENS, DIM, generator=gen).to(device)
-        y1, gx1, g1 = _run(moe, x, dy)
-        yd, gxd, gd = _run(moe, x, dy, overlap_degree=degree)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
         label = f"rank {rank} gate={gate} cf={cap} d={degree} {dtype}"
-        for name, a, b in [("y", yd, y1), ("dx", gxd, gx1)] + [(n, gd[n], g1[n]) for n in g1]:
-            err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-            if err > tol:
-                failures.append(f"{label}: {name} rel err {err:.2e}")
+        failures += mismatches(label, _run(moe, x, dy, overlap_degree=degree), _run(moe, x, dy), dtype)
     return failures
 
 
@@ -68,13 +70,8 @@ def dropless_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu")
         tokens = 9 + 7 * rank  # uneven on purpose; some segments are shorter than the degree
         x = (torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype)
         dy = torch.randn(tokens, DIM, generator=gen).to(device)
-        y1, gx1, g1 = _run(moe, x, dy)
-        yd, gxd, gd = _run(moe, x, dy, overlap_degree=degree)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        for name, a, b in [("y", yd, y1), ("dx", gxd, gx1)] + [(n, gd[n], g1[n]) for n in g1]:
-            err = float((a - b).norm() / b.norm().clamp_min(1e-12))
-            if err > tol:
-                failures.append(f"rank {rank} dropless d={degree} {dtype} {activation}: {name} rel err {err:.2e}")
+        label = f"rank {rank} dropless d={degree} {dtype} {activation}"
+        failures += mismatches(label, _run(moe, x, dy, overlap_degree=degree), _run(moe, x, dy), dtype)
     return failures
 
 
