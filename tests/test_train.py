@@ -101,6 +101,11 @@ def test_toml_config_maps_onto_the_dataclasses(tmp_path):
         (["generate", "--ckpt", "/no/such/run"], "checkpoint path /no/such/run does not exist"),
         (["plot", "/no/such/run"], "/no/such/run"),
         (["bench", "layer", "--config", "gpt5"], "unknown --config 'gpt5'"),
+        (["bench", "layer", "--modes", "plain,fastest"], "--modes 'plain,fastest': choose from"),
+        (["bench", "comm", "--sizes", "12Q"], "sizes are bytes like 1024, 64K or 256M"),
+        (["tune", "--config", "gpt5"], "unknown --config 'gpt5'"),
+        (["tune", "--capacity", "0"], "--capacity must be a positive capacity factor"),
+        (["train", "--nproc", "3"], "experts cannot be split over 3 expert-parallel ranks"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message, capsys):
