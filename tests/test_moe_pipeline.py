@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from weft import MoE
 from weft.moe.pipeline import chunk_bounds
-from weft.testing import run_distributed
+from weft.testing import run_checks
 
 DIM, HIDDEN, EXPERTS, TOKENS = 16, 24, 8, 24
 
@@ -53,7 +53,7 @@ def pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu")
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_every_overlap_degree_matches_degree_one(world_size):
-    failures = [f for rank in run_distributed(pipeline_worker, world_size, timeout=300) for f in rank]
+    failures = run_checks(pipeline_worker, world_size, timeout=300)
     assert not failures, "\n".join(failures[:10])
 
 
@@ -77,7 +77,7 @@ def dropless_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu")
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_dropless_pipelining_matches_degree_one(world_size):
-    failures = [f for rank in run_distributed(dropless_worker, world_size, timeout=300) for f in rank]
+    failures = run_checks(dropless_worker, world_size, timeout=300)
     assert not failures, "\n".join(failures[:10])
 
 
@@ -106,8 +106,7 @@ def two_dim_worker() -> list[str]:
 
 @pytest.mark.parametrize("world_size, local_size", [(2, 1), (4, 2)])
 def test_two_dim_all_to_all_layer_equals_linear(world_size, local_size):
-    results = run_distributed(two_dim_worker, world_size, env={"LOCAL_WORLD_SIZE": local_size}, timeout=300)
-    failures = [f for rank in results for f in rank]
+    failures = run_checks(two_dim_worker, world_size, env={"LOCAL_WORLD_SIZE": local_size}, timeout=300)
     assert not failures, "\n".join(failures[:10])
 
 

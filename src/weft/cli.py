@@ -180,6 +180,17 @@ def _tune(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     launch(run, args, ns.nproc, ns.device)
 
 
+def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where a command runs when it is not under torchrun (see `launch`)."""
+    parser.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None)
+
+
+def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=_positive_int, default=20, help="timed steps (median reported)")
+    parser.add_argument("--warmup", type=_positive_int, default=5, help="untimed steps first")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="weft", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,8 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--data", default=None, help="text file, folder of text files, or token .bin "
                     "(default: the Python standard library's source)")
     tr.add_argument("--out", default=None, help="run folder (default runs/<preset>)")
-    tr.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
-    tr.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    _add_launch_arguments(tr)
     tr.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
     tr.add_argument("--config", default=None, help="TOML file with [train] and [model] tables")
     tr.add_argument("--batch-size", type=_positive_int, default=None, help="sequences per rank per micro-step")
@@ -225,8 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--trials", type=_positive_int, default=3)
     tu.add_argument("--a2a", default="auto", choices=["auto", "linear", "2dh"], help="all-to-all algorithms to try")
     tu.add_argument("--out", default="tuning.json", help="tuning dictionary file (created or extended)")
-    tu.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
-    tu.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    _add_launch_arguments(tu)
     tu.set_defaults(run=_tune, parser=tu)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
@@ -245,24 +254,21 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--dtype", default="bf16", choices=list(DTYPES))
     lay.add_argument("--optimizer", default="none", choices=["none", "sgd", "adamw"],
                      help="also time an optimizer step (Tutel's reference numbers include SGD)")
-    lay.add_argument("--steps", type=_positive_int, default=20)
-    lay.add_argument("--warmup", type=_positive_int, default=5)
+    _add_timing_arguments(lay)
     lay.add_argument("--json", default=None, help="write the results to this JSON file")
     lay.add_argument("--trace", default=None, help="folder for Chrome traces of each mode (GPU)")
-    lay.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
-    lay.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    _add_launch_arguments(lay)
     lay.set_defaults(run=_bench_layer, parser=lay)
 
     com = bench.add_parser("comm", help="all-to-all and all-reduce bandwidth/latency; fits the comm cost model")
     com.add_argument("--sizes", type=_sizes, default=None,
                      help="bytes per rank, comma-separated (default 1K..256M in powers of 4; CPU up to 16M)")
     com.add_argument("--collectives", default="all_to_all,all_reduce")
-    com.add_argument("--steps", type=_positive_int, default=20)
-    com.add_argument("--warmup", type=_positive_int, default=5)
-    com.add_argument("--json", default=None, help="write the measurements here (and the fitted model as <stem>.model.json beside it)")
+    _add_timing_arguments(com)
+    com.add_argument("--json", default=None,
+                     help="write the measurements here (and the fitted model as <stem>.model.json beside it)")
     com.add_argument("--model", default=None, help="where to write the fitted piecewise-linear cost model")
-    com.add_argument("--nproc", type=_positive_int, default=2, help="CPU processes when not under torchrun")
-    com.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    _add_launch_arguments(com)
     com.set_defaults(run=_bench_comm, parser=com)
 
     plo = bench.add_parser("plot", help="stacked bar chart of a `weft bench layer --json` file")

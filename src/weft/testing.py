@@ -9,4 +9,10 @@ re-raised as `DistributedTestError`, and a run past `timeout` is killed, so test
 from weft.launch import WorkerError as DistributedTestError
 from weft.launch import free_port, run_distributed
 
-__all__ = ["run_distributed", "DistributedTestError", "free_port"]
+__all__ = ["run_distributed", "run_checks", "DistributedTestError", "free_port"]
+
+
+def run_checks(fn, world_size: int, **kwargs) -> list[str]:
+    """Run a worker that returns a list of failure messages on every rank; all ranks' messages,
+    in rank order (empty when every check passed). Keyword arguments go to `run_distributed`."""
+    return [message for rank in run_distributed(fn, world_size, **kwargs) for message in rank]

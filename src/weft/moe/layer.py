@@ -162,7 +162,6 @@ class MoE(nn.Module):
                 raise ValueError(f"parallel (r) must be 0 or 1 when num_experts ({self.num_experts}) >= the "
                                  f"EP size ({self.ep_size}); r > 1 (experts split over several ranks) is not "
                                  f"implemented yet")
-        self.parallel_r = parallel
         saved = (self.top_k, self.capacity_factor, self.overlap_degree)
         top_k = self.top_k if top_k is None else top_k
         capacity_factor = self.capacity_factor if capacity_factor is ... else capacity_factor
@@ -173,6 +172,7 @@ class MoE(nn.Module):
             _check_overlap(overlap_degree)
             _check_algo(self.a2a_algo, capacity_factor, overlap_degree)
         self.top_k, self.capacity_factor, self.overlap_degree = top_k, capacity_factor, overlap_degree
+        self.parallel_r = parallel
         try:
             return self._forward(x)
         finally:
