@@ -1,5 +1,6 @@
 """GPU checks (run on a lent GPU machine: scripts/gpu_check.sh): the CPU equivalence tests of
-the layer and of both pipelined exchanges again on NCCL with bfloat16, on every GPU."""
+the layer and of both pipelined exchanges again on NCCL with bfloat16, and Lancet's two passes
+in training (fp32), on every GPU."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 
 from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker
+from test_overlap_passes import both_passes_worker
 from weft.testing import run_checks
 
 pytestmark = pytest.mark.gpu
@@ -34,4 +36,12 @@ def test_pipelined_exchange_matches_degree_one_on_nccl():
 @needs_cuda
 def test_dropless_pipelining_matches_degree_one_on_nccl():
     flat = _check_on_every_gpu(dropless_worker)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.parametrize("budget", [1.0, 1e-7])
+def test_lancet_passes_train_like_the_plain_model_on_nccl(budget):
+    flat = run_checks(both_passes_worker, torch.cuda.device_count(), args=(budget, "cuda"), backend="nccl",
+                      timeout=600)
     assert not flat, "\n".join(flat[:15])

@@ -73,7 +73,8 @@ def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
 
     try:
         cfg = load_toml(ns.config) if ns.config else TrainConfig()
-        for name in ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed"):
+        for name in ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
+                     "overlap"):
             value = getattr(ns, name)
             if value is not None:
                 setattr(cfg, name, value)
@@ -114,6 +115,50 @@ def _train(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     cfg = _train_config(ns, parser)
     launch(train, (cfg,), ns.nproc, cfg.device)
+
+
+def _plan(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.models import PRESETS
+    from weft.overlap.run import plan_preset
+
+    if ns.preset not in PRESETS:
+        parser.error(f"unknown --preset {ns.preset!r}; choose from {', '.join(PRESETS)}")
+    args = (ns.preset, ns.batch_size, ns.gate, ns.capacity, ns.max_partitions, ns.max_range, ns.comm_model, ns.json)
+    launch(plan_preset, args, ns.nproc, ns.device)
+
+
+def _bench_model(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from weft.bench import model
+    from weft.models import PRESETS
+
+    if ns.preset not in PRESETS:
+        parser.error(f"unknown --preset {ns.preset!r}; choose from {', '.join(PRESETS)}")
+    modes = tuple(m.strip() for m in ns.modes.split(",") if m.strip())
+    if not modes or any(m not in model.MODES for m in modes):
+        parser.error(f"--modes {ns.modes!r}: choose from {', '.join(model.MODES)}")
+    args = (ns.preset, ns.batch_size, ns.gate, ns.capacity, modes, ns.steps, ns.warmup, ns.json, ns.max_partitions)
+    launch(model.run, args, ns.nproc, ns.device)
+
+
+def _capacity_or_preset(text: str):
+    if text == "preset":
+        return text
+    if text in ("none", "dropless"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"capacity factor is a number or 'dropless', got {text!r}") from None
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser, batch_size: int) -> None:
+    parser.add_argument("--preset", default="gpt2-s-moe", help="model preset (see weft.models.PRESETS)")
+    parser.add_argument("--batch-size", type=_positive_int, default=batch_size, help="sequences per rank")
+    parser.add_argument("--gate", default=None, choices=["topk", "bpr", "cosine", "expert_choice", "random"],
+                        help="override the preset's gate")
+    parser.add_argument("--capacity", type=_capacity_or_preset, default="preset",
+                        help="override the preset's capacity factor ('dropless' for None)")
+    parser.add_argument("--max-partitions", type=_positive_int, default=8, help="Lancet's K")
 
 
 def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -210,7 +255,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ep-size", type=_positive_int, default=None, help="expert-parallel group size")
     tr.add_argument("--seed", type=int, default=None)
     tr.add_argument("--sample-tokens", type=int, default=None, help="length of the text sample at the end")
+    tr.add_argument("--overlap", default=None, choices=["none", "tutel", "lancet"],
+                    help="communication overlap: none (default), tutel (tuned pipelining degree per MoE layer), "
+                         "lancet (dW scheduling + partitioned forward, planned at start)")
     tr.set_defaults(run=_train, parser=tr)
+
+    pn = sub.add_parser("plan", help="profile a preset and print Lancet's overlap plan")
+    _add_model_arguments(pn, batch_size=8)
+    pn.add_argument("--max-range", type=_positive_int, default=None, help="most sub-layers one pipeline spans")
+    pn.add_argument("--comm-model", default=None, help="cost model JSON from `weft bench comm` (default: measure)")
+    pn.add_argument("--json", default=None, help="write the plan here")
+    _add_launch_arguments(pn)
+    pn.set_defaults(run=_plan, parser=pn)
 
     ge = sub.add_parser("generate", help="sample text from a checkpoint")
     ge.add_argument("--ckpt", required=True, help="a run folder (latest checkpoint) or a checkpoints/step_N folder")
@@ -270,6 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
     com.add_argument("--model", default=None, help="where to write the fitted piecewise-linear cost model")
     _add_launch_arguments(com)
     com.set_defaults(run=_bench_comm, parser=com)
+
+    mod = bench.add_parser("model", help="time training iterations of a preset per overlap mode")
+    _add_model_arguments(mod, batch_size=8)
+    mod.add_argument("--modes", default="none,tutel,lancet-bw,lancet-fw,lancet",
+                     help="comma-separated: none, tutel, lancet-bw, lancet-fw, lancet")
+    _add_timing_arguments(mod)
+    mod.add_argument("--json", default=None, help="write the results to this JSON file")
+    _add_launch_arguments(mod)
+    mod.set_defaults(run=_bench_model, parser=mod)
 
     plo = bench.add_parser("plot", help="stacked bar chart of a `weft bench layer --json` file")
     plo.add_argument("json_file")

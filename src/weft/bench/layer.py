@@ -179,10 +179,15 @@ def run(
     report = {"meta": _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "results": results}
     if ctx.rank == 0:
         print_table(report)
-        if json_path:
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps(report, indent=2))
+        write_report(report, json_path)
     return report
+
+
+def write_report(report: dict, json_path: str | None) -> None:
+    """Write a benchmark report as JSON (nothing when no path is given)."""
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(report, indent=2))
 
 
 def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> dict:

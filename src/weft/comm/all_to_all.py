@@ -16,22 +16,28 @@ ALGOS = ("linear", "2dh")
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, out_splits, in_splits):
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+    def forward(ctx, x, group, out_splits, in_splits, scheduler):
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.scheduler = group, out_splits, in_splits, scheduler
         return _exchange(x, group, out_splits, in_splits)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.group, ctx.in_splits, ctx.out_splits), None, None, None
+        return _exchange(grad, ctx.group, ctx.in_splits, ctx.out_splits, ctx.scheduler), None, None, None, None
 
 
-def _exchange(x: torch.Tensor, group, out_splits, in_splits) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group, out_splits, in_splits, scheduler=None) -> torch.Tensor:
     x = x.contiguous()
     if out_splits is None:
         out = torch.empty_like(x)
     else:
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if scheduler is None or not scheduler.active:
+        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        return out
+    # Lancet's backward: deferred weight gradients run while the exchange is in flight.
+    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    nbytes = x.numel() * x.element_size()
+    scheduler.communicate(("all_to_all", x.dtype, nbytes), nbytes, work, x.device)
     return out
 
 
@@ -42,6 +48,7 @@ def all_to_all(
     input_splits: list[int] | None = None,
     algo: str = "linear",
     groups_2dh: HierarchicalGroups | None = None,
+    scheduler=None,
 ) -> torch.Tensor:
     """All-to-all along dim 0, differentiable.
 
@@ -53,6 +60,9 @@ def all_to_all(
     `groups_2dh`, the `hierarchical_groups(group)` of this group. Building those is a collective
     over the whole world, so build them ahead of time (e.g. at layer construction) and pass
     them; left None, they are built (once, then cached) here, which every rank must reach.
+
+    `scheduler` (a `weft.overlap.WGradScheduler`): in its backward, the reverse exchange runs
+    asynchronously while the scheduler's deferred weight gradients that fit its time run.
     """
     if algo not in ALGOS:
         raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
@@ -62,7 +72,7 @@ def all_to_all(
     if world == 1:
         return x
     if algo == "linear":
-        return _AllToAll.apply(x, group, output_splits, input_splits)
+        return _AllToAll.apply(x, group, output_splits, input_splits, scheduler)
     groups_2dh = hierarchical_groups(group) if groups_2dh is None else groups_2dh
     if groups_2dh.size != world:
         raise ValueError(

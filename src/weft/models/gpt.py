@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.moe import ACTIVATIONS, GATES, MoE
+from weft.overlap.forward import MoEUnit, Range, run_units
+from weft.overlap.wgrad import Linear
 
 
 @dataclass
@@ -148,8 +150,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.n_head, self.head_dim = config.n_head, config.head_dim
-        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
-        self.out_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.qkv = Linear(config.dim, 3 * config.dim, bias=False)
+        self.out_proj = Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -162,8 +164,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.fc = nn.Linear(dim, hidden_dim, bias=False)
-        self.out_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.fc = Linear(dim, hidden_dim, bias=False)
+        self.out_proj = Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.out_proj(F.gelu(self.fc(x)))
@@ -191,6 +193,14 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), rope)
         return x + self.ffn(self.ffn_norm(x))
 
+    def units(self, rope: tuple[torch.Tensor, torch.Tensor]) -> list:
+        """The block as two residual sub-layers, x -> x (attention, then the FFN or MoE), the
+        granularity at which Lancet's forward pass partitions (weft.overlap)."""
+        attn = lambda x: x + self.attn(self.attn_norm(x), rope)  # noqa: E731
+        if self.is_moe:
+            return [attn, MoEUnit(self.ffn_norm, self.ffn)]
+        return [attn, lambda x: x + self.ffn(self.ffn_norm(x))]
+
 
 # -- the model --------------------------------------------------------------------------------
 class GPT(nn.Module):
@@ -207,6 +217,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self._init_weights()
+        # Pipelined ranges of Lancet's forward pass over self.units() (weft.overlap.optimize).
+        self.overlap_ranges: list[Range] = []
         # Detached parts of the last loss, for logging: aux and z are sums over the MoE layers
         # before their coefficients are applied.
         self.last_ce_loss: torch.Tensor | None = None
@@ -225,6 +237,10 @@ class GPT(nn.Module):
             std = residual_std if name.endswith("out_proj") else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
+    def units(self, rope: tuple[torch.Tensor, torch.Tensor]) -> list:
+        """All blocks' sub-layers in order: unit 2i is block i's attention, 2i + 1 its FFN."""
+        return [unit for block in self.blocks for unit in block.units(rope)]
+
     def moe_layers(self) -> list[MoE]:
         """The MoE layers in block order."""
         return [block.ffn for block in self.blocks if block.is_moe]
@@ -237,8 +253,11 @@ class GPT(nn.Module):
         self._check_input(idx, targets)
         x = self.tok_emb(idx)
         rope = rotary_tables(idx.shape[1], self.config.head_dim, self.config.rope_theta, idx.device)
-        for block in self.blocks:
-            x = block(x, rope)
+        if self.overlap_ranges:
+            x = run_units(self.units(rope), x, self.overlap_ranges)
+        else:
+            for block in self.blocks:
+                x = block(x, rope)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits, None

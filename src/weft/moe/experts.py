@@ -6,11 +6,15 @@ swiglu, w3 (El, dim, hidden). Padded layouts compute with one batched matmul; dr
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from weft.kernels.grouped_mm import use_grouped_mm
+from weft.overlap import wgrad
 
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -43,6 +47,9 @@ class Experts(nn.Module):
             self.w3 = nn.Parameter(torch.empty(num_local, dim, hidden_dim, **factory))
         else:
             self.register_parameter("w3", None)
+        # Lancet's backward pass (weft.overlap): a WGradScheduler here defers each local
+        # expert's weight gradients so they can run while an all-to-all is in flight.
+        self.wgrad_scheduler = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -75,13 +82,21 @@ class Experts(nn.Module):
         stacked over G experts replaces this rank's own (e.g. all experts, gathered)."""
         w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
-        h3 = torch.bmm(x, w3) if w3 is not None else None
-        return torch.bmm(self._hidden(torch.bmm(x, w1), h3), w2)
+        if self.wgrad_scheduler is not None and weights is None:
+            mm = functools.partial(wgrad.bmm, scheduler=self.wgrad_scheduler)
+        else:
+            mm = torch.bmm
+        h3 = mm(x, w3) if w3 is not None else None
+        return mm(self._hidden(mm(x, w1), h3), w2)
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None) -> torch.Tensor:
         """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each."""
         w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
+        if self.wgrad_scheduler is not None and weights is None:
+            mm = functools.partial(wgrad.grouped_mm, counts=counts, scheduler=self.wgrad_scheduler)
+            h3 = mm(x, w3) if w3 is not None else None
+            return mm(self._hidden(mm(x, w1), h3), w2)
         if use_grouped_mm(x, w1, w2):
             offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
             h1 = torch._grouped_mm(x, w1, offs=offs)
@@ -103,14 +118,3 @@ def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts, w
         h3 = rows @ w3[i] if w3 is not None else None
         outs.append(experts._hidden(rows @ w1[i], h3) @ w2[i])
     return torch.cat(outs) if outs else x.new_zeros(0, experts.dim)
-
-
-def use_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-    """torch._grouped_mm needs CUDA sm90+, bf16 and 16-byte aligned row strides."""
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
-        return False
-    if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-        return False
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
-        return False
-    return w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0

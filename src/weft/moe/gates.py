@@ -82,11 +82,18 @@ def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
-def token_choice(gate: str, probs: torch.Tensor, k: int, normalize: bool) -> TokenChoice:
-    """Route each token to k experts by the rule of `gate` (topk, bpr, cosine, random)."""
+def token_choice(
+    gate: str, probs: torch.Tensor, k: int, normalize: bool, noise: torch.Tensor | None = None
+) -> TokenChoice:
+    """Route each token to k experts by the rule of `gate` (topk, bpr, cosine, random).
+
+    `noise` (T, E) gives the random gate's scores (default: drawn here from torch's RNG), so a
+    batch routed in parts can draw them once for the whole batch."""
     if gate == "random":
         # Benchmark/ablation gate: experts drawn uniformly (torch's RNG), gates still learned.
-        experts = topk_desc(torch.rand(probs.shape, device=probs.device), k)
+        if noise is None:
+            noise = torch.rand(probs.shape, device=probs.device)
+        experts = topk_desc(noise, k)
     else:
         experts = topk_desc(probs, k)
     gates = probs.gather(1, experts)

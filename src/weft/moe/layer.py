@@ -16,7 +16,7 @@ from torch import nn
 
 from weft.comm import all_gather, all_to_all, all_to_all_counts
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
-from weft.moe.capacity import SlotPositions, capacity_for, slot_positions
+from weft.moe.capacity import capacity_for, slot_positions
 from weft.moe.dispatch import combine, dispatch_padded
 from weft.moe.experts import ACTIVATIONS, Experts
 from weft.moe.pipeline import dropless_pipelined_exchange, pipelined_exchange
@@ -25,13 +25,28 @@ from weft.moe.gates import (
     GATES,
     CosineRouter,
     LinearRouter,
-    TokenChoice,
     expert_choice,
     expert_choice_capacity,
     load_balancing_loss,
     router_z_loss,
     token_choice,
 )
+
+
+@dataclass
+class Routing:
+    """The routed slots of a batch: slot i sends token `token_ids[i]` to expert `experts[i]` at
+    capacity position `positions[i]` with gate `gates[i]` (0 where dropped). Token choice: slot
+    ids t*k + j; expert choice: e*C + position."""
+
+    token_ids: torch.Tensor  # (S,)
+    experts: torch.Tensor  # (S,) global expert ids
+    positions: torch.Tensor  # (S,)
+    gates: torch.Tensor  # (S,)
+    kept: torch.Tensor | None  # (S,) bool; None: every slot is kept
+    capacity: int | None  # C per expert per source rank; None: dropless
+    counts: torch.Tensor  # (E,) slots routed to each expert before dropping
+    order: torch.Tensor | None  # token choice: slot ids grouped by expert (stable)
 
 
 @dataclass
@@ -137,6 +152,9 @@ class MoE(nn.Module):
         # experts do the same amount of work: the no-communication optimum that overlap can
         # reach. The output is then NOT the layer's function.
         self.communicate = True
+        # Lancet's backward pass (weft.overlap.optimize sets it): a WGradScheduler that runs
+        # deferred weight gradients while this layer's backward all-to-alls are in flight.
+        self.wgrad_scheduler = None
 
     def extra_repr(self) -> str:
         return (
@@ -182,46 +200,56 @@ class MoE(nn.Module):
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         tokens = x.reshape(-1, self.dim)
+        routing = self.route(tokens)
+        # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
+        tokens = tokens.to(self.experts.compute_dtype(tokens))
+        if routing.capacity is None:
+            y = self._dropless(tokens, routing)
+        else:
+            cap, num_rows = routing.capacity, self.num_experts * routing.capacity
+            rows = routing.experts * cap + routing.positions
+            if routing.kept is not None:
+                rows = torch.where(routing.kept, rows, num_rows)
+            y = self._padded(tokens, routing.token_ids, rows, routing.gates, cap, routing.kept)
+        return y.to(x.dtype).reshape(x.shape)
+
+    def route(self, tokens: torch.Tensor) -> Routing:
+        """Router, gate rule and capacity for tokens (T, dim): the routed slots of the batch.
+
+        Sets `z_loss`, `aux_loss` and `stats`. Every execution path (plain, pipelined, Lancet's
+        partitioned forward) dispatches exactly these slots.
+        """
         logits = self.router(tokens)
         probs = F.softmax(logits, dim=-1)
         self.z_loss = router_z_loss(logits)
-        # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
-        tokens = tokens.to(self.experts.compute_dtype(tokens))
+        num_tokens, num_experts, device = tokens.shape[0], self.num_experts, tokens.device
         if self.gate == "expert_choice":
-            y = self._expert_choice(tokens, probs)
-        else:
-            choice = token_choice(self.gate, probs, self.top_k, self.normalize_gates)
-            slots = slot_positions(choice.experts, self.num_experts, choice.order)
-            self.aux_loss = load_balancing_loss(probs, slots.counts, tokens.shape[0] * self.top_k)
-            if self.capacity_factor is None:
-                y = self._dropless(tokens, choice, slots)
-            else:
-                y = self._padded_token_choice(tokens, choice, slots)
-        return y.to(x.dtype).reshape(x.shape)
+            cap = expert_choice_capacity(self.top_k, self.capacity_factor, num_tokens, num_experts)
+            chosen, gates = expert_choice(probs, cap)
+            self.aux_loss = probs.new_zeros(())  # balanced by construction
+            taken = torch.zeros(num_tokens, dtype=torch.long, device=device)
+            taken.index_add_(0, chosen.reshape(-1), torch.ones_like(chosen.reshape(-1)))
+            counts = torch.full((num_experts,), cap, dtype=torch.long, device=device)
+            self.stats = MoEStats(counts, (taken == 0).sum(), cap)
+            experts = torch.arange(num_experts, device=device).repeat_interleave(cap)
+            positions = torch.arange(cap, device=device).repeat(num_experts)
+            return Routing(chosen.reshape(-1), experts, positions, gates.reshape(-1), None, cap, counts, None)
+        choice = token_choice(self.gate, probs, self.top_k, self.normalize_gates)
+        slots = slot_positions(choice.experts, num_experts, choice.order)
+        self.aux_loss = load_balancing_loss(probs, slots.counts, num_tokens * self.top_k)
+        token_ids = torch.arange(num_tokens, device=device).repeat_interleave(self.top_k)
+        experts, positions = choice.experts.reshape(-1), slots.positions.reshape(-1)
+        if self.capacity_factor is None:
+            self.stats = MoEStats(slots.counts, slots.counts.new_zeros(()), None)
+            return Routing(token_ids, experts, positions, choice.gates.reshape(-1), None, None, slots.counts,
+                           slots.sort_index)
+        cap = capacity_for(self.capacity_factor, self.top_k, num_tokens, num_experts, slots.counts, self.group)
+        kept = positions < cap
+        self.stats = MoEStats(slots.counts, (~kept).sum(), cap)
+        return Routing(token_ids, experts, positions, choice.gates.reshape(-1) * kept, kept, cap, slots.counts,
+                       slots.sort_index)
 
     # -- padded modes: fixed-size all-to-all, Flexible layout (El, W*C, dim) ------------------
-    def _padded_token_choice(self, tokens: torch.Tensor, choice: TokenChoice, slots: SlotPositions) -> torch.Tensor:
-        num_tokens, num_experts = tokens.shape[0], self.num_experts
-        cap = capacity_for(self.capacity_factor, self.top_k, num_tokens, num_experts, slots.counts, self.group)
-        kept = slots.positions < cap
-        rows = torch.where(kept, choice.experts * cap + slots.positions, num_experts * cap).reshape(-1)
-        token_ids = torch.arange(num_tokens, device=tokens.device).repeat_interleave(self.top_k)
-        gates = (choice.gates * kept).reshape(-1)
-        self.stats = MoEStats(slots.counts, (~kept).sum(), cap)
-        return self._padded(tokens, token_ids, rows, gates, cap, kept.reshape(-1))
-
-    def _expert_choice(self, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        num_tokens, num_experts = tokens.shape[0], self.num_experts
-        cap = expert_choice_capacity(self.top_k, self.capacity_factor, num_tokens, num_experts)
-        chosen, gates = expert_choice(probs, cap)
-        rows = torch.arange(num_experts * cap, device=tokens.device)
-        self.aux_loss = probs.new_zeros(())  # balanced by construction
-        taken = torch.zeros(num_tokens, dtype=torch.long, device=tokens.device)
-        taken.index_add_(0, chosen.reshape(-1), torch.ones_like(chosen.reshape(-1)))
-        counts = torch.full((num_experts,), cap, dtype=torch.long, device=tokens.device)
-        self.stats = MoEStats(counts, (taken == 0).sum(), cap)
-        return self._padded(tokens, chosen.reshape(-1), rows, gates.reshape(-1), cap)
-
     def _padded(self, tokens, token_ids, rows, gates, cap: int, kept: torch.Tensor | None = None) -> torch.Tensor:
         num_rows = self.num_experts * cap
         buffer = dispatch_padded(tokens, token_ids, rows, num_rows)
@@ -252,18 +280,17 @@ class MoE(nn.Module):
         return self._all_to_all(out, algo=setting.a2a_algo)
 
     # -- dropless: counts first, then exactly the routed rows (all-to-allv), grouped GEMM --------
-    def _dropless(self, tokens: torch.Tensor, choice: TokenChoice, slots: SlotPositions) -> torch.Tensor:
-        order = slots.sort_index  # slot ids (t*k + j) grouped by expert
-        token_ids = torch.div(order, self.top_k, rounding_mode="floor")
-        gates = choice.gates.reshape(-1).index_select(0, order)
+    def _dropless(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        order = routing.order  # slot ids (t*k + j) grouped by expert
+        token_ids = routing.token_ids.index_select(0, order)
+        gates = routing.gates.index_select(0, order)
         send = tokens.index_select(0, token_ids)
-        self.stats = MoEStats(slots.counts, slots.counts.new_zeros(()), None)
         if self.parallel_r == 0 and self.ep_size > 1:
-            out = self.experts.forward_grouped(send, slots.counts.tolist(), self._all_expert_weights())
+            out = self.experts.forward_grouped(send, routing.counts.tolist(), self._all_expert_weights())
         elif self.ep_size == 1:
-            out = self.experts.forward_grouped(send, slots.counts.tolist())
+            out = self.experts.forward_grouped(send, routing.counts.tolist())
         else:
-            out = self._exchange_dropless(send, slots.counts)
+            out = self._exchange_dropless(send, routing.counts)
         return combine(out, None, token_ids, gates, tokens.shape[0])
 
     def _exchange_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -275,15 +302,23 @@ class MoE(nn.Module):
             return dropless_pipelined_exchange(send, self.experts, self.group, sent, received, degree)
         send_splits = [sum(r) for r in sent]
         recv_splits = [sum(r) for r in received]
-        per_expert = [sum(r[i] for r in received) for i in range(local)]
         recv = self._all_to_all(send, recv_splits, send_splits)  # rows by [source][local expert]
+        out = self.experts_on_received(recv, recv_counts, received)
+        return self._all_to_all(out, send_splits, recv_splits)
+
+    def experts_on_received(self, recv: torch.Tensor, recv_counts: torch.Tensor,
+                            received: list[list[int]]) -> torch.Tensor:
+        """Run the local experts on rows that arrived grouped [source rank][local expert]
+        (`received[s][i]` rows from source s for local expert i; `recv_counts` the same as a
+        flat tensor); the output rows come back in the same order."""
+        ep, local = self.ep_size, self.num_local_experts
+        per_expert = [sum(r[i] for r in received) for i in range(local)]
         # Rows arrive grouped by source rank; the experts want them grouped by local expert.
         expert_of_row = torch.arange(local, device=recv.device).repeat(ep)
         expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=recv.shape[0])
         by_expert = torch.sort(expert_of_row, stable=True).indices
         out = self.experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
-        out = torch.zeros_like(out).index_copy(0, by_expert, out)
-        return self._all_to_all(out, send_splits, recv_splits)
+        return torch.zeros_like(out).index_copy(0, by_expert, out)
 
     def _all_expert_weights(self) -> tuple:
         """Tutel's r = 0: every expert's weights on every rank, gathered from their owners (the
@@ -295,7 +330,7 @@ class MoE(nn.Module):
             return x
         if output_splits is None and algo == "2dh":
             return all_to_all(x, self.group, algo="2dh", groups_2dh=self.groups_2dh)
-        return all_to_all(x, self.group, output_splits, input_splits)
+        return all_to_all(x, self.group, output_splits, input_splits, scheduler=self.wgrad_scheduler)
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):

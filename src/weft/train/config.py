@@ -46,6 +46,7 @@ class TrainConfig:
     ep_size: int | None = None  # expert-parallel size; None = all ranks
     device: str | None = None  # cpu or cuda; None = cuda when available
     resume: bool = False
+    overlap: str = "none"  # none, tutel (tuned pipelining degree) or lancet (weft.overlap.optimize)
     sample_tokens: int = 200
     sample_prompt: str = "def "
 
@@ -76,6 +77,8 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
+        if self.overlap not in ("none", "tutel", "lancet"):
+            raise ValueError(f"train.overlap must be 'none', 'tutel' or 'lancet', got {self.overlap!r}")
         if not self.lr > 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -177,6 +177,7 @@ def train(cfg: TrainConfig) -> dict:
               f"data: {data.source}, {data.num_tokens / 1e6:.1f}M tokens; run dir {run_dir}"
               + (f"; resumed from {ckpt.name}" if ckpt else ""), flush=True)
 
+    plan = _setup_overlap(model, cfg, train_batches, start, device, ctx.rank)
     tokens_per_step = cfg.batch_size * block * cfg.grad_accum * ctx.world_size
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops_per_token = model.flops_per_token(block)
@@ -187,7 +188,7 @@ def train(cfg: TrainConfig) -> dict:
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device)
+        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, plan)
         elapsed = time.perf_counter() - t0
         row.update(step=step, lr=lr, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
                    mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None)
@@ -215,8 +216,27 @@ def train(cfg: TrainConfig) -> dict:
     return {"val_loss": val_loss, "steps": cfg.steps, "sample": text, "run_dir": str(run_dir)}
 
 
+def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
+                   rank: int):
+    """--overlap: tutel tunes each MoE layer's pipelining degree; lancet profiles, plans and applies
+    weft.overlap (returns the plan, whose backward() the steps use)."""
+    if cfg.overlap == "tutel":
+        for moe in model.moe_layers():
+            moe.overlap_degree = "auto"
+        return None
+    if cfg.overlap != "lancet":
+        return None
+    from weft.overlap import optimize
+
+    x, _ = batches.get(start + 1, 0)
+    plan = optimize(model, x.to(device))
+    if rank == 0:
+        print("weft train: --overlap lancet\n" + plan.summary(), flush=True)
+    return plan
+
+
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
-                groups: MoEGroups, device: torch.device) -> dict:
+                groups: MoEGroups, device: torch.device, plan=None) -> dict:
     moes = model.moe_layers()
     loss_sum = torch.zeros(3, device=device)  # total, ce, aux
     counts = torch.zeros(len(moes), model.config.num_experts, device=device)
@@ -225,7 +245,10 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         x, y = batches.get(step, micro)
         with _autocast(device):
             _, loss = model(x.to(device), y.to(device))
-        (loss / cfg.grad_accum).backward()
+        if plan is not None:
+            plan.backward(loss / cfg.grad_accum)
+        else:
+            (loss / cfg.grad_accum).backward()
         loss_sum += torch.stack([loss.detach().float(), model.last_ce_loss.float(), model.last_aux_loss.float()])
         for i, moe in enumerate(moes):
             counts[i] += moe.stats.expert_counts.float()

@@ -1,0 +1,151 @@
+"""`weft.overlap.optimize`: profile a model, plan Lancet's two passes and apply them.
+
+    plan = weft.overlap.optimize(model, idx)      # every rank of the EP group, same batch shape
+    print(plan.summary())
+    loss = model(idx, targets)[1]
+    plan.backward(loss)                           # loss.backward() with dW scheduling
+
+What a model must provide to be optimised (weft's GPT does):
+- `units(rope)`: its blocks as residual sub-layers `x -> x` in order, MoE sub-layers as
+  `weft.overlap.forward.MoEUnit(norm, moe)`; every other unit must be row-wise in the batch
+  (attention inside a sequence is), so a batch partition can run through it alone;
+- `overlap_ranges`: a list its forward passes to `weft.overlap.forward.run_units`;
+- `tok_emb`, `norm`, `head`, `config.head_dim`, `config.rope_theta` (for profiling);
+- linear layers whose weight gradient may be deferred as `weft.overlap.wgrad.Linear`, and
+  `weft.MoE` layers (their experts and all-to-alls take the scheduler).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from weft.comm.cost_model import CommCostModel
+from weft.moe.experts import Experts
+from weft.moe.layer import MoE
+from weft.overlap import planner
+from weft.overlap.forward import Range
+from weft.overlap.profile import ModelProfile, profile_model
+from weft.overlap.wgrad import Linear, WGradScheduler
+
+DEFAULT_PARTITIONS = (1, 2, 4, 8)
+# Share of a layer's backward that is the weight gradient (dX and dW are matmuls of equal size).
+DW_SHARE = 0.5
+
+
+@dataclass
+class OverlapPlan:
+    """What `optimize` chose, and its predicted times (seconds, forward + backward)."""
+
+    ranges: list[Range]
+    scheduler: WGradScheduler | None
+    forward_plan: planner.Plan | None
+    profile: ModelProfile = field(repr=False)
+    predicted: float  # iteration (forward + backward) with the plan
+    baseline: float  # the same without Lancet: unpartitioned forward, every all-to-all exposed
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, with deferred weight gradients scheduled under the all-to-alls."""
+        with self.scheduler.backward() if self.scheduler is not None else contextlib.nullcontext():
+            loss.backward()
+
+    def summary(self) -> str:
+        lines = []
+        if self.forward_plan is not None:
+            lines.append("forward pipelines (Lancet sec. 5):")
+            lines.append(self.forward_plan.summary(self.profile.names))
+        else:
+            lines.append("forward: unpartitioned")
+        lines.append(f"backward: weight-gradient scheduling {'on' if self.scheduler is not None else 'off'}")
+        gain = 1 - self.predicted / self.baseline if self.baseline > 0 else 0.0
+        lines.append(f"predicted forward+backward: {self.predicted * 1e3:.3f} ms vs {self.baseline * 1e3:.3f} ms "
+                     f"without Lancet ({gain:+.1%})")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "ranges": [dataclasses.asdict(r) for r in self.ranges],
+            "wgrad_scheduling": self.scheduler is not None,
+            "forward_plan": None if self.forward_plan is None else self.forward_plan.to_dict(),
+            "predicted_s": self.predicted,
+            "baseline_s": self.baseline,
+        }
+
+
+def optimize(
+    model: nn.Module,
+    sample_batch: torch.Tensor | tuple[torch.Tensor, ...],
+    *,
+    forward: bool = True,
+    backward: bool = True,
+    max_partitions: int = 8,
+    max_range: int | None = None,
+    group_time: float | None = None,
+    partitions: tuple[int, ...] | None = None,
+    cost_model: CommCostModel | None = None,
+    repeats: int = 5,
+) -> OverlapPlan:
+    """Profile `model` on `sample_batch` (token ids (batch, seq), or (ids, targets)), plan the
+    forward ranges by Lancet's DP and turn on dW scheduling; applies the plan to the model and
+    returns it. A collective: call on every rank with the same batch shape. `forward=False` /
+    `backward=False` leave that pass off (ablations). `partitions`: the counts k to consider
+    (default 1, 2, 4, 8 up to `max_partitions`); `cost_model`: all-to-all costs from
+    `weft bench comm` (default: measured here at the sizes the plan needs)."""
+    idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
+    if not isinstance(max_partitions, int) or max_partitions < 1:
+        raise ValueError(f"max_partitions must be a positive integer, got {max_partitions!r}")
+    ks = tuple(k for k in (partitions or DEFAULT_PARTITIONS) if k <= max_partitions)
+    if not ks or any(not isinstance(k, int) or k < 1 for k in ks):
+        raise ValueError(f"partitions must be positive integers <= max_partitions, got {partitions!r}")
+    apply(model, [], None)
+    was_training = model.training
+    model.train()
+    autocast = None
+    if idx.device.type == "cuda":  # as the training loop runs
+        autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast)
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time) if forward else None
+    ranges = [] if forward_plan is None else [
+        Range(s.start, s.end, s.partitions, s.moe) for s in forward_plan.pipelines() if s.partitions > 1]
+    scheduler = None
+    if backward:
+        comm_time = None if cost_model is None else functools.partial(cost_model.predict, "all_to_all")
+        scheduler = WGradScheduler(comm_time=comm_time)
+    apply(model, ranges, scheduler)
+    serial_forward = sum(planner.serial_time(u) for u in profile.units)
+    forward_time = serial_forward if forward_plan is None else forward_plan.predicted
+    predicted = forward_time + predict_backward(profile, scheduler is not None) + profile.rest
+    baseline = serial_forward + predict_backward(profile, False) + profile.rest
+    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline)
+
+
+def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | None) -> None:
+    """Set the forward ranges and the dW scheduler on `model` (empty / None: plain model)."""
+    model.overlap_ranges = list(ranges)
+    for module in model.modules():
+        if isinstance(module, (Linear, Experts, MoE)):
+            module.wgrad_scheduler = scheduler
+
+
+def predict_backward(profile: ModelProfile, scheduling: bool) -> float:
+    """Backward compute plus the all-to-all time left exposed. Walking the sub-layers in backward
+    order, the weight-gradient share of each finished layer joins a pool that the next all-to-alls
+    draw from (Lancet Alg. 1 hides at most the pool, at most the all-to-all)."""
+    pool = exposed = 0.0
+    for unit, compute, comm in zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm)):
+        if isinstance(unit, planner.MoEUnit):
+            for half in (0, 1):  # combine's backward, the experts, then dispatch's backward
+                hidden = min(comm / 2, pool) if scheduling else 0.0
+                pool -= hidden
+                exposed += comm / 2 - hidden
+                if half == 0:
+                    pool += DW_SHARE * compute
+        else:
+            pool += DW_SHARE * compute
+    return sum(profile.backward) + exposed

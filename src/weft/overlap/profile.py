@@ -1,0 +1,244 @@
+"""Lancet's caching op profiler (sec. 3) for a weft GPT: the time of every sub-layer at every
+partition count, the stages of every MoE layer, and the all-to-all cost from a cost model.
+
+Each (unit, partition size) is timed once on real activations of a sample batch (median of a few
+runs after warm-up; CUDA events on GPUs). Every rank profiles, and the slowest rank's time is kept
+(all-reduce MAX) so all ranks plan the same pipeline. The all-to-all of an n-partitioned layer is
+priced by the cost model at 1/n of the bytes (Lancet's static-shape approximation).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from weft.comm.cost_model import CommCostModel
+from weft.distributed import group_size
+from weft.moe.layer import MoE
+from weft.overlap import planner
+from weft.overlap.forward import MoEUnit as MoESubLayer
+
+
+@dataclass
+class ModelProfile:
+    """Profiled costs of one model at one batch shape (seconds)."""
+
+    units: list[planner.Unit]  # for the planner, one per sub-layer
+    backward: list[float]  # backward compute of each sub-layer on the whole batch
+    backward_comm: list[float]  # per sub-layer: its two backward all-to-alls (MoE units), else 0
+    rest: float  # embedding, final norm, head and loss, forward + backward
+    names: list[str]
+
+
+def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
+              inner: int = 5) -> float:
+    """Median seconds of fn() over `repeats` measurements after `warmup` calls. On GPUs each
+    measurement spans `inner` back-to-back calls between two events (divided by `inner`): as in
+    training, the host queues work ahead of the GPU, so its launch cost is not timed as GPU time."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3 / inner)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
+                       repeats: int = 5) -> CommCostModel:
+    """A cost model through all-to-alls of the given byte counts per rank, timed here (slowest rank)."""
+    world = group_size(group)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    points = []
+    for nbytes in sorted(set(max(world * elem, s) for s in sizes)):
+        numel = nbytes // elem // world * world
+        src, out = torch.randn(numel, device=device, dtype=dtype), torch.empty(numel, device=device, dtype=dtype)
+        seconds = time_call(lambda: dist.all_to_all_single(out, src, group=group), device, repeats)
+        points.append((numel * elem, seconds))
+    seconds = torch.tensor([s for _, s in points], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    measured = [(b, s) for (b, _), s in zip(points, seconds.tolist())]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return CommCostModel.fit({"all_to_all": measured}, world, dist.get_backend(group), name)
+
+
+def profile_model(
+    model,
+    idx: torch.Tensor,
+    partitions: Sequence[int],
+    cost_model: CommCostModel | None = None,
+    repeats: int = 5,
+    autocast: Callable[[], object] | None = None,
+) -> tuple[ModelProfile, CommCostModel | None]:
+    """Profile `model` (a weft GPT) on token ids `idx` (batch, seq) for each partition count in
+    `partitions` (those above the batch size are skipped). Call on every rank of the EP group.
+    Returns the profile and the cost model used (measured here when none is given)."""
+    device = idx.device
+    batch = idx.shape[0]
+    ks = sorted({k for k in partitions if 1 <= k <= batch} | {1})
+    ctx = autocast or contextlib.nullcontext
+    rope_args = (idx.shape[1], model.config.head_dim, model.config.rope_theta, device)
+    from weft.models.gpt import rotary_tables  # the model package imports this one
+
+    with ctx():
+        rope = rotary_tables(*rope_args)
+        units = model.units(rope)
+        with torch.no_grad():
+            inputs = [model.tok_emb(idx)]
+            for unit in units[:-1]:
+                inputs.append(unit(inputs[-1]))
+    moes = [u.moe for u in units if isinstance(u, MoESubLayer)]
+    if cost_model is None and moes and group_size(moes[0].group) > 1:
+        sizes = [_a2a_bytes(m, _tokens(inputs[0], batch, k), inputs[0]) for m in moes for k in ks]
+        cost_model = measure_all_to_all(sizes, moes[0].group, device, _compute_dtype(moes[0], inputs[0], ctx), repeats)
+
+    flat: list[float] = []  # every timing, in a fixed order, so one all-reduce agrees them
+    for u, unit in enumerate(units):
+        for k in ks:
+            part = inputs[u][: math.ceil(batch / k)]
+            if isinstance(unit, MoESubLayer):
+                flat += _time_moe(unit, part, ctx, repeats, cost_model)
+            else:
+                flat.append(time_call(lambda: _forward(unit, part, ctx), device, repeats))
+        flat.append(_time_backward(unit, inputs[u], ctx, repeats))
+    flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, repeats))
+    agreed = torch.tensor(flat, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    values = iter(agreed.tolist())
+
+    names = [f"{'attn' if u % 2 == 0 else ('moe' if isinstance(unit, MoESubLayer) else 'mlp')}{u // 2}"
+             for u, unit in enumerate(units)]
+    plan_units: list[planner.Unit] = []
+    backward, backward_comm = [], []
+    for u, unit in enumerate(units):
+        if isinstance(unit, MoESubLayer):
+            stages = {k: [next(values) for _ in range(4)] for k in ks}
+            plan_units.append(planner.MoEUnit(
+                names[u], {k: s[0] for k, s in stages.items()}, {k: s[1] for k, s in stages.items()},
+                {k: s[2] for k, s in stages.items()}, {k: s[3] for k, s in stages.items()},
+                partition_before=_can_route_in_parts(unit.moe)))
+            backward_comm.append(stages[1][1] + stages[1][3])
+        else:
+            plan_units.append(planner.ComputeUnit(names[u], {k: next(values) for k in ks}))
+            backward_comm.append(0.0)
+        backward.append(next(values))
+    rest = next(values)
+    return ModelProfile(plan_units, backward, backward_comm, rest, names), cost_model
+
+
+def _can_route_in_parts(moe: MoE) -> bool:
+    from weft.overlap.moe_partition import can_route_in_parts
+    return can_route_in_parts(moe)
+
+
+def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
+    return math.ceil(batch / k) * (x[0].numel() // x.shape[-1])
+
+
+def _compute_dtype(moe: MoE, x: torch.Tensor, ctx) -> torch.dtype:
+    with ctx():
+        return moe.experts.compute_dtype(x)
+
+
+def _rows(moe: MoE, tokens: int) -> int:
+    """Rows a rank sends (and, balanced, receives) for `tokens` tokens: the kept slots."""
+    rows = tokens * moe.top_k
+    if moe.capacity_factor is not None and moe.capacity_factor > 0:
+        per_expert = max(1, math.ceil(moe.top_k * moe.capacity_factor * tokens / moe.num_experts))
+        rows = min(rows, per_expert * moe.num_experts)
+    return rows
+
+
+def _a2a_bytes(moe: MoE, tokens: int, x: torch.Tensor) -> int:
+    dtype = moe.experts.w1.dtype if x.device.type == "cpu" else torch.bfloat16
+    return _rows(moe, tokens) * moe.dim * torch.tensor([], dtype=dtype).element_size()
+
+
+def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
+    with ctx():
+        return unit(x.detach().requires_grad_())
+
+
+def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model) -> list[float]:
+    """[gate, dispatch, experts, combine] seconds for one partition x."""
+    moe, device = unit.moe, x.device
+    tokens = x[0].numel() // x.shape[-1] * x.shape[0]
+
+    def gate():
+        with ctx():
+            return moe.route(unit.norm(x.detach().requires_grad_()).reshape(-1, moe.dim))
+
+    rows = _rows(moe, tokens)
+    counts = [rows // moe.num_local_experts + (1 if i < rows % moe.num_local_experts else 0)
+              for i in range(moe.num_local_experts)]
+    with ctx():
+        recv = torch.randn(rows, moe.dim, device=device).to(moe.experts.compute_dtype(x))
+
+    def experts():
+        with ctx():
+            return moe.experts.forward_grouped(recv.requires_grad_(), counts)
+
+    comm = 0.0
+    if cost_model is not None and group_size(moe.group) > 1:
+        comm = cost_model.predict("all_to_all", rows * moe.dim * recv.element_size())
+    return [time_call(gate, device, repeats), comm, time_call(experts, device, repeats), comm]
+
+
+def _time_backward(unit, x: torch.Tensor, ctx, repeats: int) -> float:
+    """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward. The
+    all-to-alls of an MoE layer are priced separately, so its experts stand in for it."""
+    device = x.device
+    if isinstance(unit, MoESubLayer):
+        moe = unit.moe
+        rows = _rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
+        counts = [rows // moe.num_local_experts + (1 if i < rows % moe.num_local_experts else 0)
+                  for i in range(moe.num_local_experts)]
+        with ctx():
+            recv = torch.randn(rows, moe.dim, device=device).to(moe.experts.compute_dtype(x))
+        fn = lambda: moe.experts.forward_grouped(recv.detach().requires_grad_(), counts)  # noqa: E731
+    else:
+        fn = lambda: unit(x.detach().requires_grad_())  # noqa: E731
+
+    def forward():
+        with ctx():
+            return fn()
+
+    def both():
+        with ctx():
+            out = fn()
+        out.float().sum().backward()
+
+    return max(0.0, time_call(both, device, repeats) - time_call(forward, device, repeats))
+
+
+def _time_rest(model, idx: torch.Tensor, last_input: torch.Tensor, last_unit, ctx, repeats: int) -> float:
+    """Embedding, final norm, head and loss, forward + backward (not partitioned)."""
+    with ctx(), torch.no_grad():
+        final = last_unit(last_input)
+    targets = idx
+
+    def run():
+        with ctx():
+            x = model.tok_emb(idx)
+            logits = model.head(model.norm(final.detach() + 0 * x))
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+
+    return time_call(run, idx.device, repeats)

@@ -1,0 +1,433 @@
+"""Weight-gradient (dW) scheduling: defer dW in backward and run it while all-to-alls fly.
+
+Lancet (sec. 4, Alg. 1) reorders the backward pass so that weight-gradient matmuls, which no
+other backward op consumes, execute while an all-to-all is in flight. Here this happens eagerly:
+`linear`, `bmm` and `grouped_mm` compute the input gradient (dX) as usual but queue each dW as an
+item in a `WGradScheduler`. When an MoE layer's backward launches an async all-to-all it calls
+`scheduler.communicate(key, nbytes, handle)`, which runs the queued items whose profiled times
+best fit the exchange's expected time and then waits; the rest run when the context exits:
+
+    scheduler = WGradScheduler(comm_time=functools.partial(cost_model.predict, "all_to_all"))
+    with scheduler.backward():
+        loss.backward()
+
+Lancet's labelling step (4.1) is free in eager mode: a queued item only reads tensors that
+backward has already produced, and nothing in backward reads dW, so any queued item may overlap
+any later all-to-all. Deferral keeps each item's saved input and output gradient alive until it
+runs (at most until the end of backward).
+
+Weights stay out of the autograd graph of these wrappers (backward reaching a weight's
+AccumulateGrad node would fire its post-accumulate-grad hooks, even with no gradient, before the
+deferred items ran). Instead the wrappers write `.grad` themselves, exactly as AccumulateGrad
+would, and fire those hooks after the last queued item of a parameter ran, so DDP-style reducers
+see the complete gradient. Outside `scheduler.backward()` they do the same at once. Hence:
+`torch.autograd.grad(loss, weight)` does not see such a weight (pass scheduler=None for that);
+a backward through them always fills `.grad`; a weight used by several wrapper calls whose items
+drain in between (a `communicate` between their backwards) gets its hooks each time its queue
+empties, so use each weight once per backward to get them once.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from weft.kernels.grouped_mm import use_grouped_mm
+
+__all__ = ["Linear", "WGradScheduler", "WGradStats", "best_fit", "bmm", "grouped_mm", "linear"]
+
+
+def best_fit(budget: float, times: Sequence[float]) -> list[int]:
+    """Lancet Alg. 1 inner loop: from t_u = budget, repeatedly pick the unused item j minimising
+    |t_u - times[j]| (ties: lowest index) and subtract its time, until t_u <= 0 or none remain.
+    Returns the chosen indices in pick order."""
+    left = list(range(len(times)))
+    picked: list[int] = []
+    t_u = budget
+    while t_u > 0 and left:
+        j = min(left, key=lambda i: abs(t_u - times[i]))  # first minimum: `left` stays sorted
+        left.remove(j)
+        picked.append(j)
+        t_u -= times[j]
+    return picked
+
+
+@dataclass
+class WGradStats:
+    """Counters of the last `WGradScheduler.backward()`."""
+
+    deferred: int = 0  # dW items queued
+    run_under_comm: int = 0  # items run by run_for, i.e. while a collective was in flight
+    flushed: int = 0  # items run at the end of backward
+    comms: int = 0  # run_for calls (collectives with an estimate)
+    comm_budget: float = 0.0  # their predicted seconds
+    placed_time: float = 0.0  # profiled dW seconds placed under them
+
+
+@dataclass
+class _Item:
+    key: Hashable
+    fn: Callable[[], None]
+    param: torch.Tensor
+
+
+class WGradScheduler:
+    """Queue of deferred dW items, run under collectives by best fit (Lancet Alg. 1).
+
+    `comm_time(nbytes)` predicts the seconds of an all-to-all moving `nbytes` from this rank
+    (e.g. `functools.partial(cost_model.predict, "all_to_all")`); without it each
+    collective key's time is measured the first time `communicate` sees it. `times` maps an
+    item key to its profiled seconds (the first run of each key is timed); items whose key was
+    never timed are not placed under collectives but run (and get timed) in the flush.
+    """
+
+    def __init__(self, comm_time: Callable[[int], float] | None = None):
+        self.comm_time = comm_time
+        self.active = False
+        self.times: dict[Hashable, float] = {}
+        self.comm_times: dict[Hashable, float] = {}
+        self.stats = WGradStats()
+        self._queue: list[_Item] = []
+        self._pending: dict[int, int] = {}  # id(param) -> queued items
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[WGradScheduler]:
+        """Defer dW inside the block; flush on normal exit, drop the queue on an exception."""
+        if self.active:
+            raise RuntimeError("WGradScheduler.backward() is already active; it does not nest")
+        self.stats = WGradStats()
+        self.active = True
+        try:
+            yield self
+            self.flush()
+        except BaseException:
+            self._queue.clear()
+            self._pending.clear()
+            raise
+        finally:
+            self.active = False
+
+    def defer(self, key: Hashable, fn: Callable[[], None], param: torch.Tensor) -> None:
+        """Queue `fn`, which computes one dW contribution and accumulates it into `param.grad`;
+        `key` names its shape and kind for the time cache."""
+        if not self.active:
+            raise RuntimeError("defer() needs an active `with scheduler.backward():`")
+        self._queue.append(_Item(key, fn, param))
+        self._pending[id(param)] = self._pending.get(id(param), 0) + 1
+        self.stats.deferred += 1
+
+    def run_for(self, budget: float) -> int:
+        """Run now the timed queued items that best fit `budget` seconds; returns how many ran."""
+        timed = [i for i, item in enumerate(self._queue) if item.key in self.times]
+        picks = best_fit(budget, [self.times[self._queue[i].key] for i in timed])
+        chosen = sorted(timed[j] for j in picks)  # queue order: deterministic accumulation
+        items = [self._queue[i] for i in chosen]
+        chosen_set = set(chosen)
+        self._queue = [item for i, item in enumerate(self._queue) if i not in chosen_set]
+        self.stats.comms += 1
+        self.stats.comm_budget += budget
+        self.stats.placed_time += sum(self.times[item.key] for item in items)
+        self.stats.run_under_comm += len(items)
+        for item in items:
+            self._run(item)
+        return len(items)
+
+    def predict_comm(self, key: Hashable, nbytes: int) -> float:
+        """Expected seconds of collective `key` moving `nbytes`; 0.0 while unknown."""
+        estimate = self._estimate(key, nbytes)
+        return 0.0 if estimate is None else estimate
+
+    def communicate(self, key: Hashable, nbytes: int, handle, device: torch.device | None = None) -> None:
+        """Call right after launching an async collective: run the items that fit its expected
+        time, then `handle.wait()` (None: already complete). Without an estimate (no comm_time,
+        `key` unseen) run nothing and record the time from this call until the collective ends;
+        pass `device` when it runs on CUDA so that end is a synchronisation, not a launch.
+        Outside `backward()` this only waits."""
+        if not self.active:
+            _wait(handle)
+            return
+        budget = self._estimate(key, nbytes)
+        if budget is None:
+            # A synchronize first would wait for the collective itself, so time from here; this
+            # also counts GPU work queued before the launch, so it may overestimate (a cost
+            # model is more accurate).
+            start = time.perf_counter()
+            _wait(handle)
+            _sync(device)
+            self.comm_times[key] = time.perf_counter() - start
+            return
+        self.run_for(budget)
+        _wait(handle)
+
+    def flush(self) -> None:
+        """Run every queued item in queue order."""
+        items, self._queue = self._queue, []
+        self.stats.flushed += len(items)
+        for item in items:
+            self._run(item)
+
+    def _estimate(self, key: Hashable, nbytes: int) -> float | None:
+        if self.comm_time is not None:
+            return self.comm_time(nbytes)
+        return self.comm_times.get(key)
+
+    def _run(self, item: _Item) -> None:
+        with torch.no_grad():
+            if item.key in self.times:
+                item.fn()
+            else:  # first run of this key: profile it (later runs skip the synchronisations)
+                _sync(item.param.device)
+                start = time.perf_counter()
+                item.fn()
+                _sync(item.param.device)
+                self.times[item.key] = time.perf_counter() - start
+            pid = id(item.param)
+            self._pending[pid] -= 1
+            if self._pending[pid] == 0:
+                del self._pending[pid]
+                _post_accumulate(item.param)
+
+
+def _post_accumulate(param: torch.Tensor) -> None:
+    """Fire the hooks of `param.register_post_accumulate_grad_hook`, as AccumulateGrad does."""
+    for hook in list((param._post_accumulate_grad_hooks or {}).values()):
+        hook(param)
+
+
+def _wait(handle) -> None:
+    if handle is not None:
+        handle.wait()
+
+
+def _sync(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _no_autocast(device_type: str):
+    """Operands are cast explicitly; autocast must not recast them (nor reach into backward)."""
+    if _autocast_dtype(device_type) is not None:
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _accumulate(param: torch.Tensor, dw: torch.Tensor, index: int | None = None) -> None:
+    """Add `dw` into `param.grad` (or its slice `index`) in param's dtype, like AccumulateGrad."""
+    if param.grad is None and index is None:
+        param.grad = dw.to(param.dtype, memory_format=torch.contiguous_format)
+        return
+    if param.grad is None:
+        param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+    target = param.grad if index is None else param.grad[index]
+    target.add_(dw.to(param.dtype))
+
+
+def _linear_dw(weight: torch.Tensor, x2: torch.Tensor, dy2: torch.Tensor) -> None:
+    with _no_autocast(x2.device.type):
+        _accumulate(weight, dy2.t() @ x2)
+
+
+def _group_dw(weight: torch.Tensor, g: int, x: torch.Tensor, dy: torch.Tensor) -> None:
+    with _no_autocast(x.device.type):
+        _accumulate(weight, x.t() @ dy, g)
+
+
+def _bmm_dw(weight: torch.Tensor, x: torch.Tensor, dy: torch.Tensor) -> None:
+    with _no_autocast(x.device.type):
+        _accumulate(weight, torch.bmm(x.transpose(1, 2), dy))
+
+
+def _zero_dw(weight: torch.Tensor) -> None:
+    _accumulate(weight, torch.zeros_like(weight))
+
+
+def _deferring(scheduler: WGradScheduler | None, weight: torch.Tensor) -> bool:
+    return scheduler is not None and weight.is_leaf and weight.requires_grad and torch.is_grad_enabled()
+
+
+def _graph_inputs(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """(anchor, weight data, boxed weight) for a deferring Function.
+
+    The weight stays out of the autograd graph: backward reaching its AccumulateGrad node fires
+    the post-accumulate hooks, even with no gradient, before the deferred items have run. The
+    empty `anchor` leaf makes the output require grad (so backward runs) when x does not.
+    """
+    anchor = torch.empty(0, device=x.device, requires_grad=True)
+    return anchor, weight.detach(), (weight,)
+
+
+def _deliver(scheduler: WGradScheduler, param: torch.Tensor, items: list[tuple[Hashable, Callable[[], None]]]) -> None:
+    """Queue the dW items while the scheduler is active; outside `scheduler.backward()` run them
+    now and fire the hooks, as AccumulateGrad would."""
+    if scheduler.active:
+        for key, fn in items:
+            scheduler.defer(key, fn, param)
+        return
+    with torch.no_grad():
+        for _, fn in items:
+            fn()
+        _post_accumulate(param)
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, anchor, w, boxed, scheduler, dtype):
+        x_c, w_c = (x, w) if dtype is None else (x.to(dtype), w.to(dtype))
+        with _no_autocast(x.device.type):
+            y = F.linear(x_c, w_c)
+        ctx.save_for_backward(x_c, w_c)
+        ctx.param, ctx.scheduler, ctx.x_dtype = boxed[0], scheduler, x.dtype
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x_c, w_c = ctx.saved_tensors
+        dx = None
+        with _no_autocast(dy.device.type):
+            if ctx.needs_input_grad[0]:
+                dx = (dy @ w_c).to(ctx.x_dtype)
+        x2, dy2 = x_c.reshape(-1, x_c.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        key = ("linear", x2.shape[0], x2.shape[1], dy2.shape[1], x2.dtype)
+        _deliver(ctx.scheduler, ctx.param, [(key, functools.partial(_linear_dw, ctx.param, x2, dy2))])
+        return dx, None, None, None, None, None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, scheduler: WGradScheduler | None) -> torch.Tensor:
+    """`F.linear(x, weight)` (no bias) whose dW is deferred to `scheduler` while it is active.
+
+    Under autocast x and weight are cast to the autocast dtype, as autocast's F.linear does; dW
+    is computed in that dtype and accumulated in weight's. Without a scheduler, for a weight
+    that is not a leaf requiring grad (e.g. gathered) or with grad disabled, plain `F.linear`.
+    """
+    if not _deferring(scheduler, weight):
+        return F.linear(x, weight)
+    return _Linear.apply(x, *_graph_inputs(x, weight), scheduler, _autocast_dtype(x.device.type))
+
+
+class _Bmm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, anchor, w, boxed, scheduler):
+        w_c = w.to(x.dtype)
+        with _no_autocast(x.device.type):
+            y = torch.bmm(x, w_c)
+        ctx.save_for_backward(x, w_c)
+        ctx.param, ctx.scheduler = boxed[0], scheduler
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w_c = ctx.saved_tensors
+        dx = None
+        with _no_autocast(dy.device.type):
+            if ctx.needs_input_grad[0]:
+                dx = torch.bmm(dy, w_c.transpose(1, 2))
+        # One item for all G experts: one batched matmul. Per-expert items would give the best fit
+        # finer grains, but G small matmuls and G Python items per weight cost more than they hide.
+        key = ("bmm", *x.shape, dy.shape[2], x.dtype)
+        _deliver(ctx.scheduler, ctx.param, [(key, functools.partial(_bmm_dw, ctx.param, x, dy))])
+        return dx, None, None, None, None
+
+
+def bmm(x: torch.Tensor, weight: torch.Tensor, scheduler: WGradScheduler | None) -> torch.Tensor:
+    """`torch.bmm(x, weight.to(x.dtype))` for x (G, M, K), weight (G, K, N), computed in x.dtype
+    (the caller casts x to the compute dtype); dW of all G experts is deferred as one item.
+    Without a scheduler, or for a weight that is not a leaf requiring grad, a plain bmm."""
+    if not _deferring(scheduler, weight):
+        with _no_autocast(x.device.type):
+            return torch.bmm(x, weight.to(x.dtype))
+    return _Bmm.apply(x, *_graph_inputs(x, weight), scheduler)
+
+
+def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    return torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
+
+
+def _grouped_forward(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    if use_grouped_mm(x, w, w):
+        return torch._grouped_mm(x, w, offs=_offsets(counts, x.device))
+    return torch.cat([rows @ w[g] for g, rows in enumerate(torch.split(x, counts))])
+
+
+def _grouped_dx(dy: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    if use_grouped_mm(dy, w, w):
+        return torch._grouped_mm(dy.contiguous(), w.transpose(-2, -1), offs=_offsets(counts, dy.device))
+    return torch.cat([rows @ w[g].t() for g, rows in enumerate(torch.split(dy, counts))])
+
+
+def _bucket(rows: int) -> int:
+    """Dropless counts change every step; timing keys by the next power of two bounds the
+    number of keys, hence of profiling synchronisations."""
+    return 1 << (rows - 1).bit_length()
+
+
+class _GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, anchor, w, boxed, counts, scheduler):
+        w_c = w.to(x.dtype)
+        with _no_autocast(x.device.type):
+            y = _grouped_forward(x, w_c, counts)
+        ctx.save_for_backward(x, w_c)
+        ctx.param, ctx.scheduler, ctx.counts = boxed[0], scheduler, counts
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        x, w_c = ctx.saved_tensors
+        param, counts = ctx.param, ctx.counts
+        dx = None
+        with _no_autocast(dy.device.type):
+            if ctx.needs_input_grad[0]:
+                dx = _grouped_dx(dy, w_c, counts)
+        items = []
+        for g, (xg, dyg) in enumerate(zip(torch.split(x, counts), torch.split(dy, counts))):
+            if counts[g] > 0:
+                key = ("grouped_mm", _bucket(counts[g]), x.shape[1], dy.shape[1], x.dtype)
+                items.append((key, functools.partial(_group_dw, param, g, xg, dyg)))
+        if not items:  # autograd gives a weight whose groups are all empty a zero gradient
+            items.append((("zeros", tuple(param.shape), param.dtype), functools.partial(_zero_dw, param)))
+        _deliver(ctx.scheduler, param, items)
+        return dx, None, None, None, None, None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int], scheduler: WGradScheduler | None) -> torch.Tensor:
+    """Rows of x (M, K) sorted by group, `counts[g]` rows for group g: out rows of group g are
+    x_g @ weight[g] for weight (G, K, N), computed in x.dtype (the caller casts x). dW is
+    deferred as one item per non-empty group. Uses torch._grouped_mm where
+    `weft.kernels.grouped_mm.use_grouped_mm` allows, else a per-group loop. Without a scheduler, or for a
+    weight that is not a leaf requiring grad, the same computation through plain autograd."""
+    if len(counts) != weight.shape[0] or sum(counts) != x.shape[0]:
+        raise ValueError(f"counts ({len(counts)} groups, {sum(counts)} rows) must match weight "
+                         f"({weight.shape[0]} groups) and x ({x.shape[0]} rows)")
+    if not _deferring(scheduler, weight):
+        with _no_autocast(x.device.type):
+            return _grouped_forward(x, weight.to(x.dtype), counts)
+    return _GroupedMM.apply(x, *_graph_inputs(x, weight), counts, scheduler)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose weight gradient a `WGradScheduler` may defer: set `wgrad_scheduler`
+    (weft.overlap.optimize does) and the backward queues dW instead of computing it. Same
+    parameters and state dict as `nn.Linear`; no scheduler: exactly `nn.Linear`."""
+
+    wgrad_scheduler: WGradScheduler | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wgrad_scheduler is None or self.bias is not None:
+            return super().forward(x)
+        return linear(x, self.weight, self.wgrad_scheduler)
