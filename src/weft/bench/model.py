@@ -20,6 +20,7 @@ from weft.bench.trace import profile_decomposition
 from weft.distributed import init_distributed
 from weft.models import GPT, get_preset
 from weft.overlap import passes
+from weft.train.precision import training_autocast
 
 MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet")
 
@@ -33,10 +34,6 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int):
         return passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
                                max_partitions=max_partitions)
     return None
-
-
-def _autocast(device: torch.device):
-    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
 def run(preset: str, batch_size: int, gate: str | None, capacity, modes, steps: int, warmup: int,
@@ -57,7 +54,7 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes, steps: 
                for _ in range(3)]
 
     def loss_of(tokens):
-        with _autocast(device):
+        with training_autocast(device):
             return model(tokens[:, :-1], tokens[:, 1:])[1]
 
     def reference_grads():

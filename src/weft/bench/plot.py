@@ -10,13 +10,14 @@ not through pyplot, so no display is needed and no global figure state is touche
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from weft.jsonfile import read_json
 
 Row = dict[str, Any]
 
@@ -37,12 +38,7 @@ _MIN_OTHER_SHARE = 0.01
 def load_layer_results(json_path: str | Path) -> tuple[dict[str, Any], list[Row]]:
     """(meta, rows) of a `weft bench layer --json` file, checked enough to plot."""
     path = Path(json_path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no benchmark results at {path} (write them with `weft bench layer --json`)")
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    doc = read_json(path, f"no benchmark results at {path} (write them with `weft bench layer --json`)")
     if isinstance(doc, list):  # files written before the {"meta", "results"} format
         doc = {"meta": {}, "results": doc}
     if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):

@@ -25,12 +25,16 @@ class _AllToAll(torch.autograd.Function):
         return _exchange(grad, ctx.group, ctx.in_splits, ctx.out_splits, ctx.scheduler), None, None, None, None
 
 
+def output_buffer(x: torch.Tensor, out_splits: list[int] | None) -> torch.Tensor:
+    """The receive buffer of an all-to-all of x: like x (equal splits) or sum(out_splits) rows."""
+    if out_splits is None:
+        return torch.empty_like(x)
+    return x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+
+
 def _exchange(x: torch.Tensor, group, out_splits, in_splits, scheduler=None) -> torch.Tensor:
     x = x.contiguous()
-    if out_splits is None:
-        out = torch.empty_like(x)
-    else:
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    out = output_buffer(x, out_splits)
     if scheduler is None or not scheduler.active:
         dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
         return out

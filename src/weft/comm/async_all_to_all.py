@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from weft.comm.all_to_all import output_buffer
 from weft.distributed import group_size
 
 
@@ -34,10 +35,7 @@ class Pending:
 
 def _launch(x: torch.Tensor, group, out_splits, in_splits) -> tuple[torch.Tensor, object | None]:
     x = x.contiguous()
-    if out_splits is None:
-        out = torch.empty_like(x)
-    else:
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    out = output_buffer(x, out_splits)
     if group_size(group) == 1:
         out.copy_(x)
         return out, None

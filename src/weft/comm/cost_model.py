@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from weft.jsonfile import read_json
+
 __all__ = ["CommCostModel", "FORMAT"]
 
 FORMAT = "weft.comm_cost_model/1"
@@ -132,12 +134,8 @@ class CommCostModel:
     def from_json(cls, path: str | Path) -> CommCostModel:
         """Load a model written by `to_json`; ValueError if the file is not one."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no communication cost model at {path} (write one with `weft bench comm`)")
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON ({e}); re-run `weft bench comm` to rewrite it") from None
+        doc = read_json(path, f"no communication cost model at {path} (write one with `weft bench comm`)",
+                        "re-run `weft bench comm` to rewrite it")
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             found = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
             raise ValueError(f"{path} is not a weft communication cost model "

@@ -31,6 +31,7 @@ from weft.overlap import planner
 from weft.overlap.forward import Range
 from weft.overlap.profile import ModelProfile, profile_model
 from weft.overlap.wgrad import Linear, WGradScheduler
+from weft.train.precision import training_autocast
 
 DEFAULT_PARTITIONS = (1, 2, 4, 8)
 # Share of a layer's backward that is the weight gradient (dX and dW are matmuls of equal size).
@@ -104,9 +105,7 @@ def optimize(
     apply(model, [], None)
     was_training = model.training
     model.train()
-    autocast = None
-    if idx.device.type == "cuda":  # as the training loop runs
-        autocast = functools.partial(torch.autocast, "cuda", dtype=torch.bfloat16)
+    autocast = functools.partial(training_autocast, idx.device)  # profile as the training loop runs
     profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast)
     model.zero_grad(set_to_none=True)
     model.train(was_training)

@@ -176,20 +176,26 @@ def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
         return unit(x.detach().requires_grad_())
 
 
+def _expert_input(moe: MoE, x: torch.Tensor, ctx) -> tuple[torch.Tensor, list[int]]:
+    """Rows a rank's experts receive for the tokens of x, balanced over its local experts."""
+    rows = _rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
+    local = moe.num_local_experts
+    counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
+    with ctx():
+        recv = torch.randn(rows, moe.dim, device=x.device).to(moe.experts.compute_dtype(x))
+    return recv, counts
+
+
 def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model) -> list[float]:
     """[gate, dispatch, experts, combine] seconds for one partition x."""
     moe, device = unit.moe, x.device
-    tokens = x[0].numel() // x.shape[-1] * x.shape[0]
 
     def gate():
         with ctx():
             return moe.route(unit.norm(x.detach().requires_grad_()).reshape(-1, moe.dim))
 
-    rows = _rows(moe, tokens)
-    counts = [rows // moe.num_local_experts + (1 if i < rows % moe.num_local_experts else 0)
-              for i in range(moe.num_local_experts)]
-    with ctx():
-        recv = torch.randn(rows, moe.dim, device=device).to(moe.experts.compute_dtype(x))
+    recv, counts = _expert_input(moe, x, ctx)
+    rows = recv.shape[0]
 
     def experts():
         with ctx():
@@ -207,11 +213,7 @@ def _time_backward(unit, x: torch.Tensor, ctx, repeats: int) -> float:
     device = x.device
     if isinstance(unit, MoESubLayer):
         moe = unit.moe
-        rows = _rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
-        counts = [rows // moe.num_local_experts + (1 if i < rows % moe.num_local_experts else 0)
-                  for i in range(moe.num_local_experts)]
-        with ctx():
-            recv = torch.randn(rows, moe.dim, device=device).to(moe.experts.compute_dtype(x))
+        recv, counts = _expert_input(moe, x, ctx)
         fn = lambda: moe.experts.forward_grouped(recv.detach().requires_grad_(), counts)  # noqa: E731
     else:
         fn = lambda: unit(x.detach().requires_grad_())  # noqa: E731

@@ -6,7 +6,6 @@ gradient norm counts each expert shard once.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -16,12 +15,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weft.distributed import MoEGroups, build_moe_groups, expert_parameters, group_size, init_distributed, reduce_gradients
+from weft.distributed import (
+    MoEGroups,
+    build_moe_groups,
+    expert_parameters,
+    group_size,
+    init_distributed,
+    reduce_gradients,
+)
 from weft.models import GPT
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from weft.train.config import TrainConfig
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
+from weft.train.precision import training_autocast
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -72,18 +79,12 @@ def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def _autocast(device: torch.device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.device) -> float:
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in sampler.eval_batches(batches):
-        with _autocast(device):
+        with training_autocast(device):
             model(x.to(device), y.to(device))
         total += model.last_ce_loss.float()
     model.train()
@@ -109,7 +110,7 @@ def sample(model: GPT, prompt: str, tokens: int, device: torch.device, temperatu
     idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
     try:
         for _ in range(tokens):
-            with _autocast(device):
+            with training_autocast(device):
                 logits, _ = model(idx[:, -model.config.block_size:])
             logits = logits[0, -1].float().cpu() / max(temperature, 1e-5)
             if top_k:
@@ -243,7 +244,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     dropped = torch.zeros((), device=device)
     for micro in range(cfg.grad_accum):
         x, y = batches.get(step, micro)
-        with _autocast(device):
+        with training_autocast(device):
             _, loss = model(x.to(device), y.to(device))
         if plan is not None:
             plan.backward(loss / cfg.grad_accum)
