@@ -40,3 +40,19 @@ def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows] == ["plain", "d2", "d4", "2dh", "r0", "auto"]
     assert all(r["max_abs_error"] < 1e-5 for r in rows)
+
+
+def test_fewer_experts_than_ranks_times_every_r(tmp_path):
+    out = tmp_path / "sliced.json"
+    run_distributed(layer.run, 4, args=("tiny", 32, (1.0, None), "swiglu", None, 2, 1, str(out),
+                                        ("plain", "r0", "r1", "r2", "r4", "auto", "d2"), "plain", "none", None, 5, 2),
+                    timeout=300)
+    report = json.loads(out.read_text())
+    assert report["meta"]["num_experts"] == 2
+    rows = {(r["capacity_factor"], r["mode"]): r for r in report["results"]}
+    for cf in (1.0, None):
+        for mode in ("plain", "r0", "r1", "r2", "auto"):
+            assert rows[cf, mode]["median_ms"] > 0 and rows[cf, mode]["max_abs_error"] < 1e-5, (cf, mode)
+        # 2 ranks per expert: r = 4 is not a divisor; pipelining is not built for sharded experts
+        assert "r = 4 needs a divisor" in rows[cf, "r4"]["error"]
+        assert "pipelining (dN) is not implemented" in rows[cf, "d2"]["error"]

@@ -1,13 +1,15 @@
 """GPU checks (run on a lent GPU machine: scripts/gpu_check.sh): the CPU equivalence tests of
-the layer and of both pipelined exchanges again on NCCL with bfloat16, and Lancet's two passes
-in training (fp32), on every GPU."""
+the layer, of both pipelined exchanges (padded also with 2DH chunks) and of every r of the
+switchable parallelism again on NCCL with bfloat16, and Lancet's two passes in training (fp32),
+on every GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
-from test_moe_pipeline import dropless_worker, pipeline_worker
+from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
 from weft.testing import run_checks
 
@@ -40,8 +42,31 @@ def test_dropless_pipelining_matches_degree_one_on_nccl():
 
 
 @needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_pipelined_two_dim_exchange_matches_linear_on_nccl():
+    # Local size 1: the 2 GPUs are 2 "nodes", so each chunk's inter-node phase runs on the side stream.
+    flat = run_checks(two_dim_pipeline_worker, 2, args=((torch.bfloat16,), "cuda"), backend="nccl",
+                      env={"LOCAL_WORLD_SIZE": 1}, timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
 @pytest.mark.parametrize("budget", [1.0, 1e-7])
 def test_lancet_passes_train_like_the_plain_model_on_nccl(budget):
     flat = run_checks(both_passes_worker, torch.cuda.device_count(), args=(budget, "cuda"), backend="nccl",
                       timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_data_parallel_experts_equal_expert_parallel_on_nccl():
+    flat = _check_on_every_gpu(adaptive_worker)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_fewer_experts_than_ranks_every_r_on_nccl():
+    # One expert per GPU pair or fewer: E = W / 2 shards each expert over 2 ranks (r in 0, 1, 2).
+    flat = _check_on_every_gpu(sliced_worker, torch.cuda.device_count() // 2)
     assert not flat, "\n".join(flat[:15])

@@ -1,9 +1,12 @@
 """Tutel's switchable parallelism (parallel="adaptive"): r = 0 (data parallel for experts: gather
 the weights, keep the tokens) computes exactly what r = 1 (expert parallel) does, outputs and
-every gradient, with the same sharded parameters and no parameter movement between calls."""
+every gradient, with the same sharded parameters and no parameter movement between calls. With
+fewer experts than ranks, every r (0 and each divisor of W / E) equals a one-rank layer holding
+the whole experts, whose expert gradients are summed over the ranks' tokens."""
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -23,21 +26,20 @@ def _run(moe, x, dy, **kw):
     return y.detach().float(), x.grad.float(), {n: p.grad.float().clone() for n, p in moe.named_parameters()}
 
 
-def adaptive_worker() -> list[str]:
+def adaptive_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu") -> list[str]:
     rank = dist.get_rank()
     failures = []
-    for gate, cap, dtype in itertools.product(("topk", "bpr", "expert_choice"), (1.0, 0, None),
-                                              (torch.float32, torch.bfloat16)):
+    for gate, cap, dtype in itertools.product(("topk", "bpr", "expert_choice"), (1.0, 0, None), dtypes):
         if gate == "expert_choice" and not cap:
             continue
         torch.manual_seed(0)
         moe = MoE(DIM, HIDDEN, EXPERTS, top_k=2, gate=gate, capacity_factor=cap, activation="swiglu",
-                  parallel="adaptive", dtype=dtype)
+                  parallel="adaptive", dtype=dtype, device=device)
         before = {n: p.detach().clone() for n, p in moe.named_parameters()}
         gen = torch.Generator().manual_seed(rank)
         tokens = 20 + 4 * rank if cap is None else 24
-        x = (torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(dtype)
-        dy = torch.randn(tokens, DIM, generator=gen)
+        x = (torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype)
+        dy = torch.randn(tokens, DIM, generator=gen).to(device)
         ep, dp = _run(moe, x, dy, parallel=1), _run(moe, x, dy, parallel=0)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         pairs = [("y", dp[0], ep[0]), ("dx", dp[1], ep[1])] + [(n, dp[2][n], ep[2][n]) for n in ep[2]]
@@ -63,5 +65,98 @@ def test_parallel_arguments_are_checked():
     with pytest.raises(ValueError, match="needs MoE\\(..., parallel='adaptive'\\)"):
         moe(torch.randn(4, DIM), parallel=0)
     adaptive = MoE(DIM, HIDDEN, EXPERTS, parallel="adaptive")
-    with pytest.raises(ValueError, match="r > 1 .* is not implemented yet"):
+    assert adaptive.parallel_choices() == [0, 1]
+    with pytest.raises(ValueError, match=r"parallel \(r\) must be one of \[0, 1\]"):
         adaptive(torch.randn(4, DIM), parallel=2)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def sliced_worker(experts: int, dtypes=(torch.float32, torch.bfloat16), device: str = "cpu") -> list[str]:
+    """Fewer experts than ranks: every r against a one-rank layer with the whole experts."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    solo = dist.new_subgroups(group_size=1)[0]  # a one-rank group per rank: the oracle's
+    shards = world // experts
+    failures = []
+    cases = [("topk", 1.0, "swiglu", torch.float32), ("bpr", 0.5, "relu", torch.float32), ("topk", 0, "gelu", torch.float32),
+             ("topk", None, "swiglu", torch.float32), ("expert_choice", 1.0, "relu", torch.float32),
+             ("topk", 1.0, "swiglu", torch.bfloat16), ("topk", None, "relu", torch.bfloat16)]
+    for gate, cap, activation, dtype in cases:
+        if dtype not in dtypes:
+            continue
+        top_k = min(2, experts)
+        torch.manual_seed(0)
+        moe = MoE(DIM, HIDDEN, experts, top_k=top_k, gate=gate, capacity_factor=cap, activation=activation,
+                  parallel="adaptive", dtype=dtype, device=device)
+        torch.manual_seed(0)
+        whole = MoE(DIM, HIDDEN, experts, top_k=top_k, gate=gate, capacity_factor=cap, activation=activation,
+                    group=solo, dtype=dtype, device=device)
+        before = {n: p.detach().clone() for n, p in moe.named_parameters()}
+        gen = torch.Generator().manual_seed(rank)
+        tokens = 20 + 4 * rank if cap is None else 24
+        x = (torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0] * rank).to(device, dtype)
+        dy = torch.randn(tokens, DIM, generator=gen).to(device)
+        ref = _run(whole, x, dy)
+        expect = {}
+        for name, grad in ref[2].items():
+            if name.startswith("experts."):  # each expert's gradient sums every rank's tokens
+                dist.all_reduce(grad)
+                part = grad[rank // shards]
+                part = part.narrow(0 if name == "experts.w2" else 1, (rank % shards) * (HIDDEN // shards), HIDDEN // shards)
+                grad = part.unsqueeze(0)
+            expect[name] = grad
+        for r in moe.parallel_choices() + [None]:
+            got = _run(moe, x, dy) if r is None else _run(moe, x, dy, parallel=r)
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            label = f"rank {rank} E={experts} W={world} gate={gate} cf={cap} {activation} {dtype} r={r}"
+            pairs = [("y", got[0], ref[0]), ("dx", got[1], ref[1])] + [(n, got[2][n], expect[n]) for n in expect]
+            for name, a, b in pairs:
+                if a.shape != b.shape:
+                    failures.append(f"{label}: {name} shape {tuple(a.shape)} != {tuple(b.shape)}")
+                elif _relative(a, b) > tol:
+                    failures.append(f"{label}: {name} rel err {_relative(a, b):.2e}")
+            if moe.stats.dropped.item() != whole.stats.dropped.item():
+                failures.append(f"{label}: dropped {moe.stats.dropped.item()} != {whole.stats.dropped.item()}")
+        if any(not torch.equal(p, before[n]) for n, p in moe.named_parameters()):
+            failures.append("parameters changed")
+        if any(p.shape[-1 if n != "experts.w2" else -2] != HIDDEN // shards
+               for n, p in moe.named_parameters() if n.startswith("experts.")):
+            failures.append(f"expert shards are not 1/{shards} of the hidden dimension")
+    return failures
+
+
+@pytest.mark.parametrize("world_size, experts", [(2, 1), (4, 1), (4, 2)])
+def test_fewer_experts_than_ranks_every_r_equals_whole_experts(world_size, experts):
+    failures = run_checks(sliced_worker, world_size, args=(experts,), timeout=300)
+    assert not failures, "\n".join(failures[:10])
+
+
+def fewer_experts_errors_worker() -> list[str]:
+    failures = []
+    for kwargs, message in [({}, "needs parallel='adaptive'"),
+                            ({"parallel": "adaptive", "overlap_degree": 2}, "overlap_degree > 1 is not implemented"),
+                            ({"parallel": "adaptive", "hidden_dim": 10}, "hidden_dim \\(10\\) must be divisible")]:
+        args = {"dim": DIM, "hidden_dim": HIDDEN, "num_experts": 1, "top_k": 1, **kwargs}
+        try:
+            MoE(**args)
+            failures.append(f"{kwargs}: accepted")
+        except ValueError as e:
+            if not re.search(message, str(e)):
+                failures.append(f"{kwargs}: wrong message {e}")
+    moe = MoE(DIM, 12, 1, top_k=1, parallel="adaptive")  # 4 ranks per expert: r in 0, 1, 2, 4
+    if moe.parallel_choices() != [0, 1, 2, 4]:
+        failures.append(f"choices {moe.parallel_choices()}")
+    try:
+        moe(torch.randn(4, DIM), parallel=3)
+        failures.append("r = 3 accepted")
+    except ValueError as e:
+        if "must be one of [0, 1, 2, 4]" not in str(e):
+            failures.append(f"wrong message {e}")
+    return failures
+
+
+def test_fewer_experts_than_ranks_is_checked():
+    failures = run_checks(fewer_experts_errors_worker, 4, timeout=120)
+    assert not failures, "\n".join(failures)

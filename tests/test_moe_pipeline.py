@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from weft import MoE
+from weft.moe import pipeline
 from weft.moe.pipeline import chunk_bounds
 from weft.testing import run_checks
 
@@ -110,6 +111,53 @@ def test_two_dim_all_to_all_layer_equals_linear(world_size, local_size):
     assert not failures, "\n".join(failures[:10])
 
 
+def two_dim_pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu") -> list[str]:
+    """2DH inside the pipelined exchange equals the linear layer of degree 1 (output, input and
+    parameter gradients), and every chunk, both ways, really goes through 2DH."""
+    rank = dist.get_rank()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    calls = []
+    real = pipeline.start_exchange_2dh
+    pipeline.start_exchange_2dh = lambda x, groups: calls.append(x.shape) or real(x, groups)
+    failures = []
+    try:
+        for cap, degree, dtype in itertools.product((1.0, 0), (2, 4), dtypes):
+            def layer(cap=cap, dtype=dtype, **kwargs) -> MoE:
+                torch.manual_seed(0)
+                return MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cap, activation="swiglu", dtype=dtype,
+                           device=device, **kwargs)
+
+            gen = torch.Generator().manual_seed(10 + rank)
+            x = (torch.randn(TOKENS, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype)
+            dy = torch.randn(TOKENS, DIM, generator=gen).to(device)
+            label = f"rank {rank} 2dh cf={cap} d={degree} {dtype}"
+            ref = _run(layer(), x, dy)
+            two_dim = layer(a2a_algo="2dh", overlap_degree=degree)
+            calls.clear()
+            got = _run(two_dim, x, dy)
+            failures += mismatches(label, got, ref, dtype)
+            chunks = len(chunk_bounds(two_dim.stats.capacity, degree))
+            if len(calls) != 4 * chunks:  # dispatch and combine, forward and backward
+                failures.append(f"{label}: {len(calls)} 2DH chunk exchanges, expected {4 * chunks}")
+            if device == "cpu":  # the exchange only moves data: bit-equal to linear at the same d
+                same = _run(layer(overlap_degree=degree), x, dy)
+                pairs = [("y", got[0], same[0]), ("dx", got[1], same[1])] + [(n, got[2][n], same[2][n]) for n in same[2]]
+                failures += [f"{label}: {name} differs from linear d={degree}" for name, a, b in pairs
+                             if not torch.equal(a, b)]
+    finally:
+        pipeline.start_exchange_2dh = real
+    if two_dim.groups_2dh.num_nodes < 2:
+        failures.append(f"rank {rank}: 2DH groups span {two_dim.groups_2dh.num_nodes} node(s), expected several")
+    return failures
+
+
+@pytest.mark.parametrize("world_size, local_size", [(2, 1), (4, 2)])
+def test_pipelined_two_dim_exchange_equals_linear_degree_one(world_size, local_size):
+    failures = run_checks(two_dim_pipeline_worker, world_size, env={"LOCAL_WORLD_SIZE": local_size}, timeout=300)
+    assert not failures, "\n".join(failures[:10])
+
+
 def test_chunk_bounds_cover_the_capacity():
     assert chunk_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert chunk_bounds(3, 8) == [(0, 1), (1, 2), (2, 3)]
@@ -145,4 +193,8 @@ def test_bad_overrides_and_degrees_are_refused():
         MoE(DIM, HIDDEN, EXPERTS, a2a_algo="ring")
     with pytest.raises(ValueError, match="a2a_algo='2dh' needs a padded capacity mode"):
         MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, a2a_algo="2dh")
+    with pytest.raises(ValueError, match="a2a_algo='2dh' needs a padded capacity mode"):
+        MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, a2a_algo="2dh", overlap_degree=2)
+    two_dim = MoE(DIM, HIDDEN, EXPERTS, a2a_algo="2dh", overlap_degree=4)  # 2DH pipelines: accepted
+    assert two_dim(x, overlap_degree=2).shape == x.shape and two_dim.overlap_degree == 4
     assert moe.top_k == 2 and moe.overlap_degree == 1  # a refused call changes nothing

@@ -132,7 +132,10 @@ def optimize_worker() -> list[str]:
     failures = []
     if abs(before.item() - after.item()) > 1e-5:
         failures.append(f"optimize changed the loss: {before.item()} -> {after.item()}")
-    if plan.scheduler is None or model.blocks[0].attn.qkv.wgrad_scheduler is not plan.scheduler:
+    if dist.get_world_size() == 1:  # no all-to-all: nothing to hide dW under, so no scheduling
+        if plan.scheduler is not None or model.blocks[0].attn.qkv.wgrad_scheduler is not None:
+            failures.append("dW scheduling was turned on without any all-to-all")
+    elif plan.scheduler is None or model.blocks[0].attn.qkv.wgrad_scheduler is not plan.scheduler:
         failures.append("dW scheduling was not applied to the model's linear layers")
     if model.overlap_ranges != plan.ranges:
         failures.append("the forward ranges were not applied")
@@ -169,13 +172,35 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     main(["plan", "--preset", "tiny", "--batch-size", "2", "--nproc", "2", "--json", "plan.json"])
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["wgrad_scheduling"] and plan["predicted_s"] > 0
-    main(["bench", "model", "--preset", "tiny", "--batch-size", "2", "--steps", "2", "--warmup", "1",
-          "--nproc", "2", "--modes", "none,lancet", "--json", "model.json"])
+    main(["bench", "model", "--preset", "tiny", "--batch-size", "2", "--steps", "3", "--warmup", "1",
+          "--nproc", "2", "--modes", "none,tutel,lancet,none", "--json", "model.json"])
     report = json.loads((tmp_path / "model.json").read_text())
-    assert [r["mode"] for r in report["results"]] == ["none", "lancet"]
-    for row in report["results"]:
-        assert row["iteration_ms"] > 0 and row["max_error"] < 1e-4
-    assert "predicted_ms" in report["results"][1] and report["results"][1]["plan"]
+    meta, rows = report["meta"], report["results"]
+    assert (meta["timing"], meta["rounds"], meta["warmup_rounds"]) == ("interleaved", 3, 1)
+    assert [(r["mode"], r["repeat"]) for r in rows] == [("none", 0), ("tutel", 0), ("lancet", 0), ("none", 1)]
+    for row in rows:
+        assert row["max_error"] < 1e-4
+        for name in ("iteration", "fwd_bwd", "forward"):
+            assert 0 < row[f"{name}_ms_min"] <= row[f"{name}_ms"] and row[f"{name}_iqr_ms"] >= 0
+        # forward and fwd_bwd are laps inside each timed iteration, before the optimizer step
+        assert row["forward_ms_min"] <= row["fwd_bwd_ms_min"] <= row["iteration_ms_min"]
+        assert row["fwd_bwd_ms"] <= row["iteration_ms"]
+    lancet = rows[2]
+    assert lancet["plan"] and lancet["prediction_error"] == pytest.approx(lancet["predicted_ms"] / lancet["fwd_bwd_ms"] - 1)
+    parts = [lancet[f"predicted_{k}_ms"] for k in ("forward", "backward", "rest")]
+    assert min(parts) > 0 and sum(parts) == pytest.approx(lancet["predicted_ms"])
+    assert "predicted_ms" not in rows[3] and rows[0]["speedup"] == 1.0
+
+
+def test_interleaved_order_rotates():
+    from weft.bench.model import interleaved_order
+
+    modes = ["none", "lancet", "none"]  # duplicates are separate entries
+    order = interleaved_order(modes, 5)
+    assert len(order) == 5 and all(sorted(r) == [0, 1, 2] for r in order)
+    assert [r[0] for r in order] == [0, 1, 2, 0, 1]
+    assert order[1] == [1, 2, 0]
+    assert interleaved_order(modes, 0) == []
 
 
 def test_train_overlap_lancet_matches_none(tmp_path):

@@ -3,6 +3,7 @@ choice, decisions are reused per capacity bucket and survive a reload from JSON.
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import torch.distributed as dist
 from weft import MoE
 from weft.testing import run_distributed
 from weft.tune import Setting, TuningDictionary
-from weft.tune.dictionary import candidates_for
+from weft.tune.dictionary import candidates_for, layer_key
 
 DIM, HIDDEN, EXPERTS = 16, 24, 8
 
@@ -52,7 +53,8 @@ def test_auto_equals_plain_and_all_ranks_agree(tmp_path, world_size, a2a_auto):
     results = run_distributed(auto_worker, world_size, args=(str(path), a2a_auto), timeout=300,
                               env={"LOCAL_WORLD_SIZE": 2})
     assert len({r["best"] for r in results}) == 1 and results[0]["best"] is not None
-    expected = ["d1-linear", "d2-linear", "d4-linear", "d8-linear"] + (["d1-2dh"] if a2a_auto else [])
+    expected = ["d1-linear", "d2-linear", "d4-linear", "d8-linear"]
+    expected += ["d1-2dh", "d2-2dh", "d4-2dh", "d8-2dh"] if a2a_auto else []  # 2DH pipelines too
     assert results[0]["candidates"] == expected
     assert all(r["measured"] == 2 * len(expected) for r in results)  # each candidate twice, then reused
     assert all(r["remeasured"] == 0 for r in results)  # the reloaded dictionary knows the answer
@@ -113,3 +115,37 @@ def test_adaptive_layers_tune_r_unless_a_call_fixes_it():
     assert results[0]["candidates"] == ["d1-linear", "d1-linear-r0"]
     assert results[0]["fixed_r0"] == ["d1-linear-r0"]
     assert all(r["measured"] == 2 for r in results) and len({r["best"] for r in results}) == 1
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad * 2, None
+
+
+def test_trials_time_the_backward_too():
+    """A candidate that is only slower in backward loses; a trial never backpropagated counts its
+    forward alone at the next call."""
+    moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto")
+    tuning = TuningDictionary(trials=2)
+    fast, slow = Setting(1, "linear"), Setting(2, "linear")
+    execute = lambda s, rows: _SlowBackward.apply(rows, 0.05 if s == slow else 0.0)  # noqa: E731
+    for _ in range(5):
+        x = torch.randn(8, DIM, requires_grad=True)
+        tuning.run(moe, 8, [fast, slow], execute, x).sum().backward()
+        assert torch.equal(x.grad, torch.full_like(x, 2.0))  # the marks pass gradients through
+    times = tuning.table[layer_key(moe)]["0"]["times_ms"]
+    assert min(times[slow.name]) >= 50 > max(times[fast.name])
+    assert tuning.best(layer_key(moe), 8) == fast
+    # No backward: the pending trial is closed by the next call with its forward time only.
+    other = TuningDictionary(trials=1)
+    other.run(moe, 8, [fast, slow], lambda s, rows: _SlowBackward.apply(rows, 0.05), torch.randn(8, DIM, requires_grad=True))
+    other.run(moe, 8, [fast, slow], lambda s, rows: _SlowBackward.apply(rows, 0.05), torch.randn(8, DIM, requires_grad=True))
+    recorded = other.table[layer_key(moe)]["0"]["times_ms"]
+    assert len(recorded[fast.name]) == 1 and recorded[fast.name][0] < 50

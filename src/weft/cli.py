@@ -64,7 +64,7 @@ def _bench_layer(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
     if ns.baseline not in modes:
         parser.error(f"--baseline {ns.baseline!r} must be one of the --modes")
     args = (ns.config, ns.tokens_per_rank, ns.capacity, ns.activation, DTYPES[ns.dtype], ns.steps, ns.warmup,
-            ns.json, modes, ns.baseline, ns.optimizer, ns.trace)
+            ns.json, modes, ns.baseline, ns.optimizer, ns.trace, 5, ns.num_experts, ns.top_k)
     launch(layer.run, args, ns.nproc, ns.device)
 
 
@@ -299,10 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
     lay.add_argument("--config", default="tiny", help="mixtral, qwen2, phi35, deepseek or tiny")
     lay.add_argument("--tokens-per-rank", type=_positive_int, default=None,
                      help="tokens per rank (default 4096; deepseek 1024, tiny 256)")
+    lay.add_argument("--num-experts", type=_positive_int, default=None,
+                     help="override the config's expert count (fewer than ranks: experts sharded, modes rN)")
+    lay.add_argument("--top-k", type=_positive_int, default=None, help="override the config's top-k")
     lay.add_argument("--modes", default="plain,no-comm",
                      help="comma-separated: plain, no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
-                          "all-to-all), r0 (data-parallel experts), auto (tuning dictionary), torchtitan, megatron "
-                          "(default plain,no-comm)")
+                          "all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 (Tutel's r with fewer experts than "
+                          "ranks), auto (tuning dictionary), torchtitan, megatron (default plain,no-comm)")
     lay.add_argument("--baseline", default="plain", help="mode the ratios are relative to")
     lay.add_argument("--capacity", type=_capacity_list, default=(1.0, None),
                      help="comma-separated capacity factors, 'dropless' for None (default 1.0,dropless)")
@@ -330,8 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     mod = bench.add_parser("model", help="time training iterations of a preset per overlap mode")
     _add_model_arguments(mod, batch_size=8)
     mod.add_argument("--modes", default="none,tutel,lancet-bw,lancet-fw,lancet",
-                     help="comma-separated: none, tutel, lancet-bw, lancet-fw, lancet")
-    _add_timing_arguments(mod)
+                     help="comma-separated: none, tutel, lancet-bw, lancet-fw, lancet; a mode listed twice "
+                          "is timed twice (its spread is the noise floor)")
+    # The modes are timed interleaved: a round runs one iteration of every mode.
+    mod.add_argument("--steps", type=_positive_int, default=20, help="timed rounds (median, min, iqr reported)")
+    mod.add_argument("--warmup", type=_positive_int, default=5, help="untimed rounds first")
     mod.add_argument("--json", default=None, help="write the results to this JSON file")
     _add_launch_arguments(mod)
     mod.set_defaults(run=_bench_model, parser=mod)

@@ -9,6 +9,7 @@ On GPUs the profiler splits a step into exposed communication, overlap and expos
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -45,19 +46,30 @@ CONFIGS = {
 }
 
 
-def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = "linear") -> None:
+def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = "linear") -> Callable | None:
     if algo == "2dh":
         if moe.capacity_factor is None:
             raise ValueError("the 2DH all-to-all needs a padded capacity mode")
         moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
-    moe.communicate, moe.overlap_degree, moe.a2a_algo, moe.parallel = communicate, degree, algo, "ep"
+    sliced = moe.expert_shards > 1
+    if sliced and degree > 1:
+        raise ValueError("pipelining (dN) is not implemented with fewer experts than ranks")
+    moe.communicate, moe.overlap_degree, moe.a2a_algo = communicate, degree, algo
+    moe.parallel = "adaptive" if sliced else "ep"
+    # Fewer experts than ranks: the plain layer is r = 1 (EP+DP), fixed so nothing is tuned.
+    return (lambda x: moe(x, parallel=1)) if sliced else None
 
 
-def _data_parallel(moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Tutel's r = 0 on the same sharded weights: gather the experts, keep the tokens."""
-    _configure(moe)
-    moe.parallel = "adaptive"
-    return lambda x: moe(x, parallel=0)
+def _fixed_r(r: int) -> Callable[[MoE], Callable]:
+    """Tutel's r on the same sharded weights (r = 0: gather the experts, keep the tokens)."""
+    def configure(moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
+        _configure(moe)
+        moe.parallel = "adaptive"
+        if r not in moe.parallel_choices():
+            raise ValueError(f"r = {r} needs a divisor of the ranks per expert; this layer takes "
+                             f"{moe.parallel_choices()}")
+        return lambda x: moe(x, parallel=r)
+    return configure
 
 
 def _auto(moe: MoE) -> None:
@@ -72,7 +84,8 @@ def _auto(moe: MoE) -> None:
 # Mode name -> how it configures the layer. Modes must compute the plain layer's function,
 # except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N;
 # `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks); `r0`: data-parallel
-# experts (Tutel 3.1, r = 0); `auto`: Tutel 3.3's tuning dictionary picks among them. A configure
+# experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer experts than ranks): N model-parallel slices per
+# expert (fig. 7); `auto`: Tutel 3.3's tuning dictionary picks among them. A configure
 # function may return the forward to call (default: the layer itself).
 MODES: dict[str, Callable[[MoE], Callable | None]] = {
     "plain": _configure,
@@ -81,7 +94,11 @@ MODES: dict[str, Callable[[MoE], Callable | None]] = {
     "d4": lambda moe: _configure(moe, degree=4),
     "d8": lambda moe: _configure(moe, degree=8),
     "2dh": lambda moe: _configure(moe, algo="2dh"),
-    "r0": _data_parallel,
+    "r0": _fixed_r(0),
+    "r1": _fixed_r(1),
+    "r2": _fixed_r(2),
+    "r4": _fixed_r(4),
+    "r8": _fixed_r(8),
     "auto": _auto,
 }
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
@@ -95,23 +112,41 @@ def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
 
 
 class _Timer:
+    """Milliseconds from `begin` to `stop` (CUDA events on GPU); each `lap` marks a point in
+    between, read after `stop` as `laps_ms` (events, so no synchronisation inside the region;
+    `lap_ms` is the first)."""
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.laps_ms: list[float] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _between(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
     def begin(self) -> None:
-        if self.cuda:
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
+        self.marks, self.laps_ms = [], []
+        self.start = self._mark()
+
+    def lap(self) -> None:
+        self.marks.append(self._mark())
+
+    @property
+    def lap_ms(self) -> float | None:
+        return self.laps_ms[0] if self.laps_ms else None
 
     def stop(self) -> float:
+        end = self._mark()
         if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            return self.start.elapsed_time(self.end)
-        return (time.perf_counter() - self.t0) * 1e3
+            end.synchronize()
+        self.laps_ms = [self._between(self.start, m) for m in self.marks]
+        return self._between(self.start, end)
 
 
 def median_ms(step: Callable[[int], None], steps: int, warmup: int, device: torch.device) -> float:
@@ -158,10 +193,16 @@ def run(
     optimizer: str = "none",
     trace_dir: str | None = None,
     profile_steps: int = 5,
+    num_experts: int | None = None,
+    top_k: int | None = None,
 ) -> dict:
-    """Benchmark every mode for every capacity factor; returns {"meta": ..., "results": [...]}."""
+    """Benchmark every mode for every capacity factor; returns {"meta": ..., "results": [...]}.
+
+    `num_experts` and `top_k` override the config's; fewer experts than ranks builds the layer
+    with `parallel="adaptive"` (experts sharded over W / E ranks; `plain` is r = 1)."""
     ctx = init_distributed()
-    cfg = CONFIGS[config]
+    overrides = {k: v for k, v in (("num_experts", num_experts), ("top_k", top_k)) if v is not None}
+    cfg = dataclasses.replace(CONFIGS[config], **overrides)
     tokens = tokens_per_rank or cfg.tokens_per_rank
     if ctx.device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # bf16 matmuls on the CPU measure nothing useful
@@ -206,7 +247,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     device = ctx.device
     torch.manual_seed(0)
     moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
-              device=device, dtype=dtype)
+              device=device, dtype=dtype, parallel="adaptive" if cfg.num_experts < ctx.world_size else "ep")
     gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)
     inputs = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
     grads = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]

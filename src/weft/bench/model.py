@@ -2,24 +2,47 @@
 per overlap mode, side by side (Lancet fig. 11-14, 16).
 
 Modes: `none` (the plain model), `tutel` (every MoE layer's overlap degree tuned, Tutel 3.2-3.3),
-`lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both). Each
-mode's loss and gradients are checked against `none` on the same weights and batch before
-timing; the Lancet modes also report the planner's predicted forward+backward time next to the
-measured one.
+`lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both).
+
+Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
+dictionaries have decided) and its loss and gradients are checked against `none` on the starting
+weights and the same batch (`max_error`). The modes are then timed interleaved, since drifts
+within one launch (clocks, NCCL, allocator) are larger than the differences between modes: in
+each round every mode runs one iteration (switch, barrier, one timed step), the order rotated
+by one every round; the first `warmup` rounds are not counted. All modes share one model and
+one AdamW (the weights drift; the work per step does not). A mode listed twice is switched to
+the same configuration and reported as a separate row (`repeat`: 0, 1, ...): the gap between the
+two is the noise floor.
+
+Per row (milliseconds; each step's time is the slowest rank's):
+- `iteration_ms`, `iteration_ms_min`, `iteration_iqr_ms`: median, minimum and interquartile
+  range (q3 - q1) of forward + backward + optimizer step;
+- `fwd_bwd_ms`, `fwd_bwd_ms_min`, `fwd_bwd_iqr_ms`: the same steps up to the end of backward;
+- `forward_ms`, `forward_ms_min`, `forward_iqr_ms`: up to the end of the forward (the loss);
+- Lancet modes: `predicted_ms` (the planner's forward + backward) and `prediction_error`
+  (predicted / measured `fwd_bwd_ms` - 1), with the prediction's parts `predicted_forward_ms`
+  (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
+  and loss, forward + backward) to see which part is off;
+- on CUDA, `decomposition` (a profiled run of each mode after the timing rounds).
+`meta.timing` is "interleaved"; `meta.rounds` / `meta.warmup_rounds` the counted and warm-up rounds.
 """
 from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from weft.bench.layer import _slowest, median_ms, write_report
+from weft.bench.layer import _slowest, _Timer, write_report
 from weft.bench.trace import profile_decomposition
 from weft.distributed import init_distributed
 from weft.models import GPT, get_preset
 from weft.overlap import passes
+from weft.overlap.forward import Range
+from weft.overlap.wgrad import WGradScheduler
 from weft.train.precision import training_autocast
 
 MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet")
@@ -36,11 +59,60 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int):
     return None
 
 
-def run(preset: str, batch_size: int, gate: str | None, capacity, modes, steps: int, warmup: int,
+@dataclass
+class _Setting:
+    """What switches the shared model into one mode (what `_configure` set), and its check."""
+
+    ranges: list[Range]
+    scheduler: WGradScheduler | None
+    degrees: list[int | str]  # overlap_degree per MoE layer
+    plan: passes.OverlapPlan | None
+    max_error: float = 0.0
+
+
+def _switch(model: GPT, setting: _Setting) -> None:
+    passes.apply(model, setting.ranges, setting.scheduler)
+    for moe, degree in zip(model.moe_layers(), setting.degrees):
+        moe.overlap_degree = degree
+
+
+def interleaved_order(modes: Sequence[str], rounds: int) -> list[list[int]]:
+    """Per round, the indices of `modes` in the order they run: each once, the start rotated by
+    one every round, so that no mode always runs first (right after the previous round's last
+    mode). The cyclic order is kept: otherwise a mode always follows the same one."""
+    n = len(modes)
+    return [[(r + j) % n for j in range(n)] for r in range(rounds)]
+
+
+def _finish_tuning(model: GPT, forward: Callable[[], object], device: torch.device, max_calls: int = 100) -> None:
+    """Run `forward` until no MoE layer's tuning dictionary measures any more: tuning calls
+    synchronise and try slow settings, so they must not fall into the timed rounds. All ranks
+    stop together (the count is reduced), as every call is a collective."""
+    def measured() -> int:
+        return sum(moe.tuning.measurements for moe in model.moe_layers())
+
+    for _ in range(max_calls):
+        before = measured()
+        forward()
+        if _slowest(float(measured() - before), device) == 0:
+            return
+
+
+def _assert_clean(model: GPT, scheduler: WGradScheduler | None) -> None:
+    """No gradient and no queued dW item may carry over into the next mode's step."""
+    leftover = [n for n, p in model.named_parameters() if p.grad is not None]
+    stats = scheduler.stats if scheduler is not None else None
+    if leftover or (stats is not None and stats.deferred != stats.run_under_comm + stats.flushed):
+        raise RuntimeError(f"state left over after a step: gradients of {leftover[:3]}, scheduler {stats}")
+
+
+def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequence[str], steps: int, warmup: int,
         json_path: str | None, max_partitions: int = 8, profile_steps: int = 3) -> dict:
-    """Time `modes` on every rank of the current world; rank 0 prints the table and writes JSON."""
+    """Time `modes` interleaved for `steps` rounds after `warmup` rounds, on every rank of the
+    current world; rank 0 prints the table and writes JSON."""
     ctx = init_distributed()
     device = ctx.device
+    modes = tuple(modes)
     overrides = {} if gate is None else {"gate": gate}
     if capacity != "preset":
         overrides["capacity_factor"] = capacity
@@ -57,6 +129,13 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes, steps: 
         with training_autocast(device):
             return model(tokens[:, :-1], tokens[:, 1:])[1]
 
+    def backward(setting: _Setting, loss: torch.Tensor) -> None:
+        if setting.scheduler is None:
+            loss.backward()
+        else:  # flushes every deferred dW before returning
+            with setting.scheduler.backward():
+                loss.backward()
+
     def reference_grads():
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
@@ -67,34 +146,76 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes, steps: 
     loss.backward()
     ref_loss, ref_grads = loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                         if p.grad is not None}
-    rows = []
-    for mode in modes:
+    # Configure each distinct mode once, checked on the starting weights; a repeated mode reuses
+    # its configuration, so that repeats differ by noise only.
+    settings: dict[str, _Setting] = {}
+    for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
         plan = _configure(mode, model, batches[0][:, :-1], max_partitions)
+        setting = _Setting(plan.ranges if plan else [], plan.scheduler if plan else None,
+                           [moe.overlap_degree for moe in model.moe_layers()], plan)
         loss = reference_grads()
-        (plan.backward(loss) if plan else loss.backward())
-        err = max([abs(loss.item() - ref_loss)] + [float((p.grad.float() - ref_grads[n]).abs().max())
-                                                   for n, p in model.named_parameters() if p.grad is not None])
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        backward(setting, loss)
+        setting.max_error = max([abs(loss.item() - ref_loss)] + [
+            float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
+            if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        _finish_tuning(model, lambda: loss_of(batches[0]), device)
+        settings[mode] = setting
+    model.load_state_dict(start)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    timer = _Timer(device)
 
-        def step(i: int, with_optimizer: bool = True) -> None:
-            loss = loss_of(batches[i % len(batches)])
-            plan.backward(loss) if plan else loss.backward()
-            if with_optimizer:
-                opt.step()
-            model.zero_grad(set_to_none=True)
+    def step(setting: _Setting, i: int) -> None:
+        """One training iteration; laps mark the end of forward and of backward."""
+        loss = loss_of(batches[i % len(batches)])
+        timer.lap()
+        backward(setting, loss)
+        timer.lap()
+        opt.step()
+        model.zero_grad(set_to_none=True)
 
-        row = {"mode": mode, "max_error": err, "repeat": sum(r["mode"] == mode for r in rows)}
-        row["iteration_ms"] = _slowest(median_ms(step, steps, warmup, device), device)
-        row["fwd_bwd_ms"] = _slowest(median_ms(lambda i: step(i, False), steps, warmup, device), device)
+    times = torch.zeros(len(modes), 3, steps, dtype=torch.float64)  # (row, iteration/fwd_bwd/forward, round)
+    for r, order in enumerate(interleaved_order(modes, warmup + steps)):
+        for row in order:
+            setting = settings[modes[row]]
+            _switch(model, setting)
+            if dist.is_initialized():
+                dist.barrier()
+            timer.begin()
+            step(setting, r)
+            elapsed = timer.stop()
+            _assert_clean(model, setting.scheduler)
+            if r >= warmup:
+                forward_ms, fwd_bwd_ms = timer.laps_ms
+                times[row, :, r - warmup] = torch.tensor([elapsed, fwd_bwd_ms, forward_ms], dtype=torch.float64)
+    if dist.is_initialized():  # each step's time is its slowest rank's
+        slowest = times.to(device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        times = slowest.cpu()
+
+    rows = []
+    quartiles = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
+    for i, mode in enumerate(modes):
+        setting, plan = settings[mode], settings[mode].plan
+        row = {"mode": mode, "repeat": modes[:i].count(mode), "max_error": setting.max_error}
+        for name, sample in (("iteration", times[i, 0]), ("fwd_bwd", times[i, 1]), ("forward", times[i, 2])):
+            q1, median, q3 = torch.quantile(sample, quartiles).tolist()
+            row.update({f"{name}_ms": median, f"{name}_ms_min": float(sample.min()), f"{name}_iqr_ms": q3 - q1})
         if plan is not None:
             row.update(predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
                        ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
             row["prediction_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
+            # Where the error is: the planner's forward (sub-layers only) against the measured
+            # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
+            # forward and backward).
+            row.update({f"predicted_{k}_ms": v * 1e3 for k, v in plan.parts.items()})
+            row["profile_s"] = plan.to_dict()["profile_s"]
         if device.type == "cuda" and profile_steps > 0:
-            row["decomposition"] = profile_decomposition(lambda: step(0), profile_steps).to_dict()
+            _switch(model, setting)
+            row["decomposition"] = profile_decomposition(lambda s=setting: step(s, 0), profile_steps).to_dict()
         rows.append(row)
-        passes.apply(model, [], None)
+    passes.apply(model, [], None)
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     for row in rows:
         row["speedup"] = base["iteration_ms"] / row["iteration_ms"]
@@ -103,6 +224,7 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes, steps: 
                        "batch_size": batch_size, "seq_len": cfg.block_size, "world_size": ctx.world_size,
                        "device": name, "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
+                       "timing": "interleaved", "rounds": steps, "warmup_rounds": warmup,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
               "results": rows}
     if ctx.rank == 0:
@@ -116,17 +238,24 @@ def print_table(report: dict) -> None:
     print(f"\nweft bench model: {meta['preset']} (gate {meta['gate']}, k{meta['top_k']}, cf {meta['capacity_factor']}), "
           f"batch {meta['batch_size']} x {meta['seq_len']} per rank, {meta['world_size']} x {meta['device']}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
-    print(f"{'mode':>10} {'iter ms':>9} {'speedup':>8} {'fwd+bwd':>9} {'predicted':>10} {'pred err':>9} "
-          f"{'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7}")
+    print(f"timing: {meta['timing']}, median of {meta['rounds']} rounds after {meta['warmup_rounds']} warm-up "
+          f"rounds; min and iqr (q3 - q1) show the noise")
+    print(f"{'mode':>12} {'iter ms':>9} {'min':>8} {'iqr':>7} {'speedup':>8} {'fwd+bwd':>9} {'iqr':>7} "
+          f"{'predicted':>10} {'pred err':>9} {'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7}")
     for r in report["results"]:
+        label = r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "")
         d = r.get("decomposition") or {}
         pred = f"{r['predicted_ms']:.2f}" if "predicted_ms" in r else ""
         perr = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else ""
         hidden = "" if d.get("hidden_share") is None else f"{d['hidden_share']:.0%}"
         comm = f"{d['comm_ms']:.3f}" if d else ""
         exposed = f"{d['comm_only_ms']:.3f}" if d else ""
-        print(f"{r['mode']:>10} {r['iteration_ms']:>9.2f} {r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {pred:>10} "
+        print(f"{label:>12} {r['iteration_ms']:>9.2f} {r['iteration_ms_min']:>8.2f} {r['iteration_iqr_ms']:>7.2f} "
+              f"{r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {r['fwd_bwd_iqr_ms']:>7.2f} {pred:>10} "
               f"{perr:>9} {r['max_error']:>9.1e} {comm:>8} {exposed:>8} {hidden:>7}")
     for r in report["results"]:
-        if r.get("plan"):
+        if r.get("plan") and not r["repeat"]:  # a repeat runs the same plan
             print(f"\n[{r['mode']}] plan:\n{r['plan']}")
+            print(f"measured forward {r['forward_ms']:.2f} ms, backward {r['fwd_bwd_ms'] - r['forward_ms']:.2f} ms; "
+                  f"predicted forward {r['predicted_forward_ms']:.2f} + backward {r['predicted_backward_ms']:.2f} "
+                  f"+ embedding/head/loss {r['predicted_rest_ms']:.2f} ms")

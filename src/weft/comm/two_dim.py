@@ -73,3 +73,49 @@ def all_to_all_2dh(x: torch.Tensor, groups: HierarchicalGroups) -> torch.Tensor:
     if world == 1:
         return x
     return _AllToAll2DH.apply(x, groups)
+
+
+class StreamWork:
+    """Handle of work queued on a side CUDA stream: `wait()` makes the current stream wait for it
+    without blocking the CPU, like the handle of an async NCCL collective."""
+
+    def __init__(self, done: torch.cuda.Event):
+        self.done = done
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.done)
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def start_exchange_2dh(x: torch.Tensor, groups: HierarchicalGroups) -> tuple[torch.Tensor, StreamWork | None]:
+    """Start the 2DH exchange of x (not differentiable); returns (output, handle or None).
+
+    On CUDA every phase (stride copies and both all-to-alls) is queued on one side stream that
+    first waits for the current stream; NCCL calls without async_op only make that side stream
+    wait for them, so the CPU and the compute stream run on until `handle.wait()`. Chunks share
+    the side stream, so every rank issues its intra/inter collectives in the same order. On the
+    CPU (gloo) the exchange runs now and the handle is None.
+    """
+    if groups.size == 1:
+        return x, None
+    if not x.is_cuda:
+        return _exchange_2dh(x, groups), None
+    current = torch.cuda.current_stream(x.device)
+    side = _SIDE_STREAMS.get(x.device)
+    if side is None:
+        side = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        out = _exchange_2dh(x, groups)
+        done = torch.cuda.Event()
+        done.record(side)
+    # Caching allocator: x comes from the current stream and is read on the side stream, out the
+    # other way round, and callers drop them before those streams catch up. record_stream keeps
+    # each block from being reused until the other stream is done with it (cheaper than holding
+    # every chunk until a final synchronize). Phase temporaries live and die on the side stream,
+    # whose own order protects them.
+    x.record_stream(side)
+    out.record_stream(current)
+    return out, StreamWork(done)

@@ -1,8 +1,10 @@
 """Expert FFN weights and their computation.
 
 Weights are stacked per local expert: w1 (El, dim, hidden), w2 (El, hidden, dim) and, for
-swiglu, w3 (El, dim, hidden). Padded layouts compute with one batched matmul; dropless
-(variable rows per expert) with grouped GEMM on GPUs that have it, a per-expert loop elsewhere.
+swiglu, w3 (El, dim, hidden). With fewer experts than ranks (Tutel's switchable parallelism),
+a rank holds one shard of one expert: the hidden columns [j * h, (j + 1) * h), h = hidden / m.
+Padded layouts compute with one batched matmul; dropless (variable rows per expert) with
+grouped GEMM on GPUs that have it, a per-expert loop elsewhere.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ class Experts(nn.Module):
     """The `num_local` experts of this rank; global expert ids `first_expert + i`.
 
     Initialisation depends only on the global expert id and one seed drawn from torch's RNG,
-    so the full set of experts is the same whatever the expert-parallel size.
+    so the full set of experts is the same whatever the expert-parallel size. `shard=(j, m)`
+    keeps only shard j of m of each expert's hidden dimension (the same values as unsharded).
     """
 
     def __init__(
@@ -36,15 +39,20 @@ class Experts(nn.Module):
         first_expert: int = 0,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        shard: tuple[int, int] = (0, 1),
     ):
         super().__init__()
         self.dim, self.hidden_dim, self.num_local, self.activation = dim, hidden_dim, num_local, activation
         self.first_expert = first_expert
+        self.shard_index, self.num_shards = shard
+        if hidden_dim % self.num_shards or not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard {shard} does not split hidden_dim {hidden_dim} evenly")
+        width = hidden_dim // self.num_shards
         factory = {"dtype": dtype, "device": device}
-        self.w1 = nn.Parameter(torch.empty(num_local, dim, hidden_dim, **factory))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden_dim, dim, **factory))
+        self.w1 = nn.Parameter(torch.empty(num_local, dim, width, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_local, width, dim, **factory))
         if activation == "swiglu":
-            self.w3 = nn.Parameter(torch.empty(num_local, dim, hidden_dim, **factory))
+            self.w3 = nn.Parameter(torch.empty(num_local, dim, width, **factory))
         else:
             self.register_parameter("w3", None)
         # Lancet's backward pass (weft.overlap): a WGradScheduler here defers each local
@@ -60,14 +68,19 @@ class Experts(nn.Module):
         seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
         if self.w1.device.type == "meta":
             return
+        width, start = self.w1.shape[-1], self.shard_index * self.w1.shape[-1]
         for i in range(self.num_local):
             gen = torch.Generator(device=self.w1.device).manual_seed(seed + self.first_expert + i)
-            for w, fan_in in ((self.w1, self.dim), (self.w2, self.hidden_dim), (self.w3, self.dim)):
+            for w, fan_in, axis in ((self.w1, self.dim, 1), (self.w2, self.hidden_dim, 0), (self.w3, self.dim, 1)):
                 if w is None:
                     continue
                 bound = 1.0 / math.sqrt(fan_in)
+                full = list(w.shape[1:])
+                full[axis] = self.hidden_dim
+                # Draw the whole expert, keep the shard: values do not depend on the sharding.
+                values = torch.empty(full, dtype=w.dtype, device=w.device).uniform_(-bound, bound, generator=gen)
                 with torch.no_grad():
-                    w[i].uniform_(-bound, bound, generator=gen)
+                    w[i].copy_(values.narrow(axis, start, width))
 
     def _hidden(self, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
         if self.activation == "swiglu":

@@ -64,7 +64,9 @@ class MoE(nn.Module):
     Args:
         dim: model width; `x` has shape (..., dim).
         hidden_dim: expert FFN width.
-        num_experts: experts in total, E; each of the W ranks of `group` holds E / W of them.
+        num_experts: experts in total, E; each of the W ranks of `group` holds E / W of them
+            (with `parallel="adaptive"`, E may also divide W: each rank then holds a 1 / (W / E)
+            shard of one expert's hidden dimension).
         top_k: experts per token (k = 1 with gate "topk" is the Switch gate); for
             "expert_choice" it sets the capacity ceil(k * cf * T / E) instead.
         gate: "topk", "bpr", "cosine", "expert_choice" or "random".
@@ -78,7 +80,8 @@ class MoE(nn.Module):
             same result as 1.
             "auto": the tuning dictionary picks d per capacity bucket (Tutel 3.3).
         a2a_algo: "linear" (one all_to_all_single) or "2dh" (Tutel's two-level hierarchical
-            all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A); same result; "auto"
+            all-to-all over nodes of LOCAL_WORLD_SIZE ranks, appendix A; padded modes, any
+            overlap_degree: each pipelined chunk is exchanged via 2DH); same result; "auto"
             lets the tuning dictionary choose. "2dh"/"auto" build process groups here, a
             collective: construct the layer on every rank.
         tuning: the `weft.tune.TuningDictionary` used by "auto" settings (shared between layers,
@@ -86,9 +89,13 @@ class MoE(nn.Module):
         parallel: "ep" (expert parallel) or "adaptive" (Tutel 3.1's switchable parallelism: the
             same sharded weights serve r = 1, expert parallel, and r = 0, data parallel for
             experts: all-gather the expert weights, compute local tokens, reduce-scatter the
-            gradients; no parameter moves between calls, results identical). The tuning
-            dictionary picks r per capacity bucket unless a call fixes it, `moe(x, parallel=r)`.
-            r > 1 (fewer experts than ranks) is not implemented yet.
+            gradients; no parameter moves between calls, results identical). With fewer experts
+            than ranks (m = W / E ranks per expert), r may be any divisor of m (fig. 7): the m
+            ranks of an expert form r model-parallel slices of its hidden dimension, each
+            served by m / r data-parallel ranks that all-gather their shards; every token goes
+            to all r slices (local repeat) and the r partial outputs are summed (local sum).
+            r = 1 is EP+DP, r = m is EP+MP. The tuning dictionary picks r per capacity bucket
+            unless a call fixes it, `moe(x, parallel=r)`.
         cosine_proj_dim: projection width of the cosine router.
 
     In the padded modes (capacity_factor not None) with cf > 0 and for expert choice, every rank
@@ -125,8 +132,13 @@ class MoE(nn.Module):
         self.group = resolve_group(group)
         ep_size = group_size(self.group)
         _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size)
+        if parallel not in ("ep", "adaptive"):
+            raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
+        # m ranks per expert when there are fewer experts than ranks (Tutel's EP+DP+MP, fig. 7).
+        self.expert_shards = ep_size // num_experts if num_experts < ep_size else 1
+        _check_shards(self.expert_shards, hidden_dim, parallel, overlap_degree, num_experts, ep_size)
         _check_overlap(overlap_degree)
-        _check_algo(a2a_algo, capacity_factor, overlap_degree)
+        _check_algo(a2a_algo, capacity_factor)
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
         self.top_k, self.gate, self.capacity_factor = top_k, gate, capacity_factor
         self.normalize_gates, self.ep_size = normalize_gates, ep_size
@@ -134,17 +146,21 @@ class MoE(nn.Module):
         self.a2a_algo = a2a_algo
         self.groups_2dh = hierarchical_groups(self.group) if a2a_algo in ("2dh", "auto") else None
         self.tuning = tuning if tuning is not None else TuningDictionary()
-        if parallel not in ("ep", "adaptive"):
-            raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
         self.parallel = parallel
         self.parallel_r: int | None = None  # r of this call (None: 1, or tuned when "auto")
-        self.num_local_experts = num_experts // ep_size
+        self.num_local_experts = max(1, num_experts // ep_size)
+        # The data-parallel groups of each r (m / r consecutive ranks sharing one slice): built
+        # here because creating process groups is a collective every rank must reach.
+        self.slice_groups = {r: hierarchical_groups(self.group, self.expert_shards // r).intra
+                             for r in self.parallel_choices() if r > 0 and self.expert_shards // r > 1}
         if gate == "cosine":
             self.router = CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim).to(device)
         else:
             self.router = LinearRouter(dim, num_experts).to(device)
-        first = group_rank(self.group) * self.num_local_experts
-        self.experts = Experts(dim, hidden_dim, self.num_local_experts, activation, first, dtype, device)
+        rank, shards = group_rank(self.group), self.expert_shards
+        first = rank // shards if shards > 1 else rank * self.num_local_experts
+        self.experts = Experts(dim, hidden_dim, self.num_local_experts, activation, first, dtype, device,
+                               shard=(rank % shards, shards))
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         self.stats: MoEStats | None = None
@@ -176,10 +192,10 @@ class MoE(nn.Module):
         if parallel is not None and parallel != 1:
             if self.parallel != "adaptive":
                 raise ValueError(f"parallel={parallel!r} needs MoE(..., parallel='adaptive')")
-            if parallel != 0:
-                raise ValueError(f"parallel (r) must be 0 or 1 when num_experts ({self.num_experts}) >= the "
-                                 f"EP size ({self.ep_size}); r > 1 (experts split over several ranks) is not "
-                                 f"implemented yet")
+            if isinstance(parallel, bool) or parallel not in self.parallel_choices():
+                raise ValueError(f"parallel (r) must be one of {self.parallel_choices()} with {self.num_experts} "
+                                 f"experts on {self.ep_size} ranks (0, or a divisor of ranks per expert "
+                                 f"{self.expert_shards}), got {parallel!r}")
         saved = (self.top_k, self.capacity_factor, self.overlap_degree)
         top_k = self.top_k if top_k is None else top_k
         capacity_factor = self.capacity_factor if capacity_factor is ... else capacity_factor
@@ -188,7 +204,9 @@ class MoE(nn.Module):
             _check_config(self.dim, self.hidden_dim, self.num_experts, top_k, self.gate, capacity_factor,
                           self.experts.activation, self.ep_size)
             _check_overlap(overlap_degree)
-            _check_algo(self.a2a_algo, capacity_factor, overlap_degree)
+            _check_shards(self.expert_shards, self.hidden_dim, self.parallel, overlap_degree, self.num_experts,
+                          self.ep_size)
+            _check_algo(self.a2a_algo, capacity_factor)
         self.top_k, self.capacity_factor, self.overlap_degree = top_k, capacity_factor, overlap_degree
         self.parallel_r = parallel
         try:
@@ -196,6 +214,10 @@ class MoE(nn.Module):
         finally:
             self.top_k, self.capacity_factor, self.overlap_degree = saved
             self.parallel_r = None
+
+    def parallel_choices(self) -> list[int]:
+        """The r this layer can run: 0 (data parallel) and the divisors of W / E (1 when E >= W)."""
+        return [0] + [r for r in range(1, self.expert_shards + 1) if self.expert_shards % r == 0]
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
@@ -260,8 +282,8 @@ class MoE(nn.Module):
         """(E*C, dim) per source -> experts on their owners -> back; Tutel's Flexible layout."""
         free_r = self.parallel == "adaptive" and self.parallel_r is None and self.ep_size > 1
         if self.communicate and ("auto" in (self.overlap_degree, self.a2a_algo) or free_r):
-            run = lambda setting: self._exchange_with(buffer, cap, setting)  # noqa: E731
-            return self.tuning.run(self, cap, candidates_for(self), run)
+            run = lambda setting, rows: self._exchange_with(rows, cap, setting)  # noqa: E731
+            return self.tuning.run(self, cap, candidates_for(self), run, buffer)
         degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
         algo = "linear" if self.a2a_algo == "auto" else self.a2a_algo
         return self._exchange_with(buffer, cap, Setting(degree, algo, 1 if self.parallel_r is None else self.parallel_r))
@@ -271,8 +293,11 @@ class MoE(nn.Module):
         if setting.parallel == 0:  # Tutel's r = 0: keep the tokens, bring the weights
             by_expert = buffer.view(self.num_experts, cap, dim)
             return self.experts(by_expert, self._all_expert_weights()).reshape(-1, dim)
+        if self.expert_shards > 1:
+            return self._exchange_sliced(buffer, cap, setting)
         if setting.overlap_degree > 1 and self.communicate:
-            return pipelined_exchange(buffer, self.experts, self.group, ep, local, cap, setting.overlap_degree)
+            return pipelined_exchange(buffer, self.experts, self.group, ep, local, cap, setting.overlap_degree,
+                                      algo=setting.a2a_algo, groups_2dh=self.groups_2dh)
         received = self._all_to_all(buffer, algo=setting.a2a_algo)  # (W * El * C, dim), source-major
         flexible = received.view(ep, local, cap, dim).transpose(0, 1).reshape(local, ep * cap, dim)
         out = self.experts(flexible)
@@ -287,6 +312,8 @@ class MoE(nn.Module):
         send = tokens.index_select(0, token_ids)
         if self.parallel_r == 0 and self.ep_size > 1:
             out = self.experts.forward_grouped(send, routing.counts.tolist(), self._all_expert_weights())
+        elif self.expert_shards > 1:
+            out = self._exchange_sliced_dropless(send, routing.counts)
         elif self.ep_size == 1:
             out = self.experts.forward_grouped(send, routing.counts.tolist())
         else:
@@ -323,7 +350,57 @@ class MoE(nn.Module):
     def _all_expert_weights(self) -> tuple:
         """Tutel's r = 0: every expert's weights on every rank, gathered from their owners (the
         backward reduce-scatters the gradients back, summed over ranks as in expert parallelism)."""
-        return tuple(None if w is None else all_gather(w, self.group) for w in self.experts.weights())
+        return tuple(None if w is None else _join_shards(all_gather(w, self.group), self.expert_shards, i == 1)
+                     for i, w in enumerate(self.experts.weights()))
+
+    def _expert_slice(self, r: int) -> tuple:
+        """Slice s = (rank % m) // (m / r) of this rank's expert (hidden / r wide), all-gathered over
+        the m / r ranks that share it; their gradients are reduce-scattered back (summed)."""
+        group = self.slice_groups.get(r)
+        if group is None:  # r = m: the slice is this rank's own shard
+            return self.experts.weights()
+        peers = self.expert_shards // r
+        return tuple(None if w is None else _join_shards(all_gather(w, group), peers, i == 1)
+                     for i, w in enumerate(self.experts.weights()))
+
+    # -- fewer experts than ranks (Tutel fig. 7): r slices x m / r replicas of each expert -------
+    def _exchange_sliced(self, buffer: torch.Tensor, cap: int, setting: Setting) -> torch.Tensor:
+        """Destination rank q = e*m + s*g + i (g = m / r) gets, from every source, part i of the
+        source's capacity block for expert e (local repeat over the r slices s); the r partial
+        outputs that come back are summed (local sum)."""
+        r, dim, experts = setting.parallel, self.dim, self.num_experts
+        peers = self.expert_shards // r
+        part = -(-cap // peers)
+        padded = F.pad(buffer.view(experts, cap, dim), (0, 0, 0, part * peers - cap))
+        send = padded.view(experts, 1, peers, part, dim).expand(experts, r, peers, part, dim)
+        received = self._all_to_all(send.reshape(-1, dim), algo=setting.a2a_algo)
+        out = self.experts(received.view(1, -1, dim), self._expert_slice(r))
+        back = self._all_to_all(out.view(-1, dim), algo=setting.a2a_algo)
+        summed = back.view(experts, r, part * peers, dim).float().sum(1).to(back.dtype)
+        return summed[:, :cap].reshape(experts * cap, dim)
+
+    def _exchange_sliced_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The dropless form of `_exchange_sliced`: expert e's rows are cut into g near-equal
+        parts, part i going to every slice's replica i (all-to-allv)."""
+        r = self.parallel_r or 1
+        peers = self.expert_shards // r
+        offsets = [0] + torch.cumsum(counts, 0).tolist()
+        index, send_splits = [], []
+        for e in range(self.num_experts):
+            n = offsets[e + 1] - offsets[e]
+            for _ in range(r):
+                for i in range(peers):
+                    a, b = n * i // peers, n * (i + 1) // peers
+                    index.append(torch.arange(offsets[e] + a, offsets[e] + b))
+                    send_splits.append(b - a)
+        index = torch.cat(index).to(send.device)
+        splits = torch.tensor(send_splits, device=counts.device)
+        recv_splits = (all_to_all_counts(splits, self.group) if self.communicate else splits).tolist()
+        received = self._all_to_all(send.index_select(0, index), recv_splits, send_splits)
+        out = self.experts(received.unsqueeze(0), self._expert_slice(r)).squeeze(0)
+        back = self._all_to_all(out, send_splits, recv_splits)
+        summed = back.new_zeros(send.shape[0], self.dim, dtype=torch.float32).index_add_(0, index, back.float())
+        return summed.to(back.dtype)
 
     def _all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo="linear") -> torch.Tensor:
         if not self.communicate:
@@ -341,6 +418,30 @@ class MoE(nn.Module):
             raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
 
 
+def _check_shards(shards: int, hidden_dim: int, parallel: str, overlap_degree, num_experts: int, ep_size: int) -> None:
+    if shards == 1:
+        return
+    if parallel != "adaptive":
+        raise ValueError(f"num_experts ({num_experts}) < the expert-parallel size ({ep_size}) needs "
+                         f"parallel='adaptive' (each expert is then shared by {shards} ranks)")
+    if hidden_dim % shards:
+        raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by the ranks per expert ({shards})")
+    if overlap_degree not in (1, "auto"):
+        raise ValueError(f"overlap_degree > 1 is not implemented with fewer experts ({num_experts}) than "
+                         f"ranks ({ep_size})")
+
+
+def _join_shards(gathered: torch.Tensor, shards: int, rows: bool) -> torch.Tensor:
+    """(G * shards, ...) hidden-dimension shards in rank order -> (G, ...) whole slices: w2-like
+    weights (rows=True) join along dim 1, w1/w3-like along dim 2."""
+    if shards == 1:
+        return gathered
+    n, a, b = gathered.shape
+    if rows:
+        return gathered.reshape(n // shards, shards * a, b)
+    return gathered.view(n // shards, shards, a, b).permute(0, 2, 1, 3).reshape(n // shards, a, shards * b)
+
+
 def _check_overlap(overlap_degree) -> None:
     if overlap_degree == "auto":
         return
@@ -348,13 +449,11 @@ def _check_overlap(overlap_degree) -> None:
         raise ValueError(f"overlap_degree must be a positive integer or 'auto', got {overlap_degree!r}")
 
 
-def _check_algo(a2a_algo, capacity_factor, overlap_degree) -> None:
+def _check_algo(a2a_algo, capacity_factor) -> None:
     if a2a_algo not in ("linear", "2dh", "auto"):
         raise ValueError(f"unknown a2a_algo {a2a_algo!r}; choose 'linear', '2dh' or 'auto'")
     if a2a_algo == "2dh" and capacity_factor is None:
         raise ValueError("a2a_algo='2dh' needs a padded capacity mode: dropless exchanges uneven splits")
-    if a2a_algo == "2dh" and overlap_degree != "auto" and overlap_degree > 1:
-        raise ValueError("a2a_algo='2dh' with overlap_degree > 1 is not implemented yet")
 
 
 def _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, activation, ep_size) -> None:
@@ -367,9 +466,10 @@ def _check_config(dim, hidden_dim, num_experts, top_k, gate, capacity_factor, ac
         raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
     if top_k > num_experts:
         raise ValueError(f"top_k ({top_k}) must not exceed num_experts ({num_experts})")
-    if num_experts % ep_size != 0:
+    if num_experts % ep_size != 0 and ep_size % num_experts != 0:
         raise ValueError(
-            f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep_size})"
+            f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep_size}), or divide it "
+            f"(with parallel='adaptive')"
         )
     if capacity_factor is not None and (
         isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float))

@@ -6,6 +6,8 @@ All dispatch all-to-alls are launched before any expert work so the communicatio
 waits behind computation it does not need; `work.wait()` only makes the compute stream wait for
 the chunk it is about to use (NCCL), so the CPU never blocks until the end. Every chunk is an
 independent slice of the (El, W*C, dim) Flexible layout, so the result equals overlap degree 1.
+Each chunk's exchange may also be Tutel's 2DH all-to-all, queued on a side CUDA stream so it
+overlaps the same way (`weft.comm.two_dim.start_exchange_2dh`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from weft.comm.two_dim import start_exchange_2dh
 from weft.distributed import group_size
 
 
@@ -29,10 +32,12 @@ def chunk_bounds(capacity: int, degree: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _launch(x: torch.Tensor, group) -> tuple[torch.Tensor, object | None]:
-    """Start an equal-split all-to-all of x; returns (output, handle or None)."""
+def _launch(x: torch.Tensor, group, algo: str = "linear", groups_2dh=None) -> tuple[torch.Tensor, object | None]:
+    """Start an equal-split all-to-all of x, linear or 2DH; returns (output, handle or None)."""
     if group_size(group) == 1:
         return x, None
+    if algo == "2dh":
+        return start_exchange_2dh(x, groups_2dh)
     out = torch.empty_like(x)
     return out, dist.all_to_all_single(out, x, group=group, async_op=True)
 
@@ -46,12 +51,13 @@ class PipelinedExchange(torch.autograd.Function):
     """buffer (W*El*C, dim) in source layout -> expert outputs in the same layout."""
 
     @staticmethod
-    def forward(ctx, buffer, experts, group, ep, local, cap, degree, track, *params):
+    def forward(ctx, buffer, experts, group, ep, local, cap, degree, track, algo, groups_2dh, *params):
         ctx.track = track
+        ctx.comm = comm = (group, algo, groups_2dh)
         dim = buffer.shape[-1]
         bounds = chunk_bounds(cap, degree)
         grid = buffer.view(ep, local, cap, dim)
-        launched = [_launch(grid[:, :, a:b].contiguous(), group) for a, b in bounds]
+        launched = [_launch(grid[:, :, a:b].contiguous(), *comm) for a, b in bounds]
         ctx.inputs, ctx.outputs, results = [], [], []
         for (a, b), (recv, handle) in zip(bounds, launched):
             _wait(handle)
@@ -64,19 +70,19 @@ class PipelinedExchange(torch.autograd.Function):
             ctx.inputs.append(inp)
             ctx.outputs.append(out)
             back = out.detach().view(local, ep, width, dim).transpose(0, 1).contiguous()
-            results.append(_launch(back, group))
+            results.append(_launch(back, *comm))
         for _, handle in results:
             _wait(handle)
-        ctx.meta = (group, ep, local, cap, dim, bounds)
+        ctx.meta = (ep, local, cap, dim, bounds)
         ctx.params = params
         return torch.cat([r.view(ep, local, b - a, dim) for r, (a, b) in zip((r for r, _ in results), bounds)],
                          dim=2).view(ep * local * cap, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        group, ep, local, cap, dim, bounds = ctx.meta
+        ep, local, cap, dim, bounds = ctx.meta
         grid = grad.contiguous().view(ep, local, cap, dim)
-        launched = [_launch(grid[:, :, a:b].contiguous(), group) for a, b in bounds]
+        launched = [_launch(grid[:, :, a:b].contiguous(), *ctx.comm) for a, b in bounds]
         param_grads = [None] * len(ctx.params)
         sent = []
         for (a, b), (recv, handle), inp, out in zip(bounds, launched, ctx.inputs, ctx.outputs):
@@ -88,18 +94,21 @@ class PipelinedExchange(torch.autograd.Function):
                 if g is not None:
                     param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
             back = grads[0].view(local, ep, width, dim).transpose(0, 1).contiguous()
-            sent.append(_launch(back, group))
+            sent.append(_launch(back, *ctx.comm))
         for _, handle in sent:
             _wait(handle)
         grad_buffer = torch.cat([r.view(ep, local, b - a, dim) for (r, _), (a, b) in zip(sent, bounds)], dim=2)
         ctx.inputs = ctx.outputs = None  # free the saved graphs
-        return (grad_buffer.view(ep * local * cap, dim), None, None, None, None, None, None, None, *param_grads)
+        return (grad_buffer.view(ep * local * cap, dim), *[None] * 9, *param_grads)
 
 
-def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int, cap: int, degree: int) -> torch.Tensor:
+def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int, cap: int, degree: int,
+                       algo: str = "linear", groups_2dh=None) -> torch.Tensor:
+    """Tutel's pipelining of the padded exchange; each chunk's all-to-all is `algo` ("linear" or
+    "2dh" over `groups_2dh`, the hierarchical groups of `group`). Same function as degree 1."""
     params = list(experts.parameters())
     track = torch.is_grad_enabled() and (buffer.requires_grad or any(p.requires_grad for p in params))
-    return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, track, *params)
+    return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, track, algo, groups_2dh, *params)
 
 
 # -- dropless: every (destination rank, local expert) segment is cut into d parts -----------------

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from weft.comm.cost_model import CommCostModel
+from weft.distributed import group_size
 from weft.moe.experts import Experts
 from weft.moe.layer import MoE
 from weft.overlap import planner
@@ -48,6 +49,7 @@ class OverlapPlan:
     profile: ModelProfile = field(repr=False)
     predicted: float  # iteration (forward + backward) with the plan
     baseline: float  # the same without Lancet: unpartitioned forward, every all-to-all exposed
+    parts: dict[str, float] = field(default_factory=dict)  # predicted forward, backward, rest
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with deferred weight gradients scheduled under the all-to-alls."""
@@ -74,6 +76,14 @@ class OverlapPlan:
             "forward_plan": None if self.forward_plan is None else self.forward_plan.to_dict(),
             "predicted_s": self.predicted,
             "baseline_s": self.baseline,
+            "predicted_parts_s": dict(self.parts),
+            "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from
+                "names": list(self.profile.names),
+                "forward": [planner.serial_time(u) for u in self.profile.units],
+                "backward": list(self.profile.backward),
+                "backward_comm": list(self.profile.backward_comm),
+                "rest": self.profile.rest,
+            },
         }
 
 
@@ -93,7 +103,8 @@ def optimize(
     """Profile `model` on `sample_batch` (token ids (batch, seq), or (ids, targets)), plan the
     forward ranges by Lancet's DP and turn on dW scheduling; applies the plan to the model and
     returns it. A collective: call on every rank with the same batch shape. `forward=False` /
-    `backward=False` leave that pass off (ablations). `partitions`: the counts k to consider
+    `backward=False` leave that pass off (ablations); dW scheduling is also left off when no MoE
+    layer communicates (expert-parallel size 1). `partitions`: the counts k to consider
     (default 1, 2, 4, 8 up to `max_partitions`); `cost_model`: all-to-all costs from
     `weft bench comm` (default: measured here at the sizes the plan needs)."""
     idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
@@ -113,15 +124,19 @@ def optimize(
     ranges = [] if forward_plan is None else [
         Range(s.start, s.end, s.partitions, s.moe) for s in forward_plan.pipelines() if s.partitions > 1]
     scheduler = None
-    if backward:
+    # With no all-to-all (every MoE layer on one rank) deferring dW hides nothing and only costs.
+    communicating = any(group_size(m.group) > 1 for m in model.modules() if isinstance(m, MoE))
+    if backward and communicating:
         comm_time = None if cost_model is None else functools.partial(cost_model.predict, "all_to_all")
         scheduler = WGradScheduler(comm_time=comm_time)
     apply(model, ranges, scheduler)
     serial_forward = sum(planner.serial_time(u) for u in profile.units)
     forward_time = serial_forward if forward_plan is None else forward_plan.predicted
-    predicted = forward_time + predict_backward(profile, scheduler is not None) + profile.rest
+    backward_time = predict_backward(profile, scheduler is not None)
+    predicted = forward_time + backward_time + profile.rest
     baseline = serial_forward + predict_backward(profile, False) + profile.rest
-    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline)
+    parts = {"forward": forward_time, "backward": backward_time, "rest": profile.rest}
+    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline, parts)
 
 
 def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | None) -> None:

@@ -118,6 +118,7 @@ def profile_model(
                 flat.append(time_call(lambda: _forward(unit, part, ctx), device, repeats))
         flat.append(_time_backward(unit, inputs[u], ctx, repeats))
     flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, repeats))
+    flat.append(_time_model_backward(model, idx, moes, ctx, repeats))
     agreed = torch.tensor(flat, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -140,6 +141,13 @@ def profile_model(
             backward_comm.append(0.0)
         backward.append(next(values))
     rest = next(values)
+    # Sub-layers timed one by one overestimate their backward (each call pays autograd's start-up
+    # and runs without the host racing ahead, up to +70% on one H200): keep their shares, but
+    # scale them to one measured backward of the whole model (all-to-alls removed, head included).
+    whole = next(values)
+    if sum(backward) > 0:
+        scale = max(whole - rest, 0.5 * whole) / sum(backward)
+        backward = [b * scale for b in backward]
     return ModelProfile(plan_units, backward, backward_comm, rest, names), cost_model
 
 
@@ -176,58 +184,100 @@ def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
         return unit(x.detach().requires_grad_())
 
 
-def _expert_input(moe: MoE, x: torch.Tensor, ctx) -> tuple[torch.Tensor, list[int]]:
-    """Rows a rank's experts receive for the tokens of x, balanced over its local experts."""
+def _expert_call(moe: MoE, x: torch.Tensor, ctx) -> tuple[Callable[[], torch.Tensor], int]:
+    """The experts' forward on the rows a rank's experts receive for the tokens of x (balanced
+    over its local experts), in the layout the layer uses: padded modes one batched matmul over
+    (El, rows / El, dim), dropless grouped GEMM. Returns (call, rows)."""
     rows = _rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
     local = moe.num_local_experts
-    counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
     with ctx():
-        recv = torch.randn(rows, moe.dim, device=x.device).to(moe.experts.compute_dtype(x))
-    return recv, counts
+        dtype = moe.experts.compute_dtype(x)
+    if moe.capacity_factor is not None:
+        per_expert = math.ceil(rows / local)
+        recv = torch.randn(local, per_expert, moe.dim, device=x.device).to(dtype)
+
+        def call() -> torch.Tensor:
+            with ctx():
+                return moe.experts(recv.detach().requires_grad_())
+        return call, local * per_expert
+    counts = [rows // local + (1 if i < rows % local else 0) for i in range(local)]
+    flat = torch.randn(rows, moe.dim, device=x.device).to(dtype)
+
+    def grouped() -> torch.Tensor:
+        with ctx():
+            return moe.experts.forward_grouped(flat.detach().requires_grad_(), counts)
+    return grouped, rows
+
+
+@contextlib.contextmanager
+def _local(moe: MoE):
+    """The layer with its all-to-alls removed and the same expert work (tokens stay on the rank):
+    everything the layer computes, without the communication the cost model prices."""
+    saved, moe.communicate = moe.communicate, False
+    try:
+        yield
+    finally:
+        moe.communicate = saved
 
 
 def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model) -> list[float]:
-    """[gate, dispatch, experts, combine] seconds for one partition x."""
+    """[gate, dispatch, experts, combine] seconds for one partition x. The gate stage holds all
+    of the sub-layer's computation but the experts (norm, router, dispatch and combine copies,
+    residual): the sub-layer without communication, less its experts."""
     moe, device = unit.moe, x.device
-
-    def gate():
-        with ctx():
-            return moe.route(unit.norm(x.detach().requires_grad_()).reshape(-1, moe.dim))
-
-    recv, counts = _expert_input(moe, x, ctx)
-    rows = recv.shape[0]
-
-    def experts():
-        with ctx():
-            return moe.experts.forward_grouped(recv.requires_grad_(), counts)
-
+    experts, rows = _expert_call(moe, x, ctx)
+    with _local(moe):
+        whole = time_call(lambda: _forward(unit, x, ctx), device, repeats)
+    expert_time = time_call(experts, device, repeats)
     comm = 0.0
     if cost_model is not None and group_size(moe.group) > 1:
-        comm = cost_model.predict("all_to_all", rows * moe.dim * recv.element_size())
-    return [time_call(gate, device, repeats), comm, time_call(experts, device, repeats), comm]
+        element = torch.tensor([], dtype=_compute_dtype(moe, x, ctx)).element_size()
+        comm = cost_model.predict("all_to_all", rows * moe.dim * element)
+    return [max(0.0, whole - expert_time), comm, expert_time, comm]
 
 
 def _time_backward(unit, x: torch.Tensor, ctx, repeats: int) -> float:
     """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward. The
-    all-to-alls of an MoE layer are priced separately, so its experts stand in for it."""
+    all-to-alls of an MoE layer are priced separately, so it is timed without them."""
     device = x.device
-    if isinstance(unit, MoESubLayer):
-        moe = unit.moe
-        recv, counts = _expert_input(moe, x, ctx)
-        fn = lambda: moe.experts.forward_grouped(recv.detach().requires_grad_(), counts)  # noqa: E731
-    else:
-        fn = lambda: unit(x.detach().requires_grad_())  # noqa: E731
+    local = _local(unit.moe) if isinstance(unit, MoESubLayer) else contextlib.nullcontext()
 
-    def forward():
-        with ctx():
-            return fn()
+    def forward() -> torch.Tensor:
+        return _forward(unit, x, ctx)
 
-    def both():
-        with ctx():
-            out = fn()
-        out.float().sum().backward()
+    with local:
+        grad = torch.randn_like(forward())
 
-    return max(0.0, time_call(both, device, repeats) - time_call(forward, device, repeats))
+        def both():
+            forward().backward(grad)
+
+        return max(0.0, time_call(both, device, repeats) - time_call(forward, device, repeats))
+
+
+def _time_model_backward(model, idx: torch.Tensor, moes: list[MoE], ctx, repeats: int) -> float:
+    """Median seconds of `loss.backward()` of the whole model on idx, without its all-to-alls."""
+    times = []
+    with contextlib.ExitStack() as stack:
+        for moe in moes:
+            stack.enter_context(_local(moe))
+        for i in range(repeats + 1):  # the first is warm-up
+            with ctx():
+                loss = model(idx, idx)[1]
+            if idx.device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                loss.backward()
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end) * 1e-3
+            else:
+                begin = time.perf_counter()
+                loss.backward()
+                elapsed = time.perf_counter() - begin
+            if i:
+                times.append(elapsed)
+    model.zero_grad(set_to_none=True)
+    return statistics.median(times)
 
 
 def _time_rest(model, idx: torch.Tensor, last_input: torch.Tensor, last_unit, ctx, repeats: int) -> float:

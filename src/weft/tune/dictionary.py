@@ -42,7 +42,9 @@ class Setting:
 def candidates_for(layer: MoE) -> list[Setting]:
     """The settings to try: every degree if `overlap_degree="auto"` (padded modes only), both
     all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes, and r = 0 as
-    well as r = 1 for `parallel="adaptive"` layers whose call did not fix r."""
+    well as r = 1 for `parallel="adaptive"` layers whose call did not fix r. With fewer experts
+    than ranks every r in `layer.parallel_choices()` is timed (Tutel ternary-searches r over
+    [1, W / E]; W / E is small on one node, so trying each divisor is as cheap and exact)."""
     padded = layer.capacity_factor is not None
     if layer.overlap_degree == "auto":
         degrees = DEGREES if padded else (1,)
@@ -51,11 +53,15 @@ def candidates_for(layer: MoE) -> list[Setting]:
     hierarchy = layer.groups_2dh
     several_nodes = padded and hierarchy is not None and hierarchy.num_nodes > 1
     algos = (["linear", "2dh"] if several_nodes else ["linear"]) if layer.a2a_algo == "auto" else [layer.a2a_algo]
-    # The 2DH exchange is not pipelined (yet): it runs with degree 1 only.
-    found = [Setting(d, a) for a in algos for d in degrees if a == "linear" or d == 1]
-    found = found or [Setting(1, algos[0])]
+    # Each pipelined chunk can be exchanged either way, so every degree pairs with every algorithm.
+    found = [Setting(d, a) for a in algos for d in degrees]
     if layer.parallel_r == 0:
         return [Setting(1, "linear", 0)]
+    if layer.expert_shards > 1:  # fewer experts than ranks: no pipelined exchange, every r
+        fixed = layer.parallel_r is not None
+        choices = [layer.parallel_r] if fixed else [r for r in layer.parallel_choices() if r > 0]
+        found = [Setting(1, a, r) for r in choices for a in algos] + ([] if fixed else [Setting(1, "linear", 0)])
+        return found
     if padded and layer.parallel == "adaptive" and layer.parallel_r is None and layer.ep_size > 1:
         found.append(Setting(1, "linear", 0))
     return found
@@ -71,6 +77,7 @@ class TuningDictionary:
         self.bucket_size, self.trials = bucket_size, trials
         self.table: dict[str, dict[str, dict]] = {}
         self.measurements = 0  # candidate runs timed by this process (for tests and logs)
+        self._pending: dict[tuple[int, str, str], _Trial] = {}  # per layer: trials awaiting backward
         if self.path is not None and self.path.exists():
             self.table = _load(self.path)
 
@@ -81,25 +88,41 @@ class TuningDictionary:
         entry = self.table.get(key, {}).get(str(self.bucket(capacity)))
         return Setting(*entry["best"]) if entry and entry.get("best") else None
 
-    def run(self, layer: MoE, capacity: int, candidates: list[Setting], execute: Callable[[Setting], torch.Tensor]):
-        """Run `execute` with the best setting, or time the next candidate while tuning."""
-        key = layer_key(layer)
-        best = self.best(key, capacity)
-        if best is not None:
-            return execute(best)
+    def run(self, layer: MoE, capacity: int, candidates: list[Setting],
+            execute: Callable[[Setting, torch.Tensor], torch.Tensor], buffer: torch.Tensor):
+        """`execute(setting, buffer)` with the best setting, or with the next candidate while tuning.
+
+        A candidate's time is its forward plus, when autograd runs it, its backward: the exchange
+        is bracketed by two marks whose backward hooks read the clock, so the choice weighs the
+        backward all-to-alls and expert gradients too. A trial whose backward has not run by the
+        next call of the same bucket counts its forward alone.
+        """
+        key, bucket = layer_key(layer), str(self.bucket(capacity))
         if len(candidates) == 1:
-            return execute(candidates[0])
-        entry = self.table.setdefault(key, {}).setdefault(str(self.bucket(capacity)), {"times_ms": {}, "best": None})
+            return execute(candidates[0], buffer)
+        entry = self.table.setdefault(key, {}).setdefault(bucket, {"times_ms": {}, "best": None})
+        pending = self._pending.pop((id(layer), key, bucket), None)
+        if pending is not None:
+            pending.finish()
         times = entry["times_ms"]
-        # Round robin, so warm-up effects and drifts hit every candidate alike.
-        candidate = min(candidates, key=lambda c: len(times.get(c.name, [])))
-        out, elapsed = _timed(lambda: execute(candidate), layer)
-        times.setdefault(candidate.name, []).append(elapsed)
-        self.measurements += 1
-        if all(len(times.get(c.name, [])) >= self.trials for c in candidates):
+        if not entry.get("best") and all(len(times.get(c.name, [])) >= self.trials for c in candidates):
             entry["best"] = list(_decide(candidates, times, layer.group).__dict__.values())
             if self.path is not None and group_rank(layer.group) == 0:
                 _save(self.path, self.table)  # atomic: EP groups sharing the file cannot tear it
+        if entry.get("best"):
+            return execute(Setting(*entry["best"]), buffer)
+        # Round robin, so warm-up effects and drifts hit every candidate alike.
+        candidate = min(candidates, key=lambda c: len(times.get(c.name, [])))
+        trial = _Trial(layer.experts.w1.is_cuda, times.setdefault(candidate.name, []))
+        if torch.is_grad_enabled():
+            anchor = torch.zeros((), requires_grad=True)  # the end mark runs even if buffer needs no grad
+            buffer = _Mark.apply(buffer, anchor, trial.stop)
+        out = trial.forward(lambda: execute(candidate, buffer))
+        self.measurements += 1
+        if out.requires_grad:
+            self._pending[(id(layer), key, bucket)] = trial
+            return _Mark.apply(out, None, trial.start)
+        trial.finish()
         return out
 
     def summary(self) -> str:
@@ -118,15 +141,53 @@ def layer_key(layer: MoE) -> str:
             f"-W{layer.ep_size}-{str(layer.experts.w1.dtype).replace('torch.', '')}")
 
 
-def _timed(fn: Callable[[], torch.Tensor], layer: MoE) -> tuple[torch.Tensor, float]:
-    cuda = layer.experts.w1.is_cuda
-    if cuda:
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    if cuda:
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - start) * 1e3
+class _Trial:
+    """One timed run of a candidate: forward, then (if autograd reaches it) the backward between
+    the two marks; autograd runs the exchange's nodes, created between the marks, after the
+    output mark and before the input mark (reverse creation order)."""
+
+    def __init__(self, cuda: bool, times: list[float]):
+        self.cuda, self.times = cuda, times
+        self.forward_ms, self.began, self.done = 0.0, None, False
+
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def forward(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        began = self._now()
+        out = fn()
+        self.forward_ms = (self._now() - began) * 1e3
+        return out
+
+    def start(self) -> None:
+        self.began = self._now()
+
+    def stop(self) -> None:
+        if self.began is not None and not self.done:
+            self.done = True
+            self.times.append(self.forward_ms + (self._now() - self.began) * 1e3)
+
+    def finish(self) -> None:
+        """Record the forward alone, unless the backward was already recorded."""
+        if not self.done:
+            self.done = True
+            self.times.append(self.forward_ms)
+
+
+class _Mark(torch.autograd.Function):
+    """Identity on x whose backward calls `hook` first."""
+
+    @staticmethod
+    def forward(ctx, x, anchor, hook):
+        ctx.hook = hook
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook()
+        return grad, None, None
 
 
 def _decide(candidates: list[Setting], times: dict[str, list[float]], group) -> Setting:
