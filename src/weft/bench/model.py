@@ -130,11 +130,8 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
             return model(tokens[:, :-1], tokens[:, 1:])[1]
 
     def backward(setting: _Setting, loss: torch.Tensor) -> None:
-        if setting.scheduler is None:
-            loss.backward()
-        else:  # flushes every deferred dW before returning
-            with setting.scheduler.backward():
-                loss.backward()
+        # The plan's backward flushes every deferred dW before returning.
+        setting.plan.backward(loss) if setting.plan is not None else loss.backward()
 
     def reference_grads():
         model.zero_grad(set_to_none=True)

@@ -350,8 +350,7 @@ class MoE(nn.Module):
     def _all_expert_weights(self) -> tuple:
         """Tutel's r = 0: every expert's weights on every rank, gathered from their owners (the
         backward reduce-scatters the gradients back, summed over ranks as in expert parallelism)."""
-        return tuple(None if w is None else _join_shards(all_gather(w, self.group), self.expert_shards, i == 1)
-                     for i, w in enumerate(self.experts.weights()))
+        return self._gathered_weights(self.group, self.expert_shards)
 
     def _expert_slice(self, r: int) -> tuple:
         """Slice s = (rank % m) // (m / r) of this rank's expert (hidden / r wide), all-gathered over
@@ -359,8 +358,12 @@ class MoE(nn.Module):
         group = self.slice_groups.get(r)
         if group is None:  # r = m: the slice is this rank's own shard
             return self.experts.weights()
-        peers = self.expert_shards // r
-        return tuple(None if w is None else _join_shards(all_gather(w, group), peers, i == 1)
+        return self._gathered_weights(group, self.expert_shards // r)
+
+    def _gathered_weights(self, group, shards: int) -> tuple:
+        """This rank's expert weights all-gathered over `group`, every `shards` consecutive
+        hidden-dimension shards joined into one expert (slice)."""
+        return tuple(None if w is None else _join_shards(all_gather(w, group), shards, rows=i == 1)
                      for i, w in enumerate(self.experts.weights()))
 
     # -- fewer experts than ranks (Tutel fig. 7): r slices x m / r replicas of each expert -------
@@ -384,16 +387,15 @@ class MoE(nn.Module):
         parts, part i going to every slice's replica i (all-to-allv)."""
         r = self.parallel_r or 1
         peers = self.expert_shards // r
-        offsets = [0] + torch.cumsum(counts, 0).tolist()
-        index, send_splits = [], []
-        for e in range(self.num_experts):
-            n = offsets[e + 1] - offsets[e]
-            for _ in range(r):
-                for i in range(peers):
-                    a, b = n * i // peers, n * (i + 1) // peers
-                    index.append(torch.arange(offsets[e] + a, offsets[e] + b))
-                    send_splits.append(b - a)
-        index = torch.cat(index).to(send.device)
+        # The g parts of expert e's segment, in order, are the segment itself: destinations
+        # (e, s, i) in rank order get the segment r times. A stable sort of r copies of the rows by
+        # expert gives that order (copy 0 of e, then copy 1 of e, ...).
+        rows = send.shape[0]
+        expert_of_row = torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts,
+                                                output_size=rows)
+        index = torch.sort(expert_of_row.repeat(r), stable=True).indices % max(rows, 1)
+        send_splits = [b - a for n in counts.tolist() for _ in range(r)
+                       for a, b in ((n * i // peers, n * (i + 1) // peers) for i in range(peers))]
         splits = torch.tensor(send_splits, device=counts.device)
         recv_splits = (all_to_all_counts(splits, self.group) if self.communicate else splits).tolist()
         received = self._all_to_all(send.index_select(0, index), recv_splits, send_splits)

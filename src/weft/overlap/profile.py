@@ -43,21 +43,23 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, 
     training, the host queues work ahead of the GPU, so its launch cost is not timed as GPU time."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3 / inner)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    if device.type != "cuda":
+        inner = 1
+    return statistics.median(_seconds(lambda: [fn() for _ in range(inner)], device) / inner for _ in range(repeats))
+
+
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one fn() call: between two CUDA events on GPUs (no host sync inside), else wall."""
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3
 
 
 def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
@@ -263,17 +265,7 @@ def _time_model_backward(model, idx: torch.Tensor, moes: list[MoE], ctx, repeats
         for i in range(repeats + 1):  # the first is warm-up
             with ctx():
                 loss = model(idx, idx)[1]
-            if idx.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                loss.backward()
-                end.record()
-                end.synchronize()
-                elapsed = start.elapsed_time(end) * 1e-3
-            else:
-                begin = time.perf_counter()
-                loss.backward()
-                elapsed = time.perf_counter() - begin
+            elapsed = _seconds(loss.backward, idx.device)
             if i:
                 times.append(elapsed)
     model.zero_grad(set_to_none=True)

@@ -46,6 +46,8 @@ def candidates_for(layer: MoE) -> list[Setting]:
     than ranks every r in `layer.parallel_choices()` is timed (Tutel ternary-searches r over
     [1, W / E]; W / E is small on one node, so trying each divisor is as cheap and exact)."""
     padded = layer.capacity_factor is not None
+    if layer.parallel_r == 0:
+        return [Setting(1, "linear", 0)]
     if layer.overlap_degree == "auto":
         degrees = DEGREES if padded else (1,)
     else:
@@ -53,15 +55,12 @@ def candidates_for(layer: MoE) -> list[Setting]:
     hierarchy = layer.groups_2dh
     several_nodes = padded and hierarchy is not None and hierarchy.num_nodes > 1
     algos = (["linear", "2dh"] if several_nodes else ["linear"]) if layer.a2a_algo == "auto" else [layer.a2a_algo]
-    # Each pipelined chunk can be exchanged either way, so every degree pairs with every algorithm.
-    found = [Setting(d, a) for a in algos for d in degrees]
-    if layer.parallel_r == 0:
-        return [Setting(1, "linear", 0)]
     if layer.expert_shards > 1:  # fewer experts than ranks: no pipelined exchange, every r
         fixed = layer.parallel_r is not None
         choices = [layer.parallel_r] if fixed else [r for r in layer.parallel_choices() if r > 0]
-        found = [Setting(1, a, r) for r in choices for a in algos] + ([] if fixed else [Setting(1, "linear", 0)])
-        return found
+        return [Setting(1, a, r) for r in choices for a in algos] + ([] if fixed else [Setting(1, "linear", 0)])
+    # Each pipelined chunk can be exchanged either way, so every degree pairs with every algorithm.
+    found = [Setting(d, a) for a in algos for d in degrees]
     if padded and layer.parallel == "adaptive" and layer.parallel_r is None and layer.ep_size > 1:
         found.append(Setting(1, "linear", 0))
     return found
