@@ -53,6 +53,8 @@ def test_fewer_experts_than_ranks_times_every_r(tmp_path):
     for cf in (1.0, None):
         for mode in ("plain", "r0", "r1", "r2", "auto"):
             assert rows[cf, mode]["median_ms"] > 0 and rows[cf, mode]["max_abs_error"] < 1e-5, (cf, mode)
-        # 2 ranks per expert: r = 4 is not a divisor; pipelining is not built for sharded experts
+        # 2 ranks per expert: r = 4 is not a divisor
         assert "r = 4 needs a divisor" in rows[cf, "r4"]["error"]
-        assert "pipelining (dN) is not implemented" in rows[cf, "d2"]["error"]
+    # sharded experts pipeline in padded modes; dropless runs degree 1 there
+    assert rows[1.0, "d2"]["median_ms"] > 0 and rows[1.0, "d2"]["max_abs_error"] < 1e-5
+    assert "needs a padded capacity mode" in rows[None, "d2"]["error"]

@@ -107,10 +107,13 @@ def sliced_worker(experts: int, dtypes=(torch.float32, torch.bfloat16), device: 
                 part = part.narrow(0 if name == "experts.w2" else 1, (rank % shards) * (HIDDEN // shards), HIDDEN // shards)
                 grad = part.unsqueeze(0)
             expect[name] = grad
-        for r in moe.parallel_choices() + [None]:
-            got = _run(moe, x, dy) if r is None else _run(moe, x, dy, parallel=r)
+        # Padded modes also pipeline each r's exchange (Tutel 3.2 on the sliced layout).
+        degrees = (1, 2, 4) if cap is not None else (1,)
+        runs = [(r, d) for r in moe.parallel_choices() for d in degrees if d == 1 or r > 0] + [(None, 1)]
+        for r, d in runs:
+            got = _run(moe, x, dy) if r is None else _run(moe, x, dy, parallel=r, overlap_degree=d)
             tol = 1e-5 if dtype == torch.float32 else 3e-2
-            label = f"rank {rank} E={experts} W={world} gate={gate} cf={cap} {activation} {dtype} r={r}"
+            label = f"rank {rank} E={experts} W={world} gate={gate} cf={cap} {activation} {dtype} r={r} d={d}"
             pairs = [("y", got[0], ref[0]), ("dx", got[1], ref[1])] + [(n, got[2][n], expect[n]) for n in expect]
             for name, a, b in pairs:
                 if a.shape != b.shape:
@@ -136,7 +139,7 @@ def test_fewer_experts_than_ranks_every_r_equals_whole_experts(world_size, exper
 def fewer_experts_errors_worker() -> list[str]:
     failures = []
     for kwargs, message in [({}, "needs parallel='adaptive'"),
-                            ({"parallel": "adaptive", "overlap_degree": 2}, "overlap_degree > 1 is not implemented"),
+                            ({"parallel": "adaptive", "overlap_degree": 2, "capacity_factor": None}, "needs a padded capacity mode"),
                             ({"parallel": "adaptive", "hidden_dim": 10}, "hidden_dim \\(10\\) must be divisible")]:
         args = {"dim": DIM, "hidden_dim": HIDDEN, "num_experts": 1, "top_k": 1, **kwargs}
         try:

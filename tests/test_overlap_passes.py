@@ -173,11 +173,12 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["wgrad_scheduling"] and plan["predicted_s"] > 0
     main(["bench", "model", "--preset", "tiny", "--batch-size", "2", "--steps", "3", "--warmup", "1",
-          "--nproc", "2", "--modes", "none,tutel,lancet,none", "--json", "model.json"])
+          "--nproc", "2", "--modes", "none,tutel,lancet,defer-dw,none", "--json", "model.json"])
     report = json.loads((tmp_path / "model.json").read_text())
     meta, rows = report["meta"], report["results"]
     assert (meta["timing"], meta["rounds"], meta["warmup_rounds"]) == ("interleaved", 3, 1)
-    assert [(r["mode"], r["repeat"]) for r in rows] == [("none", 0), ("tutel", 0), ("lancet", 0), ("none", 1)]
+    assert [(r["mode"], r["repeat"]) for r in rows] == [("none", 0), ("tutel", 0), ("lancet", 0), ("defer-dw", 0),
+                                                         ("none", 1)]
     for row in rows:
         assert row["max_error"] < 1e-4
         for name in ("iteration", "fwd_bwd", "forward"):
@@ -189,7 +190,7 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     assert lancet["plan"] and lancet["prediction_error"] == pytest.approx(lancet["predicted_ms"] / lancet["fwd_bwd_ms"] - 1)
     parts = [lancet[f"predicted_{k}_ms"] for k in ("forward", "backward", "rest")]
     assert min(parts) > 0 and sum(parts) == pytest.approx(lancet["predicted_ms"])
-    assert "predicted_ms" not in rows[3] and rows[0]["speedup"] == 1.0
+    assert "predicted_ms" not in rows[4] and rows[0]["speedup"] == 1.0
 
 
 def test_interleaved_order_rotates():

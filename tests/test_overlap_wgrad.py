@@ -265,8 +265,9 @@ def test_communicate_measures_an_unknown_collective_then_fills_it():
 
     with scheduler.backward():  # every item is timed now and far shorter than 50 ms
         wgrad_model(params, x, scheduler, middle).sum().backward()
-    # under it: the 2 bmm items (one per weight) and the 2 non-empty groups; after: 2 linears
-    assert scheduler.stats.run_under_comm == 2 + 2 and scheduler.stats.flushed == 2
+    # under it: the 2 bmm items (one per weight) and the 2 non-empty groups; after: the second
+    # linear (the first one's input needs no gradient: its dW goes through autograd at once)
+    assert scheduler.stats.run_under_comm == 2 + 2 and scheduler.stats.flushed == 1
     for n, p in params.items():
         torch.testing.assert_close(p.grad, 2 * first[n])
 
@@ -320,3 +321,18 @@ def test_a_non_leaf_weight_uses_the_plain_op():
     plain_model(ref, x).sum().backward()
     for n, p in leaves.items():
         torch.testing.assert_close(p.grad, ref[n].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_an_input_without_grad_is_not_deferred_but_gets_its_gradient_and_hook_once():
+    scheduler = WGradScheduler()
+    w = nn.Parameter(torch.randn(HID, DIM))
+    fired = []
+    w.register_post_accumulate_grad_hook(lambda t: fired.append(t.grad.clone()))
+    x = torch.randn(TOKENS, DIM)  # e.g. input data
+    with scheduler.backward():
+        linear(x, w, scheduler).square().sum().backward()
+    assert scheduler.stats.deferred == 0 and len(fired) == 1
+    ref = w.detach().clone().requires_grad_()
+    F.linear(x, ref).square().sum().backward()
+    torch.testing.assert_close(w.grad, ref.grad)
+    torch.testing.assert_close(fired[0], ref.grad)

@@ -3,7 +3,9 @@ choice, decisions are reused per capacity bucket and survive a reload from JSON.
 from __future__ import annotations
 
 import json
+import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch.distributed as dist
 from weft import MoE
 from weft.testing import run_distributed
 from weft.tune import Setting, TuningDictionary
-from weft.tune.dictionary import candidates_for, layer_key
+from weft.tune.dictionary import candidates_for, layer_key, next_round
 
 DIM, HIDDEN, EXPERTS = 16, 24, 8
 
@@ -62,17 +64,174 @@ def test_auto_equals_plain_and_all_ranks_agree(tmp_path, world_size, a2a_auto):
     assert doc["format"] == "weft.tuning/1"
 
 
-def test_buckets_are_tuned_separately_and_dropless_needs_no_tuning():
+def test_buckets_are_tuned_separately_and_one_rank_dropless_needs_no_tuning():
     tuning = TuningDictionary(bucket_size=4, trials=1)
     moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto", tuning=tuning)
     for tokens in (32, 32, 32, 32, 128):
         moe(torch.randn(tokens, DIM))
     buckets = next(iter(tuning.table.values()))
     assert set(buckets) == {str(8 // 4), str(32 // 4)}  # C = 8 and C = 32 (k=2, E=8, cf=1)
-    dropless = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree="auto", tuning=TuningDictionary())
+    # On one rank dropless exchanges nothing: no setting to choose (several ranks: see below).
+    dropless = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree="auto", parallel="adaptive",
+                   tuning=TuningDictionary())
     assert candidates_for(dropless) == [Setting(1, "linear")]
     dropless(torch.randn(8, DIM))
-    assert dropless.tuning.measurements == 0
+    assert dropless.tuning.measurements == 0 and not dropless.tuning.table
+
+
+def _unimodal(rng: random.Random, rs: list[int]) -> dict[int, float]:
+    """Distinct times falling strictly to a random r, then rising strictly."""
+    values = sorted(rng.sample(range(1000), len(rs)))
+    low, rest = values[0], values[1:]
+    rng.shuffle(rest)
+    at = rng.randrange(len(rs))
+    return dict(zip(rs, sorted(rest[:at], reverse=True) + [low] + sorted(rest[at:])))
+
+
+def test_ternary_search_of_r_finds_the_fastest_of_unimodal_times():
+    rng = random.Random(0)
+    for length in range(1, 9):
+        rs = sorted(rng.sample(range(1, 65), length))
+        counts = []
+        for _ in range(300):
+            f = _unimodal(rng, rs)
+            measured, rounds = {}, 0
+            while more := next_round(rs, measured):
+                assert more and not set(more) & set(measured) and set(more) <= set(rs)
+                measured.update({r: f[r] for r in more})
+                rounds += 1
+            assert min(measured, key=measured.get) == min(f, key=f.get), (rs, f, measured)
+            assert length > 3 or rounds == 1  # up to 3 values: one round, as exhaustive tuning
+            counts.append(len(measured))
+        if length >= 7:
+            assert max(counts) < length  # the search saves measurements on long lists
+        if length >= 6:
+            assert sum(counts) < length * len(counts)
+    assert next_round([1, 2, 4, 8, 16], {}) == [1, 16]  # Tutel: both ends first
+
+
+# Per-rank sleeps (ms) of each r at degree 1: rank 0 is fastest at r = 4, rank 1 at r = 0 (and, of
+# the divisors, at 64), so ranks deciding on their own would search and choose differently.
+SEARCH_MS = {0: (70, 5), 1: (60, 70), 2: (40, 60), 4: (10, 50), 8: (25, 40), 16: (45, 30), 32: (55, 20),
+             64: (65, 10)}
+
+
+def search_worker(path: str) -> dict:
+    rank = dist.get_rank()
+    layer = SimpleNamespace(num_experts=1, top_k=1, dim=4, hidden_dim=64, ep_size=2, capacity_factor=1.0,
+                            parallel_r=None, group=dist.group.WORLD,
+                            experts=SimpleNamespace(activation="relu", w1=torch.zeros(1)))
+    candidates = [Setting(d, "linear", r) for r in (1, 2, 4, 8, 16, 32, 64) for d in (1, 2)]
+    candidates.append(Setting(1, "linear", 0))
+    ran = []
+
+    def execute(setting: Setting, x: torch.Tensor) -> torch.Tensor:
+        ran.append(setting)  # no collective here: rank 0's times must be its own
+        time.sleep((SEARCH_MS[setting.parallel][rank] + 20 * (setting.overlap_degree - 1)) / 1e3)
+        return x
+
+    tuning = TuningDictionary(path, trials=2)
+    for _ in range(13 * 2 + 3):  # 13 settings timed twice (r = 32 is never timed), then reused
+        tuning.run(layer, 8, candidates, execute, torch.zeros(1))
+    entry = tuning.table[layer_key(layer)]["0"]
+    return {"ran": ran, "best": tuning.best(layer_key(layer), 8), "r_searched": entry["r_searched"],
+            "measured": tuning.measurements}
+
+
+def test_r_search_runs_the_same_candidates_on_every_rank(tmp_path):
+    """Ranks time differently; rank 0's times steer the search, so every rank runs the same
+    candidate at every call and ends on the same best."""
+    path = tmp_path / "search.json"
+    results = run_distributed(search_worker, 2, args=(str(path),), timeout=120)
+    assert results[0]["ran"] == results[1]["ran"]
+    assert results[0]["best"] == results[1]["best"] == Setting(1, "linear", 4)
+    assert results[0]["r_searched"] == [0, 1, 2, 4, 8, 16, 64]  # r = 32 ruled out by the search
+    assert all(r["measured"] == 26 for r in results)
+    assert results[0]["ran"][-3:] == [Setting(1, "linear", 4)] * 3
+    assert {s.parallel for s in results[0]["ran"][:10]} == {0, 1, 64}  # round 0: r = 0 and both ends
+    reloaded = TuningDictionary(path)
+    entry = next(iter(reloaded.table.values()))["0"]
+    assert entry["best"] == [1, "linear", 4] and entry["r_searched"] == [0, 1, 2, 4, 8, 16, 64]
+
+
+def test_old_files_without_search_state_load(tmp_path):
+    """Files written before the r search (no "r_searched") still load; an unfinished entry starts
+    the search from its first round, reusing the times it holds."""
+    moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto")
+    key = layer_key(moe)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"format": "weft.tuning/1", "table": {key: {
+        "0": {"times_ms": {"d1-linear": [1.0]}, "best": [2, "linear", 1]},
+        "1": {"times_ms": {"d1-linear": [1.0], "d2-linear": [0.5]}, "best": None}}}}))
+    tuning = TuningDictionary(path, trials=1)
+    assert tuning.best(key, 8) == Setting(2, "linear")
+    candidates = [Setting(1, "linear"), Setting(2, "linear"), Setting(4, "linear")]
+    tuning.run(moe, 128, candidates, lambda s, rows: rows, torch.zeros(1))  # times d4, the one missing
+    tuning.run(moe, 128, candidates, lambda s, rows: rows, torch.zeros(1))
+    assert tuning.measurements == 1 and tuning.best(key, 128) is not None
+
+
+def auto_equals_plain_worker(experts: int, capacity_factor: float | None) -> dict:
+    """`overlap_degree="auto"` with free r against the same layer at d = 1, r = 1, every call (while
+    tuning and after): outputs, input gradients, every parameter gradient."""
+    rank = dist.get_rank()
+    tuning = TuningDictionary(trials=1)
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, experts, top_k=min(2, experts), capacity_factor=capacity_factor, activation="swiglu",
+              overlap_degree="auto", parallel="adaptive", tuning=tuning)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = 20 + 4 * rank if capacity_factor is None else 24  # dropless: uneven on purpose
+    candidates = candidates_for(moe)
+    failures = []
+    for step in range(len(candidates) * tuning.trials + 2):
+        x = torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0] * rank
+        dy = torch.randn(tokens, DIM, generator=gen)
+        runs = []
+        for overrides in ({"overlap_degree": 1, "parallel": 1}, {}):
+            moe.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_()
+            y = moe(xr, **overrides)
+            (y * dy).sum().backward()
+            runs.append([("y", y.detach()), ("dx", xr.grad)] + [(n, p.grad.clone()) for n, p in moe.named_parameters()])
+        for (name, ref), (_, got) in zip(*runs):
+            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+            if err > 1e-5:
+                failures.append(f"rank {rank} step {step}: {name} rel err {err:.2e}")
+    keys = sorted(tuning.table)
+    bests = [entry["best"] for key in keys for entry in tuning.table[key].values()]
+    measured = tuning.measurements
+    if capacity_factor is None and moe.ep_size > 1:  # padded calls of the layer keep their own entry
+        moe(torch.randn(24, DIM, generator=gen), capacity_factor=1.0)
+        if len(tuning.table) != 2:
+            failures.append(f"keys {sorted(tuning.table)}")
+    return {"failures": failures, "keys": keys, "bests": bests, "measured": measured,
+            "candidates": candidates}
+
+
+@pytest.mark.parametrize("world_size, experts, capacity_factor",
+                         [(1, 8, None), (2, 8, None), (4, 8, None), (2, 1, None), (4, 2, None), (4, 1, None),
+                          (4, 1, 1.0)])
+def test_auto_with_free_r_equals_plain_and_ranks_agree(world_size, experts, capacity_factor):
+    """Dropless "auto" (E >= W: d in 1/2/4/8 and r = 0; E < W: every r, d = 1) and the padded
+    sliced layer (r in 0, 1, 2, 4: one round) compute the layer exactly; ranks agree."""
+    results = run_distributed(auto_equals_plain_worker, world_size, args=(experts, capacity_factor), timeout=300)
+    failures = [f for r in results for f in r["failures"]]
+    assert not failures, "\n".join(failures[:10])
+    first = results[0]
+    assert all(r["keys"] == first["keys"] and r["bests"] == first["bests"] for r in results)
+    if world_size == 1:
+        assert first["measured"] == 0 and first["candidates"] == [Setting(1, "linear")]
+        return
+    assert len(first["keys"]) == 1 and first["keys"][0].endswith("-dropless") == (capacity_factor is None)
+    assert first["bests"] and all(first["bests"])
+    # Up to 3 divisors of W / E: one round, every candidate timed once (trials=1).
+    assert all(r["measured"] == len(first["candidates"]) > 1 for r in results)
+    shards = max(1, world_size // experts)
+    divisors = {r for r in range(1, shards + 1) if shards % r == 0}
+    assert {c.parallel for c in first["candidates"]} == {0} | divisors
+    pipelined = capacity_factor is not None or shards == 1  # sliced dropless has no d > 1
+    degrees = {c.overlap_degree for c in first["candidates"] if c.parallel > 0}
+    assert degrees == ({1, 2, 4, 8} if pipelined else {1})
 
 
 def test_corrupt_tuning_file_is_refused(tmp_path):

@@ -52,8 +52,8 @@ def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = 
             raise ValueError("the 2DH all-to-all needs a padded capacity mode")
         moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
     sliced = moe.expert_shards > 1
-    if sliced and degree > 1:
-        raise ValueError("pipelining (dN) is not implemented with fewer experts than ranks")
+    if sliced and degree > 1 and moe.capacity_factor is None:
+        raise ValueError("pipelining (dN) with fewer experts than ranks needs a padded capacity mode")
     moe.communicate, moe.overlap_degree, moe.a2a_algo = communicate, degree, algo
     moe.parallel = "adaptive" if sliced else "ep"
     # Fewer experts than ranks: the plain layer is r = 1 (EP+DP), fixed so nothing is tuned.

@@ -2,7 +2,9 @@
 per overlap mode, side by side (Lancet fig. 11-14, 16).
 
 Modes: `none` (the plain model), `tutel` (every MoE layer's overlap degree tuned, Tutel 3.2-3.3),
-`lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both).
+`lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both), and
+`defer-dw`, a measurement device: every weight gradient deferred to the end of backward (the
+scheduler on even where nothing communicates), i.e. what deferral costs with nothing to hide.
 
 Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
 dictionaries have decided) and its loss and gradients are checked against `none` on the starting
@@ -28,6 +30,7 @@ Per row (milliseconds; each step's time is the slowest rank's):
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable, Sequence
@@ -45,18 +48,7 @@ from weft.overlap.forward import Range
 from weft.overlap.wgrad import WGradScheduler
 from weft.train.precision import training_autocast
 
-MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet")
-
-
-def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int):
-    """Set `model` up for `mode`; returns the Lancet plan (None for the other modes)."""
-    passes.apply(model, [], None)
-    for moe in model.moe_layers():
-        moe.overlap_degree = "auto" if mode == "tutel" else 1
-    if mode.startswith("lancet"):
-        return passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
-                               max_partitions=max_partitions)
-    return None
+MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "defer-dw")
 
 
 @dataclass
@@ -68,6 +60,22 @@ class _Setting:
     degrees: list[int | str]  # overlap_degree per MoE layer
     plan: passes.OverlapPlan | None
     max_error: float = 0.0
+
+
+def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int) -> _Setting:
+    """Set `model` up for `mode` and return what switches it back into that mode."""
+    passes.apply(model, [], None)
+    for moe in model.moe_layers():
+        moe.overlap_degree = "auto" if mode == "tutel" else 1
+    plan, scheduler = None, None
+    if mode.startswith("lancet"):
+        plan = passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
+                               max_partitions=max_partitions)
+        scheduler = plan.scheduler
+    elif mode == "defer-dw":
+        scheduler = WGradScheduler()
+        passes.apply(model, [], scheduler)
+    return _Setting(plan.ranges if plan else [], scheduler, [moe.overlap_degree for moe in model.moe_layers()], plan)
 
 
 def _switch(model: GPT, setting: _Setting) -> None:
@@ -130,8 +138,9 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
             return model(tokens[:, :-1], tokens[:, 1:])[1]
 
     def backward(setting: _Setting, loss: torch.Tensor) -> None:
-        # The plan's backward flushes every deferred dW before returning.
-        setting.plan.backward(loss) if setting.plan is not None else loss.backward()
+        # The scheduler's context flushes every deferred dW before it closes.
+        with setting.scheduler.backward() if setting.scheduler is not None else contextlib.nullcontext():
+            loss.backward()
 
     def reference_grads():
         model.zero_grad(set_to_none=True)
@@ -148,9 +157,7 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
     settings: dict[str, _Setting] = {}
     for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
-        plan = _configure(mode, model, batches[0][:, :-1], max_partitions)
-        setting = _Setting(plan.ranges if plan else [], plan.scheduler if plan else None,
-                           [moe.overlap_degree for moe in model.moe_layers()], plan)
+        setting = _configure(mode, model, batches[0][:, :-1], max_partitions)
         loss = reference_grads()
         backward(setting, loss)
         setting.max_error = max([abs(loss.item() - ref_loss)] + [

@@ -136,7 +136,7 @@ class MoE(nn.Module):
             raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
         # m ranks per expert when there are fewer experts than ranks (Tutel's EP+DP+MP, fig. 7).
         self.expert_shards = ep_size // num_experts if num_experts < ep_size else 1
-        _check_shards(self.expert_shards, hidden_dim, parallel, overlap_degree, num_experts, ep_size)
+        _check_shards(self.expert_shards, hidden_dim, parallel, overlap_degree, num_experts, ep_size, capacity_factor)
         _check_overlap(overlap_degree)
         _check_algo(a2a_algo, capacity_factor)
         self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
@@ -205,7 +205,7 @@ class MoE(nn.Module):
                           self.experts.activation, self.ep_size)
             _check_overlap(overlap_degree)
             _check_shards(self.expert_shards, self.hidden_dim, self.parallel, overlap_degree, self.num_experts,
-                          self.ep_size)
+                          self.ep_size, capacity_factor)
             _check_algo(self.a2a_algo, capacity_factor)
         self.top_k, self.capacity_factor, self.overlap_degree = top_k, capacity_factor, overlap_degree
         self.parallel_r = parallel
@@ -310,21 +310,40 @@ class MoE(nn.Module):
         token_ids = routing.token_ids.index_select(0, order)
         gates = routing.gates.index_select(0, order)
         send = tokens.index_select(0, token_ids)
-        if self.parallel_r == 0 and self.ep_size > 1:
-            out = self.experts.forward_grouped(send, routing.counts.tolist(), self._all_expert_weights())
-        elif self.expert_shards > 1:
-            out = self._exchange_sliced_dropless(send, routing.counts)
-        elif self.ep_size == 1:
-            out = self.experts.forward_grouped(send, routing.counts.tolist())
+        counts = routing.counts
+        free_r = self.parallel == "adaptive" and self.parallel_r is None
+        if self.communicate and self.ep_size > 1 and (self.overlap_degree == "auto" or free_r):
+            run = lambda setting, rows: self._dropless_with(rows, counts, setting)  # noqa: E731
+            cap = self._dropless_capacity(tokens.shape[0], counts.device)
+            out = self.tuning.run(self, cap, candidates_for(self), run, send)
         else:
-            out = self._exchange_dropless(send, routing.counts)
+            degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
+            r = 1 if self.parallel_r is None else self.parallel_r
+            out = self._dropless_with(send, counts, Setting(degree, "linear", r))
         return combine(out, None, token_ids, gates, tokens.shape[0])
 
-    def _exchange_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _dropless_with(self, send: torch.Tensor, counts: torch.Tensor, setting: Setting) -> torch.Tensor:
+        """Rows sorted by expert (`counts` per expert) -> their expert outputs, in `setting`'s way."""
+        if setting.parallel == 0 and self.ep_size > 1:  # Tutel's r = 0: keep the rows, bring the weights
+            return self.experts.forward_grouped(send, counts.tolist(), self._all_expert_weights())
+        if self.expert_shards > 1:
+            return self._exchange_sliced_dropless(send, counts, setting.parallel)
+        if self.ep_size == 1:
+            return self.experts.forward_grouped(send, counts.tolist())
+        return self._exchange_dropless(send, counts, setting.overlap_degree)
+
+    def _dropless_capacity(self, num_tokens: int, device: torch.device) -> int:
+        """The tuning bucket's capacity for a dropless call: ceil(T_max * k / E), T_max the largest
+        token count of the EP group, so that every rank (token counts differ) keys the same
+        entry. Costs one one-element all-reduce per call, in tuned ("auto") dropless calls only."""
+        most = torch.tensor([num_tokens], device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
+        return -(-int(most.item()) * self.top_k // self.num_experts)
+
+    def _exchange_dropless(self, send: torch.Tensor, counts: torch.Tensor, degree: int) -> torch.Tensor:
         ep, local = self.ep_size, self.num_local_experts
         recv_counts = all_to_all_counts(counts, self.group) if self.communicate else counts
         sent, received = torch.stack([counts, recv_counts]).view(2, ep, local).tolist()
-        degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
         if degree > 1 and self.communicate:
             return dropless_pipelined_exchange(send, self.experts, self.group, sent, received, degree)
         send_splits = [sum(r) for r in sent]
@@ -375,17 +394,22 @@ class MoE(nn.Module):
         peers = self.expert_shards // r
         part = -(-cap // peers)
         padded = F.pad(buffer.view(experts, cap, dim), (0, 0, 0, part * peers - cap))
-        send = padded.view(experts, 1, peers, part, dim).expand(experts, r, peers, part, dim)
-        received = self._all_to_all(send.reshape(-1, dim), algo=setting.a2a_algo)
-        out = self.experts(received.view(1, -1, dim), self._expert_slice(r))
-        back = self._all_to_all(out.view(-1, dim), algo=setting.a2a_algo)
+        send = padded.view(experts, 1, peers, part, dim).expand(experts, r, peers, part, dim).reshape(-1, dim)
+        if setting.overlap_degree > 1 and self.communicate:
+            # The send buffer is a padded exchange with one "local expert" (this rank's slice)
+            # and capacity `part` per destination: Tutel's pipelining applies unchanged.
+            back = pipelined_exchange(send, self.experts, self.group, self.ep_size, 1, part, setting.overlap_degree,
+                                      algo=setting.a2a_algo, groups_2dh=self.groups_2dh, weights=self._expert_slice(r))
+        else:
+            received = self._all_to_all(send, algo=setting.a2a_algo)
+            out = self.experts(received.view(1, -1, dim), self._expert_slice(r))
+            back = self._all_to_all(out.view(-1, dim), algo=setting.a2a_algo)
         summed = back.view(experts, r, part * peers, dim).float().sum(1).to(back.dtype)
         return summed[:, :cap].reshape(experts * cap, dim)
 
-    def _exchange_sliced_dropless(self, send: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The dropless form of `_exchange_sliced`: expert e's rows are cut into g near-equal
-        parts, part i going to every slice's replica i (all-to-allv)."""
-        r = self.parallel_r or 1
+    def _exchange_sliced_dropless(self, send: torch.Tensor, counts: torch.Tensor, r: int) -> torch.Tensor:
+        """The dropless form of `_exchange_sliced` (r > 0 slices): expert e's rows are cut into g
+        near-equal parts, part i going to every slice's replica i (all-to-allv)."""
         peers = self.expert_shards // r
         # The g parts of expert e's segment, in order, are the segment itself: destinations
         # (e, s, i) in rank order get the segment r times. A stable sort of r copies of the rows by
@@ -420,7 +444,8 @@ class MoE(nn.Module):
             raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
 
 
-def _check_shards(shards: int, hidden_dim: int, parallel: str, overlap_degree, num_experts: int, ep_size: int) -> None:
+def _check_shards(shards: int, hidden_dim: int, parallel: str, overlap_degree, num_experts: int, ep_size: int,
+                  capacity_factor) -> None:
     if shards == 1:
         return
     if parallel != "adaptive":
@@ -428,9 +453,9 @@ def _check_shards(shards: int, hidden_dim: int, parallel: str, overlap_degree, n
                          f"parallel='adaptive' (each expert is then shared by {shards} ranks)")
     if hidden_dim % shards:
         raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by the ranks per expert ({shards})")
-    if overlap_degree not in (1, "auto"):
-        raise ValueError(f"overlap_degree > 1 is not implemented with fewer experts ({num_experts}) than "
-                         f"ranks ({ep_size})")
+    if overlap_degree not in (1, "auto") and capacity_factor is None:
+        raise ValueError(f"overlap_degree > 1 with fewer experts ({num_experts}) than ranks ({ep_size}) needs a "
+                         f"padded capacity mode (capacity_factor not None); dropless runs degree 1 there")
 
 
 def _join_shards(gathered: torch.Tensor, shards: int, rows: bool) -> torch.Tensor:

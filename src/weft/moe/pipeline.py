@@ -12,6 +12,7 @@ overlaps the same way (`weft.comm.two_dim.start_exchange_2dh`).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -103,10 +104,16 @@ class PipelinedExchange(torch.autograd.Function):
 
 
 def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int, cap: int, degree: int,
-                       algo: str = "linear", groups_2dh=None) -> torch.Tensor:
+                       algo: str = "linear", groups_2dh=None, weights: tuple | None = None) -> torch.Tensor:
     """Tutel's pipelining of the padded exchange; each chunk's all-to-all is `algo` ("linear" or
-    "2dh" over `groups_2dh`, the hierarchical groups of `group`). Same function as degree 1."""
-    params = list(experts.parameters())
+    "2dh" over `groups_2dh`, the hierarchical groups of `group`). Same function as degree 1.
+    `weights` (w1, w2, w3) replace the experts' own (e.g. a slice gathered from several ranks;
+    their gradients flow back through whatever produced them)."""
+    if weights is None:
+        params = list(experts.parameters())
+    else:
+        params = [w for w in weights if w is not None]
+        experts = functools.partial(experts, weights=weights)
     track = torch.is_grad_enabled() and (buffer.requires_grad or any(p.requires_grad for p in params))
     return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, track, algo, groups_2dh, *params)
 

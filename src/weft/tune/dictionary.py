@@ -1,11 +1,13 @@
 """Tutel's tuning dictionary (Tutel 3.3): per capacity bucket floor(C / R), the fastest of several
 mathematically identical settings of the expert exchange (pipelining degree d, all-to-all
-algorithm), measured the first times the bucket is seen and reused afterwards.
+algorithm, parallelism r), measured the first times the bucket is seen and reused afterwards.
 
 Every candidate computes the same outputs and gradients, so tuning changes only speed. The
 measuring calls run in the same order on every rank (the capacity, and so the bucket, is the
-same across the EP group); the decision is taken on the group's rank 0 and broadcast, so all
-ranks always run the same setting. Decisions can be persisted as JSON and reloaded.
+same across the EP group). Measuring goes in rounds: all of a round's candidates are timed, then
+the group's rank 0 decides from its own times what the next round measures (Tutel's ternary
+search of r) or, after the last round, which setting wins, and broadcasts it, so all ranks always
+run the same setting. Decisions can be persisted as JSON and reloaded.
 """
 from __future__ import annotations
 
@@ -40,30 +42,71 @@ class Setting:
 
 
 def candidates_for(layer: MoE) -> list[Setting]:
-    """The settings to try: every degree if `overlap_degree="auto"` (padded modes only), both
-    all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes, and r = 0 as
-    well as r = 1 for `parallel="adaptive"` layers whose call did not fix r. With fewer experts
-    than ranks every r in `layer.parallel_choices()` is timed (Tutel ternary-searches r over
-    [1, W / E]; W / E is small on one node, so trying each divisor is as cheap and exact)."""
+    """The settings `TuningDictionary.run` may try: every degree if `overlap_degree="auto"`
+    (dropless: only with E >= W, the sliced dropless exchange has no pipelined form), both
+    all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes (padded modes
+    only), and for `parallel="adaptive"` layers whose call did not fix r, r = 0 and every divisor
+    r of W / E (just r = 1 when E >= W), each r with every degree and algorithm. `run` does not
+    time all of them: it ternary-searches r over the divisors (`next_round`). A one-rank dropless
+    layer has nothing to tune."""
     padded = layer.capacity_factor is not None
     if layer.parallel_r == 0:
         return [Setting(1, "linear", 0)]
+    if not padded and layer.ep_size == 1:  # no exchange: every setting is the same local compute
+        return [Setting(1, "linear")]
     if layer.overlap_degree == "auto":
-        degrees = DEGREES if padded else (1,)
+        degrees = DEGREES if padded or layer.expert_shards == 1 else (1,)
     else:
         degrees = (layer.overlap_degree,)
     hierarchy = layer.groups_2dh
     several_nodes = padded and hierarchy is not None and hierarchy.num_nodes > 1
     algos = (["linear", "2dh"] if several_nodes else ["linear"]) if layer.a2a_algo == "auto" else [layer.a2a_algo]
-    if layer.expert_shards > 1:  # fewer experts than ranks: no pipelined exchange, every r
+    if layer.expert_shards > 1:  # fewer experts than ranks: every r, each with every d and algorithm
         fixed = layer.parallel_r is not None
         choices = [layer.parallel_r] if fixed else [r for r in layer.parallel_choices() if r > 0]
-        return [Setting(1, a, r) for r in choices for a in algos] + ([] if fixed else [Setting(1, "linear", 0)])
+        found = [Setting(d, a, r) for r in choices for a in algos for d in degrees]
+        return found + ([] if fixed else [Setting(1, "linear", 0)])
     # Each pipelined chunk can be exchanged either way, so every degree pairs with every algorithm.
     found = [Setting(d, a) for a in algos for d in degrees]
-    if padded and layer.parallel == "adaptive" and layer.parallel_r is None and layer.ep_size > 1:
+    if layer.parallel == "adaptive" and layer.parallel_r is None and layer.ep_size > 1:
         found.append(Setting(1, "linear", 0))
     return found
+
+
+def next_round(rs: list[int], best_ms: dict[int, float]) -> list[int]:
+    """Tutel's ternary search of r, replayed from scratch: the values of `rs` (ascending) to time
+    next, given the fastest time so far of each r already timed (`best_ms`); [] when done.
+
+    Up to 3 values are timed at once. Longer lists: rs[0] and rs[-1] first, then [lo, hi]
+    (indices) narrows by its two third points, and what is left once hi - lo < 3 is timed whole.
+    For a time unimodal in r's index, the fastest r is always among those timed.
+    """
+    lo, hi = 0, len(rs) - 1
+    if hi - lo >= 3:
+        ends = [r for r in (rs[lo], rs[hi]) if r not in best_ms]
+        if ends:
+            return ends
+    while hi - lo >= 3:
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        probes = [rs[i] for i in (m1, m2) if rs[i] not in best_ms]
+        if probes:
+            return probes
+        if best_ms[rs[m1]] < best_ms[rs[m2]]:
+            hi = m2 - 1  # a minimum at m2 or right of it would make f(m1) > f(m2)
+        else:
+            lo = m1 + 1  # a minimum at m1 or left of it would make f(m1) < f(m2)
+    return [r for r in rs[lo:hi + 1] if r not in best_ms]
+
+
+def first_round(candidates: list[Setting]) -> list[int]:
+    """The r values whose settings are timed first: r = 0 if it is a candidate, and the ends of
+    the search over the others (all of them when they are at most 3)."""
+    zero = [0] if any(c.parallel == 0 for c in candidates) else []
+    return zero + next_round(_searched(candidates), {})
+
+
+def _searched(candidates: list[Setting]) -> list[int]:
+    return sorted({c.parallel for c in candidates if c.parallel > 0})
 
 
 class TuningDictionary:
@@ -104,14 +147,23 @@ class TuningDictionary:
         if pending is not None:
             pending.finish()
         times = entry["times_ms"]
-        if not entry.get("best") and all(len(times.get(c.name, [])) >= self.trials for c in candidates):
-            entry["best"] = list(_decide(candidates, times, layer.group).__dict__.values())
-            if self.path is not None and group_rank(layer.group) == 0:
-                _save(self.path, self.table)  # atomic: EP groups sharing the file cannot tear it
+        if not entry.get("best"):
+            # The r values timed so far and now (files without this key start the search anew).
+            searched = entry.setdefault("r_searched", first_round(candidates))
+            active = [c for c in candidates if c.parallel in searched]
+            if all(len(times.get(c.name, [])) >= self.trials for c in active):
+                more, best = _next_step(candidates, active, times, layer.group)
+                if more:
+                    entry["r_searched"] = sorted(searched + more)
+                    active = [c for c in candidates if c.parallel in entry["r_searched"]]
+                else:
+                    entry["best"] = [best.overlap_degree, best.a2a_algo, best.parallel]
+                    if self.path is not None and group_rank(layer.group) == 0:
+                        _save(self.path, self.table)  # atomic: EP groups sharing the file cannot tear it
         if entry.get("best"):
             return execute(Setting(*entry["best"]), buffer)
         # Round robin, so warm-up effects and drifts hit every candidate alike.
-        candidate = min(candidates, key=lambda c: len(times.get(c.name, [])))
+        candidate = min(active, key=lambda c: len(times.get(c.name, [])))
         trial = _Trial(layer.experts.w1.is_cuda, times.setdefault(candidate.name, []))
         if torch.is_grad_enabled():
             anchor = torch.zeros((), requires_grad=True)  # the end mark runs even if buffer needs no grad
@@ -135,9 +187,14 @@ class TuningDictionary:
 
 
 def layer_key(layer: MoE) -> str:
-    """Everything but the capacity that changes which setting is fastest."""
-    return (f"E{layer.num_experts}-k{layer.top_k}-dim{layer.dim}-h{layer.hidden_dim}-{layer.experts.activation}"
-            f"-W{layer.ep_size}-{str(layer.experts.w1.dtype).replace('torch.', '')}")
+    """Everything but the capacity that changes which setting is fastest, or which are candidates."""
+    key = (f"E{layer.num_experts}-k{layer.top_k}-dim{layer.dim}-h{layer.hidden_dim}-{layer.experts.activation}"
+           f"-W{layer.ep_size}-{str(layer.experts.w1.dtype).replace('torch.', '')}")
+    if layer.capacity_factor is None:  # capacity_factor can change per call: keep padded and dropless apart
+        key += "-dropless"
+    if layer.parallel_r is not None:  # a call that fixed r must not run (or search) another r
+        key += f"-r{layer.parallel_r}"
+    return key
 
 
 class _Trial:
@@ -189,14 +246,24 @@ class _Mark(torch.autograd.Function):
         return grad, None, None
 
 
-def _decide(candidates: list[Setting], times: dict[str, list[float]], group) -> Setting:
-    """Rank 0 of the group picks the fastest (best of its trials) and broadcasts it: all ranks agree."""
-    choice = torch.tensor([min(range(len(candidates)), key=lambda i: min(times[candidates[i].name]))])
+def _next_step(candidates: list[Setting], active: list[Setting], times: dict[str, list[float]],
+               group) -> tuple[list[int], Setting]:
+    """After a round: the r values to time next ([] when done) and the fastest timed setting (best
+    of its trials), both as rank 0 of the group sees them and broadcast, so all ranks agree (their
+    times differ, and ranks running different candidates would hang in mismatched collectives)."""
+    best_ms = {c: min(times[c.name]) for c in active}
+    by_r: dict[int, float] = {}
+    for c, ms in best_ms.items():
+        by_r[c.parallel] = min(ms, by_r.get(c.parallel, ms))
+    more = next_round(_searched(candidates), by_r)
+    fastest = min(active, key=best_ms.__getitem__)
+    plan = torch.tensor([candidates.index(fastest)] + [int(c.parallel in more) for c in candidates])
     if group_size(group) > 1:
         if dist.get_backend(group) == "nccl":
-            choice = choice.cuda()
-        dist.broadcast(choice, src=dist.get_global_rank(group, 0), group=group)
-    return candidates[int(choice)]
+            plan = plan.cuda()
+        dist.broadcast(plan, src=dist.get_global_rank(group, 0), group=group)
+    plan = plan.tolist()
+    return sorted({c.parallel for c, chosen in zip(candidates, plan[1:]) if chosen}), candidates[plan[0]]
 
 
 def _save(path: Path, table: dict) -> None:
