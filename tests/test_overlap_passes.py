@@ -173,12 +173,12 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["wgrad_scheduling"] and plan["predicted_s"] > 0
     main(["bench", "model", "--preset", "tiny", "--batch-size", "2", "--steps", "3", "--warmup", "1",
-          "--nproc", "2", "--modes", "none,tutel,lancet,defer-dw,none", "--json", "model.json"])
+          "--nproc", "2", "--modes", "none,tutel,lancet,defer-dw,dw-in-place,none", "--json", "model.json"])
     report = json.loads((tmp_path / "model.json").read_text())
     meta, rows = report["meta"], report["results"]
     assert (meta["timing"], meta["rounds"], meta["warmup_rounds"]) == ("interleaved", 3, 1)
     assert [(r["mode"], r["repeat"]) for r in rows] == [("none", 0), ("tutel", 0), ("lancet", 0), ("defer-dw", 0),
-                                                         ("none", 1)]
+                                                         ("dw-in-place", 0), ("none", 1)]
     for row in rows:
         assert row["max_error"] < 1e-4
         for name in ("iteration", "fwd_bwd", "forward"):

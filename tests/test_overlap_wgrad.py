@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.overlap.wgrad import WGradScheduler, best_fit, bmm, grouped_mm, linear
+from weft.overlap.wgrad import WGradScheduler, best_fit, bmm, grouped_mm, linear, plan_in_place
 
 DIM, HID, G, TOKENS = 8, 12, 3, 12
 COUNTS = [5, 0, 7]  # group 1 is empty
@@ -128,15 +128,23 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("steps", [1, 2])
-def test_deferred_grads_equal_autograd(dtype, steps):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_deferred_grads_equal_autograd(dtype, steps, in_place):
     ref = run(plain_model, make_params(), dtype, steps)
-    scheduler = WGradScheduler()
+    scheduler = WGradScheduler(in_place=in_place)
     got = run(lambda p, x: wgrad_model(p, x, scheduler), make_params(), dtype, steps, scheduler.backward)
     assert_same(got, ref, dtype)
-    # 2 linear + 2 bmm (one item per weight, all G experts) + 2 non-empty groups per backward,
-    # all flushed
-    assert scheduler.stats.deferred == scheduler.stats.flushed == 2 + 2 + 2
-    assert scheduler.stats.run_under_comm == 0
+    # 2 linear + 2 bmm (one item per weight, all G experts) + 2 non-empty groups per backward.
+    # No collective: the first backward flushes them all at the end; after it, the plan sends
+    # every weight back to plain autograd (unless in_place=False).
+    s = scheduler.stats
+    if in_place and steps > 1:
+        assert (s.deferred, s.flushed, s.in_place) == (0, 0, 0)
+    else:
+        assert (s.deferred, s.flushed, s.in_place) == (2 + 2 + 2, 2 + 2 + 2, 0)
+    assert s.run_under_comm == 0
+    weights = make_params()  # not those of `got`: the plan is per parameter object
+    assert [scheduler.through_autograd(w) for w in weights.values()] == [False] * len(weights)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -229,7 +237,7 @@ def test_communicate_runs_the_best_fit_items_before_waiting():
         (y * dy).sum().backward()
 
     _, ref_grads, _ = ref
-    assert handle.waited == 1 and budgets == [TOKENS * HID * 4]
+    assert handle.waited == 1 and set(budgets) == {TOKENS * HID * 4}  # also asked when planning
     # Before the wait: all of e1 (every expert, one item) and all of g1 were accumulated,
     # nothing else.
     assert at_wait["w_in"] is None and at_wait["w_mid"] is None and at_wait["e2"] is None
@@ -265,11 +273,105 @@ def test_communicate_measures_an_unknown_collective_then_fills_it():
 
     with scheduler.backward():  # every item is timed now and far shorter than 50 ms
         wgrad_model(params, x, scheduler, middle).sum().backward()
-    # under it: the 2 bmm items (one per weight) and the 2 non-empty groups; after: the second
-    # linear (the first one's input needs no gradient: its dW goes through autograd at once)
-    assert scheduler.stats.run_under_comm == 2 + 2 and scheduler.stats.flushed == 1
+    # under it: the 2 bmm items (one per weight) and the 2 non-empty groups; the second linear
+    # comes after the collective, so the plan from the first backward sent it back to autograd
+    # (the first linear's input needs no gradient: its dW goes through autograd anyway)
+    s = scheduler.stats
+    assert (s.deferred, s.run_under_comm, s.flushed, s.in_place) == (2 + 2, 2 + 2, 0, 0)
+    assert [n for n, p in params.items() if scheduler.through_autograd(p)] == ["w_mid"]
     for n, p in params.items():
         torch.testing.assert_close(p.grad, 2 * first[n])
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_an_item_no_collective_takes_runs_where_it_is_produced(in_place):
+    # Lancet moves only the dW instructions it assigns to an all-to-all; the others stay in
+    # place. The collective's budget (1 ms) fits the items before it; w_mid's item comes after
+    # it, so from the second backward on its dW runs inside autograd, before backward reaches x
+    # (in_place), not at the end.
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1e-3, in_place=in_place)
+    params = make_params()
+    handle = FakeHandle(lambda: None)
+    seen = []
+    for step in range(2):
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(step)).requires_grad_()
+        x.register_hook(lambda g: seen.append(params["w_mid"].grad is not None))
+        with scheduler.backward():
+            wgrad_model(params, x, scheduler, lambda h: Communicate.apply(h, scheduler, handle)).sum().backward()
+        for p in params.values():
+            p.grad = None
+    assert seen == [False, in_place]
+    autograd = [n for n, p in params.items() if scheduler.through_autograd(p)]
+    assert autograd == (["w_in", "w_mid"] if in_place else [])
+
+
+def test_a_weight_partly_under_a_collective_runs_its_other_items_in_place():
+    # g1's two groups: the plan puts group 0 under the collective and runs group 2 in place,
+    # in the hook; g1's post-accumulate hook fires once, with the complete gradient.
+    budget = [1e9]
+    scheduler = WGradScheduler(comm_time=lambda nbytes: budget[0])
+    params, ref_params = make_params(), make_params()
+    events: list = []
+    record_hooks(params, events)
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    for step in range(3):
+        if step == 1:  # the plan made at the end of this backward uses these times and budget
+            scheduler.times = {k: {"grouped_mm": 0.5, "bmm": 2.0}.get(k[0], 1.0) for k in scheduler.times}
+            budget[0] = 0.5
+        for p in params.values():
+            p.grad = None
+        events.clear()
+        with scheduler.backward():
+            wgrad_model(params, x, scheduler, lambda h: Communicate.apply(h, scheduler, FakeHandle(lambda: None)))\
+                .sum().backward()
+    s = scheduler.stats
+    assert (s.deferred, s.run_under_comm, s.in_place, s.flushed) == (1, 1, 1, 0)
+    assert [n for n, p in params.items() if scheduler.through_autograd(p)] == ["w_in", "w_mid", "e1", "e2"]
+    plain_model(ref_params, x).sum().backward()
+    assert [n for n, _ in events].count("g1") == 1
+    torch.testing.assert_close(dict(events)["g1"], ref_params["g1"].grad)
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, ref_params[name].grad)
+
+
+def test_a_backward_that_stops_matching_the_plan_defers_the_rest():
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0)
+    params, ref_params = make_params(), make_params()
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+
+    def model(p, scheduler):
+        return wgrad_model(p, x, scheduler, lambda h: Communicate.apply(h, scheduler, FakeHandle(lambda: None)))
+
+    with scheduler.backward():  # the plan's trace: 4 items, the collective (it takes them all)
+        model(params, scheduler).sum().backward()
+    for p in params.values():
+        p.grad = None
+    with scheduler.backward():  # twice the model: the second one's items are not in the plan
+        (model(params, scheduler) + model(params, scheduler)).sum().backward()
+    (plain_model(ref_params, x) * 2).sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, ref_params[name].grad)
+    # first 4 items: queued for the first collective as planned; then the plan stops applying:
+    # the next 4 are deferred and placed by best fit under the second collective
+    s = scheduler.stats
+    assert (s.deferred, s.run_under_comm, s.flushed, s.in_place, s.comms) == (8, 8, 0, 0, 2)
+
+
+def test_plan_in_place_assigns_as_alg_1_over_the_trace():
+    times = {"a": 1.0, "b": 2.0, "c": 1.0, "d": 3.0}
+    budgets = {"x": 2.5, "y": 0.5, "z": 1.0}
+    trace = [("dw", "a", 1), ("dw", "b", 2), ("comm", "x", 0), ("dw", "c", 3), ("dw", "u", 4),
+             ("comm", "y", 0), ("dw", "d", 5), ("comm", "unknown", 0), ("comm", "z", 0), ("dw", "a", 6)]
+    slots = plan_in_place(trace, times, lambda key, nbytes: budgets.get(key))
+    # x (2.5): b (|2.5-2| < |2.5-1|), then a (t_u 0.5, the only one left) -> both under x.
+    # y (0.5): c (1.0 overshoots but is the only timed one; u was never timed).
+    # no estimate for "unknown": nothing; z (1.0): d (3.0) is all that is left before it.
+    # The last item comes after every collective: in place, as is u.
+    assert slots == [0, 0, 1, None, 3, None]
+    assert plan_in_place([("dw", "a", 1)], times, lambda *_: None) == [None]
+    # A budget the first items fill exactly leaves the rest in place.
+    assert plan_in_place([("dw", "a", 1), ("dw", "b", 2), ("comm", "x", 0)], times,
+                         lambda *_: 2.0) == [None, 0]
 
 
 # ---------------------------------------------------------------- edges

@@ -333,9 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     mod = bench.add_parser("model", help="time training iterations of a preset per overlap mode")
     _add_model_arguments(mod, batch_size=8)
     mod.add_argument("--modes", default="none,tutel,lancet-bw,lancet-fw,lancet",
-                     help="comma-separated: none, tutel, lancet-bw, lancet-fw, lancet, defer-dw (every dW "
-                          "deferred to the end of backward: the cost of deferral); a mode listed twice is "
-                          "timed twice (its spread is the noise floor)")
+                     help="comma-separated: none, tutel, lancet-bw, lancet-fw, lancet, and with the dW "
+                          "scheduler on even without all-to-alls dw-in-place (its default) or defer-dw "
+                          "(every dW deferred to the end of backward); a mode listed twice is timed twice "
+                          "(its spread is the noise floor)")
     # The modes are timed interleaved: a round runs one iteration of every mode.
     mod.add_argument("--steps", type=_positive_int, default=20, help="timed rounds (median, min, iqr reported)")
     mod.add_argument("--warmup", type=_positive_int, default=5, help="untimed rounds first")

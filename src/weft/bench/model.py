@@ -3,8 +3,10 @@ per overlap mode, side by side (Lancet fig. 11-14, 16).
 
 Modes: `none` (the plain model), `tutel` (every MoE layer's overlap degree tuned, Tutel 3.2-3.3),
 `lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both), and
-`defer-dw`, a measurement device: every weight gradient deferred to the end of backward (the
-scheduler on even where nothing communicates), i.e. what deferral costs with nothing to hide.
+two measurement devices with the dW scheduler on even where nothing communicates: `dw-in-place`
+(its default: with no collective to fill, dW runs in place: the wrappers' own cost) and
+`defer-dw` (`in_place=False`: every dW deferred to the end of backward, what deferral costs
+with nothing to hide it under).
 
 Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
 dictionaries have decided) and its loss and gradients are checked against `none` on the starting
@@ -48,7 +50,7 @@ from weft.overlap.forward import Range
 from weft.overlap.wgrad import WGradScheduler
 from weft.train.precision import training_autocast
 
-MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "defer-dw")
+MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw")
 
 
 @dataclass
@@ -72,8 +74,8 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int) ->
         plan = passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
                                max_partitions=max_partitions)
         scheduler = plan.scheduler
-    elif mode == "defer-dw":
-        scheduler = WGradScheduler()
+    elif mode in ("dw-in-place", "defer-dw"):
+        scheduler = WGradScheduler(in_place=mode == "dw-in-place")
         passes.apply(model, [], scheduler)
     return _Setting(plan.ranges if plan else [], scheduler, [moe.overlap_degree for moe in model.moe_layers()], plan)
 

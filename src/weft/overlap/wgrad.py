@@ -18,6 +18,17 @@ backward has already produced, and nothing in backward reads dW, so any queued i
 any later all-to-all. Deferral keeps each item's saved input and output gradient alive until it
 runs (at most until the end of backward).
 
+Each backward records its sequence of dW items and collectives. The next backward follows Alg. 1
+on that trace: walking the collectives in order, each takes by best fit from the items produced
+before it and not yet taken; the items no collective takes are not deferred but run in place,
+as in Lancet, where only the assigned dW instructions move, and a weight with no item taken
+goes back to the plain op from the next forward on (no hook, no host cost). Deferring every
+item to the end of backward, on one H200, made gpt2-l-moe's forward+backward 11-27% slower
+with nothing to hide it under (host cost of the wrappers, and the dW kernels no longer running
+while the host launches later work). The first backward, and one whose items or collectives
+stop matching the trace, defers every item and places them by best fit when each collective
+comes, with the rest at the end.
+
 Weights stay out of the autograd graph of these wrappers (backward reaching a weight's
 AccumulateGrad node would fire its post-accumulate-grad hooks, even with no gradient, before the
 deferred items ran). Instead the wrappers write `.grad` themselves, exactly as AccumulateGrad
@@ -34,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +55,7 @@ from torch import nn
 
 from weft.kernels.grouped_mm import use_grouped_mm
 
-__all__ = ["Linear", "WGradScheduler", "WGradStats", "best_fit", "bmm", "grouped_mm", "linear"]
+__all__ = ["Linear", "WGradScheduler", "WGradStats", "best_fit", "bmm", "grouped_mm", "linear", "plan_in_place"]
 
 
 def best_fit(budget: float, times: Sequence[float]) -> list[int]:
@@ -66,8 +78,9 @@ class WGradStats:
     """Counters of the last `WGradScheduler.backward()`."""
 
     deferred: int = 0  # dW items queued
-    run_under_comm: int = 0  # items run by run_for, i.e. while a collective was in flight
-    flushed: int = 0  # items run at the end of backward
+    run_under_comm: int = 0  # queued items run while a collective was in flight
+    flushed: int = 0  # queued items run at the end of backward
+    in_place: int = 0  # items run at once, not queued (the plan gave them no collective)
     comms: int = 0  # run_for calls (collectives with an estimate)
     comm_budget: float = 0.0  # their predicted seconds
     placed_time: float = 0.0  # profiled dW seconds placed under them
@@ -78,6 +91,41 @@ class _Item:
     key: Hashable
     fn: Callable[[], None]
     param: torch.Tensor
+    slot: int | None = None  # the collective (ordinal in this backward) the plan assigned it to
+
+
+def plan_in_place(trace: Sequence[tuple], times: dict[Hashable, float],
+                  budget: Callable[[Hashable, int], float | None]) -> list[int | None]:
+    """Lancet Alg. 1 over a recorded backward: `trace` holds ("dw", key, param_id) and
+    ("comm", key, nbytes) in execution order. Walking the collectives in order, each takes by
+    `best_fit` against `budget(key, nbytes)` from the timed items before it not yet taken.
+    Returns per item the ordinal of the collective that took it (None: run in place)."""
+    slots: list[int | None] = []
+    pool: list[int] = []  # ordinals of the timed items not taken yet, in order
+    pool_times: list[float] = []
+    comm = 0
+    for kind, key, arg in trace:
+        if kind == "dw":
+            if key in times:
+                pool.append(len(slots))
+                pool_times.append(times[key])
+            slots.append(None)
+            continue
+        seconds = budget(key, arg)
+        taken = set(best_fit(seconds, pool_times)) if seconds else set()
+        for j in taken:
+            slots[pool[j]] = comm
+        pool = [i for j, i in enumerate(pool) if j not in taken]
+        pool_times = [t for j, t in enumerate(pool_times) if j not in taken]
+        comm += 1
+    return slots
+
+
+def _signature(event: tuple) -> tuple:
+    """What a later backward must repeat for a plan to apply: each item's kind and parameter
+    (not its shape: dropless row counts change), each collective's key."""
+    kind, key, arg = event
+    return (kind, key[0] if isinstance(key, tuple) else key, arg) if kind == "dw" else (kind, key)
 
 
 class WGradScheduler:
@@ -88,54 +136,125 @@ class WGradScheduler:
     collective key's time is measured the first time `communicate` sees it. `times` maps an
     item key to its profiled seconds (the first run of each key is timed); items whose key was
     never timed are not placed under collectives but run (and get timed) in the flush.
+    `in_place` (default): from the second backward on, items that the previous backward's plan
+    gives no collective run where they are produced, and a weight none of whose items any
+    collective takes goes back to plain autograd from the next forward on
+    (`through_autograd(weight)`; the plan is static while the model and the times are). False defers
+    every item (what no collective takes runs at the end).
     """
 
-    def __init__(self, comm_time: Callable[[int], float] | None = None):
+    def __init__(self, comm_time: Callable[[int], float] | None = None, in_place: bool = True):
         self.comm_time = comm_time
+        self.in_place = in_place
         self.active = False
         self.times: dict[Hashable, float] = {}
         self.comm_times: dict[Hashable, float] = {}
         self.stats = WGradStats()
         self._queue: list[_Item] = []
         self._pending: dict[int, int] = {}  # id(param) -> queued items
+        self._trace: list[tuple] = []  # this backward's ("dw", key, id(param)) / ("comm", key, nbytes)
+        self._plan: list[int | None] | None = None  # per item: its collective's ordinal, None = in place
+        self._next: tuple[list[int | None], list[tuple]] | None = None  # (plan, signature) for the next
+        self._expected: list[tuple] = []  # the plan's signature, which this backward must repeat
+        self._items = self._comms = 0  # ordinals of the next item and collective in this backward
+        # Parameters that no collective takes any item of (id -> weak reference): their wrappers
+        # run the plain op. The reference guards against a freed parameter's reused id.
+        self._autograd: dict[int, weakref.ref] = {}
+        self._params: dict[int, weakref.ref] = {}  # this backward's deferring parameters
 
     @contextlib.contextmanager
     def backward(self) -> Iterator[WGradScheduler]:
-        """Defer dW inside the block; flush on normal exit, drop the queue on an exception."""
+        """Defer dW inside the block; flush on normal exit, drop the queue on an exception.
+        With `in_place` (default), follow the plan made from the previous backward."""
         if self.active:
             raise RuntimeError("WGradScheduler.backward() is already active; it does not nest")
         self.stats = WGradStats()
+        self._plan, self._expected = (list(self._next[0]), self._next[1]) if self.in_place and self._next else (None, [])
+        self._trace, self._items, self._comms = [], 0, 0
+        self._params = {}
         self.active = True
         try:
             yield self
             self.flush()
+            if self.in_place:
+                self._replan()
         except BaseException:
             self._queue.clear()
             self._pending.clear()
             raise
         finally:
             self.active = False
+            self._trace, self._params = [], {}
+
+    def _replan(self) -> None:
+        """Plan the next backward on this one's trace (`plan_in_place`). A parameter none of
+        whose items a collective takes goes `through_autograd`: from the next forward on its
+        wrappers run the plain op, so its dW runs in place inside autograd at no extra host
+        cost, and its items leave the trace (which does not change the other assignments:
+        best fit never picked them)."""
+        slots = iter(plan_in_place(self._trace, self.times, self._estimate))
+        planned = [(event, next(slots) if event[0] == "dw" else None) for event in self._trace]
+        taken = {event[2] for event, slot in planned if slot is not None}
+        for event, _ in planned:
+            if event[0] == "dw" and event[2] not in taken:
+                self._autograd[event[2]] = self._params[event[2]]
+        kept = [(event, slot) for event, slot in planned if event[0] != "dw" or event[2] not in self._autograd]
+        self._next = ([slot for event, slot in kept if event[0] == "dw"], [_signature(event) for event, _ in kept])
+
+    def through_autograd(self, param: torch.Tensor) -> bool:
+        """Whether the plan sends `param`'s dW back to plain autograd (no item of it under a collective)."""
+        ref = self._autograd.get(id(param))
+        return ref is not None and ref() is param
+
+    def _follow(self, event: tuple) -> bool:
+        """Record `event`; whether the plan still applies (this backward repeats the trace)."""
+        self._trace.append(event)
+        position = len(self._trace) - 1
+        if self._plan is not None and (position >= len(self._expected)
+                                       or self._expected[position] != _signature(event)):
+            self._plan = None  # a different backward: defer everything from here on
+        return self._plan is not None
 
     def defer(self, key: Hashable, fn: Callable[[], None], param: torch.Tensor) -> None:
         """Queue `fn`, which computes one dW contribution and accumulates it into `param.grad`;
-        `key` names its shape and kind for the time cache."""
+        `key` names its shape and kind for the time cache. If the plan gives the item no
+        collective, run it now instead."""
+        self.defer_all(param, [(key, fn)])
+
+    def defer_all(self, param: torch.Tensor, items: Sequence[tuple[Hashable, Callable[[], None]]]) -> None:
+        """`defer` for several (key, fn) items of one parameter, produced together: its hooks
+        fire once, after the last of them ran, even if some run in place."""
         if not self.active:
             raise RuntimeError("defer() needs an active `with scheduler.backward():`")
-        self._queue.append(_Item(key, fn, param))
-        self._pending[id(param)] = self._pending.get(id(param), 0) + 1
-        self.stats.deferred += 1
+        self._pending[id(param)] = self._pending.get(id(param), 0) + len(items)
+        self._params.setdefault(id(param), weakref.ref(param))
+        for key, fn in items:
+            item = _Item(key, fn, param)
+            if self._follow(("dw", key, id(param))):
+                item.slot = self._plan[self._items]
+            self._items += 1
+            if self._plan is not None and item.slot is None:
+                self.stats.in_place += 1
+                with torch.no_grad():
+                    self._run(item)
+            else:
+                self._queue.append(item)
+                self.stats.deferred += 1
 
     def run_for(self, budget: float) -> int:
         """Run now the timed queued items that best fit `budget` seconds; returns how many ran."""
         timed = [i for i, item in enumerate(self._queue) if item.key in self.times]
         picks = best_fit(budget, [self.times[self._queue[i].key] for i in timed])
-        chosen = sorted(timed[j] for j in picks)  # queue order: deterministic accumulation
+        return self._run_under(sorted(timed[j] for j in picks), budget)  # queue order: deterministic sums
+
+    def _run_under(self, chosen: list[int], budget: float) -> int:
+        """Run the queued items at indices `chosen` (ascending) under a collective of `budget` s."""
         items = [self._queue[i] for i in chosen]
         chosen_set = set(chosen)
         self._queue = [item for i, item in enumerate(self._queue) if i not in chosen_set]
         self.stats.comms += 1
         self.stats.comm_budget += budget
-        self.stats.placed_time += sum(self.times[item.key] for item in items)
+        self.stats.placed_time += sum(self.times.get(item.key, 0.0) for item in items)
         self.stats.run_under_comm += len(items)
         with torch.no_grad():
             for item in items:
@@ -157,6 +276,8 @@ class WGradScheduler:
             _wait(handle)
             return
         budget = self._estimate(key, nbytes)
+        following = self._follow(("comm", key, nbytes))
+        ordinal, self._comms = self._comms, self._comms + 1
         if budget is None:
             # A synchronize first would wait for the collective itself, so time from here; this
             # also counts GPU work queued before the launch, so it may overestimate (a cost
@@ -166,7 +287,10 @@ class WGradScheduler:
             _sync(device)
             self.comm_times[key] = time.perf_counter() - start
             return
-        self.run_for(budget)
+        if following:  # the items the plan assigned to this collective
+            self._run_under([i for i, item in enumerate(self._queue) if item.slot == ordinal], budget)
+        else:
+            self.run_for(budget)
         _wait(handle)
 
     def flush(self) -> None:
@@ -261,18 +385,18 @@ def _zero_dw(weight: torch.Tensor) -> None:
 
 
 def _deferring(scheduler: WGradScheduler | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Defer when a scheduler is set, the weight is a leaf that wants a gradient and autograd
-    will reach the output through x (an output that needs no grad gets no gradient hook)."""
+    """Defer when a scheduler is set, the weight is a leaf that wants a gradient, autograd
+    will reach the output through x (an output that needs no grad gets no gradient hook) and the
+    scheduler's plan gives some item of the weight a collective."""
     return (scheduler is not None and weight.is_leaf and weight.requires_grad and torch.is_grad_enabled()
-            and x.requires_grad)
+            and x.requires_grad and not scheduler.through_autograd(weight))
 
 
 def _deliver(scheduler: WGradScheduler, param: torch.Tensor, items: list[tuple[Hashable, Callable[[], None]]]) -> None:
     """Queue the dW items while the scheduler is active; outside `scheduler.backward()` run them
     now and fire the hooks, as AccumulateGrad would."""
     if scheduler.active:
-        for key, fn in items:
-            scheduler.defer(key, fn, param)
+        scheduler.defer_all(param, items)
         return
     with torch.no_grad():
         for _, fn in items:
