@@ -119,7 +119,8 @@ SEARCH_MS = {0: (70, 5), 1: (60, 70), 2: (40, 60), 4: (10, 50), 8: (25, 40), 16:
 def search_worker(path: str) -> dict:
     rank = dist.get_rank()
     layer = SimpleNamespace(num_experts=1, top_k=1, dim=4, hidden_dim=64, ep_size=2, capacity_factor=1.0,
-                            parallel_r=None, group=dist.group.WORLD,
+                            parallel_r=None, overlap_degree="auto", a2a_algo="linear", parallel="adaptive",
+                            group=dist.group.WORLD,
                             experts=SimpleNamespace(activation="relu", w1=torch.zeros(1)))
     candidates = [Setting(d, "linear", r) for r in (1, 2, 4, 8, 16, 32, 64) for d in (1, 2)]
     candidates.append(Setting(1, "linear", 0))
@@ -308,3 +309,16 @@ def test_trials_time_the_backward_too():
     other.run(moe, 8, [fast, slow], lambda s, rows: _SlowBackward.apply(rows, 0.05), torch.randn(8, DIM, requires_grad=True))
     recorded = other.table[layer_key(moe)]["0"]["times_ms"]
     assert len(recorded[fast.name]) == 1 and recorded[fast.name][0] < 50
+
+
+def test_layers_with_other_candidate_sets_do_not_share_a_choice():
+    """A shared dictionary keys each layer on its candidate set too: a layer (or call) with a
+    fixed degree must never run the degree an "auto" layer of the same shape chose, and only an
+    "adaptive" layer may run r = 0."""
+    layers = [MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto"),
+              MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree=2),
+              MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto", parallel="adaptive"),
+              MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree="auto")]
+    keys = [layer_key(m) for m in layers]
+    assert len(set(keys)) == len(keys), keys
+    assert keys[1].endswith("-d2-linear") and keys[2].endswith("-adaptive") and keys[3].endswith("-dropless")

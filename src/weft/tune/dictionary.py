@@ -190,6 +190,14 @@ def layer_key(layer: MoE) -> str:
     """Everything but the capacity that changes which setting is fastest, or which are candidates."""
     key = (f"E{layer.num_experts}-k{layer.top_k}-dim{layer.dim}-h{layer.hidden_dim}-{layer.experts.activation}"
            f"-W{layer.ep_size}-{str(layer.experts.w1.dtype).replace('torch.', '')}")
+    # Layers (or calls) with other candidate sets must not share a choice: a fixed degree or
+    # algorithm must not run another one, and only "adaptive" layers may run r = 0.
+    if layer.overlap_degree != "auto":
+        key += f"-d{layer.overlap_degree}"
+    if layer.a2a_algo != "auto":
+        key += f"-{layer.a2a_algo}"
+    if layer.parallel == "adaptive":
+        key += "-adaptive"
     if layer.capacity_factor is None:  # capacity_factor can change per call: keep padded and dropless apart
         key += "-dropless"
     if layer.parallel_r is not None:  # a call that fixed r must not run (or search) another r
