@@ -188,16 +188,18 @@ def auto_equals_plain_worker(experts: int, capacity_factor: float | None) -> dic
         x = torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0] * rank
         dy = torch.randn(tokens, DIM, generator=gen)
         runs = []
-        for overrides in ({"overlap_degree": 1, "parallel": 1}, {}):
+        # the reference, auto, and a call fixing r = 0 (one candidate: no tuning, no bucket)
+        for overrides in ({"overlap_degree": 1, "parallel": 1}, {}, {"parallel": 0}):
             moe.zero_grad(set_to_none=True)
             xr = x.clone().requires_grad_()
             y = moe(xr, **overrides)
             (y * dy).sum().backward()
             runs.append([("y", y.detach()), ("dx", xr.grad)] + [(n, p.grad.clone()) for n, p in moe.named_parameters()])
-        for (name, ref), (_, got) in zip(*runs):
-            err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
-            if err > 1e-5:
-                failures.append(f"rank {rank} step {step}: {name} rel err {err:.2e}")
+        for label, run in zip(("auto", "r0"), runs[1:]):
+            for (name, ref), (_, got) in zip(runs[0], run):
+                err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+                if err > 1e-5:
+                    failures.append(f"rank {rank} step {step} {label}: {name} rel err {err:.2e}")
     keys = sorted(tuning.table)
     bests = [entry["best"] for key in keys for entry in tuning.table[key].values()]
     measured = tuning.measurements

@@ -312,10 +312,14 @@ class MoE(nn.Module):
         send = tokens.index_select(0, token_ids)
         counts = routing.counts
         free_r = self.parallel == "adaptive" and self.parallel_r is None
-        if self.communicate and self.ep_size > 1 and (self.overlap_degree == "auto" or free_r):
+        candidates = candidates_for(self) if self.communicate and self.ep_size > 1 and (
+            self.overlap_degree == "auto" or free_r) else []
+        if len(candidates) > 1:  # only then is a bucket needed (its capacity costs an all-reduce)
             run = lambda setting, rows: self._dropless_with(rows, counts, setting)  # noqa: E731
             cap = self._dropless_capacity(tokens.shape[0], counts.device)
-            out = self.tuning.run(self, cap, candidates_for(self), run, send)
+            out = self.tuning.run(self, cap, candidates, run, send)
+        elif candidates:
+            out = self._dropless_with(send, counts, candidates[0])
         else:
             degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
             r = 1 if self.parallel_r is None else self.parallel_r
