@@ -284,9 +284,14 @@ class MoE(nn.Module):
         if self.communicate and ("auto" in (self.overlap_degree, self.a2a_algo) or free_r):
             run = lambda setting, rows: self._exchange_with(rows, cap, setting)  # noqa: E731
             return self.tuning.run(self, cap, candidates_for(self), run, buffer)
-        degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
-        algo = "linear" if self.a2a_algo == "auto" else self.a2a_algo
-        return self._exchange_with(buffer, cap, Setting(degree, algo, 1 if self.parallel_r is None else self.parallel_r))
+        return self._exchange_with(buffer, cap, self._untuned_setting())
+
+    def _untuned_setting(self) -> Setting:
+        """The setting of a call the tuning dictionary does not decide: "auto" parts at their
+        plain values (d = 1, linear), r = 1 unless the call fixed it."""
+        return Setting(1 if self.overlap_degree == "auto" else self.overlap_degree,
+                       "linear" if self.a2a_algo == "auto" else self.a2a_algo,
+                       1 if self.parallel_r is None else self.parallel_r)
 
     def _exchange_with(self, buffer: torch.Tensor, cap: int, setting: Setting) -> torch.Tensor:
         ep, local, dim = self.ep_size, self.num_local_experts, self.dim
@@ -312,18 +317,14 @@ class MoE(nn.Module):
         send = tokens.index_select(0, token_ids)
         counts = routing.counts
         free_r = self.parallel == "adaptive" and self.parallel_r is None
-        candidates = candidates_for(self) if self.communicate and self.ep_size > 1 and (
-            self.overlap_degree == "auto" or free_r) else []
-        if len(candidates) > 1:  # only then is a bucket needed (its capacity costs an all-reduce)
+        tuned = self.communicate and self.ep_size > 1 and (self.overlap_degree == "auto" or free_r)
+        candidates = candidates_for(self) if tuned else [self._untuned_setting()]
+        if len(candidates) == 1:  # nothing to tune: no bucket, whose capacity costs an all-reduce
+            out = self._dropless_with(send, counts, candidates[0])
+        else:
             run = lambda setting, rows: self._dropless_with(rows, counts, setting)  # noqa: E731
             cap = self._dropless_capacity(tokens.shape[0], counts.device)
             out = self.tuning.run(self, cap, candidates, run, send)
-        elif candidates:
-            out = self._dropless_with(send, counts, candidates[0])
-        else:
-            degree = 1 if self.overlap_degree == "auto" else self.overlap_degree
-            r = 1 if self.parallel_r is None else self.parallel_r
-            out = self._dropless_with(send, counts, Setting(degree, "linear", r))
         return combine(out, None, token_ids, gates, tokens.shape[0])
 
     def _dropless_with(self, send: torch.Tensor, counts: torch.Tensor, setting: Setting) -> torch.Tensor:

@@ -29,7 +29,7 @@ while the host launches later work). The first backward, and one whose items or 
 stop matching the trace, defers every item and places them by best fit when each collective
 comes, with the rest at the end.
 
-Weights stay out of the autograd graph of these wrappers (backward reaching a weight's
+Deferred weights stay out of the autograd graph of these wrappers (backward reaching a weight's
 AccumulateGrad node would fire its post-accumulate-grad hooks, even with no gradient, before the
 deferred items ran). Instead the wrappers write `.grad` themselves, exactly as AccumulateGrad
 would, and fire those hooks after the last queued item of a parameter ran, so DDP-style reducers
@@ -227,7 +227,8 @@ class WGradScheduler:
         if not self.active:
             raise RuntimeError("defer() needs an active `with scheduler.backward():`")
         self._pending[id(param)] = self._pending.get(id(param), 0) + len(items)
-        self._params.setdefault(id(param), weakref.ref(param))
+        if id(param) not in self._params:
+            self._params[id(param)] = weakref.ref(param)
         for key, fn in items:
             item = _Item(key, fn, param)
             if self._follow(("dw", key, id(param))):
@@ -408,7 +409,7 @@ def _on_grad(y: torch.Tensor, queue: Callable[[torch.Tensor], None]) -> torch.Te
     """Call `queue(dy)` when autograd computes y's gradient (before y's own backward node runs,
     which computes dX). A hook on the output costs far less host time than a Python
     autograd.Function, and the dX matmul stays in autograd's C++ engine."""
-    y.register_hook(lambda dy: queue(dy))
+    y.register_hook(queue)  # returns None: the gradient passes unchanged
     return y
 
 
