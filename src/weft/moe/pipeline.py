@@ -12,10 +12,10 @@ overlaps the same way (`weft.comm.two_dim.start_exchange_2dh`).
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from weft.comm.two_dim import start_exchange_2dh
 from weft.distributed import group_size
@@ -48,59 +48,132 @@ def _wait(handle) -> None:
         handle.wait()
 
 
+class _ChunkedFFN:
+    """The expert FFN act(x @ w1) @ w2 (swiglu: (silu(x @ w1) * (x @ w3)) @ w2) over row chunks
+    that arrive one at a time, written by hand so that each weight gradient is ONE batched matmul
+    over all chunks at the end of backward. Autograd per chunk would compute d partial weight
+    gradients and add them up: d - 1 extra weight-sized writes and reads per weight, which on
+    large experts cost more than the pipelining hides.
+
+    Saved rows live in full (G, R, .) buffers, chunk c in rows [ep * a, ep * b) of every expert:
+    a permutation of the plain layer's rows, which a weight gradient does not see. Only kernels
+    that write strided views correctly are used on them (bmm out=, in-place activations, silu
+    and threshold backward; CPU gelu's out= variants are not among them).
+    """
+
+    def __init__(self, activation: str, weights: tuple, x_like: torch.Tensor, groups: int, rows: int, track: bool):
+        self.activation, self.track = activation, track
+        self.w1, self.w2, self.w3 = weights
+        dim, hidden = self.w1.shape[1], self.w1.shape[2]
+        self.x = x_like.new_empty(groups, rows, dim)
+        # What backward needs besides x: relu keeps its output (its own derivative mask), gelu and
+        # silu their input (the output is recomputed for dW2), swiglu both inputs of its product.
+        self.h1 = x_like.new_empty(groups, rows, hidden) if track else None
+        self.h3 = x_like.new_empty(groups, rows, hidden) if track and activation == "swiglu" else None
+
+    def forward(self, rows: slice) -> torch.Tensor:
+        """Expert outputs (G, M, dim) of the input rows already written to `self.x[:, rows]`."""
+        x, w1, w3 = self.x[:, rows], self.w1, self.w3
+        if not self.track:
+            return torch.bmm(_activate(self.activation, torch.bmm(x, w1), torch.bmm(x, w3) if w3 is not None else None),
+                             self.w2)
+        h1 = torch.bmm(x, w1, out=self.h1[:, rows])
+        if self.activation == "relu":
+            hidden = h1.relu_()
+        else:
+            h3 = torch.bmm(x, w3, out=self.h3[:, rows]) if w3 is not None else None
+            hidden = _activate(self.activation, h1, h3)
+        return torch.bmm(hidden, self.w2)
+
+    def backward(self, rows: slice) -> torch.Tensor:
+        """Input gradient (G, M, dim) of the chunk whose output gradient is in `self.dy[:, rows]`;
+        its hidden gradients go to `self.dh1` (`self.dh3`) for the weight gradients."""
+        dy, h1, dh1 = self.dy[:, rows], self.h1[:, rows], self.dh1[:, rows]
+        w2t = self.w2.transpose(1, 2)
+        if self.activation in ("relu", "silu"):
+            torch.bmm(dy, w2t, out=dh1)
+            if self.activation == "relu":
+                torch.ops.aten.threshold_backward.grad_input(dh1, h1, 0, grad_input=dh1)
+            else:
+                torch.ops.aten.silu_backward.grad_input(dh1, h1, grad_input=dh1)
+        elif self.activation == "gelu":
+            dh1.copy_(torch.ops.aten.gelu_backward(torch.bmm(dy, w2t), h1))
+        else:  # swiglu: a = silu(h1) * h3
+            h3, dh3 = self.h3[:, rows], self.dh3[:, rows]
+            da = torch.bmm(dy, w2t)
+            torch.mul(da, F.silu(h1), out=dh3)
+            torch.ops.aten.silu_backward.grad_input(da.mul_(h3), h1, grad_input=dh1)
+            return torch.bmm(dh1, self.w1.transpose(1, 2)).baddbmm_(dh3, self.w3.transpose(1, 2))
+        return torch.bmm(dh1, self.w1.transpose(1, 2))
+
+    def start_backward(self) -> None:
+        self.dy = torch.empty_like(self.x)
+        self.dh1 = torch.empty_like(self.h1)
+        self.dh3 = torch.empty_like(self.h3) if self.h3 is not None else None
+
+    def weight_grads(self) -> tuple:
+        """(dw1, dw2, dw3): one batched matmul each over every chunk's rows."""
+        hidden = self.h1 if self.activation == "relu" else _activate(self.activation, self.h1, self.h3)
+        x_t = self.x.transpose(1, 2)
+        dw3 = torch.bmm(x_t, self.dh3) if self.h3 is not None else None
+        return torch.bmm(x_t, self.dh1), torch.bmm(hidden.transpose(1, 2), self.dy), dw3
+
+
+def _activate(activation: str, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
+    if activation == "swiglu":
+        return F.silu(h1) * h3
+    return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h1)
+
+
 class PipelinedExchange(torch.autograd.Function):
     """buffer (W*El*C, dim) in source layout -> expert outputs in the same layout."""
 
     @staticmethod
-    def forward(ctx, buffer, experts, group, ep, local, cap, degree, track, algo, groups_2dh, *params):
-        ctx.track = track
+    def forward(ctx, buffer, activation, group, ep, local, cap, degree, track, algo, groups_2dh, w1, w2, w3):
         ctx.comm = comm = (group, algo, groups_2dh)
         dim = buffer.shape[-1]
         bounds = chunk_bounds(cap, degree)
         grid = buffer.view(ep, local, cap, dim)
         launched = [_launch(grid[:, :, a:b].contiguous(), *comm) for a, b in bounds]
-        ctx.inputs, ctx.outputs, results = [], [], []
-        for (a, b), (recv, handle) in zip(bounds, launched):
-            _wait(handle)
-            width = b - a
-            flexible = recv.view(ep, local, width, dim).transpose(0, 1).reshape(local, ep * width, dim)
-            # Keep each chunk's expert graph for backward, unless nothing needs gradients (eval).
-            with torch.enable_grad() if ctx.track else contextlib.nullcontext():
-                inp = flexible.detach().requires_grad_(ctx.track)
-                out = experts(inp)
-            ctx.inputs.append(inp)
-            ctx.outputs.append(out)
-            back = out.detach().view(local, ep, width, dim).transpose(0, 1).contiguous()
-            results.append(_launch(back, *comm))
+        # The experts' compute runs with the weights and buffer as given (already in the compute dtype).
+        with torch.autocast(buffer.device.type, enabled=False):
+            ffn = _ChunkedFFN(activation, (w1, w2, w3), buffer, local, ep * cap, track)
+            results = []
+            for (a, b), (recv, handle) in zip(bounds, launched):
+                _wait(handle)
+                width, rows = b - a, slice(ep * a, ep * b)
+                ffn.x[:, rows].view(local, ep, width, dim).copy_(recv.view(ep, local, width, dim).transpose(0, 1))
+                out = ffn.forward(rows)
+                back = out.view(local, ep, width, dim).transpose(0, 1).contiguous()
+                results.append(_launch(back, *comm))
         for _, handle in results:
             _wait(handle)
         ctx.meta = (ep, local, cap, dim, bounds)
-        ctx.params = params
+        ctx.ffn = ffn if track else None
         return torch.cat([r.view(ep, local, b - a, dim) for r, (a, b) in zip((r for r, _ in results), bounds)],
                          dim=2).view(ep * local * cap, dim)
 
     @staticmethod
     def backward(ctx, grad):
         ep, local, cap, dim, bounds = ctx.meta
+        ffn, ctx.ffn = ctx.ffn, None  # free the saved rows with this backward
         grid = grad.contiguous().view(ep, local, cap, dim)
         launched = [_launch(grid[:, :, a:b].contiguous(), *ctx.comm) for a, b in bounds]
-        param_grads = [None] * len(ctx.params)
         sent = []
-        for (a, b), (recv, handle), inp, out in zip(bounds, launched, ctx.inputs, ctx.outputs):
-            _wait(handle)
-            width = b - a
-            grad_out = recv.view(ep, local, width, dim).transpose(0, 1).reshape(local, ep * width, dim)
-            grads = torch.autograd.grad(out, [inp, *ctx.params], grad_out, allow_unused=True)
-            for i, g in enumerate(grads[1:]):
-                if g is not None:
-                    param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
-            back = grads[0].view(local, ep, width, dim).transpose(0, 1).contiguous()
-            sent.append(_launch(back, *ctx.comm))
+        with torch.autocast(grad.device.type, enabled=False):
+            ffn.start_backward()
+            for (a, b), (recv, handle) in zip(bounds, launched):
+                _wait(handle)
+                width, rows = b - a, slice(ep * a, ep * b)
+                ffn.dy[:, rows].view(local, ep, width, dim).copy_(recv.view(ep, local, width, dim).transpose(0, 1))
+                back = ffn.backward(rows).view(local, ep, width, dim).transpose(0, 1).contiguous()
+                sent.append(_launch(back, *ctx.comm))
+            # The weight gradients run while the last input gradients are still in flight.
+            dw1, dw2, dw3 = ffn.weight_grads()
         for _, handle in sent:
             _wait(handle)
         grad_buffer = torch.cat([r.view(ep, local, b - a, dim) for (r, _), (a, b) in zip(sent, bounds)], dim=2)
-        ctx.inputs = ctx.outputs = None  # free the saved graphs
-        return (grad_buffer.view(ep * local * cap, dim), *[None] * 9, *param_grads)
+        return (grad_buffer.view(ep * local * cap, dim), *[None] * 9, dw1, dw2, dw3)
 
 
 def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int, cap: int, degree: int,
@@ -108,14 +181,15 @@ def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int
     """Tutel's pipelining of the padded exchange; each chunk's all-to-all is `algo` ("linear" or
     "2dh" over `groups_2dh`, the hierarchical groups of `group`). Same function as degree 1.
     `weights` (w1, w2, w3) replace the experts' own (e.g. a slice gathered from several ranks;
-    their gradients flow back through whatever produced them)."""
-    if weights is None:
-        params = list(experts.parameters())
-    else:
-        params = [w for w in weights if w is not None]
-        experts = functools.partial(experts, weights=weights)
-    track = torch.is_grad_enabled() and (buffer.requires_grad or any(p.requires_grad for p in params))
-    return PipelinedExchange.apply(buffer, experts, group, ep, local, cap, degree, track, algo, groups_2dh, *params)
+    their gradients flow back through whatever produced them). The expert weight gradients are
+    computed here, at once (not deferred by a Lancet `WGradScheduler`)."""
+    w1, w2, w3 = experts.weights() if weights is None else weights
+    dtype = experts.compute_dtype(buffer)
+    buffer = buffer.to(dtype)
+    w1, w2, w3 = (None if w is None else w.to(dtype) for w in (w1, w2, w3))
+    track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (buffer, w1, w2, w3))
+    return PipelinedExchange.apply(buffer, experts.activation, group, ep, local, cap, degree, track, algo, groups_2dh,
+                                   w1, w2, w3)
 
 
 # -- dropless: every (destination rank, local expert) segment is cut into d parts -----------------
