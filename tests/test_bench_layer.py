@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+import torch
 
-from weft.bench import layer
+from weft.bench import layer, timing
 from weft.testing import DistributedTestError, run_distributed
 
 
@@ -25,6 +27,7 @@ def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
         assert r["median_ms"] > 0 and r["ratio"] == pytest.approx(r["median_ms"] / next(
             b["median_ms"] for b in rows if b["mode"] == "plain" and b["capacity_factor"] == r["capacity_factor"]))
         assert r["max_abs_error"] == (0.0 if r["mode"] == "plain" else None)
+        assert r["min_ms"] <= r["median_ms"] and r["iqr_ms"] >= 0
         assert "decomposition" not in r  # the profiler decomposition is GPU-only
 
 
@@ -40,6 +43,8 @@ def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows] == ["plain", "d2", "d4", "2dh", "r0", "auto"]
     assert all(r["max_abs_error"] < 1e-5 for r in rows)
+    # auto is timed once tuning has decided, and says what it chose (one node: linear only)
+    assert len(rows[-1]["tuned"]) == 1 and re.fullmatch(r"d[1248]-linear(-r0)?", rows[-1]["tuned"][0])
 
 
 def test_fewer_experts_than_ranks_times_every_r(tmp_path):
@@ -58,3 +63,28 @@ def test_fewer_experts_than_ranks_times_every_r(tmp_path):
     # sharded experts pipeline in padded modes; dropless runs degree 1 there
     assert rows[1.0, "d2"]["median_ms"] > 0 and rows[1.0, "d2"]["max_abs_error"] < 1e-5
     assert "needs a padded capacity mode" in rows[None, "d2"]["error"]
+
+
+def test_interleaved_timing_switches_before_every_step_and_rotates():
+    log = []
+    runs = [(lambda m=m: log.append(("switch", m)), lambda r, m=m: log.append(("step", m, r))) for m in "abc"]
+    times = timing.interleaved_ms(runs, steps=3, warmup=1, device=torch.device("cpu"))
+    assert times.shape == (3, 3) and bool((times >= 0).all())
+    steps = [entry for entry in log if entry[0] == "step"]
+    assert [m for _, m, _ in steps] == list("abc" "bca" "cab" "abc")  # the start rotates every round
+    assert all(log[2 * i] == ("switch", step[1]) for i, step in enumerate(steps))  # each step right after its switch
+
+
+def test_run_until_tuned_stops_when_nothing_is_measured_and_refuses_endless_tuning():
+    count = [0]
+    calls = []
+
+    def step(i):
+        calls.append(i)
+        count[0] += 1 if len(calls) < 4 else 0
+
+    timing.run_until_tuned(step, lambda: count[0], torch.device("cpu"))
+    assert calls == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="still measuring after 5 steps"):
+        timing.run_until_tuned(lambda i: count.__setitem__(0, count[0] + 1), lambda: count[0], torch.device("cpu"),
+                               max_steps=5)

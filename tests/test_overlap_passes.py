@@ -194,7 +194,7 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
 
 
 def test_interleaved_order_rotates():
-    from weft.bench.model import interleaved_order
+    from weft.bench.timing import interleaved_order
 
     modes = ["none", "lancet", "none"]  # duplicates are separate entries
     order = interleaved_order(modes, 5)

@@ -4,7 +4,9 @@ For each capacity setting, one layer is built and each mode reconfigures it: `pl
 reference layer), `no-comm` (the all-to-alls removed, the same expert work: the optimum overlap
 can reach) and the peers (`torchtitan`, `megatron`) when installed. Before timing, each mode's
 output and input gradient are compared with `plain` on the same input. Timing: CUDA events
-(perf_counter on the CPU), warm-up, median over steps, inputs rotated, slowest rank reported.
+(perf_counter on the CPU), the modes interleaved (one step of each per round, order rotated;
+`weft.bench.timing`), warm-up rounds, median, min and interquartile range over the counted
+rounds, each step's slowest rank, inputs rotated.
 On GPUs the profiler splits a step into exposed communication, overlap and exposed compute.
 """
 from __future__ import annotations
@@ -13,15 +15,13 @@ import dataclasses
 import datetime
 import json
 import os
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
+from weft.bench.timing import interleaved_ms, quartiles, run_until_tuned, slowest
 from weft.bench.trace import profile_decomposition
 from weft.distributed import hierarchical_groups, init_distributed
 from weft.moe import MoE
@@ -72,12 +72,13 @@ def _fixed_r(r: int) -> Callable[[MoE], Callable]:
     return configure
 
 
-def _auto(moe: MoE) -> None:
-    """Tuning dictionary over degrees (and 2DH with several nodes); one trial per candidate, so
-    the check call and the warm-up steps finish tuning before the timed steps."""
+def _auto(moe: MoE, tuning: TuningDictionary | None = None) -> None:
+    """Tuning dictionary (a fresh one unless given) over degrees (and 2DH with several nodes, r
+    with an adaptive layer), with the layer's default trials; the benchmark runs steps until it
+    has decided, then times."""
     if moe.groups_2dh is None:
         moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
-    moe.tuning = TuningDictionary(trials=1)
+    moe.tuning = tuning if tuning is not None else TuningDictionary()
     moe.communicate, moe.overlap_degree, moe.a2a_algo, moe.parallel = True, "auto", "auto", "adaptive"
 
 
@@ -111,72 +112,13 @@ def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
     return 3 * 2 * tokens * cfg.top_k * cfg.dim * cfg.hidden_dim * mats
 
 
-class _Timer:
-    """Milliseconds from `begin` to `stop` (CUDA events on GPU); each `lap` marks a point in
-    between, read after `stop` as `laps_ms` (events, so no synchronisation inside the region;
-    `lap_ms` is the first)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.laps_ms: list[float] = []
-
-    def _mark(self):
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def _between(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def begin(self) -> None:
-        self.marks, self.laps_ms = [], []
-        self.start = self._mark()
-
-    def lap(self) -> None:
-        self.marks.append(self._mark())
-
-    @property
-    def lap_ms(self) -> float | None:
-        return self.laps_ms[0] if self.laps_ms else None
-
-    def stop(self) -> float:
-        end = self._mark()
-        if self.cuda:
-            end.synchronize()
-        self.laps_ms = [self._between(self.start, m) for m in self.marks]
-        return self._between(self.start, end)
-
-
-def median_ms(step: Callable[[int], None], steps: int, warmup: int, device: torch.device) -> float:
-    timer = _Timer(device)
-    times = []
-    for i in range(warmup + steps):
-        if dist.is_initialized():
-            dist.barrier()
-        timer.begin()
-        step(i)
-        elapsed = timer.stop()
-        if i >= warmup:
-            times.append(elapsed)
-    return statistics.median(times)
-
-
-def _slowest(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], device=device, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def _max_error(module_forward, x: torch.Tensor, grad: torch.Tensor, reference) -> float:
     x = x.detach().requires_grad_()
     y = module_forward(x)
     y.backward(grad)
     err = max(float((y.detach().float() - reference[0]).abs().max()),
               float((x.grad.float() - reference[1]).abs().max()))
-    return _slowest(err, x.device)
+    return slowest(err, x.device)
 
 
 def run(
@@ -257,7 +199,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     y0 = moe(x0)
     y0.backward(grads[0])
     reference = (y0.detach().float(), x0.grad.float())
-    dropped = _slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
+    dropped = slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
     moe.zero_grad(set_to_none=True)
 
     # Check every mode against plain before any timing: the optimizer steps of the timing loop
@@ -277,25 +219,42 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row["max_abs_error"] = None if mode in NOT_THE_LAYER_FUNCTION else _max_error(forward, x0, grads[0], reference)
         moe.zero_grad(set_to_none=True)
         built[mode] = (forward, params)
-    for row in rows:
-        mode = row["mode"]
-        if mode not in built:
-            continue
-        forward, params = built[mode]
-        if mode in MODES:
-            MODES[mode](moe)  # the same configuration the check used
-        opt = _optimizer(optimizer, params)
-        step = _step_fn(forward, params, inputs, grads, opt)
-        row["median_ms"] = _slowest(median_ms(step, steps, warmup, device), device)
+    timed = [row for row in rows if row["mode"] in built]
+    runs = []
+    for row in timed:
+        forward, params = built[row["mode"]]
+        switch = _switch(row["mode"], moe)  # the same configuration the check used
+        step = _step_fn(forward, params, inputs, grads, _optimizer(optimizer, params))
+        if row["mode"] == "auto":  # tuning calls synchronise and try slow settings: keep them out of the timing
+            run_until_tuned(step, lambda: moe.tuning.measurements, device)
+            row["tuned"] = moe.tuning.chosen()
+        runs.append((switch, step))
+    for row, sample in zip(timed, interleaved_ms(runs, steps, warmup, device)):
+        q1, row["median_ms"], q3 = quartiles(sample)
+        row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
-        if device.type == "cuda" and profile_steps > 0:
+    if device.type == "cuda" and profile_steps > 0:
+        for row, (switch, step) in zip(timed, runs):
             trace = None
             if trace_dir:
                 cap = "dropless" if cf is None else f"cf{cf:g}"
-                trace = Path(trace_dir) / f"{config}_{cap}_{mode}_rank{ctx.rank}.json"
+                trace = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
+            switch()
             row["decomposition"] = profile_decomposition(lambda: step(0), profile_steps, trace).to_dict()
     MODES["plain"](moe)
     return rows
+
+
+def _switch(mode: str, moe: MoE) -> Callable[[], None]:
+    """Configure `moe` for `mode` and return what switches it back into that mode later (a
+    peer is its own module: nothing to switch; auto keeps its tuning dictionary)."""
+    if mode not in MODES:
+        return lambda: None
+    MODES[mode](moe)
+    if mode == "auto":
+        tuning = moe.tuning
+        return lambda: _auto(moe, tuning)
+    return lambda: MODES[mode](moe)
 
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size):
@@ -341,7 +300,7 @@ def print_table(report: dict) -> None:
           f"{meta['tokens_per_rank']} tokens/rank, {meta['activation']} experts, fwd+bwd"
           f"{'' if meta['optimizer'] == 'none' else ' + ' + meta['optimizer']}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
-    head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'vs ' + meta['baseline']:>9} {'max err':>9} "
+    head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'iqr':>6} {'vs ' + meta['baseline']:>9} {'max err':>9} "
             f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
     print(head)
     for r in rows:
@@ -355,5 +314,6 @@ def print_table(report: dict) -> None:
         hidden = "" if d.get("hidden_share") is None else f"{d['hidden_share']:.0%}"
         comm = f"{d['comm_ms']:.3f}" if d else ""
         exposed = f"{d['comm_only_ms']:.3f}" if d else ""
-        print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {ratio:>9} {err:>9} {comm:>8} {exposed:>8} "
-              f"{hidden:>7} {r['tflops_per_rank']:>8.1f}")
+        tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
+        print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
+              f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f}{tuned}")

@@ -35,13 +35,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from weft.bench.layer import _slowest, _Timer, write_report
+from weft.bench.layer import write_report
+from weft.bench.timing import Timer, interleaved_order, quartiles, run_until_tuned, slowest_per_step
 from weft.bench.trace import profile_decomposition
 from weft.distributed import init_distributed
 from weft.models import GPT, get_preset
@@ -84,28 +85,6 @@ def _switch(model: GPT, setting: _Setting) -> None:
     passes.apply(model, setting.ranges, setting.scheduler)
     for moe, degree in zip(model.moe_layers(), setting.degrees):
         moe.overlap_degree = degree
-
-
-def interleaved_order(modes: Sequence[str], rounds: int) -> list[list[int]]:
-    """Per round, the indices of `modes` in the order they run: each once, the start rotated by
-    one every round, so that no mode always runs first (right after the previous round's last
-    mode). The cyclic order is kept: otherwise a mode always follows the same one."""
-    n = len(modes)
-    return [[(r + j) % n for j in range(n)] for r in range(rounds)]
-
-
-def _finish_tuning(model: GPT, forward: Callable[[], object], device: torch.device, max_calls: int = 100) -> None:
-    """Run `forward` until no MoE layer's tuning dictionary measures any more: tuning calls
-    synchronise and try slow settings, so they must not fall into the timed rounds. All ranks
-    stop together (the count is reduced), as every call is a collective."""
-    def measured() -> int:
-        return sum(moe.tuning.measurements for moe in model.moe_layers())
-
-    for _ in range(max_calls):
-        before = measured()
-        forward()
-        if _slowest(float(measured() - before), device) == 0:
-            return
 
 
 def _assert_clean(model: GPT, scheduler: WGradScheduler | None) -> None:
@@ -166,11 +145,12 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
             float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
             if p.grad is not None])
         model.zero_grad(set_to_none=True)
-        _finish_tuning(model, lambda: loss_of(batches[0]), device)
+        run_until_tuned(lambda _: loss_of(batches[0]), lambda: sum(moe.tuning.measurements for moe in model.moe_layers()),
+                        device)
         settings[mode] = setting
     model.load_state_dict(start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    timer = _Timer(device)
+    timer = Timer(device)
 
     def step(setting: _Setting, i: int) -> None:
         """One training iteration; laps mark the end of forward and of backward."""
@@ -195,18 +175,14 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
             if r >= warmup:
                 forward_ms, fwd_bwd_ms = timer.laps_ms
                 times[row, :, r - warmup] = torch.tensor([elapsed, fwd_bwd_ms, forward_ms], dtype=torch.float64)
-    if dist.is_initialized():  # each step's time is its slowest rank's
-        slowest = times.to(device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        times = slowest.cpu()
+    times = slowest_per_step(times, device)
 
     rows = []
-    quartiles = torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)
     for i, mode in enumerate(modes):
         setting, plan = settings[mode], settings[mode].plan
         row = {"mode": mode, "repeat": modes[:i].count(mode), "max_error": setting.max_error}
         for name, sample in (("iteration", times[i, 0]), ("fwd_bwd", times[i, 1]), ("forward", times[i, 2])):
-            q1, median, q3 = torch.quantile(sample, quartiles).tolist()
+            q1, median, q3 = quartiles(sample)
             row.update({f"{name}_ms": median, f"{name}_ms_min": float(sample.min()), f"{name}_iqr_ms": q3 - q1})
         if plan is not None:
             row.update(predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,

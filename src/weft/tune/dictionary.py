@@ -176,6 +176,11 @@ class TuningDictionary:
         trial.finish()
         return out
 
+    def chosen(self) -> list[str]:
+        """The settings decided so far (one name per layer key and capacity bucket, e.g. "d2-linear")."""
+        return [Setting(*entry["best"]).name for _, buckets in sorted(self.table.items())
+                for _, entry in sorted(buckets.items(), key=lambda kv: int(kv[0])) if entry.get("best")]
+
     def summary(self) -> str:
         lines = []
         for key, buckets in sorted(self.table.items()):

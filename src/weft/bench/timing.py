@@ -1,0 +1,118 @@
+"""Timing shared by the benchmarks: an event timer, interleaved rounds of several modes, the
+slowest rank, and running tuning calls out of the timed steps.
+
+Modes are timed interleaved (one step of each per round, the order rotated), because drifts
+within one launch (clocks, host jitter, NCCL, allocator) are larger than the differences between
+modes when they are timed one block after another.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Timer:
+    """Milliseconds from `begin` to `stop` (CUDA events on GPU); each `lap` marks a point in
+    between, read after `stop` as `laps_ms` (events, so no synchronisation inside the region;
+    `lap_ms` is the first)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.laps_ms: list[float] = []
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _between(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def begin(self) -> None:
+        self.marks, self.laps_ms = [], []
+        self.start = self._mark()
+
+    def lap(self) -> None:
+        self.marks.append(self._mark())
+
+    @property
+    def lap_ms(self) -> float | None:
+        return self.laps_ms[0] if self.laps_ms else None
+
+    def stop(self) -> float:
+        end = self._mark()
+        if self.cuda:
+            end.synchronize()
+        self.laps_ms = [self._between(self.start, m) for m in self.marks]
+        return self._between(self.start, end)
+
+
+def slowest(value: float, device: torch.device) -> float:
+    """The largest `value` over the ranks of the default group (the value itself without one)."""
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def slowest_per_step(times: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Elementwise maximum of a CPU tensor of step times over the ranks: a step takes as long as
+    its slowest rank."""
+    if not dist.is_initialized():
+        return times
+    out = times.to(device)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.cpu()
+
+
+def interleaved_order(modes: Sequence[str], rounds: int) -> list[list[int]]:
+    """Per round, the indices of `modes` in the order they run: each once, the start rotated by
+    one every round, so that no mode always runs first (right after the previous round's last
+    mode). The cyclic order is kept: otherwise a mode always follows the same one."""
+    n = len(modes)
+    return [[(r + j) % n for j in range(n)] for r in range(rounds)]
+
+
+def interleaved_ms(runs: Sequence[tuple[Callable[[], None], Callable[[int], None]]], steps: int, warmup: int,
+                   device: torch.device) -> torch.Tensor:
+    """Time `runs` (switch into a mode, then one step of it) interleaved: `warmup` uncounted
+    rounds, then `steps` counted ones. Returns (len(runs), steps) milliseconds, each step's time
+    its slowest rank's."""
+    timer = Timer(device)
+    times = torch.zeros(len(runs), steps, dtype=torch.float64)
+    for r, order in enumerate(interleaved_order(range(len(runs)), warmup + steps)):
+        for i in order:
+            switch, step = runs[i]
+            switch()
+            if dist.is_initialized():
+                dist.barrier()
+            timer.begin()
+            step(r)
+            elapsed = timer.stop()
+            if r >= warmup:
+                times[i, r - warmup] = elapsed
+    return slowest_per_step(times, device)
+
+
+def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
+    """(q1, median, q3) of a 1-D sample."""
+    q1, median, q3 = torch.quantile(sample.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
+    return q1, median, q3
+
+
+def run_until_tuned(step: Callable[[int], None], measurements: Callable[[], int], device: torch.device,
+                    max_steps: int = 100) -> None:
+    """Run `step` until one adds no tuning measurement on any rank (all ranks stop together, as
+    every step is a collective). Tuning calls synchronise and try slow settings, so they must not
+    fall into timed steps."""
+    for i in range(max_steps):
+        before = measurements()
+        step(i)
+        if slowest(float(measurements() - before), device) == 0:
+            return
+    raise RuntimeError(f"the tuning dictionaries were still measuring after {max_steps} steps")
