@@ -67,9 +67,10 @@ def test_fewer_experts_than_ranks_times_every_r(tmp_path):
 
 def test_interleaved_timing_switches_before_every_step_and_rotates():
     log = []
-    runs = [(lambda m=m: log.append(("switch", m)), lambda r, m=m: log.append(("step", m, r))) for m in "abc"]
+    runs = [timing.Run(lambda m=m: log.append(("switch", m)), lambda r, m=m: log.append(("step", m, r)))
+            for m in "abc"]
     times = timing.interleaved_ms(runs, steps=3, warmup=1, device=torch.device("cpu"))
-    assert times.shape == (3, 3) and bool((times >= 0).all())
+    assert times.shape == (3, 1, 3) and bool((times >= 0).all())
     steps = [entry for entry in log if entry[0] == "step"]
     assert [m for _, m, _ in steps] == list("abc" "bca" "cab" "abc")  # the start rotates every round
     assert all(log[2 * i] == ("switch", step[1]) for i, step in enumerate(steps))  # each step right after its switch

@@ -232,7 +232,8 @@ def _add_launch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_timing_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=_positive_int, default=20, help="timed steps (bench layer: rounds with the modes interleaved); median reported")
+    parser.add_argument("--steps", type=_positive_int, default=20,
+                        help="timed steps (bench layer: rounds, the modes interleaved); median reported")
     parser.add_argument("--warmup", type=_positive_int, default=5, help="untimed steps first")
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from weft.bench.timing import interleaved_ms, quartiles, run_until_tuned, slowest
+from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
 from weft.bench.trace import profile_decomposition
 from weft.distributed import hierarchical_groups, init_distributed
 from weft.moe import MoE
@@ -228,19 +228,19 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         if row["mode"] == "auto":  # tuning calls synchronise and try slow settings: keep them out of the timing
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
             row["tuned"] = moe.tuning.chosen()
-        runs.append((switch, step))
-    for row, sample in zip(timed, interleaved_ms(runs, steps, warmup, device)):
+        runs.append(Run(switch, step))
+    for row, sample in zip(timed, interleaved_ms(runs, steps, warmup, device)[:, 0]):
         q1, row["median_ms"], q3 = quartiles(sample)
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
     if device.type == "cuda" and profile_steps > 0:
-        for row, (switch, step) in zip(timed, runs):
+        for row, run in zip(timed, runs):
             trace = None
             if trace_dir:
                 cap = "dropless" if cf is None else f"cf{cf:g}"
                 trace = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
-            switch()
-            row["decomposition"] = profile_decomposition(lambda: step(0), profile_steps, trace).to_dict()
+            run.switch()
+            row["decomposition"] = profile_decomposition(lambda: run.step(0), profile_steps, trace).to_dict()
     MODES["plain"](moe)
     return rows
 

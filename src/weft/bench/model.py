@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from weft.bench.layer import write_report
-from weft.bench.timing import Timer, interleaved_order, quartiles, run_until_tuned, slowest_per_step
+from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
 from weft.bench.trace import profile_decomposition
 from weft.distributed import init_distributed
 from weft.models import GPT, get_preset
@@ -161,27 +161,15 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
         opt.step()
         model.zero_grad(set_to_none=True)
 
-    times = torch.zeros(len(modes), 3, steps, dtype=torch.float64)  # (row, iteration/fwd_bwd/forward, round)
-    for r, order in enumerate(interleaved_order(modes, warmup + steps)):
-        for row in order:
-            setting = settings[modes[row]]
-            _switch(model, setting)
-            if dist.is_initialized():
-                dist.barrier()
-            timer.begin()
-            step(setting, r)
-            elapsed = timer.stop()
-            _assert_clean(model, setting.scheduler)
-            if r >= warmup:
-                forward_ms, fwd_bwd_ms = timer.laps_ms
-                times[row, :, r - warmup] = torch.tensor([elapsed, fwd_bwd_ms, forward_ms], dtype=torch.float64)
-    times = slowest_per_step(times, device)
+    runs = [Run(lambda s=settings[mode]: _switch(model, s), lambda r, s=settings[mode]: step(s, r),
+                lambda s=settings[mode]: _assert_clean(model, s.scheduler)) for mode in modes]
+    times = interleaved_ms(runs, steps, warmup, device, timer)  # (row, iteration/forward/fwd_bwd, round)
 
     rows = []
     for i, mode in enumerate(modes):
         setting, plan = settings[mode], settings[mode].plan
         row = {"mode": mode, "repeat": modes[:i].count(mode), "max_error": setting.max_error}
-        for name, sample in (("iteration", times[i, 0]), ("fwd_bwd", times[i, 1]), ("forward", times[i, 2])):
+        for name, sample in (("iteration", times[i, 0]), ("forward", times[i, 1]), ("fwd_bwd", times[i, 2])):
             q1, median, q3 = quartiles(sample)
             row.update({f"{name}_ms": median, f"{name}_ms_min": float(sample.min()), f"{name}_iqr_ms": q3 - q1})
         if plan is not None:

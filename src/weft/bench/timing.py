@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -78,25 +79,36 @@ def interleaved_order(modes: Sequence[str], rounds: int) -> list[list[int]]:
     return [[(r + j) % n for j in range(n)] for r in range(rounds)]
 
 
-def interleaved_ms(runs: Sequence[tuple[Callable[[], None], Callable[[int], None]]], steps: int, warmup: int,
-                   device: torch.device) -> torch.Tensor:
-    """Time `runs` (switch into a mode, then one step of it) interleaved: `warmup` uncounted
-    rounds, then `steps` counted ones. Returns (len(runs), steps) milliseconds, each step's time
-    its slowest rank's."""
-    timer = Timer(device)
-    times = torch.zeros(len(runs), steps, dtype=torch.float64)
+@dataclass
+class Run:
+    """One mode of an interleaved timing: `switch` puts the model into it, `step(round)` runs one
+    timed step (it may call the timer's `lap`), `check` runs after the timer stopped."""
+
+    switch: Callable[[], None]
+    step: Callable[[int], None]
+    check: Callable[[], None] = lambda: None
+
+
+def interleaved_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.device,
+                   timer: Timer | None = None) -> torch.Tensor:
+    """Time `runs` interleaved: `warmup` uncounted rounds, then `steps` counted ones. Returns
+    (len(runs), 1 + laps, steps) milliseconds: the whole step, then each lap the steps marked on
+    `timer` (the one they use; default a fresh one), each step's time its slowest rank's."""
+    timer = timer or Timer(device)
+    times: list[list[list[float]]] = [[] for _ in runs]
     for r, order in enumerate(interleaved_order(range(len(runs)), warmup + steps)):
         for i in order:
-            switch, step = runs[i]
-            switch()
+            run = runs[i]
+            run.switch()
             if dist.is_initialized():
                 dist.barrier()
             timer.begin()
-            step(r)
+            run.step(r)
             elapsed = timer.stop()
+            run.check()
             if r >= warmup:
-                times[i, r - warmup] = elapsed
-    return slowest_per_step(times, device)
+                times[i].append([elapsed, *timer.laps_ms])
+    return slowest_per_step(torch.tensor(times, dtype=torch.float64).transpose(1, 2), device)
 
 
 def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:

@@ -22,6 +22,13 @@ ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
 
 
+def activate(activation: str, h1: torch.Tensor, h3: torch.Tensor | None = None) -> torch.Tensor:
+    """The experts' hidden activation of h1 = x @ w1 (swiglu: silu(h1) * h3, h3 = x @ w3)."""
+    if activation == "swiglu":
+        return F.silu(h1) * h3
+    return _ACT[activation](h1)
+
+
 class Experts(nn.Module):
     """The `num_local` experts of this rank; global expert ids `first_expert + i`.
 
@@ -83,9 +90,7 @@ class Experts(nn.Module):
                     w[i].copy_(values.narrow(axis, start, width))
 
     def _hidden(self, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
-        if self.activation == "swiglu":
-            return F.silu(h1) * h3
-        return _ACT[self.activation](h1)
+        return activate(self.activation, h1, h3)
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self.w1, self.w2, self.w3

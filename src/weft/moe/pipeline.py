@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from weft.comm.two_dim import start_exchange_2dh
 from weft.distributed import group_size
+from weft.moe.experts import activate
 
 
 def chunk_bounds(capacity: int, degree: int) -> list[tuple[int, int]]:
@@ -75,14 +76,14 @@ class _ChunkedFFN:
         """Expert outputs (G, M, dim) of the input rows already written to `self.x[:, rows]`."""
         x, w1, w3 = self.x[:, rows], self.w1, self.w3
         if not self.track:
-            return torch.bmm(_activate(self.activation, torch.bmm(x, w1), torch.bmm(x, w3) if w3 is not None else None),
+            return torch.bmm(activate(self.activation, torch.bmm(x, w1), torch.bmm(x, w3) if w3 is not None else None),
                              self.w2)
         h1 = torch.bmm(x, w1, out=self.h1[:, rows])
         if self.activation == "relu":
             hidden = h1.relu_()
         else:
             h3 = torch.bmm(x, w3, out=self.h3[:, rows]) if w3 is not None else None
-            hidden = _activate(self.activation, h1, h3)
+            hidden = activate(self.activation, h1, h3)
         return torch.bmm(hidden, self.w2)
 
     def backward(self, rows: slice) -> torch.Tensor:
@@ -113,16 +114,10 @@ class _ChunkedFFN:
 
     def weight_grads(self) -> tuple:
         """(dw1, dw2, dw3): one batched matmul each over every chunk's rows."""
-        hidden = self.h1 if self.activation == "relu" else _activate(self.activation, self.h1, self.h3)
+        hidden = self.h1 if self.activation == "relu" else activate(self.activation, self.h1, self.h3)
         x_t = self.x.transpose(1, 2)
         dw3 = torch.bmm(x_t, self.dh3) if self.h3 is not None else None
         return torch.bmm(x_t, self.dh1), torch.bmm(hidden.transpose(1, 2), self.dy), dw3
-
-
-def _activate(activation: str, h1: torch.Tensor, h3: torch.Tensor | None) -> torch.Tensor:
-    if activation == "swiglu":
-        return F.silu(h1) * h3
-    return {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation](h1)
 
 
 class PipelinedExchange(torch.autograd.Function):
