@@ -66,7 +66,7 @@ def slowest_per_step(times: torch.Tensor, device: torch.device) -> torch.Tensor:
     its slowest rank."""
     if not dist.is_initialized():
         return times
-    out = times.to(device)
+    out = times.to(device).contiguous()  # NCCL refuses non-contiguous tensors
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     return out.cpu()
 
