@@ -1,4 +1,4 @@
-"""A straightforward dense MoE written from the rules in DESIGN.md: the oracle for the tests.
+"""A straightforward dense MoE written from the rules in docs/moe.md: the oracle for the tests.
 
 Deliberately slow and obvious: python loops for slot positions, every expert applied to every
 token, masks instead of indices.
@@ -31,7 +31,7 @@ def expert_fn(x, w1, w2, w3, activation):
 
 
 def route(x, params, gate, k, normalize, random_scores=None):
-    """Experts (T, k) and gates (T, k) per DESIGN.md, plus the priority order of tokens."""
+    """Experts (T, k) and gates (T, k) per docs/moe.md, plus the priority order of tokens."""
     logits = router_logits(x, params, gate)
     probs = F.softmax(logits, dim=-1)
     T, E = probs.shape

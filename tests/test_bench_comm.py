@@ -102,8 +102,8 @@ def test_from_json_errors(tmp_path: Path):
 def test_bench_comm_on_two_gloo_ranks(tmp_path: Path):
     out, model_path = tmp_path / "comm.json", tmp_path / "model.json"
     sizes = [1024, 16384]
-    results = run_distributed(comm.run, 2, args=(sizes, comm.COLLECTIVES, 3, 1, str(out), str(model_path)),
-                              timeout=60)
+    cfg = comm.CommBenchConfig(sizes, comm.COLLECTIVES, steps=3, warmup=1, json=str(out), model=str(model_path))
+    results = run_distributed(comm.run, 2, args=(cfg,), timeout=60)
     assert results[0] == results[1]  # every rank returns the slowest rank's medians
 
     doc = json.loads(out.read_text())
@@ -124,5 +124,6 @@ def test_bench_comm_on_two_gloo_ranks(tmp_path: Path):
 
 
 def test_model_defaults_to_a_file_beside_the_json(tmp_path: Path):
-    run_distributed(comm.run, 2, args=([4096], ("all_reduce",), 2, 0, str(tmp_path / "c.json")), timeout=60)
+    cfg = comm.CommBenchConfig([4096], ("all_reduce",), steps=2, warmup=0, json=str(tmp_path / "c.json"))
+    run_distributed(comm.run, 2, args=(cfg,), timeout=60)
     assert CommCostModel.from_json(tmp_path / "c.model.json").collectives == ["all_reduce"]

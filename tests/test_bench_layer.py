@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from weft.bench import layer, timing
+from weft.bench.layer import LayerBenchConfig
 from weft.testing import DistributedTestError, run_distributed
 
 
 def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
     out = tmp_path / "tiny.json"
-    run_distributed(layer.run, 2, args=("tiny", 64, (1.0, None), "swiglu", None, 3, 1, str(out),
-                                        ("plain", "no-comm", "megatron")), timeout=300)
+    cfg = LayerBenchConfig("tiny", 64, capacity=(1.0, None), activation="swiglu", steps=3, warmup=1, json=str(out),
+                           modes=("plain", "no-comm", "megatron"))
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     report = json.loads(out.read_text())
     assert report["meta"]["world_size"] == 2 and report["meta"]["tokens_per_rank"] == 64
     rows = report["results"]
@@ -33,13 +35,14 @@ def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
 
 def test_unknown_mode_is_refused():
     with pytest.raises(DistributedTestError, match=r"unknown modes \['fastest'\]"):
-        run_distributed(layer.run, 1, args=("tiny", 16, (1.0,), "relu", None, 1, 1, None, ("fastest",)))
+        run_distributed(layer.run, 1, args=(LayerBenchConfig("tiny", 16, capacity=(1.0,), modes=("fastest",)),))
 
 
 def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
     out = tmp_path / "sgd.json"
-    run_distributed(layer.run, 2, args=("tiny", 64, (1.0,), "relu", None, 3, 1, str(out), ("plain", "d2", "d4", "2dh", "r0", "auto"),
-                                        "plain", "sgd"), timeout=300)
+    cfg = LayerBenchConfig("tiny", 64, capacity=(1.0,), steps=3, warmup=1, json=str(out),
+                           modes=("plain", "d2", "d4", "2dh", "r0", "auto"), optimizer="sgd")
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     rows = json.loads(out.read_text())["results"]
     assert [r["mode"] for r in rows] == ["plain", "d2", "d4", "2dh", "r0", "auto"]
     assert all(r["max_abs_error"] < 1e-5 for r in rows)
@@ -49,9 +52,9 @@ def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
 
 def test_fewer_experts_than_ranks_times_every_r(tmp_path):
     out = tmp_path / "sliced.json"
-    run_distributed(layer.run, 4, args=("tiny", 32, (1.0, None), "swiglu", None, 2, 1, str(out),
-                                        ("plain", "r0", "r1", "r2", "r4", "auto", "d2"), "plain", "none", None, 5, 2),
-                    timeout=300)
+    cfg = LayerBenchConfig("tiny", 32, num_experts=2, capacity=(1.0, None), activation="swiglu", steps=2, warmup=1,
+                           json=str(out), modes=("plain", "r0", "r1", "r2", "r4", "auto", "d2"))
+    run_distributed(layer.run, 4, args=(cfg,), timeout=300)
     report = json.loads(out.read_text())
     assert report["meta"]["num_experts"] == 2
     rows = {(r["capacity_factor"], r["mode"]): r for r in report["results"]}

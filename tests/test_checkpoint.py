@@ -17,8 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from weft.distributed import build_moe_groups, reduce_gradients
+from weft.distributed import build_moe_groups
 from weft.models.gpt import GPT, GPTConfig
+from weft.moe.grads import reduce_gradients
+from weft.testing import run_distributed
 from weft.train import checkpoint
 from weft.train.checkpoint import (
     CheckpointError,
@@ -27,7 +29,6 @@ from weft.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from weft.testing import run_distributed
 
 CONFIG = GPTConfig(
     block_size=16, n_layer=2, n_head=2, dim=32, moe_every=1, num_experts=4, top_k=2,

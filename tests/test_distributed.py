@@ -56,6 +56,25 @@ def test_reduce_gradients_gives_the_gradient_of_the_global_mean_loss(world_size,
     assert [i["first"] for i in info] == [(r % ep_size) * local for r in range(world_size)]
 
 
+def mesh_worker(ep_size: int) -> dict:
+    groups = build_moe_groups(ep_size)
+    ranks = dist.get_process_group_ranks
+    return {"mesh_shape": tuple(groups.mesh.shape), "names": groups.mesh.mesh_dim_names,
+            "ep_same": ranks(groups.mesh.get_group("ep")) == ranks(groups.ep),
+            "edp_same": ranks(groups.mesh.get_group("edp")) == ranks(groups.edp),
+            "ep_ranks": ranks(groups.ep)}
+
+
+@pytest.mark.parametrize("world_size, ep_size", [(2, 2), (4, 2)])
+def test_groups_keep_their_device_mesh(world_size, ep_size):
+    """The DeviceMesh the groups come from stays in MoEGroups (DTensor, FSDP2 and TP need it)."""
+    info = run_distributed(mesh_worker, world_size, args=(ep_size,))
+    assert all(i["mesh_shape"] == (world_size // ep_size, ep_size) and i["names"] == ("edp", "ep") for i in info)
+    assert all(i["ep_same"] and i["edp_same"] for i in info)
+    assert [i["ep_ranks"] for i in info] == [list(range(r - r % ep_size, r - r % ep_size + ep_size))
+                                             for r in range(world_size)]
+
+
 def bad_ep_worker() -> list[str]:
     messages = []
     for call in (lambda: MoE(DIM, HIDDEN, 3), lambda: build_moe_groups(3)):
@@ -101,6 +120,6 @@ def test_single_process_context_without_torchrun(monkeypatch):
     ctx = init_distributed()
     assert (ctx.rank, ctx.world_size, ctx.backend) == (0, 1, None)
     groups = build_moe_groups()
-    assert groups.ep is None and groups.ep_size == 1
+    assert groups.ep is None and groups.ep_size == 1 and groups.mesh is None
     with pytest.raises(ValueError, match="ep_size=2 needs an initialised process group"):
         build_moe_groups(2)

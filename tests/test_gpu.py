@@ -1,7 +1,7 @@
 """GPU checks (run on a lent GPU machine: scripts/gpu_check.sh): the CPU equivalence tests of
-the layer, of both pipelined exchanges (padded also with 2DH chunks) and of every r of the
-switchable parallelism again on NCCL with bfloat16, and Lancet's two passes in training (fp32),
-on every GPU."""
+the layer, of every exchange strategy (fp32), of both pipelined exchanges (padded also with 2DH
+chunks) and of every r of the switchable parallelism again on NCCL with bfloat16, and Lancet's
+two passes in training (fp32), on every GPU."""
 from __future__ import annotations
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
+from test_moe_exchange import exchange_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
 from weft.testing import run_checks
@@ -27,6 +28,16 @@ def _check_on_every_gpu(worker, *args) -> list[str]:
 def test_matches_dense_reference_on_nccl_bf16(gate):
     flat = _check_on_every_gpu(equivalence_worker, gate)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_every_exchange_computes_the_expert_function_on_nccl(activation):
+    world = torch.cuda.device_count()
+    for experts in sorted({2 * world, max(1, world // 2)}):  # E >= W, and fewer experts than ranks
+        flat = run_checks(exchange_worker, world, args=(experts, activation, "cuda"), backend="nccl", timeout=600,
+                          env={"LOCAL_WORLD_SIZE": max(1, world // 2)})
+        assert not flat, "\n".join(flat[:15])
 
 
 @needs_cuda

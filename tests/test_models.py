@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-import tomllib
 
 import pytest
+import tomllib
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -80,7 +80,8 @@ def sliced_worker(experts: int, dtypes=(torch.float32, torch.bfloat16), device: 
     solo = dist.new_subgroups(group_size=1)[0]  # a one-rank group per rank: the oracle's
     shards = world // experts
     failures = []
-    cases = [("topk", 1.0, "swiglu", torch.float32), ("bpr", 0.5, "relu", torch.float32), ("topk", 0, "gelu", torch.float32),
+    cases = [("topk", 1.0, "swiglu", torch.float32), ("bpr", 0.5, "relu", torch.float32),
+             ("topk", 0, "gelu", torch.float32),
              ("topk", None, "swiglu", torch.float32), ("expert_choice", 1.0, "relu", torch.float32),
              ("topk", 1.0, "swiglu", torch.bfloat16), ("topk", None, "relu", torch.bfloat16)]
     for gate, cap, activation, dtype in cases:
@@ -104,7 +105,8 @@ def sliced_worker(experts: int, dtypes=(torch.float32, torch.bfloat16), device: 
             if name.startswith("experts."):  # each expert's gradient sums every rank's tokens
                 dist.all_reduce(grad)
                 part = grad[rank // shards]
-                part = part.narrow(0 if name == "experts.w2" else 1, (rank % shards) * (HIDDEN // shards), HIDDEN // shards)
+                width = HIDDEN // shards
+                part = part.narrow(0 if name == "experts.w2" else 1, (rank % shards) * width, width)
                 grad = part.unsqueeze(0)
             expect[name] = grad
         # Padded modes also pipeline each r's exchange (Tutel 3.2 on the sliced layout).
@@ -139,7 +141,8 @@ def test_fewer_experts_than_ranks_every_r_equals_whole_experts(world_size, exper
 def fewer_experts_errors_worker() -> list[str]:
     failures = []
     for kwargs, message in [({}, "needs parallel='adaptive'"),
-                            ({"parallel": "adaptive", "overlap_degree": 2, "capacity_factor": None}, "needs a padded capacity mode"),
+                            ({"parallel": "adaptive", "overlap_degree": 2, "capacity_factor": None},
+                             "needs a padded capacity mode"),
                             ({"parallel": "adaptive", "hidden_dim": 10}, "hidden_dim \\(10\\) must be divisible")]:
         args = {"dim": DIM, "hidden_dim": HIDDEN, "num_experts": 1, "top_k": 1, **kwargs}
         try:

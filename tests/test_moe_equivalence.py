@@ -54,7 +54,8 @@ def load_shard(moe: MoE, full: dict[str, torch.Tensor], dtype: torch.dtype) -> N
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((actual.detach().float() - expected.detach().float()).norm() / expected.detach().float().norm().clamp_min(1e-12))
+    actual, expected = actual.detach().float(), expected.detach().float()
+    return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
 def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu") -> list[str]:

@@ -38,7 +38,8 @@ def pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str = "cpu")
         device = f"cuda:{torch.cuda.current_device()}"
     failures = []
     cases = [(gate, cap, degree, dtype, "swiglu")
-             for gate, cap, degree, dtype in itertools.product(("topk", "expert_choice"), (1.0, 0, -1.0), (2, 4, 8), dtypes)
+             for gate, cap, degree, dtype in itertools.product(("topk", "expert_choice"), (1.0, 0, -1.0), (2, 4, 8),
+                                                               dtypes)
              if gate == "topk" or cap > 0]
     # The pipelined experts run each activation's backward by hand: every one against degree 1.
     cases += [("topk", 1.0, degree, dtype, act)
@@ -88,7 +89,8 @@ def test_dropless_pipelining_matches_degree_one(world_size):
 def two_dim_worker() -> list[str]:
     rank = dist.get_rank()
     failures = []
-    for gate, cap, dtype in itertools.product(("topk", "bpr", "expert_choice"), (1.0, 0, -1.0), (torch.float32, torch.bfloat16)):
+    dtypes = (torch.float32, torch.bfloat16)
+    for gate, cap, dtype in itertools.product(("topk", "bpr", "expert_choice"), (1.0, 0, -1.0), dtypes):
         if gate == "expert_choice" and cap <= 0:
             continue
         torch.manual_seed(0)
@@ -102,9 +104,11 @@ def two_dim_worker() -> list[str]:
         pairs = [("y", got[0], ref[0]), ("dx", got[1], ref[1])] + [(n, got[2][n], ref[2][n]) for n in ref[2]]
         for name, a, b in pairs:
             if not torch.equal(a, b):
-                failures.append(f"rank {rank} gate={gate} cf={cap} {dtype}: {name} differs by {float((a - b).abs().max()):.2e}")
+                failures.append(f"rank {rank} gate={gate} cf={cap} {dtype}: {name} differs by "
+                                f"{float((a - b).abs().max()):.2e}")
     groups = two_dim.groups_2dh
-    failures += [] if groups is None or groups.num_nodes * groups.local_size == dist.get_world_size() else ["bad groups"]
+    if groups is not None and groups.num_nodes * groups.local_size != dist.get_world_size():
+        failures.append("bad groups")
     return failures
 
 
@@ -145,7 +149,8 @@ def two_dim_pipeline_worker(dtypes=(torch.float32, torch.bfloat16), device: str 
                 failures.append(f"{label}: {len(calls)} 2DH chunk exchanges, expected {4 * chunks}")
             if device == "cpu":  # the exchange only moves data: bit-equal to linear at the same d
                 same = _run(layer(overlap_degree=degree), x, dy)
-                pairs = [("y", got[0], same[0]), ("dx", got[1], same[1])] + [(n, got[2][n], same[2][n]) for n in same[2]]
+                pairs = [("y", got[0], same[0]), ("dx", got[1], same[1])]
+                pairs += [(n, got[2][n], same[2][n]) for n in same[2]]
                 failures += [f"{label}: {name} differs from linear d={degree}" for name, a, b in pairs
                              if not torch.equal(a, b)]
     finally:

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from weft.models import GPT, GPTConfig
-from weft.overlap.forward import Range, check_range
+from weft.overlap.forward import PartitionedRunner, Range, check_range
 from weft.testing import run_checks
 
 BATCH, SEQ = 5, 8
@@ -26,7 +26,7 @@ def _config(gate: str, top_k: int, cf) -> GPTConfig:
 
 def _step(model: GPT, idx, targets, ranges, seed: int):
     model.zero_grad(set_to_none=True)
-    model.overlap_ranges = ranges
+    model.unit_runner = PartitionedRunner(tuple(ranges)) if ranges else None
     torch.manual_seed(seed)  # the random gate draws from torch's RNG
     logits, loss = model(idx, targets)
     loss.backward()
@@ -65,7 +65,8 @@ def forward_worker() -> list[str]:
             failures.append(f"rank {rank} {gate}: the reference dropped nothing; the case proves nothing")
         for ranges in _ranges_for(model):
             got = _step(model, idx, targets, ranges, seed=7)
-            label = f"rank {rank} gate={gate} k={top_k} cf={cf} ranges={[(r.start, r.end, r.partitions) for r in ranges]}"
+            spans = [(r.start, r.end, r.partitions) for r in ranges]
+            label = f"rank {rank} gate={gate} k={top_k} cf={cf} ranges={spans}"
             failures += _compare(label, got, ref)
     return failures
 

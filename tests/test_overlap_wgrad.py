@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from weft.overlap.wgrad import WGradScheduler, best_fit, bmm, grouped_mm, linear, plan_in_place
+from weft.ops.wgrad import WGradScheduler, best_fit, bmm, grouped_mm, linear, plan_in_place
 
 DIM, HID, G, TOKENS = 8, 12, 3, 12
 COUNTS = [5, 0, 7]  # group 1 is empty
@@ -262,7 +262,9 @@ def test_communicate_measures_an_unknown_collective_then_fills_it():
     scheduler = WGradScheduler()  # no cost model: the first sight of "a2a" is measured
     params = make_params()
     handle = FakeHandle(lambda: None, sleep=0.05)
-    middle = lambda h: Communicate.apply(h, scheduler, handle)
+    def middle(h):
+        return Communicate.apply(h, scheduler, handle)
+
     x = torch.randn(TOKENS, DIM)
 
     with scheduler.backward():

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from weft import MoE
+from weft.bench.tune import TuneConfig, run
 from weft.testing import run_distributed
 from weft.tune import Setting, TuningDictionary
-from weft.tune.dictionary import candidates_for, layer_key, next_round
+from weft.tune.dictionary import next_round
 
 DIM, HIDDEN, EXPERTS = 16, 24, 8
 
@@ -28,7 +28,7 @@ def auto_worker(path: str, a2a_auto: bool) -> dict:
     torch.manual_seed(0)
     plain = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0)
     gen = torch.Generator().manual_seed(rank)
-    candidates = candidates_for(auto)
+    candidates = auto.candidates()
     for step in range(len(candidates) * 2 + 3):
         x = torch.randn(32, DIM, generator=gen)
         xa, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -74,7 +74,7 @@ def test_buckets_are_tuned_separately_and_one_rank_dropless_needs_no_tuning():
     # On one rank dropless exchanges nothing: no setting to choose (several ranks: see below).
     dropless = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree="auto", parallel="adaptive",
                    tuning=TuningDictionary())
-    assert candidates_for(dropless) == [Setting(1, "linear")]
+    assert dropless.candidates() == [Setting(1, "linear")]
     dropless(torch.randn(8, DIM))
     assert dropless.tuning.measurements == 0 and not dropless.tuning.table
 
@@ -118,10 +118,7 @@ SEARCH_MS = {0: (70, 5), 1: (60, 70), 2: (40, 60), 4: (10, 50), 8: (25, 40), 16:
 
 def search_worker(path: str) -> dict:
     rank = dist.get_rank()
-    layer = SimpleNamespace(num_experts=1, top_k=1, dim=4, hidden_dim=64, ep_size=2, capacity_factor=1.0,
-                            parallel_r=None, overlap_degree="auto", a2a_algo="linear", parallel="adaptive",
-                            group=dist.group.WORLD,
-                            experts=SimpleNamespace(activation="relu", w1=torch.zeros(1)))
+    key = "E1-k1-dim4-h64-relu-W2-float32-linear-adaptive"
     candidates = [Setting(d, "linear", r) for r in (1, 2, 4, 8, 16, 32, 64) for d in (1, 2)]
     candidates.append(Setting(1, "linear", 0))
     ran = []
@@ -133,9 +130,9 @@ def search_worker(path: str) -> dict:
 
     tuning = TuningDictionary(path, trials=2)
     for _ in range(13 * 2 + 3):  # 13 settings timed twice (r = 32 is never timed), then reused
-        tuning.run(layer, 8, candidates, execute, torch.zeros(1))
-    entry = tuning.table[layer_key(layer)]["0"]
-    return {"ran": ran, "best": tuning.best(layer_key(layer), 8), "r_searched": entry["r_searched"],
+        tuning.run(key, 8, candidates, dist.group.WORLD, execute, torch.zeros(1))
+    entry = tuning.table[key]["0"]
+    return {"ran": ran, "best": tuning.best(key, 8), "r_searched": entry["r_searched"],
             "measured": tuning.measurements}
 
 
@@ -159,7 +156,7 @@ def test_old_files_without_search_state_load(tmp_path):
     """Files written before the r search (no "r_searched") still load; an unfinished entry starts
     the search from its first round, reusing the times it holds."""
     moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto")
-    key = layer_key(moe)
+    key = moe.tuning_key()
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"format": "weft.tuning/1", "table": {key: {
         "0": {"times_ms": {"d1-linear": [1.0]}, "best": [2, "linear", 1]},
@@ -167,8 +164,8 @@ def test_old_files_without_search_state_load(tmp_path):
     tuning = TuningDictionary(path, trials=1)
     assert tuning.best(key, 8) == Setting(2, "linear")
     candidates = [Setting(1, "linear"), Setting(2, "linear"), Setting(4, "linear")]
-    tuning.run(moe, 128, candidates, lambda s, rows: rows, torch.zeros(1))  # times d4, the one missing
-    tuning.run(moe, 128, candidates, lambda s, rows: rows, torch.zeros(1))
+    tuning.run(key, 128, candidates, None, lambda s, rows: rows, torch.zeros(1))  # times d4, the one missing
+    tuning.run(key, 128, candidates, None, lambda s, rows: rows, torch.zeros(1))
     assert tuning.measurements == 1 and tuning.best(key, 128) is not None
 
 
@@ -182,7 +179,7 @@ def auto_equals_plain_worker(experts: int, capacity_factor: float | None) -> dic
               overlap_degree="auto", parallel="adaptive", tuning=tuning)
     gen = torch.Generator().manual_seed(rank)
     tokens = 20 + 4 * rank if capacity_factor is None else 24  # dropless: uneven on purpose
-    candidates = candidates_for(moe)
+    candidates = moe.candidates()
     failures = []
     for step in range(len(candidates) * tuning.trials + 2):
         x = torch.randn(tokens, DIM, generator=gen) + torch.eye(DIM)[0] * rank
@@ -195,8 +192,8 @@ def auto_equals_plain_worker(experts: int, capacity_factor: float | None) -> dic
             y = moe(xr, **overrides)
             (y * dy).sum().backward()
             runs.append([("y", y.detach()), ("dx", xr.grad)] + [(n, p.grad.clone()) for n, p in moe.named_parameters()])
-        for label, run in zip(("auto", "r0"), runs[1:]):
-            for (name, ref), (_, got) in zip(runs[0], run):
+        for label, result in zip(("auto", "r0"), runs[1:]):
+            for (name, ref), (_, got) in zip(runs[0], result):
                 err = float((got - ref).norm() / ref.norm().clamp_min(1e-12))
                 if err > 1e-5:
                     failures.append(f"rank {rank} step {step} {label}: {name} rel err {err:.2e}")
@@ -248,10 +245,9 @@ def test_corrupt_tuning_file_is_refused(tmp_path):
 
 
 def test_weft_tune_writes_a_dictionary_that_layers_reuse(tmp_path):
-    from weft.tune.run import run
-
     path = tmp_path / "tiny.json"
-    summary = run_distributed(run, 2, args=("tiny", 64, 1.0, "relu", torch.float32, str(path), 1, "auto"))[0]
+    cfg = TuneConfig("tiny", 64, 1.0, "relu", "fp32", trials=1, a2a="auto", out=str(path))
+    summary = run_distributed(run, 2, args=(cfg,))[0]
     assert "best d" in summary
     tuning = TuningDictionary(path)
     assert len(tuning.table) == 1 and all(e["best"] for e in next(iter(tuning.table.values())).values())
@@ -264,10 +260,10 @@ def adaptive_tuning_worker() -> dict:
     torch.manual_seed(0)
     plain = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0)
     x = torch.randn(32, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
-    names = [c.name for c in candidates_for(moe)]
+    names = [c.name for c in moe.candidates()]
     for _ in range(3):
         assert torch.allclose(moe(x), plain(x), atol=1e-6)
-    fixed = [c.name for c in (moe.__setattr__("parallel_r", 0) or candidates_for(moe))]
+    fixed = [c.name for c in moe.candidates(moe.call_with(parallel=0))]
     return {"candidates": names, "fixed_r0": fixed, "measured": tuning.measurements,
             "best": tuning.best(next(iter(tuning.table)), moe.stats.capacity)}
 
@@ -295,21 +291,24 @@ def test_trials_time_the_backward_too():
     """A candidate that is only slower in backward loses; a trial never backpropagated counts its
     forward alone at the next call."""
     moe = MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto")
+    key = moe.tuning_key()
     tuning = TuningDictionary(trials=2)
     fast, slow = Setting(1, "linear"), Setting(2, "linear")
     execute = lambda s, rows: _SlowBackward.apply(rows, 0.05 if s == slow else 0.0)  # noqa: E731
     for _ in range(5):
         x = torch.randn(8, DIM, requires_grad=True)
-        tuning.run(moe, 8, [fast, slow], execute, x).sum().backward()
+        tuning.run(key, 8, [fast, slow], None, execute, x).sum().backward()
         assert torch.equal(x.grad, torch.full_like(x, 2.0))  # the marks pass gradients through
-    times = tuning.table[layer_key(moe)]["0"]["times_ms"]
+    times = tuning.table[key]["0"]["times_ms"]
     assert min(times[slow.name]) >= 50 > max(times[fast.name])
-    assert tuning.best(layer_key(moe), 8) == fast
+    assert tuning.best(key, 8) == fast
     # No backward: the pending trial is closed by the next call with its forward time only.
     other = TuningDictionary(trials=1)
-    other.run(moe, 8, [fast, slow], lambda s, rows: _SlowBackward.apply(rows, 0.05), torch.randn(8, DIM, requires_grad=True))
-    other.run(moe, 8, [fast, slow], lambda s, rows: _SlowBackward.apply(rows, 0.05), torch.randn(8, DIM, requires_grad=True))
-    recorded = other.table[layer_key(moe)]["0"]["times_ms"]
+    other.run(key, 8, [fast, slow], None, lambda s, rows: _SlowBackward.apply(rows, 0.05),
+              torch.randn(8, DIM, requires_grad=True))
+    other.run(key, 8, [fast, slow], None, lambda s, rows: _SlowBackward.apply(rows, 0.05),
+              torch.randn(8, DIM, requires_grad=True))
+    recorded = other.table[key]["0"]["times_ms"]
     assert len(recorded[fast.name]) == 1 and recorded[fast.name][0] < 50
 
 
@@ -321,6 +320,6 @@ def test_layers_with_other_candidate_sets_do_not_share_a_choice():
               MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree=2),
               MoE(DIM, HIDDEN, EXPERTS, capacity_factor=1.0, overlap_degree="auto", parallel="adaptive"),
               MoE(DIM, HIDDEN, EXPERTS, capacity_factor=None, overlap_degree="auto")]
-    keys = [layer_key(m) for m in layers]
+    keys = [m.tuning_key() for m in layers]
     assert len(set(keys)) == len(keys), keys
     assert keys[1].endswith("-d2-linear") and keys[2].endswith("-adaptive") and keys[3].endswith("-dropless")

@@ -1,6 +1,7 @@
 """weft: Mixture-of-Experts training with communication woven through computation."""
-from weft.distributed import MoEGroups, build_moe_groups, hierarchical_groups, init_distributed, reduce_gradients
+from weft.distributed import MoEGroups, build_moe_groups, hierarchical_groups, init_distributed
 from weft.moe import MoE, MoEStats
+from weft.moe.grads import reduce_gradients
 
 __version__ = "0.1.0"
 __all__ = [

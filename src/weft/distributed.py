@@ -1,4 +1,4 @@
-"""Process groups for expert parallelism, launch helpers and gradient reduction.
+"""Process groups for expert parallelism (a DeviceMesh and its groups) and launch helpers.
 
 The only global state weft relies on is process groups: torch.distributed's own registry, and
 the cache of hierarchical (2DH) groups below, which exists because building them is a collective
@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 __all__ = [
     "DistContext",
@@ -25,8 +25,6 @@ __all__ = [
     "resolve_group",
     "group_rank",
     "group_size",
-    "expert_parameters",
-    "reduce_gradients",
 ]
 
 
@@ -92,8 +90,9 @@ class MoEGroups:
     `ep`: ranks that together hold one copy of every expert (tokens are exchanged inside it).
     `edp`: expert-data-parallel ranks holding the same experts (expert gradients are averaged here).
     `dp`: all data-parallel ranks (non-expert gradients are averaged here).
-    In a distributed run every group is a real process group (possibly of one rank, e.g. `ep`
-    with ep_size=1 keeps all experts local); without torch.distributed all are None.
+    `mesh`: the (edp, ep) DeviceMesh these groups come from (for DTensor, FSDP2 and tensor
+    parallelism). In a distributed run every group is a real process group (possibly of one rank,
+    e.g. `ep` with ep_size=1 keeps all experts local); without torch.distributed all are None.
     """
 
     ep: dist.ProcessGroup | None
@@ -101,6 +100,7 @@ class MoEGroups:
     dp: dist.ProcessGroup | None
     ep_size: int
     edp_size: int
+    mesh: DeviceMesh | None = None
 
 
 def build_moe_groups(ep_size: int | None = None, device_type: str | None = None) -> MoEGroups:
@@ -112,18 +112,16 @@ def build_moe_groups(ep_size: int | None = None, device_type: str | None = None)
     if not dist.is_initialized():
         if ep_size not in (None, 1):
             raise ValueError(f"ep_size={ep_size} needs an initialised process group (world size is 1)")
-        return MoEGroups(None, None, None, 1, 1)
+        return MoEGroups(None, None, None, 1, 1, None)
     world = dist.get_world_size()
     ep_size = world if ep_size is None else ep_size
     if ep_size < 1 or world % ep_size != 0:
         raise ValueError(f"ep_size ({ep_size}) must be a positive divisor of the world size ({world})")
-    from torch.distributed.device_mesh import init_device_mesh
-
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     ep, edp = mesh.get_group("ep"), mesh.get_group("edp")
-    return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size)
+    return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size, mesh)
 
 
 @dataclass(frozen=True)
@@ -237,53 +235,3 @@ def hierarchical_groups(
     result = HierarchicalGroups(intra, inter, local_size, len(ranks) // local_size)
     _HIERARCHICAL_GROUPS[key] = result
     return result
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """Parameters that are sharded over the EP group (the weights of every `weft` expert block)."""
-    from weft.moe.experts import Experts
-
-    params: list[nn.Parameter] = []
-    for module in model.modules():
-        if isinstance(module, Experts):
-            params.extend(module.parameters())
-    return params
-
-
-def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
-    """Sum `grads` over `group` in one flat bucket per dtype, then divide by `divisor`."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for bucket in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in bucket])
-        if group_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        flat.div_(divisor)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-
-def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:
-    """Make every gradient the gradient of the mean loss over all data-parallel ranks.
-
-    Call after `backward` and before the optimizer step. Expert gradients (already summed over
-    the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
-    all other gradients over every rank; both are divided by the data-parallel world size.
-    """
-    world = group_size(groups.dp)
-    if world == 1:
-        return
-    experts = {id(p) for p in expert_parameters(model)}
-    expert_grads, dense_grads = [], []
-    for p in model.parameters():
-        if p.grad is None:
-            continue
-        (expert_grads if id(p) in experts else dense_grads).append(p.grad)
-    if expert_grads:
-        _all_reduce_mean(expert_grads, groups.edp, world)
-    if dense_grads:
-        _all_reduce_mean(dense_grads, groups.dp, world)
-

@@ -9,8 +9,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.multiprocessing as mp
 
@@ -91,7 +92,7 @@ def run_distributed(
                     ) from None
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
                 if dead:
-                    raise WorkerError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                    raise WorkerError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 continue
             if status == "error":
                 raise WorkerError(f"rank {rank} of {world_size} failed:\n{value}")

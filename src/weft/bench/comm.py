@@ -15,13 +15,14 @@ import datetime
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from weft.cliargs import DTYPES, arg, byte_sizes, names, non_negative_int, positive_int
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import init_distributed
 
@@ -120,31 +121,45 @@ def time_collective(collective: str, nbytes: int, device: torch.device, dtype: t
     return numel * elem, statistics.median(times)
 
 
-def run(
-    sizes: list[int] | None = None,
-    collectives: Sequence[str] = COLLECTIVES,
-    steps: int = 20,
-    warmup: int = 5,
-    json_path: str | None = None,
-    model_path: str | None = None,
-    dtype: torch.dtype | None = None,
-) -> list[CommResult]:
-    """Benchmark `collectives` at `sizes` bytes per rank on every rank; rank 0 prints and writes.
+@dataclass
+class CommBenchConfig:
+    """`weft bench comm`: collectives at a range of sizes; fits the communication cost model."""
+
+    sizes: list[int] | None = arg(None, "bytes per rank, comma-separated (default 1K..256M in powers of 4; CPU up "
+                                  "to 16M)", parse=byte_sizes)
+    collectives: tuple[str, ...] = arg(COLLECTIVES, "comma-separated: all_to_all, all_reduce", parse=names)
+    steps: int = arg(20, "timed steps per size (median reported)", parse=positive_int)
+    warmup: int = arg(5, "untimed steps first", parse=non_negative_int)
+    json: str | None = arg(None, "write the measurements here (and the fitted model as <stem>.model.json beside it)")
+    model: str | None = arg(None, "where to write the fitted piecewise-linear cost model")
+    dtype: str | None = arg(None, "element type (default bf16 on GPUs, fp32 on the CPU)", choices=tuple(DTYPES))
+
+    def validate(self) -> None:
+        unknown = [c for c in self.collectives if c not in _BUS_FACTOR]
+        if not self.collectives or unknown:
+            raise ValueError(f"--collectives: unknown collective(s) {unknown}; choose from {', '.join(COLLECTIVES)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"need --steps >= 1 and --warmup >= 0, got {self.steps} and {self.warmup}")
+        if self.sizes is not None and (not self.sizes or min(self.sizes) < 1):
+            raise ValueError(f"--sizes must be positive byte counts, got {self.sizes}")
+
+
+def run(bench: CommBenchConfig) -> list[CommResult]:
+    """Benchmark the collectives at `sizes` bytes per rank on every rank; rank 0 prints and writes.
 
     Call on every rank of an initialised world (torchrun, or `weft.launch.run_distributed`).
     `sizes` defaults to 1 KiB..256 MiB in powers of 4 (to 16 MiB on the CPU); `dtype` to bf16
-    on GPUs and fp32 on the CPU. `json_path` receives the table, `model_path` the fitted
-    `CommCostModel` (default: `<json stem>.model.json` beside `json_path`; neither given: not written).
+    on GPUs and fp32 on the CPU. `json` receives the table, `model` the fitted `CommCostModel`
+    (default: `<json stem>.model.json` beside `json`; neither given: not written).
     """
+    bench.validate()
+    sizes, collectives, steps, warmup = bench.sizes, bench.collectives, bench.steps, bench.warmup
+    json_path, model_path = bench.json, bench.model
+    dtype = None if bench.dtype is None else DTYPES[bench.dtype]
     ctx = init_distributed()
     if not dist.is_initialized():
         raise RuntimeError("weft bench comm needs a distributed world: run it under torchrun or "
                            "through `weft bench comm --nproc N`")
-    unknown = [c for c in collectives if c not in _BUS_FACTOR]
-    if unknown:
-        raise ValueError(f"unknown collective(s) {unknown}; choose from {', '.join(COLLECTIVES)}")
-    if steps < 1 or warmup < 0:
-        raise ValueError(f"need steps >= 1 and warmup >= 0, got steps={steps}, warmup={warmup}")
     # gloo communicates host memory: a CUDA tensor would add copies to every timing.
     device = ctx.device if ctx.backend == "nccl" else torch.device("cpu")
     if dtype is None:

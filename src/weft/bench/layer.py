@@ -1,7 +1,7 @@
 """`weft bench layer`: forward+backward of one MoE layer, every mode side by side in one run.
 
-For each capacity setting, one layer is built and each mode reconfigures it: `plain` (the
-reference layer), `no-comm` (the all-to-alls removed, the same expert work: the optimum overlap
+For each capacity setting, one layer is built and each mode runs it with its per-call settings:
+`plain` (the reference layer), `no-comm` (the all-to-alls removed, the same expert work: the optimum overlap
 can reach) and the peers (`torchtitan`, `megatron`) when installed. Before timing, each mode's
 output and input gradient are compared with `plain` on the same input. Timing: CUDA events
 (perf_counter on the CPU), the modes interleaved (one step of each per round, order rotated;
@@ -15,17 +15,18 @@ import dataclasses
 import datetime
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from weft.bench.peers import build_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
 from weft.bench.trace import profile_decomposition
-from weft.distributed import hierarchical_groups, init_distributed
+from weft.cliargs import ACTIVATION_CHOICES, DTYPES, arg, capacity_list, names, non_negative_int, positive_int
+from weft.distributed import init_distributed
 from weft.moe import MoE
-from weft.tune import TuningDictionary
 
 
 @dataclass(frozen=True)
@@ -46,62 +47,41 @@ CONFIGS = {
 }
 
 
-def _configure(moe: MoE, communicate: bool = True, degree: int = 1, algo: str = "linear") -> Callable | None:
-    if algo == "2dh":
-        if moe.capacity_factor is None:
-            raise ValueError("the 2DH all-to-all needs a padded capacity mode")
-        moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
-    sliced = moe.expert_shards > 1
-    if sliced and degree > 1 and moe.capacity_factor is None:
-        raise ValueError("pipelining (dN) with fewer experts than ranks needs a padded capacity mode")
-    moe.communicate, moe.overlap_degree, moe.a2a_algo = communicate, degree, algo
-    moe.parallel = "adaptive" if sliced else "ep"
-    # Fewer experts than ranks: the plain layer is r = 1 (EP+DP), fixed so nothing is tuned.
-    return (lambda x: moe(x, parallel=1)) if sliced else None
+PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 
-
-def _fixed_r(r: int) -> Callable[[MoE], Callable]:
-    """Tutel's r on the same sharded weights (r = 0: gather the experts, keep the tokens)."""
-    def configure(moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
-        _configure(moe)
-        moe.parallel = "adaptive"
-        if r not in moe.parallel_choices():
-            raise ValueError(f"r = {r} needs a divisor of the ranks per expert; this layer takes "
-                             f"{moe.parallel_choices()}")
-        return lambda x: moe(x, parallel=r)
-    return configure
-
-
-def _auto(moe: MoE, tuning: TuningDictionary | None = None) -> None:
-    """Tuning dictionary (a fresh one unless given) over degrees (and 2DH with several nodes, r
-    with an adaptive layer), with the layer's default trials; the benchmark runs steps until it
-    has decided, then times."""
-    if moe.groups_2dh is None:
-        moe.groups_2dh = hierarchical_groups(moe.group)  # collective: every rank runs the same mode
-    moe.tuning = tuning if tuning is not None else TuningDictionary()
-    moe.communicate, moe.overlap_degree, moe.a2a_algo, moe.parallel = True, "auto", "auto", "adaptive"
-
-
-# Mode name -> how it configures the layer. Modes must compute the plain layer's function,
-# except `no-comm`, which is a measurement device. `dN`: Tutel's pipelining with degree N;
-# `2dh`: Tutel's two-level all-to-all (nodes of LOCAL_WORLD_SIZE ranks); `r0`: data-parallel
-# experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer experts than ranks): N model-parallel slices per
-# expert (fig. 7); `auto`: Tutel 3.3's tuning dictionary picks among them. A configure
-# function may return the forward to call (default: the layer itself).
-MODES: dict[str, Callable[[MoE], Callable | None]] = {
-    "plain": _configure,
-    "no-comm": lambda moe: _configure(moe, communicate=False),
-    "d2": lambda moe: _configure(moe, degree=2),
-    "d4": lambda moe: _configure(moe, degree=4),
-    "d8": lambda moe: _configure(moe, degree=8),
-    "2dh": lambda moe: _configure(moe, algo="2dh"),
-    "r0": _fixed_r(0),
-    "r1": _fixed_r(1),
-    "r2": _fixed_r(2),
-    "r4": _fixed_r(4),
-    "r8": _fixed_r(8),
-    "auto": _auto,
+# Mode name -> the per-call settings it runs the layer with (`weft.MoE.forward`'s keywords); the
+# benchmark's layer is built "adaptive" with a2a_algo "auto" so every mode can run on the same
+# weights. Modes compute the plain layer's function, except `no-comm`, which is a measurement
+# device. `dN`: Tutel's pipelining with degree N; `2dh`: Tutel's two-level all-to-all (nodes of
+# LOCAL_WORLD_SIZE ranks); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
+# experts than ranks): N model-parallel slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
+# dictionary picks among them.
+MODES: dict[str, dict] = {
+    "plain": PLAIN,
+    "no-comm": {**PLAIN, "communicate": False},
+    "d2": {**PLAIN, "overlap_degree": 2},
+    "d4": {**PLAIN, "overlap_degree": 4},
+    "d8": {**PLAIN, "overlap_degree": 8},
+    "2dh": {**PLAIN, "a2a_algo": "2dh"},
+    "r0": {**PLAIN, "parallel": 0},
+    "r1": PLAIN,
+    "r2": {**PLAIN, "parallel": 2},
+    "r4": {**PLAIN, "parallel": 4},
+    "r8": {**PLAIN, "parallel": 8},
+    "auto": {"overlap_degree": "auto", "a2a_algo": "auto"},
 }
+
+
+def mode_forward(mode: str, moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's forward in `mode`; ValueError (naming the mode's setting) where the layer cannot run it."""
+    overrides = MODES[mode]
+    r = overrides.get("parallel")
+    if r not in (None, 1) and r not in moe.parallel_choices():
+        raise ValueError(f"r = {r} needs a divisor of the ranks per expert; this layer takes {moe.parallel_choices()}")
+    moe.call_with(**overrides)  # checks the settings before any timing
+    return lambda x: moe(x, **overrides)
+
+
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 
@@ -121,40 +101,68 @@ def _max_error(module_forward, x: torch.Tensor, grad: torch.Tensor, reference) -
     return slowest(err, x.device)
 
 
-def run(
-    config: str,
-    tokens_per_rank: int | None = None,
-    capacity_factors: tuple[float | None, ...] = (1.0, None),
-    activation: str = "relu",
-    dtype: torch.dtype = torch.bfloat16,
-    steps: int = 20,
-    warmup: int = 5,
-    json_path: str | None = None,
-    modes: tuple[str, ...] = ("plain", "no-comm"),
-    baseline: str = "plain",
-    optimizer: str = "none",
-    trace_dir: str | None = None,
-    profile_steps: int = 5,
-    num_experts: int | None = None,
-    top_k: int | None = None,
-) -> dict:
+@dataclass
+class LayerBenchConfig:
+    """`weft bench layer`: every mode of one layer config, for every capacity factor."""
+
+    config: str = arg("tiny", "layer config: mixtral, qwen2, phi35, deepseek or tiny")
+    tokens_per_rank: int | None = arg(None, "tokens per rank (default 4096; deepseek 1024, tiny 256)",
+                                      parse=positive_int)
+    num_experts: int | None = arg(None, "override the config's expert count (fewer than ranks: experts sharded, "
+                                  "modes rN)", parse=positive_int)
+    top_k: int | None = arg(None, "override the config's top-k", parse=positive_int)
+    modes: tuple[str, ...] = arg(("plain", "no-comm"), "comma-separated: plain, no-comm, d2, d4, d8 (Tutel "
+                                 "pipelining), 2dh (two-level all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 "
+                                 "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), torchtitan, "
+                                 "megatron (default plain,no-comm)", parse=names)
+    baseline: str = arg("plain", "mode the ratios are relative to")
+    capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
+                                             "(default 1.0,dropless)", parse=capacity_list)
+    activation: str = arg("relu", "expert activation", choices=ACTIVATION_CHOICES)
+    dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
+    optimizer: str = arg("none", "also time an optimizer step (Tutel's reference numbers include SGD)",
+                         choices=("none", "sgd", "adamw"))
+    steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
+    warmup: int = arg(5, "untimed rounds first", parse=positive_int)
+    json: str | None = arg(None, "write the results to this JSON file")
+    trace: str | None = arg(None, "folder for Chrome traces of each mode (GPU)")
+    profile_steps: int = arg(5, "profiled steps per mode for the time decomposition (GPU; 0: none)",
+                             parse=non_negative_int)
+
+    def validate(self) -> None:
+        """ValueError naming the flag of the first bad setting."""
+        if self.config not in CONFIGS:
+            raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(CONFIGS)}")
+        known = list(MODES) + list(PEER_MODES)
+        unknown = [m for m in self.modes if m not in known]
+        if not self.modes or unknown:
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)} "
+                             f"(unknown modes {unknown})")
+        if self.baseline not in self.modes:
+            raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
+
+
+def run(bench: LayerBenchConfig) -> dict:
     """Benchmark every mode for every capacity factor; returns {"meta": ..., "results": [...]}.
 
-    `num_experts` and `top_k` override the config's; fewer experts than ranks builds the layer
-    with `parallel="adaptive"` (experts sharded over W / E ranks; `plain` is r = 1)."""
+    `num_experts` and `top_k` override the config's; the layer is built with
+    `parallel="adaptive"` (fewer experts than ranks: experts sharded over W / E ranks; `plain` is
+    r = 1)."""
+    bench.validate()
+    config, steps, warmup, modes = bench.config, bench.steps, bench.warmup, bench.modes
+    num_experts, top_k, activation, optimizer = bench.num_experts, bench.top_k, bench.activation, bench.optimizer
+    dtype = DTYPES[bench.dtype]
     ctx = init_distributed()
     overrides = {k: v for k, v in (("num_experts", num_experts), ("top_k", top_k)) if v is not None}
     cfg = dataclasses.replace(CONFIGS[config], **overrides)
-    tokens = tokens_per_rank or cfg.tokens_per_rank
+    tokens = bench.tokens_per_rank or cfg.tokens_per_rank
     if ctx.device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # bf16 matmuls on the CPU measure nothing useful
-    unknown = [m for m in modes if m not in MODES and m not in PEER_MODES]
-    if unknown:
-        raise ValueError(f"unknown modes {unknown}; choose from {list(MODES) + list(PEER_MODES)}")
     results = []
-    for cf in capacity_factors:
+    for cf in bench.capacity:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
-                                   trace_dir, profile_steps, ctx)
+                                   bench.trace, bench.profile_steps, ctx)
+    baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
                      and r.get("median_ms")), None)
@@ -162,7 +170,7 @@ def run(
     report = {"meta": _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "results": results}
     if ctx.rank == 0:
         print_table(report)
-        write_report(report, json_path)
+        write_report(report, bench.json)
     return report
 
 
@@ -189,14 +197,13 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     device = ctx.device
     torch.manual_seed(0)
     moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
-              device=device, dtype=dtype, parallel="adaptive" if cfg.num_experts < ctx.world_size else "ep")
+              device=device, dtype=dtype, parallel="adaptive", a2a_algo="auto")
     gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)
     inputs = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
     grads = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
 
-    MODES["plain"](moe)
     x0 = inputs[0].detach().requires_grad_()
-    y0 = moe(x0)
+    y0 = mode_forward("plain", moe)(x0)
     y0.backward(grads[0])
     reference = (y0.detach().float(), x0.grad.float())
     dropped = slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
@@ -223,7 +230,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     runs = []
     for row in timed:
         forward, params = built[row["mode"]]
-        switch = _switch(row["mode"], moe)  # the same configuration the check used
+        switch = lambda: None  # noqa: E731  (modes are per-call settings: nothing to switch)
         step = _step_fn(forward, params, inputs, grads, _optimizer(optimizer, params))
         if row["mode"] == "auto":  # tuning calls synchronise and try slow settings: keep them out of the timing
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
@@ -241,28 +248,12 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 trace = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
             run.switch()
             row["decomposition"] = profile_decomposition(lambda: run.step(0), profile_steps, trace).to_dict()
-    MODES["plain"](moe)
     return rows
-
-
-def _switch(mode: str, moe: MoE) -> Callable[[], None]:
-    """Configure `moe` for `mode` and return what switches it back into that mode later (a
-    peer is its own module: nothing to switch; auto keeps its tuning dictionary)."""
-    if mode not in MODES:
-        return lambda: None
-    MODES[mode](moe)
-    if mode == "auto":
-        tuning = moe.tuning
-        return lambda: _auto(moe, tuning)
-    return lambda: MODES[mode](moe)
 
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size):
     if mode in MODES:
-        forward = MODES[mode](moe) or moe
-        return forward, list(moe.parameters()), f"weft {mode}"
-    from weft.bench.peers import build_peer
-
+        return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
     peer = build_peer(mode, cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cf, activation, dtype, device,
                       world_size)
     return peer.forward, list(peer.module.parameters()), peer.description

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,12 +43,14 @@ import torch.distributed as dist
 from weft.bench.layer import write_report
 from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
 from weft.bench.trace import profile_decomposition
+from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
-from weft.models import GPT, get_preset
+from weft.models import GPT
+from weft.models.presets import PresetChoice
+from weft.ops.wgrad import WGradScheduler
 from weft.overlap import passes
 from weft.overlap.forward import Range
-from weft.overlap.wgrad import WGradScheduler
-from weft.train.precision import training_autocast
+from weft.precision import training_autocast
 
 MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw")
 
@@ -60,7 +61,7 @@ class _Setting:
 
     ranges: list[Range]
     scheduler: WGradScheduler | None
-    degrees: list[int | str]  # overlap_degree per MoE layer
+    moe_overrides: dict  # per-call settings of every MoE layer (weft.MoE.forward's keywords)
     plan: passes.OverlapPlan | None
     max_error: float = 0.0
 
@@ -68,8 +69,7 @@ class _Setting:
 def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int) -> _Setting:
     """Set `model` up for `mode` and return what switches it back into that mode."""
     passes.apply(model, [], None)
-    for moe in model.moe_layers():
-        moe.overlap_degree = "auto" if mode == "tutel" else 1
+    moe_overrides = {"overlap_degree": "auto" if mode == "tutel" else 1}
     plan, scheduler = None, None
     if mode.startswith("lancet"):
         plan = passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
@@ -78,13 +78,11 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int) ->
     elif mode in ("dw-in-place", "defer-dw"):
         scheduler = WGradScheduler(in_place=mode == "dw-in-place")
         passes.apply(model, [], scheduler)
-    return _Setting(plan.ranges if plan else [], scheduler, [moe.overlap_degree for moe in model.moe_layers()], plan)
+    return _Setting(plan.ranges if plan else [], scheduler, moe_overrides, plan)
 
 
 def _switch(model: GPT, setting: _Setting) -> None:
     passes.apply(model, setting.ranges, setting.scheduler)
-    for moe, degree in zip(model.moe_layers(), setting.degrees):
-        moe.overlap_degree = degree
 
 
 def _assert_clean(model: GPT, scheduler: WGradScheduler | None) -> None:
@@ -95,18 +93,37 @@ def _assert_clean(model: GPT, scheduler: WGradScheduler | None) -> None:
         raise RuntimeError(f"state left over after a step: gradients of {leftover[:3]}, scheduler {stats}")
 
 
-def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequence[str], steps: int, warmup: int,
-        json_path: str | None, max_partitions: int = 8, profile_steps: int = 3) -> dict:
-    """Time `modes` interleaved for `steps` rounds after `warmup` rounds, on every rank of the
+@dataclass
+class ModelBenchConfig(PresetChoice):
+    """`weft bench model`: training iterations of a preset per overlap mode, interleaved."""
+
+    modes: tuple[str, ...] = arg(("none", "tutel", "lancet-bw", "lancet-fw", "lancet"),
+                                 "comma-separated: none, tutel, lancet-bw, lancet-fw, lancet, and with the dW "
+                                 "scheduler on even without all-to-alls dw-in-place (its default) or defer-dw "
+                                 "(every dW deferred to the end of backward); a mode listed twice is timed twice "
+                                 "(its spread is the noise floor)", parse=names)
+    steps: int = arg(20, "timed rounds (median, min, iqr reported)", parse=positive_int)
+    warmup: int = arg(5, "untimed rounds first", parse=positive_int)
+    json: str | None = arg(None, "write the results to this JSON file")
+    max_partitions: int = arg(8, "Lancet's K: the most batch partitions of a pipeline", parse=positive_int)
+    profile_steps: int = arg(3, "profiled iterations per mode for the time decomposition (GPU; 0: none)",
+                             parse=non_negative_int)
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+
+
+def run(bench: ModelBenchConfig) -> dict:
+    """Time the modes interleaved for `steps` rounds after `warmup` rounds, on every rank of the
     current world; rank 0 prints the table and writes JSON."""
+    bench.validate()
+    preset, batch_size, modes, steps, warmup = bench.preset, bench.batch_size, bench.modes, bench.steps, bench.warmup
+    max_partitions, profile_steps = bench.max_partitions, bench.profile_steps
     ctx = init_distributed()
     device = ctx.device
-    modes = tuple(modes)
-    overrides = {} if gate is None else {"gate": gate}
-    if capacity != "preset":
-        overrides["capacity_factor"] = capacity
-    cfg = get_preset(preset)
-    cfg = type(cfg).from_dict({**cfg.to_dict(), **overrides})
+    cfg = bench.model_config()
     torch.manual_seed(0)
     model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None).to(device)
     start = {k: v.clone() for k, v in model.state_dict().items()}
@@ -114,20 +131,19 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
     batches = [torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=gen).to(device)
                for _ in range(3)]
 
-    def loss_of(tokens):
+    def loss_of(tokens, moe_overrides=None):
         with training_autocast(device):
-            return model(tokens[:, :-1], tokens[:, 1:])[1]
+            return model(tokens[:, :-1], tokens[:, 1:], moe_overrides=moe_overrides)[1]
 
     def backward(setting: _Setting, loss: torch.Tensor) -> None:
         # The scheduler's context flushes every deferred dW before it closes.
         with setting.scheduler.backward() if setting.scheduler is not None else contextlib.nullcontext():
             loss.backward()
 
-    def reference_grads():
+    def reference_grads(moe_overrides=None):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        loss = loss_of(batches[0])
-        return loss
+        return loss_of(batches[0], moe_overrides)
 
     loss = reference_grads()
     loss.backward()
@@ -139,14 +155,14 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
     for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
         setting = _configure(mode, model, batches[0][:, :-1], max_partitions)
-        loss = reference_grads()
+        loss = reference_grads(setting.moe_overrides)
         backward(setting, loss)
         setting.max_error = max([abs(loss.item() - ref_loss)] + [
             float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
             if p.grad is not None])
         model.zero_grad(set_to_none=True)
-        run_until_tuned(lambda _: loss_of(batches[0]), lambda: sum(moe.tuning.measurements for moe in model.moe_layers()),
-                        device)
+        run_until_tuned(lambda _: loss_of(batches[0], setting.moe_overrides),
+                        lambda: sum(moe.tuning.measurements for moe in model.moe_layers()), device)
         settings[mode] = setting
     model.load_state_dict(start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -154,7 +170,7 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
 
     def step(setting: _Setting, i: int) -> None:
         """One training iteration; laps mark the end of forward and of backward."""
-        loss = loss_of(batches[i % len(batches)])
+        loss = loss_of(batches[i % len(batches)], setting.moe_overrides)
         timer.lap()
         backward(setting, loss)
         timer.lap()
@@ -199,13 +215,14 @@ def run(preset: str, batch_size: int, gate: str | None, capacity, modes: Sequenc
               "results": rows}
     if ctx.rank == 0:
         print_table(report)
-        write_report(report, json_path)
+        write_report(report, bench.json)
     return report
 
 
 def print_table(report: dict) -> None:
     meta = report["meta"]
-    print(f"\nweft bench model: {meta['preset']} (gate {meta['gate']}, k{meta['top_k']}, cf {meta['capacity_factor']}), "
+    print(f"\nweft bench model: {meta['preset']} (gate {meta['gate']}, k{meta['top_k']}, "
+          f"cf {meta['capacity_factor']}), "
           f"batch {meta['batch_size']} x {meta['seq_len']} per rank, {meta['world_size']} x {meta['device']}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
     print(f"timing: {meta['timing']}, median of {meta['rounds']} rounds after {meta['warmup_rounds']} warm-up "

@@ -26,8 +26,8 @@ import importlib
 import importlib.metadata
 import importlib.util
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

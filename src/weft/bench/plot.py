@@ -151,7 +151,7 @@ def _figure(meta: dict[str, Any], rows: list[Row]) -> Figure:
     baseline = str(meta.get("baseline") or "baseline")
     timed = [r for r in rows if r["median_ms"] is not None]
     longest = max(max(r["median_ms"], sum(ms for _, ms in _segments(r))) for r in timed)
-    for y, (label, row) in enumerate(lines):
+    for y, (_, row) in enumerate(lines):
         if row is None:
             continue
         if row["median_ms"] is None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
@@ -67,7 +67,8 @@ def overlap_length(a: list[Interval], b: list[Interval]) -> float:
     return total
 
 
-def decompose(comm: Iterable[Interval], compute: Iterable[Interval], steps: int = 1, unit_ms: float = 1e-3) -> Decomposition:
+def decompose(comm: Iterable[Interval], compute: Iterable[Interval], steps: int = 1,
+              unit_ms: float = 1e-3) -> Decomposition:
     """Decompose kernel intervals (in microseconds by default) into per-step milliseconds."""
     c, k = merge(comm), merge(compute)
     comm_t, comp_t, both = length(c), length(k), overlap_length(c, k)
@@ -98,7 +99,8 @@ def kernel_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
     return comm, compute
 
 
-def profile_decomposition(step: Callable[[], None], steps: int = 5, trace_path: str | Path | None = None) -> Decomposition:
+def profile_decomposition(step: Callable[[], None], steps: int = 5,
+                          trace_path: str | Path | None = None) -> Decomposition:
     """Run `step` under the CUDA profiler `steps` times and decompose its GPU time per step."""
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities) as prof:

@@ -46,7 +46,8 @@ class CommCostModel:
     backend: str
     device_name: str
     torch_version: str = field(default_factory=lambda: torch.__version__)
-    date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    date: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
     def __post_init__(self) -> None:
         for name, pts in self.points.items():

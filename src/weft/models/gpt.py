@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +22,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.moe import ACTIVATIONS, GATES, MoE
-from weft.overlap.forward import MoEUnit, Range, run_units
-from weft.overlap.wgrad import Linear
+from weft.ops.wgrad import Linear
+
+Unit = Callable[[torch.Tensor], torch.Tensor]
+# Runs a model's sub-layers in order on x (e.g. Lancet's partitioned pipeline, weft.overlap).
+UnitRunner = Callable[[Sequence[Unit], torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -145,6 +149,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
+@dataclass(frozen=True)
+class MoEUnit:
+    """A residual MoE sub-layer, x + moe(norm(x), **overrides): the unit an overlap engine can cut
+    along the batch around its MoE layer (weft.overlap.forward)."""
+
+    norm: nn.Module
+    moe: MoE
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.moe(self.norm(x), **self.overrides)
+
+
 # -- the blocks -------------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -189,16 +206,18 @@ class Block(nn.Module):
     def is_moe(self) -> bool:
         return isinstance(self.ffn, MoE)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope)
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                moe_overrides: Mapping[str, Any] | None = None) -> torch.Tensor:
+        for unit in self.units(rope, moe_overrides):
+            x = unit(x)
+        return x
 
-    def units(self, rope: tuple[torch.Tensor, torch.Tensor]) -> list:
+    def units(self, rope: tuple[torch.Tensor, torch.Tensor], moe_overrides: Mapping[str, Any] | None = None) -> list:
         """The block as two residual sub-layers, x -> x (attention, then the FFN or MoE), the
         granularity at which Lancet's forward pass partitions (weft.overlap)."""
         attn = lambda x: x + self.attn(self.attn_norm(x), rope)  # noqa: E731
         if self.is_moe:
-            return [attn, MoEUnit(self.ffn_norm, self.ffn)]
+            return [attn, MoEUnit(self.ffn_norm, self.ffn, dict(moe_overrides or {}))]
         return [attn, lambda x: x + self.ffn(self.ffn_norm(x))]
 
 
@@ -217,8 +236,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self._init_weights()
-        # Pipelined ranges of Lancet's forward pass over self.units() (weft.overlap.optimize).
-        self.overlap_ranges: list[Range] = []
+        # How the sub-layers of self.units() run: None in order; weft.overlap.optimize installs
+        # Lancet's partitioned pipeline here.
+        self.unit_runner: UnitRunner | None = None
         # Detached parts of the last loss, for logging: aux and z are sums over the MoE layers
         # before their coefficients are applied.
         self.last_ce_loss: torch.Tensor | None = None
@@ -237,27 +257,31 @@ class GPT(nn.Module):
             std = residual_std if name.endswith("out_proj") else 0.02
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def units(self, rope: tuple[torch.Tensor, torch.Tensor]) -> list:
+    def units(self, rope: tuple[torch.Tensor, torch.Tensor], moe_overrides: Mapping[str, Any] | None = None) -> list:
         """All blocks' sub-layers in order: unit 2i is block i's attention, 2i + 1 its FFN."""
-        return [unit for block in self.blocks for unit in block.units(rope)]
+        return [unit for block in self.blocks for unit in block.units(rope, moe_overrides)]
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers in block order."""
         return [block.ffn for block in self.blocks if block.is_moe]
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, moe_overrides: Mapping[str, Any] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, S) token ids -> logits (B, S, vocab) and, with targets (B, S), the training loss
-        cross_entropy + aux_loss_coef * sum(aux_loss) + z_loss_coef * sum(z_loss)."""
+        cross_entropy + aux_loss_coef * sum(aux_loss) + z_loss_coef * sum(z_loss).
+
+        `moe_overrides` are per-call settings of every MoE layer (`weft.MoE.forward`'s keywords,
+        e.g. `{"capacity_factor": None}` to run dropless for this call only)."""
         self._check_input(idx, targets)
         x = self.tok_emb(idx)
         rope = rotary_tables(idx.shape[1], self.config.head_dim, self.config.rope_theta, idx.device)
-        if self.overlap_ranges:
-            x = run_units(self.units(rope), x, self.overlap_ranges)
+        units = self.units(rope, moe_overrides)
+        if self.unit_runner is not None:
+            x = self.unit_runner(units, x)
         else:
-            for block in self.blocks:
-                x = block(x, rope)
+            for unit in units:
+                x = unit(x)
         logits = self.head(self.norm(x))
         if targets is None:
             return logits, None

@@ -6,7 +6,9 @@ shape, and callers change fields on the copy `get_preset` returns.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
+from weft.cliargs import GATE_CHOICES, arg, capacity_or_preset, positive_int
 from weft.models.gpt import GPTConfig
 
 # Lancet sec. 7 ("Benchmark Models and Datasets"): GPT-2 with every other block's FFN replaced
@@ -16,8 +18,8 @@ from weft.models.gpt import GPTConfig
 # default. It trains at sequence length 512; block_size keeps GPT-2's 1024.
 _LANCET_MOE = dict(moe_every=2, num_experts=32, top_k=1, gate="topk", capacity_factor=1.25, activation="gelu")
 
-# Layer-benchmark shapes of DESIGN.md ("Measuring") as 2-block models, every block MoE with
-# swiglu experts; one 4096-token sequence per GPU. Attention is plain multi-head (the real
+# The layer shapes of `weft bench layer` (Mixtral-, Qwen2-MoE- and Phi-3.5-MoE-like) as 2-block
+# models, every block MoE with swiglu experts; one 4096-token sequence per GPU. Attention is plain multi-head (the real
 # models use grouped-query attention, and Qwen2-MoE adds shared experts): these are benchmark
 # shapes, not reproductions. The real models are dropless; capacity 1.25 is the padded mode that
 # every overlap engine supports.
@@ -47,3 +49,27 @@ def get_preset(name: str) -> GPTConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name])
+
+
+@dataclass
+class PresetChoice:
+    """A preset with a batch size and optional gate / capacity overrides (the model part of the
+    configs of `weft plan` and `weft bench model`)."""
+
+    preset: str = arg("gpt2-s-moe", "model preset (see weft.models.PRESETS)")
+    batch_size: int = arg(8, "sequences per rank", parse=positive_int)
+    gate: str | None = arg(None, "override the preset's gate", choices=GATE_CHOICES)
+    capacity: float | str | None = arg("preset", "override the preset's capacity factor ('dropless' for None)",
+                                       parse=capacity_or_preset)
+
+    def validate(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown --preset {self.preset!r}; choose from {', '.join(PRESETS)}")
+
+    def model_config(self) -> GPTConfig:
+        """The preset with the overrides applied (checked)."""
+        overrides = {} if self.gate is None else {"gate": self.gate}
+        if self.capacity != "preset":
+            overrides["capacity_factor"] = self.capacity
+        base = get_preset(self.preset)
+        return GPTConfig.from_dict({**base.to_dict(), **overrides})

@@ -1,6 +1,8 @@
-"""The MoE layer (Tutel core): gates, capacity, index-based dispatch, expert parallelism."""
+"""The MoE layer (Tutel core): routing, capacity, index-based dispatch, exchange strategies, experts."""
+from weft.moe.config import MoECall
 from weft.moe.experts import ACTIVATIONS, Experts
 from weft.moe.gates import GATES
-from weft.moe.layer import MoE, MoEStats
+from weft.moe.layer import MoE
+from weft.moe.routing import MoEStats, Router, Routing, RoutingSummary
 
-__all__ = ["MoE", "MoEStats", "Experts", "GATES", "ACTIVATIONS"]
+__all__ = ["MoE", "MoECall", "MoEStats", "Experts", "GATES", "ACTIVATIONS", "Router", "Routing", "RoutingSummary"]

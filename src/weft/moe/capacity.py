@@ -7,13 +7,13 @@ Computed with one stable sort: O(T*k log(T*k)), no (T, E) or (T, E, C) tensors.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from weft.distributed import group_size
-from weft.moe.gates import ceil_exact
 
 
 @dataclass
@@ -42,6 +42,23 @@ def slot_positions(experts: torch.Tensor, num_experts: int, order: torch.Tensor 
     return SlotPositions(positions.view(num_tokens, k), counts, sort_index)
 
 
+def ceil_exact(value: float) -> int:
+    """ceil of a product of decimal settings: round off float noise first, so that
+    ceil(1 * 1.1 * 100 / 2) is 55, not 56."""
+    return math.ceil(round(value, 9))
+
+
+def capacity_bound(top_k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
+    """The one capacity formula: max(1, ceil(k * |cf| * T / E)) slots per expert per source rank.
+    Every user (the router, Lancet's carried capacity, the profiler, expert choice) calls this."""
+    return max(1, ceil_exact(top_k * abs(capacity_factor) * num_tokens / num_experts))
+
+
+def expert_choice_capacity(k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
+    """Tokens each expert takes under expert choice: ceil(k * cf * T / E), within [1, T]."""
+    return max(1, min(num_tokens, capacity_bound(k, capacity_factor, num_tokens, num_experts)))
+
+
 def capacity_for(
     capacity_factor: float,
     top_k: int,
@@ -50,16 +67,16 @@ def capacity_for(
     counts: torch.Tensor,
     group: dist.ProcessGroup | None,
 ) -> int:
-    """Capacity C per expert per source rank for the padded modes (DESIGN.md).
+    """Capacity C per expert per source rank for the padded modes (docs/moe.md).
 
     cf > 0: max(1, ceil(k*cf*T/E)); cf == 0: the smallest C that drops nothing, agreed across
     the EP group; cf < 0: min(that no-drop C, ceil(k*|cf|*T/E)).
     """
-    bound = ceil_exact(top_k * abs(capacity_factor) * num_tokens / num_experts)
+    bound = capacity_bound(top_k, capacity_factor, num_tokens, num_experts)
     if capacity_factor > 0:
-        return max(1, bound)
+        return bound
     needed = counts.max().reshape(1).to(torch.int64)
     if group_size(group) > 1:
         dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
     no_drop = max(1, int(needed.item()))
-    return no_drop if capacity_factor == 0 else max(1, min(no_drop, bound))
+    return no_drop if capacity_factor == 0 else min(no_drop, bound)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.kernels.grouped_mm import use_grouped_mm
-from weft.overlap import wgrad
+from weft.ops import wgrad
 
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -128,7 +128,8 @@ class Experts(nn.Module):
         return self.w1.dtype
 
 
-def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts, weights: tuple | None = None) -> torch.Tensor:
+def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts,
+                         weights: tuple | None = None) -> torch.Tensor:
     """Per-expert loop over the row groups: the plain-PyTorch oracle for grouped GEMM."""
     w1, w2, w3 = weights or experts.weights()
     outs = []

@@ -106,17 +106,6 @@ def token_choice(
     return TokenChoice(experts, gates, order)
 
 
-def expert_choice_capacity(k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
-    """Tokens each expert takes under expert choice: ceil(k * cf * T / E), within [1, T]."""
-    return max(1, min(num_tokens, ceil_exact(k * capacity_factor * num_tokens / num_experts)))
-
-
-def ceil_exact(value: float) -> int:
-    """ceil of a product of decimal settings: round off float noise first, so that
-    ceil(1 * 1.1 * 100 / 2) is 55, not 56."""
-    return math.ceil(round(value, 9))
-
-
 def expert_choice(probs: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each expert takes its top-`capacity` tokens by probability: token ids (E, C), gates (E, C)."""
     tokens = topk_desc(probs.t(), capacity)

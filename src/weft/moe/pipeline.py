@@ -259,7 +259,8 @@ class DroplessPipelinedExchange(torch.autograd.Function):
             _wait(handle)
         index = torch.cat([p["index"] for p in plans])
         rows = torch.cat([r for r, _ in results])
-        return torch.zeros(send.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device).index_copy_(0, index, rows)
+        out = torch.zeros(send.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
+        return out.index_copy_(0, index, rows)
 
     @staticmethod
     def backward(ctx, grad):

@@ -16,27 +16,13 @@ unpartitioned slots (see moe_partition), so the result equals the unpartitioned 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
-from torch import nn
 
-from weft.moe.layer import MoE
+from weft.models.gpt import MoEUnit, Unit
 from weft.overlap.moe_partition import PartitionedMoE, can_route_in_parts
-
-Unit = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class MoEUnit:
-    """A residual MoE sub-layer: x + moe(norm(x))."""
-
-    norm: nn.Module
-    moe: MoE
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.moe(self.norm(x))
 
 
 @dataclass(frozen=True)
@@ -66,6 +52,16 @@ def check_range(units: Sequence[Unit], r: Range) -> None:
             f"range {r.start}..{r.end} starts before MoE unit {r.moe}, but its gate {moe.gate!r} "
             f"(top_k={moe.top_k}, capacity_factor={moe.capacity_factor}) routes a partition depending on the "
             "rest of the batch: only ops after it can join its pipeline")
+
+
+@dataclass(frozen=True)
+class PartitionedRunner:
+    """A model's unit runner (`GPT.unit_runner`) that pipelines the units of `ranges`."""
+
+    ranges: tuple[Range, ...]
+
+    def __call__(self, units: Sequence[Unit], x: torch.Tensor) -> torch.Tensor:
+        return run_units(units, x, self.ranges)
 
 
 def run_units(units: Sequence[Unit], x: torch.Tensor, ranges: Sequence[Range]) -> torch.Tensor:

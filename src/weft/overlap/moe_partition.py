@@ -6,33 +6,29 @@ of the unpartitioned layer:
 
 - routed on the whole batch (`route_whole`): any gate; the partitions just split its slots;
 - routed per partition (`route_part`, when the ops before the layer join the pipeline): the
-  expert capacity is carried from the earlier partitions, so slot positions, and hence drops,
-  are the unpartitioned ones. Exact when a partition's routing is independent of later tokens
-  (`can_route_in_parts`): token-order priority with one choice per token, or nothing dropped.
+  layer's router in its carried-capacity mode (`weft.moe.routing.CarriedRouting`), so slot
+  positions, and hence drops, are the unpartitioned ones. Exact when a partition's routing is
+  independent of later tokens (`can_route_in_parts`): token-order priority with one choice per
+  token, or nothing dropped.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from weft.comm.all_to_all import all_to_all_counts
 from weft.comm.async_all_to_all import Pending, start_all_to_all, wait_all_to_all
-from weft.moe.capacity import capacity_for, slot_positions
 from weft.moe.dispatch import combine
-from weft.moe.gates import ceil_exact, load_balancing_loss, token_choice
-from weft.moe.layer import MoE, MoEStats
+from weft.moe.exchange.all_to_all import experts_on_received
+from weft.moe.layer import MoE
+from weft.moe.routing import CarriedRouting
 
 
 def can_route_in_parts(moe: MoE) -> bool:
-    """True when routing a batch partition by partition (capacity carried) keeps and drops the
-    same slots as routing it whole: gates that decide per token in token order (topk, cosine,
-    random) with top-1, or with nothing to drop (dropless, capacity_factor 0). bpr ranks the
-    whole batch and expert choice lets each expert pick from it (Lancet 2.3, challenge 2)."""
-    if moe.gate not in ("topk", "cosine", "random"):
-        return False
-    return moe.top_k == 1 or moe.capacity_factor is None or moe.capacity_factor == 0
+    """True when `moe`'s batch can be routed partition by partition with the same kept slots
+    (`weft.moe.routing.Router.can_route_in_parts`)."""
+    return moe.gate_rule.can_route_in_parts(moe.top_k, moe.capacity_factor)
 
 
 @dataclass
@@ -59,16 +55,8 @@ class PartitionedMoE:
 
     def __init__(self, moe: MoE, num_tokens: int):
         self.moe, self.num_tokens = moe, num_tokens
-        self.scheduler = getattr(moe, "wgrad_scheduler", None)
-        experts, k = moe.num_experts, moe.top_k
-        self._carry: torch.Tensor | None = None  # slots routed to each expert by earlier parts
-        self._probs_sum = self._z_sum = self._dropped = None
-        cf = moe.capacity_factor
-        # Kept iff position < max(1, ceil(k*|cf|*T/E)) for cf != 0: for cf < 0 the no-drop bound
-        # never binds first, since a slot's position is below its expert's count.
-        self._limit = None if cf is None or cf == 0 else max(1, ceil_exact(k * abs(cf) * num_tokens / experts))
-        self._noise: torch.Tensor | None = None
-        self._offset = 0
+        self.scheduler = moe.wgrad_scheduler
+        self._parts: CarriedRouting | None = None
 
     # -- routing ----------------------------------------------------------------------------
     def route_whole(self, tokens: torch.Tensor, sizes: list[int]) -> list[Part]:
@@ -76,17 +64,18 @@ class PartitionedMoE:
         ranges of `sizes` tokens each."""
         moe = self.moe
         routing = moe.route(tokens)
+        moe.record(routing.summary)
         tokens = tokens.to(moe.experts.compute_dtype(tokens))
-        sent = routing.experts if routing.kept is None else torch.where(routing.kept, routing.experts, moe.num_experts)
+        sent = routing.sent_experts(moe.num_experts)
         parts, start = [], 0
         for size in sizes:
             if moe.gate == "expert_choice":  # slots e*C + position: any token anywhere
-                inside = (routing.token_ids >= start) & (routing.token_ids < start + size)
+                inside = (routing.token_ids_S >= start) & (routing.token_ids_S < start + size)
                 key = torch.where(inside, sent, moe.num_experts)
-                slot_tokens, gates = routing.token_ids - start, routing.gates
+                slot_tokens, gates = routing.token_ids_S - start, routing.gates_S
             else:  # slots t*k + j: the partition's slots are one contiguous range
                 a, b = start * moe.top_k, (start + size) * moe.top_k
-                key, slot_tokens, gates = sent[a:b], routing.token_ids[a:b] - start, routing.gates[a:b]
+                key, slot_tokens, gates = sent[a:b], routing.token_ids_S[a:b] - start, routing.gates_S[a:b]
             parts.append(Part(tokens[start:start + size], key, slot_tokens, gates))
             start += size
         return parts
@@ -94,48 +83,17 @@ class PartitionedMoE:
     def route_part(self, tokens: torch.Tensor) -> Part:
         """Route the next partition (T_p, dim) with the capacity left by the earlier ones."""
         moe = self.moe
-        logits = moe.router(tokens)
-        probs = F.softmax(logits, dim=-1)
-        if self._carry is None:
-            self._carry = torch.zeros(moe.num_experts, dtype=torch.long, device=tokens.device)
-            self._probs_sum = probs.new_zeros(moe.num_experts)
-            self._z_sum = logits.new_zeros(())
-            self._dropped = self._carry.new_zeros(())
-            if moe.gate == "random":  # the whole batch's draw, as the unpartitioned layer makes it
-                self._noise = torch.rand((self.num_tokens, moe.num_experts), device=tokens.device)
-        size = tokens.shape[0]
-        noise = None if self._noise is None else self._noise[self._offset:self._offset + size]
-        self._offset += size
-        self._probs_sum = self._probs_sum + probs.sum(0)
-        self._z_sum = self._z_sum + torch.logsumexp(logits, dim=-1).square().sum()
-        choice = token_choice(moe.gate, probs, moe.top_k, moe.normalize_gates, noise)
-        slots = slot_positions(choice.experts, moe.num_experts)
-        experts = choice.experts.reshape(-1)
-        positions = slots.positions.reshape(-1) + self._carry[experts]
-        self._carry = self._carry + slots.counts
-        gates, key = choice.gates.reshape(-1), experts
-        if self._limit is not None:
-            kept = positions < self._limit
-            self._dropped = self._dropped + (~kept).sum()
-            gates, key = gates * kept, torch.where(kept, experts, moe.num_experts)
-        slot_tokens = torch.arange(size, device=tokens.device).repeat_interleave(moe.top_k)
-        return Part(tokens.to(moe.experts.compute_dtype(tokens)), key, slot_tokens, gates)
+        if self._parts is None:
+            self._parts = moe.gate_rule.in_parts(self.num_tokens, moe.top_k, moe.capacity_factor)
+        routing = self._parts.route(moe.router(tokens))
+        key = routing.sent_experts(moe.num_experts)
+        return Part(tokens.to(moe.experts.compute_dtype(tokens)), key, routing.token_ids_S, routing.gates_S)
 
     def finish_routing(self) -> None:
-        """After the last `route_part`: the layer's aux/z losses and stats for the whole batch."""
-        moe, total = self.moe, self.num_tokens
-        if self._carry is None:
+        """After the last `route_part`: the layer records the whole batch's losses and stats."""
+        if self._parts is None:
             raise RuntimeError("finish_routing() before any route_part()")
-        if total == 0:
-            moe.aux_loss = moe.z_loss = self._z_sum
-        else:
-            mean_probs = (self._probs_sum / total).unsqueeze(0)
-            moe.aux_loss = load_balancing_loss(mean_probs, self._carry, total * moe.top_k)
-            moe.z_loss = self._z_sum / total
-        cap = None
-        if moe.capacity_factor is not None:
-            cap = capacity_for(moe.capacity_factor, moe.top_k, total, moe.num_experts, self._carry, moe.group)
-        moe.stats = MoEStats(self._carry, self._dropped, cap)
+        self.moe.record(self._parts.finish())
 
     # -- stages -----------------------------------------------------------------------------
     def dispatch(self, parts: list[Part]) -> None:
@@ -155,7 +113,8 @@ class PartitionedMoE:
         host_sent, host_recv = host[:sent.numel()], host[sent.numel():]
         for p, part in enumerate(parts):
             part.sent = [host_sent[(p * ep + r) * local:(p * ep + r + 1) * local] for r in range(ep)]
-            part.received = [host_recv[(r * len(parts) + p) * local:(r * len(parts) + p + 1) * local] for r in range(ep)]
+            part.received = [host_recv[(r * len(parts) + p) * local:(r * len(parts) + p + 1) * local]
+                             for r in range(ep)]
             part.recv_counts = received[:, p].reshape(-1)
             part.order = part.order[:sum(map(sum, part.sent))]
             rows = part.tokens.index_select(0, part.slot_tokens.index_select(0, part.order))
@@ -165,7 +124,7 @@ class PartitionedMoE:
     def run_experts(self, part: Part) -> None:
         """Wait for the part's rows, run the local experts, launch the rows back."""
         recv = wait_all_to_all(part.buffer, part.pending)
-        out = self.moe.experts_on_received(recv, part.recv_counts, part.received)
+        out = experts_on_received(self.moe.experts, recv, part.recv_counts, part.received)
         part.buffer, part.pending = start_all_to_all(
             out, self.moe.group, [sum(r) for r in part.sent], [sum(r) for r in part.received], self.scheduler)
 

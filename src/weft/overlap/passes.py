@@ -7,11 +7,12 @@
 
 What a model must provide to be optimised (weft's GPT does):
 - `units(rope)`: its blocks as residual sub-layers `x -> x` in order, MoE sub-layers as
-  `weft.overlap.forward.MoEUnit(norm, moe)`; every other unit must be row-wise in the batch
+  `weft.models.gpt.MoEUnit(norm, moe)`; every other unit must be row-wise in the batch
   (attention inside a sequence is), so a batch partition can run through it alone;
-- `overlap_ranges`: a list its forward passes to `weft.overlap.forward.run_units`;
+- `unit_runner`: None, or a callable `(units, x) -> x` its forward runs the units with (set here to a
+  `weft.overlap.forward.PartitionedRunner`);
 - `tok_emb`, `norm`, `head`, `config.head_dim`, `config.rope_theta` (for profiling);
-- linear layers whose weight gradient may be deferred as `weft.overlap.wgrad.Linear`, and
+- linear layers whose weight gradient may be deferred as `weft.ops.wgrad.Linear`, and
   `weft.MoE` layers (their experts and all-to-alls take the scheduler).
 """
 from __future__ import annotations
@@ -28,11 +29,11 @@ from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
 from weft.moe.experts import Experts
 from weft.moe.layer import MoE
+from weft.ops.wgrad import Linear, WGradScheduler
 from weft.overlap import planner
-from weft.overlap.forward import Range
+from weft.overlap.forward import PartitionedRunner, Range
 from weft.overlap.profile import ModelProfile, profile_model
-from weft.overlap.wgrad import Linear, WGradScheduler
-from weft.train.precision import training_autocast
+from weft.precision import training_autocast
 
 DEFAULT_PARTITIONS = (1, 2, 4, 8)
 # Share of a layer's backward that is the weight gradient (dX and dW are matmuls of equal size).
@@ -141,7 +142,7 @@ def optimize(
 
 def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | None) -> None:
     """Set the forward ranges and the dW scheduler on `model` (empty / None: plain model)."""
-    model.overlap_ranges = list(ranges)
+    model.unit_runner = PartitionedRunner(tuple(ranges)) if ranges else None
     for module in model.modules():
         if isinstance(module, (Linear, Experts, MoE)):
             module.wgrad_scheduler = scheduler
@@ -152,7 +153,8 @@ def predict_backward(profile: ModelProfile, scheduling: bool) -> float:
     order, the weight-gradient share of each finished layer joins a pool that the next all-to-alls
     draw from (Lancet Alg. 1 hides at most the pool, at most the all-to-all)."""
     pool = exposed = 0.0
-    for unit, compute, comm in zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm)):
+    layers = zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm))
+    for unit, compute, comm in layers:
         if isinstance(unit, planner.MoEUnit):
             for half in (0, 1):  # combine's backward, the experts, then dispatch's backward
                 hidden = min(comm / 2, pool) if scheduling else 0.0

@@ -9,20 +9,24 @@ priced by the cost model at 1/n of the bytes (Lancet's static-shape approximatio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
+from weft.models.gpt import MoEUnit as MoESubLayer
+from weft.models.gpt import rotary_tables
+from weft.moe.capacity import capacity_bound
 from weft.moe.layer import MoE
 from weft.overlap import planner
-from weft.overlap.forward import MoEUnit as MoESubLayer
+from weft.overlap.moe_partition import can_route_in_parts
 
 
 @dataclass
@@ -96,8 +100,6 @@ def profile_model(
     ks = sorted({k for k in partitions if 1 <= k <= batch} | {1})
     ctx = autocast or contextlib.nullcontext
     rope_args = (idx.shape[1], model.config.head_dim, model.config.rope_theta, device)
-    from weft.models.gpt import rotary_tables  # the model package imports this one
-
     with ctx():
         rope = rotary_tables(*rope_args)
         units = model.units(rope)
@@ -120,7 +122,7 @@ def profile_model(
                 flat.append(time_call(lambda: _forward(unit, part, ctx), device, repeats))
         flat.append(_time_backward(unit, inputs[u], ctx, repeats))
     flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, repeats))
-    flat.append(_time_model_backward(model, idx, moes, ctx, repeats))
+    flat.append(_time_model_backward(model, idx, ctx, repeats))
     agreed = torch.tensor(flat, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -136,7 +138,7 @@ def profile_model(
             plan_units.append(planner.MoEUnit(
                 names[u], {k: s[0] for k, s in stages.items()}, {k: s[1] for k, s in stages.items()},
                 {k: s[2] for k, s in stages.items()}, {k: s[3] for k, s in stages.items()},
-                partition_before=_can_route_in_parts(unit.moe)))
+                partition_before=can_route_in_parts(unit.moe)))
             backward_comm.append(stages[1][1] + stages[1][3])
         else:
             plan_units.append(planner.ComputeUnit(names[u], {k: next(values) for k in ks}))
@@ -144,18 +146,13 @@ def profile_model(
         backward.append(next(values))
     rest = next(values)
     # Sub-layers timed one by one overestimate their backward (each call pays autograd's start-up
-    # and runs without the host racing ahead, up to +70% on one H200): keep their shares, but
+    # and runs without the host racing ahead; docs/benchmarks.md): keep their shares, but
     # scale them to one measured backward of the whole model (all-to-alls removed, head included).
     whole = next(values)
     if sum(backward) > 0:
         scale = max(whole - rest, 0.5 * whole) / sum(backward)
         backward = [b * scale for b in backward]
     return ModelProfile(plan_units, backward, backward_comm, rest, names), cost_model
-
-
-def _can_route_in_parts(moe: MoE) -> bool:
-    from weft.overlap.moe_partition import can_route_in_parts
-    return can_route_in_parts(moe)
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
@@ -171,7 +168,7 @@ def _rows(moe: MoE, tokens: int) -> int:
     """Rows a rank sends (and, balanced, receives) for `tokens` tokens: the kept slots."""
     rows = tokens * moe.top_k
     if moe.capacity_factor is not None and moe.capacity_factor > 0:
-        per_expert = max(1, math.ceil(moe.top_k * moe.capacity_factor * tokens / moe.num_experts))
+        per_expert = capacity_bound(moe.top_k, moe.capacity_factor, tokens, moe.num_experts)
         rows = min(rows, per_expert * moe.num_experts)
     return rows
 
@@ -211,15 +208,13 @@ def _expert_call(moe: MoE, x: torch.Tensor, ctx) -> tuple[Callable[[], torch.Ten
     return grouped, rows
 
 
-@contextlib.contextmanager
-def _local(moe: MoE):
-    """The layer with its all-to-alls removed and the same expert work (tokens stay on the rank):
-    everything the layer computes, without the communication the cost model prices."""
-    saved, moe.communicate = moe.communicate, False
-    try:
-        yield
-    finally:
-        moe.communicate = saved
+def _local(unit):
+    """An MoE sub-layer with its all-to-alls removed and the same expert work (tokens stay on the
+    rank): everything it computes, without the communication the cost model prices. Other units
+    are returned as they are."""
+    if not isinstance(unit, MoESubLayer):
+        return unit
+    return dataclasses.replace(unit, overrides={**unit.overrides, "communicate": False})
 
 
 def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model) -> list[float]:
@@ -228,8 +223,9 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model)
     residual): the sub-layer without communication, less its experts."""
     moe, device = unit.moe, x.device
     experts, rows = _expert_call(moe, x, ctx)
-    with _local(moe):
-        whole = time_call(lambda: _forward(unit, x, ctx), device, repeats)
+    # The sub-layer with its all-to-alls removed and the same expert work (tokens stay on the
+    # rank): everything it computes, without the communication the cost model prices.
+    whole = time_call(lambda: _forward(_local(unit), x, ctx), device, repeats)
     expert_time = time_call(experts, device, repeats)
     comm = 0.0
     if cost_model is not None and group_size(moe.group) > 1:
@@ -241,33 +237,28 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model)
 def _time_backward(unit, x: torch.Tensor, ctx, repeats: int) -> float:
     """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward. The
     all-to-alls of an MoE layer are priced separately, so it is timed without them."""
-    device = x.device
-    local = _local(unit.moe) if isinstance(unit, MoESubLayer) else contextlib.nullcontext()
+    device, local = x.device, _local(unit)
 
     def forward() -> torch.Tensor:
-        return _forward(unit, x, ctx)
+        return _forward(local, x, ctx)
 
-    with local:
-        grad = torch.randn_like(forward())
+    grad = torch.randn_like(forward())
 
-        def both():
-            forward().backward(grad)
+    def both():
+        forward().backward(grad)
 
-        return max(0.0, time_call(both, device, repeats) - time_call(forward, device, repeats))
+    return max(0.0, time_call(both, device, repeats) - time_call(forward, device, repeats))
 
 
-def _time_model_backward(model, idx: torch.Tensor, moes: list[MoE], ctx, repeats: int) -> float:
+def _time_model_backward(model, idx: torch.Tensor, ctx, repeats: int) -> float:
     """Median seconds of `loss.backward()` of the whole model on idx, without its all-to-alls."""
     times = []
-    with contextlib.ExitStack() as stack:
-        for moe in moes:
-            stack.enter_context(_local(moe))
-        for i in range(repeats + 1):  # the first is warm-up
-            with ctx():
-                loss = model(idx, idx)[1]
-            elapsed = _seconds(loss.backward, idx.device)
-            if i:
-                times.append(elapsed)
+    for i in range(repeats + 1):  # the first is warm-up
+        with ctx():
+            loss = model(idx, idx, moe_overrides={"communicate": False})[1]
+        elapsed = _seconds(loss.backward, idx.device)
+        if i:
+            times.append(elapsed)
     model.zero_grad(set_to_none=True)
     return statistics.median(times)
 

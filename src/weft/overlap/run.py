@@ -2,33 +2,44 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from weft.cliargs import arg, positive_int
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import init_distributed
-from weft.models import GPT, get_preset
+from weft.models import GPT
+from weft.models.presets import PresetChoice
 from weft.overlap.passes import optimize
 
 
-def plan_preset(preset: str, batch_size: int, gate: str | None, capacity, max_partitions: int,
-                max_range: int | None, comm_model: str | None, json_path: str | None) -> dict:
-    """Build `preset` on every rank, plan it for `batch_size` sequences per rank; rank 0 prints
-    the plan (and writes it to `json_path`)."""
+@dataclass
+class PlanConfig(PresetChoice):
+    """`weft plan`: profile a preset here and print Lancet's plan."""
+
+    max_partitions: int = arg(8, "Lancet's K: the most batch partitions of a pipeline", parse=positive_int)
+    max_range: int | None = arg(None, "most sub-layers one pipeline spans", parse=positive_int)
+    comm_model: str | None = arg(None, "cost model JSON from `weft bench comm` (default: measure)")
+    json: str | None = arg(None, "write the plan here")
+
+
+def plan_preset(plan_cfg: PlanConfig) -> dict:
+    """Build the preset on every rank, plan it for `batch_size` sequences per rank; rank 0 prints
+    the plan (and writes it to `json`)."""
+    plan_cfg.validate()
     ctx = init_distributed()
-    overrides = {} if gate is None else {"gate": gate}
-    if capacity != "preset":
-        overrides["capacity_factor"] = capacity
-    base = get_preset(preset)
-    cfg = type(base).from_dict({**base.to_dict(), **overrides})
-    cost_model = CommCostModel.from_json(comm_model) if comm_model else None
+    preset, batch_size, json_path = plan_cfg.preset, plan_cfg.batch_size, plan_cfg.json
+    cfg = plan_cfg.model_config()
+    cost_model = CommCostModel.from_json(plan_cfg.comm_model) if plan_cfg.comm_model else None
     torch.manual_seed(0)
     model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None).to(ctx.device)
     gen = torch.Generator().manual_seed(ctx.rank)
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=gen).to(ctx.device)
-    plan = optimize(model, idx, max_partitions=max_partitions, max_range=max_range, cost_model=cost_model)
+    plan = optimize(model, idx, max_partitions=plan_cfg.max_partitions, max_range=plan_cfg.max_range,
+                    cost_model=cost_model)
     report = {"preset": preset, "gate": cfg.gate, "capacity_factor": cfg.capacity_factor, "batch_size": batch_size,
               "world_size": ctx.world_size, **plan.to_dict()}
     if ctx.rank == 0:

@@ -192,7 +192,8 @@ def _tokenize_files(stats: list[tuple[Path, int, int]], out: BinaryIO, descripti
             f"no text found in {description}: {skipped} file(s) not UTF-8 text "
             f"(or binary, with NUL bytes), {len(stats) - skipped} empty"
         )
-    logger.info("tokenized %d files (%d skipped as not UTF-8 text) into %d tokens", kept, skipped, out.tell() // _TOKEN_DTYPE.itemsize)
+    logger.info("tokenized %d files (%d skipped as not UTF-8 text) into %d tokens", kept, skipped,
+                out.tell() // _TOKEN_DTYPE.itemsize)
 
 
 def _write_text_tokens(path: Path, size: int, out: BinaryIO, bar: tqdm) -> int | None:

@@ -34,5 +34,6 @@ def generate_from_checkpoint(path: str | Path, prompt: str, tokens: int, tempera
     model_cfg = GPTConfig.from_dict(extra["model"])
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = GPT(model_cfg, group=None).to(dev)
-    load_checkpoint(ckpt, model, None, MoEGroups(None, None, None, 1, 1))
-    return sample(model, prompt, tokens, dev, temperature=temperature, seed=seed)
+    single = MoEGroups(None, None, None, 1, 1)
+    load_checkpoint(ckpt, model, None, single)
+    return sample(model, prompt, tokens, dev, single, temperature=temperature, seed=seed)

@@ -15,20 +15,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weft.distributed import (
-    MoEGroups,
-    build_moe_groups,
-    expert_parameters,
-    group_size,
-    init_distributed,
-    reduce_gradients,
-)
+from weft.distributed import MoEGroups, build_moe_groups, group_size, init_distributed
 from weft.models import GPT
+from weft.moe.grads import expert_parameters, reduce_gradients
+from weft.overlap import optimize
+from weft.precision import training_autocast
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from weft.train.config import TrainConfig
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
-from weft.train.precision import training_autocast
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -73,14 +68,16 @@ def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
     return norm
 
 
-def _all_reduce(t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op)
+def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Sum of t over `group` (in place); t itself without torch.distributed."""
+    if group_size(group) > 1:
+        dist.all_reduce(t, group=group)
     return t
 
 
 @torch.no_grad()
-def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.device) -> float:
+def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.device, groups: MoEGroups) -> float:
+    """Mean validation cross-entropy over `batches` batches of every data-parallel rank."""
     model.eval()
     total = torch.zeros((), device=device)
     for x, y in sampler.eval_batches(batches):
@@ -88,41 +85,37 @@ def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.devi
             model(x.to(device), y.to(device))
         total += model.last_ce_loss.float()
     model.train()
-    total = _all_reduce(total) / (batches * max(dist.get_world_size() if dist.is_initialized() else 1, 1))
+    total = _all_reduce(total, groups.dp) / (batches * group_size(groups.dp))
     return float(total)
 
 
 @torch.no_grad()
-def sample(model: GPT, prompt: str, tokens: int, device: torch.device, temperature: float = 0.8,
-           top_k: int = 40, seed: int = 0) -> str:
-    """Autoregressive sampling; collective under expert parallelism (every rank must call it).
+def sample(model: GPT, prompt: str, tokens: int, device: torch.device, groups: MoEGroups,
+           temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
+    """Autoregressive sampling; collective under expert parallelism (every rank of `groups.dp`
+    must call it, and every rank continues rank 0's text).
 
-    Token-choice MoE layers run dropless while sampling so a short batch never drops tokens
-    (expert choice keeps its capacity: it has no dropless form).
+    Token-choice MoE layers run dropless while sampling (a per-call setting) so a short batch
+    never drops tokens (expert choice keeps its capacity: it has no dropless form).
     """
     tok = ByteTokenizer()
     model.eval()
-    saved = [moe.capacity_factor for moe in model.moe_layers()]
-    for moe in model.moe_layers():
-        if moe.gate != "expert_choice":
-            moe.capacity_factor = None
+    moe_overrides = {} if model.config.gate == "expert_choice" else {"capacity_factor": None}
     gen = torch.Generator(device="cpu").manual_seed(seed)
     idx = torch.tensor([tok.encode(prompt) or [10]], dtype=torch.long, device=device)
     try:
         for _ in range(tokens):
             with training_autocast(device):
-                logits, _ = model(idx[:, -model.config.block_size:])
+                logits, _ = model(idx[:, -model.config.block_size:], moe_overrides=moe_overrides)
             logits = logits[0, -1].float().cpu() / max(temperature, 1e-5)
             if top_k:
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits[logits < kth] = -math.inf
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).to(device)
-            if dist.is_initialized():
-                dist.broadcast(nxt, src=0)  # every rank continues the same text
+            if group_size(groups.dp) > 1:  # every rank continues the same text
+                dist.broadcast(nxt, src=dist.get_global_rank(groups.dp, 0), group=groups.dp)
             idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
     finally:
-        for moe, cf in zip(model.moe_layers(), saved):
-            moe.capacity_factor = cf
         model.train()
     return tok.decode(idx[0].tolist())
 
@@ -151,7 +144,7 @@ def train(cfg: TrainConfig) -> dict:
     run_dir = cfg.run_dir
     model_cfg = cfg.model_config()
     check_run_dir(cfg)
-    _all_reduce(torch.zeros(1, device=device))  # nobody writes before every rank has checked
+    _all_reduce(torch.zeros(1, device=device), groups.dp)  # nobody writes before every rank has checked
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep).to(device)
@@ -195,7 +188,7 @@ def train(cfg: TrainConfig) -> dict:
                    mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None)
         val_loss = None
         if step % cfg.eval_interval == 0 or step == cfg.steps:
-            val_loss = evaluate(model, val_batches, cfg.eval_batches, device)
+            val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups)
         if log is not None:
             log.write(row)
             if val_loss is not None:
@@ -207,7 +200,9 @@ def train(cfg: TrainConfig) -> dict:
             extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
             save_checkpoint(run_dir, step, model, optimizer, groups, extra)
 
-    text = sample(model, cfg.sample_prompt, cfg.sample_tokens, device, seed=cfg.seed) if cfg.sample_tokens else ""
+    text = ""
+    if cfg.sample_tokens:
+        text = sample(model, cfg.sample_prompt, cfg.sample_tokens, device, groups, seed=cfg.seed)
     if log is not None:
         log.close()
         if text:
@@ -227,7 +222,6 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
         return None
     if cfg.overlap != "lancet":
         return None
-    from weft.overlap import optimize
 
     x, _ = batches.get(start + 1, 0)
     plan = optimize(model, x.to(device))
@@ -259,8 +253,8 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    stats = _all_reduce(torch.cat([loss_sum / cfg.grad_accum / world, dropped.reshape(1), counts.flatten()]))
+    world = group_size(groups.dp)
+    stats = _all_reduce(torch.cat([loss_sum / cfg.grad_accum / world, dropped.reshape(1), counts.flatten()]), groups.dp)
     slots = stats[4:].sum().clamp_min(1)
     counts = stats[4:].view(len(moes), -1)
     mean = counts.mean(1).clamp_min(1e-9)

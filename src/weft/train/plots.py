@@ -98,7 +98,10 @@ def _present(values: np.ndarray) -> bool:
 def _loss_figure(name: str, steps: np.ndarray, train: list[Row], val: list[Row], log_y: bool) -> Figure:
     fig = Figure(figsize=(9, 6), layout="constrained")
     aux = _series(train, "aux_loss")
-    axes: list[Axes] = list(fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])) if _present(aux) else [fig.subplots()]
+    if _present(aux):
+        axes: list[Axes] = list(fig.subplots(2, 1, sharex=True, height_ratios=[3, 1]))
+    else:
+        axes = [fig.subplots()]
     ax = axes[0]
     ax.plot(steps, _series(train, "loss"), lw=1, color="C0", label="train loss")
     ce = _series(train, "ce_loss")

@@ -15,17 +15,14 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.distributed as dist
 
 from weft.distributed import group_rank, group_size
-
-if TYPE_CHECKING:
-    from weft.moe.layer import MoE
 
 DEGREES = (1, 2, 4, 8)
 
@@ -39,38 +36,6 @@ class Setting:
     @property
     def name(self) -> str:
         return f"d{self.overlap_degree}-{self.a2a_algo}" + ("" if self.parallel == 1 else f"-r{self.parallel}")
-
-
-def candidates_for(layer: MoE) -> list[Setting]:
-    """The settings `TuningDictionary.run` may try: every degree if `overlap_degree="auto"`
-    (dropless: only with E >= W, the sliced dropless exchange has no pipelined form), both
-    all-to-all algorithms if `a2a_algo="auto"` and the group spans several nodes (padded modes
-    only), and for `parallel="adaptive"` layers whose call did not fix r, r = 0 and every divisor
-    r of W / E (just r = 1 when E >= W), each r with every degree and algorithm. `run` does not
-    time all of them: it ternary-searches r over the divisors (`next_round`). A one-rank dropless
-    layer has nothing to tune."""
-    padded = layer.capacity_factor is not None
-    if layer.parallel_r == 0:
-        return [Setting(1, "linear", 0)]
-    if not padded and layer.ep_size == 1:  # no exchange: every setting is the same local compute
-        return [Setting(1, "linear")]
-    if layer.overlap_degree == "auto":
-        degrees = DEGREES if padded or layer.expert_shards == 1 else (1,)
-    else:
-        degrees = (layer.overlap_degree,)
-    hierarchy = layer.groups_2dh
-    several_nodes = padded and hierarchy is not None and hierarchy.num_nodes > 1
-    algos = (["linear", "2dh"] if several_nodes else ["linear"]) if layer.a2a_algo == "auto" else [layer.a2a_algo]
-    if layer.expert_shards > 1:  # fewer experts than ranks: every r, each with every d and algorithm
-        fixed = layer.parallel_r is not None
-        choices = [layer.parallel_r] if fixed else [r for r in layer.parallel_choices() if r > 0]
-        found = [Setting(d, a, r) for r in choices for a in algos for d in degrees]
-        return found + ([] if fixed else [Setting(1, "linear", 0)])
-    # Each pipelined chunk can be exchanged either way, so every degree pairs with every algorithm.
-    found = [Setting(d, a) for a in algos for d in degrees]
-    if layer.parallel == "adaptive" and layer.parallel_r is None and layer.ep_size > 1:
-        found.append(Setting(1, "linear", 0))
-    return found
 
 
 def next_round(rs: list[int], best_ms: dict[int, float]) -> list[int]:
@@ -119,7 +84,7 @@ class TuningDictionary:
         self.bucket_size, self.trials = bucket_size, trials
         self.table: dict[str, dict[str, dict]] = {}
         self.measurements = 0  # candidate runs timed by this process (for tests and logs)
-        self._pending: dict[tuple[int, str, str], _Trial] = {}  # per layer: trials awaiting backward
+        self._pending: dict[tuple[Hashable, str, str], _Trial] = {}  # per caller: trials awaiting backward
         if self.path is not None and self.path.exists():
             self.table = _load(self.path)
 
@@ -130,20 +95,25 @@ class TuningDictionary:
         entry = self.table.get(key, {}).get(str(self.bucket(capacity)))
         return Setting(*entry["best"]) if entry and entry.get("best") else None
 
-    def run(self, layer: MoE, capacity: int, candidates: list[Setting],
-            execute: Callable[[Setting, torch.Tensor], torch.Tensor], buffer: torch.Tensor):
-        """`execute(setting, buffer)` with the best setting, or with the next candidate while tuning.
+    def run(self, key: str, capacity: int, candidates: list[Setting], group: dist.ProcessGroup | None,
+            execute: Callable[[Setting, torch.Tensor], torch.Tensor], buffer: torch.Tensor,
+            caller: Hashable = None):
+        """`execute(setting, buffer)` with the best setting for (`key`, `capacity`'s bucket), or with
+        the next candidate while tuning. `key` names everything but the capacity that decides which
+        setting is fastest; `group`'s rank 0 decides and broadcasts, so every rank of the group
+        must make the same calls. `caller` tells apart the pending trials of several layers that
+        share the dictionary (their forwards all run before any backward).
 
         A candidate's time is its forward plus, when autograd runs it, its backward: the exchange
         is bracketed by two marks whose backward hooks read the clock, so the choice weighs the
         backward all-to-alls and expert gradients too. A trial whose backward has not run by the
         next call of the same bucket counts its forward alone.
         """
-        key, bucket = layer_key(layer), str(self.bucket(capacity))
+        bucket = str(self.bucket(capacity))
         if len(candidates) == 1:
             return execute(candidates[0], buffer)
         entry = self.table.setdefault(key, {}).setdefault(bucket, {"times_ms": {}, "best": None})
-        pending = self._pending.pop((id(layer), key, bucket), None)
+        pending = self._pending.pop((caller, key, bucket), None)
         if pending is not None:
             pending.finish()
         times = entry["times_ms"]
@@ -152,26 +122,26 @@ class TuningDictionary:
             searched = entry.setdefault("r_searched", first_round(candidates))
             active = [c for c in candidates if c.parallel in searched]
             if all(len(times.get(c.name, [])) >= self.trials for c in active):
-                more, best = _next_step(candidates, active, times, layer.group)
+                more, best = _next_step(candidates, active, times, group)
                 if more:
                     entry["r_searched"] = sorted(searched + more)
                     active = [c for c in candidates if c.parallel in entry["r_searched"]]
                 else:
                     entry["best"] = [best.overlap_degree, best.a2a_algo, best.parallel]
-                    if self.path is not None and group_rank(layer.group) == 0:
+                    if self.path is not None and group_rank(group) == 0:
                         _save(self.path, self.table)  # atomic: EP groups sharing the file cannot tear it
         if entry.get("best"):
             return execute(Setting(*entry["best"]), buffer)
         # Round robin, so warm-up effects and drifts hit every candidate alike.
         candidate = min(active, key=lambda c: len(times.get(c.name, [])))
-        trial = _Trial(layer.experts.w1.is_cuda, times.setdefault(candidate.name, []))
+        trial = _Trial(buffer.is_cuda, times.setdefault(candidate.name, []))
         if torch.is_grad_enabled():
             anchor = torch.zeros((), requires_grad=True)  # the end mark runs even if buffer needs no grad
             buffer = _Mark.apply(buffer, anchor, trial.stop)
         out = trial.forward(lambda: execute(candidate, buffer))
         self.measurements += 1
         if out.requires_grad:
-            self._pending[(id(layer), key, bucket)] = trial
+            self._pending[(caller, key, bucket)] = trial
             return _Mark.apply(out, None, trial.start)
         trial.finish()
         return out
@@ -189,25 +159,6 @@ class TuningDictionary:
                 best = Setting(*entry["best"]).name if entry.get("best") else "(tuning)"
                 lines.append(f"{key} capacity bucket {bucket}: best {best}; fastest ms: {times}")
         return "\n".join(lines)
-
-
-def layer_key(layer: MoE) -> str:
-    """Everything but the capacity that changes which setting is fastest, or which are candidates."""
-    key = (f"E{layer.num_experts}-k{layer.top_k}-dim{layer.dim}-h{layer.hidden_dim}-{layer.experts.activation}"
-           f"-W{layer.ep_size}-{str(layer.experts.w1.dtype).replace('torch.', '')}")
-    # Layers (or calls) with other candidate sets must not share a choice: a fixed degree or
-    # algorithm must not run another one, and only "adaptive" layers may run r = 0.
-    if layer.overlap_degree != "auto":
-        key += f"-d{layer.overlap_degree}"
-    if layer.a2a_algo != "auto":
-        key += f"-{layer.a2a_algo}"
-    if layer.parallel == "adaptive":
-        key += "-adaptive"
-    if layer.capacity_factor is None:  # capacity_factor can change per call: keep padded and dropless apart
-        key += "-dropless"
-    if layer.parallel_r is not None:  # a call that fixed r must not run (or search) another r
-        key += f"-r{layer.parallel_r}"
-    return key
 
 
 class _Trial:

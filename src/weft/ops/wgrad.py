@@ -4,8 +4,9 @@ Lancet (sec. 4, Alg. 1) reorders the backward pass so that weight-gradient matmu
 other backward op consumes, execute while an all-to-all is in flight. Here this happens eagerly:
 `linear`, `bmm` and `grouped_mm` run the op on a detached weight, so autograd computes only the
 input gradient (dX), and a gradient hook on the output queues the dW as an item in a
-`WGradScheduler` (a hook, not a Python autograd.Function: on one H200 the Function's host time
-made a deferred gpt2-l-moe backward 21% slower than the plain one). When an MoE layer's backward launches an async all-to-all it calls
+`WGradScheduler` (a hook, not a Python autograd.Function, whose host time per call is larger;
+docs/benchmarks.md has the measurement). When an MoE layer's backward launches an async
+all-to-all it calls
 `scheduler.communicate(key, nbytes, handle)`, which runs the queued items whose profiled times
 best fit the exchange's expected time and then waits; the rest run when the context exits:
 
@@ -22,10 +23,9 @@ Each backward records its sequence of dW items and collectives. The next backwar
 on that trace: walking the collectives in order, each takes by best fit from the items produced
 before it and not yet taken; the items no collective takes are not deferred but run in place,
 as in Lancet, where only the assigned dW instructions move, and a weight with no item taken
-goes back to the plain op from the next forward on (no hook, no host cost). Deferring every
-item to the end of backward, on one H200, made gpt2-l-moe's forward+backward 11-27% slower
-with nothing to hide it under (host cost of the wrappers, and the dW kernels no longer running
-while the host launches later work). The first backward, and one whose items or collectives
+goes back to the plain op from the next forward on (no hook, no host cost): deferring an item
+nothing hides costs host time and keeps its kernel from running while the host launches later
+work (docs/benchmarks.md). The first backward, and one whose items or collectives
 stop matching the trace, defers every item and places them by best fit when each collective
 comes, with the rest at the end.
 
@@ -169,7 +169,8 @@ class WGradScheduler:
         if self.active:
             raise RuntimeError("WGradScheduler.backward() is already active; it does not nest")
         self.stats = WGradStats()
-        self._plan, self._expected = (list(self._next[0]), self._next[1]) if self.in_place and self._next else (None, [])
+        planned = self.in_place and self._next
+        self._plan, self._expected = (list(self._next[0]), self._next[1]) if planned else (None, [])
         self._trace, self._items, self._comms = [], 0, 0
         self._params = {}
         self.active = True
@@ -482,7 +483,8 @@ def _queue_grouped(scheduler: WGradScheduler, weight: torch.Tensor, x: torch.Ten
     _deliver(scheduler, weight, items)
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int], scheduler: WGradScheduler | None) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: list[int],
+               scheduler: WGradScheduler | None) -> torch.Tensor:
     """Rows of x (M, K) sorted by group, `counts[g]` rows for group g: out rows of group g are
     x_g @ weight[g] for weight (G, K, N), computed in x.dtype (the caller casts x). dW is
     deferred as one item per non-empty group. Uses torch._grouped_mm where

@@ -1,0 +1,111 @@
+"""The settings of an MoE call and the checks of a layer's configuration.
+
+`MoECall` is what one forward runs with: the layer's settings with the call's overrides applied
+(Tutel's dynamic top-ANY, capacity, pipelining degree and parallelism r). It is an immutable
+value passed down to the router and the exchange: nothing is written onto the layer for a call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from weft.moe.experts import ACTIVATIONS
+from weft.moe.gates import GATES
+
+A2A_ALGOS = ("linear", "2dh", "auto")
+
+
+@dataclass(frozen=True)
+class MoECall:
+    """One forward's settings.
+
+    top_k: experts per token (expert choice: the capacity multiplier).
+    capacity_factor: > 0 fixed, 0 no-drop, < 0 bounded no-drop, None dropless (docs/moe.md).
+    overlap_degree: Tutel's pipelining degree d, or "auto" (the tuning dictionary decides).
+    a2a_algo: "linear", "2dh" or "auto".
+    parallel_r: Tutel's r fixed by the call; None lets an "adaptive" layer tune it (r = 1 otherwise).
+    communicate: False keeps every row on its rank while the local experts do the same work (the
+        no-communication bound benchmarks measure); the output is then NOT the layer's function.
+    """
+
+    top_k: int
+    capacity_factor: float | None
+    overlap_degree: int | str = 1
+    a2a_algo: str = "linear"
+    parallel_r: int | None = None
+    communicate: bool = True
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def with_overrides(self, **overrides) -> MoECall:
+        """This call with the given fields replaced; `...` (Ellipsis) or None keeps a field, except
+        capacity_factor, where None means dropless and only `...` keeps it."""
+        keep = {k: v for k, v in overrides.items() if v is ... or (v is None and k != "capacity_factor")}
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if k not in keep})
+
+
+def check_layer(dim: int, hidden_dim: int, num_experts: int, gate: str, activation: str, ep_size: int) -> None:
+    """ValueError naming the first bad argument of a layer's shape, gate or activation."""
+    for name, value in (("dim", dim), ("hidden_dim", hidden_dim), ("num_experts", num_experts)):
+        _check_positive(name, value)
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; choose one of {', '.join(GATES)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; choose one of {', '.join(ACTIVATIONS)}")
+    if num_experts % ep_size != 0 and ep_size % num_experts != 0:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep_size}), or divide it "
+            f"(with parallel='adaptive')"
+        )
+
+
+def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expert_shards: int,
+               parallel: str) -> None:
+    """ValueError/TypeError naming the first setting of `call` this layer cannot run."""
+    _check_positive("top_k", call.top_k)
+    if call.top_k > num_experts:
+        raise ValueError(f"top_k ({call.top_k}) must not exceed num_experts ({num_experts})")
+    cf = call.capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
+        raise TypeError(f"capacity_factor must be a number or None, got {cf!r}")
+    if cf is not None and not math.isfinite(cf):
+        raise ValueError(f"capacity_factor must be finite, got {cf!r}")
+    if gate == "expert_choice" and (cf is None or cf <= 0):
+        raise ValueError(
+            f"gate 'expert_choice' needs capacity_factor > 0 (each expert takes ceil(k*cf*T/E) tokens), got {cf!r}")
+    degree = call.overlap_degree
+    if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
+        raise ValueError(f"overlap_degree must be a positive integer or 'auto', got {degree!r}")
+    if call.a2a_algo not in A2A_ALGOS:
+        raise ValueError(f"unknown a2a_algo {call.a2a_algo!r}; choose 'linear', '2dh' or 'auto'")
+    if call.a2a_algo == "2dh" and cf is None:
+        raise ValueError("a2a_algo='2dh' needs a padded capacity mode: dropless exchanges uneven splits")
+    if expert_shards > 1:
+        ep_size = expert_shards * num_experts
+        if parallel != "adaptive":
+            raise ValueError(f"num_experts ({num_experts}) < the expert-parallel size ({ep_size}) needs "
+                             f"parallel='adaptive' (each expert is then shared by {expert_shards} ranks)")
+        if hidden_dim % expert_shards:
+            raise ValueError(f"hidden_dim ({hidden_dim}) must be divisible by the ranks per expert ({expert_shards})")
+        if degree not in (1, "auto") and cf is None:
+            raise ValueError(f"overlap_degree > 1 with fewer experts ({num_experts}) than ranks ({ep_size}) needs a "
+                             f"padded capacity mode (capacity_factor not None); dropless runs degree 1 there")
+
+
+def check_parallel_r(r, parallel: str, choices: list[int], num_experts: int, ep_size: int, shards: int) -> None:
+    """ValueError unless r (a call's Tutel r) is one this layer can run."""
+    if r is None or r == 1:
+        return
+    if parallel != "adaptive":
+        raise ValueError(f"parallel={r!r} needs MoE(..., parallel='adaptive')")
+    if isinstance(r, bool) or r not in choices:
+        raise ValueError(f"parallel (r) must be one of {choices} with {num_experts} experts on {ep_size} ranks "
+                         f"(0, or a divisor of ranks per expert {shards}), got {r!r}")
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

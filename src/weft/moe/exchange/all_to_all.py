@@ -1,0 +1,58 @@
+"""Expert parallelism by one all-to-all each way (GShard / Tutel): the plain exchange.
+
+Padded: a fixed-size all-to-all (linear, or Tutel's 2DH over nodes, appendix A); the received
+rows are viewed in Tutel's Flexible layout (El, W * C, dim) so each local expert runs one batched
+matmul over the rows of every source. Grouped (dropless): the counts are exchanged first, then
+exactly the routed rows (all-to-allv), and the local experts run one grouped GEMM.
+"""
+from __future__ import annotations
+
+import torch
+
+from weft.comm import all_to_all_counts
+from weft.moe.exchange.base import Exchange, ExchangeContext
+
+
+class AllToAll(Exchange):
+    """One exchange each way; `algo` "linear" or "2dh" (padded only: 2DH needs equal splits)."""
+
+    def __init__(self, ctx: ExchangeContext, algo: str = "linear"):
+        super().__init__(ctx)
+        self.algo = algo
+
+    def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
+        placement, dim = self.ctx.placement, rows_RD.shape[-1]
+        ep, local = placement.ep_size, placement.num_local
+        received = self.ctx.all_to_all(rows_RD, algo=self.algo)  # (W * El * C, dim), source-major
+        flexible = received.view(ep, local, capacity, dim).transpose(0, 1).reshape(local, ep * capacity, dim)
+        out = self.ctx.experts(flexible)
+        out = out.view(local, ep, capacity, dim).transpose(0, 1).reshape(ep * local * capacity, dim)
+        return self.ctx.all_to_all(out, algo=self.algo)
+
+    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        ctx, placement = self.ctx, self.ctx.placement
+        if placement.ep_size == 1:
+            return ctx.experts.forward_grouped(rows_ND, counts_E.tolist())
+        ep, local = placement.ep_size, placement.num_local
+        recv_counts = all_to_all_counts(counts_E, placement.group) if ctx.communicate else counts_E
+        sent, received = torch.stack([counts_E, recv_counts]).view(2, ep, local).tolist()
+        send_splits = [sum(r) for r in sent]
+        recv_splits = [sum(r) for r in received]
+        recv = ctx.all_to_all(rows_ND, recv_splits, send_splits)  # rows by [source][local expert]
+        out = experts_on_received(ctx.experts, recv, recv_counts, received)
+        return ctx.all_to_all(out, send_splits, recv_splits)
+
+
+def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
+                        received: list[list[int]]) -> torch.Tensor:
+    """Run the local experts on rows that arrived grouped [source rank][local expert]
+    (`received[s][i]` rows from source s for local expert i; `recv_counts` the same as a flat
+    tensor); the output rows come back in the same order."""
+    ep, local = len(received), len(received[0])
+    per_expert = [sum(r[i] for r in received) for i in range(local)]
+    # Rows arrive grouped by source rank; the experts want them grouped by local expert.
+    expert_of_row = torch.arange(local, device=recv.device).repeat(ep)
+    expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=recv.shape[0])
+    by_expert = torch.sort(expert_of_row, stable=True).indices
+    out = experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
+    return torch.zeros_like(out).index_copy(0, by_expert, out)

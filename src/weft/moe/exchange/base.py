@@ -1,0 +1,101 @@
+"""The interface of every way routed rows reach their experts and come back.
+
+An exchange takes the rows a rank dispatches, in one of two layouts, and returns the experts'
+outputs for exactly those rows, in the same order:
+
+- `Padded(capacity)`: (E * C, dim) rows, slot c of expert e at row e * C + c (zeros where unused);
+  every rank sends the same amount (Tutel's fixed-size all-to-all);
+- `Grouped(counts_E)`: the routed rows sorted by expert, `counts_E[e]` of them for expert e
+  (dropless: all-to-allv, grouped GEMM).
+
+Every strategy computes the same function as the plain layer (same outputs and gradients); they
+differ in where the work and the bytes go. The layer picks one per call (`weft.moe.exchange.select`).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from weft.comm import all_to_all
+from weft.distributed import HierarchicalGroups
+from weft.moe.experts import Experts
+
+
+@dataclass(frozen=True)
+class Padded:
+    """Rows (E * C, dim): slot c of expert e at row e * C + c."""
+
+    capacity: int
+
+
+@dataclass(frozen=True)
+class Grouped:
+    """Rows sorted by expert: `counts_E[e]` rows for expert e."""
+
+    counts_E: torch.Tensor
+
+
+Layout = Padded | Grouped
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where the experts live on the expert-parallel group (docs/moe.md, "Distribution").
+
+    E = `num_experts` over W = `ep_size` ranks: `num_local` = E / W experts per rank (E >= W), or,
+    with fewer experts than ranks, `expert_shards` = m = W / E ranks per expert, each holding a
+    1 / m shard of its hidden dimension (Tutel fig. 7). `groups_2dh`: the group's node-level split
+    for 2DH (None unless built); `slice_groups[r]`: the m / r ranks sharing one slice for r."""
+
+    group: dist.ProcessGroup | None
+    ep_size: int
+    num_experts: int
+    num_local: int
+    expert_shards: int
+    groups_2dh: HierarchicalGroups | None
+    slice_groups: dict[int, dist.ProcessGroup]
+
+
+@dataclass(frozen=True)
+class ExchangeContext:
+    """What an exchange needs for one call: the experts, their placement, whether to communicate
+    at all (False: the no-communication benchmark bound, every row stays on its rank; not the
+    layer's function) and Lancet's weight-gradient scheduler (None: off)."""
+
+    experts: Experts
+    placement: ExpertPlacement
+    communicate: bool = True
+    scheduler: object | None = None
+
+    def all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo: str = "linear"):
+        """All-to-all of x over the EP group (equal splits, or the given ones); x when not communicating."""
+        if not self.communicate:
+            return x
+        placement = self.placement
+        if output_splits is None and algo == "2dh":
+            return all_to_all(x, placement.group, algo="2dh", groups_2dh=placement.groups_2dh)
+        return all_to_all(x, placement.group, output_splits, input_splits, scheduler=self.scheduler)
+
+
+class Exchange(ABC):
+    """Rows of one layout -> their experts' outputs, same rows, same order. Subclasses implement
+    the layouts they support; `select` never hands them another."""
+
+    def __init__(self, ctx: ExchangeContext):
+        self.ctx = ctx
+
+    def __call__(self, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
+        if isinstance(layout, Padded):
+            return self.padded(rows, layout.capacity)
+        return self.grouped(rows, layout.counts_E)
+
+    @abstractmethod
+    def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
+        """(E * C, dim) rows in the padded layout -> expert outputs in the same layout."""
+
+    @abstractmethod
+    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (`counts_E` per expert) -> their expert outputs."""

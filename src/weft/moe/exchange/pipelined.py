@@ -1,0 +1,33 @@
+"""Tutel's adaptive pipelining (Tutel 3.2) as an exchange: the rows are cut into d chunks so the
+all-to-all of one chunk overlaps the experts of another, forward and backward. Padded: the
+capacity dimension is cut (each chunk's exchange linear or 2DH); grouped (dropless): each
+(destination rank, local expert) segment. Same function as `AllToAll`; the kernels live in
+`weft.moe.pipeline`.
+"""
+from __future__ import annotations
+
+import torch
+
+from weft.comm import all_to_all_counts
+from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.pipeline import dropless_pipelined_exchange, pipelined_exchange
+
+
+class Pipelined(Exchange):
+    """Degree `degree` > 1; `algo` the padded chunks' all-to-all ("linear" or "2dh")."""
+
+    def __init__(self, ctx: ExchangeContext, degree: int, algo: str = "linear"):
+        super().__init__(ctx)
+        self.degree, self.algo = degree, algo
+
+    def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
+        placement = self.ctx.placement
+        return pipelined_exchange(rows_RD, self.ctx.experts, placement.group, placement.ep_size, placement.num_local,
+                                  capacity, self.degree, algo=self.algo, groups_2dh=placement.groups_2dh)
+
+    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        placement = self.ctx.placement
+        ep, local = placement.ep_size, placement.num_local
+        recv_counts = all_to_all_counts(counts_E, placement.group)
+        sent, received = torch.stack([counts_E, recv_counts]).view(2, ep, local).tolist()
+        return dropless_pipelined_exchange(rows_ND, self.ctx.experts, placement.group, sent, received, self.degree)

@@ -1,0 +1,95 @@
+"""Which exchange runs a call: the one place that maps a setting (Tutel's d, all-to-all algorithm,
+r) to a strategy, and the settings a tuned ("auto") call may choose from (Tutel 3.3)."""
+from __future__ import annotations
+
+from weft.moe.config import MoECall
+from weft.moe.exchange.all_to_all import AllToAll
+from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.exchange.data_parallel import DataParallelExperts
+from weft.moe.exchange.pipelined import Pipelined
+from weft.moe.exchange.sliced import SlicedExperts
+from weft.tune.dictionary import DEGREES, Setting
+
+
+def select(ctx: ExchangeContext, setting: Setting, dropless: bool) -> Exchange:
+    """The strategy that runs `setting`: r = 0 data-parallel experts; fewer experts than ranks the
+    sliced experts; d > 1 (while communicating) the pipelined exchange; else one all-to-all.
+    New strategies (fused kernels, replicated experts) get their branch here."""
+    placement = ctx.placement
+    if setting.parallel == 0 and (placement.ep_size > 1 or not dropless):
+        return DataParallelExperts(ctx)
+    if placement.expert_shards > 1:
+        return SlicedExperts(ctx, setting.parallel, setting.overlap_degree, setting.a2a_algo)
+    pipelined = setting.overlap_degree > 1 and ctx.communicate and not (dropless and placement.ep_size == 1)
+    if pipelined:
+        return Pipelined(ctx, setting.overlap_degree, setting.a2a_algo)
+    return AllToAll(ctx, setting.a2a_algo)
+
+
+def untuned_setting(call: MoECall) -> Setting:
+    """The setting of a call the tuning dictionary does not decide: "auto" parts at their plain
+    values (d = 1, linear), r = 1 unless the call fixed it."""
+    return Setting(1 if call.overlap_degree == "auto" else call.overlap_degree,
+                   "linear" if call.a2a_algo == "auto" else call.a2a_algo,
+                   1 if call.parallel_r is None else call.parallel_r)
+
+
+def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, num_nodes: int) -> list[Setting]:
+    """The settings a call may run: every degree if `overlap_degree="auto"` (dropless: only with
+    E >= W, the sliced dropless exchange has no pipelined form), both all-to-all algorithms if
+    `a2a_algo="auto"` and the group spans several nodes (padded modes only), and for
+    `parallel="adaptive"` layers whose call did not fix r, r = 0 and every divisor r of W / E (just
+    r = 1 when E >= W), each r with every degree and algorithm. The tuner does not time all of
+    them: it ternary-searches r over the divisors. A one-rank dropless call has nothing to tune."""
+    padded = not call.dropless
+    free_r = parallel == "adaptive" and call.parallel_r is None
+    if call.parallel_r == 0:
+        return [Setting(1, "linear", 0)]
+    if not padded and ep_size == 1:  # no exchange: every setting is the same local compute
+        return [Setting(1, "linear")]
+    if call.overlap_degree == "auto":
+        degrees = DEGREES if padded or expert_shards == 1 else (1,)
+    else:
+        degrees = (call.overlap_degree,)
+    several_nodes = padded and num_nodes > 1
+    algos = (["linear", "2dh"] if several_nodes else ["linear"]) if call.a2a_algo == "auto" else [call.a2a_algo]
+    if expert_shards > 1:  # fewer experts than ranks: every r, each with every d and algorithm
+        rs = [r for r in parallel_choices(expert_shards) if r > 0] if free_r else [call.parallel_r]
+        found = [Setting(d, a, r) for r in rs for a in algos for d in degrees]
+        return found + ([Setting(1, "linear", 0)] if free_r else [])
+    # Each pipelined chunk can be exchanged either way, so every degree pairs with every algorithm.
+    found = [Setting(d, a) for a in algos for d in degrees]
+    if free_r and ep_size > 1:
+        found.append(Setting(1, "linear", 0))
+    return found
+
+
+def parallel_choices(expert_shards: int) -> list[int]:
+    """The r a layer can run: 0 (data parallel) and the divisors of m = W / E (1 when E >= W)."""
+    return [0] + [r for r in range(1, expert_shards + 1) if expert_shards % r == 0]
+
+
+def is_tuned(call: MoECall, parallel: str, ep_size: int) -> bool:
+    """Whether the tuning dictionary decides this call's setting (something is "auto" and there is
+    an exchange to choose for)."""
+    free_r = parallel == "adaptive" and call.parallel_r is None and ep_size > 1
+    return call.communicate and ("auto" in (call.overlap_degree, call.a2a_algo) or free_r)
+
+
+def tuning_key(shape: str, call: MoECall, parallel: str) -> str:
+    """Everything but the capacity that changes which setting is fastest, or which are candidates:
+    the layer's `shape` (experts, k, sizes, activation, W, dtype) and the call's fixed parts."""
+    key = shape
+    # Layers (or calls) with other candidate sets must not share a choice: a fixed degree or
+    # algorithm must not run another one, and only "adaptive" layers may run r = 0.
+    if call.overlap_degree != "auto":
+        key += f"-d{call.overlap_degree}"
+    if call.a2a_algo != "auto":
+        key += f"-{call.a2a_algo}"
+    if parallel == "adaptive":
+        key += "-adaptive"
+    if call.dropless:  # capacity_factor can change per call: keep padded and dropless apart
+        key += "-dropless"
+    if call.parallel_r is not None:  # a call that fixed r must not run (or search) another r
+        key += f"-r{call.parallel_r}"
+    return key

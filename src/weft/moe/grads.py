@@ -1,0 +1,64 @@
+"""Gradient reduction of expert-parallel training (docs/moe.md, "Gradients").
+
+The MoE layer reduces nothing itself: after `backward`, a rank's router (and every other
+replicated parameter) holds its own tokens' gradient, and an expert's owner holds the gradient of
+every EP rank's tokens routed to it. `reduce_gradients` turns both into the gradient of the mean
+loss over all data-parallel ranks: replicated parameters are summed over every rank, expert
+parameters over their expert-data-parallel replicas, and both are divided by the world size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from weft.distributed import MoEGroups, group_size
+from weft.moe.experts import Experts
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters that are sharded over the EP group (the weights of every `weft` expert block)."""
+    params: list[nn.Parameter] = []
+    for module in model.modules():
+        if isinstance(module, Experts):
+            params.extend(module.parameters())
+    return params
+
+
+def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
+    """Sum `grads` over `group` in one flat bucket per dtype, then divide by `divisor`."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for bucket in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        if group_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        flat.div_(divisor)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:
+    """Make every gradient the gradient of the mean loss over all data-parallel ranks.
+
+    Call after `backward` and before the optimizer step. Expert gradients (already summed over
+    the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
+    all other gradients over every rank; both are divided by the data-parallel world size.
+    """
+    world = group_size(groups.dp)
+    if world == 1:
+        return
+    experts = {id(p) for p in expert_parameters(model)}
+    expert_grads, dense_grads = [], []
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        (expert_grads if id(p) in experts else dense_grads).append(p.grad)
+    if expert_grads:
+        _all_reduce_mean(expert_grads, groups.edp, world)
+    if dense_grads:
+        _all_reduce_mean(dense_grads, groups.dp, world)
+

@@ -1,0 +1,184 @@
+"""Routing: router logits -> the routed slots of a batch, with the losses and statistics.
+
+One place for the gate rule, slot priority and capacity of every execution path: the layer routes
+a whole batch with `route`; Lancet's partitioned forward routes partition by partition with
+`CarriedRouting`, whose capacity is carried from the earlier partitions so its kept and dropped
+slots are those of the whole batch (Lancet sec. 5.2). Both return values; nothing is written
+onto a layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from weft.moe.capacity import capacity_bound, capacity_for, expert_choice_capacity, slot_positions
+from weft.moe.gates import expert_choice, load_balancing_loss, router_z_loss, token_choice
+
+
+@dataclass(frozen=True)
+class MoEStats:
+    """Routing statistics of one forward on this rank (tensors stay on the device)."""
+
+    expert_counts: torch.Tensor  # (E,) slots routed to each expert, before dropping
+    dropped: torch.Tensor  # () dropped slots (expert choice: tokens no expert took)
+    capacity: int | None  # C per expert per source rank; None when dropless
+
+
+@dataclass(frozen=True)
+class RoutingSummary:
+    """What a forward's routing reports: the load-balancing loss (`E * sum_e f_e * P_e`), the
+    router z-loss (`mean_t logsumexp(logits_t)^2`) and the statistics."""
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    stats: MoEStats
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routed slots of a batch: slot i sends token `token_ids[i]` to expert `experts[i]` at
+    capacity position `positions[i]` with gate `gates[i]` (0 where dropped). Token choice: slot
+    ids t*k + j; expert choice: e*C + position."""
+
+    token_ids_S: torch.Tensor
+    experts_S: torch.Tensor  # global expert ids
+    positions_S: torch.Tensor
+    gates_S: torch.Tensor
+    kept_S: torch.Tensor | None  # bool; None: every slot is kept
+    capacity: int | None  # C per expert per source rank; None: dropless (or a partition)
+    counts_E: torch.Tensor  # slots routed to each expert before dropping
+    order_S: torch.Tensor | None  # token choice: slot ids grouped by expert (stable)
+    summary: RoutingSummary | None  # None for a partition (see CarriedRouting.finish)
+
+    def sent_experts(self, num_experts: int) -> torch.Tensor:
+        """(S,) the expert of each slot, `num_experts` where the slot was dropped."""
+        return self.experts_S if self.kept_S is None else torch.where(self.kept_S, self.experts_S, num_experts)
+
+
+@dataclass(frozen=True)
+class Router:
+    """The gate rule of a layer: `gate` ("topk", "bpr", "cosine", "random", "expert_choice") over
+    `num_experts`; `group` is the expert-parallel group no-drop capacities are agreed over."""
+
+    gate: str
+    num_experts: int
+    normalize_gates: bool
+    group: dist.ProcessGroup | None
+
+    def route(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None) -> Routing:
+        """The routed slots of a whole batch (docs/moe.md: slot priority and capacity)."""
+        probs_TE = F.softmax(logits_TE, dim=-1)
+        z_loss = router_z_loss(logits_TE)
+        if self.gate == "expert_choice":
+            return self._expert_choice(probs_TE, top_k, capacity_factor, z_loss)
+        num_tokens, device = logits_TE.shape[0], logits_TE.device
+        choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates)
+        slots = slot_positions(choice.experts, self.num_experts, choice.order)
+        aux_loss = load_balancing_loss(probs_TE, slots.counts, num_tokens * top_k)
+        token_ids = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
+        experts, positions, gates = choice.experts.reshape(-1), slots.positions.reshape(-1), choice.gates.reshape(-1)
+        if capacity_factor is None:
+            summary = RoutingSummary(aux_loss, z_loss, MoEStats(slots.counts, slots.counts.new_zeros(()), None))
+            return Routing(token_ids, experts, positions, gates, None, None, slots.counts, slots.sort_index, summary)
+        cap = capacity_for(capacity_factor, top_k, num_tokens, self.num_experts, slots.counts, self.group)
+        kept = positions < cap
+        summary = RoutingSummary(aux_loss, z_loss, MoEStats(slots.counts, (~kept).sum(), cap))
+        return Routing(token_ids, experts, positions, gates * kept, kept, cap, slots.counts, slots.sort_index, summary)
+
+    def _expert_choice(self, probs_TE, top_k, capacity_factor, z_loss) -> Routing:
+        num_tokens, num_experts, device = probs_TE.shape[0], self.num_experts, probs_TE.device
+        cap = expert_choice_capacity(top_k, capacity_factor, num_tokens, num_experts)
+        chosen_EC, gates_EC = expert_choice(probs_TE, cap)
+        taken = torch.zeros(num_tokens, dtype=torch.long, device=device)
+        taken.index_add_(0, chosen_EC.reshape(-1), torch.ones_like(chosen_EC.reshape(-1)))
+        counts = torch.full((num_experts,), cap, dtype=torch.long, device=device)
+        # Balanced by construction: no load-balancing loss.
+        summary = RoutingSummary(probs_TE.new_zeros(()), z_loss, MoEStats(counts, (taken == 0).sum(), cap))
+        experts = torch.arange(num_experts, device=device).repeat_interleave(cap)
+        positions = torch.arange(cap, device=device).repeat(num_experts)
+        return Routing(chosen_EC.reshape(-1), experts, positions, gates_EC.reshape(-1), None, cap, counts, None,
+                       summary)
+
+    def can_route_in_parts(self, top_k: int, capacity_factor: float | None) -> bool:
+        """True when routing a batch partition by partition (capacity carried) keeps and drops the
+        same slots as routing it whole: gates that decide per token in token order (topk, cosine,
+        random) with top-1, or with nothing to drop (dropless, capacity_factor 0). bpr ranks the
+        whole batch and expert choice lets each expert pick from it (Lancet 2.3, challenge 2)."""
+        if self.gate not in ("topk", "cosine", "random"):
+            return False
+        return top_k == 1 or capacity_factor is None or capacity_factor == 0
+
+    def in_parts(self, num_tokens: int, top_k: int, capacity_factor: float | None) -> CarriedRouting:
+        """Routing of a batch of `num_tokens` tokens that arrives in partitions (see CarriedRouting)."""
+        if not self.can_route_in_parts(top_k, capacity_factor):
+            raise ValueError(f"gate {self.gate!r} with top_k={top_k}, capacity_factor={capacity_factor} cannot route "
+                             "a batch partition by partition")
+        return CarriedRouting(self, num_tokens, top_k, capacity_factor)
+
+
+class CarriedRouting:
+    """Routes a batch of `num_tokens` tokens partition by partition, in order (Lancet sec. 5.2):
+    each partition's slot positions start where the earlier partitions left each expert, so a slot
+    is kept iff it is kept when the whole batch is routed at once (for the gates of
+    `Router.can_route_in_parts`). `finish()` gives the whole batch's losses and statistics."""
+
+    def __init__(self, router: Router, num_tokens: int, top_k: int, capacity_factor: float | None):
+        self.router, self.num_tokens, self.top_k, self.capacity_factor = router, num_tokens, top_k, capacity_factor
+        experts = router.num_experts
+        # Kept iff position < capacity_bound for cf != 0: for cf < 0 the no-drop bound never binds
+        # first, since a slot's position is below its expert's count.
+        cf = capacity_factor
+        self._limit = None if cf is None or cf == 0 else capacity_bound(top_k, cf, num_tokens, experts)
+        self._carry_E: torch.Tensor | None = None  # slots routed to each expert by earlier parts
+        self._probs_sum = self._z_sum = self._dropped = None
+        self._noise: torch.Tensor | None = None
+        self._offset = 0
+
+    def route(self, logits_TE: torch.Tensor) -> Routing:
+        """The next partition's slots (token ids local to the partition); `summary` is None."""
+        router, k = self.router, self.top_k
+        probs_TE = F.softmax(logits_TE, dim=-1)
+        if self._carry_E is None:
+            self._carry_E = torch.zeros(router.num_experts, dtype=torch.long, device=logits_TE.device)
+            self._probs_sum = probs_TE.new_zeros(router.num_experts)
+            self._z_sum = logits_TE.new_zeros(())
+            self._dropped = self._carry_E.new_zeros(())
+            if router.gate == "random":  # the whole batch's draw, as the unpartitioned layer makes it
+                self._noise = torch.rand((self.num_tokens, router.num_experts), device=logits_TE.device)
+        size = logits_TE.shape[0]
+        noise = None if self._noise is None else self._noise[self._offset:self._offset + size]
+        self._offset += size
+        self._probs_sum = self._probs_sum + probs_TE.sum(0)
+        self._z_sum = self._z_sum + torch.logsumexp(logits_TE, dim=-1).square().sum()
+        choice = token_choice(router.gate, probs_TE, k, router.normalize_gates, noise)
+        slots = slot_positions(choice.experts, router.num_experts)
+        experts = choice.experts.reshape(-1)
+        positions = slots.positions.reshape(-1) + self._carry_E[experts]
+        self._carry_E = self._carry_E + slots.counts
+        gates, kept = choice.gates.reshape(-1), None
+        if self._limit is not None:
+            kept = positions < self._limit
+            self._dropped = self._dropped + (~kept).sum()
+            gates = gates * kept
+        token_ids = torch.arange(size, device=logits_TE.device).repeat_interleave(k)
+        return Routing(token_ids, experts, positions, gates, kept, None, slots.counts, None, None)
+
+    def finish(self) -> RoutingSummary:
+        """After the last partition: the losses and statistics of the whole batch."""
+        if self._carry_E is None:
+            raise RuntimeError("finish() before any partition was routed")
+        total, router = self.num_tokens, self.router
+        if total == 0:
+            aux_loss = z_loss = self._z_sum
+        else:
+            mean_probs = (self._probs_sum / total).unsqueeze(0)
+            aux_loss = load_balancing_loss(mean_probs, self._carry_E, total * self.top_k)
+            z_loss = self._z_sum / total
+        cap = None
+        if self.capacity_factor is not None:
+            cap = capacity_for(self.capacity_factor, self.top_k, total, router.num_experts, self._carry_E,
+                               router.group)
+        return RoutingSummary(aux_loss, z_loss, MoEStats(self._carry_E, self._dropped, cap))
