@@ -7,6 +7,7 @@ value passed down to the router and the exchange: nothing is written onto the la
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -109,3 +110,39 @@ def check_parallel_r(r, parallel: str, choices: list[int], num_experts: int, ep_
 def _check_positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def parallel_choices(expert_shards: int) -> list[int]:
+    """The r a layer can run: 0 (data parallel) and the divisors of m = W / E (1 when E >= W)."""
+    return [0] + [r for r in range(1, expert_shards + 1) if expert_shards % r == 0]
+
+
+def check_settings(call: MoECall, num_experts: int, gate: str, hidden_dim: int, shards: int, parallel: str,
+                   ep_size: int) -> None:
+    """Every check of a call's settings against the layer's shape (`MoE._shape()`)."""
+    check_call(call, num_experts, gate, hidden_dim, shards, parallel)
+    check_parallel_r(call.parallel_r, parallel, parallel_choices(shards), num_experts, ep_size, shards)
+
+
+def resolve_call(defaults: MoECall, overrides: tuple, shape: tuple) -> MoECall:
+    """A call's settings from the layer's and the overrides (top_k, capacity_factor, overlap_degree,
+    a2a_algo, parallel, communicate), checked against the layer's `shape`. Pure, so cached: a model
+    or benchmark passing the same overrides every step resolves and checks them once."""
+    try:
+        return _resolve_cached(defaults, overrides, shape)
+    except TypeError as e:  # an unhashable value (e.g. a list): resolve uncached, naming the field
+        if "unhashable" not in str(e):
+            raise
+        return _resolve(defaults, overrides, shape)
+
+
+def _resolve(defaults: MoECall, overrides: tuple, shape: tuple) -> MoECall:
+    top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate = overrides
+    call = defaults.with_overrides(top_k=top_k, capacity_factor=capacity_factor, overlap_degree=overlap_degree,
+                                   a2a_algo=a2a_algo, parallel_r=parallel, communicate=communicate)
+    if call != defaults:
+        check_settings(call, *shape)
+    return call
+
+
+_resolve_cached = functools.lru_cache(maxsize=1024)(_resolve)

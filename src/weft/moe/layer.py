@@ -11,7 +11,7 @@ against this layer. The stages are public seams, as in Megatron-Core's MoELayer:
 """
 from __future__ import annotations
 
-import functools
+import dataclasses
 from types import EllipsisType
 
 import torch
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
-from weft.moe.config import MoECall, check_call, check_layer, check_parallel_r
+from weft.moe.config import MoECall, check_layer, check_settings, parallel_choices, resolve_call
 from weft.moe.dispatch import combine, dispatch_padded
 from weft.moe.exchange import (
     ExchangeContext,
@@ -28,7 +28,6 @@ from weft.moe.exchange import (
     Layout,
     Padded,
     candidates,
-    parallel_choices,
     select,
     tuning_key,
     untuned_setting,
@@ -47,22 +46,18 @@ class MoE(nn.Module):
         dim: model width; `x` has shape (..., dim).
         hidden_dim: expert FFN width.
         num_experts: experts in total, E; each of the W ranks of `group` holds E / W of them
-            (with `parallel="adaptive"`, E may also divide W: each rank then holds a 1 / (W / E)
-            shard of one expert's hidden dimension).
-        top_k: experts per token (k = 1 with gate "topk" is the Switch gate); for
-            "expert_choice" it sets the capacity ceil(k * cf * T / E) instead.
+            (`parallel="adaptive"`: E may divide W, each rank holding a hidden-dim shard of one).
+        top_k: experts per token (1 with "topk" is Switch); expert choice: capacity ceil(k*cf*T/E).
         gate: "topk", "bpr", "cosine", "expert_choice" or "random".
         capacity_factor: > 0 fixed capacity; 0 smallest capacity that drops nothing; < 0 like 0
             with |cf| as upper bound; None dropless (exact counts, all-to-allv, grouped GEMM).
         activation: "relu", "gelu", "silu" or "swiglu".
         normalize_gates: divide the k gates of a token by their sum (k > 1).
         group: expert-parallel process group; None = the default group if initialised.
-        overlap_degree: d > 1 cuts the rows into d chunks so the all-to-all of one chunk overlaps
-            the experts of another (Tutel 3.2); "auto": the tuning dictionary picks d per
-            capacity bucket (Tutel 3.3). Same result as 1.
-        a2a_algo: "linear", "2dh" (Tutel's two-level all-to-all over nodes of LOCAL_WORLD_SIZE
-            ranks, appendix A; padded modes) or "auto". "2dh"/"auto" build process groups here,
-            a collective: construct the layer on every rank.
+        overlap_degree: d > 1 pipelines d chunks, the all-to-all of one under the experts of
+            another (Tutel 3.2); "auto": tuned per capacity bucket (Tutel 3.3). Same result as 1.
+        a2a_algo: "linear", "2dh" (two-level all-to-all over nodes of LOCAL_WORLD_SIZE ranks,
+            Tutel app. A; padded modes) or "auto"; these two build process groups here (collective).
         tuning: the `weft.tune.TuningDictionary` of "auto" settings (shared between layers,
             persisted if it has a path); default: a fresh in-memory one.
         parallel: "ep" (expert parallel) or "adaptive" (Tutel 3.1's switchable parallelism: r = 0
@@ -95,10 +90,9 @@ class MoE(nn.Module):
         # m ranks per expert when there are fewer experts than ranks (Tutel's EP+DP+MP, fig. 7).
         self.expert_shards = ep_size // num_experts if num_experts < ep_size else 1
         self.num_local_experts = max(1, num_experts // ep_size)
-        # The layer's settings; a call may override them (`MoECall`).
-        self.top_k, self.capacity_factor = top_k, capacity_factor
-        self.overlap_degree, self.a2a_algo = overlap_degree, a2a_algo
-        self._check(self.default_call())
+        # The layer's settings, one immutable value; a call may override them (`call_with`).
+        self._defaults = MoECall(top_k, capacity_factor, overlap_degree, a2a_algo)
+        self._check(self._defaults)
         self.tuning = tuning if tuning is not None else TuningDictionary()
         groups_2dh = hierarchical_groups(self.group) if a2a_algo in ("2dh", "auto") else None
         # The data-parallel groups of each r (m / r consecutive ranks sharing one slice): built
@@ -140,28 +134,41 @@ class MoE(nn.Module):
                 f"gate={self.gate!r}, capacity_factor={self.capacity_factor}, ep_size={self.ep_size}")
 
     # -- settings --------------------------------------------------------------------------------
+    top_k = property(lambda self: self._defaults.top_k, lambda self, v: self._set_default(top_k=v))
+    capacity_factor = property(lambda self: self._defaults.capacity_factor,
+                               lambda self, v: self._set_default(capacity_factor=v))
+    overlap_degree = property(lambda self: self._defaults.overlap_degree,
+                              lambda self, v: self._set_default(overlap_degree=v))
+    a2a_algo = property(lambda self: self._defaults.a2a_algo, lambda self, v: self._set_default(a2a_algo=v))
+
+    def _set_default(self, **setting) -> None:
+        """Change one of the layer's own settings (checked); e.g. `moe.overlap_degree = "auto"`."""
+        call = dataclasses.replace(self._defaults, **setting)
+        self._check(call)
+        self._defaults = self._usable(call)
+
     def default_call(self) -> MoECall:
-        return MoECall(self.top_k, self.capacity_factor, self.overlap_degree, self.a2a_algo)
+        return self._defaults
 
     def call_with(self, *, top_k: int | None = None, capacity_factor: float | None | EllipsisType = ...,
                   overlap_degree: int | str | None = None, a2a_algo: str | None = None,
                   parallel: int | None = None, communicate: bool = True) -> MoECall:
         """The settings of a call with these overrides (None / ...: the layer's), checked.
         `communicate=False` is for benchmarks only (see `MoECall`)."""
-        call = self.default_call().with_overrides(top_k=top_k, capacity_factor=capacity_factor,
-                                                  overlap_degree=overlap_degree, a2a_algo=a2a_algo, parallel_r=parallel,
-                                                  communicate=communicate)
-        if call != self.default_call():
-            self._check(call)
+        overrides = (top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate)
+        return self._usable(resolve_call(self._defaults, overrides, self._shape()))
+
+    def _usable(self, call: MoECall) -> MoECall:
+        """`call`, unless it needs 2DH groups this layer did not build (at construction: a collective)."""
+        if call.a2a_algo != "linear" and self.placement.groups_2dh is None:
+            raise ValueError(f"a2a_algo={call.a2a_algo!r} needs a layer built with a2a_algo '2dh' or 'auto'")
         return call
 
+    def _shape(self) -> tuple:
+        return self.num_experts, self.gate, self.hidden_dim, self.expert_shards, self.parallel, self.ep_size
+
     def _check(self, call: MoECall) -> None:
-        args = (call, self.num_experts, self.gate, self.hidden_dim, self.expert_shards, self.parallel, self.ep_size)
-        try:
-            hash(call)
-        except TypeError:  # an unhashable value (e.g. a list): check uncached, naming the field
-            return _checked.__wrapped__(*args)
-        _checked(*args)
+        check_settings(call, *self._shape())
 
     def parallel_choices(self) -> list[int]:
         """The r this layer can run: 0 (data parallel) and the divisors of W / E (1 when E >= W)."""
@@ -251,12 +258,3 @@ class MoE(nn.Module):
             raise TypeError(f"MoE input must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
-
-
-@functools.lru_cache(maxsize=1024)
-def _checked(call: MoECall, num_experts: int, gate: str, hidden_dim: int, shards: int, parallel: str,
-             ep_size: int) -> None:
-    """The checks of a call's settings (pure: a call that passed once passes again, so benchmarks
-    and models that pass the same overrides every step check them once)."""
-    check_call(call, num_experts, gate, hidden_dim, shards, parallel)
-    check_parallel_r(call.parallel_r, parallel, parallel_choices(shards), num_experts, ep_size, shards)

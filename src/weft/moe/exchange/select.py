@@ -2,7 +2,7 @@
 r) to a strategy, and the settings a tuned ("auto") call may choose from (Tutel 3.3)."""
 from __future__ import annotations
 
-from weft.moe.config import MoECall
+from weft.moe.config import MoECall, parallel_choices
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.exchange.data_parallel import DataParallelExperts
@@ -62,11 +62,6 @@ def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, n
     if free_r and ep_size > 1:
         found.append(Setting(1, "linear", 0))
     return found
-
-
-def parallel_choices(expert_shards: int) -> list[int]:
-    """The r a layer can run: 0 (data parallel) and the divisors of m = W / E (1 when E >= W)."""
-    return [0] + [r for r in range(1, expert_shards + 1) if expert_shards % r == 0]
 
 
 def is_tuned(call: MoECall, parallel: str, ep_size: int) -> bool:
