@@ -6,12 +6,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from weft.cli import main
+from weft.distributed import MoEGroups
+from weft.models import GPT, GPTConfig
 from weft.testing import run_distributed
 from weft.train.config import TrainConfig, load_toml
 from weft.train.generate import generate_from_checkpoint
-from weft.train.loop import train
+from weft.train.loop import sample, train
 from weft.train.plots import plot_run
 
 SMALL_MODEL = {"dim": 32, "n_layer": 2, "n_head": 2, "block_size": 32, "num_experts": 4,
@@ -78,6 +81,20 @@ def test_checkpoint_of_two_ranks_samples_in_one_process(corpus, tmp_path):
     a = generate_from_checkpoint(out, "def ", 30, seed=1)
     b = generate_from_checkpoint(out / "checkpoints" / "step_10", "def ", 30, seed=1)
     assert a == b and a.startswith("def ") and len(a) >= 4
+
+
+@pytest.mark.parametrize("gate, dropless", [("topk", True), ("expert_choice", False)])
+def test_sample_runs_token_choice_dropless_for_the_call_only(gate, dropless):
+    """Sampling passes capacity_factor=None per call (token choice only) and writes no layer setting."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**SMALL_MODEL, moe_every=1, gate=gate, capacity_factor=1.0))
+    before = [moe.capacity_factor for moe in model.moe_layers()]
+    text = sample(model, "def ", 5, torch.device("cpu"), MoEGroups(None, None, None, 1, 1))
+    assert text.startswith("def ")
+    assert [moe.capacity_factor for moe in model.moe_layers()] == before
+    assert all((moe.stats.capacity is None) == dropless for moe in model.moe_layers())
+    model(torch.zeros(1, 8, dtype=torch.long))
+    assert all(moe.stats.capacity is not None for moe in model.moe_layers())
 
 
 def test_toml_config_maps_onto_the_dataclasses(tmp_path):
