@@ -137,3 +137,24 @@ def test_a_rank_without_tokens_gets_finite_losses():
     moe = MoE(8, 8, 4, capacity_factor=None)
     y = moe(torch.randn(0, 8))
     assert y.shape == (0, 8) and float(moe.aux_loss) == 0.0 and float(moe.z_loss) == 0.0
+
+
+@pytest.mark.parametrize("gate", ["topk", "bpr", "cosine", "random", "expert_choice"])
+def test_every_gate_handles_an_empty_batch(gate):
+    moe = MoE(8, 16, 4, gate=gate, capacity_factor=1.0)
+    x = torch.randn(0, 8, requires_grad=True)
+    y = moe(x)
+    y.sum().backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8) and int(moe.stats.dropped) == 0
+
+
+@pytest.mark.parametrize("capacity_factor", [1e6, 1e30, -1e30])
+def test_capacity_never_exceeds_the_token_count(capacity_factor):
+    """A token routes to an expert once, so capacity beyond T is never used: it is capped at T
+    (1e6 on 16 tokens sized 8,000,000 slots; 1e30 overflowed) with the same output as no-drop."""
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=2, capacity_factor=capacity_factor)
+    x = torch.randn(16, 8)
+    y = moe(x)
+    assert moe.stats.capacity <= 16 and int(moe.stats.dropped) == 0
+    assert torch.equal(y, moe(x, capacity_factor=0))

@@ -49,14 +49,20 @@ def ceil_exact(value: float) -> int:
 
 
 def capacity_bound(top_k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
-    """The one capacity formula: max(1, ceil(k * |cf| * T / E)) slots per expert per source rank.
+    """The one capacity formula: max(1, ceil(k * |cf| * T / E)) slots per expert per source rank,
+    at most T: a token routes to an expert once, so a position is always below T and a larger
+    capacity would only size buffers that stay empty (cf = 1e6 on 16 tokens: 8,000,000 rows).
     Every user (the router, Lancet's carried capacity, the profiler, expert choice) calls this."""
-    return max(1, ceil_exact(top_k * abs(capacity_factor) * num_tokens / num_experts))
+    share = top_k * abs(capacity_factor) / num_experts
+    if share >= 1:  # ceil(share * T) >= T: no float product to overflow or round
+        return max(1, num_tokens)
+    return max(1, min(num_tokens, ceil_exact(share * num_tokens)))
 
 
 def expert_choice_capacity(k: int, capacity_factor: float, num_tokens: int, num_experts: int) -> int:
-    """Tokens each expert takes under expert choice: ceil(k * cf * T / E), within [1, T]."""
-    return max(1, min(num_tokens, capacity_bound(k, capacity_factor, num_tokens, num_experts)))
+    """Tokens each expert takes under expert choice: ceil(k * cf * T / E), within [1, T] (0 for an
+    empty batch: no expert can take a token)."""
+    return min(num_tokens, capacity_bound(k, capacity_factor, num_tokens, num_experts))
 
 
 def capacity_for(
