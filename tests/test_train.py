@@ -3,15 +3,17 @@ one process for sampling, and the CLI rejects bad arguments with clear messages.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from weft.cli import main
+from weft.cli import launch, main
 from weft.distributed import MoEGroups
 from weft.models import GPT, GPTConfig
 from weft.testing import run_distributed
+from weft.train.checkpoint import latest_checkpoint
 from weft.train.config import TrainConfig, load_toml
 from weft.train.generate import generate_from_checkpoint
 from weft.train.loop import sample, train
@@ -138,3 +140,59 @@ def test_cli_refuses_to_overwrite_a_run(corpus, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--data", str(corpus), "--out", str(tmp_path / "run")])
     assert "already holds a run; pass --resume" in capsys.readouterr().err
+
+
+def poisoned_train(cfg: TrainConfig, bad_step: int) -> dict:
+    """`train` whose loss is NaN at `bad_step` only (a diverged step), on every rank."""
+    from weft.train import loop
+
+    real_step = loop._train_step
+
+    def train_step(model, optimizer, batches, step, *args, **kwargs):
+        if step != bad_step:
+            return real_step(model, optimizer, batches, step, *args, **kwargs)
+        real_forward = model.forward
+
+        def forward(*a, **k):
+            logits, loss = real_forward(*a, **k)
+            return logits, loss * float("nan")
+        model.forward = forward
+        try:
+            return real_step(model, optimizer, batches, step, *args, **kwargs)
+        finally:
+            del model.forward
+
+    loop._train_step = train_step
+    return loop.train(cfg)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def test_a_diverged_step_stops_the_run_before_the_optimizer_step(corpus, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    cfg = config(corpus, out, steps=6, ckpt_interval=2, eval_interval=100)
+    monkeypatch.setenv("WEFT_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(SystemExit) as stop:
+        launch(poisoned_train, (cfg, 3), nproc=2, device="cpu")
+    assert str(stop.value).startswith("weft: error: step 3: the gradient norm is nan")
+    assert "\n" not in str(stop.value)  # one line, not a worker's traceback
+    assert [r["step"] for r in _rows(out)] == [1, 2]  # nothing logged for the bad step
+    assert latest_checkpoint(out).name == "step_2"  # the last good state stays the latest
+
+
+def test_on_nonfinite_skip_skips_the_step_and_trains_on(corpus, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(corpus, out, steps=5, ckpt_interval=5, eval_interval=100, on_nonfinite="skip")
+    run_distributed(poisoned_train, 2, args=(cfg, 3), timeout=300, env={"WEFT_CACHE": str(tmp_path / "cache")})
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["skipped"] for r in rows] == [False, False, True, False, False]
+    assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
+
+
+@pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")), ("grad_clip", float("inf"))])
+def test_non_finite_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"train.{field} must be finite"):
+        TrainConfig(**{field: value}).validate()

@@ -22,11 +22,11 @@ from weft.bench import model as bench_model
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, positive_int
-from weft.launch import run_distributed
+from weft.launch import WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.config import TrainConfig, load_toml
 from weft.train.generate import generate_from_checkpoint
-from weft.train.loop import check_run_dir, train
+from weft.train.loop import TrainingStopped, check_run_dir, train
 from weft.train.plots import plot_run
 
 
@@ -41,7 +41,14 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None =
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("weft: error: --device cuda but no CUDA GPU is visible")
     world = torch.cuda.device_count() if use_cuda else nproc
-    return run_distributed(fn, world, args=args, timeout=None, backend="nccl" if use_cuda else "gloo")[0]
+    try:
+        return run_distributed(fn, world, args=args, timeout=None, backend="nccl" if use_cuda else "gloo")[0]
+    except WorkerError as e:  # a run that stopped on purpose says why in one line, not a traceback
+        stopped = [line for line in str(e).splitlines() if line.startswith(f"{TrainingStopped.__module__}.")
+                   or line.startswith(f"{TrainingStopped.__name__}:")]
+        if stopped:
+            raise SystemExit(f"weft: error: {stopped[-1].split(': ', 1)[1]}") from None
+        raise
 
 
 def _run_config(module_run: Callable, config_cls: type):
@@ -69,7 +76,7 @@ def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
     try:
         cfg = load_toml(ns.config) if ns.config else TrainConfig()
         for name in ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                     "overlap"):
+                     "overlap", "on_nonfinite"):
             value = getattr(ns, name)
             if value is not None:
                 setattr(cfg, name, value)
@@ -151,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ep-size", type=positive_int, default=None, help="expert-parallel group size")
     tr.add_argument("--seed", type=int, default=None)
     tr.add_argument("--sample-tokens", type=int, default=None, help="length of the text sample at the end")
+    tr.add_argument("--on-nonfinite", default=None, choices=["stop", "skip"],
+                    help="a NaN/inf loss or gradient: stop the run with an error (default) or skip that step")
     tr.add_argument("--overlap", default=None, choices=["none", "tutel", "lancet"],
                     help="communication overlap: none (default), tutel (tuned pipelining degree per MoE layer), "
                          "lancet (dW scheduling + partitioned forward, planned at start)")
@@ -195,7 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(argv)
     try:
-        ns.run(ns, ns.parser)
+        try:
+            ns.run(ns, ns.parser)
+        except TrainingStopped as e:  # under torchrun: this process's own run stopped
+            raise SystemExit(f"weft: error: {e}") from None
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # nobody tears down while a peer is still inside a collective
     finally:

@@ -6,6 +6,7 @@ with GPTConfig fields that override the preset (`capacity_factor = "dropless"` m
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ class TrainConfig:
     overlap: str = "none"  # none, tutel (tuned pipelining degree) or lancet (weft.overlap.optimize)
     sample_tokens: int = 200
     sample_prompt: str = "def "
+    on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else (self.betas,)
@@ -79,8 +81,13 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
         if self.overlap not in ("none", "tutel", "lancet"):
             raise ValueError(f"train.overlap must be 'none', 'tutel' or 'lancet', got {self.overlap!r}")
+        for name in numbers:
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"train.{name} must be finite, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.grad_clip < 0:

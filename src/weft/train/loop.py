@@ -26,6 +26,11 @@ from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
 
 
+class TrainingStopped(RuntimeError):
+    """The run cannot go on (e.g. its loss or gradients are no longer finite); the message says
+    why, at which step, and what was kept."""
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at step
     `lr_decay_steps` (default: the last step)."""
@@ -250,7 +255,15 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
             dropped += moe.stats.dropped.float()
     reduce_gradients(model, groups)
     grad_norm = clip_gradients(model, cfg.grad_clip, groups)
-    optimizer.step()
+    # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
+    # the same decision; a NaN/inf loss on any rank makes it non-finite too.
+    finite = math.isfinite(grad_norm)
+    if not finite and cfg.on_nonfinite == "stop":
+        raise TrainingStopped(
+            f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped before the optimizer "
+            f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
+    if finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
     world = group_size(groups.dp)
@@ -258,8 +271,11 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     slots = stats[4:].sum().clamp_min(1)
     counts = stats[4:].view(len(moes), -1)
     mean = counts.mean(1).clamp_min(1e-9)
+    if finite and not math.isfinite(float(stats[0])) and cfg.on_nonfinite == "stop":
+        raise TrainingStopped(f"step {step}: the loss is {float(stats[0])}; stopped (the optimizer step was taken: "
+                              "resume from the latest checkpoint with a lower train.lr)")
     return {
         "loss": float(stats[0]), "ce_loss": float(stats[1]), "aux_loss": float(stats[2]),
-        "grad_norm": grad_norm, "dropped_share": float(stats[3] / slots),
+        "grad_norm": grad_norm, "skipped": not finite, "dropped_share": float(stats[3] / slots),
         "expert_load": counts.long().tolist(), "imbalance": (counts.max(1).values / mean).tolist(),
     }
