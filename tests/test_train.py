@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from weft.cli import launch, main
+from weft.cli import _train_config, build_parser, launch, main
 from weft.distributed import MoEGroups
 from weft.models import GPT, GPTConfig
 from weft.testing import run_distributed
@@ -196,3 +196,43 @@ def test_on_nonfinite_skip_skips_the_step_and_trains_on(corpus, tmp_path):
 def test_non_finite_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"train.{field} must be finite"):
         TrainConfig(**{field: value}).validate()
+
+
+def _cli_config(argv: list[str]) -> TrainConfig:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return _train_config(ns, ns.parser)
+
+
+def test_resume_continues_the_saved_configuration(corpus, tmp_path, capsys):
+    """--resume takes the run's saved settings, not the defaults; a change to what the model learns
+    is refused unless --override, which config.json then records."""
+    out = tmp_path / "run"
+    run(config(corpus, out, steps=4, batch_size=4, lr=1e-3, seed=7, ckpt_interval=2), 2, tmp_path / "cache")
+    resumed = _cli_config(["train", "--out", str(out), "--resume", "--steps", "6"])
+    assert (resumed.lr, resumed.batch_size, resumed.seed, resumed.data, resumed.steps) == (1e-3, 4, 7, str(corpus), 6)
+    assert resumed.model_config().dim == SMALL_MODEL["dim"]
+    with pytest.raises(SystemExit):
+        _cli_config(["train", "--out", str(out), "--resume", "--lr", "0.01", "--seed", "8"])
+    err = capsys.readouterr().err
+    assert "changes the run's saved configuration (lr 0.001 -> 0.01, seed 7 -> 8)" in err and "--override" in err
+    changed = _cli_config(["train", "--out", str(out), "--resume", "--lr", "0.01", "--override"])
+    assert changed.lr == 0.01 and changed.batch_size == 4
+    run(changed, 2, tmp_path / "cache")
+    doc = json.loads((out / "config.json").read_text())
+    assert doc["train"]["lr"] == 0.01
+    assert doc["history"] == [{"resumed_at_step": 4, "changed": {"lr": [0.001, 0.01]}}]
+
+
+def test_a_fresh_run_never_writes_over_a_foreign_config_or_a_file(corpus, tmp_path, capsys):
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "config.json").write_text('{"some": "other tool"}')
+    with pytest.raises(SystemExit):
+        _cli_config(["train", "--out", str(out), "--data", str(corpus)])
+    assert "config.json is not a weft run configuration" in capsys.readouterr().err
+    assert (out / "config.json").read_text() == '{"some": "other tool"}'
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit):
+        _cli_config(["train", "--out", str(tmp_path / "afile"), "--data", str(corpus)])
+    assert "is a file, not a folder" in capsys.readouterr().err

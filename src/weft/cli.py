@@ -7,6 +7,7 @@ world torchrun made (any number of nodes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, positive_int
 from weft.launch import WorkerError, run_distributed
 from weft.overlap import run as overlap_run
-from weft.train.config import TrainConfig, load_toml
+from weft.train.config import FREE_ON_RESUME, TrainConfig, config_changes, load_toml, read_run_config
 from weft.train.generate import generate_from_checkpoint
 from weft.train.loop import TrainingStopped, check_run_dir, train
 from weft.train.plots import plot_run
@@ -72,17 +73,19 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
     return parser
 
 
+_TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
+                "overlap", "on_nonfinite", "sample_tokens")
+
+
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
     try:
         cfg = load_toml(ns.config) if ns.config else TrainConfig()
-        for name in ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                     "overlap", "on_nonfinite"):
-            value = getattr(ns, name)
-            if value is not None:
-                setattr(cfg, name, value)
+        given = {name: getattr(ns, name) for name in _TRAIN_FLAGS if getattr(ns, name) is not None}
+        for name, value in given.items():
+            setattr(cfg, name, value)
         cfg.resume = cfg.resume or ns.resume
-        if ns.sample_tokens is not None:
-            cfg.sample_tokens = ns.sample_tokens
+        if cfg.resume:
+            cfg = _resumed_config(cfg, given, ns)
         if cfg.data is not None and not Path(cfg.data).exists():
             raise FileNotFoundError(f"--data {cfg.data} does not exist")
         cfg.validate()
@@ -91,6 +94,26 @@ def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     return cfg
+
+
+def _resumed_config(cfg: TrainConfig, given: dict, ns: argparse.Namespace) -> TrainConfig:
+    """--resume continues the run's saved configuration: the settings this command names replace
+    the saved ones, and a change to what the model learns (data, lr, seed, model fields, ...) is
+    refused unless --override says so (the run's config.json then records it)."""
+    saved = read_run_config(cfg.run_dir)
+    if saved is None:  # nothing saved yet: this command's settings start the run
+        return cfg
+    base = TrainConfig.from_dict({**saved["train"], "model": saved["train"].get("model", {})})
+    explicit = dict(given)
+    if ns.config:  # a TOML file names its settings too
+        explicit.update({k: v for k, v in cfg.to_dict().items() if k != "resume"})
+    resumed = dataclasses.replace(base, **explicit, resume=True)
+    guarded = {k: v for k, v in config_changes(base, resumed).items() if k not in FREE_ON_RESUME}
+    if guarded and not ns.override:
+        listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in guarded.items())
+        raise ValueError(f"--resume: this command changes the run's saved configuration ({listed}); "
+                         "pass --override to continue with the new values (recorded in config.json)")
+    return resumed
 
 
 def _check_world(cfg, nproc: int) -> None:
@@ -150,7 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: the Python standard library's source)")
     tr.add_argument("--out", default=None, help="run folder (default runs/<preset>)")
     add_arguments(tr, LaunchConfig)
-    tr.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint")
+    tr.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint, with "
+                    "the run's saved configuration (flags given replace it; see --override)")
+    tr.add_argument("--override", action="store_true", help="with --resume: allow flags that change what the "
+                    "model learns (data, lr, seed, model, ...); config.json records the change")
     tr.add_argument("--config", default=None, help="TOML file with [train] and [model] tables")
     tr.add_argument("--batch-size", type=positive_int, default=None, help="sequences per rank per micro-step")
     tr.add_argument("--grad-accum", type=positive_int, default=None)

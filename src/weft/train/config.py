@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from weft.jsonfile import read_json
 from weft.models import GPTConfig, get_preset
 
 if sys.version_info >= (3, 11):
@@ -125,3 +126,39 @@ def load_toml(path: str | Path) -> TrainConfig:
     values = dict(doc.get("train", {}))
     values["model"] = {**values.get("model", {}), **doc.get("model", {})}
     return TrainConfig.from_dict(values)
+
+
+# Settings a resumed run may change without --override: they do not change what the model
+# learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
+FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
+                            "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out"})
+
+
+def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
+    """The configuration a run folder's `config.json` holds ({"train": ..., "model": ..., maybe
+    "history": [...]}), None if there is none; ValueError if the file is not a weft run's."""
+    path = Path(run_dir) / "config.json"
+    if not path.exists():
+        return None
+    try:
+        doc = read_json(path, f"{path} does not exist")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"{path} is not a weft run configuration ({e}); choose another --out") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict) or not isinstance(doc.get("model"), dict):
+        raise ValueError(f"{path} is not a weft run configuration (no train and model tables); choose another --out")
+    return doc
+
+
+def config_changes(saved: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:
+    """{setting: (saved, new)} for every setting that differs, model fields as `model.NAME`
+    (compared on the resolved model configuration, so a preset and its fields compare alike)."""
+    changes: dict[str, tuple[Any, Any]] = {}
+    before, after = saved.to_dict(), new.to_dict()
+    for name in before:
+        if name != "model" and before[name] != after[name]:
+            changes[name] = (before[name], after[name])
+    model_before, model_after = saved.model_config().to_dict(), new.model_config().to_dict()
+    for name in model_before:
+        if model_before[name] != model_after[name]:
+            changes[f"model.{name}"] = (model_before[name], model_after[name])
+    return changes

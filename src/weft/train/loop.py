@@ -21,7 +21,7 @@ from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import optimize
 from weft.precision import training_autocast
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from weft.train.config import TrainConfig
+from weft.train.config import TrainConfig, config_changes, read_run_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
 
@@ -132,12 +132,32 @@ def token_cache_dir() -> Path:
 
 
 def check_run_dir(cfg: TrainConfig) -> None:
-    """Refuse to start a fresh run over an existing one: nothing written is lost."""
+    """Refuse to start a fresh run over an existing one, or to write over a config.json that is
+    not a weft run's: nothing written is lost."""
     run_dir = cfg.run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--out {run_dir} is a file, not a folder")
     if not cfg.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
         raise ValueError(
             f"{run_dir} already holds a run; pass --resume to continue it or --out to start a new one"
         )
+    read_run_config(run_dir)  # ValueError for a config.json that is not a weft run's
+
+
+def _write_run_config(run_dir: Path, cfg: TrainConfig, start: int) -> None:
+    """config.json: the run's configuration, and under "history" every change a resume made to it
+    (with --override), atomically (a crash leaves the old file or the new one)."""
+    saved = read_run_config(run_dir)
+    history = list(saved.get("history", [])) if saved else []
+    if saved is not None and cfg.resume:
+        before = TrainConfig.from_dict({**saved["train"], "model": saved["train"].get("model", {})})
+        changed = {k: list(v) for k, v in config_changes(before, cfg).items() if k not in ("resume",)}
+        if changed:
+            history.append({"resumed_at_step": start, "changed": changed})
+    doc = {"train": cfg.to_dict(), "model": cfg.model_config().to_dict(), "history": history}
+    tmp = run_dir / f".config.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(doc, indent=2))
+    os.replace(tmp, run_dir / "config.json")
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -168,8 +188,7 @@ def train(cfg: TrainConfig) -> dict:
               flush=True)
     log = MetricsLog(run_dir / "metrics.jsonl") if ctx.rank == 0 else None
     if ctx.rank == 0:
-        (run_dir / "config.json").write_text(json.dumps(
-            {"train": cfg.to_dict(), "model": model_cfg.to_dict()}, indent=2))
+        _write_run_config(run_dir, cfg, start)
         print(f"weft train: {cfg.preset} ({model.num_parameters() / 1e6:.2f}M params, "
               f"{model.num_parameters(active_only=True) / 1e6:.2f}M active) on {ctx.world_size} x {device.type}"
               f"{'' if groups.ep_size == 1 else f', expert parallel over {groups.ep_size}'}; "
