@@ -252,7 +252,9 @@ def test_a_crash_while_publishing_keeps_the_previous_checkpoint(tmp_path, monkey
     with pytest.raises(CheckpointError, match="step_2 was not saved.*disk gone"):
         save_checkpoint(tmp_path, 2, model, opt, groups, {"step": 2})
     monkeypatch.undo()
-    assert (tmp_path / "checkpoints" / ".step_2.tmp" / "manifest.json").is_file()
+    # A failure weft sees removes the partial folder (a full disk must not stay full); a process
+    # killed mid-publish leaves it, and the next save of that step clears it.
+    assert not (tmp_path / "checkpoints" / ".step_2.tmp").exists()
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"
     assert load_checkpoint(latest_checkpoint(tmp_path), model, opt, groups) == {"step": 1}
 
@@ -322,3 +324,26 @@ def test_a_model_of_another_shape_is_refused(one_process, overrides, message):
     model, opt = build(groups, seed=1, **overrides)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(latest_checkpoint(one_process), model, opt, groups)
+
+
+def test_a_failed_save_removes_its_partial_folder_and_says_why(tmp_path, monkeypatch):
+    """A full disk mid-save (torch reports 'unexpected pos'): a clear error naming the free space and
+    the latest complete checkpoint, and no partial `.step_N.tmp` left to keep the disk full."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    groups = build_moe_groups()
+    save_checkpoint(tmp_path, 1, model, None, groups)
+    real_save = torch.save
+
+    def full_disk(obj, f, *args, **kwargs):
+        real_save({"partial": torch.zeros(1000)}, f)
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 4096 vs 4030")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    with pytest.raises(CheckpointError) as failed:
+        save_checkpoint(tmp_path, 2, model, None, groups)
+    message = str(failed.value)
+    assert "unexpected pos" in message and "MiB free" in message
+    assert "partial checkpoint was removed; the latest complete checkpoint is step_1" in message
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+    assert latest_checkpoint(tmp_path).name == "step_1"

@@ -207,10 +207,21 @@ def save_checkpoint(
         raise TypeError(f"extra must be JSON-serialisable (it goes into {MANIFEST}): {e}") from None
     root, rank = Path(run_dir) / "checkpoints", _world()[0]
     tmp, final = root / f".step_{step}.tmp", root / f"step_{step}"
-    _on_every_rank(lambda: _fresh_folder(tmp) if rank == 0 else None, final, "create its folder")
-    gathered = _on_every_rank(lambda: _write_rank_files(tmp, model, optimizer, groups), final, "write its files")
-    manifest = _manifest(step, groups.ep_size, extra, gathered)
-    _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, final, "publish it")
+    try:
+        _on_every_rank(lambda: _fresh_folder(tmp) if rank == 0 else None, final, "create its folder")
+        gathered = _on_every_rank(lambda: _write_rank_files(tmp, model, optimizer, groups), final, "write its files")
+        manifest = _manifest(step, groups.ep_size, extra, gathered)
+        _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, final, "publish it")
+    except CheckpointError as e:
+        # Every rank gets here together (the errors are gathered). Remove the partial folder, so a
+        # full disk is not kept full by it, and say where the run stands.
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free
+        latest = latest_checkpoint(run_dir)
+        raise CheckpointError(f"{e}; {free / 2**20:.0f} MiB free on the disk holding {root} (a full disk shows as "
+                              f"'unexpected pos' or 'No space left'); the partial checkpoint was removed; the latest "
+                              f"complete checkpoint is {latest.name if latest else 'none'}") from None
     return final
 
 
