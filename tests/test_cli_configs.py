@@ -77,6 +77,8 @@ def test_model_plan_comm_and_tune_command_lines():
     (["bench", "model", "--modes", "none,fast"], "--modes 'none,fast'"),
     (["bench", "comm", "--collectives", "broadcast"], "unknown collective(s) ['broadcast']"),
     (["tune", "--capacity", "0"], "--capacity must be a positive capacity factor"),
+    (["tune", "--capacity", "nan"], "--capacity must be a positive capacity factor"),
+    (["bench", "comm", "--sizes", "-5"], "--sizes must be positive byte counts"),
     (["plan", "--preset", "nope"], "unknown --preset 'nope'"),
     (["bench", "layer", "--steps", "0"], "must be a positive integer"),
     (["bench", "layer", "--capacity", "lots"], "capacity factors are numbers or 'dropless'"),

@@ -28,7 +28,7 @@ class TuneConfig:
     def validate(self) -> None:
         if self.config not in CONFIGS:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(CONFIGS)}")
-        if self.capacity is None or self.capacity <= 0:
+        if self.capacity is None or not self.capacity > 0 or self.capacity == float("inf"):  # nan and inf too
             raise ValueError("--capacity must be a positive capacity factor (tuning applies to the padded modes)")
 
 
