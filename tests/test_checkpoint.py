@@ -292,7 +292,21 @@ CORRUPTIONS = {
     "grown file": ("model.pt", lambda p: p.write_bytes(p.read_bytes() + b"x"), "model.pt has .* bytes"),
     "truncated manifest": ("manifest.json", lambda p: p.write_text(p.read_text()[:40]), "manifest.json is unreadable"),
     "no manifest": ("manifest.json", Path.unlink, "manifest.json is missing"),
+    "edited step": ("manifest.json", lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 9')),
+                    "manifest.json does not match its checksum"),
 }
+
+
+def test_a_manifest_from_before_the_checksum_still_loads(two_ranks, tmp_path):
+    path = tmp_path / "step_2"
+    shutil.copytree(latest_checkpoint(two_ranks), path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["sha256"]
+    (path / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=1)
+    load_checkpoint(path, model, opt, groups)  # format 1: no checksum to check, loads as before
+    assert verify_checkpoint(path)["step"] == 2
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)

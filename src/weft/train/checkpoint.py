@@ -2,7 +2,8 @@
 
     RUN_DIR/checkpoints/step_N/
       manifest.json               written last: format version, step, world_size, ep_size, extra,
-                                  expert range of every shard file, size + sha256 of every file
+                                  expert range of every shard file, size + sha256 of every file,
+                                  and the sha256 of the manifest's own content (format 2)
       model.pt                    non-expert entries of model.state_dict()          (global rank 0)
       optim.pt                    optimizer state of non-expert parameters by name and the
                                   param_groups, parameters named                    (global rank 0)
@@ -37,7 +38,7 @@ from weft.moe.experts import Experts
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest carries the sha256 of its own content; 1 (older) loads unchecked
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
 Pieces = list[tuple[str, int, int]]  # (shard file, start, stop) in the shard's own expert indices
@@ -165,10 +166,17 @@ def _manifest(step: int, ep_size: int, extra: dict, gathered: list) -> dict[str,
         files |= rank_files
         for module, (shard, span) in rank_ranges.items():
             experts.setdefault(module, {})[shard] = span
-    return {
+    manifest = {
         "format_version": FORMAT_VERSION, "step": step, "world_size": len(gathered), "ep_size": ep_size,
         "extra": extra, "experts": experts, "files": dict(sorted(files.items())),
     }
+    return {**manifest, "sha256": _content_sha256(manifest)}
+
+
+def _content_sha256(manifest: dict[str, Any]) -> str:
+    """sha256 of a manifest's fields other than "sha256", as canonical JSON."""
+    content = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
 def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
@@ -289,8 +297,11 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     required = ("format_version", "step", "world_size", "ep_size", "extra", "experts", "files")
     if not isinstance(manifest, dict) or any(k not in manifest for k in required):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks one of the fields {', '.join(required)}")
-    if manifest["format_version"] != FORMAT_VERSION:
+    if manifest["format_version"] not in (1, FORMAT_VERSION):
         raise CheckpointError(f"checkpoint {path}: format version {manifest['format_version']} is unknown")
+    if manifest["format_version"] >= 2 and manifest.get("sha256") != _content_sha256(manifest):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not match its checksum (it was edited or "
+                              "damaged); refusing to load it")
     return manifest
 
 
