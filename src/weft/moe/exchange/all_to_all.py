@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from weft.comm import all_to_all_counts
 from weft.moe.exchange.base import Exchange, ExchangeContext
 
 
@@ -33,9 +32,7 @@ class AllToAll(Exchange):
         ctx, placement = self.ctx, self.ctx.placement
         if placement.ep_size == 1:
             return ctx.experts.forward_grouped(rows_ND, counts_E.tolist())
-        ep, local = placement.ep_size, placement.num_local
-        recv_counts = all_to_all_counts(counts_E, placement.group) if ctx.communicate else counts_E
-        sent, received = torch.stack([counts_E, recv_counts]).view(2, ep, local).tolist()
+        recv_counts, sent, received = ctx.expert_counts(counts_E)
         send_splits = [sum(r) for r in sent]
         recv_splits = [sum(r) for r in received]
         recv = ctx.all_to_all(rows_ND, recv_splits, send_splits)  # rows by [source][local expert]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weft.comm import all_to_all
+from weft.comm import all_to_all, all_to_all_counts
 from weft.distributed import HierarchicalGroups
 from weft.moe.experts import Experts
 
@@ -78,6 +78,19 @@ class ExchangeContext:
         if output_splits is None and algo == "2dh":
             return all_to_all(x, placement.group, algo="2dh", groups_2dh=placement.groups_2dh)
         return all_to_all(x, placement.group, output_splits, input_splits, scheduler=self.scheduler)
+
+    def counts_from_peers(self, counts: torch.Tensor) -> torch.Tensor:
+        """(W * n,) counts per destination -> the (W * n,) counts each source sends here."""
+        return all_to_all_counts(counts, self.placement.group) if self.communicate else counts
+
+    def expert_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list, list]:
+        """The dropless exchange's counts: the rows this rank receives per (source, local expert)
+        as a flat tensor, and both directions as nested lists, `sent[r][i]` rows to rank r's local
+        expert i and `received[s][i]` rows from rank s for local expert i."""
+        placement = self.placement
+        recv_counts = self.counts_from_peers(counts_E)
+        sent, received = torch.stack([counts_E, recv_counts]).view(2, placement.ep_size, placement.num_local).tolist()
+        return recv_counts, sent, received
 
 
 class Exchange(ABC):

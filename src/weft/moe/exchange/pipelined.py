@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from weft.comm import all_to_all_counts
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.pipeline import dropless_pipelined_exchange, pipelined_exchange
 
@@ -27,7 +26,5 @@ class Pipelined(Exchange):
 
     def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         placement = self.ctx.placement
-        ep, local = placement.ep_size, placement.num_local
-        recv_counts = all_to_all_counts(counts_E, placement.group)
-        sent, received = torch.stack([counts_E, recv_counts]).view(2, ep, local).tolist()
+        _, sent, received = self.ctx.expert_counts(counts_E)
         return dropless_pipelined_exchange(rows_ND, self.ctx.experts, placement.group, sent, received, self.degree)
