@@ -236,3 +236,14 @@ def test_a_fresh_run_never_writes_over_a_foreign_config_or_a_file(corpus, tmp_pa
     with pytest.raises(SystemExit):
         _cli_config(["train", "--out", str(tmp_path / "afile"), "--data", str(corpus)])
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_resume_with_a_toml_file_changes_only_what_the_file_names(corpus, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = config(corpus, out, lr=1e-3, seed=7)
+    (out / "config.json").write_text(json.dumps({"train": saved.to_dict(), "model": saved.model_config().to_dict()}))
+    toml = tmp_path / "more.toml"
+    toml.write_text("[train]\nsteps = 90\n")
+    resumed = _cli_config(["train", "--out", str(out), "--resume", "--config", str(toml)])
+    assert (resumed.steps, resumed.lr, resumed.seed, resumed.batch_size) == (90, 1e-3, 7, saved.batch_size)

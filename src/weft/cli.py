@@ -25,7 +25,14 @@ from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, positive_int
 from weft.launch import WorkerError, run_distributed
 from weft.overlap import run as overlap_run
-from weft.train.config import FREE_ON_RESUME, TrainConfig, config_changes, load_toml, read_run_config
+from weft.train.config import (
+    FREE_ON_RESUME,
+    TrainConfig,
+    config_changes,
+    read_run_config,
+    read_toml,
+    saved_train_config,
+)
 from weft.train.generate import generate_from_checkpoint
 from weft.train.loop import TrainingStopped, check_run_dir, train
 from weft.train.plots import plot_run
@@ -45,10 +52,10 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None =
     try:
         return run_distributed(fn, world, args=args, timeout=None, backend="nccl" if use_cuda else "gloo")[0]
     except WorkerError as e:  # a run that stopped on purpose says why in one line, not a traceback
-        stopped = [line for line in str(e).splitlines() if line.startswith(f"{TrainingStopped.__module__}.")
-                   or line.startswith(f"{TrainingStopped.__name__}:")]
+        prefix = f"{TrainingStopped.__module__}.{TrainingStopped.__qualname__}: "  # the traceback's last line
+        stopped = [line.removeprefix(prefix) for line in str(e).splitlines() if line.startswith(prefix)]
         if stopped:
-            raise SystemExit(f"weft: error: {stopped[-1].split(': ', 1)[1]}") from None
+            raise SystemExit(f"weft: error: {stopped[-1]}") from None
         raise
 
 
@@ -79,13 +86,13 @@ _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "l
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
     try:
-        cfg = load_toml(ns.config) if ns.config else TrainConfig()
-        given = {name: getattr(ns, name) for name in _TRAIN_FLAGS if getattr(ns, name) is not None}
-        for name, value in given.items():
-            setattr(cfg, name, value)
+        # The settings this command names: the TOML file's, then the flags given.
+        given = read_toml(ns.config) if ns.config else {}
+        given |= {name: getattr(ns, name) for name in _TRAIN_FLAGS if getattr(ns, name) is not None}
+        cfg = TrainConfig.from_dict(given)
         cfg.resume = cfg.resume or ns.resume
         if cfg.resume:
-            cfg = _resumed_config(cfg, given, ns)
+            cfg = _resumed_config(cfg, given, ns.override)
         if cfg.data is not None and not Path(cfg.data).exists():
             raise FileNotFoundError(f"--data {cfg.data} does not exist")
         cfg.validate()
@@ -96,20 +103,17 @@ def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
     return cfg
 
 
-def _resumed_config(cfg: TrainConfig, given: dict, ns: argparse.Namespace) -> TrainConfig:
-    """--resume continues the run's saved configuration: the settings this command names replace
-    the saved ones, and a change to what the model learns (data, lr, seed, model fields, ...) is
-    refused unless --override says so (the run's config.json then records it)."""
+def _resumed_config(cfg: TrainConfig, given: dict, override: bool) -> TrainConfig:
+    """--resume continues the run's saved configuration: the settings this command names (`given`)
+    replace the saved ones, and a change to what the model learns (data, lr, seed, model fields,
+    ...) is refused unless --override says so (the run's config.json then records it)."""
     saved = read_run_config(cfg.run_dir)
     if saved is None:  # nothing saved yet: this command's settings start the run
         return cfg
-    base = TrainConfig.from_dict({**saved["train"], "model": saved["train"].get("model", {})})
-    explicit = dict(given)
-    if ns.config:  # a TOML file names its settings too
-        explicit.update({k: v for k, v in cfg.to_dict().items() if k != "resume"})
-    resumed = dataclasses.replace(base, **explicit, resume=True)
+    base = saved_train_config(saved)
+    resumed = dataclasses.replace(base, **{k: v for k, v in given.items() if k != "resume"}, resume=True)
     guarded = {k: v for k, v in config_changes(base, resumed).items() if k not in FREE_ON_RESUME}
-    if guarded and not ns.override:
+    if guarded and not override:
         listed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in guarded.items())
         raise ValueError(f"--resume: this command changes the run's saved configuration ({listed}); "
                          "pass --override to continue with the new values (recorded in config.json)")

@@ -113,6 +113,11 @@ class TrainConfig:
 
 def load_toml(path: str | Path) -> TrainConfig:
     """A TrainConfig from a TOML file with `[train]` and `[model]` tables."""
+    return TrainConfig.from_dict(read_toml(path))
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The train settings a TOML file names (`[train]`, with `[model]` as its "model" entry)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
@@ -124,8 +129,8 @@ def load_toml(path: str | Path) -> TrainConfig:
     if unknown:
         raise ValueError(f"config file {path}: unknown tables {unknown}; use [train] and [model]")
     values = dict(doc.get("train", {}))
-    values["model"] = {**values.get("model", {}), **doc.get("model", {})}
-    return TrainConfig.from_dict(values)
+    model = {**values.get("model", {}), **doc.get("model", {})}
+    return values | ({"model": model} if model else {})
 
 
 # Settings a resumed run may change without --override: they do not change what the model
@@ -147,6 +152,11 @@ def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict) or not isinstance(doc.get("model"), dict):
         raise ValueError(f"{path} is not a weft run configuration (no train and model tables); choose another --out")
     return doc
+
+
+def saved_train_config(doc: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig of a run folder's configuration (`read_run_config`)."""
+    return TrainConfig.from_dict(doc["train"])
 
 
 def config_changes(saved: TrainConfig, new: TrainConfig) -> dict[str, tuple[Any, Any]]:

@@ -21,7 +21,7 @@ from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import optimize
 from weft.precision import training_autocast
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from weft.train.config import TrainConfig, config_changes, read_run_config
+from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
 
@@ -150,8 +150,7 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, start: int) -> None:
     saved = read_run_config(run_dir)
     history = list(saved.get("history", [])) if saved else []
     if saved is not None and cfg.resume:
-        before = TrainConfig.from_dict({**saved["train"], "model": saved["train"].get("model", {})})
-        changed = {k: list(v) for k, v in config_changes(before, cfg).items() if k not in ("resume",)}
+        changed = {k: list(v) for k, v in config_changes(saved_train_config(saved), cfg).items() if k != "resume"}
         if changed:
             history.append({"resumed_at_step": start, "changed": changed})
     doc = {"train": cfg.to_dict(), "model": cfg.model_config().to_dict(), "history": history}
