@@ -12,6 +12,7 @@ from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_exchange import exchange_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
+from weft import MoE
 from weft.testing import run_checks
 
 pytestmark = pytest.mark.gpu
@@ -80,4 +81,35 @@ def test_data_parallel_experts_equal_expert_parallel_on_nccl():
 def test_fewer_experts_than_ranks_every_r_on_nccl():
     # One expert per GPU pair or fewer: E = W / 2 shards each expert over 2 ranks (r in 0, 1, 2).
     flat = _check_on_every_gpu(sliced_worker, torch.cuda.device_count() // 2)
+    assert not flat, "\n".join(flat[:15])
+
+
+def determinism_worker(dtypes, device) -> list[str]:
+    """Two forward+backward runs of the layer (kernels "auto": Triton on CUDA) on the same input give
+    bitwise equal outputs and gradients, padded and dropless; the torch path's atomics do not promise it."""
+    failures = []
+    rank = torch.distributed.get_rank()
+    for cap in (1.0, None):
+        torch.manual_seed(0)
+        moe = MoE(256, 512, 16, top_k=4, capacity_factor=cap, activation="gelu", dtype=dtypes[0], device=device)
+        gen = torch.Generator(device=device).manual_seed(10 + rank)
+        x = torch.randn(2048, 256, device=device, dtype=dtypes[0], generator=gen)
+        dy = torch.randn(2048, 256, device=device, dtype=dtypes[0], generator=gen)
+        runs = []
+        for _ in range(2):
+            xi = x.clone().requires_grad_()
+            y = moe(xi)
+            y.backward(dy)
+            runs.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
+            moe.zero_grad(set_to_none=True)
+        for i, (a, b) in enumerate(zip(*runs)):
+            if not torch.equal(a, b):
+                failures.append(f"rank {rank} cf={cap}: tensor {i} differs between two runs "
+                                f"(max {float((a.float() - b.float()).abs().max()):.2e})")
+    return failures
+
+
+@needs_cuda
+def test_two_runs_are_bitwise_equal_on_nccl():
+    flat = _check_on_every_gpu(determinism_worker)
     assert not flat, "\n".join(flat[:15])

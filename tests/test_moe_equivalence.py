@@ -58,12 +58,12 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
-def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu") -> list[str]:
+def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto") -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    label = f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize}"
+    label = f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
-              normalize_gates=normalize, cosine_proj_dim=32, device=device)
+              normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels)
     load_shard(moe, full, dtype)
     num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
     gen = torch.Generator().manual_seed(100 + rank)
@@ -129,16 +129,17 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu") ->
     return failures
 
 
-def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu") -> list[str]:
+def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: str = "auto",
+                       activations=ACTIVATIONS) -> list[str]:
     caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
     failures = []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    for cap, k, activation, dtype in itertools.product(caps, TOP_KS, ACTIVATIONS, dtypes):
-        failures += check_case(gate, cap, k, activation, dtype, device=device)
+    for cap, k, activation, dtype in itertools.product(caps, TOP_KS, activations, dtypes):
+        failures += check_case(gate, cap, k, activation, dtype, device=device, kernels=kernels)
     if gate in ("topk", "bpr"):
         for cap in TOKEN_CHOICE_CAPACITIES:
-            failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, device=device)
+            failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, device=device, kernels=kernels)
     return failures
 
 
@@ -156,6 +157,18 @@ def drops_worker() -> int:
 @pytest.mark.parametrize("gate", GATES)
 def test_matches_dense_reference(world_size, gate):
     flat = run_checks(equivalence_worker, world_size, args=(gate,), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.parametrize("gate", ["topk", "bpr", "cosine", "random"])
+def test_triton_kernels_match_dense_reference(world_size, gate, monkeypatch):
+    """kernels="triton" (dispatch and combine by weft.kernels.rows, in Triton's CPU interpreter,
+    which the spawned ranks pick up from the environment when they import Triton)."""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(equivalence_worker, world_size, args=(gate, DTYPES, "cpu", "triton", ("swiglu",)),
+                      timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 

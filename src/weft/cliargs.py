@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser, config_cls: type) -> None:
         meta = f.metadata
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         kwargs: dict[str, Any] = {"default": default, "help": meta.get("help", "")}
+        if f.type in (bool, "bool") and default is False:  # a switch: --name sets it
+            parser.add_argument(flag(f.name), dest=f.name, action="store_true", **kwargs)
+            continue
         if meta.get("parse") is not None:
             kwargs["type"] = meta["parse"]
         if meta.get("choices") is not None:

@@ -21,12 +21,14 @@ from pathlib import Path
 
 import torch
 
+from weft.bench.breakdown import Breakdown, breakdown, format_breakdown
 from weft.bench.peers import build_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
-from weft.bench.trace import profile_decomposition
+from weft.bench.trace import decompose, kernel_intervals, profile_trace
 from weft.cliargs import ACTIVATION_CHOICES, DTYPES, arg, capacity_list, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.moe import MoE
+from weft.profiling import stage
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,11 @@ PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 # device. `dN`: Tutel's pipelining with degree N; `2dh`: Tutel's two-level all-to-all (nodes of
 # LOCAL_WORLD_SIZE ranks); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
 # experts than ranks): N model-parallel slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
-# dictionary picks among them.
+# dictionary picks among them. `torch`: plain with PyTorch's index ops for dispatch and combine (the
+# path before the Triton kernels; `plain` takes the layer's default, "auto").
 MODES: dict[str, dict] = {
     "plain": PLAIN,
+    "torch": {**PLAIN, "kernels": "torch"},
     "no-comm": {**PLAIN, "communicate": False},
     "d2": {**PLAIN, "overlap_degree": 2},
     "d4": {**PLAIN, "overlap_degree": 4},
@@ -111,8 +115,9 @@ class LayerBenchConfig:
     num_experts: int | None = arg(None, "override the config's expert count (fewer than ranks: experts sharded, "
                                   "modes rN)", parse=positive_int)
     top_k: int | None = arg(None, "override the config's top-k", parse=positive_int)
-    modes: tuple[str, ...] = arg(("plain", "no-comm"), "comma-separated: plain, no-comm, d2, d4, d8 (Tutel "
-                                 "pipelining), 2dh (two-level all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 "
+    modes: tuple[str, ...] = arg(("plain", "no-comm"), "comma-separated: plain, torch (plain with torch "
+                                 "dispatch/combine), no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
+                                 "all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), torchtitan, "
                                  "megatron (default plain,no-comm)", parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
@@ -128,6 +133,8 @@ class LayerBenchConfig:
     trace: str | None = arg(None, "folder for Chrome traces of each mode (GPU)")
     profile_steps: int = arg(5, "profiled steps per mode for the time decomposition (GPU; 0: none)",
                              parse=non_negative_int)
+    breakdown: bool = arg(False, "print each mode's GPU time by stage (router, routing, dispatch, all-to-all, "
+                          "experts, combine; forward and backward) and the GPU's idle time, from the profiled steps")
 
     def validate(self) -> None:
         """ValueError naming the flag of the first bad setting."""
@@ -161,7 +168,7 @@ def run(bench: LayerBenchConfig) -> dict:
     results = []
     for cf in bench.capacity:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
-                                   bench.trace, bench.profile_steps, ctx)
+                                   bench.trace, bench.profile_steps, bench.breakdown, ctx)
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
@@ -193,7 +200,7 @@ def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> d
 
 
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
-                    profile_steps, ctx) -> list[dict]:
+                    profile_steps, with_breakdown, ctx) -> list[dict]:
     device = ctx.device
     torch.manual_seed(0)
     moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
@@ -240,15 +247,33 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         q1, row["median_ms"], q3 = quartiles(sample)
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
+    for row, run in zip(timed, runs):
+        row["peak_mib"] = _peak_mib(run, device)
     if device.type == "cuda" and profile_steps > 0:
         for row, run in zip(timed, runs):
-            trace = None
+            path = None
             if trace_dir:
                 cap = "dropless" if cf is None else f"cf{cf:g}"
-                trace = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
+                path = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
             run.switch()
-            row["decomposition"] = profile_decomposition(lambda: run.step(0), profile_steps, trace).to_dict()
+            trace = profile_trace(lambda: run.step(0), profile_steps, path)
+            row["decomposition"] = decompose(*kernel_intervals(trace), steps=profile_steps).to_dict()
+            if with_breakdown:
+                row["breakdown"] = breakdown(trace, profile_steps).to_dict()
     return rows
+
+
+def _peak_mib(run: Run, device: torch.device) -> float | None:
+    """Peak GPU memory (MiB, allocated by torch) of one step of `run`, above what was allocated before it."""
+    if device.type != "cuda":
+        return None
+    run.switch()
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run.step(0)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size):
@@ -276,7 +301,8 @@ def _step_fn(forward, params, inputs, grads, opt) -> Callable[[int], None]:
         x = xs[i % len(xs)]
         forward(x).backward(grads[i % len(grads)])
         if opt is not None:
-            opt.step()
+            with stage("optimizer"):
+                opt.step()
         for p in params:
             p.grad = None
         x.grad = None
@@ -292,7 +318,7 @@ def print_table(report: dict) -> None:
           f"{'' if meta['optimizer'] == 'none' else ' + ' + meta['optimizer']}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
     head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'iqr':>6} {'vs ' + meta['baseline']:>9} {'max err':>9} "
-            f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
+            f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8} {'peak MiB':>9}")
     print(head)
     for r in rows:
         cap = "dropless" if r["capacity_factor"] is None else f"{r['capacity_factor']:g}"
@@ -306,5 +332,10 @@ def print_table(report: dict) -> None:
         comm = f"{d['comm_ms']:.3f}" if d else ""
         exposed = f"{d['comm_only_ms']:.3f}" if d else ""
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
+        peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
-              f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f}{tuned}")
+              f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f} {peak:>9}{tuned}")
+    for r in rows:
+        if r.get("breakdown"):
+            cap = "dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"
+            print(format_breakdown(Breakdown.from_dict(r["breakdown"]), f"\n{r['mode']}, {cap} (rank 0)"))

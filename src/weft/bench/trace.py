@@ -99,17 +99,25 @@ def kernel_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
     return comm, compute
 
 
-def profile_decomposition(step: Callable[[], None], steps: int = 5,
-                          trace_path: str | Path | None = None) -> Decomposition:
-    """Run `step` under the CUDA profiler `steps` times and decompose its GPU time per step."""
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+def profile_trace(step: Callable[[], None], steps: int = 5, trace_path: str | Path | None = None) -> dict:
+    """Run `step` `steps` times under the torch profiler (CPU and, where present, CUDA activity) and
+    return the Chrome trace as a dict (also written to `trace_path` when given)."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(steps):
             step()
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(trace_path) if trace_path else Path(tmp) / "trace.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
-        trace = json.loads(path.read_text())
-    return decompose(*kernel_intervals(trace), steps=steps)
+        return json.loads(path.read_text())
+
+
+def profile_decomposition(step: Callable[[], None], steps: int = 5,
+                          trace_path: str | Path | None = None) -> Decomposition:
+    """Run `step` under the CUDA profiler `steps` times and decompose its GPU time per step."""
+    return decompose(*kernel_intervals(profile_trace(step, steps, trace_path)), steps=steps)

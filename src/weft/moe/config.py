@@ -15,6 +15,7 @@ from weft.moe.experts import ACTIVATIONS
 from weft.moe.gates import GATES
 
 A2A_ALGOS = ("linear", "2dh", "auto")
+KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class MoECall:
     parallel_r: Tutel's r fixed by the call; None lets an "adaptive" layer tune it (r = 1 otherwise).
     communicate: False keeps every row on its rank while the local experts do the same work (the
         no-communication bound benchmarks measure); the output is then NOT the layer's function.
+    kernels: dispatch and combine by "torch" index ops or the "triton" kernels (deterministic);
+        "auto": Triton where it can run (CUDA tensors), torch elsewhere. Same function either way.
     """
 
     top_k: int
@@ -36,6 +39,7 @@ class MoECall:
     a2a_algo: str = "linear"
     parallel_r: int | None = None
     communicate: bool = True
+    kernels: str = "auto"
 
     @property
     def dropless(self) -> bool:
@@ -80,6 +84,8 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
     degree = call.overlap_degree
     if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
         raise ValueError(f"overlap_degree must be a positive integer or 'auto', got {degree!r}")
+    if call.kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {call.kernels!r}; choose 'auto', 'torch' or 'triton'")
     if call.a2a_algo not in A2A_ALGOS:
         raise ValueError(f"unknown a2a_algo {call.a2a_algo!r}; choose 'linear', '2dh' or 'auto'")
     if call.a2a_algo == "2dh" and cf is None:
@@ -126,7 +132,7 @@ def check_settings(call: MoECall, num_experts: int, gate: str, hidden_dim: int, 
 
 def resolve_call(defaults: MoECall, overrides: tuple, shape: tuple) -> MoECall:
     """A call's settings from the layer's and the overrides (top_k, capacity_factor, overlap_degree,
-    a2a_algo, parallel, communicate), checked against the layer's `shape`. Pure, so cached: a model
+    a2a_algo, parallel, communicate, kernels), checked against the layer's `shape`. Pure, so cached: a model
     or benchmark passing the same overrides every step resolves and checks them once."""
     try:
         return _resolve_cached(defaults, overrides, shape)
@@ -137,9 +143,9 @@ def resolve_call(defaults: MoECall, overrides: tuple, shape: tuple) -> MoECall:
 
 
 def _resolve(defaults: MoECall, overrides: tuple, shape: tuple) -> MoECall:
-    top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate = overrides
+    top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate, kernels = overrides
     call = defaults.with_overrides(top_k=top_k, capacity_factor=capacity_factor, overlap_degree=overlap_degree,
-                                   a2a_algo=a2a_algo, parallel_r=parallel, communicate=communicate)
+                                   a2a_algo=a2a_algo, parallel_r=parallel, communicate=communicate, kernels=kernels)
     if call != defaults:
         check_settings(call, *shape)
     return call

@@ -1,12 +1,22 @@
 """Index-based encode (dispatch) and decode (combine), Tutel's fast encode/decode idea.
 
 No (T, E, C) one-hot tensors and no einsum: each kept slot moves one row. Time and memory
-are O(T*k*dim) plus the capacity buffer itself. Autograd differentiates the index ops:
-the gradient of a dispatched row returns to its token, and each gate gets dy . expert_out.
+are O(T*k*dim) plus the capacity buffer itself. Two implementations of the same function:
+
+- `dispatch_padded` / `combine`: PyTorch index ops, differentiated by autograd (the gradient of
+  a dispatched row returns to its token, each gate gets dy . expert_out); the reference, and the
+  CPU path. On GPUs index_add accumulates with atomics: not bitwise reproducible.
+- `dispatch_rows` / `combine_rows` over a `SlotRows` map: the Triton kernels of
+  `weft.kernels.rows`, forward and backward written out, no atomics (deterministic), the
+  combine's float32 sum written straight in the output dtype.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from weft.kernels import rows as row_kernels
 
 
 def dispatch_padded(x: torch.Tensor, tokens: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -37,3 +47,85 @@ def combine(
         picked = torch.where(kept.unsqueeze(1), picked, 0.0)
     out = torch.zeros(num_tokens, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
     return out.index_add(0, tokens, picked)
+
+
+# -- the fast path: Triton row kernels, deterministic (weft.kernels.rows) ----------------------------
+@dataclass(frozen=True)
+class SlotRows:
+    """Where the routed slots' rows sit in the dispatched buffer, in both directions (token
+    choice: k slots per token). `rows_TK[t, j]`: the buffer row of slot (t, j), -1 if dropped;
+    `token_of_row_R[r]`, `slot_of_row_R[r]`: the token and slot id (t * k + j) of row r, -1 for
+    an unused row. Each row holds at most one slot, so every kernel writes each output once."""
+
+    rows_TK: torch.Tensor
+    token_of_row_R: torch.Tensor
+    slot_of_row_R: torch.Tensor
+
+    @classmethod
+    def padded(cls, rows_S: torch.Tensor, kept_S: torch.Tensor | None, token_ids_S: torch.Tensor, num_rows: int,
+               top_k: int) -> SlotRows:
+        """Padded layout: slot i at row rows_S[i] (any value where not kept)."""
+        # Dropped slots write to an extra row that is cut off: no mask indexing (a host sync).
+        target_S = rows_S if kept_S is None else torch.where(kept_S, rows_S, num_rows)
+        token_of_row = torch.full((num_rows + 1,), -1, dtype=torch.long, device=rows_S.device)
+        token_of_row.scatter_(0, target_S, token_ids_S)
+        slot_of_row = torch.full((num_rows + 1,), -1, dtype=torch.long, device=rows_S.device)
+        slot_of_row.scatter_(0, target_S, torch.arange(rows_S.shape[0], device=rows_S.device))
+        rows = target_S.masked_fill(target_S == num_rows, -1)
+        return cls(rows.view(-1, top_k), token_of_row[:num_rows], slot_of_row[:num_rows])
+
+    @classmethod
+    def grouped(cls, order_S: torch.Tensor, token_ids_S: torch.Tensor, top_k: int) -> SlotRows:
+        """Dropless layout: row r holds slot order_S[r] (slots sorted by expert)."""
+        rows = torch.empty_like(order_S)
+        rows[order_S] = torch.arange(order_S.shape[0], device=order_S.device)
+        return cls(rows.view(-1, top_k), token_ids_S.index_select(0, order_S), order_S)
+
+
+class _DispatchRows(torch.autograd.Function):
+    """buffer[r] = x[token_of_row[r]]; backward: dx[t] = sum_j dbuffer[rows[t, j]] (float32 sum)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, token_of_row_R, rows_TK):
+        ctx.save_for_backward(rows_TK)
+        ctx.x_dtype = x_TD.dtype
+        return row_kernels.gather_rows(x_TD, token_of_row_R)
+
+    @staticmethod
+    def backward(ctx, grad_RD):
+        (rows_TK,) = ctx.saved_tensors
+        return row_kernels.weighted_row_sum(grad_RD, rows_TK, None, ctx.x_dtype), None, None
+
+
+class _CombineRows(torch.autograd.Function):
+    """y[t] = sum_j gates[t, j] * out[rows[t, j]] (float32); backward: dout[r] = gate * dy[token of
+    r], dgates[t, j] = dy[t] . out[rows[t, j]]."""
+
+    @staticmethod
+    def forward(ctx, out_RD, gates_TK, slot_rows: SlotRows, out_dtype):
+        ctx.save_for_backward(out_RD, gates_TK)
+        ctx.slot_rows = slot_rows
+        return row_kernels.weighted_row_sum(out_RD, slot_rows.rows_TK, gates_TK, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        out_RD, gates_TK = ctx.saved_tensors
+        slot_rows = ctx.slot_rows
+        grad_out = grad_gates = None
+        if ctx.needs_input_grad[0]:
+            gate_of_row = gates_TK.reshape(-1).index_select(0, slot_rows.slot_of_row_R.clamp(min=0))
+            grad_out = row_kernels.gather_rows(grad_TD, slot_rows.token_of_row_R, gate_of_row, out_RD.dtype)
+        if ctx.needs_input_grad[1]:
+            grad_gates = row_kernels.row_dots(grad_TD, out_RD, slot_rows.rows_TK)
+        return grad_out, grad_gates, None, None
+
+
+def dispatch_rows(x_TD: torch.Tensor, slot_rows: SlotRows) -> torch.Tensor:
+    """The dispatched buffer (R, dim) by the Triton kernels: row r is x[token_of_row[r]], 0 if unused."""
+    return _DispatchRows.apply(x_TD, slot_rows.token_of_row_R, slot_rows.rows_TK)
+
+
+def combine_rows(out_RD: torch.Tensor, gates_TK: torch.Tensor, slot_rows: SlotRows,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """The gate-weighted sum of each token's expert outputs by the Triton kernels, in `out_dtype`."""
+    return _CombineRows.apply(out_RD, gates_TK, slot_rows, out_dtype)

@@ -17,6 +17,7 @@ from torch import nn
 
 from weft.kernels.grouped_mm import use_grouped_mm
 from weft.ops import wgrad
+from weft.profiling import stage
 
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -98,17 +99,22 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
         """Padded layout: x (G, M, dim) -> (G, M, dim), one bmm per weight. `weights` (w1, w2, w3)
         stacked over G experts replaces this rank's own (e.g. all experts, gathered)."""
-        w1, w2, w3 = weights or self.weights()
-        x = x.to(self.compute_dtype(x))
-        if self.wgrad_scheduler is not None and weights is None:
-            mm = functools.partial(wgrad.bmm, scheduler=self.wgrad_scheduler)
-        else:
-            mm = torch.bmm
-        h3 = mm(x, w3) if w3 is not None else None
-        return mm(self._hidden(mm(x, w1), h3), w2)
+        with stage("experts"):
+            w1, w2, w3 = weights or self.weights()
+            x = x.to(self.compute_dtype(x))
+            if self.wgrad_scheduler is not None and weights is None:
+                mm = functools.partial(wgrad.bmm, scheduler=self.wgrad_scheduler)
+            else:
+                mm = torch.bmm
+            h3 = mm(x, w3) if w3 is not None else None
+            return mm(self._hidden(mm(x, w1), h3), w2)
 
     def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None) -> torch.Tensor:
         """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each."""
+        with stage("experts"):
+            return self._forward_grouped(x, counts, weights)
+
+    def _forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None) -> torch.Tensor:
         w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
         if self.wgrad_scheduler is not None and weights is None:

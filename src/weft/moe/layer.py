@@ -19,8 +19,9 @@ import torch.distributed as dist
 from torch import nn
 
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
+from weft.kernels.rows import triton_usable
 from weft.moe.config import MoECall, check_layer, check_settings, parallel_choices, resolve_call
-from weft.moe.dispatch import combine, dispatch_padded
+from weft.moe.dispatch import SlotRows, combine, combine_rows, dispatch_padded, dispatch_rows
 from weft.moe.exchange import (
     ExchangeContext,
     ExpertPlacement,
@@ -36,6 +37,7 @@ from weft.moe.exchange.select import is_tuned
 from weft.moe.experts import Experts
 from weft.moe.gates import CosineRouter, LinearRouter
 from weft.moe.routing import MoEStats, Router, Routing, RoutingSummary
+from weft.profiling import stage
 from weft.tune.dictionary import Setting, TuningDictionary
 
 
@@ -64,6 +66,9 @@ class MoE(nn.Module):
             data-parallel experts, r = 1 expert parallel, and with fewer experts than ranks any
             divisor r of W / E; the tuning dictionary picks r unless a call fixes it).
         cosine_proj_dim: projection width of the cosine router.
+        kernels: dispatch and combine with the "triton" kernels (deterministic: no atomics) or
+            "torch" index ops; "auto" (default): Triton on CUDA where installed, torch elsewhere.
+            Expert choice always uses torch's (a token takes a varying number of slots there).
 
     In the padded modes with cf > 0 and for expert choice, every rank of the EP group must pass
     the same number of tokens (the all-to-all's size comes from the local token count, as in
@@ -78,7 +83,7 @@ class MoE(nn.Module):
                  capacity_factor: float | None = 1.25, activation: str = "gelu", normalize_gates: bool = True,
                  group: dist.ProcessGroup | None = None, *, overlap_degree: int | str = 1, a2a_algo: str = "linear",
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
-                 dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 kernels: str = "auto", dtype: torch.dtype | None = None, device: torch.device | str | None = None):
         super().__init__()
         self.group = resolve_group(group)
         ep_size = group_size(self.group)
@@ -91,7 +96,7 @@ class MoE(nn.Module):
         self.expert_shards = ep_size // num_experts if num_experts < ep_size else 1
         self.num_local_experts = max(1, num_experts // ep_size)
         # The layer's settings, one immutable value; a call may override them (`call_with`).
-        self._defaults = MoECall(top_k, capacity_factor, overlap_degree, a2a_algo)
+        self._defaults = MoECall(top_k, capacity_factor, overlap_degree, a2a_algo, kernels=kernels)
         self._check(self._defaults)
         self.tuning = tuning if tuning is not None else TuningDictionary()
         groups_2dh = hierarchical_groups(self.group) if a2a_algo in ("2dh", "auto") else None
@@ -140,6 +145,7 @@ class MoE(nn.Module):
     overlap_degree = property(lambda self: self._defaults.overlap_degree,
                               lambda self, v: self._set_default(overlap_degree=v))
     a2a_algo = property(lambda self: self._defaults.a2a_algo, lambda self, v: self._set_default(a2a_algo=v))
+    kernels = property(lambda self: self._defaults.kernels, lambda self, v: self._set_default(kernels=v))
 
     def _set_default(self, **setting) -> None:
         """Change one of the layer's own settings (checked); e.g. `moe.overlap_degree = "auto"`."""
@@ -152,10 +158,10 @@ class MoE(nn.Module):
 
     def call_with(self, *, top_k: int | None = None, capacity_factor: float | None | EllipsisType = ...,
                   overlap_degree: int | str | None = None, a2a_algo: str | None = None,
-                  parallel: int | None = None, communicate: bool = True) -> MoECall:
+                  parallel: int | None = None, communicate: bool = True, kernels: str | None = None) -> MoECall:
         """The settings of a call with these overrides (None / ...: the layer's), checked.
         `communicate=False` is for benchmarks only (see `MoECall`)."""
-        overrides = (top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate)
+        overrides = (top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate, kernels)
         return self._usable(resolve_call(self._defaults, overrides, self._shape()))
 
     def _usable(self, call: MoECall) -> MoECall:
@@ -196,15 +202,18 @@ class MoE(nn.Module):
         # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
         tokens_TD = tokens_TD.to(self.experts.compute_dtype(tokens_TD))
         if routing.capacity is None:
-            y_TD = self._dropless(tokens_TD, routing, call)
+            y_TD = self._dropless(tokens_TD, routing, call, x.dtype)
         else:
-            y_TD = self._padded(tokens_TD, routing, call)
+            y_TD = self._padded(tokens_TD, routing, call, x.dtype)
         return y_TD.to(x.dtype).reshape(x.shape)
 
     def route(self, tokens_TD: torch.Tensor, call: MoECall | None = None) -> Routing:
         """Router logits and the gate rule for tokens (T, dim): the routed slots, losses and stats."""
         call = call or self.default_call()
-        return self.gate_rule.route(self.router(tokens_TD), call.top_k, call.capacity_factor)
+        with stage("router"):
+            logits_TE = self.router(tokens_TD)
+        with stage("routing"):
+            return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor)
 
     def record(self, summary: RoutingSummary) -> None:
         """Keep a forward's routing summary as this layer's `aux_loss`, `z_loss` and `stats`."""
@@ -213,6 +222,10 @@ class MoE(nn.Module):
     def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int) -> torch.Tensor:
         """The dispatched rows -> their experts' outputs, by the call's setting (tuned when "auto";
         `capacity` is the tuning bucket's, agreed by every rank of the group)."""
+        with stage("exchange"):
+            return self._exchange(rows, layout, call, capacity)
+
+    def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int) -> torch.Tensor:
         ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler)
         dropless = isinstance(layout, Grouped)
         run = lambda setting, rows: select(ctx, setting, dropless)(rows, layout)  # noqa: E731
@@ -225,23 +238,53 @@ class MoE(nn.Module):
             capacity = self._dropless_capacity(capacity, rows.device)
         return self.tuning.run(self.tuning_key(call), capacity, found, self.group, run, rows, caller=id(self))
 
-    def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall) -> torch.Tensor:
+    def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype) -> torch.Tensor:
         cap = routing.capacity
         num_rows = self.num_experts * cap
-        rows_S = routing.experts_S * cap + routing.positions_S
-        if routing.kept_S is not None:
-            rows_S = torch.where(routing.kept_S, rows_S, num_rows)
-        buffer_RD = dispatch_padded(tokens_TD, routing.token_ids_S, rows_S, num_rows)
+        fused = self._use_triton(call, tokens_TD) and routing.order_S is not None  # token choice
+        with stage("dispatch"):
+            rows_S = routing.experts_S * cap + routing.positions_S
+            if fused:
+                slot_rows = SlotRows.padded(rows_S, routing.kept_S, routing.token_ids_S, num_rows, call.top_k)
+                buffer_RD = dispatch_rows(tokens_TD, slot_rows)
+            else:
+                if routing.kept_S is not None:
+                    rows_S = torch.where(routing.kept_S, rows_S, num_rows)
+                buffer_RD = dispatch_padded(tokens_TD, routing.token_ids_S, rows_S, num_rows)
         out_RD = self.exchange(buffer_RD, Padded(cap), call, cap)
-        return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
-                       tokens_TD.shape[0], routing.kept_S)
+        with stage("combine"):
+            if fused:
+                return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
+            return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
+                           tokens_TD.shape[0], routing.kept_S)
 
-    def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall) -> torch.Tensor:
+    def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall,
+                  out_dtype: torch.dtype) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
-        token_ids_S = routing.token_ids_S.index_select(0, order_S)
-        rows_SD = tokens_TD.index_select(0, token_ids_S)
+        fused = self._use_triton(call, tokens_TD)
+        with stage("dispatch"):
+            if fused:
+                slot_rows = SlotRows.grouped(order_S, routing.token_ids_S, call.top_k)
+                rows_SD = dispatch_rows(tokens_TD, slot_rows)
+            else:
+                token_ids_S = routing.token_ids_S.index_select(0, order_S)
+                rows_SD = tokens_TD.index_select(0, token_ids_S)
         out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k)
-        return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S), tokens_TD.shape[0])
+        with stage("combine"):
+            if fused:
+                return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
+            return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S), tokens_TD.shape[0])
+
+    @staticmethod
+    def _use_triton(call: MoECall, x: torch.Tensor) -> bool:
+        """Whether this call's dispatch and combine run the Triton kernels (`MoECall.kernels`)."""
+        if call.kernels == "torch":
+            return False
+        usable = triton_usable(x)
+        if call.kernels == "triton" and not usable:
+            raise RuntimeError(f"kernels='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1 on the "
+                               f"CPU); got a {x.device.type} tensor")
+        return usable
 
     def _dropless_capacity(self, slots: int, device: torch.device) -> int:
         """The tuning bucket's capacity for a dropless call: ceil(T_max * k / E), T_max * k the most

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from weft.comm import all_to_all, all_to_all_counts
 from weft.distributed import HierarchicalGroups
 from weft.moe.experts import Experts
+from weft.profiling import stage
 
 
 @dataclass(frozen=True)
@@ -75,9 +76,10 @@ class ExchangeContext:
         if not self.communicate:
             return x
         placement = self.placement
-        if output_splits is None and algo == "2dh":
-            return all_to_all(x, placement.group, algo="2dh", groups_2dh=placement.groups_2dh)
-        return all_to_all(x, placement.group, output_splits, input_splits, scheduler=self.scheduler)
+        with stage("all_to_all"):
+            if output_splits is None and algo == "2dh":
+                return all_to_all(x, placement.group, algo="2dh", groups_2dh=placement.groups_2dh)
+            return all_to_all(x, placement.group, output_splits, input_splits, scheduler=self.scheduler)
 
     def counts_from_peers(self, counts: torch.Tensor) -> torch.Tensor:
         """(W * n,) counts per destination -> the (W * n,) counts each source sends here."""
@@ -88,8 +90,10 @@ class ExchangeContext:
         as a flat tensor, and both directions as nested lists, `sent[r][i]` rows to rank r's local
         expert i and `received[s][i]` rows from rank s for local expert i."""
         placement = self.placement
-        recv_counts = self.counts_from_peers(counts_E)
-        sent, received = torch.stack([counts_E, recv_counts]).view(2, placement.ep_size, placement.num_local).tolist()
+        with stage("all_to_all"):
+            recv_counts = self.counts_from_peers(counts_E)
+            sent, received = torch.stack([counts_E, recv_counts]).view(2, placement.ep_size,
+                                                                       placement.num_local).tolist()
         return recv_counts, sent, received
 
 

@@ -1,0 +1,159 @@
+"""Where a step's GPU time goes, stage by stage, forward and backward, from the torch profiler.
+
+Code marks its stages with `weft.profiling.stage` (the MoE layer: router, routing, dispatch,
+all_to_all, experts, combine; the model: attention, mlp, head; the benchmarks: loss, optimizer).
+From a Chrome trace of the profiled steps, every GPU kernel (and memcpy / memset) is attributed
+through its launching op (`External id`) to the innermost stage range around that op; an op run
+by the autograd engine inherits the stage of the forward op it differentiates (the two share a
+`Sequence number`), unless a stage range opened inside the backward is closer. Communication
+kernels (NCCL) form their own row, `comm`, whatever launched them.
+
+Besides the per-stage kernel time: the GPU window (first kernel start to last kernel end), the
+time some kernel ran in it (busy), the rest (idle: host launch gaps and synchronisations), and
+the host synchronisations (cudaStreamSynchronize & co) per step.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+from weft.bench.trace import is_comm_kernel, length, merge
+from weft.profiling import PREFIX
+
+BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+# The rows' order in the table; stages not listed follow in name order.
+STAGE_ORDER = ("attention", "mlp", "router", "routing", "dispatch", "exchange", "all_to_all", "experts", "combine",
+               "comm",
+               "head", "loss", "optimizer", "other")
+
+
+@dataclass
+class StageTime:
+    forward_ms: float = 0.0
+    backward_ms: float = 0.0
+    kernels: float = 0.0  # per step
+    syncs: float = 0.0  # host synchronisations per step
+
+
+@dataclass
+class Breakdown:
+    """Per-step GPU time by stage, and how busy the GPU was (milliseconds per step)."""
+
+    stages: dict[str, StageTime] = field(default_factory=dict)
+    window_ms: float = 0.0
+    busy_ms: float = 0.0
+    kernel_ms: float = 0.0  # sum over kernels (above busy where streams overlap)
+    steps: int = 1
+
+    @property
+    def idle_ms(self) -> float:
+        return self.window_ms - self.busy_ms
+
+    def to_dict(self) -> dict:
+        return {"stages": {name: asdict(s) for name, s in self.ordered()}, "window_ms": self.window_ms,
+                "busy_ms": self.busy_ms, "idle_ms": self.idle_ms, "kernel_ms": self.kernel_ms, "steps": self.steps}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Breakdown:
+        stages = {name: StageTime(**s) for name, s in d["stages"].items()}
+        return cls(stages, d["window_ms"], d["busy_ms"], d["kernel_ms"], d["steps"])
+
+    def ordered(self) -> list[tuple[str, StageTime]]:
+        rank = {name: i for i, name in enumerate(STAGE_ORDER)}
+        return sorted(self.stages.items(), key=lambda item: (rank.get(item[0], len(rank) - 1), item[0]))
+
+
+@dataclass(frozen=True)
+class _Range:
+    start: float
+    end: float
+    stage: str | None  # a weft stage range; None for a backward op's range (see `seq`)
+    seq: int | None = None
+
+
+def _op_contexts(events: list[dict]) -> dict[int, tuple[str, bool]]:
+    """External id of each CPU op -> (stage, ran in backward)."""
+    by_tid: dict[object, list[dict]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation"):
+            by_tid[e.get("tid")].append(e)
+    # Pass 1: forward ops' stages by sequence number. Pass 2: every op's context.
+    seq_stage: dict[int, str] = {}
+    contexts: dict[int, tuple[str, bool]] = {}
+    for pass_ in (1, 2):
+        for ops in by_tid.values():
+            stack: list[_Range] = []
+            for e in sorted(ops, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
+                start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+                while stack and stack[-1].end <= start:
+                    stack.pop()
+                name, args = e.get("name", ""), e.get("args", {})
+                in_backward = any(r.stage is None for r in stack)
+                stage = _innermost(stack, seq_stage)
+                seq = args.get("Sequence number")
+                if pass_ == 1 and seq is not None and not in_backward and stage is not None:
+                    seq_stage.setdefault(seq, stage)
+                if pass_ == 2 and "External id" in args:
+                    contexts[args["External id"]] = (stage or "other", in_backward or name.startswith(BACKWARD_PREFIX))
+                if e.get("cat") == "user_annotation" and name.startswith(PREFIX):
+                    stack.append(_Range(start, end, name[len(PREFIX):]))
+                elif name.startswith(BACKWARD_PREFIX):
+                    stack.append(_Range(start, end, None, seq))
+    return contexts
+
+
+def _innermost(stack: list[_Range], seq_stage: dict[int, str]) -> str | None:
+    for r in reversed(stack):
+        if r.stage is not None:
+            return r.stage
+        if r.seq is not None and r.seq in seq_stage:
+            return seq_stage[r.seq]
+    return None
+
+
+def breakdown(trace: dict, steps: int = 1) -> Breakdown:
+    """Per-step stage times of a Chrome trace exported by torch.profiler (`steps` steps in it)."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    contexts = _op_contexts(events)
+    result = Breakdown(steps=steps)
+    scale = 1e-3 / max(steps, 1)  # trace microseconds -> milliseconds per step
+    intervals = []
+    for e in events:
+        cat, args = e.get("cat"), e.get("args", {})
+        stage, backward = contexts.get(args.get("External id"), ("other", False))
+        if cat == "cuda_runtime" and e.get("name") in SYNC_CALLS:
+            result.stages.setdefault(stage, StageTime()).syncs += 1 / max(steps, 1)
+        if cat not in GPU_CATEGORIES:
+            continue
+        start, dur = float(e["ts"]), float(e.get("dur", 0.0))
+        intervals.append((start, start + dur))
+        if is_comm_kernel(e.get("name", "")):
+            stage = "comm"
+        row = result.stages.setdefault(stage, StageTime())
+        if backward:
+            row.backward_ms += dur * scale
+        else:
+            row.forward_ms += dur * scale
+        row.kernels += 1 / max(steps, 1)
+        result.kernel_ms += dur * scale
+    if intervals:
+        busy = merge(intervals)
+        result.busy_ms = length(busy) * scale
+        result.window_ms = (busy[-1][1] - busy[0][0]) * scale
+    return result
+
+
+def format_breakdown(b: Breakdown, title: str) -> str:
+    """The table `weft bench layer --breakdown` prints."""
+    lines = [f"{title}: GPU window {b.window_ms:.3f} ms/step, busy {b.busy_ms:.3f}, idle {b.idle_ms:.3f} "
+             f"(host gaps and syncs), kernels {b.kernel_ms:.3f} ms summed",
+             f"  {'stage':<12} {'fwd ms':>8} {'bwd ms':>8} {'share':>6} {'kernels':>8} {'syncs':>6}"]
+    total = max(b.kernel_ms, 1e-12)
+    for name, s in b.ordered():
+        share = (s.forward_ms + s.backward_ms) / total
+        lines.append(f"  {name:<12} {s.forward_ms:>8.3f} {s.backward_ms:>8.3f} {share:>6.1%} {s.kernels:>8.1f} "
+                     f"{s.syncs:>6.1f}")
+    return "\n".join(lines)
+
