@@ -81,7 +81,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--overlap", default=None, choices=["none", "tutel", "lancet"],
                     help="communication overlap: none (default), tutel (tuned pipelining degree per MoE layer), "
                          "lancet (dW scheduling + partitioned forward, planned at start)")
+    tr.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"],
+                    help="MoE dispatch/combine: Triton kernels (deterministic) or torch index ops; auto (default): "
+                         "Triton on GPUs")
     tr.set_defaults(run=_train, parser=tr)
 
     _config_parser(sub, "plan", overlap_run.PlanConfig, overlap_run.plan_preset,

@@ -8,6 +8,8 @@ by the autograd engine inherits the stage of the forward op it differentiates (t
 `Sequence number`), unless a stage range opened inside the backward is closer. Communication
 kernels (NCCL) form their own row, `comm`, whatever launched them.
 
+Host (CPU) time per stage: in forward the time inside the stage's ranges without the stage
+ranges nested in them; in backward the time of the autograd nodes that differentiate its ops.
 Besides the per-stage kernel time: the GPU window (first kernel start to last kernel end), the
 time some kernel ran in it (busy), the rest (idle: host launch gaps and synchronisations), and
 the host synchronisations (cudaStreamSynchronize & co) per step.
@@ -35,6 +37,8 @@ class StageTime:
     backward_ms: float = 0.0
     kernels: float = 0.0  # per step
     syncs: float = 0.0  # host synchronisations per step
+    host_forward_ms: float = 0.0  # CPU time inside the stage's ranges, nested stages excluded
+    host_backward_ms: float = 0.0  # CPU time of the autograd nodes of the stage's ops
 
 
 @dataclass
@@ -71,10 +75,12 @@ class _Range:
     end: float
     stage: str | None  # a weft stage range; None for a backward op's range (see `seq`)
     seq: int | None = None
+    owner: tuple[str, bool] = ("other", False)  # the (stage, backward) its host time counts for
 
 
-def _op_contexts(events: list[dict]) -> dict[int, tuple[str, bool]]:
-    """External id of each CPU op -> (stage, ran in backward)."""
+def _op_contexts(events: list[dict]) -> tuple[dict[int, tuple[str, bool]], dict[tuple[str, bool], float]]:
+    """External id of each CPU op -> (stage, ran in backward); and the host microseconds of each
+    (stage, backward), each range's time without the ranges nested in it."""
     by_tid: dict[object, list[dict]] = defaultdict(list)
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation"):
@@ -82,6 +88,7 @@ def _op_contexts(events: list[dict]) -> dict[int, tuple[str, bool]]:
     # Pass 1: forward ops' stages by sequence number. Pass 2: every op's context.
     seq_stage: dict[int, str] = {}
     contexts: dict[int, tuple[str, bool]] = {}
+    host: dict[tuple[str, bool], float] = defaultdict(float)
     for pass_ in (1, 2):
         for ops in by_tid.values():
             stack: list[_Range] = []
@@ -98,10 +105,17 @@ def _op_contexts(events: list[dict]) -> dict[int, tuple[str, bool]]:
                 if pass_ == 2 and "External id" in args:
                     contexts[args["External id"]] = (stage or "other", in_backward or name.startswith(BACKWARD_PREFIX))
                 if e.get("cat") == "user_annotation" and name.startswith(PREFIX):
-                    stack.append(_Range(start, end, name[len(PREFIX):]))
+                    pushed = _Range(start, end, name[len(PREFIX):], owner=(name[len(PREFIX):], in_backward))
                 elif name.startswith(BACKWARD_PREFIX):
-                    stack.append(_Range(start, end, None, seq))
-    return contexts
+                    pushed = _Range(start, end, None, seq, owner=(seq_stage.get(seq, stage or "other"), True))
+                else:
+                    continue
+                if pass_ == 2:
+                    host[pushed.owner] += end - start
+                    if stack:
+                        host[stack[-1].owner] -= end - start
+                stack.append(pushed)
+    return contexts, host
 
 
 def _innermost(stack: list[_Range], seq_stage: dict[int, str]) -> str | None:
@@ -116,9 +130,15 @@ def _innermost(stack: list[_Range], seq_stage: dict[int, str]) -> str | None:
 def breakdown(trace: dict, steps: int = 1) -> Breakdown:
     """Per-step stage times of a Chrome trace exported by torch.profiler (`steps` steps in it)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    contexts = _op_contexts(events)
+    contexts, host = _op_contexts(events)
     result = Breakdown(steps=steps)
     scale = 1e-3 / max(steps, 1)  # trace microseconds -> milliseconds per step
+    for (stage, backward), micros in host.items():
+        row = result.stages.setdefault(stage, StageTime())
+        if backward:
+            row.host_backward_ms += micros * scale
+        else:
+            row.host_forward_ms += micros * scale
     intervals = []
     for e in events:
         cat, args = e.get("cat"), e.get("args", {})
@@ -149,11 +169,12 @@ def format_breakdown(b: Breakdown, title: str) -> str:
     """The table `weft bench layer --breakdown` prints."""
     lines = [f"{title}: GPU window {b.window_ms:.3f} ms/step, busy {b.busy_ms:.3f}, idle {b.idle_ms:.3f} "
              f"(host gaps and syncs), kernels {b.kernel_ms:.3f} ms summed",
-             f"  {'stage':<12} {'fwd ms':>8} {'bwd ms':>8} {'share':>6} {'kernels':>8} {'syncs':>6}"]
+             f"  {'stage':<12} {'fwd ms':>8} {'bwd ms':>8} {'share':>6} {'kernels':>8} {'syncs':>6} "
+             f"{'host fwd':>9} {'host bwd':>9}"]
     total = max(b.kernel_ms, 1e-12)
     for name, s in b.ordered():
         share = (s.forward_ms + s.backward_ms) / total
         lines.append(f"  {name:<12} {s.forward_ms:>8.3f} {s.backward_ms:>8.3f} {share:>6.1%} {s.kernels:>8.1f} "
-                     f"{s.syncs:>6.1f}")
+                     f"{s.syncs:>6.1f} {s.host_forward_ms:>9.3f} {s.host_backward_ms:>9.3f}")
     return "\n".join(lines)
 

@@ -51,6 +51,7 @@ class TrainConfig:
     overlap: str = "none"  # none, tutel (tuned pipelining degree) or lancet (weft.overlap.optimize)
     sample_tokens: int = 200
     sample_prompt: str = "def "
+    kernels: str = "auto"  # MoE dispatch/combine: "triton", "torch" or "auto" (weft.MoE's kernels)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
 
     def __post_init__(self) -> None:
@@ -87,6 +88,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be finite, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -136,7 +139,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # Settings a resumed run may change without --override: they do not change what the model
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
-                            "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out"})
+                            "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
+                            "kernels"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -172,6 +172,8 @@ def train(cfg: TrainConfig) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep).to(device)
+    for moe in model.moe_layers():
+        moe.kernels = cfg.kernels
     optimizer = build_optimizer(model, cfg)
     data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction, vocab_size=model_cfg.vocab_size)
     block = model_cfg.block_size
@@ -208,7 +210,8 @@ def train(cfg: TrainConfig) -> dict:
         row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, plan)
         elapsed = time.perf_counter() - t0
         row.update(step=step, lr=lr, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
-                   mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None)
+                   mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None,
+                   peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
         val_loss = None
         if step % cfg.eval_interval == 0 or step == cfg.steps:
             val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups)

@@ -1,0 +1,81 @@
+"""`weft.bench.breakdown`: GPU kernels attributed to the stage that launched them, forward and
+backward (a backward op inherits its forward op's stage), from real CPU profiles of the layer and
+from a trace with GPU kernels written out here."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft import MoE
+from weft.bench.breakdown import _op_contexts, breakdown, format_breakdown
+from weft.bench.trace import profile_trace
+
+
+def _op(name, ts, dur, tid, ext, seq=None, cat="cpu_op"):
+    args = {"External id": ext}
+    if seq is not None:
+        args["Sequence number"] = seq
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
+    trace = {"traceEvents": [
+        _op("weft.dispatch", 0, 100, 1, 1, cat="user_annotation"),
+        _op("aten::index_select", 10, 20, 1, 2, seq=7),
+        _op("weft.experts", 40, 50, 1, 3, cat="user_annotation"),
+        _op("aten::bmm", 45, 30, 1, 4, seq=8),
+        _op("autograd::engine::evaluate_function: BmmBackward0", 200, 50, 2, 5, seq=8),
+        _op("aten::bmm", 205, 20, 2, 6),
+        _op("autograd::engine::evaluate_function: IndexSelectBackward0", 260, 40, 2, 7, seq=7),
+        _op("aten::index_add", 265, 30, 2, 8),
+        _op("aten::add", 400, 5, 1, 9),  # outside every stage
+        _op("cudaStreamSynchronize", 266, 2, 2, 8, cat="cuda_runtime"),
+        _op("index_select_kernel", 1000, 30, 7, 2, cat="kernel"),
+        _op("gemm", 1040, 60, 7, 4, cat="kernel"),
+        _op("ncclDevKernel_AllToAll", 1040, 100, 8, 2, cat="kernel"),  # comm, whatever launched it
+        _op("gemm_dgrad", 1200, 50, 7, 6, cat="kernel"),
+        _op("index_add_kernel", 1300, 40, 7, 8, cat="kernel"),
+        _op("add_kernel", 1400, 10, 7, 9, cat="kernel"),
+    ]}
+    b = breakdown(trace, steps=2)
+    st = b.stages
+    assert st["dispatch"].forward_ms == pytest.approx(0.030 / 2)
+    assert st["dispatch"].backward_ms == pytest.approx(0.040 / 2)
+    assert st["experts"].forward_ms == pytest.approx(0.060 / 2)
+    assert st["experts"].backward_ms == pytest.approx(0.050 / 2)
+    assert st["comm"].forward_ms == pytest.approx(0.100 / 2)
+    assert st["other"].forward_ms == pytest.approx(0.010 / 2)
+    assert st["dispatch"].syncs == pytest.approx(0.5)
+    # Host time: dispatch's range without the experts range nested in it; backward by node.
+    assert st["dispatch"].host_forward_ms == pytest.approx((100 - 50) * 1e-3 / 2)
+    assert st["experts"].host_backward_ms == pytest.approx(50 * 1e-3 / 2)
+    assert b.kernel_ms == pytest.approx(0.290 / 2)
+    # Busy: the union [1000, 1030] + [1040, 1140] + [1200, 1250] + [1300, 1340] + [1400, 1410].
+    assert b.busy_ms == pytest.approx(0.230 / 2)
+    assert b.window_ms == pytest.approx(0.410 / 2)
+    assert b.idle_ms == pytest.approx(0.180 / 2)
+    table = format_breakdown(b, "t")
+    assert table.index("dispatch") < table.index("experts") < table.index("comm") < table.index("other")
+
+
+def test_a_real_profile_of_the_layer_maps_its_ops_to_stages():
+    torch.manual_seed(0)
+    moe = MoE(16, 32, 4, top_k=2, capacity_factor=1.0, kernels="torch")
+    x = torch.randn(32, 16, requires_grad=True)
+
+    def step():
+        moe(x).square().sum().backward()
+
+    trace = profile_trace(step, steps=2)
+    contexts, host = _op_contexts([e for e in trace["traceEvents"] if e.get("ph") == "X"])
+    by_name: dict[str, set] = {}
+    for e in trace["traceEvents"]:
+        ext = e.get("args", {}).get("External id")
+        if e.get("cat") == "cpu_op" and ext in contexts:
+            by_name.setdefault(e["name"], set()).add(contexts[ext])
+    assert ("experts", False) in by_name["aten::bmm"] and ("experts", True) in by_name["aten::bmm"]
+    assert ("combine", False) in by_name["aten::index_add"]
+    assert ("router", False) in by_name["aten::matmul"]
+    assert ("routing", False) in by_name["aten::softmax"]
+    assert ("routing", True) in by_name["aten::_softmax_backward_data"]
+    assert host[("experts", False)] > 0 and host[("experts", True)] > 0
