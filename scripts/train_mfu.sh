@@ -2,6 +2,7 @@
 # `weft train` throughput on every GPU of the machine, for each RUNS entry preset:batch and each
 # KERNELS setting, interleaved (preset by preset, the kernel settings back to back); prints the
 # median tokens/s, MFU and peak memory over the steps after WARM. Logs under $OUT.
+# GPUS=0 limits the runs to the listed GPUs.
 #   RUNS="gpt2-s-moe:8 qwen2-moe-2l:2" KERNELS="torch auto" STEPS=30 OUT=$OUT bash scripts/train_mfu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -10,6 +11,7 @@ OUT=${OUT:-./train_mfu_out}
 STEPS=${STEPS:-30}
 WARM=${WARM:-10}
 mkdir -p "$OUT"
+[ -n "${GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=$GPUS  # e.g. GPUS=0 for one GPU
 export WEFT_CACHE=${WEFT_CACHE:-$OUT/cache}
 for run in ${RUNS:-gpt2-s-moe:8 qwen2-moe-2l:2}; do
   preset=${run%%:*}; batch=${run##*:}

@@ -194,8 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="communication overlap: none (default), tutel (tuned pipelining degree per MoE layer), "
                          "lancet (dW scheduling + partitioned forward, planned at start)")
     tr.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"],
-                    help="MoE dispatch/combine: Triton kernels (deterministic) or torch index ops; auto (default): "
-                         "Triton on GPUs")
+                    help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
+                         "auto (default): Triton on GPUs")
     tr.set_defaults(run=_train, parser=tr)
 
     _config_parser(sub, "plan", overlap_run.PlanConfig, overlap_run.plan_preset,

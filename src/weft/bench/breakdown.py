@@ -26,9 +26,8 @@ BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 # The rows' order in the table; stages not listed follow in name order.
-STAGE_ORDER = ("attention", "mlp", "router", "routing", "dispatch", "exchange", "all_to_all", "experts", "combine",
-               "comm",
-               "head", "loss", "optimizer", "other")
+STAGE_ORDER = ("embedding", "attention", "mlp", "norm", "router", "routing", "dispatch", "exchange", "all_to_all",
+               "experts", "combine", "comm", "head", "loss", "optimizer", "other")
 
 
 @dataclass

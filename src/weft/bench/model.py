@@ -40,9 +40,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from weft.bench.breakdown import Breakdown, breakdown, format_breakdown
 from weft.bench.layer import write_report
 from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
-from weft.bench.trace import profile_decomposition
+from weft.bench.trace import decompose, kernel_intervals, profile_trace
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.models import GPT
@@ -51,6 +52,7 @@ from weft.ops.wgrad import WGradScheduler
 from weft.overlap import passes
 from weft.overlap.forward import Range
 from weft.precision import training_autocast
+from weft.profiling import stage
 
 MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw")
 
@@ -108,6 +110,9 @@ class ModelBenchConfig(PresetChoice):
     max_partitions: int = arg(8, "Lancet's K: the most batch partitions of a pipeline", parse=positive_int)
     profile_steps: int = arg(3, "profiled iterations per mode for the time decomposition (GPU; 0: none)",
                              parse=non_negative_int)
+    breakdown: bool = arg(False, "print each mode's GPU time by sub-layer and MoE stage (embedding, attention, "
+                          "mlp, router ... combine, head, loss, optimizer; forward and backward), from the "
+                          "profiled iterations")
 
     def validate(self) -> None:
         super().validate()
@@ -165,7 +170,7 @@ def run(bench: ModelBenchConfig) -> dict:
                         lambda: sum(moe.tuning.measurements for moe in model.moe_layers()), device)
         settings[mode] = setting
     model.load_state_dict(start)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" or None)  # as weft train
     timer = Timer(device)
 
     def step(setting: _Setting, i: int) -> None:
@@ -174,7 +179,8 @@ def run(bench: ModelBenchConfig) -> dict:
         timer.lap()
         backward(setting, loss)
         timer.lap()
-        opt.step()
+        with stage("optimizer"):
+            opt.step()
         model.zero_grad(set_to_none=True)
 
     runs = [Run(lambda s=settings[mode]: _switch(model, s), lambda r, s=settings[mode]: step(s, r),
@@ -199,7 +205,10 @@ def run(bench: ModelBenchConfig) -> dict:
             row["profile_s"] = plan.to_dict()["profile_s"]
         if device.type == "cuda" and profile_steps > 0:
             _switch(model, setting)
-            row["decomposition"] = profile_decomposition(lambda s=setting: step(s, 0), profile_steps).to_dict()
+            trace = profile_trace(lambda s=setting: step(s, 0), profile_steps)
+            row["decomposition"] = decompose(*kernel_intervals(trace), steps=profile_steps).to_dict()
+            if bench.breakdown:
+                row["breakdown"] = breakdown(trace, profile_steps).to_dict()
         rows.append(row)
     passes.apply(model, [], None)
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
@@ -240,6 +249,9 @@ def print_table(report: dict) -> None:
         print(f"{label:>12} {r['iteration_ms']:>9.2f} {r['iteration_ms_min']:>8.2f} {r['iteration_iqr_ms']:>7.2f} "
               f"{r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {r['fwd_bwd_iqr_ms']:>7.2f} {pred:>10} "
               f"{perr:>9} {r['max_error']:>9.1e} {comm:>8} {exposed:>8} {hidden:>7}")
+    for r in report["results"]:
+        if r.get("breakdown"):
+            print(format_breakdown(Breakdown.from_dict(r["breakdown"]), f"\n{r['mode']} (rank 0)"))
     for r in report["results"]:
         if r.get("plan") and not r["repeat"]:  # a repeat runs the same plan
             print(f"\n[{r['mode']}] plan:\n{r['plan']}")

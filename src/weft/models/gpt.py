@@ -11,6 +11,7 @@ is replicated and initialised identically on every rank from the same torch.manu
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,8 +22,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from weft.kernels.rotary import rotary, rotary_reference
 from weft.moe import ACTIVATIONS, GATES, MoE
 from weft.ops.wgrad import Linear
+from weft.profiling import stage
 
 Unit = Callable[[torch.Tensor], torch.Tensor]
 # Runs a model's sub-layers in order on x (e.g. Lancet's partitioned pipeline, weft.overlap).
@@ -144,9 +147,9 @@ def rotary_tables(
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (..., seq, head_dim) by position; the math runs in float32."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+    """Rotate (..., seq, head_dim) by position; the math runs in float32 (the PyTorch reference
+    of `weft.kernels.rotary`)."""
+    return rotary_reference(x, cos, sin)
 
 
 @dataclass(frozen=True)
@@ -159,21 +162,23 @@ class MoEUnit:
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.moe(self.norm(x), **self.overrides)
+        with stage("norm"):
+            h = self.norm(x)
+        return x + self.moe(h, **self.overrides)
 
 
 # -- the blocks -------------------------------------------------------------------------------
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, kernels: str = "auto"):
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.n_head, self.head_dim, self.kernels = config.n_head, config.head_dim, kernels
         self.qkv = Linear(config.dim, 3 * config.dim, bias=False)
         self.out_proj = Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         batch, seq, dim = x.shape
         q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = rotary(q, *rope, self.kernels), rotary(k, *rope, self.kernels)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, dim))
 
@@ -189,15 +194,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None):
+    def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None, kernels: str = "auto"):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, kernels)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         if moe:
             self.ffn = MoE(
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
-                config.capacity_factor, config.activation, group=group,
+                config.capacity_factor, config.activation, group=group, kernels=kernels,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)
@@ -215,23 +220,36 @@ class Block(nn.Module):
     def units(self, rope: tuple[torch.Tensor, torch.Tensor], moe_overrides: Mapping[str, Any] | None = None) -> list:
         """The block as two residual sub-layers, x -> x (attention, then the FFN or MoE), the
         granularity at which Lancet's forward pass partitions (weft.overlap)."""
-        attn = lambda x: x + self.attn(self.attn_norm(x), rope)  # noqa: E731
+        attn = functools.partial(self._attention, rope=rope)
         if self.is_moe:
             return [attn, MoEUnit(self.ffn_norm, self.ffn, dict(moe_overrides or {}))]
-        return [attn, lambda x: x + self.ffn(self.ffn_norm(x))]
+        return [attn, self._mlp]
+
+    def _attention(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        with stage("attention"):
+            return x + self.attn(self.attn_norm(x), rope)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        with stage("mlp"):
+            return x + self.ffn(self.ffn_norm(x))
 
 
 # -- the model --------------------------------------------------------------------------------
 class GPT(nn.Module):
     """GPT with optional MoE blocks; `group` is the expert-parallel group of every MoE layer
-    (None = the default group if initialised, as for weft.MoE)."""
+    (None = the default group if initialised, as for weft.MoE). `kernels`: "auto" (Triton's
+    rotary and MoE dispatch/combine on CUDA), "triton" or "torch" (PyTorch ops only); the same
+    function either way."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None):
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto"):
         super().__init__()
         config.validate()
+        if kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"unknown kernels {kernels!r}; choose 'auto', 'torch' or 'triton'")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group) for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels)
+                                    for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
@@ -274,7 +292,8 @@ class GPT(nn.Module):
         `moe_overrides` are per-call settings of every MoE layer (`weft.MoE.forward`'s keywords,
         e.g. `{"capacity_factor": None}` to run dropless for this call only)."""
         self._check_input(idx, targets)
-        x = self.tok_emb(idx)
+        with stage("embedding"):
+            x = self.tok_emb(idx)
         rope = rotary_tables(idx.shape[1], self.config.head_dim, self.config.rope_theta, idx.device)
         units = self.units(rope, moe_overrides)
         if self.unit_runner is not None:
@@ -282,10 +301,12 @@ class GPT(nn.Module):
         else:
             for unit in units:
                 x = unit(x)
-        logits = self.head(self.norm(x))
+        with stage("head"):
+            logits = self.head(self.norm(x))
         if targets is None:
             return logits, None
-        ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        with stage("loss"):
+            ce = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         zero = ce.new_zeros(())
         aux = sum((moe.aux_loss for moe in self.moe_layers()), zero)
         z = sum((moe.z_loss for moe in self.moe_layers()), zero)

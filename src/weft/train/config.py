@@ -52,6 +52,7 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "def "
     kernels: str = "auto"  # MoE dispatch/combine: "triton", "torch" or "auto" (weft.MoE's kernels)
+    fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
 
     def __post_init__(self) -> None:
@@ -88,6 +89,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be finite, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if not isinstance(self.fused_optimizer, bool):
+            raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in ("auto", "torch", "triton"):
             raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
         if self.on_nonfinite not in ("stop", "skip"):
@@ -140,7 +143,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels"})
+                            "kernels", "fused_optimizer"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -43,11 +43,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices (and expert weight stacks) decay, vectors (norms) do not."""
+    """AdamW; matrices (and expert weight stacks) decay, vectors (norms) do not. On GPUs the fused
+    implementation (one kernel per step and dtype; `train.fused_optimizer = false` switches to
+    torch's multi-tensor one): the same update up to float rounding."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
+    fused = cfg.fused_optimizer and all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
 
 
 def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
@@ -171,9 +174,7 @@ def train(cfg: TrainConfig) -> dict:
     _all_reduce(torch.zeros(1, device=device), groups.dp)  # nobody writes before every rank has checked
 
     torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg, group=groups.ep).to(device)
-    for moe in model.moe_layers():
-        moe.kernels = cfg.kernels
+    model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels).to(device)
     optimizer = build_optimizer(model, cfg)
     data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction, vocab_size=model_cfg.vocab_size)
     block = model_cfg.block_size
