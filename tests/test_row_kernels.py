@@ -25,14 +25,16 @@ def kernels_worker() -> list[str]:
     for dtype in (torch.float32, torch.bfloat16):
         src = torch.randn(10, 700, generator=gen).to(dtype)  # 700: two column blocks, the second partial
         src[3] = float("inf")  # row 3 is never referenced: it must not leak into any output
-        index = torch.tensor([2, -1, 5, 0, 9, -1, 4])
-        scale = torch.randn(7, generator=gen)
-        for s in (None, scale):
-            got, want = R.gather_rows(src, index, s), R.gather_rows_reference(src, index, s)
+        index = torch.tensor([2, -1, 5, 0, 9, -1, 4, 19])
+        scale = torch.randn(20, generator=gen)  # indexed by the index values
+        for s, divisor in ((None, 1), (scale, 1), (None, 2), (scale, 2)):
+            idx = index if divisor == 2 else index[:-1]  # 19 is a row of src only with divisor 2
+            got = R.gather_rows(src, idx, s, divisor=divisor)
+            want = R.gather_rows_reference(src, idx, s, divisor=divisor)
             # A plain copy is exact; a scaled bf16 row may round differently (the interpreter's cast).
             same = torch.equal(got, want) if s is None or dtype == torch.float32 else torch.allclose(
                 got.float(), want.float(), rtol=2**-7, atol=0)
-            expect(same, f"gather_rows {dtype} scale={s is not None}")
+            expect(same, f"gather_rows {dtype} scale={s is not None} divisor={divisor}")
         rows = torch.tensor([[0, 5, -1], [-1, 2, 8], [7, 1, 4], [-1, -1, -1]])
         weights = torch.randn(4, 3, generator=gen)
         for w in (None, weights):
@@ -62,7 +64,7 @@ def kernels_worker() -> list[str]:
     for fused in (False, True):
         xi, gi = x.clone().requires_grad_(), gates.clone().requires_grad_()
         if fused:
-            slot_rows = SlotRows.padded(rows_S, kept_S, token_ids_S, E * C, k)
+            slot_rows = SlotRows.padded(rows_S, kept_S, E * C, k)
             out = dispatch_rows(xi, slot_rows) @ w
             y = combine_rows(out, gi.view(T, k), slot_rows, torch.float32)
         else:

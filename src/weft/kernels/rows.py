@@ -2,8 +2,9 @@
 
 Three primitives cover the forward and backward of both (docs/moe.md, "Fast path"):
 
-- `gather_rows(src_ND, index_R, scale_R)`: out[r] = scale[r] * src[index[r]], zero where
-  index[r] < 0 (dispatch forward; combine backward's expert-output gradient);
+- `gather_rows(src_ND, index_R, scale_I, divisor)`: with i = index[r], out[r] =
+  scale[i] * src[i // divisor], zero where i < 0 (dispatch forward with i a slot id t * k + j and
+  divisor k; combine backward's expert-output gradient with scale the slots' gates);
 - `weighted_row_sum(src_RD, rows_TK, weights_TK)`: out[t] = sum_j weights[t, j] * src[rows[t, j]]
   over the j with rows[t, j] >= 0, accumulated in float32 in j order (combine forward; dispatch
   backward with weights None = 1);
@@ -39,12 +40,13 @@ def triton_usable(x: torch.Tensor) -> bool:
 
 
 # -- references (the CPU path and the test oracle) -------------------------------------------------
-def gather_rows_reference(src_ND: torch.Tensor, index_R: torch.Tensor, scale_R: torch.Tensor | None = None,
-                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gather_rows_reference(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tensor | None = None,
+                          out_dtype: torch.dtype | None = None, divisor: int = 1) -> torch.Tensor:
     used = (index_R >= 0).unsqueeze(1)
-    rows = src_ND.index_select(0, index_R.clamp(min=0)).float()
-    if scale_R is not None:
-        rows = rows * scale_R.float().unsqueeze(1)
+    index = index_R.clamp(min=0)
+    rows = src_ND.index_select(0, index // divisor).float()
+    if scale_I is not None:
+        rows = rows * scale_I.float().index_select(0, index).unsqueeze(1)
     return torch.where(used, rows, 0.0).to(out_dtype or src_ND.dtype)
 
 
@@ -71,15 +73,17 @@ def row_dots_reference(a_TD: torch.Tensor, src_RD: torch.Tensor, rows_TK: torch.
 if triton is not None:
 
     @triton.jit
-    def _gather_rows_kernel(src, index, scale, out, D, stride_src, stride_out,
+    def _gather_rows_kernel(src, index, scale, out, D, stride_src, stride_out, divisor,
                             HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < D
         i = tl.load(index + r).to(tl.int64)
-        values = tl.load(src + i * stride_src + cols, mask=inside & (i >= 0), other=0.0).to(tl.float32)
+        used = i >= 0
+        row = tl.where(used, i, 0) // divisor
+        values = tl.load(src + row * stride_src + cols, mask=inside & used, other=0.0).to(tl.float32)
         if HAS_SCALE:
-            values = values * tl.load(scale + r).to(tl.float32)
+            values = values * tl.load(scale + tl.where(used, i, 0)).to(tl.float32)
         tl.store(out + r * stride_out + cols, values.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
@@ -117,17 +121,17 @@ def _rows_ok(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_R: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(R, D): row r is scale[r] * src[index[r]] (float32 product, cast to `out_dtype`, default
-    src's), zero where index[r] < 0."""
+def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, divisor: int = 1) -> torch.Tensor:
+    """(R, D): with i = index[r], row r is scale[i] * src[i // divisor] (float32 product, cast to
+    `out_dtype`, default src's), zero where i < 0."""
     out = torch.empty(index_R.shape[0], src_ND.shape[1], dtype=out_dtype or src_ND.dtype, device=src_ND.device)
     if out.numel() == 0:
         return out
     src_ND = _rows_ok(src_ND)
     grid = (index_R.shape[0], triton.cdiv(src_ND.shape[1], BLOCK_D))
-    _gather_rows_kernel[grid](src_ND, index_R, scale_R if scale_R is not None else index_R, out, src_ND.shape[1],
-                              src_ND.stride(0), out.stride(0), HAS_SCALE=scale_R is not None, BLOCK=BLOCK_D)
+    _gather_rows_kernel[grid](src_ND, index_R, scale_I if scale_I is not None else index_R, out, src_ND.shape[1],
+                              src_ND.stride(0), out.stride(0), divisor, HAS_SCALE=scale_I is not None, BLOCK=BLOCK_D)
     return out
 
 

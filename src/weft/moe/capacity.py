@@ -3,7 +3,9 @@
 Slots are ranked by j (the token's j-th choice) first, then by token order (or by descending
 importance for batch-prioritized routing). A slot's position in its expert is the number of
 higher-ranked slots routed to the same expert; it is kept iff position < C.
-Computed with one stable sort: O(T*k log(T*k)), no (T, E) or (T, E, C) tensors.
+In token order with T*k*E up to `COUNTING_LIMIT`, positions are running counts (a cumulative sum
+over a (T*k, E) one-hot in int32: 7 kernels, no sort); otherwise one stable sort,
+O(T*k log(T*k)) with no (T, E) tensor. Both give the same positions, counts and order.
 """
 from __future__ import annotations
 
@@ -15,16 +17,22 @@ import torch.distributed as dist
 
 from weft.distributed import group_size
 
+COUNTING_LIMIT = 1 << 24  # T * k * E elements of int32 (64 MiB) at most for the counting path
+
 
 @dataclass
 class SlotPositions:
     positions: torch.Tensor  # (T, k) position of each slot in its expert
     counts: torch.Tensor  # (E,) slots routed to each expert before dropping
-    sort_index: torch.Tensor  # (T*k,) slot ids (t*k + j) in (expert, position) order
+    sort_index: torch.Tensor | None  # (T*k,) slot ids (t*k + j) in (expert, position) order, if asked for
 
 
-def slot_positions(experts: torch.Tensor, num_experts: int, order: torch.Tensor | None = None) -> SlotPositions:
-    """Positions of the (T, k) routed slots under the priority rule."""
+def slot_positions(experts: torch.Tensor, num_experts: int, order: torch.Tensor | None = None,
+                   with_sort_index: bool = True) -> SlotPositions:
+    """Positions of the (T, k) routed slots under the priority rule (`order`: the tokens' rank,
+    None = token order); `with_sort_index=False` may leave `sort_index` None."""
+    if order is None and experts.numel() * num_experts <= COUNTING_LIMIT:
+        return _counted_positions(experts, num_experts, with_sort_index)
     num_tokens, k = experts.shape
     token_rank = torch.arange(num_tokens, device=experts.device) if order is None else order
     # Slot ids in priority order: for j = 0..k-1, tokens in `token_rank` order.
@@ -40,6 +48,24 @@ def slot_positions(experts: torch.Tensor, num_experts: int, order: torch.Tensor 
     positions = torch.empty_like(sorted_pos)
     positions[sort_index] = sorted_pos
     return SlotPositions(positions.view(num_tokens, k), counts, sort_index)
+
+
+def _counted_positions(experts: torch.Tensor, num_experts: int, with_sort_index: bool) -> SlotPositions:
+    """Token-order positions as running counts: slot (t, j)'s position is how many slots before it
+    in priority order (j-major, then t) went to its expert."""
+    num_tokens, k = experts.shape
+    ranked = experts.t().reshape(-1)  # priority order
+    one_hot = torch.zeros(ranked.numel(), num_experts, dtype=torch.int32, device=experts.device)
+    one_hot.scatter_(1, ranked.unsqueeze(1), 1)
+    seen = one_hot.cumsum(0, dtype=torch.int32)  # row i: slots of each expert up to slot i
+    positions = (seen.gather(1, ranked.unsqueeze(1)).view(k, num_tokens).t() - 1).long()
+    counts = seen[-1].long() if num_tokens else experts.new_zeros(num_experts)
+    sort_index = None
+    if with_sort_index:  # slot t*k + j goes to row start(expert) + position
+        starts = counts.cumsum(0) - counts
+        sort_index = torch.empty(num_tokens * k, dtype=torch.long, device=experts.device)
+        sort_index[(starts[experts] + positions).reshape(-1)] = torch.arange(num_tokens * k, device=experts.device)
+    return SlotPositions(positions, counts, sort_index)
 
 
 def ceil_exact(value: float) -> int:

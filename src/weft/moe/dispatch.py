@@ -53,43 +53,43 @@ def combine(
 @dataclass(frozen=True)
 class SlotRows:
     """Where the routed slots' rows sit in the dispatched buffer, in both directions (token
-    choice: k slots per token). `rows_TK[t, j]`: the buffer row of slot (t, j), -1 if dropped;
-    `token_of_row_R[r]`, `slot_of_row_R[r]`: the token and slot id (t * k + j) of row r, -1 for
-    an unused row. Each row holds at most one slot, so every kernel writes each output once."""
+    choice: slot id t * k + j for choice j of token t). `rows_TK[t, j]`: the buffer row of slot
+    (t, j), -1 if dropped; `slot_of_row_R[r]`: the slot whose row r is, -1 for an unused row (its
+    token is slot // k). Each row holds at most one slot, so every kernel writes each output once."""
 
     rows_TK: torch.Tensor
-    token_of_row_R: torch.Tensor
     slot_of_row_R: torch.Tensor
 
+    @property
+    def top_k(self) -> int:
+        return self.rows_TK.shape[1]
+
     @classmethod
-    def padded(cls, rows_S: torch.Tensor, kept_S: torch.Tensor | None, token_ids_S: torch.Tensor, num_rows: int,
-               top_k: int) -> SlotRows:
+    def padded(cls, rows_S: torch.Tensor, kept_S: torch.Tensor | None, num_rows: int, top_k: int) -> SlotRows:
         """Padded layout: slot i at row rows_S[i] (any value where not kept)."""
         # Dropped slots write to an extra row that is cut off: no mask indexing (a host sync).
         target_S = rows_S if kept_S is None else torch.where(kept_S, rows_S, num_rows)
-        token_of_row = torch.full((num_rows + 1,), -1, dtype=torch.long, device=rows_S.device)
-        token_of_row.scatter_(0, target_S, token_ids_S)
         slot_of_row = torch.full((num_rows + 1,), -1, dtype=torch.long, device=rows_S.device)
         slot_of_row.scatter_(0, target_S, torch.arange(rows_S.shape[0], device=rows_S.device))
-        rows = target_S.masked_fill(target_S == num_rows, -1)
-        return cls(rows.view(-1, top_k), token_of_row[:num_rows], slot_of_row[:num_rows])
+        rows = target_S if kept_S is None else target_S.masked_fill(~kept_S, -1)
+        return cls(rows.view(-1, top_k), slot_of_row[:num_rows])
 
     @classmethod
-    def grouped(cls, order_S: torch.Tensor, token_ids_S: torch.Tensor, top_k: int) -> SlotRows:
+    def grouped(cls, order_S: torch.Tensor, top_k: int) -> SlotRows:
         """Dropless layout: row r holds slot order_S[r] (slots sorted by expert)."""
         rows = torch.empty_like(order_S)
         rows[order_S] = torch.arange(order_S.shape[0], device=order_S.device)
-        return cls(rows.view(-1, top_k), token_ids_S.index_select(0, order_S), order_S)
+        return cls(rows.view(-1, top_k), order_S)
 
 
 class _DispatchRows(torch.autograd.Function):
-    """buffer[r] = x[token_of_row[r]]; backward: dx[t] = sum_j dbuffer[rows[t, j]] (float32 sum)."""
+    """buffer[r] = x[token of row r]; backward: dx[t] = sum_j dbuffer[rows[t, j]] (float32 sum)."""
 
     @staticmethod
-    def forward(ctx, x_TD, token_of_row_R, rows_TK):
+    def forward(ctx, x_TD, slot_of_row_R, rows_TK):
         ctx.save_for_backward(rows_TK)
         ctx.x_dtype = x_TD.dtype
-        return row_kernels.gather_rows(x_TD, token_of_row_R)
+        return row_kernels.gather_rows(x_TD, slot_of_row_R, divisor=rows_TK.shape[1])
 
     @staticmethod
     def backward(ctx, grad_RD):
@@ -113,16 +113,16 @@ class _CombineRows(torch.autograd.Function):
         slot_rows = ctx.slot_rows
         grad_out = grad_gates = None
         if ctx.needs_input_grad[0]:
-            gate_of_row = gates_TK.reshape(-1).index_select(0, slot_rows.slot_of_row_R.clamp(min=0))
-            grad_out = row_kernels.gather_rows(grad_TD, slot_rows.token_of_row_R, gate_of_row, out_RD.dtype)
+            grad_out = row_kernels.gather_rows(grad_TD, slot_rows.slot_of_row_R, gates_TK.reshape(-1), out_RD.dtype,
+                                               divisor=slot_rows.top_k)
         if ctx.needs_input_grad[1]:
             grad_gates = row_kernels.row_dots(grad_TD, out_RD, slot_rows.rows_TK)
         return grad_out, grad_gates, None, None
 
 
 def dispatch_rows(x_TD: torch.Tensor, slot_rows: SlotRows) -> torch.Tensor:
-    """The dispatched buffer (R, dim) by the Triton kernels: row r is x[token_of_row[r]], 0 if unused."""
-    return _DispatchRows.apply(x_TD, slot_rows.token_of_row_R, slot_rows.rows_TK)
+    """The dispatched buffer (R, dim) by the Triton kernels: row r is x[slot_of_row[r] // k], 0 if unused."""
+    return _DispatchRows.apply(x_TD, slot_rows.slot_of_row_R, slot_rows.rows_TK)
 
 
 def combine_rows(out_RD: torch.Tensor, gates_TK: torch.Tensor, slot_rows: SlotRows,

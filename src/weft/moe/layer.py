@@ -241,11 +241,11 @@ class MoE(nn.Module):
     def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype) -> torch.Tensor:
         cap = routing.capacity
         num_rows = self.num_experts * cap
-        fused = self._use_triton(call, tokens_TD) and routing.order_S is not None  # token choice
+        fused = self.gate != "expert_choice" and self._use_triton(call, tokens_TD)  # token choice: k slots a token
         with stage("dispatch"):
             rows_S = routing.experts_S * cap + routing.positions_S
             if fused:
-                slot_rows = SlotRows.padded(rows_S, routing.kept_S, routing.token_ids_S, num_rows, call.top_k)
+                slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k)
                 buffer_RD = dispatch_rows(tokens_TD, slot_rows)
             else:
                 if routing.kept_S is not None:
@@ -264,7 +264,7 @@ class MoE(nn.Module):
         fused = self._use_triton(call, tokens_TD)
         with stage("dispatch"):
             if fused:
-                slot_rows = SlotRows.grouped(order_S, routing.token_ids_S, call.top_k)
+                slot_rows = SlotRows.grouped(order_S, call.top_k)
                 rows_SD = dispatch_rows(tokens_TD, slot_rows)
             else:
                 token_ids_S = routing.token_ids_S.index_select(0, order_S)

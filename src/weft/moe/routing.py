@@ -50,7 +50,7 @@ class Routing:
     kept_S: torch.Tensor | None  # bool; None: every slot is kept
     capacity: int | None  # C per expert per source rank; None: dropless (or a partition)
     counts_E: torch.Tensor  # slots routed to each expert before dropping
-    order_S: torch.Tensor | None  # token choice: slot ids grouped by expert (stable)
+    order_S: torch.Tensor | None  # dropless: slot ids grouped by expert (stable); may be None otherwise
     summary: RoutingSummary | None  # None for a partition (see CarriedRouting.finish)
 
     def sent_experts(self, num_experts: int) -> torch.Tensor:
@@ -76,7 +76,8 @@ class Router:
             return self._expert_choice(probs_TE, top_k, capacity_factor, z_loss)
         num_tokens, device = logits_TE.shape[0], logits_TE.device
         choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates)
-        slots = slot_positions(choice.experts, self.num_experts, choice.order)
+        # The order of slots by expert is needed by the dropless layout only.
+        slots = slot_positions(choice.experts, self.num_experts, choice.order, capacity_factor is None)
         aux_loss = load_balancing_loss(probs_TE, slots.counts, num_tokens * top_k)
         token_ids = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
         experts, positions, gates = choice.experts.reshape(-1), slots.positions.reshape(-1), choice.gates.reshape(-1)
@@ -154,7 +155,7 @@ class CarriedRouting:
         self._probs_sum = self._probs_sum + probs_TE.sum(0)
         self._z_sum = self._z_sum + torch.logsumexp(logits_TE, dim=-1).square().sum()
         choice = token_choice(router.gate, probs_TE, k, router.normalize_gates, noise)
-        slots = slot_positions(choice.experts, router.num_experts)
+        slots = slot_positions(choice.experts, router.num_experts, with_sort_index=False)
         experts = choice.experts.reshape(-1)
         positions = slots.positions.reshape(-1) + self._carry_E[experts]
         self._carry_E = self._carry_E + slots.counts
