@@ -55,11 +55,12 @@ def _counted_positions(experts: torch.Tensor, num_experts: int, with_sort_index:
     in priority order (j-major, then t) went to its expert."""
     num_tokens, k = experts.shape
     ranked = experts.t().reshape(-1)  # priority order
-    one_hot = torch.zeros(ranked.numel(), num_experts, dtype=torch.int32, device=experts.device)
-    one_hot.scatter_(1, ranked.unsqueeze(1), 1)
-    seen = one_hot.cumsum(0, dtype=torch.int32)  # row i: slots of each expert up to slot i
-    positions = (seen.gather(1, ranked.unsqueeze(1)).view(k, num_tokens).t() - 1).long()
-    counts = seen[-1].long() if num_tokens else experts.new_zeros(num_experts)
+    # (E, T*k): the scan runs along the contiguous dimension (along dim 0 it is ~50x slower on GPUs).
+    one_hot = torch.zeros(num_experts, ranked.numel(), dtype=torch.int32, device=experts.device)
+    one_hot.scatter_(0, ranked.unsqueeze(0), 1)
+    seen = one_hot.cumsum(1, dtype=torch.int32)  # column i: slots of each expert up to slot i
+    positions = (seen.gather(0, ranked.unsqueeze(0)).view(k, num_tokens).t() - 1).long()
+    counts = seen[:, -1].long() if num_tokens else experts.new_zeros(num_experts)
     sort_index = None
     if with_sort_index:  # slot t*k + j goes to row start(expert) + position
         starts = counts.cumsum(0) - counts
