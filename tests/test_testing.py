@@ -43,3 +43,18 @@ def test_timeout_kills_a_hanging_rank():
     with pytest.raises(DistributedTestError, match=r"timed out after 8s; ranks without a result: \[(0, )?1\]"):
         run_distributed(rank_one_hangs, 2, timeout=8)
     assert time.monotonic() - start < 30
+
+
+def rank_one_crashes_natively() -> None:
+    if dist.get_rank() == 1:
+        import os
+        os._exit(7)  # no Python exception: what a native crash looks like to the launcher
+    t = torch.ones(1)
+    dist.all_reduce(t)  # rank 0 then fails inside gloo ("Connection reset by peer" or similar)
+
+
+def test_a_rank_dying_without_an_exception_is_named_first():
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(rank_one_crashes_natively, 2, timeout=60)
+    message = str(info.value)
+    assert message.startswith("rank 1 died with exit code 7 without a Python exception"), message[:300]

@@ -23,7 +23,7 @@ from weft.bench import model as bench_model
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, positive_int
-from weft.launch import WorkerError, run_distributed
+from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.config import (
     FREE_ON_RESUME,
@@ -34,7 +34,7 @@ from weft.train.config import (
     saved_train_config,
 )
 from weft.train.generate import generate_from_checkpoint
-from weft.train.loop import TrainingStopped, check_run_dir, train
+from weft.train.loop import check_run_dir, train
 from weft.train.plots import plot_run
 
 
@@ -52,10 +52,8 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None =
     try:
         return run_distributed(fn, world, args=args, timeout=None, backend="nccl" if use_cuda else "gloo")[0]
     except WorkerError as e:  # a run that stopped on purpose says why in one line, not a traceback
-        prefix = f"{TrainingStopped.__module__}.{TrainingStopped.__qualname__}: "  # the traceback's last line
-        stopped = [line.removeprefix(prefix) for line in str(e).splitlines() if line.startswith(prefix)]
-        if stopped:
-            raise SystemExit(f"weft: error: {stopped[-1]}") from None
+        if e.report is not None:
+            raise SystemExit(f"weft: error: {e.report}") from None
         raise
 
 
@@ -239,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         try:
             ns.run(ns, ns.parser)
-        except TrainingStopped as e:  # under torchrun: this process's own run stopped
+        except ReportedError as e:  # under torchrun: this process's own run stopped
             raise SystemExit(f"weft: error: {e}") from None
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # nobody tears down while a peer is still inside a collective

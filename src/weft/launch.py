@@ -1,12 +1,19 @@
 """Spawn local worker processes that form a torch.distributed world (CPU gloo or one GPU each).
 
 Used by the CLI when it is not run under torchrun, and by the tests (via weft.testing).
+The ranks live and die together: the first rank to fail stops the others, and on Linux a rank
+gets SIGKILL when its launcher dies (`kill -9`, a scheduler's SIGTERM), so no rank trains on
+without it. A rank that dies without a Python exception (a native crash, `os._exit`) is named
+with its exit code, before the errors it caused on the other ranks.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
+import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -17,7 +24,43 @@ import torch.multiprocessing as mp
 
 
 class WorkerError(RuntimeError):
-    """A spawned rank raised, died, or the run timed out."""
+    """A spawned rank raised, died, or the run timed out. `report`: the one-line message of a
+    `ReportedError` the rank raised (None for other failures, whose traceback is the message)."""
+
+    def __init__(self, message: str, report: str | None = None):
+        super().__init__(message)
+        self.report = report
+
+
+class ReportedError(RuntimeError):
+    """An error whose message is the whole report for the user (no traceback): a run that stopped
+    on purpose, a run folder in use, ... The CLI prints it as one line, `weft: error: ...`."""
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel (Linux) to SIGKILL this process when its parent dies; exit at once if the
+    parent is already gone. Elsewhere nothing happens."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # no prctl: the launcher's own cleanup remains
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def exit_code_text(code: int) -> str:
+    """'exit code 3' or 'signal SIGSEGV' for a process's exit code."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
 
 
 def free_port() -> int:
@@ -26,7 +69,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, backend, env, args, results) -> None:
+def _worker(fn, rank, world_size, port, backend, env, args, results, parent_pid) -> None:
+    die_with_parent(parent_pid)
     try:
         import torch
         import torch.distributed as dist
@@ -42,10 +86,11 @@ def _worker(fn, rank, world_size, port, backend, env, args, results) -> None:
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         value = fn(*args)
-    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+    except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         # Report before tearing down: closing the group makes the other ranks fail too, and
         # the parent must see the root cause first. The parent terminates the survivors.
-        results.put(("error", rank, traceback.format_exc()))
+        report = str(e) if isinstance(e, ReportedError) else None
+        results.put(("error", rank, (traceback.format_exc(), report)))
         return
     dist.barrier()  # nobody tears down while a peer is still inside a collective
     dist.destroy_process_group()
@@ -73,7 +118,8 @@ def run_distributed(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, env, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, backend, env, args, results, os.getpid()),
+                    daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -90,12 +136,18 @@ def run_distributed(
                         f"timed out after {timeout:.0f}s; ranks without a result: "
                         f"{sorted(set(range(world_size)) - set(values))}"
                     ) from None
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in values]
-                if dead:
-                    raise WorkerError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                dead = _died_silently(procs, values, 0.0)
+                if dead is not None:
+                    raise WorkerError(dead) from None
                 continue
             if status == "error":
-                raise WorkerError(f"rank {rank} of {world_size} failed:\n{value}")
+                text, report = value
+                # A rank that crashed without an exception makes the others fail next ("Connection
+                # reset by peer"): name it first, with its exit code.
+                dead = _died_silently(procs, values, 1.0, reported=rank)
+                if dead is not None:
+                    raise WorkerError(f"{dead}; then rank {rank} of {world_size} failed:\n{text}")
+                raise WorkerError(f"rank {rank} of {world_size} failed:\n{text}", report)
             values[rank] = value
     finally:
         for p in procs:
@@ -106,3 +158,16 @@ def run_distributed(
             if p.is_alive():
                 p.kill()
     return [values[r] for r in range(world_size)]
+
+
+def _died_silently(procs, values: dict, grace: float, reported: int | None = None) -> str | None:
+    """'rank R died with ...' for the first rank that exited non-zero without reporting (waiting
+    up to `grace` seconds for one to show up), or None."""
+    deadline = time.monotonic() + grace
+    while True:
+        for r, p in enumerate(procs):
+            if r != reported and r not in values and p.exitcode not in (None, 0):
+                return f"rank {r} died with {exit_code_text(p.exitcode)} without a Python exception"
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import MoEGroups, build_moe_groups, group_size, init_distributed
+from weft.launch import ReportedError
 from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import optimize
@@ -24,9 +25,10 @@ from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_check
 from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
+from weft.train.runlock import RunFolderInUse, RunLock, in_use
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(ReportedError):
     """The run cannot go on (e.g. its loss or gradients are no longer finite); the message says
     why, at which step, and what was kept."""
 
@@ -171,7 +173,32 @@ def train(cfg: TrainConfig) -> dict:
     run_dir = cfg.run_dir
     model_cfg = cfg.model_config()
     check_run_dir(cfg)
-    _all_reduce(torch.zeros(1, device=device), groups.dp)  # nobody writes before every rank has checked
+    lock = _lock_run_dir(run_dir, ctx.rank, device)  # nobody writes before every rank has checked
+    try:
+        return _train(cfg, ctx, groups, model_cfg)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _lock_run_dir(run_dir: Path, rank: int, device: torch.device) -> RunLock | None:
+    """Rank 0 takes the run folder's lock; every rank raises RunFolderInUse if it could not."""
+    lock, error = None, None
+    if rank == 0:
+        try:
+            lock = RunLock(run_dir).acquire()
+        except RunFolderInUse as e:
+            error = e
+    busy = torch.tensor([0.0 if error is None else 1.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(busy)
+    if busy.item():
+        raise error or in_use(run_dir)
+    return lock
+
+
+def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
+    device, run_dir = ctx.device, cfg.run_dir
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels).to(device)
