@@ -247,3 +247,18 @@ def test_resume_with_a_toml_file_changes_only_what_the_file_names(corpus, tmp_pa
     toml.write_text("[train]\nsteps = 90\n")
     resumed = _cli_config(["train", "--out", str(out), "--resume", "--config", str(toml)])
     assert (resumed.steps, resumed.lr, resumed.seed, resumed.batch_size) == (90, 1e-3, 7, saved.batch_size)
+
+
+def test_a_resume_logs_each_step_once(corpus, tmp_path):
+    """The interrupted run logged steps past its last checkpoint; the resumed run trains them again
+    and its rows replace theirs (validation rows too)."""
+    import shutil
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    run(config(corpus, out, steps=25, lr_decay_steps=30), 2, cache)
+    shutil.rmtree(out / "checkpoints" / "step_25")  # as if killed before its final save
+    run(config(corpus, out, steps=30, resume=True), 2, cache)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in rows if "loss" in r]
+    val_steps = [r["step"] for r in rows if "val_loss" in r]
+    assert train_steps == list(range(1, 31))
+    assert val_steps == sorted(set(val_steps)) and val_steps[-1] == 30

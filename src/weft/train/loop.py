@@ -215,7 +215,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     elif cfg.resume and ctx.rank == 0:
         print(f"weft train: --resume but no complete checkpoint in {run_dir / 'checkpoints'}; starting at step 0",
               flush=True)
-    log = MetricsLog(run_dir / "metrics.jsonl") if ctx.rank == 0 else None
+    log = MetricsLog(run_dir / "metrics.jsonl", resume_from=start if cfg.resume else None) if ctx.rank == 0 else None
     if ctx.rank == 0:
         _write_run_config(run_dir, cfg, start)
         print(f"weft train: {cfg.preset} ({model.num_parameters() / 1e6:.2f}M params, "

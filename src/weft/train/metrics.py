@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -19,11 +20,17 @@ def peak_flops(device_name: str) -> float | None:
 
 
 class MetricsLog:
-    """Appends one JSON object per line and flushes, so a killed run keeps what it logged."""
+    """Appends one JSON object per line and flushes, so a killed run keeps what it logged.
 
-    def __init__(self, path: Path):
+    `resume_from=N` (a run resumed from its step-N checkpoint) first drops the rows of steps after
+    N that the interrupted run logged: they are trained again, and each step is logged once. The
+    rewrite is atomic (a temporary file renamed over the log)."""
+
+    def __init__(self, path: Path, resume_from: int | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         _drop_partial_last_line(path)
+        if resume_from is not None:
+            _drop_rows_after(path, resume_from)
         self._file: TextIO = path.open("a")
 
     def write(self, row: dict[str, Any]) -> None:
@@ -32,6 +39,18 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _drop_rows_after(path: Path, step: int) -> None:
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= step]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def _drop_partial_last_line(path: Path) -> None:
