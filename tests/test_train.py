@@ -118,6 +118,8 @@ def test_toml_config_maps_onto_the_dataclasses(tmp_path):
         (["train", "--config", "/no/such.toml"], "config file /no/such.toml does not exist"),
         (["train", "--device", "tpu"], "invalid choice: 'tpu'"),
         (["generate", "--ckpt", "/no/such/run"], "checkpoint path /no/such/run does not exist"),
+        (["generate", "--ckpt", "/no/such/run", "--temperature", "-1"], "--temperature: must be a finite number >= 0"),
+        (["generate", "--ckpt", "/no/such/run", "--temperature", "nan"], "--temperature: must be a finite number >= 0"),
         (["plot", "/no/such/run"], "/no/such/run"),
         (["bench", "layer", "--config", "gpt5"], "unknown --config 'gpt5'"),
         (["bench", "layer", "--modes", "plain,fastest"], "--modes 'plain,fastest': choose from"),
@@ -262,3 +264,14 @@ def test_a_resume_logs_each_step_once(corpus, tmp_path):
     val_steps = [r["step"] for r in rows if "val_loss" in r]
     assert train_steps == list(range(1, 31))
     assert val_steps == sorted(set(val_steps)) and val_steps[-1] == 30
+
+
+@pytest.mark.parametrize("command", [["train", "--config"], ["plan", "--comm-model"]])
+def test_a_binary_file_given_as_a_config_is_a_one_line_error(command, tmp_path, capsys):
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(256)))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, str(junk)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert str(junk) in err.splitlines()[-1] and "Traceback" not in err

@@ -22,7 +22,7 @@ from weft.bench import layer as bench_layer
 from weft.bench import model as bench_model
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
-from weft.cliargs import LaunchConfig, add_arguments, from_namespace, positive_int
+from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, positive_int
 from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.config import (
@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--ckpt", required=True, help="a run folder (latest checkpoint) or a checkpoints/step_N folder")
     ge.add_argument("--prompt", default="def ")
     ge.add_argument("--tokens", type=positive_int, default=200)
-    ge.add_argument("--temperature", type=float, default=0.8)
+    ge.add_argument("--temperature", type=non_negative_float, default=0.8,
+                    help="sampling temperature, a finite number >= 0 (0: always the likeliest byte)")
     ge.add_argument("--seed", type=int, default=0)
     ge.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ge.set_defaults(run=_generate, parser=ge)

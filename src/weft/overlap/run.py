@@ -25,6 +25,11 @@ class PlanConfig(PresetChoice):
     comm_model: str | None = arg(None, "cost model JSON from `weft bench comm` (default: measure)")
     json: str | None = arg(None, "write the plan here")
 
+    def validate(self) -> None:
+        super().validate()
+        if self.comm_model:
+            CommCostModel.from_json(self.comm_model)  # ValueError naming the file if it is not a cost model
+
 
 def plan_preset(plan_cfg: PlanConfig) -> dict:
     """Build the preset on every rank, plan it for `batch_size` sequences per rank; rank 0 prints

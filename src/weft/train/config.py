@@ -128,7 +128,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     try:
-        doc = tomllib.loads(path.read_text())
+        doc = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError(f"config file {path} is not UTF-8 text (TOML with [train] and [model] tables)") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     unknown = sorted(set(doc) - {"train", "model"})
