@@ -1,6 +1,7 @@
 """Specification of weft.train.data: tokenizer, cached token files, resumable per-rank batches."""
 from __future__ import annotations
 
+import hashlib
 import multiprocessing as mp
 import os
 import threading
@@ -294,9 +295,12 @@ def test_waiter_uses_the_file_the_lock_owner_writes(tmp_path):
     lock = Path(str(final) + ".lock")
     lock.write_text(f"{data_mod.socket.gethostname()} {os.getpid()}")  # a live owner
 
-    def owner_finishes():
+    def owner_finishes():  # as the real writer does: the checksum first, then the cache file
         time.sleep(0.3)
-        data_mod._atomic_write(final, lambda out: out.write(np.array([7, 8, 9], np.uint16).tobytes()))
+        content = np.array([7, 8, 9], np.uint16).tobytes()
+        digest = f"{hashlib.sha256(content).hexdigest()} {len(content)}\n"
+        data_mod._atomic_write(data_mod._checksum_path(final), lambda out: out.write(digest.encode()))
+        data_mod._atomic_write(final, lambda out: out.write(content))
         lock.unlink()
 
     thread = threading.Thread(target=owner_finishes)
@@ -304,3 +308,23 @@ def test_waiter_uses_the_file_the_lock_owner_writes(tmp_path):
     d = prepare_data(src, cache, lock_timeout=30)
     thread.join()
     assert tokens(d) == [7, 8, 9]  # the owner's file, not a second tokenization
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "no_checksum"])
+def test_a_damaged_token_cache_is_refused_with_its_name(tmp_path, damage):
+    src = tmp_path / "a.txt"
+    src.write_text("hello world, " * 500)
+    data = prepare_data(src, tmp_path / "cache")
+    cache_file = data.path
+    assert cache_file.parent == tmp_path / "cache" and len(data.train) + len(data.val) == 13 * 500
+    del data  # drop the memmap before changing the file
+    raw = bytearray(cache_file.read_bytes())
+    if damage == "truncate":
+        cache_file.write_bytes(raw[: len(raw) // 3])
+    elif damage == "flip":
+        raw[100] ^= 0xFF
+        cache_file.write_bytes(raw)
+    else:
+        cache_file.with_name(cache_file.name + ".sha256").unlink()
+    with pytest.raises(ValueError, match=f"token cache {cache_file} .*damaged; delete it"):
+        prepare_data(src, tmp_path / "cache")

@@ -28,7 +28,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 # Bump when the cache file layout or the tokenization changes, so old caches are not reused.
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2  # 2: each cache file has a .sha256 sidecar, checked on every use
 _SEPARATOR = b"\n\n"
 _READ_CHUNK = 16 << 20
 _TOKEN_DTYPE = np.dtype("<u2")
@@ -165,8 +165,45 @@ def _cached_tokens(files: list[Path], cache_dir: Path, lock_timeout: float, desc
     stats = [(p, st.st_size, st.st_mtime_ns) for p, st in ((p, p.stat()) for p in files)]
     cache_dir.mkdir(parents=True, exist_ok=True)
     final = cache_dir / f"tokens-{_cache_key(stats)}.u16.bin"
-    _create_once(final, lambda out: _tokenize_files(stats, out, description), lock_timeout)
+
+    def write(out: BinaryIO) -> None:
+        _tokenize_files(stats, out, description)
+        out.flush()
+        # The checksum is in place before the cache file is renamed into place.
+        _atomic_write(_checksum_path(final), lambda f: f.write(_digest_line(Path(out.name)).encode()))
+
+    _create_once(final, write, lock_timeout)
+    _check_cache(final)
     return final
+
+
+def _checksum_path(cache_file: Path) -> Path:
+    return cache_file.with_name(cache_file.name + ".sha256")
+
+
+def _digest_line(path: Path) -> str:
+    """'<sha256> <bytes>' of a file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+    return f"{h.hexdigest()} {path.stat().st_size}\n"
+
+
+def _check_cache(cache_file: Path) -> None:
+    """ValueError naming the cache file if it is not byte for byte what was tokenized (truncated,
+    damaged, or its checksum file missing): a damaged cache would train on the wrong tokens."""
+    try:
+        expected = _checksum_path(cache_file).read_text().split()
+    except OSError:
+        expected = []
+    actual = _digest_line(cache_file).split()
+    if expected != actual:
+        what = "has no checksum file" if not expected else (
+            f"is {actual[1]} bytes, {expected[1]} were written" if actual[1] != expected[1]
+            else "does not match its checksum")
+        raise ValueError(f"token cache {cache_file} {what}: it is damaged; delete it (and its .sha256) and run "
+                         f"again to tokenize the data anew")
 
 
 def _tokenize_files(stats: list[tuple[Path, int, int]], out: BinaryIO, description: str) -> None:
