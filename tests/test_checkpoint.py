@@ -361,3 +361,28 @@ def test_a_failed_save_removes_its_partial_folder_and_says_why(tmp_path, monkeyp
     assert "partial checkpoint was removed; the latest complete checkpoint is step_1" in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
     assert latest_checkpoint(tmp_path).name == "step_1"
+
+
+def test_pruning_removes_the_manifest_first(tmp_path, monkeypatch):
+    """A crash while pruning leaves an old folder without its manifest: never taken for complete."""
+    from weft.train import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for step in (5, 10, 15):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / ckpt.MANIFEST).write_text("{}")
+        (root / f"step_{step}" / "model.pt").write_bytes(b"x")
+
+    def crash(path):
+        raise OSError("killed while deleting")
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", crash)
+    with pytest.raises(OSError):
+        ckpt.prune_checkpoints(tmp_path, keep_last=1)
+    assert not (root / "step_5" / ckpt.MANIFEST).exists()  # the first doomed one lost its manifest first
+    assert ckpt.latest_checkpoint(tmp_path) == root / "step_15"
+    monkeypatch.undo()
+    # The next pruning also removes what the interrupted one left.
+    assert [p.name for p in ckpt.prune_checkpoints(tmp_path, keep_last=1)] == ["step_5", "step_10"]
+    assert [p.name for p in root.iterdir()] == ["step_15"]
+    assert ckpt.prune_checkpoints(tmp_path, keep_last=0) == []

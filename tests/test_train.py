@@ -275,3 +275,11 @@ def test_a_binary_file_given_as_a_config_is_a_one_line_error(command, tmp_path, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert str(junk) in err.splitlines()[-1] and "Traceback" not in err
+
+
+def test_keep_last_keeps_the_newest_checkpoints_and_resume_still_works(corpus, tmp_path):
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    run(config(corpus, out, steps=30, ckpt_interval=5, keep_last=2), 2, cache)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_25", "step_30"]
+    run(config(corpus, out, steps=35, resume=True, keep_last=2), 2, cache)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_30", "step_35"]

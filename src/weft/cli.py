@@ -22,7 +22,7 @@ from weft.bench import layer as bench_layer
 from weft.bench import model as bench_model
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
-from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, positive_int
+from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, non_negative_int, positive_int
 from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.config import (
@@ -79,7 +79,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -191,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--overlap", default=None, choices=["none", "tutel", "lancet"],
                     help="communication overlap: none (default), tutel (tuned pipelining degree per MoE layer), "
                          "lancet (dW scheduling + partitioned forward, planned at start)")
+    tr.add_argument("--keep-last", type=non_negative_int, default=None,
+                    help="keep only the newest N checkpoints (default 0: keep all)")
     tr.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"],
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs")

@@ -262,6 +262,29 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def prune_checkpoints(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the `keep_last` newest complete checkpoints (0 keeps all); returns the deleted
+    folders. Each goes in two steps: its manifest first (from then on no reader takes it for a
+    complete checkpoint), then its files, so a crash midway never leaves a half checkpoint that
+    looks whole. Call on one rank after a save has been published."""
+    if keep_last <= 0:
+        return []
+    root = Path(run_dir) / "checkpoints"
+    folders = sorted((int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else [])
+                     if (m := _STEP_DIR.fullmatch(p.name)))
+    complete = [(step, p) for step, p in folders if (p / MANIFEST).is_file()]
+    if len(complete) <= keep_last:
+        return []
+    oldest_kept = complete[-keep_last][0]
+    # Older complete ones, and what an interrupted pruning left (a step folder without manifest).
+    doomed = [p for step, p in folders if step < oldest_kept]
+    for path in doomed:
+        (path / MANIFEST).unlink(missing_ok=True)
+        _fsync_dir(path)
+        shutil.rmtree(path)
+    return doomed
+
+
 # -- load -----------------------------------------------------------------------------------
 class _Files:
     """The files a manifest lists: sizes checked up front, sha256 checked before a file is read."""

@@ -52,6 +52,7 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "def "
     kernels: str = "auto"  # MoE dispatch/combine: "triton", "torch" or "auto" (weft.MoE's kernels)
+    keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
 
@@ -89,6 +90,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be finite, got {getattr(self, name)}")
         if not self.lr > 0:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ValueError(f"train.keep_last must be an integer >= 0 (0 keeps all), got {self.keep_last!r}")
         if not isinstance(self.fused_optimizer, bool):
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in ("auto", "torch", "triton"):
@@ -145,7 +148,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer"})
+                            "kernels", "fused_optimizer", "keep_last"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -21,7 +21,7 @@ from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import optimize
 from weft.precision import training_autocast
-from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from weft.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
@@ -253,6 +253,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         if step % cfg.ckpt_interval == 0 or step == cfg.steps:
             extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
             save_checkpoint(run_dir, step, model, optimizer, groups, extra)
+            if ctx.rank == 0:
+                prune_checkpoints(run_dir, cfg.keep_last)
 
     text = ""
     if cfg.sample_tokens:
