@@ -7,6 +7,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_reference as ref
 from weft import MoE
+from weft.testing import run_distributed
 
 
 def test_drop_in_ffn_without_process_group():
@@ -159,3 +160,37 @@ def test_capacity_never_exceeds_the_token_count(capacity_factor):
     y = moe(x)
     assert moe.stats.capacity <= 16 and int(moe.stats.dropped) == 0
     assert torch.equal(y, moe(x, capacity_factor=0))
+
+
+def _mismatch_worker(case: str) -> str:
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    experts = 8 if case == "num_experts" and rank == 1 else 4
+    moe = MoE(8, 16, experts, top_k=2, capacity_factor=1.0)
+    tokens = 12 if case == "tokens" and rank == 1 else 16
+    kwargs = {"top_k": 1} if case == "top_k" and rank == 1 else {}
+    try:
+        moe(torch.randn(tokens, 8), **kwargs)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, field", [("num_experts", "num_experts is"), ("top_k", "top_k is"),
+                                         ("tokens", "tokens per rank (padded capacity) is")])
+def test_ranks_with_different_layers_or_calls_are_told_at_the_first_forward(case, field):
+    messages = run_distributed(_mismatch_worker, 2, args=(case,), timeout=120)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"MoE layer differs across the expert-parallel group: {field}"), message
+        assert f"(group rank {rank}) but not on group rank {1 - rank}" in message
+
+
+def _uneven_dropless_worker() -> tuple[int, ...]:
+    import torch.distributed as dist
+    moe = MoE(8, 16, 4, top_k=2, capacity_factor=None)
+    y = moe(torch.randn(10 + 3 * dist.get_rank(), 8))
+    return tuple(y.shape)
+
+
+def test_uneven_token_counts_stay_fine_where_sizes_are_agreed():
+    assert run_distributed(_uneven_dropless_worker, 2, timeout=120) == [(10, 8), (13, 8)]

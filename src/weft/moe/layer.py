@@ -12,6 +12,7 @@ against this layer. The stages are public seams, as in Megatron-Core's MoELayer:
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from types import EllipsisType
 
 import torch
@@ -114,6 +115,7 @@ class MoE(nn.Module):
         self.experts = Experts(dim, hidden_dim, self.num_local_experts, activation, first, dtype, device,
                                shard=(rank % shards, shards))
         self.last_routing: RoutingSummary | None = None
+        self._ranks_agree = self.ep_size == 1  # checked at the first forward (`_check_ranks_agree`)
         # Lancet's backward (weft.overlap.optimize installs it): runs deferred weight gradients
         # while this layer's backward all-to-alls are in flight.
         self.wgrad_scheduler = None
@@ -197,6 +199,8 @@ class MoE(nn.Module):
         call = self.call_with(**overrides) if overrides else self.default_call()
         self._check_input(x)
         tokens_TD = x.reshape(-1, self.dim)
+        if not self._ranks_agree:
+            self._check_ranks_agree(call, tokens_TD)
         routing = self.route(tokens_TD, call)
         self.record(routing.summary)
         # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
@@ -293,6 +297,35 @@ class MoE(nn.Module):
         most = torch.tensor([slots], device=device)
         dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
         return -(-int(most.item()) // self.num_experts)
+
+    def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
+        """Once, at the first forward: every rank of the EP group built the same layer and calls it
+        with the same settings (and, where the padded all-to-all's size comes from the local token
+        count, the same count). Otherwise the all-to-alls would mismatch: wrong results, or a
+        failure deep inside the collective library. One small all-gather; ValueError on every
+        rank naming the first field that differs."""
+        fixed_size = self.gate == "expert_choice" or (call.capacity_factor is not None and call.capacity_factor > 0)
+        fields = {
+            "dim": self.dim, "hidden_dim": self.hidden_dim, "num_experts": self.num_experts, "top_k": call.top_k,
+            "gate": self.gate, "capacity_factor": call.capacity_factor, "activation": self.experts.activation,
+            "normalize_gates": self.normalize_gates, "parallel": self.parallel,
+            "expert dtype": str(self.experts.w1.dtype), "overlap_degree": call.overlap_degree,
+            "a2a_algo": call.a2a_algo, "tokens per rank (padded capacity)": tokens_TD.shape[0] if fixed_size else None,
+        }
+        codes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
+        mine = torch.tensor(codes, dtype=torch.int64, device=tokens_TD.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.ep_size)]
+        dist.all_gather(gathered, mine, group=self.group)
+        table = torch.stack(gathered).cpu()
+        for i, name in enumerate(fields):
+            differ = (table[:, i] != codes[i]).nonzero()
+            if len(differ):
+                other = int(differ[0])
+                hint = (" (padded capacity sizes the all-to-all by the local token count: give every rank the same "
+                        "number of tokens, or use capacity_factor=None or <= 0)") if name.startswith("tokens") else ""
+                raise ValueError(f"MoE layer differs across the expert-parallel group: {name} is {fields[name]!r} "
+                                 f"here (group rank {group_rank(self.group)}) but not on group rank {other}{hint}")
+        self._ranks_agree = True
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
