@@ -283,3 +283,14 @@ def test_keep_last_keeps_the_newest_checkpoints_and_resume_still_works(corpus, t
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_25", "step_30"]
     run(config(corpus, out, steps=35, resume=True, keep_last=2), 2, cache)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_30", "step_35"]
+
+
+def test_a_metrics_line_cut_by_a_kill_is_dropped_on_the_next_start(tmp_path):
+    from weft.train.metrics import MetricsLog
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')  # killed mid-write
+    log = MetricsLog(path, resume_from=1)
+    log.write({"step": 2, "loss": 1.5})
+    log.close()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
