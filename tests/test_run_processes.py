@@ -38,12 +38,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"  # a zombie has exited; only its parent's wait is missing
 
 
-def _wait_for(condition, timeout: float, what: str) -> None:
+def _wait_for(condition, timeout: float, what: str, poll: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
+        time.sleep(poll)
 
 
 def _train_cmd(corpus: Path, out: Path, *extra: str) -> list[str]:
@@ -70,7 +70,7 @@ def test_ranks_die_with_their_launcher_and_the_folder_is_locked_meanwhile(corpus
                   "the first metrics row")
         assert launcher.poll() is None, launcher.stderr.read()
         ranks = _children(launcher.pid)
-        ranks = [pid for pid in ranks if "multiprocessing" in (Path("/proc") / str(pid) / "cmdline").read_text()]
+        ranks = [pid for pid in ranks if "spawn_main" in (Path("/proc") / str(pid) / "cmdline").read_text()]
         assert len(ranks) >= 2, f"expected the 2 ranks among the launcher's children, found {ranks}"
 
         # A second run in the same folder is refused while the first one lives, naming the holder.
