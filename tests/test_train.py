@@ -294,3 +294,14 @@ def test_a_metrics_line_cut_by_a_kill_is_dropped_on_the_next_start(tmp_path):
     log.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+
+
+def test_data_errors_inside_the_ranks_are_one_line(tmp_path, capsys):
+    folder = tmp_path / "binary"
+    folder.mkdir()
+    (folder / "a.dat").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--data", str(folder), "--steps", "2", "--out", str(tmp_path / "run")])
+    assert exit_info.value.code == f"weft: error: data: no text found in folder {folder} (1 files): 1 file(s) not " \
+        "UTF-8 text (or binary, with NUL bytes), 0 empty"
+    assert "Traceback" not in capsys.readouterr().err

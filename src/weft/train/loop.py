@@ -28,6 +28,10 @@ from weft.train.metrics import MetricsLog, Progress, peak_flops
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
 
 
+class DataError(ReportedError):
+    """The training data cannot be used (missing, no text, a damaged cache, ...)."""
+
+
 class TrainingStopped(ReportedError):
     """The run cannot go on (e.g. its loss or gradients are no longer finite); the message says
     why, at which step, and what was kept."""
@@ -203,7 +207,11 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels).to(device)
     optimizer = build_optimizer(model, cfg)
-    data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction, vocab_size=model_cfg.vocab_size)
+    try:
+        data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction,
+                            vocab_size=model_cfg.vocab_size)
+    except (ValueError, OSError) as e:  # the data names the problem: one line, not a rank's traceback
+        raise DataError(f"data: {e}") from e
     block = model_cfg.block_size
     train_batches = BatchSampler(data.train, cfg.batch_size, block, ctx.rank, ctx.world_size, cfg.seed)
     val_batches = BatchSampler(data.val, cfg.batch_size, block, ctx.rank, ctx.world_size, cfg.seed)
