@@ -305,3 +305,23 @@ def test_data_errors_inside_the_ranks_are_one_line(tmp_path, capsys):
     assert exit_info.value.code == f"weft: error: data: no text found in folder {folder} (1 files): 1 file(s) not " \
         "UTF-8 text (or binary, with NUL bytes), 0 empty"
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_dense_model_trains_resumes_exactly_samples_and_plots(corpus, tmp_path):
+    """moe_every = 0: no MoE layer anywhere (the metrics code used to reshape 0 expert counts)."""
+    dense = {**SMALL_MODEL, "moe_every": 0}
+    cache = tmp_path / "cache"
+    summary = run(config(corpus, tmp_path / "full", steps=40, model=dense, sample_tokens=20), 2, cache)
+    full = losses(tmp_path / "full")
+    assert sum(full[s] for s in range(31, 41)) / 10 < sum(full[s] for s in range(1, 6)) / 5 - 1.0
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    step_row = next(r for r in rows if "loss" in r)
+    assert step_row["expert_load"] == [] and step_row["imbalance"] == [] and step_row["aux_loss"] == 0.0
+    assert summary["sample"].startswith("def ")
+    run(config(corpus, tmp_path / "split", steps=20, model=dense, lr_decay_steps=40), 2, cache)
+    run(config(corpus, tmp_path / "split", steps=40, model=dense, resume=True), 2, cache)
+    split = losses(tmp_path / "split")
+    assert [full[s] for s in range(21, 41)] == [split[s] for s in range(21, 41)]
+    text = generate_from_checkpoint(tmp_path / "full", "def ", 10, 0.8, 0, "cpu")
+    assert text.startswith("def ") and len(text) > 4
+    assert {p.name for p in plot_run(tmp_path / "full")} == {"loss.png", "throughput.png"}

@@ -328,7 +328,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     world = group_size(groups.dp)
     stats = _all_reduce(torch.cat([loss_sum / cfg.grad_accum / world, dropped.reshape(1), counts.flatten()]), groups.dp)
     slots = stats[4:].sum().clamp_min(1)
-    counts = stats[4:].view(len(moes), -1)
+    counts = stats[4:].view(len(moes), model.config.num_experts)  # (0, E) for a dense model
     mean = counts.mean(1).clamp_min(1e-9)
     if finite and not math.isfinite(float(stats[0])) and cfg.on_nonfinite == "stop":
         raise TrainingStopped(f"step {step}: the loss is {float(stats[0])}; stopped (the optimizer step was taken: "
@@ -336,5 +336,6 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     return {
         "loss": float(stats[0]), "ce_loss": float(stats[1]), "aux_loss": float(stats[2]),
         "grad_norm": grad_norm, "skipped": not finite, "dropped_share": float(stats[3] / slots),
-        "expert_load": counts.long().tolist(), "imbalance": (counts.max(1).values / mean).tolist(),
+        "expert_load": counts.long().tolist(),
+        "imbalance": (counts.amax(1) / mean).tolist() if moes else [],
     }
