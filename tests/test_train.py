@@ -325,3 +325,11 @@ def test_a_dense_model_trains_resumes_exactly_samples_and_plots(corpus, tmp_path
     text = generate_from_checkpoint(tmp_path / "full", "def ", 10, 0.8, 0, "cpu")
     assert text.startswith("def ") and len(text) > 4
     assert {p.name for p in plot_run(tmp_path / "full")} == {"loss.png", "throughput.png"}
+
+
+def test_a_run_that_repeats_its_data_is_warned_with_the_sizes():
+    from weft.train.loop import data_repeat_warning
+    assert data_repeat_warning(10_000_000, 16_384, 600) is None  # 9.8M tokens of 10M: once
+    warning = data_repeat_warning(10_000_000, 16_384, 1200)
+    assert warning.startswith("1200 steps read 19.7M tokens from a training split of 10.0M tokens: it is read "
+                              "1.97 times over")

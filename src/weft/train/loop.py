@@ -37,6 +37,16 @@ class TrainingStopped(ReportedError):
     why, at which step, and what was kept."""
 
 
+def data_repeat_warning(train_tokens: int, tokens_per_step: int, steps: int) -> str | None:
+    """What to tell the user when `steps` steps read the training split more than once (None if not)."""
+    planned = tokens_per_step * steps
+    if planned <= train_tokens:
+        return None
+    return (f"{steps} steps read {planned / 1e6:.1f}M tokens from a training split of {train_tokens / 1e6:.1f}M "
+            f"tokens: it is read {planned / max(train_tokens, 1):.2f} times over, so a large model can memorise it "
+            f"(validation loss turning up); point --data at more text or train fewer --steps")
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at step
     `lr_decay_steps` (default: the last step)."""
@@ -234,6 +244,9 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
 
     plan = _setup_overlap(model, cfg, train_batches, start, device, ctx.rank)
     tokens_per_step = cfg.batch_size * block * cfg.grad_accum * ctx.world_size
+    warning = data_repeat_warning(len(data.train), tokens_per_step, cfg.steps)
+    if warning and ctx.rank == 0:
+        print(f"weft train: warning: {warning}", flush=True)
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops_per_token = model.flops_per_token(block)
     progress = Progress(start, cfg.steps, cfg.log_interval)
