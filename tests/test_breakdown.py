@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weft import MoE
-from weft.bench.breakdown import _op_contexts, breakdown, format_breakdown
+from weft.bench.breakdown import _op_contexts, breakdown, format_breakdown, print_breakdowns
 from weft.bench.trace import profile_trace
 
 
@@ -18,8 +18,8 @@ def _op(name, ts, dur, tid, ext, seq=None, cat="cpu_op"):
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
 
 
-def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
-    trace = {"traceEvents": [
+def _trace() -> dict:
+    return {"traceEvents": [
         _op("weft.dispatch", 0, 100, 1, 1, cat="user_annotation"),
         _op("aten::index_select", 10, 20, 1, 2, seq=7),
         _op("weft.experts", 40, 50, 1, 3, cat="user_annotation"),
@@ -37,7 +37,10 @@ def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
         _op("index_add_kernel", 1300, 40, 7, 8, cat="kernel"),
         _op("add_kernel", 1400, 10, 7, 9, cat="kernel"),
     ]}
-    b = breakdown(trace, steps=2)
+
+
+def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
+    b = breakdown(_trace(), steps=2)
     st = b.stages
     assert st["dispatch"].forward_ms == pytest.approx(0.030 / 2)
     assert st["dispatch"].backward_ms == pytest.approx(0.040 / 2)
@@ -56,6 +59,13 @@ def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
     assert b.idle_ms == pytest.approx(0.180 / 2)
     table = format_breakdown(b, "t")
     assert table.index("dispatch") < table.index("experts") < table.index("comm") < table.index("other")
+
+
+def test_benchmark_rows_print_their_breakdown(capsys):
+    b = breakdown(_trace(), steps=2)
+    print_breakdowns([{"mode": "plain", "breakdown": b.to_dict()}, {"mode": "none"}], lambda r: r["mode"])
+    out = capsys.readouterr().out
+    assert "plain (rank 0): GPU window 0.205 ms/step" in out and "none" not in out
 
 
 def test_a_real_profile_of_the_layer_maps_its_ops_to_stages():

@@ -23,6 +23,7 @@ from weft.bench import model as bench_model
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, non_negative_int, positive_int
+from weft.kernels.rows import KERNELS
 from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.config import (
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "lancet (dW scheduling + partitioned forward, planned at start)")
     tr.add_argument("--keep-last", type=non_negative_int, default=None,
                     help="keep only the newest N checkpoints (default 0: keep all)")
-    tr.add_argument("--kernels", default=None, choices=["auto", "torch", "triton"],
+    tr.add_argument("--kernels", default=None, choices=list(KERNELS),
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs")
     tr.set_defaults(run=_train, parser=tr)

@@ -17,9 +17,11 @@ the host synchronisations (cudaStreamSynchronize & co) per step.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
-from weft.bench.trace import is_comm_kernel, length, merge
+from weft.bench.trace import decompose, is_comm_kernel, kernel_intervals, length, merge, profile_trace
 from weft.profiling import PREFIX
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -84,6 +86,8 @@ def _op_contexts(events: list[dict]) -> tuple[dict[int, tuple[str, bool]], dict[
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation"):
             by_tid[e.get("tid")].append(e)
+    for ops in by_tid.values():  # outer ranges before the ranges and ops they contain
+        ops.sort(key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0))))
     # Pass 1: forward ops' stages by sequence number. Pass 2: every op's context.
     seq_stage: dict[int, str] = {}
     contexts: dict[int, tuple[str, bool]] = {}
@@ -91,7 +95,7 @@ def _op_contexts(events: list[dict]) -> tuple[dict[int, tuple[str, bool]], dict[
     for pass_ in (1, 2):
         for ops in by_tid.values():
             stack: list[_Range] = []
-            for e in sorted(ops, key=lambda e: (float(e["ts"]), -float(e.get("dur", 0.0)))):
+            for e in ops:
                 start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
                 while stack and stack[-1].end <= start:
                     stack.pop()
@@ -177,3 +181,21 @@ def format_breakdown(b: Breakdown, title: str) -> str:
                      f"{s.syncs:>6.1f} {s.host_forward_ms:>9.3f} {s.host_backward_ms:>9.3f}")
     return "\n".join(lines)
 
+
+
+def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path | None = None,
+                  with_breakdown: bool = False) -> dict:
+    """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
+    (communication hidden or exposed, `weft.bench.trace`) and, when asked, "breakdown"."""
+    trace = profile_trace(step, steps, trace_path)
+    parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}
+    if with_breakdown:
+        parts["breakdown"] = breakdown(trace, steps).to_dict()
+    return parts
+
+
+def print_breakdowns(rows: list[dict], label: Callable[[dict], str]) -> None:
+    """The breakdown table of every benchmark row that has one, titled `label(row)`."""
+    for row in rows:
+        if row.get("breakdown"):
+            print(format_breakdown(Breakdown.from_dict(row["breakdown"]), f"\n{label(row)} (rank 0)"))

@@ -21,10 +21,9 @@ from pathlib import Path
 
 import torch
 
-from weft.bench.breakdown import Breakdown, breakdown, format_breakdown
+from weft.bench.breakdown import print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
-from weft.bench.trace import decompose, kernel_intervals, profile_trace
 from weft.cliargs import ACTIVATION_CHOICES, DTYPES, arg, capacity_list, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.moe import MoE
@@ -256,10 +255,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 cap = "dropless" if cf is None else f"cf{cf:g}"
                 path = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
             run.switch()
-            trace = profile_trace(lambda: run.step(0), profile_steps, path)
-            row["decomposition"] = decompose(*kernel_intervals(trace), steps=profile_steps).to_dict()
-            if with_breakdown:
-                row["breakdown"] = breakdown(trace, profile_steps).to_dict()
+            row.update(profile_parts(lambda: run.step(0), profile_steps, path, with_breakdown))
     return rows
 
 
@@ -335,7 +331,5 @@ def print_table(report: dict) -> None:
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
               f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f} {peak:>9}{tuned}")
-    for r in rows:
-        if r.get("breakdown"):
-            cap = "dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"
-            print(format_breakdown(Breakdown.from_dict(r["breakdown"]), f"\n{r['mode']}, {cap} (rank 0)"))
+    print_breakdowns(rows, lambda r: f"{r['mode']}, " + (
+        "dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"))

@@ -40,10 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weft.bench.breakdown import Breakdown, breakdown, format_breakdown
+from weft.bench.breakdown import print_breakdowns, profile_parts
 from weft.bench.layer import write_report
 from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
-from weft.bench.trace import decompose, kernel_intervals, profile_trace
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.models import GPT
@@ -205,10 +204,7 @@ def run(bench: ModelBenchConfig) -> dict:
             row["profile_s"] = plan.to_dict()["profile_s"]
         if device.type == "cuda" and profile_steps > 0:
             _switch(model, setting)
-            trace = profile_trace(lambda s=setting: step(s, 0), profile_steps)
-            row["decomposition"] = decompose(*kernel_intervals(trace), steps=profile_steps).to_dict()
-            if bench.breakdown:
-                row["breakdown"] = breakdown(trace, profile_steps).to_dict()
+            row.update(profile_parts(lambda s=setting: step(s, 0), profile_steps, with_breakdown=bench.breakdown))
         rows.append(row)
     passes.apply(model, [], None)
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
@@ -249,9 +245,7 @@ def print_table(report: dict) -> None:
         print(f"{label:>12} {r['iteration_ms']:>9.2f} {r['iteration_ms_min']:>8.2f} {r['iteration_iqr_ms']:>7.2f} "
               f"{r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {r['fwd_bwd_iqr_ms']:>7.2f} {pred:>10} "
               f"{perr:>9} {r['max_error']:>9.1e} {comm:>8} {exposed:>8} {hidden:>7}")
-    for r in report["results"]:
-        if r.get("breakdown"):
-            print(format_breakdown(Breakdown.from_dict(r["breakdown"]), f"\n{r['mode']} (rank 0)"))
+    print_breakdowns(report["results"], lambda r: r["mode"])
     for r in report["results"]:
         if r.get("plan") and not r["repeat"]:  # a repeat runs the same plan
             print(f"\n[{r['mode']}] plan:\n{r['plan']}")

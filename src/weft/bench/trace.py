@@ -115,9 +115,3 @@ def profile_trace(step: Callable[[], None], steps: int = 5, trace_path: str | Pa
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         return json.loads(path.read_text())
-
-
-def profile_decomposition(step: Callable[[], None], steps: int = 5,
-                          trace_path: str | Path | None = None) -> Decomposition:
-    """Run `step` under the CUDA profiler `steps` times and decompose its GPU time per step."""
-    return decompose(*kernel_intervals(profile_trace(step, steps, trace_path)), steps=steps)

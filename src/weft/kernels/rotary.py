@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.kernels.rows import triton, triton_usable
+from weft.kernels.rows import triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -69,10 +69,9 @@ class _Rotary(torch.autograd.Function):
 
 
 def rotary(x_BHSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
-    """`rotary_reference` of a (batch, heads, seq, head_dim) tensor by the Triton kernel where it
-    can run (`kernels` "auto": CUDA; "triton": also the CPU interpreter) and by PyTorch otherwise."""
-    fused = kernels == "triton" or (kernels == "auto" and x_BHSD.is_cuda)
-    if (fused and triton_usable(x_BHSD) and x_BHSD.dim() == 4 and x_BHSD.stride(-1) == 1
+    """`rotary_reference` of a (batch, heads, seq, head_dim) tensor by the Triton kernel where the
+    `kernels` setting picks it (`weft.kernels.rows.use_triton`) and by PyTorch otherwise."""
+    if (use_triton(kernels, x_BHSD) and x_BHSD.dim() == 4 and x_BHSD.stride(-1) == 1
             and x_BHSD.shape[-1] % 2 == 0 and not cos.requires_grad and not sin.requires_grad):
         return _Rotary.apply(x_BHSD, cos.float(), sin.float())
     return rotary_reference(x_BHSD, cos, sin)

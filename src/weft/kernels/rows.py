@@ -30,6 +30,7 @@ except ImportError:  # CPU-only installs: the PyTorch references remain
     triton = None
 
 BLOCK_D = 512
+KERNELS = ("auto", "torch", "triton")  # the `kernels` setting of weft.MoE, GPT and weft train
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -37,6 +38,18 @@ def triton_usable(x: torch.Tensor) -> bool:
     if triton is None:
         return False
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def use_triton(kernels: str, x: torch.Tensor) -> bool:
+    """Whether the `kernels` setting runs the Triton kernels on x: never for "torch"; for "auto"
+    where they can run; for "triton" always (RuntimeError where they cannot)."""
+    if kernels == "torch":
+        return False
+    usable = triton_usable(x)
+    if kernels == "triton" and not usable:
+        raise RuntimeError(f"kernels='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1 on the CPU); "
+                           f"got a {x.device.type} tensor")
+    return usable
 
 
 # -- references (the CPU path and the test oracle) -------------------------------------------------

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.kernels.rotary import rotary, rotary_reference
+from weft.kernels.rows import KERNELS
 from weft.moe import ACTIVATIONS, GATES, MoE
 from weft.ops.wgrad import Linear
 from weft.profiling import stage
@@ -244,7 +245,7 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto"):
         super().__init__()
         config.validate()
-        if kernels not in ("auto", "torch", "triton"):
+        if kernels not in KERNELS:
             raise ValueError(f"unknown kernels {kernels!r}; choose 'auto', 'torch' or 'triton'")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)

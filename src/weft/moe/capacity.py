@@ -4,7 +4,7 @@ Slots are ranked by j (the token's j-th choice) first, then by token order (or b
 importance for batch-prioritized routing). A slot's position in its expert is the number of
 higher-ranked slots routed to the same expert; it is kept iff position < C.
 In token order with T*k*E up to `COUNTING_LIMIT`, positions are running counts (a cumulative sum
-over a (T*k, E) one-hot in int32: 7 kernels, no sort); otherwise one stable sort,
+over an (E, T*k) one-hot in int32, scanned along its contiguous dimension: no sort); otherwise one stable sort,
 O(T*k log(T*k)) with no (T, E) tensor. Both give the same positions, counts and order.
 """
 from __future__ import annotations

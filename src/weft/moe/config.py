@@ -11,11 +11,11 @@ import functools
 import math
 from dataclasses import dataclass
 
+from weft.kernels.rows import KERNELS
 from weft.moe.experts import ACTIVATIONS
 from weft.moe.gates import GATES
 
 A2A_ALGOS = ("linear", "2dh", "auto")
-KERNELS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
-from weft.kernels.rows import triton_usable
+from weft.kernels.rows import use_triton
 from weft.moe.config import MoECall, check_layer, check_settings, parallel_choices, resolve_call
 from weft.moe.dispatch import SlotRows, combine, combine_rows, dispatch_padded, dispatch_rows
 from weft.moe.exchange import (
@@ -245,7 +245,7 @@ class MoE(nn.Module):
     def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype) -> torch.Tensor:
         cap = routing.capacity
         num_rows = self.num_experts * cap
-        fused = self.gate != "expert_choice" and self._use_triton(call, tokens_TD)  # token choice: k slots a token
+        fused = self.gate != "expert_choice" and use_triton(call.kernels, tokens_TD)  # token choice: k slots a token
         with stage("dispatch"):
             rows_S = routing.experts_S * cap + routing.positions_S
             if fused:
@@ -265,7 +265,7 @@ class MoE(nn.Module):
     def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall,
                   out_dtype: torch.dtype) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
-        fused = self._use_triton(call, tokens_TD)
+        fused = use_triton(call.kernels, tokens_TD)
         with stage("dispatch"):
             if fused:
                 slot_rows = SlotRows.grouped(order_S, call.top_k)
@@ -278,17 +278,6 @@ class MoE(nn.Module):
             if fused:
                 return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
             return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S), tokens_TD.shape[0])
-
-    @staticmethod
-    def _use_triton(call: MoECall, x: torch.Tensor) -> bool:
-        """Whether this call's dispatch and combine run the Triton kernels (`MoECall.kernels`)."""
-        if call.kernels == "torch":
-            return False
-        usable = triton_usable(x)
-        if call.kernels == "triton" and not usable:
-            raise RuntimeError(f"kernels='triton' needs Triton and a CUDA tensor (or TRITON_INTERPRET=1 on the "
-                               f"CPU); got a {x.device.type} tensor")
-        return usable
 
     def _dropless_capacity(self, slots: int, device: torch.device) -> int:
         """The tuning bucket's capacity for a dropless call: ceil(T_max * k / E), T_max * k the most

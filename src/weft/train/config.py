@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from weft.jsonfile import read_json
+from weft.kernels.rows import KERNELS
 from weft.models import GPTConfig, get_preset
 
 if sys.version_info >= (3, 11):
@@ -94,7 +95,7 @@ class TrainConfig:
             raise ValueError(f"train.keep_last must be an integer >= 0 (0 keeps all), got {self.keep_last!r}")
         if not isinstance(self.fused_optimizer, bool):
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
+        if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
