@@ -84,8 +84,7 @@ class _LargestTensor(TorchDispatchMode):
 
 @pytest.mark.parametrize("capacity_factor", [1.25, None])
 def test_routing_never_materialises_tokens_by_experts_by_capacity(capacity_factor):
-    """Tutel's fast encode/decode: no (T, E, C) tensor; the biggest is O(T*k*dim + E*C*dim + T*k*E)
-    (T*k*E: the int32 one-hot the slot positions are counted over, weft.moe.capacity)."""
+    """Tutel's fast encode/decode: no (T, E, C) tensor; the biggest is O(T*k*dim + E*C*dim + T*E)."""
     tokens, experts, k, dim = 2048, 64, 2, 8
     moe = MoE(dim, 8, experts, top_k=k, capacity_factor=capacity_factor)
     x = torch.randn(tokens, dim, requires_grad=True)
@@ -93,8 +92,8 @@ def test_routing_never_materialises_tokens_by_experts_by_capacity(capacity_facto
         moe(x).sum().backward()
     cap = -(-int(k * 1.25 * tokens) // experts)
     dense_one_hot = tokens * experts * cap
-    linear_bound = tokens * k * dim + experts * cap * dim + tokens * k * experts
-    assert mode.largest <= linear_bound < dense_one_hot / 25
+    linear_bound = tokens * k * dim + experts * cap * dim + tokens * experts
+    assert mode.largest <= linear_bound < dense_one_hot / 50
 
 
 def test_capacity_is_the_exact_ceiling_of_the_decimal_factor():

@@ -22,13 +22,14 @@ def _by_loop(experts: torch.Tensor, num_experts: int):
     return positions, torch.tensor(seen)
 
 
-@pytest.mark.parametrize("num_tokens, k, num_experts", [(0, 2, 4), (1, 1, 1), (16, 2, 8), (37, 3, 5), (200, 4, 64)])
+@pytest.mark.parametrize("num_tokens, k, num_experts",
+                         [(0, 2, 4), (1, 1, 1), (16, 2, 8), (37, 3, 5), (200, 4, 64), (300, 1, 16)])
 def test_counting_and_sorting_give_the_rule(num_tokens, k, num_experts, monkeypatch):
     gen = torch.Generator().manual_seed(num_tokens)
     experts = torch.stack([torch.randperm(num_experts, generator=gen)[:k] for _ in range(num_tokens)]) \
         if num_tokens else torch.zeros(0, k, dtype=torch.long)
     want_positions, want_counts = _by_loop(experts, num_experts)
-    counted = capacity.slot_positions(experts, num_experts)
+    counted = capacity._counted_positions(experts, num_experts, True)  # the layer counts for k = 1 only
     monkeypatch.setattr(capacity, "COUNTING_LIMIT", -1)  # force the sort path
     sorted_ = capacity.slot_positions(experts, num_experts)
     for got in (counted, sorted_):
@@ -44,6 +45,6 @@ def test_counting_and_sorting_give_the_rule(num_tokens, k, num_experts, monkeypa
 
 def test_without_the_sort_index_the_counting_path_skips_it():
     experts = torch.tensor([[0, 1], [1, 0], [0, 2]])
-    got = capacity.slot_positions(experts, 3, with_sort_index=False)
+    got = capacity._counted_positions(experts, 3, with_sort_index=False)
     assert got.sort_index is None
     assert got.positions.tolist() == [[0, 1], [0, 2], [1, 0]]  # j = 0 first: t0, t1, t2; then j = 1

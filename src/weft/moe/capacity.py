@@ -3,9 +3,10 @@
 Slots are ranked by j (the token's j-th choice) first, then by token order (or by descending
 importance for batch-prioritized routing). A slot's position in its expert is the number of
 higher-ranked slots routed to the same expert; it is kept iff position < C.
-In token order with T*k*E up to `COUNTING_LIMIT`, positions are running counts (a cumulative sum
-over an (E, T*k) one-hot in int32, scanned along its contiguous dimension: no sort); otherwise one stable sort,
-O(T*k log(T*k)) with no (T, E) tensor. Both give the same positions, counts and order.
+Top-1 in token order (Switch), with T*E up to `COUNTING_LIMIT`: positions are running counts (a
+cumulative sum over an (E, T) one-hot in int32, scanned along its contiguous dimension: no
+sort, and within the layer's O(T*E) memory bound). Otherwise one stable sort, O(T*k log(T*k)),
+no (T, E) tensor. Both give the same positions, counts and order.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 
 from weft.distributed import group_size
 
-COUNTING_LIMIT = 1 << 24  # T * k * E elements of int32 (64 MiB) at most for the counting path
+COUNTING_LIMIT = 1 << 24  # T * E elements of int32 (64 MiB) at most for the counting path
 
 
 @dataclass
@@ -31,7 +32,7 @@ def slot_positions(experts: torch.Tensor, num_experts: int, order: torch.Tensor 
                    with_sort_index: bool = True) -> SlotPositions:
     """Positions of the (T, k) routed slots under the priority rule (`order`: the tokens' rank,
     None = token order); `with_sort_index=False` may leave `sort_index` None."""
-    if order is None and experts.numel() * num_experts <= COUNTING_LIMIT:
+    if order is None and experts.shape[1] == 1 and experts.numel() * num_experts <= COUNTING_LIMIT:
         return _counted_positions(experts, num_experts, with_sort_index)
     num_tokens, k = experts.shape
     token_rank = torch.arange(num_tokens, device=experts.device) if order is None else order
@@ -55,7 +56,8 @@ def _counted_positions(experts: torch.Tensor, num_experts: int, with_sort_index:
     in priority order (j-major, then t) went to its expert."""
     num_tokens, k = experts.shape
     ranked = experts.t().reshape(-1)  # priority order
-    # (E, T*k): the scan runs along the contiguous dimension (along dim 0 it is ~50x slower on GPUs).
+    # (E, T*k): the scan runs along the contiguous dimension (along dim 0 it took 3 ms for qwen2's
+    # routing on an H200, against 0.1 ms this way).
     one_hot = torch.zeros(num_experts, ranked.numel(), dtype=torch.int32, device=experts.device)
     one_hot.scatter_(0, ranked.unsqueeze(0), 1)
     seen = one_hot.cumsum(1, dtype=torch.int32)  # column i: slots of each expert up to slot i
