@@ -113,3 +113,90 @@ def determinism_worker(dtypes, device) -> list[str]:
 def test_two_runs_are_bitwise_equal_on_nccl():
     flat = _check_on_every_gpu(determinism_worker)
     assert not flat, "\n".join(flat[:15])
+
+
+def graph_worker(dtypes, device) -> list[str]:
+    """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
+    the eager step's outputs, input gradients and parameter gradients on new inputs (padded
+    capacity, token and expert choice; bitwise with the Triton kernels, whose results are
+    deterministic; the torch path's atomics only promise rounding), and two replays accumulate
+    gradients as two eager backwards do."""
+    from weft.graphs import GraphedStep
+
+    failures, rank = [], torch.distributed.get_rank()
+    cases = (("topk", 1, "auto"), ("topk", 4, "auto"), ("bpr", 2, "torch"), ("expert_choice", 2, "auto"))
+    for gate, k, kernels in cases:
+        exact = kernels == "auto" and gate != "expert_choice"  # expert choice combines with torch's index_add
+        torch.manual_seed(0)
+        moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=1.0, activation="gelu", dtype=dtypes[0],
+                  device=device, kernels=kernels)
+        params = list(moe.parameters())
+        gen = torch.Generator(device=device).manual_seed(10 + rank)
+        xs = [torch.randn(1024, 256, device=device, dtype=dtypes[0], generator=gen) for _ in range(3)]
+        dys = [torch.randn(1024, 256, device=device, dtype=dtypes[0], generator=gen) for _ in range(3)]
+
+        def fwd_bwd(x, dy):
+            y = moe(x)
+            y.backward(dy)
+            return y.detach()
+
+        graphed = GraphedStep(fwd_bwd, [xs[0].clone().requires_grad_(), dys[0]], grads_of=params)
+
+        def zero():
+            for t in (*params, *graphed.inputs):
+                if t.grad is not None:
+                    t.grad.zero_()
+
+        def eager(pairs):
+            zero()
+            for x, dy in pairs:
+                xi = x.clone().requires_grad_()
+                y = moe(xi)
+                y.backward(dy)
+            return [y.detach(), xi.grad] + [p.grad.clone() for p in params]
+
+        def replayed(pairs):
+            zero()
+            for x, dy in pairs:
+                graphed.inputs[0].grad.zero_()
+                y = graphed(x, dy)
+            return [y.clone(), graphed.inputs[0].grad.clone()] + [p.grad.clone() for p in params]
+
+        for pairs in ([(xs[1], dys[1])], [(xs[1], dys[1]), (xs[2], dys[2])]):
+            for i, (a, b) in enumerate(zip(replayed(pairs), eager(pairs))):
+                same = torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), atol=2e-2)
+                if not same:
+                    failures.append(f"rank {rank} {gate} k{k} {kernels}, {len(pairs)} step(s): tensor {i} (0 output, "
+                                    f"1 input grad, then parameter grads) differs (max "
+                                    f"{float((a.float() - b.float()).abs().max()):.2e})")
+    return failures
+
+
+@needs_cuda
+def test_a_graphed_layer_step_equals_the_eager_one_on_nccl():
+    flat = _check_on_every_gpu(graph_worker)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path):
+    """`weft train --cuda-graphs on` (every GPU) logs the losses of `--cuda-graphs off`, step by step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    losses = {}
+    for mode in ("on", "off"):
+        out = tmp_path / mode
+        done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", "8",
+                               "--batch-size", "8", "--device", "cuda", "--cuda-graphs", mode, "--sample-tokens", "0",
+                               "--out", str(out)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "WEFT_CACHE": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert ("replays as one CUDA graph" in done.stdout) == (mode == "on"), done.stdout
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[mode] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses["on"]) == 8
+    assert losses["on"] == pytest.approx(losses["off"], abs=2e-3), losses

@@ -13,7 +13,7 @@ import weft
 SRC = Path(weft.__file__).parent
 # Lowest first. A unit is a subpackage of weft or one of its top-level modules.
 LAYERS = [
-    {"distributed", "launch", "jsonfile", "precision", "profiling", "testing", "cliargs"},  # base
+    {"distributed", "launch", "jsonfile", "precision", "profiling", "graphs", "testing", "cliargs"},  # base
     {"comm", "kernels", "ops", "tune"},  # primitives: collectives, kernels, deferred-dW ops, tuning dictionary
     {"moe"},  # the MoE layer (later: tp)
     {"models"},

@@ -127,6 +127,10 @@ def test_toml_config_maps_onto_the_dataclasses(tmp_path):
         (["tune", "--config", "gpt5"], "unknown --config 'gpt5'"),
         (["tune", "--capacity", "0"], "--capacity must be a positive capacity factor"),
         (["train", "--nproc", "3"], "experts cannot be split over 3 expert-parallel ranks"),
+        (["train", "--device", "cpu", "--cuda-graphs", "on"], "cuda_graphs 'on' needs GPUs"),
+        (["train", "--cuda-graphs", "always"], "invalid choice: 'always'"),
+        (["bench", "layer", "--modes", "plain,auto+graph", "--capacity", "1"], "--modes auto+graph: +graph applies"),
+        (["bench", "layer", "--modes", "plain,plain+graph"], "dropless capacity reads its counts on the host"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, message, capsys):
@@ -333,3 +337,40 @@ def test_a_run_that_repeats_its_data_is_warned_with_the_sizes():
     warning = data_repeat_warning(10_000_000, 16_384, 1200)
     assert warning.startswith("1200 steps read 19.7M tokens from a training split of 10.0M tokens: it is read "
                               "1.97 times over")
+
+
+@pytest.mark.parametrize("model, overlap, reason", [
+    ({}, "none", "CUDA graphs need a GPU"),
+    ({"capacity_factor": None}, "none", "MoE layer 0 runs capacity_factor=None (dropless)"),
+    ({"capacity_factor": 0}, "none", "MoE layer 0 runs capacity_factor=0 (no-drop)"),
+    ({}, "lancet", "--overlap lancet tunes or plans on the host"),
+])
+def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
+    from weft.train.step import graph_blocker
+
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, **model}))
+    device = torch.device("cpu" if reason.startswith("CUDA") else "cuda")  # the checks before the device's
+    assert graph_blocker(gpt, device, overlap) == (reason if reason.startswith(("CUDA", "--")) else
+                                                   reason + ": its sizes are read on the host every step")
+
+
+def test_an_eager_micro_step_returns_the_logged_values(corpus):
+    """The values `weft train` logs come out of the micro-step (so a CUDA graph's replay reports its own)."""
+    from weft.train.step import build_micro_step
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}))
+    x = torch.randint(0, 256, (2, 16))
+    y = torch.randint(0, 256, (2, 16))
+    step, graphed = build_micro_step(gpt, 2, "auto", (x, y), log=pytest.fail)  # CPU: eager, nothing said
+    assert not graphed
+    losses, counts = step(x, y)
+    _, loss = gpt(x, y)
+    assert torch.allclose(losses[:3], torch.stack([loss, gpt.last_ce_loss, gpt.last_aux_loss]).detach())
+    moes = gpt.moe_layers()
+    assert float(losses[3]) == sum(float(m.stats.dropped) for m in moes)
+    assert torch.equal(counts, torch.stack([m.stats.expert_counts.float() for m in moes]))
+    grads = [p.grad.clone() for p in gpt.parameters()]
+    gpt.zero_grad()
+    (loss / 2).backward()  # the micro-step divided its loss by grad_accum
+    assert all(torch.allclose(a, p.grad) for a, p in zip(grads, gpt.parameters()))

@@ -27,6 +27,7 @@ from weft.kernels.rows import KERNELS
 from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.config import (
+    CUDA_GRAPHS,
     FREE_ON_RESUME,
     TrainConfig,
     config_changes,
@@ -80,7 +81,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -197,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--kernels", default=None, choices=list(KERNELS),
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs")
+    tr.add_argument("--cuda-graphs", default=None, choices=list(CUDA_GRAPHS),
+                    help="GPUs: replay each micro-step's forward and backward as one CUDA graph (no launch cost); "
+                         "auto (default): where the shapes are static (padded capacity, no overlap engine), "
+                         "on: an error where they are not, off: eager")
     tr.set_defaults(run=_train, parser=tr)
 
     _config_parser(sub, "plan", overlap_run.PlanConfig, overlap_run.plan_preset,

@@ -26,6 +26,7 @@ from weft.bench.peers import build_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
 from weft.cliargs import ACTIVATION_CHOICES, DTYPES, arg, capacity_list, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
+from weft.graphs import GraphedStep
 from weft.moe import MoE
 from weft.profiling import stage
 
@@ -87,6 +88,21 @@ def mode_forward(mode: str, moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
 
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
+# "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
+# (weft.graphs); the same kernels without their host launch cost. Padded capacity only (dropless
+# reads its counts on the host), and not "auto" (its tuning synchronises).
+GRAPH_SUFFIX = "+graph"
+# A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
+FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def base_mode(mode: str) -> str:
+    """The layer mode of a (possibly "+graph") benchmark mode."""
+    return mode.removesuffix(GRAPH_SUFFIX)
+
+
+def is_graphed(mode: str) -> bool:
+    return mode.endswith(GRAPH_SUFFIX)
 
 
 def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
@@ -95,12 +111,9 @@ def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
     return 3 * 2 * tokens * cfg.top_k * cfg.dim * cfg.hidden_dim * mats
 
 
-def _max_error(module_forward, x: torch.Tensor, grad: torch.Tensor, reference) -> float:
-    x = x.detach().requires_grad_()
-    y = module_forward(x)
-    y.backward(grad)
-    err = max(float((y.detach().float() - reference[0]).abs().max()),
-              float((x.grad.float() - reference[1]).abs().max()))
+def _max_error(fwd_bwd: FwdBwd, x: torch.Tensor, grad: torch.Tensor, reference) -> float:
+    y, x_grad = fwd_bwd(x, grad)
+    err = max(float((y.float() - reference[0]).abs().max()), float((x_grad.float() - reference[1]).abs().max()))
     return slowest(err, x.device)
 
 
@@ -140,10 +153,16 @@ class LayerBenchConfig:
         if self.config not in CONFIGS:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(CONFIGS)}")
         known = list(MODES) + list(PEER_MODES)
-        unknown = [m for m in self.modes if m not in known]
+        unknown = [m for m in self.modes if base_mode(m) not in known]
         if not self.modes or unknown:
-            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)} "
-                             f"(unknown modes {unknown})")
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}, each optionally "
+                             f"with {GRAPH_SUFFIX} (unknown modes {unknown})")
+        for mode in filter(is_graphed, self.modes):
+            if base_mode(mode) not in MODES or base_mode(mode) == "auto":
+                raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's fixed modes (not auto or a peer)")
+            if None in self.capacity:
+                raise ValueError(f"--modes {mode}: a CUDA graph needs static shapes; dropless capacity reads its "
+                                 "counts on the host (drop 'dropless' from --capacity)")
         if self.baseline not in self.modes:
             raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
 
@@ -208,10 +227,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     inputs = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
     grads = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
 
-    x0 = inputs[0].detach().requires_grad_()
-    y0 = mode_forward("plain", moe)(x0)
-    y0.backward(grads[0])
-    reference = (y0.detach().float(), x0.grad.float())
+    y0, x0_grad = _eager(mode_forward("plain", moe))(inputs[0], grads[0])
+    reference = (y0.float(), x0_grad.float())
+    x0 = inputs[0]
     dropped = slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
     moe.zero_grad(set_to_none=True)
 
@@ -223,21 +241,28 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                "tokens_per_rank": tokens, "world_size": ctx.world_size, "dropped_share": dropped}
         rows.append(row)
         try:
-            forward, params, description = _mode_forward(mode, moe, cfg, cf, activation, dtype, device,
+            forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
                                                          ctx.world_size)
+            fwd_bwd = _eager(forward)
+            if is_graphed(mode):
+                moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
+                fwd_bwd, row["peak_mib"] = _graphed(forward, params, x0, grads[0], device)
+                description += " as one CUDA graph"
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             row.update(median_ms=None, error=f"{type(e).__name__}: {e}")
             continue
         row["description"] = description
-        row["max_abs_error"] = None if mode in NOT_THE_LAYER_FUNCTION else _max_error(forward, x0, grads[0], reference)
-        moe.zero_grad(set_to_none=True)
-        built[mode] = (forward, params)
+        check = base_mode(mode) not in NOT_THE_LAYER_FUNCTION
+        row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
+        if not is_graphed(mode):  # a graph keeps its gradient tensors (it zeroes them itself)
+            moe.zero_grad(set_to_none=True)
+        built[mode] = (fwd_bwd, params)
     timed = [row for row in rows if row["mode"] in built]
     runs = []
     for row in timed:
-        forward, params = built[row["mode"]]
+        fwd_bwd, params = built[row["mode"]]
         switch = lambda: None  # noqa: E731  (modes are per-call settings: nothing to switch)
-        step = _step_fn(forward, params, inputs, grads, _optimizer(optimizer, params))
+        step = _step_fn(fwd_bwd, params, inputs, grads, _optimizer(optimizer, params), is_graphed(row["mode"]))
         if row["mode"] == "auto":  # tuning calls synchronise and try slow settings: keep them out of the timing
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
             row["tuned"] = moe.tuning.chosen()
@@ -247,7 +272,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
     for row, run in zip(timed, runs):
-        row["peak_mib"] = _peak_mib(run, device)
+        if not is_graphed(row["mode"]):
+            row["peak_mib"] = _peak_mib(run, device)
     if device.type == "cuda" and profile_steps > 0:
         for row, run in zip(timed, runs):
             path = None
@@ -290,18 +316,53 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]):
     raise ValueError(f"unknown optimizer {name!r}; choose none, sgd or adamw")
 
 
-def _step_fn(forward, params, inputs, grads, opt) -> Callable[[int], None]:
-    xs = [x.detach().requires_grad_() for x in inputs]
+def _eager(forward: Callable[[torch.Tensor], torch.Tensor]) -> FwdBwd:
+    def fwd_bwd(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.detach().requires_grad_()
+        y = forward(x)
+        y.backward(grad)
+        return y.detach(), x.grad
+
+    return fwd_bwd
+
+
+def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch.device) -> tuple[FwdBwd, float]:
+    """The mode's forward and backward captured as one CUDA graph (which zeroes the parameters'
+    gradients first, as the eager step starts from none), and its peak GPU memory (MiB) above
+    what was allocated before: the warm-up steps' and the capture's (the graph keeps that pool of
+    activations between replays)."""
+    if device.type != "cuda":
+        raise ValueError(f"{GRAPH_SUFFIX} modes need CUDA")
+
+    def step(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        existing = [t.grad for t in (*params, x) if t.grad is not None]  # none at the first warm-up call
+        if existing:
+            torch._foreach_zero_(existing)
+        y = forward(x)
+        y.backward(grad)
+        return y.detach(), x.grad
+
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    graphed = GraphedStep(step, [x.detach().requires_grad_(), grad], grads_of=params)
+    torch.cuda.synchronize(device)
+    peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
+    return graphed, peak_mib  # its outputs are valid until the next replay
+
+
+def _step_fn(fwd_bwd: FwdBwd, params, inputs, grads, opt, graphed: bool) -> Callable[[int], None]:
+    """One timed step: forward, backward and the optimizer; the eager step frees the gradients
+    after it (the graph keeps its own and zeroes them when it replays)."""
 
     def step(i: int) -> None:
-        x = xs[i % len(xs)]
-        forward(x).backward(grads[i % len(grads)])
+        fwd_bwd(inputs[i % len(inputs)], grads[i % len(grads)])
         if opt is not None:
             with stage("optimizer"):
                 opt.step()
-        for p in params:
-            p.grad = None
-        x.grad = None
+        if not graphed:
+            for p in params:
+                p.grad = None
 
     return step
 

@@ -35,10 +35,8 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
         if group_size(group) > 1:
             dist.all_reduce(flat, group=group)
         flat.div_(divisor)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+        parts = flat.split([g.numel() for g in bucket])
+        torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(parts, bucket)])
 
 
 def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:

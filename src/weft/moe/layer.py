@@ -219,8 +219,9 @@ class MoE(nn.Module):
         with stage("routing"):
             return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor)
 
-    def record(self, summary: RoutingSummary) -> None:
-        """Keep a forward's routing summary as this layer's `aux_loss`, `z_loss` and `stats`."""
+    def record(self, summary: RoutingSummary | None) -> None:
+        """Keep a forward's routing summary as this layer's `aux_loss`, `z_loss` and `stats` (None:
+        forget the last one, and the autograd graph its losses keep alive)."""
         self.last_routing = summary
 
     def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int) -> torch.Tensor:

@@ -22,6 +22,9 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
+CUDA_GRAPHS = ("auto", "on", "off")
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs besides the model shape (which comes from `preset`)."""
@@ -56,6 +59,9 @@ class TrainConfig:
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
+    # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
+    # its shapes are static: "auto" where possible, "on" (an error where not), "off"
+    cuda_graphs: str = "auto"
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else (self.betas,)
@@ -97,6 +103,10 @@ class TrainConfig:
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+        if self.cuda_graphs not in CUDA_GRAPHS:
+            raise ValueError(f"train.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
+        if self.cuda_graphs == "on" and self.device == "cpu":
+            raise ValueError("train.cuda_graphs 'on' needs GPUs (device is cpu); use 'auto' or 'off'")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -149,7 +159,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer", "keep_last"})
+                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import MoEGroups, build_moe_groups, group_size, init_distributed
+from weft.graphs import CaptureError
 from weft.launch import ReportedError
 from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
@@ -26,6 +27,7 @@ from weft.train.config import TrainConfig, config_changes, read_run_config, save
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
+from weft.train.step import MicroStep, build_micro_step
 
 
 class DataError(ReportedError):
@@ -70,26 +72,28 @@ def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
-    """Clip by the global norm: replicated gradients once, each expert shard once (sum over EP)."""
+    """Clip by the global norm: replicated gradients once, each expert shard once (sum over EP).
+    Multi-tensor kernels (torch._foreach_*): a few launches for the whole model, one host sync."""
     experts = {id(p) for p in expert_parameters(model)}
-    dense_sq = torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
-    expert_sq = torch.zeros_like(dense_sq)
-    for p in model.parameters():
-        if p.grad is not None:
-            sq = p.grad.float().square().sum()
-            if id(p) in experts:
-                expert_sq += sq
-            else:
-                dense_sq += sq
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    device = params[0].grad.device
+    dense_sq = _squared_norm([p.grad for p in params if id(p) not in experts], device)
+    expert_sq = _squared_norm([p.grad for p in params if id(p) in experts], device)
     if group_size(groups.ep) > 1:
         dist.all_reduce(expert_sq, group=groups.ep)
     norm = float((dense_sq + expert_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        torch._foreach_mul_([p.grad for p in params], max_norm / (norm + 1e-6))
     return norm
+
+
+def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of every element of `grads`, in float32 (a fresh tensor)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -250,13 +254,15 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops_per_token = model.flops_per_token(block)
     progress = Progress(start, cfg.steps, cfg.log_interval)
-    val_loss = None
+    val_loss, micro_step, graphed = None, None, False
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, plan)
+        if micro_step is None:  # built at the first step: a graph captures the step as it runs
+            micro_step, graphed = _micro_step(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
+        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_step, graphed)
         elapsed = time.perf_counter() - t0
         row.update(step=step, lr=lr, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
                    mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None,
@@ -307,24 +313,29 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
     return plan
 
 
+def _micro_step(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int):
+    """The micro-step (eager or a CUDA graph, `cfg.cuda_graphs`) and whether it is graphed."""
+    log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    example = tuple(t.to(device) for t in batch)
+    backward = plan.backward if plan is not None else None
+    try:
+        step, graphed = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, backward, log)
+    except CaptureError as e:
+        raise TrainingStopped(f"{e} (run with --cuda-graphs off or auto)") from e
+    if graphed:
+        log("weft train: each micro-step replays as one CUDA graph (--cuda-graphs off: eager)")
+    return step, graphed
+
+
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
-                groups: MoEGroups, device: torch.device, plan=None) -> dict:
-    moes = model.moe_layers()
-    loss_sum = torch.zeros(3, device=device)  # total, ce, aux
-    counts = torch.zeros(len(moes), model.config.num_experts, device=device)
-    dropped = torch.zeros((), device=device)
+                groups: MoEGroups, device: torch.device, micro_step: MicroStep, graphed: bool) -> dict:
+    loss_sum = torch.zeros(4, device=device)  # total, ce, aux, dropped slots
+    counts = None
     for micro in range(cfg.grad_accum):
         x, y = batches.get(step, micro)
-        with training_autocast(device):
-            _, loss = model(x.to(device), y.to(device))
-        if plan is not None:
-            plan.backward(loss / cfg.grad_accum)
-        else:
-            (loss / cfg.grad_accum).backward()
-        loss_sum += torch.stack([loss.detach().float(), model.last_ce_loss.float(), model.last_aux_loss.float()])
-        for i, moe in enumerate(moes):
-            counts[i] += moe.stats.expert_counts.float()
-            dropped += moe.stats.dropped.float()
+        losses, layer_counts = micro_step(x.to(device), y.to(device))
+        loss_sum += losses  # read now: a graphed step's outputs are overwritten by its next replay
+        counts = layer_counts.clone() if counts is None else counts + layer_counts
     reduce_gradients(model, groups)
     grad_norm = clip_gradients(model, cfg.grad_clip, groups)
     # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
@@ -336,12 +347,14 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
             f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
     if finite:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not graphed)  # a graph accumulates into its own gradient tensors
 
     world = group_size(groups.dp)
-    stats = _all_reduce(torch.cat([loss_sum / cfg.grad_accum / world, dropped.reshape(1), counts.flatten()]), groups.dp)
+    loss_sum[:3] /= cfg.grad_accum * world
+    stats = _all_reduce(torch.cat([loss_sum, counts.flatten()]), groups.dp)
+    num_moes = counts.shape[0]
     slots = stats[4:].sum().clamp_min(1)
-    counts = stats[4:].view(len(moes), model.config.num_experts)  # (0, E) for a dense model
+    counts = stats[4:].view(num_moes, model.config.num_experts)  # (0, E) for a dense model
     mean = counts.mean(1).clamp_min(1e-9)
     if finite and not math.isfinite(float(stats[0])) and cfg.on_nonfinite == "stop":
         raise TrainingStopped(f"step {step}: the loss is {float(stats[0])}; stopped (the optimizer step was taken: "
@@ -350,5 +363,5 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         "loss": float(stats[0]), "ce_loss": float(stats[1]), "aux_loss": float(stats[2]),
         "grad_norm": grad_norm, "skipped": not finite, "dropped_share": float(stats[3] / slots),
         "expert_load": counts.long().tolist(),
-        "imbalance": (counts.amax(1) / mean).tolist() if moes else [],
+        "imbalance": (counts.amax(1) / mean).tolist() if num_moes else [],
     }

@@ -1,0 +1,104 @@
+"""Whole-step CUDA graphs: one forward and backward replayed as a single CUDA graph.
+
+A training step of an MoE model in eager PyTorch launches thousands of small kernels, and the
+host work of launching them (Python, the dispatcher, autograd) is slower than the GPU running
+them: `weft bench layer --breakdown` shows the GPU idle half of a qwen2-like layer step. Captured
+once, the same kernels replay from one host call (NVIDIA's CUDA graphs; PyTorch's
+`torch.cuda.graph`, its "whole-network capture" recipe). This is how Megatron-Core and vLLM remove
+launch overhead too.
+
+`GraphedStep(fn, args)` captures `fn(*args)`: every shape static, no host synchronisation inside
+(`.item()`, `.tolist()`, data-dependent sizes such as the dropless all-to-allv), NCCL collectives
+allowed (they are captured like kernels). Calling it copies new inputs into the captured input
+tensors and replays. Invariants the caller relies on:
+
+- Outputs are the captured output tensors: the next call overwrites them (copy what you keep).
+- Gradients: `fn` may call `backward`; autograd accumulates into the `.grad` tensors that exist
+  at capture time, in place (`GraphedStep` checks this: the same tensors before and after the
+  capture), so a replay adds its gradients to them like an eager backward would. Zero them in
+  place (`zero_grad(set_to_none=False)`), never set them to None, between steps.
+- The warm-up calls (on a side stream, as CUDA requires before a capture) run `fn` for real:
+  construction leaves every `.grad` in `grads_of` zeroed, so it has no effect on gradients.
+- No autograd graph from an earlier eager call may still be alive (a tensor that requires grad
+  kept from it): its gradient accumulators are bound to the stream it ran on, and the capture,
+  which runs on its own stream, would have to synchronise with that one, which CUDA refuses.
+- Python-side effects of `fn` (attributes it assigns) happen at capture only; return what a
+  caller reads after each step instead of reading module attributes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+
+class CaptureError(RuntimeError):
+    """`fn` cannot be captured as a CUDA graph (the message says why, e.g. a host synchronisation)."""
+
+
+class GraphedStep:
+    """`fn(*args)` (a forward and backward of static shapes on CUDA) replayed as one CUDA graph.
+
+    Args:
+        fn: the step; returns a pytree of tensors (or None).
+        args: example tensors of the shapes and dtypes every later call passes (copied into the
+            graph's static inputs; a tensor that requires grad keeps doing so).
+        grads_of: the tensors (parameters) whose `.grad` the step accumulates into.
+        warmup: eager calls before the capture (CUDA needs a few for lazy initialisation: cuBLAS
+            workspaces, NCCL communicators, autotuned kernels).
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[torch.Tensor], grads_of: Iterable[torch.Tensor] = (),
+                 warmup: int = 3):
+        if not args or any(not isinstance(a, torch.Tensor) or not a.is_cuda for a in args):
+            raise CaptureError("a CUDA graph step needs CUDA tensor arguments")
+        self.fn = fn
+        self.grads_of = list(grads_of)
+        self.static_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self._clear_grads()
+                fn(*self.static_args)
+        torch.cuda.current_stream().wait_stream(side)
+        self._clear_grads()
+        for t in self.grads_of:  # the gradients the graph accumulates into: they must exist before it
+            if t.grad is None:
+                t.grad = torch.zeros_like(t)
+        before = [t.grad for t in self.grads_of]
+        self.graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(self.graph):
+                self.static_out = fn(*self.static_args)
+        except RuntimeError as e:  # e.g. "operation not permitted when stream is capturing"
+            raise CaptureError(f"the step cannot be captured as a CUDA graph: {str(e).splitlines()[0]}") from e
+        moved = [i for i, t in enumerate(self.grads_of) if t.grad is not before[i]]
+        if moved:
+            raise CaptureError(f"the captured backward replaced {len(moved)} .grad tensors instead of accumulating "
+                               "into them in place")
+
+    def _clear_grads(self) -> None:
+        for t in [*self.grads_of, *self.static_args]:
+            if t.grad is not None:
+                t.grad.zero_()
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """The captured input tensors (e.g. to read an input's `.grad` after a replay)."""
+        return self.static_args
+
+    def __call__(self, *args: torch.Tensor) -> Any:
+        """Copy `args` into the captured inputs and replay; returns the captured outputs."""
+        if len(args) != len(self.static_args):
+            raise TypeError(f"the graphed step takes {len(self.static_args)} tensors, got {len(args)}")
+        for static, new in zip(self.static_args, args):
+            if new.shape != static.shape or new.dtype != static.dtype:
+                raise ValueError(f"a CUDA graph replays fixed shapes: got {tuple(new.shape)} {new.dtype}, captured "
+                                 f"{tuple(static.shape)} {static.dtype}")
+            if new.data_ptr() != static.data_ptr():
+                static.detach().copy_(new)
+        self.graph.replay()
+        return self.static_out
+

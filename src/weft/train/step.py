@@ -1,0 +1,78 @@
+"""One micro-step of training (forward, loss, backward) as a function of the batch, eager or
+replayed as a CUDA graph (`weft.graphs`).
+
+The micro-step returns what the loop logs as tensors computed inside it (losses, expert counts,
+dropped slots), so that a replayed graph reports the values of the replay, not those of the
+capture (module attributes such as `MoE.stats` are assigned once, at capture).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from weft.graphs import CaptureError, GraphedStep
+from weft.models import GPT
+from weft.precision import training_autocast
+
+# (x, y) -> (losses (4,): total, ce, aux, dropped slots; expert counts (layers, E))
+MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tensor], None] | None = None) -> MicroStep:
+    """Forward, loss and backward of one micro-batch; gradients accumulate into `.grad`
+    (`backward`: e.g. Lancet's plan.backward; default loss.backward)."""
+    backward = backward or torch.Tensor.backward
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with training_autocast(x.device):
+            _, loss = model(x, y)
+        backward(loss / grad_accum)
+        moes = model.moe_layers()
+        dropped = sum((moe.stats.dropped.float() for moe in moes), torch.zeros((), device=x.device))
+        losses = torch.stack([loss.detach().float(), model.last_ce_loss.float(), model.last_aux_loss.float(), dropped])
+        counts = torch.stack([moe.stats.expert_counts.float() for moe in moes]) if moes else \
+            torch.zeros(0, model.config.num_experts, device=x.device)
+        return losses, counts
+
+    return step
+
+
+def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
+    """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
+    no host synchronisation, so padded capacity (cf > 0) or expert choice, and no overlap engine
+    (their tuning and planning measure on the host)."""
+    if device.type != "cuda":
+        return "CUDA graphs need a GPU"
+    if overlap != "none":
+        return f"--overlap {overlap} tunes or plans on the host"
+    for i, moe in enumerate(model.moe_layers()):
+        cf = moe.capacity_factor
+        if moe.gate != "expert_choice" and (cf is None or cf <= 0):
+            return (f"MoE layer {i} runs capacity_factor={cf} ({'dropless' if cf is None else 'no-drop'}): its "
+                    "sizes are read on the host every step")
+    return None
+
+
+def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torch.Tensor, torch.Tensor],
+                     overlap: str = "none", backward=None,
+                     log: Callable[[str], None] = print) -> tuple[MicroStep, bool]:
+    """The micro-step for `mode` ("auto", "on", "off" CUDA graphs) and whether it is graphed. "on"
+    raises CaptureError naming why a graph cannot be used; "auto" tells `log` and runs eagerly.
+    Building a graph runs the step a few times to warm up, leaving every gradient zeroed."""
+    eager = eager_micro_step(model, grad_accum, backward)
+    if mode == "off":
+        return eager, False
+    blocker = graph_blocker(model, example[0].device, overlap)
+    if blocker is None:
+        try:
+            return GraphedStep(eager, example, grads_of=list(model.parameters())), True
+        except CaptureError as e:
+            if mode == "on":
+                raise
+            blocker = str(e)
+    if mode == "on":
+        raise CaptureError(f"--cuda-graphs on: {blocker}")
+    if example[0].device.type == "cuda":
+        log(f"weft train: eager steps (no CUDA graph: {blocker})")
+    return eager, False
