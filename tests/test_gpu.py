@@ -4,6 +4,8 @@ chunks) and of every r of the switchable parallelism again on NCCL with bfloat16
 two passes in training (fp32), on every GPU."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -119,13 +121,14 @@ def graph_worker(dtypes, device) -> list[str]:
     """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
     the eager step's outputs, input gradients and parameter gradients on new inputs (padded
     capacity, token and expert choice; bitwise with the Triton kernels, whose results are
-    deterministic; the torch path's atomics only promise rounding), and two replays accumulate
-    gradients as two eager backwards do."""
+    deterministic; the torch path's atomics only promise rounding). A graph that accumulates adds
+    two replays' gradients as two eager backwards do; one that owns its gradients holds the last
+    replay's only, as an eager backward into `.grad = None` does, even after `.grad` was freed."""
     from weft.graphs import GraphedStep
 
     failures, rank = [], torch.distributed.get_rank()
     cases = (("topk", 1, "auto"), ("topk", 4, "auto"), ("bpr", 2, "torch"), ("expert_choice", 2, "auto"))
-    for gate, k, kernels in cases:
+    for (gate, k, kernels), accumulate in itertools.product(cases, (True, False)):
         exact = kernels == "auto" and gate != "expert_choice"  # expert choice combines with torch's index_add
         torch.manual_seed(0)
         moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=1.0, activation="gelu", dtype=dtypes[0],
@@ -140,35 +143,42 @@ def graph_worker(dtypes, device) -> list[str]:
             y.backward(dy)
             return y.detach()
 
-        graphed = GraphedStep(fwd_bwd, [xs[0].clone().requires_grad_(), dys[0]], grads_of=params)
-
-        def zero():
-            for t in (*params, *graphed.inputs):
-                if t.grad is not None:
-                    t.grad.zero_()
+        graphed = GraphedStep(fwd_bwd, [xs[0].clone().requires_grad_(), dys[0]], grads_of=params,
+                              accumulate=accumulate)
 
         def eager(pairs):
-            zero()
+            kept = [t.grad for t in params]  # the graph's (an accumulating graph adds into these very tensors)
+            for t in params:
+                t.grad = None
             for x, dy in pairs:
                 xi = x.clone().requires_grad_()
                 y = moe(xi)
                 y.backward(dy)
-            return [y.detach(), xi.grad] + [p.grad.clone() for p in params]
+            result = [y.detach(), xi.grad] + [p.grad.clone() for p in params]
+            for t, grad in zip(params, kept):
+                t.grad = grad
+            return result
 
         def replayed(pairs):
-            zero()
+            if accumulate:
+                for t in (*params, graphed.inputs[0]):
+                    t.grad.zero_()
+            else:
+                params[0].grad = None  # freed by a caller: the replay puts its own back
             for x, dy in pairs:
-                graphed.inputs[0].grad.zero_()
+                if accumulate:
+                    graphed.inputs[0].grad.zero_()
                 y = graphed(x, dy)
             return [y.clone(), graphed.inputs[0].grad.clone()] + [p.grad.clone() for p in params]
 
         for pairs in ([(xs[1], dys[1])], [(xs[1], dys[1]), (xs[2], dys[2])]):
-            for i, (a, b) in enumerate(zip(replayed(pairs), eager(pairs))):
+            expected = eager(pairs if accumulate else pairs[-1:])
+            for i, (a, b) in enumerate(zip(replayed(pairs), expected)):
                 same = torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), atol=2e-2)
                 if not same:
-                    failures.append(f"rank {rank} {gate} k{k} {kernels}, {len(pairs)} step(s): tensor {i} (0 output, "
-                                    f"1 input grad, then parameter grads) differs (max "
-                                    f"{float((a.float() - b.float()).abs().max()):.2e})")
+                    failures.append(f"rank {rank} {gate} k{k} {kernels} accumulate={accumulate}, {len(pairs)} "
+                                    f"step(s): tensor {i} (0 output, 1 input grad, then parameter grads) differs "
+                                    f"(max {float((a.float() - b.float()).abs().max()):.2e})")
     return failures
 
 
@@ -179,7 +189,8 @@ def test_a_graphed_layer_step_equals_the_eager_one_on_nccl():
 
 
 @needs_cuda
-def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path):
+@pytest.mark.parametrize("grad_accum", [1, 2])  # the graph owns the gradients / accumulates into them
+def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
     """`weft train --cuda-graphs on` (every GPU) logs the losses of `--cuda-graphs off`, step by step."""
     import json
     import os
@@ -190,7 +201,8 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path):
     for mode in ("on", "off"):
         out = tmp_path / mode
         done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", "8",
-                               "--batch-size", "8", "--device", "cuda", "--cuda-graphs", mode, "--sample-tokens", "0",
+                               "--batch-size", "8", "--grad-accum", str(grad_accum), "--device", "cuda",
+                               "--cuda-graphs", mode, "--sample-tokens", "0",
                                "--out", str(out)],
                               capture_output=True, text=True, timeout=600,
                               env={**os.environ, "WEFT_CACHE": str(tmp_path)})

@@ -362,9 +362,9 @@ def test_an_eager_micro_step_returns_the_logged_values(corpus):
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}))
     x = torch.randint(0, 256, (2, 16))
     y = torch.randint(0, 256, (2, 16))
-    step, graphed = build_micro_step(gpt, 2, "auto", (x, y), log=pytest.fail)  # CPU: eager, nothing said
-    assert not graphed
-    losses, counts = step(x, y)
+    steps = build_micro_step(gpt, 2, "auto", (x, y), log=pytest.fail)  # CPU: eager, nothing said
+    assert not steps.graphed and not steps.owns_grads
+    losses, counts = steps.run(x, y)
     _, loss = gpt(x, y)
     assert torch.allclose(losses[:3], torch.stack([loss, gpt.last_ce_loss, gpt.last_aux_loss]).detach())
     moes = gpt.moe_layers()

@@ -254,7 +254,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row["description"] = description
         check = base_mode(mode) not in NOT_THE_LAYER_FUNCTION
         row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
-        if not is_graphed(mode):  # a graph keeps its gradient tensors (it zeroes them itself)
+        if not is_graphed(mode):  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)
     timed = [row for row in rows if row["mode"] in built]
@@ -327,17 +327,14 @@ def _eager(forward: Callable[[torch.Tensor], torch.Tensor]) -> FwdBwd:
 
 
 def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch.device) -> tuple[FwdBwd, float]:
-    """The mode's forward and backward captured as one CUDA graph (which zeroes the parameters'
-    gradients first, as the eager step starts from none), and its peak GPU memory (MiB) above
-    what was allocated before: the warm-up steps' and the capture's (the graph keeps that pool of
-    activations between replays)."""
+    """The mode's forward and backward captured as one CUDA graph that owns the gradients (each
+    replay writes the step's gradients, as the eager step's backward into `.grad = None` does),
+    and its peak GPU memory (MiB) above what was allocated before: the warm-up steps' and the
+    capture's (the graph keeps that pool of activations and gradients between replays)."""
     if device.type != "cuda":
         raise ValueError(f"{GRAPH_SUFFIX} modes need CUDA")
 
     def step(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        existing = [t.grad for t in (*params, x) if t.grad is not None]  # none at the first warm-up call
-        if existing:
-            torch._foreach_zero_(existing)
         y = forward(x)
         y.backward(grad)
         return y.detach(), x.grad
@@ -345,24 +342,30 @@ def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    graphed = GraphedStep(step, [x.detach().requires_grad_(), grad], grads_of=params)
+    graphed = GraphedStep(step, [x.detach().requires_grad_(), grad], grads_of=params, accumulate=False)
     torch.cuda.synchronize(device)
     peak_mib = (torch.cuda.max_memory_allocated(device) - before) / 2**20
     return graphed, peak_mib  # its outputs are valid until the next replay
 
 
 def _step_fn(fwd_bwd: FwdBwd, params, inputs, grads, opt, graphed: bool) -> Callable[[int], None]:
-    """One timed step: forward, backward and the optimizer; the eager step frees the gradients
-    after it (the graph keeps its own and zeroes them when it replays)."""
+    """One timed step: forward, backward and the optimizer. The eager step starts from no
+    gradients (another mode's graph may have left its own on `.grad`) and frees its own after;
+    a graph keeps its gradient tensors and overwrites them when it replays."""
+
+    def free_grads() -> None:
+        for p in params:
+            p.grad = None
 
     def step(i: int) -> None:
+        if not graphed:
+            free_grads()
         fwd_bwd(inputs[i % len(inputs)], grads[i % len(grads)])
         if opt is not None:
             with stage("optimizer"):
                 opt.step()
         if not graphed:
-            for p in params:
-                p.grad = None
+            free_grads()
 
     return step
 

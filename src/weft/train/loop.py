@@ -27,7 +27,7 @@ from weft.train.config import TrainConfig, config_changes, read_run_config, save
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
-from weft.train.step import MicroStep, build_micro_step
+from weft.train.step import MicroSteps, build_micro_step
 
 
 class DataError(ReportedError):
@@ -254,15 +254,15 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops_per_token = model.flops_per_token(block)
     progress = Progress(start, cfg.steps, cfg.log_interval)
-    val_loss, micro_step, graphed = None, None, False
+    val_loss, micro_steps = None, None
     for step in range(start + 1, cfg.steps + 1):
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        if micro_step is None:  # built at the first step: a graph captures the step as it runs
-            micro_step, graphed = _micro_step(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
-        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_step, graphed)
+        if micro_steps is None:  # built at the first step: a graph captures the step as it runs
+            micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
+        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps)
         elapsed = time.perf_counter() - t0
         row.update(step=step, lr=lr, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
                    mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None,
@@ -313,27 +313,27 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
     return plan
 
 
-def _micro_step(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int):
-    """The micro-step (eager or a CUDA graph, `cfg.cuda_graphs`) and whether it is graphed."""
+def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int) -> MicroSteps:
+    """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`)."""
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     example = tuple(t.to(device) for t in batch)
     backward = plan.backward if plan is not None else None
     try:
-        step, graphed = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, backward, log)
+        steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, backward, log)
     except CaptureError as e:
         raise TrainingStopped(f"{e} (run with --cuda-graphs off or auto)") from e
-    if graphed:
+    if steps.graphed:
         log("weft train: each micro-step replays as one CUDA graph (--cuda-graphs off: eager)")
-    return step, graphed
+    return steps
 
 
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
-                groups: MoEGroups, device: torch.device, micro_step: MicroStep, graphed: bool) -> dict:
+                groups: MoEGroups, device: torch.device, micro_steps: MicroSteps) -> dict:
     loss_sum = torch.zeros(4, device=device)  # total, ce, aux, dropped slots
     counts = None
     for micro in range(cfg.grad_accum):
         x, y = batches.get(step, micro)
-        losses, layer_counts = micro_step(x.to(device), y.to(device))
+        losses, layer_counts = micro_steps.run(x.to(device), y.to(device))
         loss_sum += losses  # read now: a graphed step's outputs are overwritten by its next replay
         counts = layer_counts.clone() if counts is None else counts + layer_counts
     reduce_gradients(model, groups)
@@ -347,7 +347,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
             f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
     if finite:
         optimizer.step()
-    optimizer.zero_grad(set_to_none=not graphed)  # a graph accumulates into its own gradient tensors
+    micro_steps.clear_grads(optimizer)
 
     world = group_size(groups.dp)
     loss_sum[:3] /= cfg.grad_accum * world

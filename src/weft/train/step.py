@@ -8,6 +8,7 @@ capture (module attributes such as `MoE.stats` are assigned once, at capture).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -54,19 +55,43 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class MicroSteps:
+    """How a training step runs its micro-batches: `run` (eager or a graph replay) and who owns the
+    gradients between optimizer steps.
+
+    - eager: gradients are freed after the optimizer step (the next backward creates them);
+    - a graph that accumulates (grad_accum > 1): zeroed in place, the graph adds into them;
+    - a graph that owns them (grad_accum == 1): left alone, the next replay overwrites them.
+    """
+
+    run: MicroStep
+    graphed: bool = False
+    owns_grads: bool = False
+
+    def clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the optimizer step: make the gradients ready for the next step's micro-batches."""
+        if not self.owns_grads:
+            optimizer.zero_grad(set_to_none=not self.graphed)
+
+
 def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torch.Tensor, torch.Tensor],
                      overlap: str = "none", backward=None,
-                     log: Callable[[str], None] = print) -> tuple[MicroStep, bool]:
-    """The micro-step for `mode` ("auto", "on", "off" CUDA graphs) and whether it is graphed. "on"
-    raises CaptureError naming why a graph cannot be used; "auto" tells `log` and runs eagerly.
-    Building a graph runs the step a few times to warm up, leaving every gradient zeroed."""
+                     log: Callable[[str], None] = print) -> MicroSteps:
+    """The micro-step for `mode` ("auto", "on", "off" CUDA graphs). "on" raises CaptureError
+    naming why a graph cannot be used; "auto" tells `log` and runs eagerly. Building a graph runs
+    the step a few times to warm up, with no effect on the gradients: with one micro-batch per
+    step the graph owns them (each replay writes the step's gradients); with several, it
+    accumulates into zeroed ones."""
     eager = eager_micro_step(model, grad_accum, backward)
     if mode == "off":
-        return eager, False
+        return MicroSteps(eager)
     blocker = graph_blocker(model, example[0].device, overlap)
     if blocker is None:
+        accumulate = grad_accum > 1
         try:
-            return GraphedStep(eager, example, grads_of=list(model.parameters())), True
+            graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
+            return MicroSteps(graph, graphed=True, owns_grads=not accumulate)
         except CaptureError as e:
             if mode == "on":
                 raise
@@ -75,4 +100,4 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
         raise CaptureError(f"--cuda-graphs on: {blocker}")
     if example[0].device.type == "cuda":
         log(f"weft train: eager steps (no CUDA graph: {blocker})")
-    return eager, False
+    return MicroSteps(eager)
