@@ -8,11 +8,13 @@ Profiles the training steps [start, start + steps) whole (data, micro-steps, cli
 optimizer, metrics: everything between one step's start and the next's), writes the Chrome trace
 next to the run (trace.json) and prints: GPU window, busy and idle per step, the GPU time of the
 largest kernel families, and the largest idle gaps with the innermost host op open across each.
-A diagnostic script, not part of the package: it wraps `weft.train.loop._train_step`.
+A diagnostic script, not part of the package: it wraps `weft.train.loop._train_step`. The run
+needs more than start + steps steps (the profiler stops at the start of the next one).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import re
@@ -26,7 +28,8 @@ from weft.train import loop
 
 
 def _profiled_steps(start: int, steps: int, trace_path: str):
-    """Wrap loop._train_step so calls [start, start + steps) run under the profiler."""
+    """Wrap loop._train_step so calls [start, start + steps) run under the profiler; returns a
+    function that says whether the trace was written (the run may end too early)."""
     inner, calls = loop._train_step, [0]
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     prof = torch.profiler.profile(activities=activities)
@@ -42,7 +45,41 @@ def _profiled_steps(start: int, steps: int, trace_path: str):
         calls[0] += 1
         return inner(*args, **kwargs)
 
+    def written() -> bool:
+        if start <= calls[0] < start + steps:
+            prof.stop()  # a profiler left running crashes the interpreter at exit
+        return calls[0] > start + steps
+
     loop._train_step = train_step
+    return written
+
+
+def _short(kernel: str) -> str:
+    """A kernel name without template arguments but with the functor that says what it computes."""
+    functor = re.search(r"(\w+(?:Functor|_kernel_cuda|Kernel\w*))", kernel[kernel.find("<"):] if "<" in kernel else "")
+    return re.sub(r"<.*", "", kernel)[:60] + (f" [{functor.group(1)}]" if functor else "")
+
+
+def _launching_ops(events: list[dict]) -> dict[int, str]:
+    """Correlation id of each kernel launch -> the innermost host op around the launch call."""
+    ops_by_thread: dict[int, list[dict]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
+            ops_by_thread.setdefault(e["tid"], []).append(e)
+    starts = {}
+    for tid, ops in ops_by_thread.items():
+        ops.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in ops]
+    found = {}
+    for e in events:
+        if e.get("cat") != "cuda_runtime" or "correlation" not in e.get("args", {}):
+            continue
+        ops, t = ops_by_thread.get(e["tid"], []), e["ts"]
+        i = bisect.bisect_right(starts.get(e["tid"], []), t)
+        around = [op for op in ops[max(0, i - 200):i] if op["ts"] + op["dur"] >= t]
+        if around:
+            found[e["args"]["correlation"]] = min(around, key=lambda op: op["dur"])["name"]
+    return found
 
 
 def report(trace_path: str, steps: int, top: int = 12) -> None:
@@ -55,11 +92,16 @@ def report(trace_path: str, steps: int, top: int = 12) -> None:
     window = busy[-1][1] - busy[0][0]
     print(f"{steps} steps: GPU window {window / 1e3 / steps:.2f} ms/step, busy {length(busy) / 1e3 / steps:.2f}, "
           f"idle {(window - length(busy)) / 1e3 / steps:.2f}")
-    families = Counter()
+    launcher = _launching_ops(events)
+    kernels, ops = Counter(), Counter()
     for e in gpu:
-        families[re.sub(r"<.*", "", e["name"])[:70]] += e["dur"]
-    print("largest kernel families (ms/step):")
-    for name, us in families.most_common(top):
+        kernels[e["name"]] += e["dur"]
+        ops[launcher.get(e.get("args", {}).get("correlation"), "-")] += e["dur"]
+    print("largest kernels (ms/step; name shortened):")
+    for name, us in kernels.most_common(top):
+        print(f"  {us / 1e3 / steps:8.2f}  {_short(name)}")
+    print("largest launching host ops (ms/step of their kernels; '-': inside a CUDA graph replay or unknown):")
+    for name, us in ops.most_common(top):
         print(f"  {us / 1e3 / steps:8.2f}  {name}")
     gaps = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])), reverse=True)[:top]
     print("largest GPU idle gaps, with the innermost host op open across the gap:")
@@ -81,7 +123,10 @@ if __name__ == "__main__":
     train_args = [a for a in ns.train_args if a != "--"]
     rank = int(os.environ.get("RANK", "0"))
     trace = ns.trace if rank == 0 else f"{ns.trace}.rank{rank}"
-    _profiled_steps(ns.first_step, ns.num_steps, trace)
+    written = _profiled_steps(ns.first_step, ns.num_steps, trace)
     weft_main(["train", *train_args])
+    if not written():
+        raise SystemExit(f"profile_train: the run ended before step {ns.first_step + ns.num_steps + 1}; give `weft "
+                         "train` more --steps")
     if rank == 0:
         report(ns.trace, ns.num_steps)
