@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from weft import MoE
 from weft.models import GPT, PRESETS, GPTConfig, get_preset
+from weft.models.presets import TWINS, dense_twin
 from weft.testing import run_distributed
 
 SEED = 1234
@@ -220,9 +221,33 @@ def test_every_preset_builds_on_meta(name):
     config = get_preset(name)
     with torch.device("meta"):
         model = GPT(config)
-    assert len(model.moe_layers()) == sum(config.is_moe_block(i) for i in range(config.n_layer)) > 0
+    assert len(model.moe_layers()) == sum(config.is_moe_block(i) for i in range(config.n_layer))
+    assert bool(model.moe_layers()) == (config.moe_every > 0)
     assert model.num_parameters() == expected_parameters(config)
     assert model.num_parameters(active_only=True) == expected_parameters(config, active_only=True)
+
+
+@pytest.mark.parametrize("moe_name, dense_name", sorted(TWINS.items()))
+def test_a_dense_twin_has_the_moe_presets_active_compute(moe_name, dense_name):
+    """Same width and depth, dense everywhere; its parameters are the MoE model's active ones less
+    the routers, so its training FLOPs per token equal the MoE model's less the routers'."""
+    moe_cfg, dense_cfg = get_preset(moe_name), get_preset(dense_name)
+    assert dense_cfg.moe_every == 0
+    shape = lambda c: (c.n_layer, c.dim, c.n_head, c.block_size)  # noqa: E731
+    assert shape(dense_cfg) == shape(moe_cfg)
+    with torch.device("meta"):
+        moe, dense = GPT(moe_cfg), GPT(dense_cfg)
+    routers = sum(p.numel() for name, p in moe.named_parameters() if "router" in name)
+    assert 0 < routers < moe.num_parameters(active_only=True) / 100
+    assert dense.num_parameters() == moe.num_parameters(active_only=True) - routers
+    assert dense.flops_per_token() == moe.flops_per_token() - 6 * routers
+
+
+def test_a_dense_twin_is_refused_where_it_would_not_match():
+    with pytest.raises(ValueError, match="swiglu"):
+        dense_twin(get_preset("mixtral-8x7b-2l"))
+    with pytest.raises(ValueError, match="dense already"):
+        dense_twin(get_preset("gpt2-s"))
 
 
 def test_mixtral_shape_parameter_count():

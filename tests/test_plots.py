@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from weft.train.plots import load_metrics, plot_run
+from weft.train.plots import compare_figure, load_metrics, plot_run, plot_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -125,3 +125,50 @@ def test_large_run_plots_in_seconds(tmp_path: Path):
     paths = plot_run(tmp_path)
     assert time.perf_counter() - start < 10
     assert len(paths) == 3
+
+
+def test_several_runs_overlay_by_step_and_by_tokens(tmp_path: Path):
+    """Each run draws its train loss and its validation points against the step and the tokens
+    read; a run logged before `tokens` existed is left out of the tokens panel only."""
+    moe = [{**train_row(s), "tokens": 1000 * s} for s in range(1, 11)]
+    moe += [{"step": 10, "tokens": 10_000, "val_loss": 2.5}]
+    dense = [{**train_row(s, layers=0), "loss": 6.0 / s ** 0.2, "tokens": 2000 * s} for s in range(1, 6)]
+    dense += [{"step": 5, "tokens": 10_000, "val_loss": 3.0}]
+    old = [train_row(s) for s in range(1, 4)] + [{"step": 3, "val_loss": 4.0}]
+    runs = [("moe", *load_metrics(write_run(tmp_path / "moe", moe))),
+            ("dense", *load_metrics(write_run(tmp_path / "dense", dense))),
+            ("old", *load_metrics(write_run(tmp_path / "old", old)))]
+    by_step, by_tokens = compare_figure(runs).axes
+    step_lines, token_lines = by_step.get_lines(), by_tokens.get_lines()
+    assert len(step_lines) == 6 and len(token_lines) == 4
+    assert [line.get_label() for line in token_lines if not line.get_label().startswith("_")] == \
+        ["moe (val)", "dense (val)"]
+    assert list(step_lines[2].get_xdata()) == [1, 2, 3, 4, 5]  # dense train loss by step
+    assert list(token_lines[2].get_xdata()) == [2000, 4000, 6000, 8000, 10000]  # ... by tokens
+    assert list(token_lines[3].get_ydata()) == [3.0]  # dense val loss at 10k tokens
+
+
+def test_plot_runs_writes_compare_png_and_checks_its_inputs(tmp_path: Path):
+    for name in ("a", "b"):
+        write_run(tmp_path / name / "run", [{**train_row(s), "tokens": 100 * s} for s in range(1, 5)])
+    path = plot_runs([tmp_path / "a" / "run", tmp_path / "b" / "run"], tmp_path / "figs")
+    assert path == tmp_path / "figs" / "compare.png"
+    assert_png(path)
+    with pytest.raises(ValueError, match="at least two"):
+        plot_runs([tmp_path / "a" / "run"])
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        plot_runs([tmp_path / "a" / "run", tmp_path / "nowhere"])
+
+
+def test_weft_plot_with_several_runs_prints_the_comparison(tmp_path: Path, capsys, monkeypatch):
+    from weft.cli import main
+
+    for name in ("moe", "dense"):
+        write_run(tmp_path / name, [{**train_row(s), "tokens": 100 * s} for s in range(1, 5)])
+    monkeypatch.chdir(tmp_path)
+    main(["plot", "moe", "dense"])
+    assert capsys.readouterr().out.strip() == "compare.png"
+    assert_png(tmp_path / "compare.png")
+    with pytest.raises(SystemExit):
+        main(["plot", "moe", "missing"])
+    assert "missing does not exist" in capsys.readouterr().err

@@ -37,7 +37,7 @@ from weft.train.config import (
 )
 from weft.train.generate import generate_from_checkpoint
 from weft.train.loop import check_run_dir, train
-from weft.train.plots import plot_run
+from weft.train.plots import plot_run, plot_runs
 
 
 def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None = None) -> Any:
@@ -152,7 +152,10 @@ def _generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 def _plot(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     try:
-        paths = plot_run(ns.run_dir, ns.out)
+        if len(ns.run_dirs) == 1:
+            paths = plot_run(ns.run_dirs[0], ns.out)
+        else:
+            paths = [plot_runs(ns.run_dirs, ns.out or ".")]
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     for p in paths:
@@ -217,9 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     ge.add_argument("--device", choices=["cpu", "cuda"], default=None)
     ge.set_defaults(run=_generate, parser=ge)
 
-    pl = sub.add_parser("plot", help="PNG plots of a run: loss, throughput, expert load")
-    pl.add_argument("run_dir")
-    pl.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots)")
+    pl = sub.add_parser("plot", help="PNG plots of a run (loss, throughput, expert load), or several runs' losses "
+                        "overlaid")
+    pl.add_argument("run_dirs", nargs="+", metavar="run_dir",
+                    help="one run: its figures; several: compare.png, their losses by step and by tokens")
+    pl.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots; several runs: the "
+                    "current directory)")
     pl.set_defaults(run=_plot, parser=pl)
 
     _config_parser(sub, "tune", bench_tune.TuneConfig, bench_tune.run,

@@ -44,6 +44,28 @@ PRESETS: dict[str, GPTConfig] = {
 }
 
 
+def dense_twin(moe: GPTConfig) -> GPTConfig:
+    """The dense model with the MoE model's width, depth and active FLOPs per token: every MoE
+    block becomes a dense MLP of width top_k * expert width (a token's compute in the MoE block,
+    router aside). Raises ValueError when that MLP would differ from the model's dense blocks
+    (another width, or an expert activation other than the dense MLP's gelu)."""
+    if not moe.moe_every:
+        raise ValueError("the model is dense already")
+    width = moe.top_k * moe.expert_hidden
+    if moe.activation != "gelu" or width != moe.dense_hidden:
+        raise ValueError(f"no FLOP-equal dense twin: the MoE blocks compute {moe.top_k} x {moe.expert_hidden} "
+                         f"{moe.activation}, the dense MLP {moe.dense_hidden} gelu")
+    return dataclasses.replace(moe, moe_every=0)
+
+
+# Dense twins of the training presets (the MoE promise is a lower loss than these at equal steps,
+# data and active compute). The -2l layer-shape presets have none: every block is MoE with swiglu
+# experts, and the dense MLP is gelu.
+PRESETS.update({"tiny-dense": dense_twin(PRESETS["tiny"]), "gpt2-s": dense_twin(PRESETS["gpt2-s-moe"]),
+                "gpt2-l": dense_twin(PRESETS["gpt2-l-moe"])})
+TWINS = {"tiny": "tiny-dense", "gpt2-s-moe": "gpt2-s", "gpt2-l-moe": "gpt2-l"}
+
+
 def get_preset(name: str) -> GPTConfig:
     """A copy of the named preset (safe to modify)."""
     if name not in PRESETS:

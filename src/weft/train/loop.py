@@ -264,7 +264,9 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
         row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps)
         elapsed = time.perf_counter() - t0
-        row.update(step=step, lr=lr, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
+        # tokens: read by the end of this step (steps times this run's batch shape)
+        row.update(step=step, tokens=step * tokens_per_step, lr=lr, tokens_per_s=tokens_per_step / elapsed,
+                   elapsed_s=elapsed,
                    mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None,
                    peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
         val_loss = None
@@ -273,7 +275,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         if log is not None:
             log.write(row)
             if val_loss is not None:
-                log.write({"step": step, "val_loss": val_loss})
+                log.write({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss})
             line = progress.line(step, row["loss"], row["tokens_per_s"], lr, val_loss)
             if line:
                 print(line, flush=True)

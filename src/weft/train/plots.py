@@ -1,4 +1,5 @@
-"""Figures of a run from its metrics.jsonl: loss, throughput, and per-layer expert load.
+"""Figures of a run from its metrics.jsonl: loss, throughput, and per-layer expert load; and
+several runs' losses overlaid (e.g. an MoE model against its dense twin), by step and by tokens.
 
 The expert-load heatmap (x = step, y = expert, colour = share of the layer's routed tokens) follows
 the load-over-time figures of Pro-Prophet (figs. 3-4): it shows which experts stay hot, and for how
@@ -84,6 +85,56 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, log_y: b
         fig.savefig(out / file_name, dpi=_DPI)
         paths.append(out / file_name)
     return paths
+
+
+def plot_runs(run_dirs: list[str | Path], out_dir: str | Path = ".") -> Path:
+    """Overlay the losses of several runs in `out_dir`/compare.png and return its path: train
+    loss (thin) and validation loss (dots) of each run against the step, and against the tokens
+    read (runs whose metrics predate the `tokens` field are left out of that panel)."""
+    if len(run_dirs) < 2:
+        raise ValueError("comparing needs at least two run directories")
+    runs = []
+    for run_dir in map(Path, run_dirs):
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"run directory {run_dir} does not exist")
+        train, val = load_metrics(run_dir / "metrics.jsonl")
+        if not train:
+            raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training steps, so there is nothing to compare")
+        runs.append((run_dir, train, val))
+    names = [d.resolve().name for d, _, _ in runs]
+    if len(set(names)) < len(names):  # e.g. a/run and b/run: name them by path
+        names = [str(d) for d, _, _ in runs]
+    fig = compare_figure([(name, train, val) for name, (_, train, val) in zip(names, runs)])
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    FigureCanvasAgg(fig)
+    fig.savefig(out / "compare.png", dpi=_DPI)
+    return out / "compare.png"
+
+
+def compare_figure(runs: list[tuple[str, list[Row], list[Row]]]) -> Figure:
+    """The figure of `plot_runs` from (name, train rows, val rows) per run: two axes, by step and by
+    tokens, each run a thin train-loss line and a dotted validation line labelled "NAME (val)"."""
+    fig = Figure(figsize=(13, 5), layout="constrained")
+    by_step, by_tokens = fig.subplots(1, 2, sharey=True)
+    for i, (name, train, val) in enumerate(runs):
+        color = f"C{i % 10}"
+        for ax, key in ((by_step, "step"), (by_tokens, "tokens")):
+            rows = [r for r in train if r.get(key) is not None]
+            if not rows:
+                continue
+            ax.plot([r[key] for r in rows], _series(rows, "loss"), lw=0.8, alpha=0.4, color=color)
+            points = [r for r in val if r.get(key) is not None]
+            ax.plot([r[key] for r in points], _series(points, "val_loss"), "o-", ms=4, color=color,
+                    label=f"{name} (val)")
+    by_step.set(xlabel="step", ylabel="loss", title="Loss by step (lines: train, dots: validation)")
+    by_tokens.set(xlabel="tokens read", title="Loss by tokens")
+    by_tokens.xaxis.set_major_formatter(EngFormatter())
+    for ax in (by_step, by_tokens):
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize="small")
+    return fig
 
 
 def _series(rows: list[Row], key: str) -> np.ndarray:
