@@ -298,3 +298,19 @@ def test_expert_parallel_matches_single_process():
             ref_logits, ref_loss = reference(*rank_batch(rank))
             torch.testing.assert_close(torch.from_numpy(logits), ref_logits.detach(), rtol=1e-5, atol=1e-5)
             assert loss == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"expert_bias_rate": -0.1}, "expert_bias_rate must be a finite number >= 0"),
+    ({"expert_bias_rate": float("inf")}, "expert_bias_rate must be a finite number >= 0"),
+    ({"expert_bias_rate": 0.001, "moe_every": 2, "gate": "expert_choice"}, "expert_bias_rate needs a gate"),
+])
+def test_expert_bias_rate_is_checked(fields, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(**fields).validate()
+
+
+def test_expert_bias_rate_gives_every_moe_layer_a_bias():
+    model = GPT(GPTConfig(moe_every=2, expert_bias_rate=0.001))
+    assert [tuple(m.expert_bias.shape) for m in model.moe_layers()] == [(8,), (8,)]
+    assert all(m.expert_bias is None for m in GPT(GPTConfig(moe_every=2)).moe_layers())

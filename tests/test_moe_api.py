@@ -193,3 +193,38 @@ def _uneven_dropless_worker() -> tuple[int, ...]:
 
 def test_uneven_token_counts_stay_fine_where_sizes_are_agreed():
     assert run_distributed(_uneven_dropless_worker, 2, timeout=120) == [(10, 8), (13, 8)]
+
+
+@pytest.mark.parametrize("capacity_factor", [1.0, None])
+def test_an_expert_bias_routes_a_batch_in_parts_as_whole(capacity_factor):
+    """Lancet's partitions (CarriedRouting) honour the selection bias: the same experts,
+    positions and kept slots as the whole batch routed at once, and not those of no bias."""
+    from weft.moe.routing import Router
+
+    router = Router("topk", 8, True, None)
+    logits = torch.randn(40, 8, generator=torch.Generator().manual_seed(0))
+    logits[:, 0] += 2.0  # most tokens prefer expert 0, which the bias holds back
+    bias = torch.tensor([-0.5, 0.1, 0.0, 0.05, -0.05, 0.2, 0.0, 0.1])
+    whole = router.route(logits, 1, capacity_factor, bias)
+    assert not torch.equal(whole.experts_S, router.route(logits, 1, capacity_factor).experts_S)
+    parts = router.in_parts(40, 1, capacity_factor, bias)
+    routed = [parts.route(chunk) for chunk in logits.split([13, 17, 10])]
+    assert torch.equal(torch.cat([r.experts_S for r in routed]), whole.experts_S)
+    assert torch.equal(torch.cat([r.positions_S for r in routed]), whole.positions_S)
+    if capacity_factor is not None:
+        assert torch.equal(torch.cat([r.kept_S for r in routed]), whole.kept_S)
+    assert torch.equal(parts.finish().stats.expert_counts, whole.summary.stats.expert_counts)
+
+
+def test_the_expert_bias_update_and_its_errors():
+    """update_expert_bias: +rate below the mean load, -rate above, nothing at the mean; layers
+    whose gate does not rank experts by probability refuse the bias."""
+    moe = MoE(16, 32, 4, top_k=1, expert_bias=True)
+    moe.update_expert_bias(torch.tensor([1.0, 5.0, 3.0, 3.0]), 0.01)
+    assert moe.expert_bias.tolist() == pytest.approx([0.01, -0.01, 0.0, 0.0])
+    assert "expert_bias" in moe.state_dict()
+    with pytest.raises(ValueError, match="no expert bias"):
+        MoE(16, 32, 4, top_k=1).update_expert_bias(torch.ones(4), 0.01)
+    for gate in ("random", "expert_choice"):
+        with pytest.raises(ValueError, match=f"token-choice gate .*not '{gate}'"):
+            MoE(16, 32, 4, top_k=1, gate=gate, expert_bias=True)

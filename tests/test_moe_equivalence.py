@@ -21,6 +21,7 @@ TOP_KS = (1, 2, 4)
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 DTYPES = (torch.float32, torch.bfloat16)
 AUX_COEF, Z_COEF = 0.3, 0.05
+EXPERT_BIAS = torch.tensor([-0.4, 0.1, 0.0, 0.05, -0.05, 0.2, 0.0, 0.1])
 
 
 def full_parameters(gate: str, activation: str) -> dict[str, torch.Tensor]:
@@ -45,9 +46,9 @@ def full_parameters(gate: str, activation: str) -> dict[str, torch.Tensor]:
     return p
 
 
-def load_shard(moe: MoE, full: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+def load_shard(moe: MoE, full: dict[str, torch.Tensor], dtype: torch.dtype, bias: torch.Tensor | None = None) -> None:
     rank, local = moe.experts.first_expert, moe.num_local_experts
-    state = {}
+    state = {} if bias is None else {"expert_bias": bias}
     for name, value in full.items():
         state[name] = value[rank : rank + local].to(dtype) if name.startswith("experts.") else value
     moe.load_state_dict(state)
@@ -58,13 +59,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual - expected).norm() / expected.norm().clamp_min(1e-12))
 
 
-def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto") -> list[str]:
+def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto",
+               bias=None) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    label = f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
+    label = (f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
+             f"{'' if bias is None else ' expert bias'}")
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
-              normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels)
-    load_shard(moe, full, dtype)
+              normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels,
+              expert_bias=bias is not None)
+    load_shard(moe, full, dtype, None if bias is None else bias.to(device))
     num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
     gen = torch.Generator().manual_seed(100 + rank)
     x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype).requires_grad_()
@@ -87,17 +91,21 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
     elif gate == "expert_choice":
         cap_ref = max(1, min(num_tokens, ref.exact_ceil(k, cap, num_tokens, EXPERTS)))
     else:
-        *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores)
+        *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores, bias)
         need = torch.tensor([ref.no_drop_capacity(ref.positions(experts, order, EXPERTS)[1])])
         need = need.to(device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         cap_ref = ref.capacity(cap, k, num_tokens, EXPERTS, int(need))
-    y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores)
+    y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores, bias)
     loss_ref = (y_ref * dy).sum() + AUX_COEF * aux + Z_COEF * z
     names = list(params)
     grads = dict(zip(names, torch.autograd.grad(loss_ref, [params[n] for n in names] + [xr])))
 
     failures = []
+    if bias is not None:  # the case has power: the bias changes the reference's choices
+        unbiased = ref.route(xr.detach(), params, gate, k, normalize, scores)[2]
+        if torch.equal(unbiased, ref.route(xr.detach(), params, gate, k, normalize, scores, bias)[2]):
+            failures.append(f"{label}: the test's bias routes like no bias")
     fp32 = dtype == torch.float32
     tol = 2e-5 if fp32 else 2e-2
 
@@ -140,6 +148,9 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     if gate in ("topk", "bpr"):
         for cap in TOKEN_CHOICE_CAPACITIES:
             failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, device=device, kernels=kernels)
+    if gate in ("topk", "bpr", "cosine"):  # DeepSeek-V3's selection bias, against expert 0 the router favours
+        for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):
+            failures += check_case(gate, cap, k, "gelu", dtypes[0], device=device, kernels=kernels, bias=EXPERT_BIAS)
     return failures
 
 

@@ -374,3 +374,22 @@ def test_an_eager_micro_step_returns_the_logged_values(corpus):
     gpt.zero_grad()
     (loss / 2).backward()  # the micro-step divided its loss by grad_accum
     assert all(torch.allclose(a, p.grad) for a, p in zip(grads, gpt.parameters()))
+
+
+def test_the_expert_bias_trains_changes_routing_and_resumes_exactly(corpus, tmp_path):
+    """model.expert_bias_rate > 0: every MoE layer's selection bias moves with the step's global
+    loads, changes the routing (the losses leave those of a run without it after step 1, where
+    the bias is still 0), is saved in the checkpoint, and a resumed run has the uninterrupted
+    run's losses (which a bias lost on resume would change)."""
+    model = {**SMALL_MODEL, "expert_bias_rate": 0.01}
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "plain", steps=20), 2, cache)
+    run(config(corpus, tmp_path / "full", steps=20, model=model), 2, cache)
+    run(config(corpus, tmp_path / "split", steps=10, model=model, lr_decay_steps=20), 2, cache)
+    run(config(corpus, tmp_path / "split", steps=20, model=model, resume=True), 2, cache)
+    plain, full, split = losses(tmp_path / "plain"), losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert full[1] == plain[1] and any(full[s] != plain[s] for s in range(2, 21))
+    assert [full[s] for s in range(11, 21)] == [split[s] for s in range(11, 21)]
+    saved = torch.load(tmp_path / "full" / "checkpoints" / "step_20" / "model.pt", weights_only=True)
+    biases = [v for k, v in saved.items() if k.endswith("expert_bias")]
+    assert len(biases) == 1 and biases[0].shape == (4,) and biases[0].abs().sum() > 0

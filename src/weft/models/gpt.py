@@ -53,6 +53,9 @@ class GPTConfig:
     activation: str = "gelu"  # expert activation
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    # > 0: each MoE layer keeps an expert-selection bias moved by this much per training step
+    # towards balance (DeepSeek-V3's auxiliary-loss-free balancing; weft.MoE's expert_bias)
+    expert_bias_rate: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
@@ -100,9 +103,13 @@ class GPTConfig:
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
             raise ValueError(f"capacity_factor must be a number or None (dropless), got {cf!r}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
-            if not _is_number(getattr(self, name)) or getattr(self, name) < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        if self.expert_bias_rate and self.moe_every and self.gate in ("random", "expert_choice"):
+            raise ValueError(f"expert_bias_rate needs a gate that ranks experts by probability (topk, bpr, cosine), "
+                             f"not {self.gate!r}")
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         for name in ("rope_theta", "norm_eps"):
             if not _is_number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {getattr(self, name)!r}")
@@ -204,6 +211,7 @@ class Block(nn.Module):
             self.ffn = MoE(
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
                 config.capacity_factor, config.activation, group=group, kernels=kernels,
+                expert_bias=config.expert_bias_rate > 0,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)

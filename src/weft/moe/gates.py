@@ -83,19 +83,22 @@ def topk_desc(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def token_choice(
-    gate: str, probs: torch.Tensor, k: int, normalize: bool, noise: torch.Tensor | None = None
+    gate: str, probs: torch.Tensor, k: int, normalize: bool, noise: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> TokenChoice:
     """Route each token to k experts by the rule of `gate` (topk, bpr, cosine, random).
 
     `noise` (T, E) gives the random gate's scores (default: drawn here from torch's RNG), so a
-    batch routed in parts can draw them once for the whole batch."""
+    batch routed in parts can draw them once for the whole batch. `bias` (E,) is added to the
+    probabilities for choosing the experts only; the gates stay the unbiased probabilities
+    (DeepSeek-V3 sec. 2.1.2, auxiliary-loss-free load balancing)."""
     if gate == "random":
         # Benchmark/ablation gate: experts drawn uniformly (torch's RNG), gates still learned.
         if noise is None:
             noise = torch.rand(probs.shape, device=probs.device)
         experts = topk_desc(noise, k)
     else:
-        experts = topk_desc(probs, k)
+        experts = topk_desc(probs if bias is None else probs.detach() + bias, k)
     gates = probs.gather(1, experts)
     if normalize and k > 1:
         gates = gates / gates.sum(dim=1, keepdim=True)
@@ -104,6 +107,13 @@ def token_choice(
         importance = probs.max(dim=1).values
         order = torch.sort(importance, descending=True, stable=True).indices
     return TokenChoice(experts, gates, order)
+
+
+def expert_bias_step(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's update of the selection bias after a training step, in place: each expert's
+    bias rises by `rate` if it took fewer slots than the mean, falls by `rate` if more
+    (`counts_E`: the step's slots per expert, the same on every rank)."""
+    bias_E.add_(torch.sign(counts_E.float().mean() - counts_E.float()), alpha=rate)
 
 
 def expert_choice(probs: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from weft.moe.exchange import (
 )
 from weft.moe.exchange.select import is_tuned
 from weft.moe.experts import Experts
-from weft.moe.gates import CosineRouter, LinearRouter
+from weft.moe.gates import CosineRouter, LinearRouter, expert_bias_step
 from weft.moe.routing import MoEStats, Router, Routing, RoutingSummary
 from weft.profiling import stage
 from weft.tune.dictionary import Setting, TuningDictionary
@@ -70,6 +70,10 @@ class MoE(nn.Module):
         kernels: dispatch and combine with the "triton" kernels (deterministic: no atomics) or
             "torch" index ops; "auto" (default): Triton on CUDA where installed, torch elsewhere.
             Expert choice always uses torch's (a token takes a varying number of slots there).
+        expert_bias: keep a per-expert selection bias (buffer `expert_bias`, zeros at start) that
+            is added to the router probabilities when choosing experts, never to the gates;
+            `update_expert_bias` moves it after each training step (DeepSeek-V3's
+            auxiliary-loss-free balancing). Token-choice gates only (topk, bpr, cosine).
 
     In the padded modes with cf > 0 and for expert choice, every rank of the EP group must pass
     the same number of tokens (the all-to-all's size comes from the local token count, as in
@@ -84,11 +88,17 @@ class MoE(nn.Module):
                  capacity_factor: float | None = 1.25, activation: str = "gelu", normalize_gates: bool = True,
                  group: dist.ProcessGroup | None = None, *, overlap_degree: int | str = 1, a2a_algo: str = "linear",
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
-                 kernels: str = "auto", dtype: torch.dtype | None = None, device: torch.device | str | None = None):
+                 kernels: str = "auto", expert_bias: bool = False, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.group = resolve_group(group)
         ep_size = group_size(self.group)
         check_layer(dim, hidden_dim, num_experts, gate, activation, ep_size)
+        if expert_bias and gate in ("random", "expert_choice"):
+            raise ValueError(f"expert_bias needs a token-choice gate that ranks experts by probability (topk, bpr, "
+                             f"cosine), not {gate!r}")
+        # The selection bias: a buffer (saved with the model, the same on every rank), or None.
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if expert_bias else None)
         if parallel not in ("ep", "adaptive"):
             raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
         self.dim, self.hidden_dim, self.num_experts, self.gate = dim, hidden_dim, num_experts, gate
@@ -217,7 +227,15 @@ class MoE(nn.Module):
         with stage("router"):
             logits_TE = self.router(tokens_TD)
         with stage("routing"):
-            return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor)
+            return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias)
+
+    def update_expert_bias(self, counts_E: torch.Tensor, rate: float) -> None:
+        """After a training step: move the selection bias by `rate` towards balance, given the
+        step's slots per expert summed over every rank (the same tensor on every rank, so the
+        bias stays identical across ranks)."""
+        if self.expert_bias is None:
+            raise ValueError("this layer keeps no expert bias (build it with expert_bias=True)")
+        expert_bias_step(self.expert_bias, counts_E.to(self.expert_bias.device), rate)
 
     def record(self, summary: RoutingSummary | None) -> None:
         """Keep a forward's routing summary as this layer's `aux_loss`, `z_loss` and `stats` (None:

@@ -68,14 +68,16 @@ class Router:
     normalize_gates: bool
     group: dist.ProcessGroup | None
 
-    def route(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None) -> Routing:
-        """The routed slots of a whole batch (docs/moe.md: slot priority and capacity)."""
+    def route(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None,
+              bias_E: torch.Tensor | None = None) -> Routing:
+        """The routed slots of a whole batch (docs/moe.md: slot priority and capacity); `bias_E`:
+        the layer's expert-selection bias (see `token_choice`), or None."""
         probs_TE = F.softmax(logits_TE, dim=-1)
         z_loss = router_z_loss(logits_TE)
         if self.gate == "expert_choice":
             return self._expert_choice(probs_TE, top_k, capacity_factor, z_loss)
         num_tokens, device = logits_TE.shape[0], logits_TE.device
-        choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates)
+        choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates, bias=bias_E)
         # The order of slots by expert is needed by the dropless layout only.
         slots = slot_positions(choice.experts, self.num_experts, choice.order, capacity_factor is None)
         aux_loss = load_balancing_loss(probs_TE, slots.counts, num_tokens * top_k)
@@ -112,12 +114,13 @@ class Router:
             return False
         return top_k == 1 or capacity_factor is None or capacity_factor == 0
 
-    def in_parts(self, num_tokens: int, top_k: int, capacity_factor: float | None) -> CarriedRouting:
+    def in_parts(self, num_tokens: int, top_k: int, capacity_factor: float | None,
+                 bias_E: torch.Tensor | None = None) -> CarriedRouting:
         """Routing of a batch of `num_tokens` tokens that arrives in partitions (see CarriedRouting)."""
         if not self.can_route_in_parts(top_k, capacity_factor):
             raise ValueError(f"gate {self.gate!r} with top_k={top_k}, capacity_factor={capacity_factor} cannot route "
                              "a batch partition by partition")
-        return CarriedRouting(self, num_tokens, top_k, capacity_factor)
+        return CarriedRouting(self, num_tokens, top_k, capacity_factor, bias_E)
 
 
 class CarriedRouting:
@@ -126,8 +129,10 @@ class CarriedRouting:
     is kept iff it is kept when the whole batch is routed at once (for the gates of
     `Router.can_route_in_parts`). `finish()` gives the whole batch's losses and statistics."""
 
-    def __init__(self, router: Router, num_tokens: int, top_k: int, capacity_factor: float | None):
+    def __init__(self, router: Router, num_tokens: int, top_k: int, capacity_factor: float | None,
+                 bias_E: torch.Tensor | None = None):
         self.router, self.num_tokens, self.top_k, self.capacity_factor = router, num_tokens, top_k, capacity_factor
+        self.bias_E = bias_E
         experts = router.num_experts
         # Kept iff position < capacity_bound for cf != 0: for cf < 0 the no-drop bound never binds
         # first, since a slot's position is below its expert's count.
@@ -154,7 +159,7 @@ class CarriedRouting:
         self._offset += size
         self._probs_sum = self._probs_sum + probs_TE.sum(0)
         self._z_sum = self._z_sum + torch.logsumexp(logits_TE, dim=-1).square().sum()
-        choice = token_choice(router.gate, probs_TE, k, router.normalize_gates, noise)
+        choice = token_choice(router.gate, probs_TE, k, router.normalize_gates, noise, self.bias_E)
         slots = slot_positions(choice.experts, router.num_experts, with_sort_index=False)
         experts = choice.experts.reshape(-1)
         positions = slots.positions.reshape(-1) + self._carry_E[experts]

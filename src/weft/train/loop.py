@@ -358,6 +358,9 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     slots = stats[4:].sum().clamp_min(1)
     counts = stats[4:].view(num_moes, model.config.num_experts)  # (0, E) for a dense model
     mean = counts.mean(1).clamp_min(1e-9)
+    if model.config.expert_bias_rate and finite:  # the step's global loads: the same bias on every rank
+        for moe, counts_E in zip(model.moe_layers(), counts):
+            moe.update_expert_bias(counts_E, model.config.expert_bias_rate)
     if finite and not math.isfinite(float(stats[0])) and cfg.on_nonfinite == "stop":
         raise TrainingStopped(f"step {step}: the loss is {float(stats[0])}; stopped (the optimizer step was taken: "
                               "resume from the latest checkpoint with a lower train.lr)")
