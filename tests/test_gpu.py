@@ -104,11 +104,17 @@ def determinism_worker(dtypes, device) -> list[str]:
             y.backward(dy)
             runs.append([y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()])
             moe.zero_grad(set_to_none=True)
-        for i, (a, b) in enumerate(zip(*runs)):
-            if not torch.equal(a, b):
-                failures.append(f"rank {rank} cf={cap}: tensor {i} differs between two runs "
-                                f"(max {float((a.float() - b.float()).abs().max()):.2e})")
+        failures += differences(f"rank {rank} cf={cap}, two runs", *runs)
     return failures
+
+
+def differences(label: str, actual: list[torch.Tensor], expected: list[torch.Tensor], exact: bool = True) -> list[str]:
+    """One line per tensor pair that is not bitwise equal (or, `exact=False`, not within 2e-2)."""
+    found = []
+    for i, (a, b) in enumerate(zip(actual, expected)):
+        if not (torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), atol=2e-2)):
+            found.append(f"{label}: tensor {i} differs (max {float((a.float() - b.float()).abs().max()):.2e})")
+    return found
 
 
 @needs_cuda
@@ -172,13 +178,9 @@ def graph_worker(dtypes, device) -> list[str]:
             return [y.clone(), graphed.inputs[0].grad.clone()] + [p.grad.clone() for p in params]
 
         for pairs in ([(xs[1], dys[1])], [(xs[1], dys[1]), (xs[2], dys[2])]):
-            expected = eager(pairs if accumulate else pairs[-1:])
-            for i, (a, b) in enumerate(zip(replayed(pairs), expected)):
-                same = torch.equal(a, b) if exact else torch.allclose(a.float(), b.float(), atol=2e-2)
-                if not same:
-                    failures.append(f"rank {rank} {gate} k{k} {kernels} accumulate={accumulate}, {len(pairs)} "
-                                    f"step(s): tensor {i} (0 output, 1 input grad, then parameter grads) differs "
-                                    f"(max {float((a.float() - b.float()).abs().max()):.2e})")
+            expected = eager(pairs if accumulate else pairs[-1:])  # tensors: output, input grad, parameter grads
+            failures += differences(f"rank {rank} {gate} k{k} {kernels} accumulate={accumulate}, {len(pairs)} step(s)",
+                                    replayed(pairs), expected, exact)
     return failures
 
 

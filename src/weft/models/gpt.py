@@ -25,6 +25,7 @@ from torch import nn
 from weft.kernels.rotary import rotary, rotary_reference
 from weft.kernels.rows import KERNELS
 from weft.moe import ACTIVATIONS, GATES, MoE
+from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import Linear
 from weft.profiling import stage
 
@@ -103,9 +104,9 @@ class GPTConfig:
         cf = self.capacity_factor
         if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float))):
             raise ValueError(f"capacity_factor must be a number or None (dropless), got {cf!r}")
-        if self.expert_bias_rate and self.moe_every and self.gate in ("random", "expert_choice"):
-            raise ValueError(f"expert_bias_rate needs a gate that ranks experts by probability (topk, bpr, cosine), "
-                             f"not {self.gate!r}")
+        if self.expert_bias_rate and self.moe_every and self.gate not in EXPERT_BIAS_GATES:
+            raise ValueError(f"expert_bias_rate needs a gate that ranks experts by probability "
+                             f"({', '.join(EXPERT_BIAS_GATES)}), not {self.gate!r}")
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 GATES = ("topk", "bpr", "cosine", "expert_choice", "random")
+# The gates that rank experts by probability, where an expert-selection bias applies.
+EXPERT_BIAS_GATES = ("topk", "bpr", "cosine")
 
 
 class LinearRouter(nn.Module):

@@ -36,7 +36,7 @@ from weft.moe.exchange import (
 )
 from weft.moe.exchange.select import is_tuned
 from weft.moe.experts import Experts
-from weft.moe.gates import CosineRouter, LinearRouter, expert_bias_step
+from weft.moe.gates import EXPERT_BIAS_GATES, CosineRouter, LinearRouter, expert_bias_step
 from weft.moe.routing import MoEStats, Router, Routing, RoutingSummary
 from weft.profiling import stage
 from weft.tune.dictionary import Setting, TuningDictionary
@@ -94,9 +94,9 @@ class MoE(nn.Module):
         self.group = resolve_group(group)
         ep_size = group_size(self.group)
         check_layer(dim, hidden_dim, num_experts, gate, activation, ep_size)
-        if expert_bias and gate in ("random", "expert_choice"):
-            raise ValueError(f"expert_bias needs a token-choice gate that ranks experts by probability (topk, bpr, "
-                             f"cosine), not {gate!r}")
+        if expert_bias and gate not in EXPERT_BIAS_GATES:
+            raise ValueError(f"expert_bias needs a token-choice gate that ranks experts by probability "
+                             f"({', '.join(EXPERT_BIAS_GATES)}), not {gate!r}")
         # The selection bias: a buffer (saved with the model, the same on every rank), or None.
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if expert_bias else None)
         if parallel not in ("ep", "adaptive"):

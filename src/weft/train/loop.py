@@ -275,7 +275,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         if log is not None:
             log.write(row)
             if val_loss is not None:
-                log.write({"step": step, "tokens": step * tokens_per_step, "val_loss": val_loss})
+                log.write({"step": step, "tokens": row["tokens"], "val_loss": val_loss})
             line = progress.line(step, row["loss"], row["tokens_per_s"], lr, val_loss)
             if line:
                 print(line, flush=True)

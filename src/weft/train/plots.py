@@ -63,12 +63,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, log_y: b
     `out_dir` defaults to RUN_DIR/plots; `log_y` puts the loss on a log scale.
     """
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {run_dir} does not exist")
-    metrics = run_dir / "metrics.jsonl"
-    train, val = load_metrics(metrics)
-    if not train:
-        raise ValueError(f"{metrics} has no training steps (no line with a 'loss'), so there is nothing to plot")
+    train, val = _read_run(run_dir)
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     steps = np.array([row["step"] for row in train])
@@ -78,13 +73,24 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, log_y: b
     layers = _expert_counts(train)
     if layers:  # dense runs log no expert load
         drawers["expert_load.png"] = lambda: _expert_load_figure(name, steps, layers)
-    paths = []
-    for file_name, draw in drawers.items():
-        fig = draw()
-        FigureCanvasAgg(fig)
-        fig.savefig(out / file_name, dpi=_DPI)
-        paths.append(out / file_name)
-    return paths
+    return [_save(draw(), out / file_name) for file_name, draw in drawers.items()]
+
+
+def _read_run(run_dir: Path) -> tuple[list[Row], list[Row]]:
+    """(train rows, val rows) of a run folder; errors name a missing folder or an empty run."""
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {run_dir} does not exist")
+    metrics = run_dir / "metrics.jsonl"
+    train, val = load_metrics(metrics)
+    if not train:
+        raise ValueError(f"{metrics} has no training steps (no line with a 'loss'), so there is nothing to plot")
+    return train, val
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=_DPI)
+    return path
 
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path = ".") -> Path:
@@ -93,23 +99,14 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path = ".") -> Path:
     read (runs whose metrics predate the `tokens` field are left out of that panel)."""
     if len(run_dirs) < 2:
         raise ValueError("comparing needs at least two run directories")
-    runs = []
-    for run_dir in map(Path, run_dirs):
-        if not run_dir.is_dir():
-            raise FileNotFoundError(f"run directory {run_dir} does not exist")
-        train, val = load_metrics(run_dir / "metrics.jsonl")
-        if not train:
-            raise ValueError(f"{run_dir / 'metrics.jsonl'} has no training steps, so there is nothing to compare")
-        runs.append((run_dir, train, val))
+    runs = [(run_dir, *_read_run(run_dir)) for run_dir in map(Path, run_dirs)]
     names = [d.resolve().name for d, _, _ in runs]
     if len(set(names)) < len(names):  # e.g. a/run and b/run: name them by path
         names = [str(d) for d, _, _ in runs]
     fig = compare_figure([(name, train, val) for name, (_, train, val) in zip(names, runs)])
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    FigureCanvasAgg(fig)
-    fig.savefig(out / "compare.png", dpi=_DPI)
-    return out / "compare.png"
+    return _save(fig, out / "compare.png")
 
 
 def compare_figure(runs: list[tuple[str, list[Row], list[Row]]]) -> Figure:
