@@ -144,6 +144,8 @@ def test_several_runs_overlay_by_step_and_by_tokens(tmp_path: Path):
     assert [line.get_label() for line in token_lines if not line.get_label().startswith("_")] == \
         ["moe (val)", "dense (val)"]
     assert list(step_lines[2].get_xdata()) == [1, 2, 3, 4, 5]  # dense train loss by step
+    # the train lines show the cross-entropy (runs with other aux-loss weights compare alike)
+    assert list(step_lines[2].get_ydata()) == [4.9 / s ** 0.3 for s in range(1, 6)]
     assert list(token_lines[2].get_xdata()) == [2000, 4000, 6000, 8000, 10000]  # ... by tokens
     assert list(token_lines[3].get_ydata()) == [3.0]  # dense val loss at 10k tokens
 
@@ -160,15 +162,29 @@ def test_plot_runs_writes_compare_png_and_checks_its_inputs(tmp_path: Path):
         plot_runs([tmp_path / "a" / "run", tmp_path / "nowhere"])
 
 
+def test_a_run_without_cross_entropy_shows_its_loss():
+    rows = [{"step": s, "loss": 3.0 / s} for s in range(1, 4)]
+    by_step, _ = compare_figure([("a", rows, []), ("b", rows, [])]).axes
+    assert list(by_step.get_lines()[0].get_ydata()) == [3.0, 1.5, 1.0]
+
+
 def test_weft_plot_with_several_runs_prints_the_comparison(tmp_path: Path, capsys, monkeypatch):
     from weft.cli import main
 
-    for name in ("moe", "dense"):
-        write_run(tmp_path / name, [{**train_row(s), "tokens": 100 * s} for s in range(1, 5)])
+    write_run(tmp_path / "moe", [{**train_row(s), "tokens": 100 * s, "dropped_share": 0.1 * s} for s in range(1, 5)]
+              + [{"step": 4, "tokens": 400, "val_loss": 2.5}])
+    write_run(tmp_path / "dense", [{**train_row(s, layers=0), "tokens": 100 * s} for s in range(1, 5)])
     monkeypatch.chdir(tmp_path)
-    main(["plot", "moe", "dense"])
-    assert capsys.readouterr().out.strip() == "compare.png"
+    main(["plot", "moe", "dense", "--drops-after", "2"])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("| run | steps | tokens | val loss (last)") and "after step 2" in lines[0]
+    assert lines[2].startswith("| moe | 4 | 400 | 2.5000 | 2.5000 (4) | 35.0% / 40.0% |")  # steps 3-4
+    assert lines[3].startswith("| dense | 4 | 400 | - | - | - |")
+    assert lines[4:] == ["compare.png", "compare.json"]
     assert_png(tmp_path / "compare.png")
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert doc["drops_after"] == 2 and [r["name"] for r in doc["runs"]] == ["moe", "dense"]
+    assert doc["runs"][0]["dropped_max"] == pytest.approx(0.4) and doc["runs"][1]["dropped_mean"] is None
     with pytest.raises(SystemExit):
         main(["plot", "moe", "missing"])
     assert "missing does not exist" in capsys.readouterr().err

@@ -23,9 +23,11 @@ from weft.bench import model as bench_model
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, non_negative_int, positive_int
+from weft.jsonfile import write_json
 from weft.kernels.rows import KERNELS
 from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
+from weft.train.compare import format_table, summarize
 from weft.train.config import (
     CUDA_GRAPHS,
     FREE_ON_RESUME,
@@ -37,7 +39,7 @@ from weft.train.config import (
 )
 from weft.train.generate import generate_from_checkpoint
 from weft.train.loop import check_run_dir, train
-from weft.train.plots import plot_run, plot_runs
+from weft.train.plots import plot_run, read_runs, save_compare_figure
 
 
 def launch(fn: Callable[..., Any], args: tuple, nproc: int, device: str | None = None) -> Any:
@@ -155,7 +157,13 @@ def _plot(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if len(ns.run_dirs) == 1:
             paths = plot_run(ns.run_dirs[0], ns.out)
         else:
-            paths = [plot_runs(ns.run_dirs, ns.out or ".")]
+            runs = read_runs(ns.run_dirs)
+            summaries = [summarize(name, train, val, ns.drops_after) for name, train, val in runs]
+            out = Path(ns.out or ".")
+            paths = [save_compare_figure(runs, out),
+                     write_json(out / "compare.json", {"drops_after": ns.drops_after,
+                                                       "runs": [s.to_dict() for s in summaries]})]
+            print(format_table(summaries, ns.drops_after))
     except (ValueError, FileNotFoundError) as e:
         parser.error(str(e))
     for p in paths:
@@ -226,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="one run: its figures; several: compare.png, their losses by step and by tokens")
     pl.add_argument("--out", default=None, help="folder for the PNGs (default RUN_DIR/plots; several runs: the "
                     "current directory)")
+    pl.add_argument("--drops-after", type=non_negative_int, default=0,
+                    help="several runs: the table's dropped-token share counts the logged steps after this one")
     pl.set_defaults(run=_plot, parser=pl)
 
     _config_parser(sub, "tune", bench_tune.TuneConfig, bench_tune.run,

@@ -97,21 +97,33 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path = ".") -> Path:
     """Overlay the losses of several runs in `out_dir`/compare.png and return its path: train
     loss (thin) and validation loss (dots) of each run against the step, and against the tokens
     read (runs whose metrics predate the `tokens` field are left out of that panel)."""
+    return save_compare_figure(read_runs(run_dirs), out_dir)
+
+
+def save_compare_figure(runs: list[tuple[str, list[Row], list[Row]]], out_dir: str | Path) -> Path:
+    """`compare_figure(runs)` saved as `out_dir`/compare.png; returns its path."""
+    fig = compare_figure(runs)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out / "compare.png")
+
+
+def read_runs(run_dirs: list[str | Path]) -> list[tuple[str, list[Row], list[Row]]]:
+    """(name, train rows, val rows) of each of at least two run folders, named by the folder's
+    name, or by its path where two names clash."""
     if len(run_dirs) < 2:
         raise ValueError("comparing needs at least two run directories")
     runs = [(run_dir, *_read_run(run_dir)) for run_dir in map(Path, run_dirs)]
     names = [d.resolve().name for d, _, _ in runs]
     if len(set(names)) < len(names):  # e.g. a/run and b/run: name them by path
         names = [str(d) for d, _, _ in runs]
-    fig = compare_figure([(name, train, val) for name, (_, train, val) in zip(names, runs)])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    return _save(fig, out / "compare.png")
+    return [(name, train, val) for name, (_, train, val) in zip(names, runs)]
 
 
 def compare_figure(runs: list[tuple[str, list[Row], list[Row]]]) -> Figure:
     """The figure of `plot_runs` from (name, train rows, val rows) per run: two axes, by step and by
-    tokens, each run a thin train-loss line and a dotted validation line labelled "NAME (val)"."""
+    tokens, each run a thin train line (its cross-entropy where logged, else its loss) and a dotted
+    validation line labelled "NAME (val)"."""
     fig = Figure(figsize=(13, 5), layout="constrained")
     by_step, by_tokens = fig.subplots(1, 2, sharey=True)
     for i, (name, train, val) in enumerate(runs):
@@ -120,11 +132,13 @@ def compare_figure(runs: list[tuple[str, list[Row], list[Row]]]) -> Figure:
             rows = [r for r in train if r.get(key) is not None]
             if not rows:
                 continue
-            ax.plot([r[key] for r in rows], _series(rows, "loss"), lw=0.8, alpha=0.4, color=color)
+            # The cross-entropy, not the total loss: runs with other aux/z-loss weights compare alike.
+            loss_key = "ce_loss" if all(r.get("ce_loss") is not None for r in rows) else "loss"
+            ax.plot([r[key] for r in rows], _series(rows, loss_key), lw=0.8, alpha=0.4, color=color)
             points = [r for r in val if r.get(key) is not None]
             ax.plot([r[key] for r in points], _series(points, "val_loss"), "o-", ms=4, color=color,
                     label=f"{name} (val)")
-    by_step.set(xlabel="step", ylabel="loss", title="Loss by step (lines: train, dots: validation)")
+    by_step.set(xlabel="step", ylabel="loss", title="Loss by step (lines: train cross-entropy, dots: validation)")
     by_tokens.set(xlabel="tokens read", title="Loss by tokens")
     by_tokens.xaxis.set_major_formatter(EngFormatter())
     for ax in (by_step, by_tokens):
