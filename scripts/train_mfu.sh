@@ -17,7 +17,7 @@ for run in ${RUNS:-gpt2-s-moe:8 qwen2-moe-2l:2}; do
   preset=${run%%:*}; batch=${run##*:}
   for kernels in ${KERNELS:-torch auto}; do
   for graphs in ${GRAPHS:-auto}; do
-    name=${preset}_${kernels}_graphs-${graphs}${GPUS:+_gpu$GPUS}
+    name=${preset}_b${batch}_${kernels}_graphs-${graphs}${GPUS:+_gpu$GPUS}
     dir=/tmp/weft_mfu/$name
     rm -rf "$dir"
     python3 -m weft train --preset "$preset" --batch-size "$batch" --steps "$STEPS" --kernels "$kernels" \
