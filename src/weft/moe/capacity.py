@@ -63,12 +63,18 @@ def _counted_positions(experts: torch.Tensor, num_experts: int, with_sort_index:
     seen = one_hot.cumsum(1, dtype=torch.int32)  # column i: slots of each expert up to slot i
     positions = (seen.gather(0, ranked.unsqueeze(0)).view(k, num_tokens).t() - 1).long()
     counts = seen[:, -1].long() if num_tokens else experts.new_zeros(num_experts)
-    sort_index = None
-    if with_sort_index:  # slot t*k + j goes to row start(expert) + position
-        starts = counts.cumsum(0) - counts
-        sort_index = torch.empty(num_tokens * k, dtype=torch.long, device=experts.device)
-        sort_index[(starts[experts] + positions).reshape(-1)] = torch.arange(num_tokens * k, device=experts.device)
+    sort_index = expert_order(experts, positions, counts) if with_sort_index else None
     return SlotPositions(positions, counts, sort_index)
+
+
+def expert_order(experts_TK: torch.Tensor, positions_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """(T*k,) slot ids t*k + j in (expert, position) order: slot t*k + j goes to row
+    start(expert) + position, start(e) the slots of the experts before e."""
+    starts = counts_E.cumsum(0) - counts_E
+    sort_index = torch.empty(experts_TK.numel(), dtype=torch.long, device=experts_TK.device)
+    sort_index[(starts[experts_TK] + positions_TK).reshape(-1)] = torch.arange(experts_TK.numel(),
+                                                                              device=experts_TK.device)
+    return sort_index
 
 
 def ceil_exact(value: float) -> int:

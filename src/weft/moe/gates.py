@@ -94,21 +94,39 @@ def token_choice(
     batch routed in parts can draw them once for the whole batch. `bias` (E,) is added to the
     probabilities for choosing the experts only; the gates stay the unbiased probabilities
     (DeepSeek-V3 sec. 2.1.2, auxiliary-loss-free load balancing)."""
-    if gate == "random":
-        # Benchmark/ablation gate: experts drawn uniformly (torch's RNG), gates still learned.
-        if noise is None:
-            noise = torch.rand(probs.shape, device=probs.device)
-        experts = topk_desc(noise, k)
-    else:
-        experts = topk_desc(probs if bias is None else probs.detach() + bias, k)
+    experts = topk_desc(choice_scores(gate, probs, noise, bias), k)
+    return TokenChoice(experts, gates_of(probs, experts, normalize), priority_order(gate, probs))
+
+
+def choice_scores(gate: str, probs: torch.Tensor, noise: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, E) what `gate` ranks each token's experts by: uniform noise for random (drawn here from
+    torch's RNG when not given), else the probabilities plus the selection bias."""
+    if gate == "random":  # benchmark/ablation gate: experts drawn uniformly, gates still learned
+        return torch.rand(probs.shape, device=probs.device) if noise is None else noise
+    return selection_scores(probs, bias)
+
+
+def priority_order(gate: str, probs: torch.Tensor) -> torch.Tensor | None:
+    """The tokens' rank for capacity: bpr (batch-prioritized routing) by descending top
+    probability, stable; None (token order) for the other gates."""
+    if gate != "bpr":
+        return None
+    return torch.sort(probs.max(dim=1).values, descending=True, stable=True).indices
+
+
+def selection_scores(probs: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What token choice ranks experts by: the probabilities, plus the expert-selection bias if any
+    (the bias never reaches the gates)."""
+    return probs if bias is None else probs.detach() + bias
+
+
+def gates_of(probs: torch.Tensor, experts: torch.Tensor, normalize: bool) -> torch.Tensor:
+    """(T, k) gates of the chosen experts: their probabilities, renormalised over the k if asked."""
     gates = probs.gather(1, experts)
-    if normalize and k > 1:
+    if normalize and experts.shape[1] > 1:
         gates = gates / gates.sum(dim=1, keepdim=True)
-    order = None
-    if gate == "bpr":
-        importance = probs.max(dim=1).values
-        order = torch.sort(importance, descending=True, stable=True).indices
-    return TokenChoice(experts, gates, order)
+    return gates
 
 
 def expert_bias_step(bias_E: torch.Tensor, counts_E: torch.Tensor, rate: float) -> None:

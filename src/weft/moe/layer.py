@@ -227,7 +227,8 @@ class MoE(nn.Module):
         with stage("router"):
             logits_TE = self.router(tokens_TD)
         with stage("routing"):
-            return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias)
+            return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias,
+                                        fused=use_triton(call.kernels, logits_TE))
 
     def update_expert_bias(self, counts_E: torch.Tensor, rate: float) -> None:
         """After a training step: move the selection bias by `rate` towards balance, given the

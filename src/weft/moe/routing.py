@@ -14,8 +14,29 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from weft.moe.capacity import capacity_bound, capacity_for, expert_choice_capacity, slot_positions
-from weft.moe.gates import expert_choice, load_balancing_loss, router_z_loss, token_choice
+from weft.kernels.routing import topk_positions
+from weft.moe.capacity import (
+    SlotPositions,
+    capacity_bound,
+    capacity_for,
+    expert_choice_capacity,
+    expert_order,
+    slot_positions,
+)
+from weft.moe.gates import (
+    TokenChoice,
+    choice_scores,
+    expert_choice,
+    gates_of,
+    load_balancing_loss,
+    priority_order,
+    router_z_loss,
+    token_choice,
+)
+
+# The gates whose slots the fused routing kernels compute: every token-choice gate (expert choice
+# lets each expert pick its tokens instead).
+FUSED_ROUTING_GATES = ("topk", "cosine", "bpr", "random")
 
 
 @dataclass(frozen=True)
@@ -69,17 +90,28 @@ class Router:
     group: dist.ProcessGroup | None
 
     def route(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None,
-              bias_E: torch.Tensor | None = None) -> Routing:
+              bias_E: torch.Tensor | None = None, fused: bool = False) -> Routing:
         """The routed slots of a whole batch (docs/moe.md: slot priority and capacity); `bias_E`:
-        the layer's expert-selection bias (see `token_choice`), or None."""
+        the layer's expert-selection bias (see `token_choice`), or None. `fused`: the experts and
+        slot positions of the FUSED_ROUTING_GATES by the Triton kernels of weft.kernels.routing
+        (the same integers as the PyTorch path)."""
         probs_TE = F.softmax(logits_TE, dim=-1)
         z_loss = router_z_loss(logits_TE)
         if self.gate == "expert_choice":
             return self._expert_choice(probs_TE, top_k, capacity_factor, z_loss)
         num_tokens, device = logits_TE.shape[0], logits_TE.device
-        choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates, bias=bias_E)
         # The order of slots by expert is needed by the dropless layout only.
-        slots = slot_positions(choice.experts, self.num_experts, choice.order, capacity_factor is None)
+        dropless = capacity_factor is None
+        if fused and self.gate in FUSED_ROUTING_GATES:
+            scores_TE = choice_scores(self.gate, probs_TE, bias=bias_E).detach()
+            order = priority_order(self.gate, probs_TE)
+            experts_TK, positions_TK, counts_E = topk_positions(scores_TE, top_k, order)
+            choice = TokenChoice(experts_TK, gates_of(probs_TE, experts_TK, self.normalize_gates), order)
+            slots = SlotPositions(positions_TK, counts_E,
+                                  expert_order(experts_TK, positions_TK, counts_E) if dropless else None)
+        else:
+            choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates, bias=bias_E)
+            slots = slot_positions(choice.experts, self.num_experts, choice.order, dropless)
         aux_loss = load_balancing_loss(probs_TE, slots.counts, num_tokens * top_k)
         token_ids = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
         experts, positions, gates = choice.experts.reshape(-1), slots.positions.reshape(-1), choice.gates.reshape(-1)
