@@ -14,10 +14,11 @@ SRC = Path(weft.__file__).parent
 # Lowest first. A unit is a subpackage of weft or one of its top-level modules.
 LAYERS = [
     {"distributed", "launch", "jsonfile", "precision", "profiling", "graphs", "testing", "cliargs"},  # base
-    {"comm", "kernels", "ops", "tune"},  # primitives: collectives, kernels, deferred-dW ops, tuning dictionary
+    # primitives: collectives, kernels, deferred-dW ops, tuning dictionary, Pro-Prophet's planner
+    {"comm", "kernels", "ops", "tune", "balance"},
     {"moe"},  # the MoE layer (later: tp)
     {"models"},
-    {"overlap"},  # optimisers of a model (later: balance)
+    {"overlap"},  # optimisers of a model
     {"train"},
     {"bench"},
     {"cli", "__main__"},

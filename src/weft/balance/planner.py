@@ -1,0 +1,162 @@
+"""Pro-Prophet's planner: its performance model of an MoE layer under a lightweight expert
+placement (sec. IV-B, eqs. 1-8) and its greedy placement search (sec. IV-C, Alg. 1).
+
+A lightweight placement keeps every expert's parameters and optimizer state on its owner and
+copies the parameters of a few heavy experts to other devices for one iteration (Trans); a device
+holding a copy computes its own tokens for that expert locally instead of sending them to the
+owner, and the copies' gradients are summed back into the owner's (Agg) before the optimizer
+step. The load is described by `tokens_DE`: how many routed slots device d sends to expert e in an
+iteration (the gate's output, "gating" in Alg. 1). Everything here is host arithmetic on that
+(D, E) matrix; the placement it returns is what an exchange strategy then carries out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each expert is computed: `owner_E[e]` holds expert e (parameters, gradients,
+    optimizer state); `copies[e]` are the devices that receive its parameters this iteration and
+    compute their own tokens for it."""
+
+    owner_E: tuple[int, ...]
+    copies: dict[int, frozenset[int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for e, devices in self.copies.items():
+            if self.owner_E[e] in devices:
+                raise ValueError(f"expert {e}: its owner {self.owner_E[e]} cannot also hold a copy")
+
+    @property
+    def replicated(self) -> list[int]:
+        """The experts with at least one copy, in ascending id order."""
+        return sorted(e for e, devices in self.copies.items() if devices)
+
+    def computing_device(self, num_devices: int) -> torch.Tensor:
+        """(D, E) the device that computes device d's tokens for expert e: d itself where it
+        holds e (as owner or copy), e's owner otherwise."""
+        where_DE = torch.tensor(self.owner_E).expand(num_devices, -1).clone()
+        for e, devices in self.copies.items():
+            for d in devices:
+                where_DE[d, e] = d
+        return where_DE
+
+
+def loads(tokens_DE: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, R) of Pro-Prophet's Table II under `placement`: H[d] the inputs device d computes, R[d]
+    the inputs it receives from the other devices."""
+    num_devices = tokens_DE.shape[0]
+    where_DE = placement.computing_device(num_devices)
+    tokens = tokens_DE.to(torch.float64)
+    h_D = torch.zeros(num_devices, dtype=torch.float64).index_add_(0, where_DE.reshape(-1), tokens.reshape(-1))
+    local_D = torch.stack([tokens[d][where_DE[d] == d].sum() for d in range(num_devices)])
+    return h_D, h_D - local_D
+
+
+@dataclass(frozen=True)
+class LayerCostModel:
+    """The performance model (eqs. 1-8) with this machine's constants: `bandwidth` B (bytes/s,
+    the average all-to-all bandwidth per device), `throughput` t (token rows per second of the
+    experts' forward on one device), `row_bytes` (one token row on the wire), the bytes of one
+    expert's parameters and gradients, and the non-MoE forward and backward time of a block, which
+    hides Trans and Agg in the scheduled form (eq. 8)."""
+
+    num_devices: int
+    bandwidth: float
+    throughput: float
+    row_bytes: float
+    expert_param_bytes: float
+    expert_grad_bytes: float
+    forward_non_moe_s: float = 0.0
+    backward_non_moe_s: float = 0.0
+
+    def all_to_all_s(self, r_D: torch.Tensor) -> float:
+        """Eq. 1: the slowest device's receive time."""
+        return float(r_D.max()) * self.row_bytes / self.bandwidth
+
+    def forward_experts_s(self, h_D: torch.Tensor) -> float:
+        """Eq. 2: the most loaded device's forward expert computation."""
+        return float(h_D.max()) / self.throughput
+
+    def backward_experts_s(self, h_D: torch.Tensor) -> float:
+        """Eq. 3: twice the forward."""
+        return 2 * self.forward_experts_s(h_D)
+
+    def trans_s(self, s: int, n: int) -> float:
+        """Eq. 4: `s` experts' parameters to the D - n devices without them."""
+        return s * (self.num_devices - n) * self.expert_param_bytes / (self.num_devices * self.bandwidth)
+
+    def agg_s(self, s: int, n: int) -> float:
+        """Eq. 5: their gradients back."""
+        return s * (self.num_devices - n) * self.expert_grad_bytes / (self.num_devices * self.bandwidth)
+
+    def layer_s(self, r_D: torch.Tensor, h_D: torch.Tensor, s: int, n: int, scheduled: bool = True) -> float:
+        """The MoE layer's forward and backward time: eq. 8 with `scheduled` (Trans hidden behind the
+        forward experts and the block's non-MoE forward, Agg behind the backward ones, Alg. 2), eq. 6
+        without."""
+        trans, agg = self.trans_s(s, n), self.agg_s(s, n)
+        fec, bec = self.forward_experts_s(h_D), self.backward_experts_s(h_D)
+        if scheduled:
+            trans = max(0.0, trans - fec - self.forward_non_moe_s)
+            agg = max(0.0, agg - bec - self.backward_non_moe_s)
+        return 4 * self.all_to_all_s(r_D) + fec + bec + trans + agg
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A placement with the model's time for it and for the plain placement."""
+
+    placement: Placement
+    predicted_s: float
+    plain_s: float
+
+
+def is_balanced(h_D: torch.Tensor, total_inputs: float, num_experts: int, alpha: float) -> bool:
+    """Eq. 7: max(H) - min(H) < alpha * I / E."""
+    return float(h_D.max() - h_D.min()) < alpha * total_inputs / num_experts
+
+
+def greedy_placement(tokens_DE: torch.Tensor, owner_E: tuple[int, ...], model: LayerCostModel, n: int = 1,
+                     alpha: float = 1.0, scheduled: bool = True) -> Plan:
+    """Alg. 1: while the load is not balanced (eq. 7), take the most loaded device, copy its
+    heaviest expert (most routed inputs) to the D - n devices that send it the most inputs (the
+    owner and the n - 1 devices sending the fewest keep none: BottomK), and evaluate the model;
+    stop when a device comes up a second time or has no expert left to copy. Returns the prefix of
+    those copies with the lowest predicted time (none when nothing beats the plain placement).
+
+    `n` is the paper's "devices a selected expert is not transferred to", counting the owner
+    (which has it): 1 <= n <= D - 1."""
+    num_devices, num_experts = tokens_DE.shape
+    if len(owner_E) != num_experts or not all(0 <= o < num_devices for o in owner_E):
+        raise ValueError(f"owner_E must give one device in [0, {num_devices}) per expert ({num_experts})")
+    if not 1 <= n <= num_devices - 1:
+        raise ValueError(f"n must be in [1, {num_devices - 1}] for {num_devices} devices, got {n}")
+    tokens = tokens_DE.to(torch.float64)
+    per_expert_E = tokens.sum(0)
+    plain = Placement(tuple(owner_E))
+    h_D, r_D = loads(tokens, plain)
+    plain_s = best_s = model.layer_s(r_D, h_D, 0, n, scheduled)
+    chosen: list[tuple[int, frozenset[int]]] = []
+    best_count = 0
+    used: set[int] = set()
+    while not is_balanced(h_D, float(per_expert_E.sum()), num_experts, alpha):
+        device = int(h_D.argmax())
+        if device in used:
+            break
+        used.add(device)
+        taken = {e for e, _ in chosen}
+        candidates = [e for e in range(num_experts) if owner_E[e] == device and e not in taken]
+        if not candidates:
+            break
+        expert = max(candidates, key=lambda e: (float(per_expert_E[e]), -e))
+        others = sorted((d for d in range(num_devices) if d != owner_E[expert]),
+                        key=lambda d: (-float(tokens[d, expert]), d))
+        chosen.append((expert, frozenset(others[: num_devices - n])))
+        h_D, r_D = loads(tokens, Placement(plain.owner_E, dict(chosen)))
+        changed_s = model.layer_s(r_D, h_D, len(chosen), n, scheduled)
+        if changed_s < best_s:
+            best_s, best_count = changed_s, len(chosen)
+    return Plan(Placement(plain.owner_E, dict(chosen[:best_count])), best_s, plain_s)
