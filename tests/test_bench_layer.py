@@ -92,3 +92,28 @@ def test_run_until_tuned_stops_when_nothing_is_measured_and_refuses_endless_tuni
     with pytest.raises(RuntimeError, match="still measuring after 5 steps"):
         timing.run_until_tuned(lambda i: count.__setitem__(0, count[0] + 1), lambda: count[0], torch.device("cpu"),
                                max_steps=5)
+
+
+def test_zipf_shift_is_the_logit_bias_of_a_fixed_random_ranking():
+    weight = torch.randn(8, 32, generator=torch.Generator().manual_seed(3))
+    shift = layer.zipf_shift(weight, 1.5)
+    bias = (weight.double() @ shift.double())
+    ranks = torch.exp(-bias / 1.5)  # back to the ranks 1..8
+    assert torch.allclose(ranks, ranks.round(), atol=1e-6)
+    assert sorted(ranks.round().long().tolist()) == list(range(1, 9))
+    assert torch.equal(layer.zipf_shift(weight, 1.5), shift)  # the same on every rank and call
+    assert torch.count_nonzero(layer.zipf_shift(weight, 0.0)) == 0
+
+
+def test_skew_makes_the_expert_load_uneven(tmp_path):
+    loads = {}
+    for skew in (0.0, 1.5):
+        out = tmp_path / f"skew{skew}.json"
+        cfg = LayerBenchConfig("tiny", 256, capacity=(None,), steps=2, warmup=1, json=str(out), skew=skew)
+        run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+        report = json.loads(out.read_text())
+        assert report["meta"]["skew"] == skew
+        plain = next(r for r in report["results"] if r["mode"] == "plain")
+        assert plain["max_abs_error"] == 0.0
+        loads[skew] = plain["expert_load_max_over_mean"]
+    assert loads[0.0] < 1.5 < 2.5 < loads[1.5]  # 8 experts, top-2: Zipf(1.5) puts ~3x the mean on the hottest

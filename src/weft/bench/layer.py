@@ -20,11 +20,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from weft.bench.breakdown import print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
-from weft.cliargs import ACTIVATION_CHOICES, DTYPES, arg, capacity_list, names, non_negative_int, positive_int
+from weft.cliargs import (
+    ACTIVATION_CHOICES,
+    DTYPES,
+    arg,
+    capacity_list,
+    names,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+)
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
 from weft.moe import MoE
@@ -147,6 +157,9 @@ class LayerBenchConfig:
                              parse=non_negative_int)
     breakdown: bool = arg(False, "print each mode's GPU time by stage (router, routing, dispatch, all-to-all, "
                           "experts, combine; forward and backward) and the GPU's idle time, from the profiled steps")
+    skew: float = arg(0.0, "route with a Zipf(S) skew: every input carries one shift that the router maps to the "
+                      "logit bias -S ln(rank) over a fixed random ranking of the experts (0: no skew)",
+                      parse=non_negative_float)
 
     def validate(self) -> None:
         """ValueError naming the flag of the first bad setting."""
@@ -186,13 +199,14 @@ def run(bench: LayerBenchConfig) -> dict:
     results = []
     for cf in bench.capacity:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
-                                   bench.trace, bench.profile_steps, bench.breakdown, ctx)
+                                   bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx)
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
                      and r.get("median_ms")), None)
         row["ratio"] = row["median_ms"] / base["median_ms"] if base and row.get("median_ms") else None
-    report = {"meta": _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "results": results}
+    meta = {**_meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "skew": bench.skew}
+    report = {"meta": meta, "results": results}
     if ctx.rank == 0:
         print_table(report)
         write_report(report, bench.json)
@@ -217,8 +231,28 @@ def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> d
     }
 
 
+def zipf_shift(router_weight_ED: torch.Tensor, skew: float, seed: int = 0) -> torch.Tensor:
+    """(dim,) the input shift u with W u = b for the router weight W (E, dim) and the logit bias
+    b_e = -skew * ln(rank_e), ranks 1..E of a random permutation drawn from `seed` (the same on
+    every rank): softmax routing then prefers expert e by the factor rank_e^-skew, Zipf(skew)
+    shaped, hot experts spread over the ranks. Least squares (exact for E <= dim)."""
+    num_experts = router_weight_ED.shape[0]
+    ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed)) + 1
+    bias_E = -skew * torch.log(ranks.to(torch.float64))
+    weight = router_weight_ED.detach().to("cpu", torch.float64)
+    return (torch.linalg.pinv(weight) @ bias_E).to(router_weight_ED.device)
+
+
+def _load_imbalance(counts_E: torch.Tensor) -> float:
+    """max / mean of the experts' routed slots summed over the ranks."""
+    total = counts_E.detach().to(torch.float64).clone()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total.max() / total.mean().clamp_min(1e-9))
+
+
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
-                    profile_steps, with_breakdown, ctx) -> list[dict]:
+                    profile_steps, with_breakdown, skew, ctx) -> list[dict]:
     device = ctx.device
     torch.manual_seed(0)
     moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
@@ -226,11 +260,15 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)
     inputs = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
     grads = [torch.randn(tokens, cfg.dim, device=device, dtype=dtype, generator=gen) for _ in range(4)]
+    if skew:
+        shift = zipf_shift(moe.router.weight, skew).to(dtype)
+        inputs = [x + shift for x in inputs]
 
     y0, x0_grad = _eager(mode_forward("plain", moe))(inputs[0], grads[0])
     reference = (y0.float(), x0_grad.float())
     x0 = inputs[0]
     dropped = slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
+    imbalance = _load_imbalance(moe.stats.expert_counts)
     moe.zero_grad(set_to_none=True)
 
     # Check every mode against plain before any timing: the optimizer steps of the timing loop
@@ -238,7 +276,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     built, rows = {}, []
     for mode in modes:
         row = {"config": config, "mode": mode, "capacity_factor": cf, "activation": activation,
-               "tokens_per_rank": tokens, "world_size": ctx.world_size, "dropped_share": dropped}
+               "tokens_per_rank": tokens, "world_size": ctx.world_size, "dropped_share": dropped,
+               "expert_load_max_over_mean": imbalance}
         rows.append(row)
         try:
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
@@ -395,5 +434,9 @@ def print_table(report: dict) -> None:
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
               f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f} {peak:>9}{tuned}")
+    loads = {("dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"):
+             r["expert_load_max_over_mean"] for r in rows if r.get("expert_load_max_over_mean") is not None}
+    skew = f"skew {meta['skew']:g}, " if meta.get("skew") else ""
+    print(f"routing: {skew}expert load max/mean " + ", ".join(f"{cap} {v:.2f}" for cap, v in loads.items()))
     print_breakdowns(rows, lambda r: f"{r['mode']}, " + (
         "dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"))
