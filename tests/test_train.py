@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -393,3 +394,41 @@ def test_the_expert_bias_trains_changes_routing_and_resumes_exactly(corpus, tmp_
     saved = torch.load(tmp_path / "full" / "checkpoints" / "step_20" / "model.pt", weights_only=True)
     biases = [v for k, v in saved.items() if k.endswith("expert_bias")]
     assert len(biases) == 1 and biases[0].shape == (4,) and biases[0].abs().sum() > 0
+
+
+def test_pro_prophet_balancing_trains_with_the_plain_losses(corpus, tmp_path):
+    """--balance pro-prophet on a dropless model: the same losses as without (float rounding: the
+    copies' gradients are summed in another order), experts copied on the way (metrics), and the
+    checkpoint resumes in a run without balancing with the same losses."""
+    dropless = {**SMALL_MODEL, "capacity_factor": "dropless", "moe_every": 1}
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "plain", steps=12, model=dropless, ckpt_interval=6), 2, cache)
+    run(config(corpus, tmp_path / "balanced", steps=12, model=dropless, ckpt_interval=6, balance="pro-prophet"),
+        2, cache)
+    plain, balanced = losses(tmp_path / "plain"), losses(tmp_path / "balanced")
+    assert sorted(balanced) == list(range(1, 13))
+    assert all(abs(plain[s] - balanced[s]) <= 1e-4 * abs(plain[s]) for s in plain), (plain, balanced)
+    rows = [json.loads(line) for line in (tmp_path / "balanced" / "metrics.jsonl").read_text().splitlines()]
+    copied = [r["copied_experts"] for r in rows if "loss" in r]
+    assert all(len(layers) == 2 for layers in copied)  # one list per MoE layer
+    assert any(experts for layers in copied for experts in layers), "no expert was copied in 12 steps"
+    # a balanced run's checkpoint is a plain one: it resumes without balancing
+    resumed = config(corpus, tmp_path / "balanced", steps=12, model=dropless, resume=True, balance="none")
+    rows_before = losses(tmp_path / "balanced")
+    shutil.rmtree(tmp_path / "balanced" / "checkpoints" / "step_12")
+    run(resumed, 2, cache)
+    after = losses(tmp_path / "balanced")
+    assert all(abs(after[s] - rows_before[s]) <= 1e-4 * abs(rows_before[s]) for s in range(7, 13))
+
+
+def test_balance_needs_a_dropless_model():
+    with pytest.raises(ValueError, match="balances dropless MoE layers; this model's capacity_factor is 1.25"):
+        GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}), balance="pro-prophet")
+
+
+def test_weft_train_refuses_balance_on_a_padded_model(capsys):
+    from weft.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "tiny", "--balance", "pro-prophet", "--steps", "2"])
+    assert "train.balance 'pro-prophet' balances dropless MoE layers" in capsys.readouterr().err

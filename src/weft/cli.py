@@ -29,6 +29,7 @@ from weft.launch import ReportedError, WorkerError, run_distributed
 from weft.overlap import run as overlap_run
 from weft.train.compare import format_table, summarize
 from weft.train.config import (
+    BALANCE,
     CUDA_GRAPHS,
     FREE_ON_RESUME,
     TrainConfig,
@@ -83,7 +84,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -209,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--kernels", default=None, choices=list(KERNELS),
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs")
+    tr.add_argument("--balance", default=None, choices=list(BALANCE),
+                    help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
+                         "planned from the earlier calls' loads (same losses); none (default)")
     tr.add_argument("--cuda-graphs", default=None, choices=list(CUDA_GRAPHS),
                     help="GPUs: replay each micro-step's forward and backward as one CUDA graph (no launch cost); "
                          "auto (default): where the shapes are static (padded capacity, no overlap engine), "

@@ -203,7 +203,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None, kernels: str = "auto"):
+    def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None, kernels: str = "auto",
+                 balance: str | None = None):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config, kernels)
@@ -212,7 +213,7 @@ class Block(nn.Module):
             self.ffn = MoE(
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
                 config.capacity_factor, config.activation, group=group, kernels=kernels,
-                expert_bias=config.expert_bias_rate > 0,
+                expert_bias=config.expert_bias_rate > 0, balance=balance,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)
@@ -249,16 +250,22 @@ class GPT(nn.Module):
     """GPT with optional MoE blocks; `group` is the expert-parallel group of every MoE layer
     (None = the default group if initialised, as for weft.MoE). `kernels`: "auto" (Triton's
     rotary and MoE dispatch/combine on CUDA), "triton" or "torch" (PyTorch ops only); the same
-    function either way."""
+    function either way. `balance`: None, or "pro-prophet" for every MoE layer (weft.MoE's
+    balance; dropless models only); the same function either way."""
 
-    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto"):
+    def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto",
+                 balance: str | None = None):
         super().__init__()
         config.validate()
         if kernels not in KERNELS:
             raise ValueError(f"unknown kernels {kernels!r}; choose 'auto', 'torch' or 'triton'")
+        if balance is not None and config.moe_every and config.capacity_factor is not None:
+            raise ValueError(f"balance={balance!r} balances dropless MoE layers; this model's capacity_factor is "
+                             f"{config.capacity_factor} (set capacity_factor = \"dropless\" in the [model] table)")
         self.config = config
+        self.balanced = balance is not None and config.moe_every > 0
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels)
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels, balance)
                                     for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -15,6 +15,8 @@ from weft.kernels.rows import KERNELS
 from weft.moe.experts import ACTIVATIONS
 from weft.moe.gates import GATES
 
+BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
+
 A2A_ALGOS = ("linear", "2dh", "auto")
 
 

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weft.balance import ExpertBalancer, LayerCostModel, nominal_cost_model
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
 from weft.kernels.rows import use_triton
-from weft.moe.config import MoECall, check_layer, check_settings, parallel_choices, resolve_call
+from weft.moe.config import BALANCE_CHOICES, MoECall, check_layer, check_settings, parallel_choices, resolve_call
 from weft.moe.dispatch import SlotRows, combine, combine_rows, dispatch_padded, dispatch_rows
 from weft.moe.exchange import (
     ExchangeContext,
@@ -70,6 +71,12 @@ class MoE(nn.Module):
         kernels: dispatch and combine with the "triton" kernels (deterministic: no atomics) or
             "torch" index ops; "auto" (default): Triton on CUDA where installed, torch elsewhere.
             Expert choice always uses torch's (a token takes a varying number of slots there).
+        balance: None, or "pro-prophet" (dropless calls: the heaviest experts, planned from the
+            earlier calls' loads by Pro-Prophet's model and greedy search, are copied to every rank
+            for the call and computed where their rows are; outputs and gradients unchanged;
+            `balancer.last_plan` shows the latest plan). E >= W.
+        balance_model: the `weft.balance.LayerCostModel` the plans use (default: nominal
+            H200-class constants for this layer's shapes).
         expert_bias: keep a per-expert selection bias (buffer `expert_bias`, zeros at start) that
             is added to the router probabilities when choosing experts, never to the gates;
             `update_expert_bias` moves it after each training step (DeepSeek-V3's
@@ -88,7 +95,8 @@ class MoE(nn.Module):
                  capacity_factor: float | None = 1.25, activation: str = "gelu", normalize_gates: bool = True,
                  group: dist.ProcessGroup | None = None, *, overlap_degree: int | str = 1, a2a_algo: str = "linear",
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
-                 kernels: str = "auto", expert_bias: bool = False, dtype: torch.dtype | None = None,
+                 kernels: str = "auto", expert_bias: bool = False, balance: str | None = None,
+                 balance_model: LayerCostModel | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
         self.group = resolve_group(group)
@@ -101,6 +109,14 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if expert_bias else None)
         if parallel not in ("ep", "adaptive"):
             raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
+        if balance not in BALANCE_CHOICES:
+            raise ValueError(f"unknown balance {balance!r}; choose None or 'pro-prophet'")
+        if balance and num_experts < ep_size:
+            raise ValueError(f"balance='pro-prophet' needs whole experts per rank ({num_experts} experts, "
+                             f"{ep_size} ranks)")
+        # Pro-Prophet: plans each dropless call's copied experts from the earlier calls' loads.
+        self.balancer = None if balance is None else ExpertBalancer(
+            num_experts, ep_size, balance_model or nominal_cost_model(dim, hidden_dim, activation == "swiglu", ep_size))
         self.dim, self.hidden_dim, self.num_experts, self.gate = dim, hidden_dim, num_experts, gate
         self.normalize_gates, self.ep_size, self.parallel = normalize_gates, ep_size, parallel
         # m ranks per expert when there are fewer experts than ranks (Tutel's EP+DP+MP, fig. 7).
@@ -243,16 +259,19 @@ class MoE(nn.Module):
         forget the last one, and the autograd graph its losses keep alive)."""
         self.last_routing = summary
 
-    def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int) -> torch.Tensor:
+    def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
+                 copied: tuple[int, ...] = ()) -> torch.Tensor:
         """The dispatched rows -> their experts' outputs, by the call's setting (tuned when "auto";
-        `capacity` is the tuning bucket's, agreed by every rank of the group)."""
+        `capacity` is the tuning bucket's, agreed by every rank of the group; `copied`: the experts
+        Pro-Prophet copies to every rank for a dropless call)."""
         with stage("exchange"):
-            return self._exchange(rows, layout, call, capacity)
+            return self._exchange(rows, layout, call, capacity, copied)
 
-    def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int) -> torch.Tensor:
+    def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
+                  copied: tuple[int, ...]) -> torch.Tensor:
         ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler)
         dropless = isinstance(layout, Grouped)
-        run = lambda setting, rows: select(ctx, setting, dropless)(rows, layout)  # noqa: E731
+        run = lambda setting, rows: select(ctx, setting, dropless, copied)(rows, layout)  # noqa: E731
         if not is_tuned(call, self.parallel, self.ep_size):
             return run(untuned_setting(call), rows)
         found = self.candidates(call)
@@ -293,7 +312,8 @@ class MoE(nn.Module):
             else:
                 token_ids_S = routing.token_ids_S.index_select(0, order_S)
                 rows_SD = tokens_TD.index_select(0, token_ids_S)
-        out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k)
+        copied = self.balancer.plan(routing.counts_E, self.group) if self.balancer is not None else ()
+        out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k, copied)
         with stage("combine"):
             if fused:
                 return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)

@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 
 CUDA_GRAPHS = ("auto", "on", "off")
+BALANCE = ("none", "pro-prophet")
 
 
 @dataclass
@@ -56,6 +57,8 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "def "
     kernels: str = "auto"  # MoE dispatch/combine: "triton", "torch" or "auto" (weft.MoE's kernels)
+    # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
+    balance: str = "none"
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
@@ -103,6 +106,8 @@ class TrainConfig:
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+        if self.balance not in BALANCE:
+            raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"train.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and self.device == "cpu":
@@ -117,7 +122,11 @@ class TrainConfig:
             raise ValueError(f"train.device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.ep_size is not None and self.ep_size < 1:
             raise ValueError(f"train.ep_size must be positive, got {self.ep_size}")
-        self.model_config()  # raises for unknown presets and bad model fields
+        model = self.model_config()  # raises for unknown presets and bad model fields
+        if self.balance != "none" and model.moe_every and model.capacity_factor is not None:
+            raise ValueError(f"train.balance {self.balance!r} balances dropless MoE layers; the model's "
+                             f"capacity_factor is {model.capacity_factor} (set capacity_factor = \"dropless\" in "
+                             "the [model] table)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -159,7 +168,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs"})
+                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -39,6 +39,13 @@ class TrainingStopped(ReportedError):
     why, at which step, and what was kept."""
 
 
+def copied_experts(moe) -> list[int]:
+    """The experts a balanced MoE layer copied to every rank in its latest call (none before its
+    second call, or when the plain placement was best)."""
+    plan = moe.balancer.last_plan
+    return [] if plan is None else plan.placement.replicated
+
+
 def data_repeat_warning(train_tokens: int, tokens_per_step: int, steps: int) -> str | None:
     """What to tell the user when `steps` steps read the training split more than once (None if not)."""
     planned = tokens_per_step * steps
@@ -219,7 +226,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     device, run_dir = ctx.device, cfg.run_dir
 
     torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels).to(device)
+    model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels,
+                balance=None if cfg.balance == "none" else cfg.balance).to(device)
     optimizer = build_optimizer(model, cfg)
     try:
         data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction,
@@ -369,4 +377,6 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         "grad_norm": grad_norm, "skipped": not finite, "dropped_share": float(stats[3] / slots),
         "expert_load": counts.long().tolist(),
         "imbalance": (counts.amax(1) / mean).tolist() if num_moes else [],
+        # Pro-Prophet: the experts each MoE layer copied in its last call (per layer, global ids)
+        **({"copied_experts": [copied_experts(moe) for moe in model.moe_layers()]} if model.balanced else {}),
     }

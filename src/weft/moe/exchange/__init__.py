@@ -6,6 +6,7 @@
 | `Pipelined` | d > 1: chunks whose all-to-alls overlap the experts | Tutel 3.2 |
 | `DataParallelExperts` | r = 0: weights gathered to the rows | Tutel 3.1 |
 | `SlicedExperts` | fewer experts than ranks, r > 0 slices | Tutel 3.1, fig. 7 |
+| `ReplicatedExperts` | dropless with `balance="pro-prophet"`: heavy experts copied to every rank | Pro-Prophet IV-A |
 
 `select` picks one per call from a `Setting`; see docs/architecture.md for adding one.
 """
@@ -13,8 +14,10 @@ from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped, Layout, Padded
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
+from weft.moe.exchange.replicated import ReplicatedExperts
 from weft.moe.exchange.select import candidates, select, tuning_key, untuned_setting
 from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped", "Layout",
-           "Padded", "Pipelined", "SlicedExperts", "candidates", "select", "tuning_key", "untuned_setting"]
+           "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "candidates", "select", "tuning_key",
+           "untuned_setting"]

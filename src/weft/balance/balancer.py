@@ -1,0 +1,64 @@
+"""One MoE layer's Pro-Prophet planning across calls: the loads of the earlier calls predict the
+next (locality, sec. II), the greedy search (Alg. 1) turns the prediction into the experts to
+copy for this call, and this call's load, gathered from the expert-parallel group, joins the
+history. Every rank gathers the same counts and plans on the host from them, so every rank
+copies the same experts."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from weft.balance.load import LoadHistory
+from weft.balance.planner import LayerCostModel, Plan, greedy_placement
+from weft.distributed import group_size
+
+# Nominal constants for the default cost model, H200-class, until they are fitted on the machine
+# (`weft bench comm`, the layer profile): all-to-all bandwidth per rank over NVLink and a bf16
+# grouped GEMM's throughput.
+NOMINAL_BANDWIDTH = 100e9  # bytes/s
+NOMINAL_FLOPS = 600e12  # FLOP/s
+
+
+def nominal_cost_model(dim: int, hidden_dim: int, gated: bool, ep_size: int, bytes_per_value: int = 2,
+                       ) -> LayerCostModel:
+    """The cost model of a layer with these shapes on nominal constants (see NOMINAL_*)."""
+    matrices = 3 if gated else 2
+    expert_bytes = matrices * dim * hidden_dim * bytes_per_value
+    return LayerCostModel(num_devices=ep_size, bandwidth=NOMINAL_BANDWIDTH,
+                          throughput=NOMINAL_FLOPS / (2 * matrices * dim * hidden_dim),
+                          row_bytes=dim * bytes_per_value, expert_param_bytes=expert_bytes,
+                          expert_grad_bytes=expert_bytes)
+
+
+class ExpertBalancer:
+    """Plans each call's copied experts for one layer of `num_experts` experts over an
+    expert-parallel group of `ep_size` ranks (expert e owned by rank e // (E / W))."""
+
+    def __init__(self, num_experts: int, ep_size: int, model: LayerCostModel, window: int = 1, alpha: float = 1.0):
+        if num_experts % ep_size:
+            raise ValueError(f"balancing needs whole experts per rank: {num_experts} experts over {ep_size} ranks")
+        local = num_experts // ep_size
+        self.ep_size = ep_size
+        self.owner_E = tuple(e // local for e in range(num_experts))
+        self.model, self.alpha = model, alpha
+        self.history = LoadHistory(window)
+        self.last_plan: Plan | None = None  # the plan of the latest call (None before the second)
+
+    def plan(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[int, ...]:
+        """The experts to copy for this call, from the loads of the earlier calls (none at the
+        first); then this call's (E,) slot counts, gathered over `group` into (W, E), join the
+        history. One small all-gather and one host copy of the prediction per call."""
+        copied: tuple[int, ...] = ()
+        if self.ep_size == 1:  # one rank holds every expert: nothing to move
+            return copied
+        if len(self.history):
+            self.last_plan = greedy_placement(self.history.predict().cpu(), self.owner_E, self.model, n=1,
+                                              alpha=self.alpha)
+            copied = tuple(self.last_plan.placement.replicated)
+        counts = counts_E.detach().reshape(1, -1)
+        if group_size(group) > 1:
+            gathered = [torch.empty_like(counts) for _ in range(group_size(group))]
+            dist.all_gather(gathered, counts, group=group)
+            counts = torch.cat(gathered)
+        self.history.record(counts)
+        return copied

@@ -1,0 +1,83 @@
+"""Pro-Prophet's replicated experts (`weft.MoE(balance="pro-prophet")`) compute the plain layer's
+function: on gloo with 2 and 4 ranks, over several SGD steps whose skewed routing makes the
+planner copy experts (a different placement from step to step), the outputs, the input
+gradients, every parameter's gradient (the copies' gradients summed back into the owners) and
+the routing statistics equal the plain dropless layer's."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft import MoE
+from weft.balance import LayerCostModel
+from weft.testing import run_checks
+
+DIM, HIDDEN, TOP_K = 16, 32, 2
+
+
+def balance_worker(num_experts: int, activation: str) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = []
+
+    def expect(cond, what):
+        if not cond:
+            failures.append(f"rank {rank}: {what}")
+
+    # Slow experts, cheap weights: copying a hot expert always pays in this model.
+    cost = LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=4 * DIM,
+                          expert_param_bytes=1.0, expert_grad_bytes=1.0)
+    layers = []
+    for balance in (None, "pro-prophet"):
+        torch.manual_seed(0)
+        layers.append(MoE(DIM, HIDDEN, num_experts, TOP_K, capacity_factor=None, activation=activation,
+                          balance=balance, balance_model=cost))
+    for layer in layers:
+        with torch.no_grad():
+            layer.router.weight[1, 0] += 10.0  # expert 1 (on rank 0) hot, through x[:, 0]
+    plain, balanced = layers
+    expect(all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), balanced.state_dict().values())),
+           "the two layers start from different weights")
+    optimizers = [torch.optim.SGD(layer.parameters(), lr=0.05) for layer in layers]
+    copied_over_steps = []
+    for step in range(5):
+        gen = torch.Generator().manual_seed(100 + 10 * step + rank)
+        x = torch.randn(20 + 3 * rank, DIM, generator=gen)  # uneven token counts: dropless accepts them
+        x[:, 0] += 1.0 + 0.5 * step  # the skew grows: the plans differ from step to step
+        grad_out = torch.randn(x.shape, generator=gen)
+        results = []
+        for layer, optimizer in zip(layers, optimizers):
+            xi = x.clone().requires_grad_()
+            y = layer(xi)
+            y.backward(grad_out)
+            grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+            results.append((y.detach(), xi.grad, grads, layer.stats.expert_counts.clone()))
+            optimizer.step()
+            optimizer.zero_grad()
+        (y0, gx0, g0, c0), (y1, gx1, g1, c1) = results
+        # The copies' gradients are summed in another order than the owner's local sum: equal to
+        # float32 rounding, which the SGD steps then carry into the weights.
+        expect(torch.equal(c0, c1), f"step {step}: routed counts differ")
+        for name, a, b in [("output", y0, y1), ("input gradient", gx0, gx1)] + [
+                (f"gradient of {n}", g0[n], g1[n]) for n in g0]:
+            error = float((a - b).norm() / b.norm().clamp_min(1e-12))
+            expect(error < 1e-5, f"step {step}: {name} differs (relative error {error:.1e})")
+        plan = balanced.balancer.last_plan
+        copied_over_steps.append(tuple(plan.placement.replicated) if plan else ())
+    expect(copied_over_steps[0] == (), "the first call has no history to plan from")
+    expect(any(copied_over_steps), f"no expert was ever copied ({copied_over_steps}): the test exercised nothing")
+    expect(len(set(copied_over_steps[1:])) >= 1 and all(1 in c for c in copied_over_steps if c),
+           f"the hot expert 1 was not among the copies: {copied_over_steps}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_replicated_experts_compute_the_plain_layer(world_size, activation):
+    flat = run_checks(balance_worker, world_size, args=(2 * world_size, activation), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+def test_balance_settings_are_checked():
+    with pytest.raises(ValueError, match="unknown balance 'fast'"):
+        MoE(DIM, HIDDEN, 4, balance="fast")
