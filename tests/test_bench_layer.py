@@ -117,3 +117,16 @@ def test_skew_makes_the_expert_load_uneven(tmp_path):
         assert plain["max_abs_error"] == 0.0
         loads[skew] = plain["expert_load_max_over_mean"]
     assert loads[0.0] < 1.5 < 2.5 < loads[1.5]  # 8 experts, top-2: Zipf(1.5) puts ~3x the mean on the hottest
+
+
+def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
+    out = tmp_path / "balance.json"
+    # 4 experts, top-1, Zipf(2): the hottest expert takes ~3x its share and its rank ~all the rows
+    cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(1.0, None), steps=2, warmup=1,
+                           json=str(out), skew=2.0, modes=("plain", "balance"))
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+    rows = {(r["capacity_factor"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    assert "dropless layers only" in rows[1.0, "balance"]["error"]
+    balanced = rows[None, "balance"]
+    assert balanced["median_ms"] > 0 and balanced["max_abs_error"] < 1e-5
+    assert balanced["copied_experts"], "the skewed check call copied no expert"

@@ -96,6 +96,9 @@ def mode_forward(mode: str, moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: moe(x, **overrides)
 
 
+# Pro-Prophet (dropless only): a twin of the layer built with balance="pro-prophet", the same weights,
+# planning each call from the previous calls' loads (one untimed call first gives it a load).
+BALANCE_MODE = "balance"
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
@@ -140,8 +143,9 @@ class LayerBenchConfig:
     modes: tuple[str, ...] = arg(("plain", "no-comm"), "comma-separated: plain, torch (plain with torch "
                                  "dispatch/combine), no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
                                  "all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 "
-                                 "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), torchtitan, "
-                                 "megatron (default plain,no-comm)", parse=names)
+                                 "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
+                                 "(Pro-Prophet's replicated experts, dropless), torchtitan, megatron (default "
+                                 "plain,no-comm)", parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
                                              "(default 1.0,dropless)", parse=capacity_list)
@@ -165,7 +169,7 @@ class LayerBenchConfig:
         """ValueError naming the flag of the first bad setting."""
         if self.config not in CONFIGS:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(CONFIGS)}")
-        known = list(MODES) + list(PEER_MODES)
+        known = list(MODES) + [BALANCE_MODE] + list(PEER_MODES)
         unknown = [m for m in self.modes if base_mode(m) not in known]
         if not self.modes or unknown:
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}, each optionally "
@@ -281,7 +285,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         rows.append(row)
         try:
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
-                                                         ctx.world_size)
+                                                         ctx.world_size, x0)
             fwd_bwd = _eager(forward)
             if is_graphed(mode):
                 moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
@@ -293,6 +297,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row["description"] = description
         check = base_mode(mode) not in NOT_THE_LAYER_FUNCTION
         row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
+        if base_mode(mode) == BALANCE_MODE:  # what the checked call copied
+            plan = forward.balancer.last_plan
+            row["copied_experts"] = plan.placement.replicated if plan else []
         if not is_graphed(mode):  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)
@@ -324,6 +331,19 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     return rows
 
 
+def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor) -> MoE:
+    """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
+    after one untimed call on `warm_input` so that the next call has a load to plan from."""
+    if cf is not None:
+        raise ValueError("balance runs dropless layers only (--capacity dropless)")
+    twin = MoE(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, moe.gate, None, moe.experts.activation,
+               group=moe.group, balance="pro-prophet", device=warm_input.device, dtype=moe.experts.w1.dtype)
+    twin.load_state_dict(moe.state_dict())
+    with torch.no_grad():
+        twin(warm_input)
+    return twin
+
+
 def _peak_mib(run: Run, device: torch.device) -> float | None:
     """Peak GPU memory (MiB, allocated by torch) of one step of `run`, above what was allocated before it."""
     if device.type != "cuda":
@@ -337,9 +357,12 @@ def _peak_mib(run: Run, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size):
+def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0):
     if mode in MODES:
         return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
+    if mode == BALANCE_MODE:
+        twin = balanced_twin(moe, cf, x0)
+        return twin, list(twin.parameters()), "weft plain + Pro-Prophet's replicated experts"
     peer = build_peer(mode, cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cf, activation, dtype, device,
                       world_size)
     return peer.forward, list(peer.module.parameters()), peer.description
@@ -431,6 +454,8 @@ def print_table(report: dict) -> None:
         comm = f"{d['comm_ms']:.3f}" if d else ""
         exposed = f"{d['comm_only_ms']:.3f}" if d else ""
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
+        if r.get("copied_experts") is not None:
+            tuned += f"  copied experts {r['copied_experts']} in the checked call"
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
               f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f} {peak:>9}{tuned}")
