@@ -6,6 +6,7 @@ import random
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from weft.train.plots import compare_figure, load_metrics, plot_run, plot_runs
@@ -188,3 +189,17 @@ def test_weft_plot_with_several_runs_prints_the_comparison(tmp_path: Path, capsy
     with pytest.raises(SystemExit):
         main(["plot", "moe", "missing"])
     assert "missing does not exist" in capsys.readouterr().err
+
+
+def test_the_experts_pro_prophet_copied_are_marked_on_the_load_heatmap():
+    from weft.train.plots import _copied_experts, _expert_counts, _expert_load_figure
+
+    rows = [{**train_row(s), "copied_experts": [[s % 8] if s % 3 == 0 else [], [1, 2] if s == 5 else []]}
+            for s in range(1, 10)]
+    copied = _copied_experts(rows, 2)
+    assert copied == [([3, 6, 9], [3, 6, 1]), ([5, 5], [1, 2])]
+    fig = _expert_load_figure("run", np.array([r["step"] for r in rows]), _expert_counts(rows), copied)
+    heatmaps = [ax for ax in fig.axes if ax.get_label() != "<colorbar>"][:2]
+    marks = [ax.collections[-1].get_offsets().tolist() for ax in heatmaps]
+    assert marks == [[[3, 3], [6, 6], [9, 1]], [[5, 1], [5, 2]]]
+    assert _copied_experts([train_row(1)], 2) is None  # runs without balancing draw no marks

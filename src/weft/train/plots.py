@@ -72,7 +72,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None, *, log_y: b
                "throughput.png": lambda: _throughput_figure(name, steps, train)}
     layers = _expert_counts(train)
     if layers:  # dense runs log no expert load
-        drawers["expert_load.png"] = lambda: _expert_load_figure(name, steps, layers)
+        copied = _copied_experts(train, len(layers))
+        drawers["expert_load.png"] = lambda: _expert_load_figure(name, steps, layers, copied)
     return [_save(draw(), out / file_name) for file_name, draw in drawers.items()]
 
 
@@ -229,7 +230,24 @@ def _expert_counts(train: list[Row]) -> list[np.ndarray]:
     return layers
 
 
-def _expert_load_figure(name: str, steps: np.ndarray, layers: list[np.ndarray]) -> Figure:
+def _copied_experts(train: list[Row], num_layers: int) -> list[tuple[list[int], list[int]]] | None:
+    """Per MoE layer, (steps, experts) of every expert Pro-Prophet copied (`copied_experts` in the
+    metrics of a `--balance pro-prophet` run); None when the run logged none."""
+    rows = [r for r in train if r.get("copied_experts") is not None]
+    if not rows:
+        return None
+    found: list[tuple[list[int], list[int]]] = [([], []) for _ in range(num_layers)]
+    for row in rows:
+        for layer, experts in enumerate(row["copied_experts"][:num_layers]):
+            found[layer][0].extend([row["step"]] * len(experts))
+            found[layer][1].extend(experts)
+    return found
+
+
+def _expert_load_figure(name: str, steps: np.ndarray, layers: list[np.ndarray],
+                        copied: list[tuple[list[int], list[int]]] | None = None) -> Figure:
+    """Per MoE layer a heatmap of the experts' token shares over steps (with the experts
+    Pro-Prophet copied marked, where the run balanced), and the max/mean load of every layer."""
     ncols = math.ceil(len(layers) / _MAX_PANEL_ROWS)
     nrows = math.ceil(len(layers) / ncols)
     fig = Figure(figsize=(8 * ncols, 2.3 * nrows + 2.6), layout="constrained")
@@ -250,6 +268,9 @@ def _expert_load_figure(name: str, steps: np.ndarray, layers: list[np.ndarray]) 
             ax.set_yticks(range(num_experts))
         else:
             ax.yaxis.get_major_locator().set_params(integer=True)
+        if copied is not None and copied[layer][0]:
+            ax.scatter(*copied[layer], s=6, marker="s", color="red", linewidths=0, label="copied to every rank")
+            ax.legend(loc="upper right", fontsize="x-small")
         if layer + ncols >= len(layers):  # no panel below
             ax.set_xlabel("step")
     ax = fig.add_subplot(grid[nrows, :])
