@@ -43,22 +43,35 @@ class ExpertBalancer:
         self.model, self.alpha = model, alpha
         self.history = LoadHistory(window)
         self.last_plan: Plan | None = None  # the plan of the latest call (None before the second)
+        # The latest call's (W, E) counts on their way to the host, and the event that says they arrived.
+        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
     def plan(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The experts to copy for this call, from the loads of the earlier calls (none at the
-        first); then this call's (E,) slot counts, gathered over `group` into (W, E), join the
-        history. One small all-gather and one host copy of the prediction per call."""
+        first); then this call's (E,) slot counts, gathered over `group` into (W, E), start their
+        way to the host to join the history at the next call. One small all-gather per call; the
+        host copy runs in the background (the paper's Plan under the previous iteration)."""
         copied: tuple[int, ...] = ()
         if self.ep_size == 1:  # one rank holds every expert: nothing to move
             return copied
+        if self._pending is not None:
+            host, ready = self._pending
+            if ready is not None:
+                ready.synchronize()  # long done: the copy was queued a whole call ago
+            self.history.record(host)
         if len(self.history):
-            self.last_plan = greedy_placement(self.history.predict().cpu(), self.owner_E, self.model, n=1,
-                                              alpha=self.alpha)
+            self.last_plan = greedy_placement(self.history.predict(), self.owner_E, self.model, n=1, alpha=self.alpha)
             copied = tuple(self.last_plan.placement.replicated)
         counts = counts_E.detach().reshape(1, -1)
         if group_size(group) > 1:
             gathered = [torch.empty_like(counts) for _ in range(group_size(group))]
             dist.all_gather(gathered, counts, group=group)
             counts = torch.cat(gathered)
-        self.history.record(counts)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
+        host.copy_(counts, non_blocking=counts.is_cuda)
+        ready = None
+        if counts.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending = (host, ready)
         return copied
