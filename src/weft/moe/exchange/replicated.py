@@ -61,7 +61,7 @@ class ReplicatedExperts(Exchange):
         most = max(len(es) for es in per_rank)
         mine = torch.tensor([e - rank * local for e in per_rank[rank]], dtype=torch.long,
                             device=self.ctx.experts.w1.device)
-        slots = [r * most + per_rank[r].index(e) for e in self.copied for r in (owner[e],)]
+        slots = [owner[e] * most + per_rank[owner[e]].index(e) for e in self.copied]  # e's row in the gather
         gathered = []
         for w in self.ctx.experts.weights():
             if w is None:
