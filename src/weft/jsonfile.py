@@ -21,10 +21,15 @@ def read_json(path: str | Path, missing: str, remedy: str = "") -> Any:
 
 
 def write_json(path: str | Path, doc: Any) -> Path:
-    """Write `doc` as indented JSON to `path` through a temporary file and a rename, so an
-    interrupted write leaves the previous file whole; returns the path."""
+    """Write `doc` as indented JSON to `path` (its folder made if missing) through a temporary
+    file and a rename, so an interrupted write leaves the previous file whole; returns the path."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path

@@ -12,7 +12,6 @@ The medians are fitted into a `CommCostModel` (Lancet section 3), which planners
 from __future__ import annotations
 
 import datetime
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from weft.cliargs import DTYPES, arg, byte_sizes, names, non_negative_int, positive_int
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import init_distributed
+from weft.jsonfile import write_json
 
 KiB, MiB = 1 << 10, 1 << 20
 # 1 KiB, 4 KiB, ..., 256 MiB: powers of 4 cover latency- and bandwidth-bound sizes in 10 steps.
@@ -194,9 +194,7 @@ def run(bench: CommBenchConfig) -> list[CommResult]:
                 "torch_version": torch.__version__,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         if json_path:
-            path = Path(json_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"meta": meta, "results": [asdict(r) for r in results]}, indent=2) + "\n")
+            path = write_json(json_path, {"meta": meta, "results": [asdict(r) for r in results]})
             print(f"wrote {path}")
         if model_path is None and json_path:
             model_path = str(Path(json_path).with_suffix(".model.json"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from weft.cliargs import (
 )
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
+from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.profiling import stage
 
@@ -220,8 +220,7 @@ def run(bench: LayerBenchConfig) -> dict:
 def write_report(report: dict, json_path: str | None) -> None:
     """Write a benchmark report as JSON (nothing when no path is given)."""
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(report, indent=2))
+        write_json(json_path, report)
 
 
 def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> dict:

@@ -1,9 +1,7 @@
 """`weft plan --preset NAME`: profile a preset on this machine and print Lancet's plan."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -11,6 +9,7 @@ import torch.distributed as dist
 from weft.cliargs import arg, positive_int
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import init_distributed
+from weft.jsonfile import write_json
 from weft.models import GPT
 from weft.models.presets import PresetChoice
 from weft.overlap.passes import optimize
@@ -52,7 +51,6 @@ def plan_preset(plan_cfg: PlanConfig) -> dict:
               f"{cfg.block_size} per rank, {ctx.world_size} x {ctx.device.type}")
         print(plan.summary())
         if json_path:
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text(json.dumps(report, indent=2))
+            write_json(json_path, report)
             print(f"wrote {json_path}")
     return report

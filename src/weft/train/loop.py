@@ -6,7 +6,6 @@ gradient norm counts each expert shard once.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from weft.distributed import MoEGroups, build_moe_groups, group_size, init_distributed
 from weft.graphs import CaptureError
+from weft.jsonfile import write_json
 from weft.launch import ReportedError
 from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
@@ -184,9 +184,7 @@ def _write_run_config(run_dir: Path, cfg: TrainConfig, start: int) -> None:
         if changed:
             history.append({"resumed_at_step": start, "changed": changed})
     doc = {"train": cfg.to_dict(), "model": cfg.model_config().to_dict(), "history": history}
-    tmp = run_dir / f".config.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(doc, indent=2))
-    os.replace(tmp, run_dir / "config.json")
+    write_json(run_dir / "config.json", doc)
 
 
 def train(cfg: TrainConfig) -> dict:
