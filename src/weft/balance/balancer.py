@@ -46,6 +46,12 @@ class ExpertBalancer:
         # The latest call's (W, E) counts on their way to the host, and the event that says they arrived.
         self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
+    @property
+    def last_copied(self) -> list[int]:
+        """The experts the latest call copied (none before the second call, or when the plain
+        placement was best)."""
+        return [] if self.last_plan is None else self.last_plan.placement.replicated
+
     def plan(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[int, ...]:
         """The experts to copy for this call, from the loads of the earlier calls (none at the
         first); then this call's (E,) slot counts, gathered over `group` into (W, E), start their

@@ -10,8 +10,8 @@ import torch
 
 class LoadHistory:
     """The (D, E) slot counts (source device x expert) of one MoE layer's last `window`
-    iterations, kept where they were recorded (on the GPU in training: no host copy until a plan
-    needs one)."""
+    iterations, kept on the device they were recorded on (`ExpertBalancer` records host copies,
+    made in the background, so that planning never waits for the GPU)."""
 
     def __init__(self, window: int = 1):
         if window < 1:

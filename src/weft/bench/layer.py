@@ -297,8 +297,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         check = base_mode(mode) not in NOT_THE_LAYER_FUNCTION
         row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
         if base_mode(mode) == BALANCE_MODE:  # what the checked call copied
-            plan = forward.balancer.last_plan
-            row["copied_experts"] = plan.placement.replicated if plan else []
+            row["copied_experts"] = forward.balancer.last_copied
         if not is_graphed(mode):  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)

@@ -39,13 +39,6 @@ class TrainingStopped(ReportedError):
     why, at which step, and what was kept."""
 
 
-def copied_experts(moe) -> list[int]:
-    """The experts a balanced MoE layer copied to every rank in its latest call (none before its
-    second call, or when the plain placement was best)."""
-    plan = moe.balancer.last_plan
-    return [] if plan is None else plan.placement.replicated
-
-
 def data_repeat_warning(train_tokens: int, tokens_per_step: int, steps: int) -> str | None:
     """What to tell the user when `steps` steps read the training split more than once (None if not)."""
     planned = tokens_per_step * steps
@@ -376,5 +369,5 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         "expert_load": counts.long().tolist(),
         "imbalance": (counts.amax(1) / mean).tolist() if num_moes else [],
         # Pro-Prophet: the experts each MoE layer copied in its last call (per layer, global ids)
-        **({"copied_experts": [copied_experts(moe) for moe in model.moe_layers()]} if model.balanced else {}),
+        **({"copied_experts": [moe.balancer.last_copied for moe in model.moe_layers()]} if model.balanced else {}),
     }

@@ -96,7 +96,7 @@ def _save(fig: Figure, path: Path) -> Path:
 
 def plot_runs(run_dirs: list[str | Path], out_dir: str | Path = ".") -> Path:
     """Overlay the losses of several runs in `out_dir`/compare.png and return its path: train
-    loss (thin) and validation loss (dots) of each run against the step, and against the tokens
+    cross-entropy (thin) and validation loss (dots) of each run against the step, and the tokens
     read (runs whose metrics predate the `tokens` field are left out of that panel)."""
     return save_compare_figure(read_runs(run_dirs), out_dir)
 

@@ -6,8 +6,9 @@ copies' weight gradients are summed back into the owners' (Agg) by the backward 
 collective, so the layer's outputs and gradients are those of plain expert parallelism, and no
 parameter or optimizer state moves between calls.
 
-Trans is one all-gather of a (S_max, ...) stack per weight, S_max the most copied experts any one
-rank owns (ranks owning fewer pad with zeros); its backward, a reduce-scatter, is Agg.
+Trans is one all-gather of a (S_max, P) stack of flattened weights (P: one expert's w1, w2, w3),
+S_max the most copied experts any one rank owns (ranks owning fewer pad with zeros); its
+backward, a reduce-scatter, is Agg.
 """
 from __future__ import annotations
 
@@ -53,22 +54,27 @@ class ReplicatedExperts(Exchange):
 
     def copies(self) -> tuple:
         """Trans: the copied experts' (w1, w2, w3) on every rank, stacked in `copied` order;
-        differentiable (their gradients are summed into the owners' weights: Agg)."""
-        placement = self.ctx.placement
+        differentiable (their gradients are summed into the owners' weights: Agg). One all-gather
+        of the owned copied experts' weights, flattened into one row per expert."""
+        placement, weights = self.ctx.placement, self.ctx.experts.weights()
         local, rank = placement.num_local, group_rank(placement.group)
         owner = {e: e // local for e in self.copied}
         per_rank = [[e for e in self.copied if owner[e] == r] for r in range(placement.ep_size)]
         most = max(len(es) for es in per_rank)
-        mine = torch.tensor([e - rank * local for e in per_rank[rank]], dtype=torch.long,
-                            device=self.ctx.experts.w1.device)
-        slots = [owner[e] * most + per_rank[owner[e]].index(e) for e in self.copied]  # e's row in the gather
-        gathered = []
-        for w in self.ctx.experts.weights():
+        present = [w for w in weights if w is not None]
+        mine = torch.tensor([e - rank * local for e in per_rank[rank]], dtype=torch.long, device=present[0].device)
+        stack = torch.cat([w.index_select(0, mine).flatten(1) for w in present], dim=1)  # (owned, P)
+        if stack.shape[0] < most:  # every rank sends `most` rows
+            stack = torch.cat([stack, stack.new_zeros(most - stack.shape[0], stack.shape[1])])
+        rows = torch.tensor([owner[e] * most + per_rank[owner[e]].index(e) for e in self.copied], dtype=torch.long,
+                            device=stack.device)  # each copied expert's row in the gather
+        gathered = all_gather(stack, placement.group).index_select(0, rows)
+        parts, start = [], 0
+        for w in weights:
             if w is None:
-                gathered.append(None)
+                parts.append(None)
                 continue
-            stack = w.index_select(0, mine)
-            if stack.shape[0] < most:
-                stack = torch.cat([stack, stack.new_zeros(most - stack.shape[0], *w.shape[1:])])
-            gathered.append(all_gather(stack, placement.group).index_select(0, torch.tensor(slots, device=w.device)))
-        return tuple(gathered)
+            size = w[0].numel()
+            parts.append(gathered[:, start:start + size].reshape(-1, *w.shape[1:]))
+            start += size
+        return tuple(parts)
