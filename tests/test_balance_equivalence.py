@@ -81,3 +81,18 @@ def test_replicated_experts_compute_the_plain_layer(world_size, activation):
 def test_balance_settings_are_checked():
     with pytest.raises(ValueError, match="unknown balance 'fast'"):
         MoE(DIM, HIDDEN, 4, balance="fast")
+
+
+def test_one_rank_has_nothing_to_copy_and_computes_the_plain_layer():
+    torch.manual_seed(0)
+    plain = MoE(DIM, HIDDEN, 4, TOP_K, capacity_factor=None)
+    torch.manual_seed(0)
+    balanced = MoE(DIM, HIDDEN, 4, TOP_K, capacity_factor=None, balance="pro-prophet")
+    x = torch.randn(30, DIM, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):  # later calls would plan from the earlier ones' loads if there were ranks to copy to
+        ys = [layer(x) for layer in (plain, balanced)]
+        for y in ys:
+            y.square().sum().backward()
+        assert torch.equal(ys[0], ys[1]) and balanced.balancer.last_copied == []
+    for (name, p), q in zip(plain.named_parameters(), balanced.parameters()):
+        assert torch.equal(p.grad, q.grad), name
