@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from test_balance_equivalence import balance_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_exchange import exchange_worker
@@ -83,6 +84,15 @@ def test_data_parallel_experts_equal_expert_parallel_on_nccl():
 def test_fewer_experts_than_ranks_every_r_on_nccl():
     # One expert per GPU pair or fewer: E = W / 2 shards each expert over 2 ranks (r in 0, 1, 2).
     flat = _check_on_every_gpu(sliced_worker, torch.cuda.device_count() // 2)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_replicated_experts_compute_the_plain_layer_on_nccl():
+    # Pro-Prophet's Trans (all-gather) and Agg (reduce-scatter) on NCCL, fp32, placements changing per step.
+    world = torch.cuda.device_count()
+    flat = run_checks(balance_worker, world, args=(2 * world, "swiglu", "cuda", 1e-4), backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 
