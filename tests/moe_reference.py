@@ -30,13 +30,19 @@ def expert_fn(x, w1, w2, w3, activation):
     return h @ w2
 
 
-def route(x, params, gate, k, normalize, random_scores=None, bias=None):
+def route(x, params, gate, k, normalize, random_scores=None, bias=None, offsets=None):
     """Experts (T, k) and gates (T, k) per docs/moe.md, plus the priority order of tokens; `bias`
-    (E,) is added to the probabilities for choosing experts only."""
+    (E,) is added to the probabilities for choosing experts only; `offsets` (T, E), a sampling
+    layer's Gumbel draws: experts chosen by log-probability plus offset."""
     logits = router_logits(x, params, gate)
     probs = F.softmax(logits, dim=-1)
     T, E = probs.shape
-    scores = random_scores if gate == "random" else probs if bias is None else probs + bias
+    if gate == "random":
+        scores = random_scores
+    elif offsets is not None:
+        scores = probs.log() + offsets
+    else:
+        scores = probs if bias is None else probs + bias
     experts = torch.tensor([sorted(range(E), key=lambda e: (-scores[t, e].item(), e))[:k] for t in range(T)],
                            dtype=torch.long).reshape(T, k)
     gates = probs.gather(1, experts)
@@ -80,7 +86,7 @@ def capacity(cf, k, T, E, group_no_drop):
     return max(1, min(group_no_drop, bound))
 
 
-def moe_forward(x, params, cfg, C=None, random_scores=None, bias=None):
+def moe_forward(x, params, cfg, C=None, random_scores=None, bias=None, offsets=None):
     """Returns y (T, dim) float32, aux, z, expert counts, dropped. `C` None = dropless."""
     gate, k, E, act = cfg["gate"], cfg["top_k"], cfg["num_experts"], cfg["activation"]
     xf = x.float()
@@ -101,7 +107,8 @@ def moe_forward(x, params, cfg, C=None, random_scores=None, bias=None):
         y = sum(weight[:, e : e + 1] * outs[e] for e in range(E))
         z = torch.logsumexp(logits, -1).square().mean()
         return y, torch.zeros(()), z, torch.full((E,), C), int((~taken).sum())
-    logits, probs, experts, gates, order = route(x, params, gate, k, cfg["normalize_gates"], random_scores, bias)
+    logits, probs, experts, gates, order = route(x, params, gate, k, cfg["normalize_gates"], random_scores, bias,
+                                                 offsets)
     pos, counts = positions(experts, order, E)
     kept = torch.ones_like(pos, dtype=torch.bool) if C is None else pos < C
     y = torch.zeros_like(xf)

@@ -60,14 +60,14 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto",
-               bias=None) -> list[str]:
+               bias=None, temperature=0.0) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     label = (f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
-             f"{'' if bias is None else ' expert bias'}")
+             f"{'' if bias is None else ' expert bias'}{f' temperature {temperature}' if temperature else ''}")
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
               normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels,
-              expert_bias=bias is not None)
+              expert_bias=bias is not None, routing_temperature=temperature)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
     num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
     gen = torch.Generator().manual_seed(100 + rank)
@@ -86,17 +86,20 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
     cfg = {"gate": gate, "top_k": k, "num_experts": EXPERTS, "activation": activation, "normalize_gates": normalize}
     torch.manual_seed(1000 + rank)
     scores = torch.rand(num_tokens, EXPERTS, device=device).cpu() if gate == "random" else None
+    # a sampling layer's draw, written out: Gumbel(0, T) = -T log(Exp(1))
+    offsets = -temperature * torch.empty(num_tokens, EXPERTS, device=device).exponential_().log().cpu() \
+        if temperature else None
     if cap is None:
         cap_ref = None
     elif gate == "expert_choice":
         cap_ref = max(1, min(num_tokens, ref.exact_ceil(k, cap, num_tokens, EXPERTS)))
     else:
-        *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores, bias)
+        *_, experts, _, order = ref.route(xr.detach(), params, gate, k, normalize, scores, bias, offsets)
         need = torch.tensor([ref.no_drop_capacity(ref.positions(experts, order, EXPERTS)[1])])
         need = need.to(device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         cap_ref = ref.capacity(cap, k, num_tokens, EXPERTS, int(need))
-    y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores, bias)
+    y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores, bias, offsets)
     loss_ref = (y_ref * dy).sum() + AUX_COEF * aux + Z_COEF * z
     names = list(params)
     grads = dict(zip(names, torch.autograd.grad(loss_ref, [params[n] for n in names] + [xr])))
@@ -106,6 +109,10 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
         unbiased = ref.route(xr.detach(), params, gate, k, normalize, scores)[2]
         if torch.equal(unbiased, ref.route(xr.detach(), params, gate, k, normalize, scores, bias)[2]):
             failures.append(f"{label}: the test's bias routes like no bias")
+    if temperature:  # the case has power: the draw changes the reference's choices
+        argmax = ref.route(xr.detach(), params, gate, k, normalize)[2]
+        if torch.equal(argmax, ref.route(xr.detach(), params, gate, k, normalize, offsets=offsets)[2]):
+            failures.append(f"{label}: the test's draw routes like the argmax")
     fp32 = dtype == torch.float32
     tol = 2e-5 if fp32 else 2e-2
 
@@ -151,6 +158,8 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     if gate in ("topk", "bpr", "cosine"):  # DeepSeek-V3's selection bias, against expert 0 the router favours
         for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):
             failures += check_case(gate, cap, k, "gelu", dtypes[0], device=device, kernels=kernels, bias=EXPERT_BIAS)
+        for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):  # experts sampled in training
+            failures += check_case(gate, cap, k, "gelu", dtypes[0], device=device, kernels=kernels, temperature=0.7)
     return failures
 
 

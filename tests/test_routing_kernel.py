@@ -58,23 +58,24 @@ def routing_kernels_worker() -> list[str]:
     except ValueError as e:
         expect("k must be in [1, 4]" in str(e), f"k > E message: {e}")
 
-    # Router.route with fused=True gives the PyTorch path's Routing, and the same gate gradients.
-    for gate, cf, with_bias, normalize in (("topk", 1.0, False, False), ("topk", None, True, True),
-                                           ("cosine", 0.5, False, True), ("topk", 0.0, True, False),
-                                           ("bpr", 1.0, True, False), ("bpr", None, False, True),
-                                           ("random", 0.5, False, False)):
+    # Router.route with fused=True gives the PyTorch path's Routing, and the same gate gradients;
+    # also where a training call samples the experts (temperature > 0).
+    for gate, cf, with_bias, normalize, temperature in (
+            ("topk", 1.0, False, False, 0), ("topk", None, True, True, 0), ("cosine", 0.5, False, True, 0),
+            ("topk", 0.0, True, False, 0), ("bpr", 1.0, True, False, 0), ("bpr", None, False, True, 0),
+            ("random", 0.5, False, False, 0), ("topk", 1.0, False, False, 0.7), ("bpr", None, False, True, 0.5)):
         logits = torch.randn(96, 16, generator=gen)
         bias = torch.randn(16, generator=gen) * 0.05 if with_bias else None
         routings, grads = [], []
         for fused in (False, True):
             lg = logits.clone().requires_grad_()
-            torch.manual_seed(7)  # the random gate's draw
-            r = Router(gate, 16, normalize, None).route(lg, 2, cf, bias, fused=fused)
+            torch.manual_seed(7)  # the random gate's draw, or the sampling offsets
+            r = Router(gate, 16, normalize, None, temperature).route(lg, 2, cf, bias, fused=fused, sample=True)
             (r.gates_S * torch.arange(r.gates_S.numel())).sum().backward()
             routings.append(r)
             grads.append(lg.grad)
         a, b = routings
-        case = f"{gate} cf={cf} bias={with_bias} normalize={normalize}"
+        case = f"{gate} cf={cf} bias={with_bias} normalize={normalize} temperature={temperature}"
         # order_S is the dropless layout's (padded routings may leave it None)
         for field in ("token_ids_S", "experts_S", "positions_S", "gates_S", "kept_S", "counts_E") + (
                 ("order_S",) if cf is None else ()):

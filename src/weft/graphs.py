@@ -84,7 +84,9 @@ class GraphedStep:
         before = [t.grad for t in written]
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph):
+            # on the warm-up's stream, where the gradient accumulators were created (another stream
+            # makes autograd warn of a stream mismatch at every capture)
+            with torch.cuda.graph(self.graph, stream=side):
                 self.static_out = fn(*self.static_args)
         except RuntimeError as e:  # e.g. "operation not permitted when stream is capturing"
             raise CaptureError(f"the step cannot be captured as a CUDA graph: {str(e).splitlines()[0]}") from e

@@ -25,6 +25,7 @@ from torch import nn
 from weft.kernels.rotary import rotary, rotary_reference
 from weft.kernels.rows import KERNELS
 from weft.moe import ACTIVATIONS, GATES, MoE
+from weft.moe.config import check_router_settings
 from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import Linear
 from weft.profiling import stage
@@ -57,6 +58,11 @@ class GPTConfig:
     # > 0: each MoE layer keeps an expert-selection bias moved by this much per training step
     # towards balance (DeepSeek-V3's auxiliary-loss-free balancing; weft.MoE's expert_bias)
     expert_bias_rate: float = 0.0
+    # > 0: training routes each token to experts sampled from softmax(logits / T) instead of the
+    # top-k (weft.MoE's routing_temperature; evaluation and generation stay argmax)
+    routing_temperature: float = 0.0
+    # the routers' initial logit scale (weft.MoE's router_init_scale; 0.1: nearly uniform at start)
+    router_init_scale: float = 1.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
@@ -107,7 +113,10 @@ class GPTConfig:
         if self.expert_bias_rate and self.moe_every and self.gate not in EXPERT_BIAS_GATES:
             raise ValueError(f"expert_bias_rate needs a gate that ranks experts by probability "
                              f"({', '.join(EXPERT_BIAS_GATES)}), not {self.gate!r}")
-        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
+        if self.moe_every:
+            check_router_settings(self.gate, self.expert_bias_rate > 0, self.routing_temperature,
+                                  self.router_init_scale)
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "routing_temperature"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -213,7 +222,8 @@ class Block(nn.Module):
             self.ffn = MoE(
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
                 config.capacity_factor, config.activation, group=group, kernels=kernels,
-                expert_bias=config.expert_bias_rate > 0, balance=balance,
+                expert_bias=config.expert_bias_rate > 0, routing_temperature=config.routing_temperature,
+                router_init_scale=config.router_init_scale, balance=balance,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)

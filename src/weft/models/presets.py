@@ -10,13 +10,22 @@ from dataclasses import dataclass
 
 from weft.cliargs import GATE_CHOICES, arg, capacity_or_preset, positive_int
 from weft.models.gpt import GPTConfig
+from weft.moe.gates import SAMPLING_GATES
 
 # Lancet sec. 7 ("Benchmark Models and Datasets"): GPT-2 with every other block's FFN replaced
 # by an MoE layer; GPT2-S-MoE 12 layers x 768, GPT2-L-MoE 24 layers x 1024; experts scale with
 # the GPUs at two per GPU (Fig. 6: 32 experts on 16 A100s); Switch gate (top-1) in Fig. 11,
 # batch-prioritized in Fig. 12. The paper gives no capacity factor: 1.25 is the Switch/Tutel
 # default. It trains at sequence length 512; block_size keeps GPT-2's 1024.
-_LANCET_MOE = dict(moe_every=2, num_experts=32, top_k=1, gate="topk", capacity_factor=1.25, activation="gelu")
+#
+# Routing: top-1 by argmax collapses in the first steps of these byte-level models (one expert per
+# layer takes most tokens: 90% of the slots dropped at step 26 on a GPU, ~14% still dropped over
+# steps 201-600). Training samples the expert from the router's softmax instead (temperature 1,
+# Switch Transformer's "sample softmax") from a router initialised 10x smaller (nearly uniform at
+# the start): ~3% dropped after step 200, and a validation loss still well below the dense twin's
+# (docs/benchmarks.md, "What drives token drops"). Evaluation and generation route by argmax.
+_LANCET_MOE = dict(moe_every=2, num_experts=32, top_k=1, gate="topk", capacity_factor=1.25, activation="gelu",
+                   routing_temperature=1.0, router_init_scale=0.1)
 
 # The layer shapes of `weft bench layer` (Mixtral-, Qwen2-MoE- and Phi-3.5-MoE-like) as 2-block
 # models, every block MoE with swiglu experts; one 4096-token sequence per GPU. Attention is plain multi-head (the real
@@ -90,7 +99,11 @@ class PresetChoice:
 
     def model_config(self) -> GPTConfig:
         """The preset with the overrides applied (checked)."""
-        overrides = {} if self.gate is None else {"gate": self.gate}
+        overrides = {}
+        if self.gate is not None:
+            overrides["gate"] = self.gate
+            if self.gate not in SAMPLING_GATES:  # expert-choice and random gates do not sample by probability
+                overrides["routing_temperature"] = 0.0
         if self.capacity != "preset":
             overrides["capacity_factor"] = self.capacity
         base = get_preset(self.preset)

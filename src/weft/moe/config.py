@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from weft.kernels.rows import KERNELS
 from weft.moe.experts import ACTIVATIONS
-from weft.moe.gates import GATES
+from weft.moe.gates import GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
 
@@ -67,6 +67,22 @@ def check_layer(dim: int, hidden_dim: int, num_experts: int, gate: str, activati
             f"num_experts ({num_experts}) must be divisible by the expert-parallel size ({ep_size}), or divide it "
             f"(with parallel='adaptive')"
         )
+
+
+def check_router_settings(gate: str, expert_bias: bool, temperature: float, init_scale: float) -> None:
+    """ValueError naming what is wrong with a layer's `routing_temperature` or `router_init_scale`."""
+    if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale) \
+            or init_scale <= 0:
+        raise ValueError(f"router_init_scale must be a finite number > 0, got {init_scale!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"routing_temperature must be a finite number >= 0, got {temperature!r}")
+    if temperature > 0 and gate not in SAMPLING_GATES:
+        raise ValueError(f"routing_temperature samples experts by probability: gate {', '.join(SAMPLING_GATES)}, "
+                         f"not {gate!r} (set routing_temperature = 0 for it)")
+    if temperature > 0 and expert_bias:
+        raise ValueError("routing_temperature and expert_bias (expert_bias_rate) are two ways to balance the experts; "
+                         "use one (routing_temperature = 0 for the bias)")
 
 
 def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expert_shards: int,

@@ -16,15 +16,19 @@ from torch import nn
 GATES = ("topk", "bpr", "cosine", "expert_choice", "random")
 # The gates that rank experts by probability, where an expert-selection bias applies.
 EXPERT_BIAS_GATES = ("topk", "bpr", "cosine")
+# The gates that can sample their experts in training (`routing_temperature`): the same ones.
+SAMPLING_GATES = EXPERT_BIAS_GATES
 
 
 class LinearRouter(nn.Module):
-    """`logits = x.float() @ weight.T`; `weight` is (E, dim) and always kept in float32."""
+    """`logits = x.float() @ weight.T`; `weight` is (E, dim) and always kept in float32, initialised
+    N(0, init_scale^2 / dim): logits of standard deviation ~init_scale for unit-RMS inputs (0.1:
+    nearly uniform probabilities at the start, Switch Transformer sec. 2.4's smaller router init)."""
 
-    def __init__(self, dim: int, num_experts: int):
+    def __init__(self, dim: int, num_experts: int, init_scale: float = 1.0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=torch.float32))
-        nn.init.normal_(self.weight, std=dim**-0.5)
+        nn.init.normal_(self.weight, std=init_scale * dim**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):  # autocast would route in bf16
@@ -43,17 +47,19 @@ class CosineRouter(LinearRouter):
     """Tutel's cosine router: learned projection, cosine similarity to expert embeddings,
     scaled by a learned temperature clamped at 1/0.01.
 
-    `proj.weight` is (proj_dim, dim); `weight` (the expert embeddings) is (E, proj_dim).
+    `proj.weight` is (proj_dim, dim); `weight` (the expert embeddings) is (E, proj_dim);
+    `init_scale` multiplies the initial logit scale 1 / init_temperature.
     """
 
     max_log_scale = math.log(1.0 / 0.01)
 
-    def __init__(self, dim: int, num_experts: int, proj_dim: int = 256, init_temperature: float = 0.5):
+    def __init__(self, dim: int, num_experts: int, proj_dim: int = 256, init_temperature: float = 0.5,
+                 init_scale: float = 1.0):
         nn.Module.__init__(self)
         self.proj = nn.Linear(dim, proj_dim, bias=False, dtype=torch.float32)
         self.weight = nn.Parameter(torch.empty(num_experts, proj_dim, dtype=torch.float32))
         nn.init.normal_(self.weight, std=proj_dim**-0.5)
-        self.log_scale = nn.Parameter(torch.tensor([math.log(1.0 / init_temperature)]))
+        self.log_scale = nn.Parameter(torch.tensor([math.log(init_scale / init_temperature)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, enabled=False):
@@ -90,8 +96,9 @@ def token_choice(
 ) -> TokenChoice:
     """Route each token to k experts by the rule of `gate` (topk, bpr, cosine, random).
 
-    `noise` (T, E) gives the random gate's scores (default: drawn here from torch's RNG), so a
-    batch routed in parts can draw them once for the whole batch. `bias` (E,) is added to the
+    `noise` (T, E) is the batch's random draw (`Router.draw`): the random gate's scores (default:
+    drawn here from torch's RNG), or the other gates' sampling offsets (see `choice_scores`), so a
+    batch routed in parts can draw it once for the whole batch. `bias` (E,) is added to the
     probabilities for choosing the experts only; the gates stay the unbiased probabilities
     (DeepSeek-V3 sec. 2.1.2, auxiliary-loss-free load balancing)."""
     experts = topk_desc(choice_scores(gate, probs, noise, bias), k)
@@ -101,10 +108,22 @@ def token_choice(
 def choice_scores(gate: str, probs: torch.Tensor, noise: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """(T, E) what `gate` ranks each token's experts by: uniform noise for random (drawn here from
-    torch's RNG when not given), else the probabilities plus the selection bias."""
+    torch's RNG when not given); for the other gates with sampling offsets `noise` (Gumbel(0, tau),
+    `sampling_offsets`) the log-probabilities plus those offsets, whose top k are k experts drawn
+    without replacement from softmax(logits / tau); else the probabilities plus the selection bias."""
     if gate == "random":  # benchmark/ablation gate: experts drawn uniformly, gates still learned
         return torch.rand(probs.shape, device=probs.device) if noise is None else noise
+    if noise is not None:
+        return probs.detach().clamp_min(1e-30).log() + noise
     return selection_scores(probs, bias)
+
+
+def sampling_offsets(num_tokens: int, num_experts: int, temperature: float, device) -> torch.Tensor:
+    """(T, E) Gumbel(0, temperature) draws from torch's RNG (one `exponential_` call: -log of an
+    Exp(1) variable is Gumbel(0, 1)). The Gumbel-max trick: argmax(log p + G) is distributed as p,
+    and argmax(log p + tau G) as p^(1/tau) renormalised, i.e. softmax(logits / tau)."""
+    exp1 = torch.empty(num_tokens, num_experts, device=device).exponential_()
+    return exp1.log().mul_(-temperature)
 
 
 def priority_order(gate: str, probs: torch.Tensor) -> torch.Tensor | None:

@@ -22,7 +22,15 @@ from torch import nn
 from weft.balance import ExpertBalancer, LayerCostModel, nominal_cost_model
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
 from weft.kernels.rows import use_triton
-from weft.moe.config import BALANCE_CHOICES, MoECall, check_layer, check_settings, parallel_choices, resolve_call
+from weft.moe.config import (
+    BALANCE_CHOICES,
+    MoECall,
+    check_layer,
+    check_router_settings,
+    check_settings,
+    parallel_choices,
+    resolve_call,
+)
 from weft.moe.dispatch import SlotRows, combine, combine_rows, dispatch_padded, dispatch_rows
 from weft.moe.exchange import (
     ExchangeContext,
@@ -81,6 +89,15 @@ class MoE(nn.Module):
             is added to the router probabilities when choosing experts, never to the gates;
             `update_expert_bias` moves it after each training step (DeepSeek-V3's
             auxiliary-loss-free balancing). Token-choice gates only (topk, bpr, cosine).
+        routing_temperature: 0 (default) routes by the top-k probabilities. T > 0: in training
+            (`self.training`) each token's k experts are drawn without replacement from
+            softmax(logits / T) (Gumbel top-k, one draw from torch's RNG per batch), which keeps
+            a flat router's argmax from sending most tokens to a few experts (Switch Transformer
+            sec. 2.4 / app. "sample softmax"); gates stay the chosen experts' probabilities, and
+            evaluation routes by argmax. topk, bpr and cosine; not with `expert_bias`.
+        router_init_scale: the router's initial logits scale (1: standard deviation ~1 for unit-RMS
+            inputs; 0.1: nearly uniform probabilities at the start). Argmax routing does not
+            depend on it at the start; sampled routing (`routing_temperature`) and learning do.
 
     In the padded modes with cf > 0 and for expert choice, every rank of the EP group must pass
     the same number of tokens (the all-to-all's size comes from the local token count, as in
@@ -95,7 +112,8 @@ class MoE(nn.Module):
                  capacity_factor: float | None = 1.25, activation: str = "gelu", normalize_gates: bool = True,
                  group: dist.ProcessGroup | None = None, *, overlap_degree: int | str = 1, a2a_algo: str = "linear",
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
-                 kernels: str = "auto", expert_bias: bool = False, balance: str | None = None,
+                 kernels: str = "auto", expert_bias: bool = False, routing_temperature: float = 0.0,
+                 router_init_scale: float = 1.0, balance: str | None = None,
                  balance_model: LayerCostModel | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
@@ -105,6 +123,7 @@ class MoE(nn.Module):
         if expert_bias and gate not in EXPERT_BIAS_GATES:
             raise ValueError(f"expert_bias needs a token-choice gate that ranks experts by probability "
                              f"({', '.join(EXPERT_BIAS_GATES)}), not {gate!r}")
+        check_router_settings(gate, expert_bias, routing_temperature, router_init_scale)
         # The selection bias: a buffer (saved with the model, the same on every rank), or None.
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if expert_bias else None)
         if parallel not in ("ep", "adaptive"):
@@ -133,9 +152,9 @@ class MoE(nn.Module):
                         for r in self.parallel_choices() if r > 0 and self.expert_shards // r > 1}
         self.placement = ExpertPlacement(self.group, ep_size, num_experts, self.num_local_experts,
                                          self.expert_shards, groups_2dh, slice_groups)
-        self.router = (CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim) if gate == "cosine"
-                       else LinearRouter(dim, num_experts)).to(device)
-        self.gate_rule = Router(gate, num_experts, normalize_gates, self.group)
+        self.router = (CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim, init_scale=router_init_scale)
+                       if gate == "cosine" else LinearRouter(dim, num_experts, router_init_scale)).to(device)
+        self.gate_rule = Router(gate, num_experts, normalize_gates, self.group, routing_temperature)
         rank, shards = group_rank(self.group), self.expert_shards
         first = rank // shards if shards > 1 else rank * self.num_local_experts
         self.experts = Experts(dim, hidden_dim, self.num_local_experts, activation, first, dtype, device,
@@ -244,7 +263,7 @@ class MoE(nn.Module):
             logits_TE = self.router(tokens_TD)
         with stage("routing"):
             return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias,
-                                        fused=use_triton(call.kernels, logits_TE))
+                                        fused=use_triton(call.kernels, logits_TE), sample=self.training)
 
     def update_expert_bias(self, counts_E: torch.Tensor, rate: float) -> None:
         """After a training step: move the selection bias by `rate` towards balance, given the
@@ -338,7 +357,8 @@ class MoE(nn.Module):
             "dim": self.dim, "hidden_dim": self.hidden_dim, "num_experts": self.num_experts, "top_k": call.top_k,
             "gate": self.gate, "capacity_factor": call.capacity_factor, "activation": self.experts.activation,
             "normalize_gates": self.normalize_gates, "parallel": self.parallel,
-            "expert dtype": str(self.experts.w1.dtype), "overlap_degree": call.overlap_degree,
+            "routing_temperature": self.gate_rule.temperature, "expert dtype": str(self.experts.w1.dtype),
+            "overlap_degree": call.overlap_degree,
             "a2a_algo": call.a2a_algo, "tokens per rank (padded capacity)": tokens_TD.shape[0] if fixed_size else None,
         }
         codes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]

@@ -31,6 +31,7 @@ from weft.moe.gates import (
     load_balancing_loss,
     priority_order,
     router_z_loss,
+    sampling_offsets,
     token_choice,
 )
 
@@ -82,35 +83,49 @@ class Routing:
 @dataclass(frozen=True)
 class Router:
     """The gate rule of a layer: `gate` ("topk", "bpr", "cosine", "random", "expert_choice") over
-    `num_experts`; `group` is the expert-parallel group no-drop capacities are agreed over."""
+    `num_experts`; `group` is the expert-parallel group no-drop capacities are agreed over;
+    `temperature` > 0: routing in training samples each token's experts from softmax(logits / T)
+    (topk, bpr, cosine; Switch Transformer's "sample softmax" exploration), argmax otherwise."""
 
     gate: str
     num_experts: int
     normalize_gates: bool
     group: dist.ProcessGroup | None
+    temperature: float = 0.0
+
+    def draw(self, num_tokens: int, device, sample: bool) -> torch.Tensor | None:
+        """The batch's random draw from torch's RNG, taken once per batch (before any partition is
+        routed, so routing in parts picks what routing it whole picks): the random gate's scores,
+        or, when `sample` and a temperature is set, the sampling offsets; None for argmax routing."""
+        if self.gate == "random":
+            return torch.rand((num_tokens, self.num_experts), device=device)
+        if sample and self.temperature > 0:
+            return sampling_offsets(num_tokens, self.num_experts, self.temperature, device)
+        return None
 
     def route(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None,
-              bias_E: torch.Tensor | None = None, fused: bool = False) -> Routing:
+              bias_E: torch.Tensor | None = None, fused: bool = False, sample: bool = False) -> Routing:
         """The routed slots of a whole batch (docs/moe.md: slot priority and capacity); `bias_E`:
         the layer's expert-selection bias (see `token_choice`), or None. `fused`: the experts and
         slot positions of the FUSED_ROUTING_GATES by the Triton kernels of weft.kernels.routing
-        (the same integers as the PyTorch path)."""
+        (the same integers as the PyTorch path). `sample`: a training call (see `temperature`)."""
         probs_TE = F.softmax(logits_TE, dim=-1)
         z_loss = router_z_loss(logits_TE)
         if self.gate == "expert_choice":
             return self._expert_choice(probs_TE, top_k, capacity_factor, z_loss)
         num_tokens, device = logits_TE.shape[0], logits_TE.device
+        noise_TE = self.draw(num_tokens, device, sample)
         # The order of slots by expert is needed by the dropless layout only.
         dropless = capacity_factor is None
         if fused and self.gate in FUSED_ROUTING_GATES:
-            scores_TE = choice_scores(self.gate, probs_TE, bias=bias_E).detach()
+            scores_TE = choice_scores(self.gate, probs_TE, noise_TE, bias_E).detach()
             order = priority_order(self.gate, probs_TE)
             experts_TK, positions_TK, counts_E = topk_positions(scores_TE, top_k, order)
             choice = TokenChoice(experts_TK, gates_of(probs_TE, experts_TK, self.normalize_gates), order)
             slots = SlotPositions(positions_TK, counts_E,
                                   expert_order(experts_TK, positions_TK, counts_E) if dropless else None)
         else:
-            choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates, bias=bias_E)
+            choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates, noise_TE, bias_E)
             slots = slot_positions(choice.experts, self.num_experts, choice.order, dropless)
         aux_loss = load_balancing_loss(probs_TE, slots.counts, num_tokens * top_k)
         token_ids = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
@@ -147,12 +162,12 @@ class Router:
         return top_k == 1 or capacity_factor is None or capacity_factor == 0
 
     def in_parts(self, num_tokens: int, top_k: int, capacity_factor: float | None,
-                 bias_E: torch.Tensor | None = None) -> CarriedRouting:
+                 bias_E: torch.Tensor | None = None, sample: bool = False) -> CarriedRouting:
         """Routing of a batch of `num_tokens` tokens that arrives in partitions (see CarriedRouting)."""
         if not self.can_route_in_parts(top_k, capacity_factor):
             raise ValueError(f"gate {self.gate!r} with top_k={top_k}, capacity_factor={capacity_factor} cannot route "
                              "a batch partition by partition")
-        return CarriedRouting(self, num_tokens, top_k, capacity_factor, bias_E)
+        return CarriedRouting(self, num_tokens, top_k, capacity_factor, bias_E, sample)
 
 
 class CarriedRouting:
@@ -162,9 +177,9 @@ class CarriedRouting:
     `Router.can_route_in_parts`). `finish()` gives the whole batch's losses and statistics."""
 
     def __init__(self, router: Router, num_tokens: int, top_k: int, capacity_factor: float | None,
-                 bias_E: torch.Tensor | None = None):
+                 bias_E: torch.Tensor | None = None, sample: bool = False):
         self.router, self.num_tokens, self.top_k, self.capacity_factor = router, num_tokens, top_k, capacity_factor
-        self.bias_E = bias_E
+        self.bias_E, self.sample = bias_E, sample
         experts = router.num_experts
         # Kept iff position < capacity_bound for cf != 0: for cf < 0 the no-drop bound never binds
         # first, since a slot's position is below its expert's count.
@@ -184,8 +199,8 @@ class CarriedRouting:
             self._probs_sum = probs_TE.new_zeros(router.num_experts)
             self._z_sum = logits_TE.new_zeros(())
             self._dropped = self._carry_E.new_zeros(())
-            if router.gate == "random":  # the whole batch's draw, as the unpartitioned layer makes it
-                self._noise = torch.rand((self.num_tokens, router.num_experts), device=logits_TE.device)
+            # the whole batch's draw, as the unpartitioned layer makes it
+            self._noise = router.draw(self.num_tokens, logits_TE.device, self.sample)
         size = logits_TE.shape[0]
         noise = None if self._noise is None else self._noise[self._offset:self._offset + size]
         self._offset += size

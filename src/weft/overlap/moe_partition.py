@@ -84,7 +84,8 @@ class PartitionedMoE:
         """Route the next partition (T_p, dim) with the capacity left by the earlier ones."""
         moe = self.moe
         if self._parts is None:
-            self._parts = moe.gate_rule.in_parts(self.num_tokens, moe.top_k, moe.capacity_factor, moe.expert_bias)
+            self._parts = moe.gate_rule.in_parts(self.num_tokens, moe.top_k, moe.capacity_factor, moe.expert_bias,
+                                                 sample=moe.training)
         routing = self._parts.route(moe.router(tokens))
         key = routing.sent_experts(moe.num_experts)
         return Part(tokens.to(moe.experts.compute_dtype(tokens)), key, routing.token_ids_S, routing.gates_S)
