@@ -10,6 +10,7 @@ import pytest
 from weft.bench.comm import CommBenchConfig
 from weft.bench.layer import LayerBenchConfig
 from weft.bench.model import ModelBenchConfig
+from weft.bench.tp import TPBenchConfig
 from weft.bench.tune import TuneConfig
 from weft.cli import build_parser
 from weft.cliargs import LaunchConfig, from_namespace
@@ -19,6 +20,7 @@ COMMANDS = {
     ("bench", "layer"): LayerBenchConfig,
     ("bench", "model"): ModelBenchConfig,
     ("bench", "comm"): CommBenchConfig,
+    ("bench", "tp"): TPBenchConfig,
     ("plan",): PlanConfig,
     ("tune",): TuneConfig,
 }
@@ -83,6 +85,9 @@ def test_model_plan_comm_and_tune_command_lines():
     (["bench", "layer", "--steps", "0"], "must be a positive integer"),
     (["bench", "layer", "--capacity", "lots"], "capacity factors are numbers or 'dropless'"),
     (["bench", "comm", "--sizes", "12Q"], "sizes are bytes like 1024"),
+    (["bench", "tp", "--config", "gpt9"], "unknown --config 'gpt9'"),
+    (["bench", "tp", "--modes", "none,fastest"], "--modes 'none,fastest': choose from"),
+    (["bench", "tp", "--p1", "16", "--batch-size", "8"], "--p1 16 exceeds --batch-size 8"),
 ])
 def test_bad_values_are_usage_errors_naming_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -15,6 +15,7 @@ from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_exchange import exchange_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
+from test_tp import tp_worker
 from weft import MoE
 from weft.testing import run_checks
 
@@ -224,3 +225,12 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
         losses[mode] = [r["loss"] for r in rows if "loss" in r]
     assert len(losses["on"]) == 8
     assert losses["on"] == pytest.approx(losses["off"], abs=2e-3), losses
+
+
+@needs_cuda
+@pytest.mark.parametrize("schedule, p1", [("none", 1), ("domino", 2), ("domino", 3)])
+def test_tensor_parallel_blocks_compute_the_dense_blocks_on_nccl(schedule, p1):
+    """weft.tp on every GPU with NCCL (float64): Megatron's and Domino's schedules against the
+    dense blocks, outputs and every gradient, over two SGD steps."""
+    flat = run_checks(tp_worker, torch.cuda.device_count(), args=(schedule, p1, "cuda"), backend="nccl", timeout=300)
+    assert not flat, "\n".join(flat[:15])

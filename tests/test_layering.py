@@ -16,7 +16,7 @@ LAYERS = [
     {"distributed", "launch", "jsonfile", "precision", "profiling", "graphs", "testing", "cliargs"},  # base
     # primitives: collectives, kernels, deferred-dW ops, tuning dictionary, Pro-Prophet's planner
     {"comm", "kernels", "ops", "tune", "balance"},
-    {"moe"},  # the MoE layer (later: tp)
+    {"moe", "tp"},  # the MoE layer, tensor-parallel dense blocks
     {"models"},
     {"overlap"},  # optimisers of a model
     {"train"},

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from weft.bench import comm as bench_comm
 from weft.bench import layer as bench_layer
 from weft.bench import model as bench_model
+from weft.bench import tp as bench_tp
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
 from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, non_negative_int, positive_int
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "all-to-all and all-reduce bandwidth/latency; fits the comm cost model")
     _config_parser(bench, "model", bench_model.ModelBenchConfig, bench_model.run,
                    "time training iterations of a preset per overlap mode")
+    _config_parser(bench, "tp", bench_tp.TPBenchConfig, bench_tp.run,
+                   "time forward+backward of tensor-parallel dense blocks: Megatron, Domino, no-comm")
 
     plo = bench.add_parser("plot", help="stacked bar chart of a `weft bench layer --json` file")
     plo.add_argument("json_file")

@@ -199,3 +199,13 @@ def print_breakdowns(rows: list[dict], label: Callable[[dict], str]) -> None:
     for row in rows:
         if row.get("breakdown"):
             print(format_breakdown(Breakdown.from_dict(row["breakdown"]), f"\n{label(row)} (rank 0)"))
+
+
+def comm_cells(row: dict) -> tuple[str, str, str]:
+    """A benchmark row's communication ms, exposed ms and hidden share as table cells (empty
+    without a profiled decomposition)."""
+    d = row.get("decomposition") or {}
+    if not d:
+        return "", "", ""
+    hidden = "" if d.get("hidden_share") is None else f"{d['hidden_share']:.0%}"
+    return f"{d['comm_ms']:.3f}", f"{d['comm_only_ms']:.3f}", hidden

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weft.bench.breakdown import print_breakdowns, profile_parts
+from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
 from weft.cliargs import (
@@ -445,12 +445,9 @@ def print_table(report: dict) -> None:
         if r.get("median_ms") is None:
             print(f"{cap:>9} {r['mode']:>10}  unavailable: {r.get('error', '?')[:150]}")
             continue
-        d = r.get("decomposition") or {}
         err = "n/a" if r.get("max_abs_error") is None else f"{r['max_abs_error']:.1e}"
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
-        hidden = "" if d.get("hidden_share") is None else f"{d['hidden_share']:.0%}"
-        comm = f"{d['comm_ms']:.3f}" if d else ""
-        exposed = f"{d['comm_only_ms']:.3f}" if d else ""
+        comm, exposed, hidden = comm_cells(r)
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
         if r.get("copied_experts") is not None:
             tuned += f"  copied experts {r['copied_experts']} in the checked call"

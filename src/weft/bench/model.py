@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weft.bench.breakdown import print_breakdowns, profile_parts
+from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.layer import write_report
 from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
 from weft.cliargs import arg, names, non_negative_int, positive_int
@@ -236,12 +236,9 @@ def print_table(report: dict) -> None:
           f"{'predicted':>10} {'pred err':>9} {'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7}")
     for r in report["results"]:
         label = r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "")
-        d = r.get("decomposition") or {}
         pred = f"{r['predicted_ms']:.2f}" if "predicted_ms" in r else ""
         perr = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else ""
-        hidden = "" if d.get("hidden_share") is None else f"{d['hidden_share']:.0%}"
-        comm = f"{d['comm_ms']:.3f}" if d else ""
-        exposed = f"{d['comm_only_ms']:.3f}" if d else ""
+        comm, exposed, hidden = comm_cells(r)
         print(f"{label:>12} {r['iteration_ms']:>9.2f} {r['iteration_ms_min']:>8.2f} {r['iteration_iqr_ms']:>7.2f} "
               f"{r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {r['fwd_bwd_iqr_ms']:>7.2f} {pred:>10} "
               f"{perr:>9} {r['max_error']:>9.1e} {comm:>8} {exposed:>8} {hidden:>7}")

@@ -1,0 +1,160 @@
+"""`weft bench tp`: forward + backward of a stack of tensor-parallel dense blocks (weft.tp) per
+schedule, side by side: `none` (Megatron: every all-reduce waited where it is issued), `domino`
+(Domino's row split into --p1 micro-batches, the all-reduces overlapped) and `no-comm` (the
+all-reduces left out: the time an overlap can reach at best; not the model's function).
+
+Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
+same batch. `domino` is checked against `none` on the first batch (`max_abs_error`: outputs and
+input gradients); the modes are then timed interleaved (weft.bench.timing), median per mode, and
+on GPUs a profiled run of each gives the communication hidden behind compute.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from weft.bench.breakdown import comm_cells, profile_parts
+from weft.bench.timing import Run, interleaved_ms, quartiles
+from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
+from weft.distributed import init_distributed
+from weft.jsonfile import write_json
+from weft.models.gpt import Block, GPTConfig, rotary_tables
+from weft.tp import TPBlock, TPStack, make_schedule
+
+
+@dataclass(frozen=True)
+class TPShape:
+    dim: int
+    n_head: int
+    hidden_dim: int
+    seq_len: int
+
+
+# GPT-3 2.7B (Brown et al., table 2.1: 32 layers x 2560, 32 heads; MLP 4x), Domino's dense
+# model; `tiny` for the CPU.
+SHAPES = {"gpt3-2.7b": TPShape(2560, 32, 10240, 1024), "tiny": TPShape(64, 4, 256, 32)}
+MODES = ("none", "domino", "no-comm")
+
+
+@dataclass
+class TPBenchConfig:
+    """`weft bench tp`: forward + backward of tensor-parallel dense blocks per schedule, interleaved."""
+
+    config: str = arg("gpt3-2.7b", f"block shape: {', '.join(SHAPES)}")
+    layers: int = arg(4, "blocks in the stack", parse=positive_int)
+    batch_size: int = arg(8, "sequences per step (the same on every rank of the group)", parse=positive_int)
+    seq_len: int | None = arg(None, "tokens per sequence (default: the config's)", parse=positive_int)
+    p1: int = arg(2, "domino: micro-batches the batch is split into", parse=positive_int)
+    modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm; a mode "
+                                 "listed twice is timed twice (the noise)", parse=names)
+    dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
+    steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
+    warmup: int = arg(5, "untimed rounds first", parse=positive_int)
+    profile_steps: int = arg(3, "profiled steps per mode for the communication hidden (GPU; 0: none)",
+                             parse=non_negative_int)
+    json: str | None = arg(None, "write the results to this JSON file")
+
+    def validate(self) -> None:
+        if self.config not in SHAPES:
+            raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(SHAPES)}")
+        unknown = [m for m in self.modes if m not in MODES]
+        if not self.modes or unknown:
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+        if "domino" in self.modes and self.p1 > self.batch_size:
+            raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
+
+
+def flops_per_step(shape: TPShape, layers: int, batch: int, seq: int) -> float:
+    """Forward + backward FLOPs of the whole (unsplit) stack: the linears (qkv, out, fc, out: 2 x
+    (4 d^2 + 2 d h) per token) and causal attention's two matmuls (2 x 2 x seq x d per token, half
+    of them masked), times 3 for forward + backward."""
+    tokens = batch * seq
+    linears = 2 * tokens * (4 * shape.dim ** 2 + 2 * shape.dim * shape.hidden_dim)
+    attention = 2 * tokens * seq * shape.dim  # 4 * seq * d per token, halved by the causal mask
+    return 3.0 * layers * (linears + attention)
+
+
+def run(bench: TPBenchConfig) -> dict:
+    bench.validate()
+    ctx = init_distributed()
+    device, world = ctx.device, ctx.world_size
+    dtype = DTYPES[bench.dtype] if device.type == "cuda" else torch.float32
+    shape = SHAPES[bench.config]
+    seq = bench.seq_len or shape.seq_len
+    group = dist.group.WORLD if dist.is_initialized() and world > 1 else None
+    config = GPTConfig(n_layer=bench.layers, n_head=shape.n_head, dim=shape.dim, mlp_hidden_dim=shape.hidden_dim,
+                       block_size=seq, moe_every=0)
+    torch.manual_seed(0)  # the same dense weights on every rank; each keeps its shards
+    blocks = []
+    for _ in range(bench.layers):
+        dense = Block(config, moe=False, group=None).to(device=device, dtype=dtype)
+        blocks.append(TPBlock.from_dense(dense, shape.n_head, group))
+        del dense
+    stack = TPStack(blocks, group)
+    rope = rotary_tables(seq, config.head_dim, config.rope_theta, device)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(bench.batch_size, seq, shape.dim, generator=gen).to(device, dtype)
+    grad = torch.randn(x.shape, generator=gen).to(device, dtype)
+    schedules = {m: make_schedule(m, bench.p1) for m in dict.fromkeys(bench.modes)}
+
+    def fwd_bwd(schedule) -> tuple[torch.Tensor, torch.Tensor]:
+        x_in = x.detach().requires_grad_()
+        out = stack(x_in, rope, schedule=schedule)
+        out.backward(grad)
+        stack.zero_grad(set_to_none=True)
+        return out.detach(), x_in.grad
+
+    reference = fwd_bwd(schedules.get("none", make_schedule("none")))
+    errors = {}
+    for mode, schedule in schedules.items():
+        out, dx = fwd_bwd(schedule)
+        errors[mode] = None if mode == "no-comm" else max(float((out - reference[0]).abs().max()),
+                                                          float((dx - reference[1]).abs().max()))
+    runs = [Run(lambda: None, lambda r, s=schedules[m]: fwd_bwd(s)) for m in bench.modes]
+    times = interleaved_ms(runs, bench.steps, bench.warmup, device)
+    flops = flops_per_step(shape, bench.layers, bench.batch_size, seq) / world
+    rows = []
+    for i, mode in enumerate(bench.modes):
+        q1, median, q3 = quartiles(times[i, 0])
+        row = {"mode": mode, "repeat": bench.modes[:i].count(mode), "median_ms": median, "iqr_ms": q3 - q1,
+               "min_ms": float(times[i, 0].min()), "max_abs_error": errors[mode],
+               "tflops_per_rank": flops / (median * 1e-3) / 1e12}
+        if device.type == "cuda" and bench.profile_steps > 0:
+            row.update(profile_parts(lambda s=schedules[mode]: fwd_bwd(s), bench.profile_steps))
+        rows.append(row)
+    base = next((r for r in rows if r["mode"] == "none"), rows[0])
+    for row in rows:
+        row["speedup"] = base["median_ms"] / row["median_ms"]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    report = {"meta": {"config": bench.config, **vars(shape), "seq_len": seq, "layers": bench.layers,
+                       "batch_size": bench.batch_size, "p1": bench.p1, "tp": world, "device": name,
+                       "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
+                       "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1", "timing": "interleaved",
+                       "rounds": bench.steps, "warmup_rounds": bench.warmup,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
+              "results": rows}
+    if ctx.rank == 0:
+        print_table(report)
+        if bench.json:
+            write_json(bench.json, report)
+    return report
+
+
+def print_table(report: dict) -> None:
+    meta = report["meta"]
+    print(f"\nweft bench tp: {meta['config']} ({meta['layers']} blocks of {meta['dim']} x {meta['hidden_dim']}, "
+          f"{meta['n_head']} heads), batch {meta['batch_size']} x {meta['seq_len']}, TP {meta['tp']} x "
+          f"{meta['device']}, {meta['dtype']}, domino p1 {meta['p1']}, fwd+bwd"
+          f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
+    print(f"{'mode':>10} {'median ms':>10} {'iqr':>6} {'min':>8} {'speedup':>8} {'max err':>9} {'comm ms':>8} "
+          f"{'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
+    for r in report["results"]:
+        label = r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "")
+        err = "n/a" if r["max_abs_error"] is None else f"{r['max_abs_error']:.1e}"
+        comm, exposed, hidden = comm_cells(r)
+        print(f"{label:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {r['min_ms']:>8.3f} {r['speedup']:>7.2f}x "
+              f"{err:>9} {comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f}")

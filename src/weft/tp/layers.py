@@ -1,0 +1,137 @@
+"""Tensor-parallel attention and MLP (Megatron-LM sec. 3, fig. 3): the first linear of each is
+split by output columns (attention: by heads, each rank holds n_head / tp whole heads of q, k
+and v; MLP: hidden units), the second by input rows, so each rank computes a partial sum of the
+output with no communication in between. `partial(h)` returns that partial sum; the all-reduce
+that completes it belongs to the schedule (weft.tp.schedule), which is where Domino overlaps it.
+Given a `WeightGradQueue`, `partial` holds its linears' weight gradients back for the schedule
+to run under an all-reduce.
+
+Shards are cut from the dense modules of `weft.models.gpt` (`from_dense`), with the same
+parameter names, so rank r's tensors are slices of the dense ones: `shard_of` says which.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from weft.distributed import group_rank, group_size
+from weft.kernels.rotary import rotary
+
+
+def check_divisible(what: str, size: int, tp: int) -> None:
+    if size % tp:
+        raise ValueError(f"tensor parallelism over {tp} ranks needs {what} divisible by {tp}, got {size}")
+
+
+class TPAttention(nn.Module):
+    """Causal self-attention with n_head / tp heads per rank; `qkv.weight` (3 * dim / tp, dim) holds
+    this rank's rows of q, k and v, `out_proj.weight` (dim, dim / tp) its heads' columns."""
+
+    def __init__(self, dim: int, n_head: int, group: dist.ProcessGroup | None, kernels: str = "auto",
+                 device=None, dtype=None):
+        super().__init__()
+        tp = group_size(group)
+        check_divisible("n_head", n_head, tp)
+        self.group, self.kernels = group, kernels
+        self.dim, self.n_head, self.local_heads, self.head_dim = dim, n_head, n_head // tp, dim // n_head
+        local = self.local_heads * self.head_dim
+        self.qkv = nn.Linear(dim, 3 * local, bias=False, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(local, dim, bias=False, device=device, dtype=dtype)
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the dense parameter `name` ('qkv.weight' or 'out_proj.weight')."""
+        first = group_rank(self.group) * self.local_heads
+        heads = slice(first, first + self.local_heads)
+        if name == "qkv.weight":  # rows: (3, n_head, head_dim) of the dense output
+            return full.view(3, self.n_head, self.head_dim, self.dim)[:, heads].reshape(-1, self.dim)
+        if name == "out_proj.weight":  # columns: (n_head, head_dim) of the dense input
+            return full.view(self.dim, self.n_head, self.head_dim)[:, heads].reshape(self.dim, -1)
+        raise KeyError(name)
+
+    def partial(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                queue: WeightGradQueue | None = None) -> torch.Tensor:
+        batch, seq, _ = h.shape
+        q, k, v = linear(h, self.qkv, queue).view(batch, seq, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = rotary(q, *rope, self.kernels), rotary(k, *rope, self.kernels)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return linear(y.transpose(1, 2).reshape(batch, seq, -1), self.out_proj, queue)
+
+
+class TPMLP(nn.Module):
+    """gelu MLP with hidden / tp units per rank: `fc.weight` (hidden / tp, dim), `out_proj.weight`
+    (dim, hidden / tp)."""
+
+    def __init__(self, dim: int, hidden_dim: int, group: dist.ProcessGroup | None, device=None, dtype=None):
+        super().__init__()
+        tp = group_size(group)
+        check_divisible("the MLP's hidden size", hidden_dim, tp)
+        self.group, self.local_hidden = group, hidden_dim // tp
+        self.fc = nn.Linear(dim, self.local_hidden, bias=False, device=device, dtype=dtype)
+        self.out_proj = nn.Linear(self.local_hidden, dim, bias=False, device=device, dtype=dtype)
+
+    def shard_of(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        units = slice(group_rank(self.group) * self.local_hidden, (group_rank(self.group) + 1) * self.local_hidden)
+        if name == "fc.weight":
+            return full[units]
+        if name == "out_proj.weight":
+            return full[:, units]
+        raise KeyError(name)
+
+    def partial(self, h: torch.Tensor, rope=None, queue: WeightGradQueue | None = None) -> torch.Tensor:
+        return linear(F.gelu(linear(h, self.fc, queue)), self.out_proj, queue)
+
+
+def load_shards(module: TPAttention | TPMLP, dense: nn.Module) -> None:
+    """Copy this rank's slices of `dense`'s parameters (same names) into `module`."""
+    dense_params = dict(dense.named_parameters())
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            param.copy_(module.shard_of(name, dense_params[name]))
+
+
+class WeightGradQueue:
+    """The weight gradients of `linear` calls made with this queue, held back in backward (only
+    the input gradient is computed at once) until `run()`: Domino's backward computes a
+    micro-batch's input gradient, starts its all-reduce, and runs the weight-gradient matmuls
+    under it (sec. 4.1, fig. 8). `run()` accumulates each product into one buffer per weight
+    (`addmm_`: no separate sum over micro-batches); `grads()` hands the buffers over by weight."""
+
+    def __init__(self):
+        self.items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def run(self) -> None:
+        for weight, x, dy in self.items:
+            x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+            buf = self.buffers.get(id(weight))
+            if buf is None:
+                self.buffers[id(weight)] = dy2.t().mm(x2)
+            else:
+                buf.addmm_(dy2.t(), x2)
+        self.items.clear()
+
+    def grads(self) -> dict[int, torch.Tensor]:
+        self.run()
+        return self.buffers
+
+
+class _QueuedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, queue: WeightGradQueue) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.queue = queue
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        ctx.queue.items.append((weight, x, dy))
+        return dy.matmul(weight), None, None
+
+
+def linear(x: torch.Tensor, layer: nn.Linear, queue: WeightGradQueue | None) -> torch.Tensor:
+    """`layer(x)` (no bias); with a queue its weight gradient waits in the queue instead of
+    reaching `layer.weight` through autograd."""
+    return layer(x) if queue is None else _QueuedLinear.apply(x, layer.weight, queue)

@@ -1,0 +1,30 @@
+"""`weft bench tp` end to end on 2 gloo ranks: every schedule, a repeated one, JSON."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weft.bench import tp
+from weft.bench.tp import TPBenchConfig, flops_per_step
+from weft.testing import run_distributed
+
+
+def test_tiny_tp_benchmark_writes_well_formed_json(tmp_path):
+    out = tmp_path / "tp.json"
+    cfg = TPBenchConfig("tiny", layers=2, batch_size=4, p1=2, modes=("none", "domino", "no-comm", "domino"),
+                        steps=2, warmup=1, json=str(out))
+    run_distributed(tp.run, 2, args=(cfg,), timeout=300)
+    report = json.loads(out.read_text())
+    assert report["meta"]["tp"] == 2 and report["meta"]["p1"] == 2 and report["meta"]["layers"] == 2
+    rows = report["results"]
+    assert [(r["mode"], r["repeat"]) for r in rows] == [("none", 0), ("domino", 0), ("no-comm", 0), ("domino", 1)]
+    for r in rows:
+        assert r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] and r["iqr_ms"] >= 0
+        assert r["speedup"] == pytest.approx(rows[0]["median_ms"] / r["median_ms"])
+        assert "decomposition" not in r  # GPU only
+    assert rows[0]["max_abs_error"] == 0.0 and rows[1]["max_abs_error"] < 1e-5  # domino computes Megatron's function
+    assert rows[2]["max_abs_error"] is None  # no-comm is not the model's function
+    shape = tp.SHAPES["tiny"]
+    assert rows[0]["tflops_per_rank"] == pytest.approx(
+        flops_per_step(shape, 2, 4, shape.seq_len) / 2 / (rows[0]["median_ms"] * 1e-3) / 1e12)

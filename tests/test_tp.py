@@ -1,0 +1,125 @@
+"""Tensor parallelism (weft.tp) computes the dense blocks' function: on gloo with 1, 2 and 4
+ranks, a stack of two dense GPT blocks split over the ranks gives the dense stack's outputs,
+input gradients and parameter gradients (each rank's shard gradient is the slice of the dense
+one), with the all-reduces waited in place (Megatron) and overlapped by Domino's row split into
+micro-batches (even and uneven), and again after an SGD step."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft.models.gpt import Block, GPTConfig, rotary_tables
+from weft.testing import run_checks
+from weft.tp import Domino, NoComm, Sequential, TPBlock, TPStack, make_schedule
+
+CONFIG = GPTConfig(n_layer=2, n_head=4, dim=32, moe_every=0, block_size=16)
+BATCH, SEQ = 5, 8
+
+
+def dense_blocks(device: str = "cpu") -> list[Block]:
+    torch.manual_seed(0)
+    return [Block(CONFIG, moe=False, group=None, kernels="torch").double().to(device) for _ in range(CONFIG.n_layer)]
+
+
+def tp_worker(schedule_name: str, p1: int, device: str = "cpu") -> list[str]:
+    """`device` "cuda": each rank on its own GPU (NCCL), float64 as on the CPU."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    failures = []
+
+    def expect(cond, what):
+        if not cond:
+            failures.append(f"rank {rank}, {schedule_name} p1={p1}: {what}")
+
+    rope = tuple(t.double() for t in rotary_tables(SEQ, CONFIG.head_dim, CONFIG.rope_theta, torch.device(device)))
+    dense = dense_blocks(device)
+    stack = TPStack([TPBlock.from_dense(b, CONFIG.n_head, None if world == 1 else dist.group.WORLD, "torch")
+                     for b in dense], None if world == 1 else dist.group.WORLD, make_schedule(schedule_name, p1))
+    dense_opt = torch.optim.SGD([p for b in dense for p in b.parameters()], lr=0.1)
+    tp_opt = torch.optim.SGD(stack.parameters(), lr=0.1)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(10 + step)  # the same data on every rank of the group
+        x = torch.randn(BATCH, SEQ, CONFIG.dim, generator=gen, dtype=torch.float64).to(device)
+        grad_out = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(device)
+        x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref = x_ref
+        for block in dense:
+            y_ref = block(y_ref, rope)
+        y_ref.backward(grad_out)
+        y_tp = stack(x_tp, rope)
+        y_tp.backward(grad_out)
+        expect(torch.allclose(y_tp, y_ref, atol=1e-10), f"step {step}: outputs differ by "
+               f"{(y_tp - y_ref).abs().max():.3g}")
+        expect(torch.allclose(x_tp.grad, x_ref.grad, atol=1e-10), f"step {step}: input gradients differ")
+        for b, (dense_block, tp_block) in enumerate(zip(dense, stack.blocks)):
+            for part in ("attn_norm", "ffn_norm"):
+                for name, p in getattr(tp_block, part).named_parameters():
+                    ref = dict(getattr(dense_block, part).named_parameters())[name].grad
+                    expect(torch.allclose(p.grad, ref, atol=1e-10), f"step {step}: block {b} {part}.{name} grad")
+            for part in ("attn", "ffn"):
+                tp_part, dense_part = getattr(tp_block, part), dict(getattr(dense_block, part).named_parameters())
+                for name, p in tp_part.named_parameters():
+                    ref = tp_part.shard_of(name, dense_part[name].grad)
+                    expect(p.grad is not None and torch.allclose(p.grad, ref, atol=1e-10),
+                           f"step {step}: block {b} {part}.{name} grad")
+        dense_opt.step()
+        tp_opt.step()
+        dense_opt.zero_grad()
+        tp_opt.zero_grad()
+    with torch.no_grad():  # evaluation (no graphs kept) computes the same
+        x = torch.randn(BATCH, SEQ, CONFIG.dim, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+        x = x.to(device)
+        y_ref = x
+        for block in dense:
+            y_ref = block(y_ref, rope)
+        expect(torch.allclose(stack(x, rope), y_ref, atol=1e-10), "evaluation outputs differ")
+    return failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("schedule, p1", [("none", 1), ("domino", 2), ("domino", 3), ("domino", 5)])
+def test_tensor_parallel_blocks_compute_the_dense_blocks(world, schedule, p1):
+    failures = run_checks(tp_worker, world, args=(schedule, p1), timeout=180)
+    assert not failures, "\n".join(failures[:10])
+
+
+def no_comm_worker() -> list[str]:
+    dense = dense_blocks()
+    rope = rotary_tables(SEQ, CONFIG.head_dim, CONFIG.rope_theta, torch.device("cpu"))
+    rope = tuple(t.double() for t in rope)
+    stack = TPStack([TPBlock.from_dense(b, CONFIG.n_head, dist.group.WORLD, "torch") for b in dense],
+                    dist.group.WORLD)
+    x = torch.randn(BATCH, SEQ, CONFIG.dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with torch.no_grad():
+        full, without = stack(x, rope), stack(x, rope, schedule=NoComm())
+    failures = [] if not torch.allclose(full, without) else ["no-comm computed the full function on 2 ranks"]
+    for make, message in ((lambda: TPBlock(30, 3, 64, dist.group.WORLD), "n_head divisible by 2"),
+                          (lambda: TPBlock(32, 4, 63, dist.group.WORLD), "hidden size divisible by 2")):
+        try:
+            make()
+            failures.append(f"no error for {message}")
+        except ValueError as error:
+            if message not in str(error):
+                failures.append(f"unclear error: {error}")
+    return failures
+
+
+def test_no_comm_leaves_the_partial_sums_unreduced():
+    """The timing-only schedule is not the model's function once the heads are split; shapes that
+    do not split over the ranks are refused."""
+    assert not run_checks(no_comm_worker, 2, timeout=120)
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="p1"):
+        Domino(0)
+    with pytest.raises(ValueError, match="unknown tensor-parallel overlap"):
+        make_schedule("pipelined")
+    stack = TPStack([TPBlock.from_dense(b, CONFIG.n_head, None, "torch") for b in dense_blocks()], None, Domino(8))
+    rope = tuple(t.double() for t in rotary_tables(SEQ, CONFIG.head_dim, CONFIG.rope_theta, torch.device("cpu")))
+    with pytest.raises(ValueError, match="only 5 rows"):
+        stack(torch.randn(BATCH, SEQ, CONFIG.dim, dtype=torch.float64, requires_grad=True), rope)
+    assert isinstance(make_schedule("none"), Sequential)
+
