@@ -123,3 +123,24 @@ def test_bad_settings_are_refused():
         stack(torch.randn(BATCH, SEQ, CONFIG.dim, dtype=torch.float64, requires_grad=True), rope)
     assert isinstance(make_schedule("none"), Sequential)
 
+
+
+def gpt_worker() -> list[str]:
+    """The model-level view: a split GPT counts the parameters and FLOPs of the unsplit one."""
+    from weft.models import GPT
+    torch.manual_seed(0)
+    whole = GPT(CONFIG)
+    torch.manual_seed(0)
+    split = GPT(CONFIG, tp_group=dist.group.WORLD)
+    failures = []
+    if split.num_parameters() != whole.num_parameters():
+        failures.append(f"parameters {split.num_parameters()} != {whole.num_parameters()}")
+    if split.flops_per_token() != whole.flops_per_token():
+        failures.append("flops per token differ")
+    if split.moe_layers() or split.tp is None:
+        failures.append("the split dense model is not tensor parallel")
+    return failures
+
+
+def test_a_split_gpt_counts_the_whole_model():
+    assert not run_checks(gpt_worker, 2, timeout=120)

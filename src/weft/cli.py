@@ -33,6 +33,7 @@ from weft.train.config import (
     BALANCE,
     CUDA_GRAPHS,
     FREE_ON_RESUME,
+    TP_OVERLAPS,
     TrainConfig,
     config_changes,
     read_run_config,
@@ -85,7 +86,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance",
+                "tp", "tp_overlap", "domino_p1")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -132,6 +134,8 @@ def _check_world(cfg, nproc: int) -> None:
         world = torch.cuda.device_count()
     else:
         world = nproc
+    if world % cfg.tp:
+        raise ValueError(f"--tp {cfg.tp} must divide the number of processes ({world})")
     ep = cfg.ep_size or world
     if world % ep:
         raise ValueError(f"--ep-size {ep} must divide the number of processes ({world})")
@@ -218,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPUs: replay each micro-step's forward and backward as one CUDA graph (no launch cost); "
                          "auto (default): where the shapes are static (padded capacity, no overlap engine), "
                          "on: an error where they are not, off: eager")
+    tr.add_argument("--tp", type=positive_int, default=None,
+                    help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
+                         "(Megatron's split; default 1); the other ranks are data parallel")
+    tr.add_argument("--tp-overlap", default=None, choices=list(TP_OVERLAPS),
+                    help="with --tp: none (default: each all-reduce waited where issued) or domino (each "
+                         "micro-step's batch cut into --domino-p1 micro-batches whose all-reduces overlap compute)")
+    tr.add_argument("--domino-p1", type=positive_int, default=None, help="Domino's micro-batches (default 2)")
     tr.set_defaults(run=_train, parser=tr)
 
     _config_parser(sub, "plan", overlap_run.PlanConfig, overlap_run.plan_preset,

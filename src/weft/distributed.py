@@ -90,9 +90,12 @@ class MoEGroups:
     `ep`: ranks that together hold one copy of every expert (tokens are exchanged inside it).
     `edp`: expert-data-parallel ranks holding the same experts (expert gradients are averaged here).
     `dp`: all data-parallel ranks (non-expert gradients are averaged here).
-    `mesh`: the (edp, ep) DeviceMesh these groups come from (for DTensor, FSDP2 and tensor
-    parallelism). In a distributed run every group is a real process group (possibly of one rank,
-    e.g. `ep` with ep_size=1 keeps all experts local); without torch.distributed all are None.
+    `mesh`: the (edp, ep) DeviceMesh these groups come from (for DTensor, FSDP2), or the (dp, tp)
+    one of tensor-parallel training. In a distributed run every group is a real process group
+    (possibly of one rank, e.g. `ep` with ep_size=1 keeps all experts local); without
+    torch.distributed all are None.
+    `tp`: the tensor-parallel group (consecutive ranks; a dense model's blocks are split over it,
+    weft.tp), None without tensor parallelism; `dp` is then the ranks with this rank's TP index.
     """
 
     ep: dist.ProcessGroup | None
@@ -101,14 +104,19 @@ class MoEGroups:
     ep_size: int
     edp_size: int
     mesh: DeviceMesh | None = None
+    tp: dist.ProcessGroup | None = None
+    tp_size: int = 1
 
 
-def build_moe_groups(ep_size: int | None = None, device_type: str | None = None) -> MoEGroups:
+def build_moe_groups(ep_size: int | None = None, device_type: str | None = None, tp_size: int = 1) -> MoEGroups:
     """Split the world into a (edp, ep) DeviceMesh: ranks [i*ep, (i+1)*ep) form EP group i.
 
     `ep_size` defaults to the whole world. It must divide the world size; with fewer experts
-    than ranks choose `ep_size <= num_experts` so every EP group holds all experts.
+    than ranks choose `ep_size <= num_experts` so every EP group holds all experts. `tp_size` > 1
+    (dense models): a (dp, tp) mesh instead, ranks [i*tp, (i+1)*tp) forming TP group i.
     """
+    if tp_size > 1:
+        return _build_tp_groups(ep_size, device_type, tp_size)
     if not dist.is_initialized():
         if ep_size not in (None, 1):
             raise ValueError(f"ep_size={ep_size} needs an initialised process group (world size is 1)")
@@ -122,6 +130,18 @@ def build_moe_groups(ep_size: int | None = None, device_type: str | None = None)
     mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("edp", "ep"))
     ep, edp = mesh.get_group("ep"), mesh.get_group("edp")
     return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size, mesh)
+
+
+def _build_tp_groups(ep_size: int | None, device_type: str | None, tp_size: int) -> MoEGroups:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world % tp_size:
+        raise ValueError(f"tensor-parallel size {tp_size} must divide the world size ({world})")
+    if ep_size not in (None, 1):
+        raise ValueError(f"ep_size={ep_size}: tensor parallelism runs dense models, which have no experts to split")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return MoEGroups(None, None, mesh.get_group("dp"), 1, 1, mesh, mesh.get_group("tp"), tp_size)
 
 
 @dataclass(frozen=True)

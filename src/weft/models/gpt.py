@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from weft.distributed import group_size
 from weft.kernels.rotary import rotary, rotary_reference
 from weft.kernels.rows import KERNELS
 from weft.moe import ACTIVATIONS, GATES, MoE
@@ -29,6 +30,7 @@ from weft.moe.config import check_router_settings
 from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import Linear
 from weft.profiling import stage
+from weft.tp import Sequential, TPBlock, run_blocks, sharded_parameters
 
 Unit = Callable[[torch.Tensor], torch.Tensor]
 # Runs a model's sub-layers in order on x (e.g. Lancet's partitioned pipeline, weft.overlap).
@@ -261,10 +263,14 @@ class GPT(nn.Module):
     (None = the default group if initialised, as for weft.MoE). `kernels`: "auto" (Triton's
     rotary and MoE dispatch/combine on CUDA), "triton" or "torch" (PyTorch ops only); the same
     function either way. `balance`: None, or "pro-prophet" for every MoE layer (weft.MoE's
-    balance; dropless models only); the same function either way."""
+    balance; dropless models only); the same function either way. `tp_group` (dense models): the
+    blocks are split over this tensor-parallel group (weft.tp, Megatron's split) and run by
+    `tp_schedule` (weft.tp.Sequential by default, weft.tp.Domino to overlap the all-reduces);
+    every rank of the group gets the same tokens. The weights are those of the unsplit model (the
+    same seed gives the same model for any TP size)."""
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto",
-                 balance: str | None = None):
+                 balance: str | None = None, tp_group: dist.ProcessGroup | None = None, tp_schedule=None):
         super().__init__()
         config.validate()
         if kernels not in KERNELS:
@@ -280,7 +286,17 @@ class GPT(nn.Module):
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
+        self.tp = None
         self._init_weights()
+        # Tensor parallelism: each block cut from its initialised dense self (so any TP size starts
+        # from the same weights), run as one stack by the schedule.
+        if group_size(tp_group) > 1:
+            if config.moe_every:
+                raise ValueError("tensor parallelism splits dense models so far (moe_every = 0); this model has MoE "
+                                 f"blocks (moe_every = {config.moe_every})")
+            self.blocks = nn.ModuleList(TPBlock.from_dense(block, config.n_head, tp_group, kernels)
+                                        for block in self.blocks)
+            self.tp = (tp_group, tp_schedule if tp_schedule is not None else Sequential())
         # How the sub-layers of self.units() run: None in order; weft.overlap.optimize installs
         # Lancet's partitioned pipeline here.
         self.unit_runner: UnitRunner | None = None
@@ -304,11 +320,14 @@ class GPT(nn.Module):
 
     def units(self, rope: tuple[torch.Tensor, torch.Tensor], moe_overrides: Mapping[str, Any] | None = None) -> list:
         """All blocks' sub-layers in order: unit 2i is block i's attention, 2i + 1 its FFN."""
+        if self.tp is not None:
+            raise ValueError("tensor-parallel blocks run as one stack (weft.tp); they have no sub-layer units for "
+                             "Lancet's partitioned forward")
         return [unit for block in self.blocks for unit in block.units(rope, moe_overrides)]
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers in block order."""
-        return [block.ffn for block in self.blocks if block.is_moe]
+        return [] if self.tp is not None else [block.ffn for block in self.blocks if block.is_moe]
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, moe_overrides: Mapping[str, Any] | None = None
@@ -322,11 +341,12 @@ class GPT(nn.Module):
         with stage("embedding"):
             x = self.tok_emb(idx)
         rope = rotary_tables(idx.shape[1], self.config.head_dim, self.config.rope_theta, idx.device)
-        units = self.units(rope, moe_overrides)
-        if self.unit_runner is not None:
-            x = self.unit_runner(units, x)
+        if self.tp is not None:
+            x = run_blocks(self.blocks, x, rope, *self.tp)
+        elif self.unit_runner is not None:
+            x = self.unit_runner(self.units(rope, moe_overrides), x)
         else:
-            for unit in units:
+            for unit in self.units(rope, moe_overrides):
                 x = unit(x)
         with stage("head"):
             logits = self.head(self.norm(x))
@@ -363,7 +383,10 @@ class GPT(nn.Module):
             expert_params.update(id(p) for p in params)
             per_expert = sum(p.numel() for p in params) // moe.num_local_experts
             total += per_expert * (moe.top_k if active_only else moe.num_experts)
-        return total + sum(p.numel() for p in self.parameters() if id(p) not in expert_params)
+        total += sum(p.numel() for p in self.parameters() if id(p) not in expert_params)
+        if self.tp is not None:  # each rank holds 1/tp of the split parameters
+            total += sum(p.numel() for p in sharded_parameters(self)) * (group_size(self.tp[0]) - 1)
+        return total
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward), the PaLM / nanoGPT MFU estimate:

@@ -74,6 +74,10 @@ PRESETS.update({"tiny-dense": dense_twin(PRESETS["tiny"]), "gpt2-s": dense_twin(
                 "gpt2-l": dense_twin(PRESETS["gpt2-l-moe"])})
 TWINS = {"tiny": "tiny-dense", "gpt2-s-moe": "gpt2-s", "gpt2-l-moe": "gpt2-l"}
 
+# Domino's dense GPT-3 2.7B (Brown et al. table 2.1: 32 layers x 2560, 32 heads, sequence 1024
+# here; bytes instead of BPE tokens), the model of tensor parallelism's tables (`--tp`).
+PRESETS["gpt3-2.7b"] = GPTConfig(block_size=1024, n_layer=32, n_head=32, dim=2560, moe_every=0)
+
 
 def get_preset(name: str) -> GPTConfig:
     """A copy of the named preset (safe to modify)."""

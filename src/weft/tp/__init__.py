@@ -1,10 +1,12 @@
 """Tensor parallelism for dense transformer blocks, and Domino's overlap of its all-reduces
 (Megatron-LM sec. 3; Domino sec. 3.2 and 4.1). The weight column split p2 and the hybrid
 (Domino sec. 3.3-3.4, 4.2) are not built yet."""
-from weft.tp.block import SCHEDULES, TPBlock, TPStack, make_schedule
+from weft.tp.block import SCHEDULES, TPBlock, TPStack, make_schedule, run_blocks
 from weft.tp.collectives import copy_to_tp, reduce_from_tp
 from weft.tp.layers import TPMLP, TPAttention
 from weft.tp.schedule import Domino, NoComm, Sequential, Stage
+from weft.tp.state import dense_tensor, local_tensor, sharded_entries, sharded_parameters
 
 __all__ = ["SCHEDULES", "Domino", "NoComm", "Sequential", "Stage", "TPAttention", "TPBlock", "TPMLP", "TPStack",
-           "copy_to_tp", "make_schedule", "reduce_from_tp"]
+           "copy_to_tp", "dense_tensor", "local_tensor", "make_schedule", "reduce_from_tp", "run_blocks",
+           "sharded_entries", "sharded_parameters"]

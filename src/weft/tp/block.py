@@ -65,5 +65,10 @@ class TPStack(nn.Module):
         self.schedule = schedule if schedule is not None else Sequential()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], schedule=None) -> torch.Tensor:
-        stages = [stage for block in self.blocks for stage in block.stages(rope)]
-        return (schedule or self.schedule).run(stages, x, self.group)
+        return run_blocks(self.blocks, x, rope, self.group, schedule or self.schedule)
+
+
+def run_blocks(blocks: Sequence[TPBlock], x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               group: dist.ProcessGroup | None, schedule) -> torch.Tensor:
+    """`blocks` one after the other under `schedule` (Domino's overlap crosses block boundaries)."""
+    return schedule.run([stage for block in blocks for stage in block.stages(rope)], x, group)

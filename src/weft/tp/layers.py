@@ -50,6 +50,14 @@ class TPAttention(nn.Module):
             return full.view(self.dim, self.n_head, self.head_dim)[:, heads].reshape(self.dim, -1)
         raise KeyError(name)
 
+    def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The dense tensor `name` from every rank's shard, in group-rank order (`shard_of`'s inverse)."""
+        if name == "qkv.weight":
+            return torch.cat([s.view(3, self.local_heads, self.head_dim, self.dim) for s in shards], 1).flatten(0, 2)
+        if name == "out_proj.weight":
+            return torch.cat([s.view(self.dim, self.local_heads, self.head_dim) for s in shards], 1).flatten(1)
+        raise KeyError(name)
+
     def partial(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 queue: WeightGradQueue | None = None) -> torch.Tensor:
         batch, seq, _ = h.shape
@@ -77,6 +85,12 @@ class TPMLP(nn.Module):
             return full[units]
         if name == "out_proj.weight":
             return full[:, units]
+        raise KeyError(name)
+
+    def unshard(self, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The dense tensor `name` from every rank's shard, in group-rank order (`shard_of`'s inverse)."""
+        if name in ("fc.weight", "out_proj.weight"):
+            return torch.cat(shards, 0 if name == "fc.weight" else 1)
         raise KeyError(name)
 
     def partial(self, h: torch.Tensor, rope=None, queue: WeightGradQueue | None = None) -> torch.Tensor:

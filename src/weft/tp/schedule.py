@@ -74,11 +74,11 @@ class Domino:
         self.p1 = p1
 
     def run(self, stages: Sequence[Stage], x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # evaluation, sampling: no graphs to keep (and no overlap)
+            return Sequential().run(stages, x, group)
         if x.shape[0] < self.p1:
             raise ValueError(f"domino splits the batch into p1 = {self.p1} micro-batches; the batch has only "
                              f"{x.shape[0]} rows")
-        if not torch.is_grad_enabled():  # evaluation: no graphs to keep (and no overlap)
-            return Sequential().run(stages, x, group)
         params = [p for stage in stages for p in stage.params]
         return _DominoStack.apply(tuple(stages), group, self.p1, x, *params)
 

@@ -12,6 +12,10 @@
       optim_experts_ep{r:03d}.pt  optimizer state of those parameters by name, per expert alike
       rng_rank{r:05d}.pt          torch CPU (and CUDA) and python `random` states     (every rank)
 
+Tensor-parallel models (weft.tp) are saved in the dense layout: each slice of a split parameter
+(and of its optimizer state) is gathered over the TP group into the tensor of the unsplit model,
+and each rank takes its slice again on load, so a run may continue with another TP size.
+
 Files go to `checkpoints/.step_N.tmp`, which becomes `step_N` by a rename only after the manifest
 is on disk: a crash leaves the earlier checkpoints and at worst a `.tmp` folder, never loaded.
 Loading may use another world or EP size: each rank takes the global experts it holds from the
@@ -35,6 +39,7 @@ from torch import nn
 
 from weft.distributed import MoEGroups, group_rank
 from weft.moe.experts import Experts
+from weft.tp import dense_tensor, local_tensor, sharded_entries
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint"]
 
@@ -109,11 +114,14 @@ def _write(folder: Path, name: str, obj: Any) -> dict[str, dict[str, Any]]:
 
 def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Contents of optim.pt (dense state and param_groups, by name) and of this rank's expert file."""
-    state_dict, expert_keys = optimizer.state_dict(), _expert_keys(model)
+    state_dict, expert_keys, sliced = optimizer.state_dict(), _expert_keys(model), sharded_entries(model)
     named = _optimizer_names(model, optimizer)
     dense, experts = {}, {}
     for index, (name, param) in enumerate(pair for group in named for pair in group):
         state = state_dict["state"].get(index, {})
+        if name in sliced and state:  # the moments of a tensor-parallel slice, gathered (a collective)
+            state = {k: dense_tensor(*sliced[name], v) if torch.is_tensor(v) and v.shape == param.shape and v.dim()
+                     else v for k, v in state.items()}
         if name in expert_keys and state:  # tensors shaped like the parameter are per expert
             per_expert = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == param.shape}
             experts[name] = {
@@ -141,13 +149,14 @@ def _write_rank_files(
 ) -> tuple[dict, dict]:
     """Write this rank's files; return (their sizes and checksums, {module: (shard, expert range)})."""
     rank, files, ranges = _world()[0], {}, {}
-    state, expert_keys = model.state_dict(), _expert_keys(model)
+    state, expert_keys, sliced = model.state_dict(), _expert_keys(model), sharded_entries(model)
+    state = {k: dense_tensor(*sliced[k], v) if k in sliced else v for k, v in state.items()}  # every rank
     dense_optim, expert_optim = _optimizer_files(model, optimizer) if optimizer is not None else ({}, {})
     if rank == 0:
         files |= _write(folder, "model.pt", {k: v for k, v in state.items() if k not in expert_keys})
         if optimizer is not None:
             files |= _write(folder, "optim.pt", dense_optim)
-    if group_rank(groups.edp) == 0:  # one copy of each EP shard
+    if _experts_modules(model) and group_rank(groups.edp) == 0:  # one copy of each EP shard
         shard = f"experts_ep{group_rank(groups.ep):03d}.pt"
         spans = {n: [m.first_expert, m.first_expert + m.num_local] for n, m in _experts_modules(model).items()}
         tensors = {k: v for k, v in state.items() if k in expert_keys}
@@ -374,6 +383,13 @@ def _model_state(files: _Files, model: nn.Module, layout: dict[str, Pieces]) -> 
         if any(key not in files.load(shard)["tensors"] for shard, _, _ in layout[module]):
             raise CheckpointError(f"checkpoint {files.path}: expert parameter {key} is missing")
         state[key] = _gather_experts(files, layout[module], lambda contents: contents["tensors"][key])
+    for key, (module, name) in sharded_entries(model).items():  # this rank's slice of the dense tensor
+        if key in state:
+            try:
+                state[key] = local_tensor(module, name, state[key])
+            except RuntimeError:
+                raise CheckpointError(f"checkpoint {files.path}: parameter {key} of shape {tuple(state[key].shape)} "
+                                      "does not split into this model's tensor-parallel slices") from None
     expected = model.state_dict()
     missing, unexpected = sorted(expected.keys() - state.keys()), sorted(state.keys() - expected.keys())
     if missing or unexpected:
@@ -394,7 +410,7 @@ def _optimizer_state_dict(
     files: _Files, model: nn.Module, optimizer: torch.optim.Optimizer, layout: dict[str, Pieces]
 ) -> dict[str, Any]:
     """A torch optimizer state_dict (integer ids in param_groups order) rebuilt from names."""
-    saved, expert_keys = files.load("optim.pt"), _expert_keys(model)
+    saved, expert_keys, sliced = files.load("optim.pt"), _expert_keys(model), sharded_entries(model)
     current = [[name for name, _ in group] for group in _optimizer_names(model, optimizer)]
     if [g["params"] for g in saved["param_groups"]] != current:
         raise CheckpointError(f"checkpoint {files.path}: the parameter groups in optim.pt differ from the optimizer's")
@@ -404,6 +420,9 @@ def _optimizer_state_dict(
             value = _expert_optim_state(files, name, layout[expert_keys[name]])
         else:
             value = saved["state"].get(name)
+        if value is not None and name in sliced:  # the slice of each dense moment
+            value = {k: local_tensor(*sliced[name], v) if torch.is_tensor(v) and v.dim() else v
+                     for k, v in value.items()}
         if value is not None:
             state[index] = value
     ids = iter(range(sum(map(len, current))))

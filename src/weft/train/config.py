@@ -22,6 +22,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
+TP_OVERLAPS = ("none", "domino")
 CUDA_GRAPHS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 
@@ -65,6 +66,12 @@ class TrainConfig:
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"
     cuda_graphs: str = "auto"
+    # tensor parallelism (dense models): the blocks split over groups of `tp` consecutive ranks
+    # (weft.tp); `tp_overlap` "domino" overlaps its all-reduces by cutting each micro-step's batch
+    # into `domino_p1` micro-batches (Domino), "none" waits for them (Megatron)
+    tp: int = 1
+    tp_overlap: str = "none"
+    domino_p1: int = 2
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else (self.betas,)
@@ -123,10 +130,34 @@ class TrainConfig:
         if self.ep_size is not None and self.ep_size < 1:
             raise ValueError(f"train.ep_size must be positive, got {self.ep_size}")
         model = self.model_config()  # raises for unknown presets and bad model fields
+        self._validate_tp(model)
         if self.balance != "none" and model.moe_every and model.capacity_factor is not None:
             raise ValueError(f"train.balance {self.balance!r} balances dropless MoE layers; the model's "
                              f"capacity_factor is {model.capacity_factor} (set capacity_factor = \"dropless\" in "
                              "the [model] table)")
+
+    def _validate_tp(self, model: GPTConfig) -> None:
+        for name in ("tp", "domino_p1"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
+        if self.tp_overlap not in TP_OVERLAPS:
+            raise ValueError(f"train.tp_overlap must be 'none' or 'domino', got {self.tp_overlap!r}")
+        if self.tp == 1:
+            if self.tp_overlap != "none":
+                raise ValueError(f"train.tp_overlap {self.tp_overlap!r} overlaps tensor parallelism; set --tp > 1")
+            return
+        if model.moe_every:
+            raise ValueError(f"--tp {self.tp}: tensor parallelism splits dense models so far; {self.preset} has MoE "
+                             f"blocks (moe_every = {model.moe_every}; its dense twin or moe_every = 0 is dense)")
+        if self.overlap != "none":
+            raise ValueError(f"--tp {self.tp}: overlap {self.overlap!r} is for MoE layers; use --tp-overlap domino")
+        if self.cuda_graphs == "on":
+            raise ValueError(f"--tp {self.tp}: CUDA graphs do not capture the tensor-parallel step yet; use "
+                             "--cuda-graphs auto or off")
+        if self.tp_overlap == "domino" and self.domino_p1 > self.batch_size:
+            raise ValueError(f"train.domino_p1 {self.domino_p1} exceeds the batch size {self.batch_size}: Domino "
+                             "cuts each micro-step's batch into that many micro-batches")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -168,7 +199,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance"})
+                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance",
+                            "tp", "tp_overlap", "domino_p1"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

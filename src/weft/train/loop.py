@@ -1,8 +1,10 @@
-"""`weft train`: the training loop of an MoE GPT with expert parallelism.
+"""`weft train`: the training loop of an MoE GPT with expert parallelism, or of a dense GPT
+with tensor parallelism.
 
-Every rank runs `train(cfg)`. Non-expert gradients are averaged over all ranks and expert
-gradients over their expert-data-parallel replicas (`weft.reduce_gradients`); the global
-gradient norm counts each expert shard once.
+Every rank runs `train(cfg)`. Non-expert gradients are averaged over all data-parallel ranks
+and expert gradients over their expert-data-parallel replicas (`weft.reduce_gradients`); the
+global gradient norm counts each expert shard and each tensor-parallel slice once. With `--tp N`
+the ranks of a tensor-parallel group read the same batches and hold slices of every block.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from weft.distributed import MoEGroups, build_moe_groups, group_size, init_distributed
+from weft.distributed import MoEGroups, build_moe_groups, group_rank, group_size, init_distributed
 from weft.graphs import CaptureError
 from weft.jsonfile import write_json
 from weft.launch import ReportedError
@@ -22,6 +24,7 @@ from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import optimize
 from weft.precision import training_autocast
+from weft.tp import make_schedule, sharded_parameters
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
@@ -72,18 +75,23 @@ def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
-    """Clip by the global norm: replicated gradients once, each expert shard once (sum over EP).
-    Multi-tensor kernels (torch._foreach_*): a few launches for the whole model, one host sync."""
+    """Clip by the global norm: replicated gradients once, each expert shard once (sum over EP),
+    each tensor-parallel slice once (sum over TP). Multi-tensor kernels (torch._foreach_*): a few
+    launches for the whole model, one host sync."""
     experts = {id(p) for p in expert_parameters(model)}
+    sliced = {id(p) for p in sharded_parameters(model)}
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
     device = params[0].grad.device
-    dense_sq = _squared_norm([p.grad for p in params if id(p) not in experts], device)
+    dense_sq = _squared_norm([p.grad for p in params if id(p) not in experts and id(p) not in sliced], device)
     expert_sq = _squared_norm([p.grad for p in params if id(p) in experts], device)
+    sliced_sq = _squared_norm([p.grad for p in params if id(p) in sliced], device)
     if group_size(groups.ep) > 1:
         dist.all_reduce(expert_sq, group=groups.ep)
-    norm = float((dense_sq + expert_sq).sqrt())
+    if group_size(groups.tp) > 1:
+        dist.all_reduce(sliced_sq, group=groups.tp)
+    norm = float((dense_sq + expert_sq + sliced_sq).sqrt())
     if max_norm > 0 and norm > max_norm:
         torch._foreach_mul_([p.grad for p in params], max_norm / (norm + 1e-6))
     return norm
@@ -120,8 +128,8 @@ def evaluate(model: GPT, sampler: BatchSampler, batches: int, device: torch.devi
 @torch.no_grad()
 def sample(model: GPT, prompt: str, tokens: int, device: torch.device, groups: MoEGroups,
            temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
-    """Autoregressive sampling; collective under expert parallelism (every rank of `groups.dp`
-    must call it, and every rank continues rank 0's text).
+    """Autoregressive sampling; collective in a distributed run (every rank must call it, and
+    every rank continues rank 0's text).
 
     Token-choice MoE layers run dropless while sampling (a per-call setting) so a short batch
     never drops tokens (expert choice keeps its capacity: it has no dropless form).
@@ -140,8 +148,8 @@ def sample(model: GPT, prompt: str, tokens: int, device: torch.device, groups: M
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits[logits < kth] = -math.inf
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).to(device)
-            if group_size(groups.dp) > 1:  # every rank continues the same text
-                dist.broadcast(nxt, src=dist.get_global_rank(groups.dp, 0), group=groups.dp)
+            if dist.is_initialized() and dist.get_world_size() > 1:  # every rank continues the same text
+                dist.broadcast(nxt, src=0)
             idx = torch.cat([idx, nxt.view(1, 1)], dim=1)
     finally:
         model.train()
@@ -185,7 +193,7 @@ def train(cfg: TrainConfig) -> dict:
     cfg.validate()
     ctx = init_distributed(backend="gloo" if cfg.device == "cpu" else None)
     device = ctx.device
-    groups = build_moe_groups(cfg.ep_size)
+    groups = build_moe_groups(cfg.ep_size, tp_size=cfg.tp)
     run_dir = cfg.run_dir
     model_cfg = cfg.model_config()
     check_run_dir(cfg)
@@ -218,7 +226,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels,
-                balance=None if cfg.balance == "none" else cfg.balance).to(device)
+                balance=None if cfg.balance == "none" else cfg.balance, tp_group=groups.tp,
+                tp_schedule=make_schedule(cfg.tp_overlap, cfg.domino_p1)).to(device)
     optimizer = build_optimizer(model, cfg)
     try:
         data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction,
@@ -226,8 +235,10 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     except (ValueError, OSError) as e:  # the data names the problem: one line, not a rank's traceback
         raise DataError(f"data: {e}") from e
     block = model_cfg.block_size
-    train_batches = BatchSampler(data.train, cfg.batch_size, block, ctx.rank, ctx.world_size, cfg.seed)
-    val_batches = BatchSampler(data.val, cfg.batch_size, block, ctx.rank, ctx.world_size, cfg.seed)
+    # the ranks of a tensor-parallel group read the same batches: data parallel over groups.dp
+    dp_rank, dp_size = group_rank(groups.dp), group_size(groups.dp)
+    train_batches = BatchSampler(data.train, cfg.batch_size, block, dp_rank, dp_size, cfg.seed)
+    val_batches = BatchSampler(data.val, cfg.batch_size, block, dp_rank, dp_size, cfg.seed)
 
     start = 0
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
@@ -241,12 +252,13 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         _write_run_config(run_dir, cfg, start)
         print(f"weft train: {cfg.preset} ({model.num_parameters() / 1e6:.2f}M params, "
               f"{model.num_parameters(active_only=True) / 1e6:.2f}M active) on {ctx.world_size} x {device.type}"
-              f"{'' if groups.ep_size == 1 else f', expert parallel over {groups.ep_size}'}; "
+              f"{'' if groups.ep_size == 1 else f', expert parallel over {groups.ep_size}'}"
+              f"{'' if groups.tp_size == 1 else f', tensor parallel over {groups.tp_size} ({cfg.tp_overlap})'}; "
               f"data: {data.source}, {data.num_tokens / 1e6:.1f}M tokens; run dir {run_dir}"
               + (f"; resumed from {ckpt.name}" if ckpt else ""), flush=True)
 
     plan = _setup_overlap(model, cfg, train_batches, start, device, ctx.rank)
-    tokens_per_step = cfg.batch_size * block * cfg.grad_accum * ctx.world_size
+    tokens_per_step = cfg.batch_size * block * cfg.grad_accum * dp_size
     warning = data_repeat_warning(len(data.train), tokens_per_step, cfg.steps)
     if warning and ctx.rank == 0:
         print(f"weft train: warning: {warning}", flush=True)

@@ -47,6 +47,8 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
         return "CUDA graphs need a GPU"
     if overlap != "none":
         return f"--overlap {overlap} tunes or plans on the host"
+    if model.tp is not None:
+        return "the tensor-parallel step is not captured yet (its collectives run on their own streams)"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
         if moe.gate != "expert_choice" and (cf is None or cf <= 0):

@@ -1,0 +1,84 @@
+"""`weft train --tp`: a dense GPT with its blocks split over tensor-parallel groups (weft.tp)
+trains with the losses of the unsplit model on one rank (Megatron's schedule and Domino's), its
+checkpoints hold the dense tensors (they resume into another TP size with the same losses and
+sample in one process), and settings it cannot run are one-line errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_train import config as train_config
+from test_train import corpus, losses, run  # noqa: F401  (corpus is a fixture)
+from weft.train.config import TrainConfig
+from weft.train.generate import generate_from_checkpoint
+
+DENSE = {"dim": 32, "n_layer": 2, "n_head": 4, "block_size": 32, "moe_every": 0}
+
+
+def config(corpus_path, out, **kw) -> TrainConfig:
+    return train_config(corpus_path, out, model=dict(DENSE), **kw)
+
+
+def grad_norms(run_dir) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["grad_norm"] for r in rows if "grad_norm" in r]
+
+
+@pytest.fixture(scope="module")
+def one_rank(corpus, tmp_path_factory):  # noqa: F811
+    """The reference: the same model, data and steps on one rank (tp 1)."""
+    out = tmp_path_factory.mktemp("tp1") / "run"
+    run(config(corpus, out, steps=12), 1, out.parent / "cache")
+    return {**losses(out), "grad_norms": grad_norms(out)}
+
+
+@pytest.mark.parametrize("world, overlap", [(2, "none"), (2, "domino"), (4, "domino")])
+def test_tensor_parallel_training_has_the_losses_of_one_rank(corpus, one_rank, tmp_path, world, overlap):  # noqa: F811
+    out = tmp_path / "run"
+    run(config(corpus, out, steps=12, tp=world, tp_overlap=overlap), world, tmp_path / "cache")
+    split = losses(out)
+    assert sorted(split) == list(range(1, 13))
+    assert [split[s] for s in range(1, 13)] == pytest.approx([one_rank[s] for s in range(1, 13)], abs=2e-4)
+    # the global gradient norm counts each slice once (it is what clipping scales by)
+    assert grad_norms(out) == pytest.approx(one_rank["grad_norms"], rel=1e-3)
+
+
+def test_a_checkpoint_moves_between_tp_sizes(corpus, one_rank, tmp_path):  # noqa: F811
+    """Saved by 2 TP ranks, resumed by one (and by 2 from a one-rank checkpoint): the same losses
+    as the run that never stopped; the dense checkpoint samples in one process."""
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "a", steps=6, lr_decay_steps=12, tp=2, tp_overlap="domino"), 2, cache)
+    run(config(corpus, tmp_path / "a", steps=12, resume=True), 1, cache)
+    run(config(corpus, tmp_path / "b", steps=6, lr_decay_steps=12), 1, cache)
+    run(config(corpus, tmp_path / "b", steps=12, resume=True, tp=2), 2, cache)
+    for name in ("a", "b"):
+        resumed = losses(tmp_path / name)
+        assert [resumed[s] for s in range(7, 13)] == pytest.approx([one_rank[s] for s in range(7, 13)], abs=2e-4)
+    text = generate_from_checkpoint(tmp_path / "b", "def ", 8, 0.8, 0, "cpu")
+    assert text.startswith("def ") and len(text) > 4
+
+
+def test_tensor_and_data_parallel_together_train(corpus, tmp_path):  # noqa: F811
+    """4 ranks as 2 data-parallel groups of 2 TP ranks: the loss falls, and the run ends with a
+    sample (one sequence: evaluation and sampling run Megatron's schedule)."""
+    out = tmp_path / "run"
+    summary = run(config(corpus, out, steps=30, tp=2, tp_overlap="domino", sample_tokens=10), 4, tmp_path / "cache")
+    assert summary["sample"].startswith("def ") and len(summary["sample"]) > 4
+    loss = losses(out)
+    assert sum(loss[s] for s in range(26, 31)) / 5 < sum(loss[s] for s in range(1, 6)) / 5 - 0.5
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tp=2, model={"moe_every": 2}), "tensor parallelism splits dense models so far"),
+    (dict(tp=1, tp_overlap="domino"), "set --tp > 1"),
+    (dict(tp=2, tp_overlap="fast"), "train.tp_overlap must be 'none' or 'domino'"),
+    (dict(tp=0), "train.tp must be a positive integer"),
+    (dict(tp=2, overlap="lancet"), "use --tp-overlap domino"),
+    (dict(tp=2, tp_overlap="domino", domino_p1=32, batch_size=8), "exceeds the batch size 8"),
+    (dict(tp=2, cuda_graphs="on", device="cuda"), "CUDA graphs do not capture"),
+])
+def test_settings_tensor_parallelism_cannot_run_are_refused(kw, message):
+    model = {**DENSE, **kw.pop("model", {})}
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(model=model, **kw).validate()
