@@ -22,7 +22,7 @@ def dense_blocks(device: str = "cpu") -> list[Block]:
     return [Block(CONFIG, moe=False, group=None, kernels="torch").double().to(device) for _ in range(CONFIG.n_layer)]
 
 
-def tp_worker(schedule_name: str, p1: int, device: str = "cpu") -> list[str]:
+def tp_worker(schedule_name: str, p1: int, device: str = "cpu", p2: int = 1) -> list[str]:
     """`device` "cuda": each rank on its own GPU (NCCL), float64 as on the CPU."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
@@ -31,12 +31,12 @@ def tp_worker(schedule_name: str, p1: int, device: str = "cpu") -> list[str]:
 
     def expect(cond, what):
         if not cond:
-            failures.append(f"rank {rank}, {schedule_name} p1={p1}: {what}")
+            failures.append(f"rank {rank}, {schedule_name} p1={p1} p2={p2}: {what}")
 
     rope = tuple(t.double() for t in rotary_tables(SEQ, CONFIG.head_dim, CONFIG.rope_theta, torch.device(device)))
     dense = dense_blocks(device)
     stack = TPStack([TPBlock.from_dense(b, CONFIG.n_head, None if world == 1 else dist.group.WORLD, "torch")
-                     for b in dense], None if world == 1 else dist.group.WORLD, make_schedule(schedule_name, p1))
+                     for b in dense], None if world == 1 else dist.group.WORLD, make_schedule(schedule_name, p1, p2))
     dense_opt = torch.optim.SGD([p for b in dense for p in b.parameters()], lr=0.1)
     tp_opt = torch.optim.SGD(stack.parameters(), lr=0.1)
     for step in range(2):
@@ -79,9 +79,11 @@ def tp_worker(schedule_name: str, p1: int, device: str = "cpu") -> list[str]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("schedule, p1", [("none", 1), ("domino", 2), ("domino", 3), ("domino", 5)])
-def test_tensor_parallel_blocks_compute_the_dense_blocks(world, schedule, p1):
-    failures = run_checks(tp_worker, world, args=(schedule, p1), timeout=180)
+@pytest.mark.parametrize("schedule, p1, p2", [("none", 1, 1), ("domino", 2, 1), ("domino", 3, 1), ("domino", 5, 1),
+                                              ("domino", 1, 2), ("domino", 2, 3)])
+def test_tensor_parallel_blocks_compute_the_dense_blocks(world, schedule, p1, p2):
+    """p2 > 1: the column split alone (p1 = 1) and the hybrid (3 uneven slices of 32 features)."""
+    failures = run_checks(tp_worker, world, args=(schedule, p1, "cpu", p2), timeout=180)
     assert not failures, "\n".join(failures[:10])
 
 
@@ -115,6 +117,8 @@ def test_no_comm_leaves_the_partial_sums_unreduced():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="p1"):
         Domino(0)
+    with pytest.raises(ValueError, match="p2"):
+        Domino(2, 0)
     with pytest.raises(ValueError, match="unknown tensor-parallel overlap"):
         make_schedule("pipelined")
     stack = TPStack([TPBlock.from_dense(b, CONFIG.n_head, None, "torch") for b in dense_blocks()], None, Domino(8))

@@ -33,10 +33,10 @@ def one_rank(corpus, tmp_path_factory):  # noqa: F811
     return {**losses(out), "grad_norms": grad_norms(out)}
 
 
-@pytest.mark.parametrize("world, overlap", [(2, "none"), (2, "domino"), (4, "domino")])
-def test_tensor_parallel_training_has_the_losses_of_one_rank(corpus, one_rank, tmp_path, world, overlap):  # noqa: F811
+@pytest.mark.parametrize("world, overlap, p2", [(2, "none", 1), (2, "domino", 1), (2, "domino", 2), (4, "domino", 1)])
+def test_tensor_parallel_training_has_the_losses_of_one_rank(corpus, one_rank, tmp_path, world, overlap, p2):  # noqa: F811
     out = tmp_path / "run"
-    run(config(corpus, out, steps=12, tp=world, tp_overlap=overlap), world, tmp_path / "cache")
+    run(config(corpus, out, steps=12, tp=world, tp_overlap=overlap, domino_p2=p2), world, tmp_path / "cache")
     split = losses(out)
     assert sorted(split) == list(range(1, 13))
     assert [split[s] for s in range(1, 13)] == pytest.approx([one_rank[s] for s in range(1, 13)], abs=2e-4)
@@ -76,6 +76,8 @@ def test_tensor_and_data_parallel_together_train(corpus, tmp_path):  # noqa: F81
     (dict(tp=0), "train.tp must be a positive integer"),
     (dict(tp=2, overlap="lancet"), "use --tp-overlap domino"),
     (dict(tp=2, tp_overlap="domino", domino_p1=32, batch_size=8), "exceeds the batch size 8"),
+    (dict(tp=2, tp_overlap="domino", domino_p2=64), "exceeds the model width 32"),
+    (dict(tp=2, domino_p2=0), "train.domino_p2 must be a positive integer"),
     (dict(tp=2, cuda_graphs="on", device="cuda"), "CUDA graphs do not capture"),
 ])
 def test_settings_tensor_parallelism_cannot_run_are_refused(kw, message):

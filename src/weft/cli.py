@@ -87,7 +87,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
                 "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance",
-                "tp", "tp_overlap", "domino_p1")
+                "tp", "tp_overlap", "domino_p1", "domino_p2")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -229,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --tp: none (default: each all-reduce waited where issued) or domino (each "
                          "micro-step's batch cut into --domino-p1 micro-batches whose all-reduces overlap compute)")
     tr.add_argument("--domino-p1", type=positive_int, default=None, help="Domino's micro-batches (default 2)")
+    tr.add_argument("--domino-p2", type=positive_int, default=None,
+                    help="Domino's column slices of each sub-layer's last linear (default 1: none)")
     tr.set_defaults(run=_train, parser=tr)
 
     _config_parser(sub, "plan", overlap_run.PlanConfig, overlap_run.plan_preset,

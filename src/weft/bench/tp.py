@@ -1,6 +1,7 @@
 """`weft bench tp`: forward + backward of a stack of tensor-parallel dense blocks (weft.tp) per
 schedule, side by side: `none` (Megatron: every all-reduce waited where it is issued), `domino`
-(Domino's row split into --p1 micro-batches, the all-reduces overlapped) and `no-comm` (the
+(Domino's row split into --p1 micro-batches and column split into --p2 slices, the all-reduces
+overlapped) and `no-comm` (the
 all-reduces left out: the time an overlap can reach at best; not the model's function).
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
@@ -49,6 +50,8 @@ class TPBenchConfig:
     batch_size: int = arg(8, "sequences per step (the same on every rank of the group)", parse=positive_int)
     seq_len: int | None = arg(None, "tokens per sequence (default: the config's)", parse=positive_int)
     p1: int = arg(2, "domino: micro-batches the batch is split into", parse=positive_int)
+    p2: int = arg(1, "domino: column slices of each sub-layer's last linear (1: none; with p1 > 1 the hybrid)",
+                  parse=positive_int)
     modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm; a mode "
                                  "listed twice is timed twice (the noise)", parse=names)
     dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
@@ -99,7 +102,7 @@ def run(bench: TPBenchConfig) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(bench.batch_size, seq, shape.dim, generator=gen).to(device, dtype)
     grad = torch.randn(x.shape, generator=gen).to(device, dtype)
-    schedules = {m: make_schedule(m, bench.p1) for m in dict.fromkeys(bench.modes)}
+    schedules = {m: make_schedule(m, bench.p1, bench.p2) for m in dict.fromkeys(bench.modes)}
 
     def fwd_bwd(schedule) -> tuple[torch.Tensor, torch.Tensor]:
         x_in = x.detach().requires_grad_()
@@ -131,7 +134,7 @@ def run(bench: TPBenchConfig) -> dict:
         row["speedup"] = base["median_ms"] / row["median_ms"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"meta": {"config": bench.config, **vars(shape), "seq_len": seq, "layers": bench.layers,
-                       "batch_size": bench.batch_size, "p1": bench.p1, "tp": world, "device": name,
+                       "batch_size": bench.batch_size, "p1": bench.p1, "p2": bench.p2, "tp": world, "device": name,
                        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1", "timing": "interleaved",
                        "rounds": bench.steps, "warmup_rounds": bench.warmup,
@@ -148,7 +151,7 @@ def print_table(report: dict) -> None:
     meta = report["meta"]
     print(f"\nweft bench tp: {meta['config']} ({meta['layers']} blocks of {meta['dim']} x {meta['hidden_dim']}, "
           f"{meta['n_head']} heads), batch {meta['batch_size']} x {meta['seq_len']}, TP {meta['tp']} x "
-          f"{meta['device']}, {meta['dtype']}, domino p1 {meta['p1']}, fwd+bwd"
+          f"{meta['device']}, {meta['dtype']}, domino p1 {meta['p1']} p2 {meta['p2']}, fwd+bwd"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
     print(f"{'mode':>10} {'median ms':>10} {'iqr':>6} {'min':>8} {'speedup':>8} {'max err':>9} {'comm ms':>8} "
           f"{'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")

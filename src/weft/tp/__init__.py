@@ -1,6 +1,6 @@
 """Tensor parallelism for dense transformer blocks, and Domino's overlap of its all-reduces
-(Megatron-LM sec. 3; Domino sec. 3.2 and 4.1). The weight column split p2 and the hybrid
-(Domino sec. 3.3-3.4, 4.2) are not built yet."""
+(Megatron-LM sec. 3; Domino sec. 3.2-3.4, 4.1-4.2: the row split of the input, the column split
+of the last weight, the hybrid)."""
 from weft.tp.block import SCHEDULES, TPBlock, TPStack, make_schedule, run_blocks
 from weft.tp.collectives import copy_to_tp, reduce_from_tp
 from weft.tp.layers import TPMLP, TPAttention

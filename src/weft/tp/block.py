@@ -17,11 +17,12 @@ from weft.tp.schedule import Domino, NoComm, Sequential, Stage
 SCHEDULES = {"none": Sequential, "domino": Domino, "no-comm": NoComm}
 
 
-def make_schedule(name: str, p1: int = 2):
-    """The schedule called `name` ('none', 'domino' with p1 micro-batches, 'no-comm')."""
+def make_schedule(name: str, p1: int = 2, p2: int = 1):
+    """The schedule called `name` ('none', 'domino' with p1 micro-batches and p2 column slices,
+    'no-comm')."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown tensor-parallel overlap {name!r}; choose from {', '.join(SCHEDULES)}")
-    return Domino(p1) if name == "domino" else SCHEDULES[name]()
+    return Domino(p1, p2) if name == "domino" else SCHEDULES[name]()
 
 
 class TPBlock(nn.Module):
@@ -49,9 +50,11 @@ class TPBlock(nn.Module):
         return tp_block
 
     def stages(self, rope: tuple[torch.Tensor, torch.Tensor]) -> list[Stage]:
-        attention = functools.partial(self.attn.partial, rope=rope)
-        return [Stage(self.attn_norm, attention, (*self.attn_norm.parameters(), *self.attn.parameters())),
-                Stage(self.ffn_norm, self.ffn.partial, (*self.ffn_norm.parameters(), *self.ffn.parameters()))]
+        attention = functools.partial(self.attn.inner, rope=rope)
+        return [Stage(self.attn_norm, attention, self.attn.out_proj,
+                      (*self.attn_norm.parameters(), *self.attn.parameters())),
+                Stage(self.ffn_norm, self.ffn.inner, self.ffn.out_proj,
+                      (*self.ffn_norm.parameters(), *self.ffn.parameters()))]
 
 
 class TPStack(nn.Module):

@@ -1,10 +1,10 @@
 """Tensor-parallel attention and MLP (Megatron-LM sec. 3, fig. 3): the first linear of each is
 split by output columns (attention: by heads, each rank holds n_head / tp whole heads of q, k
 and v; MLP: hidden units), the second by input rows, so each rank computes a partial sum of the
-output with no communication in between. `partial(h)` returns that partial sum; the all-reduce
-that completes it belongs to the schedule (weft.tp.schedule), which is where Domino overlaps it.
-Given a `WeightGradQueue`, `partial` holds its linears' weight gradients back for the schedule
-to run under an all-reduce.
+output with no communication in between: `out_proj(inner(h))`. The all-reduce that completes it
+belongs to the schedule (weft.tp.schedule), which is where Domino overlaps it (and may compute
+`out_proj` in column slices). Given a `WeightGradQueue`, `inner` and `linear` hold the linears'
+weight gradients back for the schedule to run under an all-reduce.
 
 Shards are cut from the dense modules of `weft.models.gpt` (`from_dense`), with the same
 parameter names, so rank r's tensors are slices of the dense ones: `shard_of` says which.
@@ -58,13 +58,14 @@ class TPAttention(nn.Module):
             return torch.cat([s.view(self.dim, self.local_heads, self.head_dim) for s in shards], 1).flatten(1)
         raise KeyError(name)
 
-    def partial(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                queue: WeightGradQueue | None = None) -> torch.Tensor:
+    def inner(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              queue: WeightGradQueue | None = None) -> torch.Tensor:
+        """Everything before `out_proj`: this rank's heads' attention output (batch, seq, dim / tp)."""
         batch, seq, _ = h.shape
         q, k, v = linear(h, self.qkv, queue).view(batch, seq, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = rotary(q, *rope, self.kernels), rotary(k, *rope, self.kernels)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return linear(y.transpose(1, 2).reshape(batch, seq, -1), self.out_proj, queue)
+        return y.transpose(1, 2).reshape(batch, seq, -1)
 
 
 class TPMLP(nn.Module):
@@ -93,8 +94,9 @@ class TPMLP(nn.Module):
             return torch.cat(shards, 0 if name == "fc.weight" else 1)
         raise KeyError(name)
 
-    def partial(self, h: torch.Tensor, rope=None, queue: WeightGradQueue | None = None) -> torch.Tensor:
-        return linear(F.gelu(linear(h, self.fc, queue)), self.out_proj, queue)
+    def inner(self, h: torch.Tensor, rope=None, queue: WeightGradQueue | None = None) -> torch.Tensor:
+        """Everything before `out_proj`: gelu(fc(h)) of this rank's hidden units."""
+        return F.gelu(linear(h, self.fc, queue))
 
 
 def load_shards(module: TPAttention | TPMLP, dense: nn.Module) -> None:
@@ -113,17 +115,20 @@ class WeightGradQueue:
     (`addmm_`: no separate sum over micro-batches); `grads()` hands the buffers over by weight."""
 
     def __init__(self):
-        self.items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # (weight, input, output gradient, the weight's rows the call used or None for all)
+        self.items: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice | None]] = []
         self.buffers: dict[int, torch.Tensor] = {}
 
     def run(self) -> None:
-        for weight, x, dy in self.items:
+        for weight, x, dy, rows in self.items:
             x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
             buf = self.buffers.get(id(weight))
-            if buf is None:
+            if buf is None and rows is None:
                 self.buffers[id(weight)] = dy2.t().mm(x2)
-            else:
-                buf.addmm_(dy2.t(), x2)
+                continue
+            if buf is None:
+                buf = self.buffers[id(weight)] = torch.zeros_like(weight)
+            (buf if rows is None else buf[rows]).addmm_(dy2.t(), x2)
         self.items.clear()
 
     def grads(self) -> dict[int, torch.Tensor]:
@@ -133,19 +138,22 @@ class WeightGradQueue:
 
 class _QueuedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, queue: WeightGradQueue) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, queue: WeightGradQueue, rows: slice | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.queue = queue
-        return F.linear(x, weight)
+        ctx.queue, ctx.rows = queue, rows
+        return F.linear(x, weight if rows is None else weight[rows])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight = ctx.saved_tensors
-        ctx.queue.items.append((weight, x, dy))
-        return dy.matmul(weight), None, None
+        ctx.queue.items.append((weight, x, dy, ctx.rows))
+        return dy.matmul(weight if ctx.rows is None else weight[ctx.rows]), None, None, None
 
 
-def linear(x: torch.Tensor, layer: nn.Linear, queue: WeightGradQueue | None) -> torch.Tensor:
-    """`layer(x)` (no bias); with a queue its weight gradient waits in the queue instead of
-    reaching `layer.weight` through autograd."""
-    return layer(x) if queue is None else _QueuedLinear.apply(x, layer.weight, queue)
+def linear(x: torch.Tensor, layer: nn.Linear, queue: WeightGradQueue | None, rows: slice | None = None
+           ) -> torch.Tensor:
+    """`layer(x)` (no bias), or only the output features `rows` of it; with a queue the weight
+    gradient waits in the queue instead of reaching `layer.weight` through autograd."""
+    if queue is not None:
+        return _QueuedLinear.apply(x, layer.weight, queue, rows)
+    return layer(x) if rows is None else F.linear(x, layer.weight[rows])

@@ -1,6 +1,6 @@
 """How a stack of tensor-parallel sub-layers runs: each `Stage` is a residual sub-layer
-x -> x + all_reduce(compute(norm(x))), whose `compute` (a column- then a row-parallel linear)
-leaves a partial sum on each rank. The schedules compute the same function and differ in when
+x -> x + all_reduce(out(inner(norm(x)))), whose `inner` (after a column-parallel linear) and `out`
+(a row-parallel linear) leave a partial sum on each rank. The schedules compute the same function and differ in when
 the all-reduces run:
 
 - `Sequential`: Megatron-LM (sec. 3): each all-reduce in forward (`g`) and each input-gradient
@@ -13,6 +13,11 @@ the all-reduces run:
   it (sec. 4.1, fig. 8), then the next micro-batch's. Every row of the batch sees the same operations as
   in `Sequential`, so outputs and gradients are equal (the weight gradients summed over the
   micro-batches instead of one matmul over the batch: equal up to rounding).
+- `Domino(p1, p2)`, p2 > 1: Domino's column split of the last weight (sec. 3.3, 4.2, fig. 6)
+  too: `out` computes its output features in p2 slices, each slice's all-reduce starting as soon
+  as it is computed, under the next slice's matmul (and the next micro-batch's work); with p1 = 1
+  the column split alone, with both the hybrid (sec. 3.4). The slices are joined before the next
+  stage (the residual and the norm need every feature).
 - `NoComm`: the all-reduces left out. Not the same function (each rank sums only its own part):
   the time with no communication at all, the ceiling an overlap can reach (`weft bench`).
 """
@@ -26,19 +31,23 @@ import torch.distributed as dist
 from torch import nn
 
 from weft.tp.collectives import all_reduce_, copy_to_tp, reduce_from_tp
-from weft.tp.layers import WeightGradQueue
+from weft.tp.layers import WeightGradQueue, linear
 
 
 @dataclass(frozen=True)
 class Stage:
-    """x -> x + all_reduce(compute(norm(x))): `norm` replicated on every rank of the group,
-    `compute(h, queue=None)` the partial sum of this rank's shards (with a
-    `weft.tp.layers.WeightGradQueue`: its linears' weight gradients go to the queue); `params`
-    every parameter of both."""
+    """x -> x + all_reduce(out(inner(norm(x)))): `norm` replicated on every rank of the group,
+    `inner(h, queue=None)` this rank's part up to the row-parallel linear `out` (with a
+    `weft.tp.layers.WeightGradQueue`, its linears' weight gradients go to the queue); `params`
+    every parameter of the three."""
 
     norm: nn.Module
-    compute: Callable[..., torch.Tensor]
+    inner: Callable[..., torch.Tensor]
+    out: nn.Linear
     params: tuple[nn.Parameter, ...]
+
+    def partial(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(h))
 
 
 class Sequential:
@@ -48,7 +57,7 @@ class Sequential:
 
     def run(self, stages: Sequence[Stage], x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         for stage in stages:
-            x = x + reduce_from_tp(stage.compute(copy_to_tp(stage.norm(x), group)), group)
+            x = x + reduce_from_tp(stage.partial(copy_to_tp(stage.norm(x), group)), group)
         return x
 
 
@@ -59,19 +68,21 @@ class NoComm:
 
     def run(self, stages: Sequence[Stage], x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         for stage in stages:
-            x = x + stage.compute(stage.norm(x))
+            x = x + stage.partial(stage.norm(x))
         return x
 
 
 class Domino:
-    """Domino's row split into `p1` micro-batches along dim 0 (see the module docstring)."""
+    """Domino's row split into `p1` micro-batches along dim 0, and its column split of each
+    stage's last weight into `p2` slices (see the module docstring)."""
 
     name = "domino"
 
-    def __init__(self, p1: int = 2):
-        if isinstance(p1, bool) or not isinstance(p1, int) or p1 < 1:
-            raise ValueError(f"domino's p1 (micro-batches) must be a positive integer, got {p1!r}")
-        self.p1 = p1
+    def __init__(self, p1: int = 2, p2: int = 1):
+        for name, value in (("p1", p1), ("p2", p2)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"domino's {name} must be a positive integer, got {value!r}")
+        self.p1, self.p2 = p1, p2
 
     def run(self, stages: Sequence[Stage], x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation, sampling: no graphs to keep (and no overlap)
@@ -79,19 +90,23 @@ class Domino:
         if x.shape[0] < self.p1:
             raise ValueError(f"domino splits the batch into p1 = {self.p1} micro-batches; the batch has only "
                              f"{x.shape[0]} rows")
+        if x.shape[-1] < self.p2:
+            raise ValueError(f"domino splits each output into p2 = {self.p2} column slices; it has only "
+                             f"{x.shape[-1]} features")
         params = [p for stage in stages for p in stage.params]
-        return _DominoStack.apply(tuple(stages), group, self.p1, x, *params)
+        return _DominoStack.apply(tuple(stages), group, (self.p1, self.p2), x, *params)
 
 
 @dataclass
 class _Record:
     """One micro-batch through one stage: its input (a leaf), the norm's output (in the graph of
-    the input), the compute's input (a leaf) and its partial output (in the graph of that leaf)."""
+    the input), the partial's input (a leaf) and the p2 column slices of its partial output (in
+    the graph of that leaf)."""
 
     x_in: torch.Tensor
     normed: torch.Tensor
     h: torch.Tensor
-    partial: torch.Tensor
+    parts: list[torch.Tensor]
 
 
 class _DominoStack(torch.autograd.Function):
@@ -101,33 +116,44 @@ class _DominoStack(torch.autograd.Function):
     summed parameter gradients."""
 
     @staticmethod
-    def forward(ctx, stages, group, p1, x, *params):
+    def forward(ctx, stages, group, splits, x, *params):
+        p1, p2 = splits
         micro = [c.detach() for c in x.chunk(p1)]
-        pending: list[tuple[torch.Tensor, object] | None] = [None] * len(micro)
+        columns = _slices(x.shape[-1], p2)
+        pending: list[list | None] = [None] * len(micro)  # per micro-batch: (reduced slice, work) per slice
         records: list[list[_Record]] = []
         queue = WeightGradQueue()
+
+        def join(i: int) -> None:
+            """Wait for micro-batch i's slices and add them to its residual stream."""
+            for _, work in pending[i]:
+                if work is not None:
+                    work.wait()
+            reduced = [r for r, _ in pending[i]]
+            micro[i] = micro[i] + (reduced[0] if len(reduced) == 1 else torch.cat(reduced, -1))
+
         for stage in stages:
             row = []
             for i in range(len(micro)):
-                if pending[i] is not None:  # the previous stage's all-reduce of this micro-batch
-                    reduced, work = pending[i]
-                    if work is not None:
-                        work.wait()
-                    micro[i] = micro[i] + reduced
+                if pending[i] is not None:  # the previous stage's all-reduces of this micro-batch
+                    join(i)
                 with torch.enable_grad():
                     x_in = micro[i].detach().requires_grad_()
                     normed = stage.norm(x_in)
                     h = normed.detach().requires_grad_()
-                    partial = stage.compute(h, queue=queue)
-                reduced = partial.detach().clone()
-                pending[i] = (reduced, all_reduce_(reduced, group, async_op=True))
-                row.append(_Record(x_in, normed, h, partial))
+                    inner = stage.inner(h, queue=queue)
+                parts, pending[i] = [], []
+                for cols in columns:  # each slice's all-reduce under the next slice's matmul
+                    with torch.enable_grad():
+                        part = linear(inner, stage.out, queue, None if p2 == 1 else cols)
+                    reduced = part.detach().clone()
+                    pending[i].append((reduced, all_reduce_(reduced, group, async_op=True)))
+                    parts.append(part)
+                row.append(_Record(x_in, normed, h, parts))
             records.append(row)
-        for i, (reduced, work) in enumerate(pending):
-            if work is not None:
-                work.wait()
-            micro[i] = micro[i] + reduced
-        ctx.stages, ctx.group, ctx.records, ctx.queue = stages, group, records, queue
+        for i in range(len(micro)):
+            join(i)
+        ctx.stages, ctx.group, ctx.records, ctx.queue, ctx.columns = stages, group, records, queue, columns
         return torch.cat(micro)
 
     @staticmethod
@@ -162,7 +188,8 @@ class _DominoStack(torch.autograd.Function):
                     grads[i] = grads[i] + finish(stages[s + 1], records[s + 1][i], pending[i])
                 rec = records[s][i]
                 # the input gradient (the linears' weight gradients wait in the queue) ...
-                found = torch.autograd.grad(rec.partial, [rec.h, *compute_params], grads[i], allow_unused=True)
+                slices = [grads[i][..., cols] for cols in ctx.columns]
+                found = torch.autograd.grad(rec.parts, [rec.h, *compute_params], slices, allow_unused=True)
                 accumulate(compute_params, found[1:])
                 dh = found[0].contiguous()
                 pending[i] = (dh, all_reduce_(dh, group, async_op=True))
@@ -175,3 +202,9 @@ class _DominoStack(torch.autograd.Function):
         all_params = [p for stage in stages for p in stage.params]
         del ctx.records, ctx.queue
         return (None, None, None, torch.cat(grads), *(param_grads.get(id(p)) for p in all_params))
+
+
+def _slices(size: int, count: int) -> list[slice]:
+    """`count` contiguous slices covering range(size), as even as possible (the first ones larger)."""
+    bounds = [size * k // count for k in range(count + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]

@@ -68,10 +68,12 @@ class TrainConfig:
     cuda_graphs: str = "auto"
     # tensor parallelism (dense models): the blocks split over groups of `tp` consecutive ranks
     # (weft.tp); `tp_overlap` "domino" overlaps its all-reduces by cutting each micro-step's batch
-    # into `domino_p1` micro-batches (Domino), "none" waits for them (Megatron)
+    # into `domino_p1` micro-batches and each sub-layer's last linear into `domino_p2` column
+    # slices (Domino), "none" waits for them (Megatron)
     tp: int = 1
     tp_overlap: str = "none"
     domino_p1: int = 2
+    domino_p2: int = 1
 
     def __post_init__(self) -> None:
         self.betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else (self.betas,)
@@ -137,7 +139,7 @@ class TrainConfig:
                              "the [model] table)")
 
     def _validate_tp(self, model: GPTConfig) -> None:
-        for name in ("tp", "domino_p1"):
+        for name in ("tp", "domino_p1", "domino_p2"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
@@ -155,6 +157,9 @@ class TrainConfig:
         if self.cuda_graphs == "on":
             raise ValueError(f"--tp {self.tp}: CUDA graphs do not capture the tensor-parallel step yet; use "
                              "--cuda-graphs auto or off")
+        if self.tp_overlap == "domino" and self.domino_p2 > model.dim:
+            raise ValueError(f"train.domino_p2 {self.domino_p2} exceeds the model width {model.dim}: Domino cuts each "
+                             "sub-layer's output features into that many slices")
         if self.tp_overlap == "domino" and self.domino_p1 > self.batch_size:
             raise ValueError(f"train.domino_p1 {self.domino_p1} exceeds the batch size {self.batch_size}: Domino "
                              "cuts each micro-step's batch into that many micro-batches")
@@ -200,7 +205,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
                             "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance",
-                            "tp", "tp_overlap", "domino_p1"})
+                            "tp", "tp_overlap", "domino_p1", "domino_p2"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:
