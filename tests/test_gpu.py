@@ -228,9 +228,10 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
 
 
 @needs_cuda
-@pytest.mark.parametrize("schedule, p1", [("none", 1), ("domino", 2), ("domino", 3)])
-def test_tensor_parallel_blocks_compute_the_dense_blocks_on_nccl(schedule, p1):
-    """weft.tp on every GPU with NCCL (float64): Megatron's and Domino's schedules against the
-    dense blocks, outputs and every gradient, over two SGD steps."""
-    flat = run_checks(tp_worker, torch.cuda.device_count(), args=(schedule, p1, "cuda"), backend="nccl", timeout=300)
+@pytest.mark.parametrize("schedule, p1, p2", [("none", 1, 1), ("domino", 2, 1), ("domino", 3, 1), ("domino", 2, 3)])
+def test_tensor_parallel_blocks_compute_the_dense_blocks_on_nccl(schedule, p1, p2):
+    """weft.tp on every GPU with NCCL (float64): Megatron's and Domino's schedules (row split,
+    hybrid) against the dense blocks, outputs and every gradient, over two SGD steps."""
+    flat = run_checks(tp_worker, torch.cuda.device_count(), args=(schedule, p1, "cuda", p2), backend="nccl",
+                      timeout=300)
     assert not flat, "\n".join(flat[:15])
