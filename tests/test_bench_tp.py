@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -28,3 +29,32 @@ def test_tiny_tp_benchmark_writes_well_formed_json(tmp_path):
     shape = tp.SHAPES["tiny"]
     assert rows[0]["tflops_per_rank"] == pytest.approx(
         flops_per_step(shape, 2, 4, shape.seq_len) / 2 / (rows[0]["median_ms"] * 1e-3) / 1e12)
+
+
+def test_model_benchmark_times_the_tensor_parallel_schedules(tmp_path):
+    """`weft bench model --tp 2`: a dense preset split over 2 gloo ranks, Megatron's and Domino's
+    schedules checked against each other on the same weights and batch, then timed."""
+    from weft.bench import model
+    from weft.bench.model import ModelBenchConfig
+    out = tmp_path / "model.json"
+    cfg = ModelBenchConfig(preset="tiny-dense", batch_size=4, modes=("tp", "domino", "no-comm"), steps=2, warmup=1,
+                           json=str(out), tp=2, p1=2, p2=2, profile_steps=0)
+    run_distributed(model.run, 2, args=(cfg,), timeout=300)
+    report = json.loads(out.read_text())
+    assert (report["meta"]["tp"], report["meta"]["p1"], report["meta"]["p2"]) == (2, 2, 2)
+    rows = {r["mode"]: r for r in report["results"]}
+    assert rows["tp"]["max_error"] == 0.0 and rows["domino"]["max_error"] < 1e-5
+    assert rows["no-comm"]["max_error"] is None
+    assert all(r["iteration_ms"] > 0 for r in rows.values()) and rows["tp"]["speedup"] == 1.0
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(tp=2, modes=("none",)), "choose from tp, domino, no-comm (with --tp 2)"),
+    (dict(modes=("domino",)), "tp, domino, no-comm need --tp"),
+    (dict(tp=2, preset="tiny", modes=("tp",)), "tensor parallelism splits dense models so far"),
+    (dict(tp=2, modes=("domino",), p1=16, batch_size=8), "--p1 16 exceeds --batch-size 8"),
+])
+def test_model_benchmark_refuses_tensor_parallel_settings_it_cannot_run(kw, message):
+    from weft.bench.model import ModelBenchConfig
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ModelBenchConfig(**{"preset": "tiny-dense", **kw}).validate()

@@ -6,7 +6,9 @@ Modes: `none` (the plain model), `tutel` (every MoE layer's overlap degree tuned
 two measurement devices with the dW scheduler on even where nothing communicates: `dw-in-place`
 (its default: with no collective to fill, dW runs in place: the wrappers' own cost) and
 `defer-dw` (`in_place=False`: every dW deferred to the end of backward, what deferral costs
-with nothing to hide it under).
+with nothing to hide it under). With `--tp N` (dense presets: the blocks split over groups of N
+ranks, weft.tp) the modes are `tp` (Megatron's schedule), `domino` (Domino's, `--p1`/`--p2`) and
+`no-comm` (the TP all-reduces left out: not the model's function, so no `max_error`).
 
 Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
 dictionaries have decided) and its loss and gradients are checked against `none` on the starting
@@ -44,7 +46,7 @@ from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.layer import write_report
 from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
 from weft.cliargs import arg, names, non_negative_int, positive_int
-from weft.distributed import init_distributed
+from weft.distributed import build_moe_groups, group_rank, init_distributed
 from weft.models import GPT
 from weft.models.presets import PresetChoice
 from weft.ops.wgrad import WGradScheduler
@@ -52,8 +54,10 @@ from weft.overlap import passes
 from weft.overlap.forward import Range
 from weft.precision import training_autocast
 from weft.profiling import stage
+from weft.tp import make_schedule
 
 MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw")
+TP_MODES = ("tp", "domino", "no-comm")
 
 
 @dataclass
@@ -64,11 +68,14 @@ class _Setting:
     scheduler: WGradScheduler | None
     moe_overrides: dict  # per-call settings of every MoE layer (weft.MoE.forward's keywords)
     plan: passes.OverlapPlan | None
+    tp_schedule: object = None  # the weft.tp schedule of a tensor-parallel mode
     max_error: float = 0.0
 
 
-def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int) -> _Setting:
+def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1: int, p2: int) -> _Setting:
     """Set `model` up for `mode` and return what switches it back into that mode."""
+    if mode in TP_MODES:  # a schedule passed to each forward; nothing to set up
+        return _Setting([], None, {}, None, make_schedule("none" if mode == "tp" else mode, p1, p2))
     passes.apply(model, [], None)
     moe_overrides = {"overlap_degree": "auto" if mode == "tutel" else 1}
     plan, scheduler = None, None
@@ -83,7 +90,8 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int) ->
 
 
 def _switch(model: GPT, setting: _Setting) -> None:
-    passes.apply(model, setting.ranges, setting.scheduler)
+    if setting.tp_schedule is None:
+        passes.apply(model, setting.ranges, setting.scheduler)
 
 
 def _assert_clean(model: GPT, scheduler: WGradScheduler | None) -> None:
@@ -112,11 +120,22 @@ class ModelBenchConfig(PresetChoice):
     breakdown: bool = arg(False, "print each mode's GPU time by sub-layer and MoE stage (embedding, attention, "
                           "mlp, router ... combine, head, loss, optimizer; forward and backward), from the "
                           "profiled iterations")
+    tp: int = arg(1, "tensor parallelism (dense presets): split the blocks over groups of N ranks; modes tp, "
+                  "domino, no-comm", parse=positive_int)
+    p1: int = arg(2, "with --tp, mode domino: micro-batches", parse=positive_int)
+    p2: int = arg(1, "with --tp, mode domino: column slices of each sub-layer's last linear", parse=positive_int)
 
     def validate(self) -> None:
         super().validate()
-        if not self.modes or any(m not in MODES for m in self.modes):
-            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+        known = TP_MODES if self.tp > 1 else MODES
+        if not self.modes or any(m not in known for m in self.modes):
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}"
+                             + (f" (with --tp {self.tp})" if self.tp > 1 else " (tp, domino, no-comm need --tp)"))
+        if self.tp > 1 and self.model_config().moe_every:
+            raise ValueError(f"--tp {self.tp}: tensor parallelism splits dense models so far; {self.preset} has MoE "
+                             "blocks (try its dense twin, or gpt3-2.7b)")
+        if self.tp > 1 and "domino" in self.modes and self.p1 > self.batch_size:
+            raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
 
 
 def run(bench: ModelBenchConfig) -> dict:
@@ -128,26 +147,29 @@ def run(bench: ModelBenchConfig) -> dict:
     ctx = init_distributed()
     device = ctx.device
     cfg = bench.model_config()
+    groups = build_moe_groups(tp_size=bench.tp) if bench.tp > 1 else None
     torch.manual_seed(0)
-    model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None).to(device)
+    model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None,
+                tp_group=groups.tp if groups else None).to(device)
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    gen = torch.Generator(device="cpu").manual_seed(100 + ctx.rank)
+    # the ranks of a tensor-parallel group get the same tokens
+    gen = torch.Generator(device="cpu").manual_seed(100 + (group_rank(groups.dp) if groups else ctx.rank))
     batches = [torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=gen).to(device)
                for _ in range(3)]
 
-    def loss_of(tokens, moe_overrides=None):
+    def loss_of(tokens, moe_overrides=None, tp_schedule=None):
         with training_autocast(device):
-            return model(tokens[:, :-1], tokens[:, 1:], moe_overrides=moe_overrides)[1]
+            return model(tokens[:, :-1], tokens[:, 1:], moe_overrides=moe_overrides, tp_schedule=tp_schedule)[1]
 
     def backward(setting: _Setting, loss: torch.Tensor) -> None:
         # The scheduler's context flushes every deferred dW before it closes.
         with setting.scheduler.backward() if setting.scheduler is not None else contextlib.nullcontext():
             loss.backward()
 
-    def reference_grads(moe_overrides=None):
+    def reference_grads(moe_overrides=None, tp_schedule=None):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        return loss_of(batches[0], moe_overrides)
+        return loss_of(batches[0], moe_overrides, tp_schedule)
 
     loss = reference_grads()
     loss.backward()
@@ -158,10 +180,10 @@ def run(bench: ModelBenchConfig) -> dict:
     settings: dict[str, _Setting] = {}
     for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
-        setting = _configure(mode, model, batches[0][:, :-1], max_partitions)
-        loss = reference_grads(setting.moe_overrides)
+        setting = _configure(mode, model, batches[0][:, :-1], max_partitions, bench.p1, bench.p2)
+        loss = reference_grads(setting.moe_overrides, setting.tp_schedule)
         backward(setting, loss)
-        setting.max_error = max([abs(loss.item() - ref_loss)] + [
+        setting.max_error = None if mode == "no-comm" else max([abs(loss.item() - ref_loss)] + [
             float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
             if p.grad is not None])
         model.zero_grad(set_to_none=True)
@@ -174,7 +196,7 @@ def run(bench: ModelBenchConfig) -> dict:
 
     def step(setting: _Setting, i: int) -> None:
         """One training iteration; laps mark the end of forward and of backward."""
-        loss = loss_of(batches[i % len(batches)], setting.moe_overrides)
+        loss = loss_of(batches[i % len(batches)], setting.moe_overrides, setting.tp_schedule)
         timer.lap()
         backward(setting, loss)
         timer.lap()
@@ -207,12 +229,13 @@ def run(bench: ModelBenchConfig) -> dict:
             row.update(profile_parts(lambda s=setting: step(s, 0), profile_steps, with_breakdown=bench.breakdown))
         rows.append(row)
     passes.apply(model, [], None)
-    base = next((r for r in rows if r["mode"] == "none"), rows[0])
+    base = next((r for r in rows if r["mode"] in ("none", "tp")), rows[0])
     for row in rows:
         row["speedup"] = base["iteration_ms"] / row["iteration_ms"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"meta": {"preset": preset, "gate": cfg.gate, "capacity_factor": cfg.capacity_factor, "top_k": cfg.top_k,
                        "batch_size": batch_size, "seq_len": cfg.block_size, "world_size": ctx.world_size,
+                       "tp": bench.tp, "p1": bench.p1, "p2": bench.p2,
                        "device": name, "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
                        "timing": "interleaved", "rounds": steps, "warmup_rounds": warmup,
@@ -226,9 +249,11 @@ def run(bench: ModelBenchConfig) -> dict:
 
 def print_table(report: dict) -> None:
     meta = report["meta"]
+    tp_note = "" if meta.get("tp", 1) == 1 else f", TP {meta['tp']} (domino p1 {meta['p1']} p2 {meta['p2']})"
     print(f"\nweft bench model: {meta['preset']} (gate {meta['gate']}, k{meta['top_k']}, "
           f"cf {meta['capacity_factor']}), "
           f"batch {meta['batch_size']} x {meta['seq_len']} per rank, {meta['world_size']} x {meta['device']}"
+          f"{tp_note}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
     print(f"timing: {meta['timing']}, median of {meta['rounds']} rounds after {meta['warmup_rounds']} warm-up "
           f"rounds; min and iqr (q3 - q1) show the noise")
@@ -238,10 +263,11 @@ def print_table(report: dict) -> None:
         label = r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "")
         pred = f"{r['predicted_ms']:.2f}" if "predicted_ms" in r else ""
         perr = f"{r['prediction_error']:+.1%}" if "prediction_error" in r else ""
+        err = "n/a" if r["max_error"] is None else f"{r['max_error']:.1e}"
         comm, exposed, hidden = comm_cells(r)
         print(f"{label:>12} {r['iteration_ms']:>9.2f} {r['iteration_ms_min']:>8.2f} {r['iteration_iqr_ms']:>7.2f} "
               f"{r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {r['fwd_bwd_iqr_ms']:>7.2f} {pred:>10} "
-              f"{perr:>9} {r['max_error']:>9.1e} {comm:>8} {exposed:>8} {hidden:>7}")
+              f"{perr:>9} {err:>9} {comm:>8} {exposed:>8} {hidden:>7}")
     print_breakdowns(report["results"], lambda r: r["mode"])
     for r in report["results"]:
         if r.get("plan") and not r["repeat"]:  # a repeat runs the same plan

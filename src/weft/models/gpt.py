@@ -330,19 +330,22 @@ class GPT(nn.Module):
         return [] if self.tp is not None else [block.ffn for block in self.blocks if block.is_moe]
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, moe_overrides: Mapping[str, Any] | None = None
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, moe_overrides: Mapping[str, Any] | None = None,
+        tp_schedule=None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, S) token ids -> logits (B, S, vocab) and, with targets (B, S), the training loss
         cross_entropy + aux_loss_coef * sum(aux_loss) + z_loss_coef * sum(z_loss).
 
         `moe_overrides` are per-call settings of every MoE layer (`weft.MoE.forward`'s keywords,
-        e.g. `{"capacity_factor": None}` to run dropless for this call only)."""
+        e.g. `{"capacity_factor": None}` to run dropless for this call only). `tp_schedule` runs a
+        tensor-parallel model's blocks by another weft.tp schedule for this call."""
         self._check_input(idx, targets)
         with stage("embedding"):
             x = self.tok_emb(idx)
         rope = rotary_tables(idx.shape[1], self.config.head_dim, self.config.rope_theta, idx.device)
         if self.tp is not None:
-            x = run_blocks(self.blocks, x, rope, *self.tp)
+            group, schedule = self.tp
+            x = run_blocks(self.blocks, x, rope, group, tp_schedule or schedule)
         elif self.unit_runner is not None:
             x = self.unit_runner(self.units(rope, moe_overrides), x)
         else:
