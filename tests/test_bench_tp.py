@@ -58,3 +58,11 @@ def test_model_benchmark_refuses_tensor_parallel_settings_it_cannot_run(kw, mess
     from weft.bench.model import ModelBenchConfig
     with pytest.raises(ValueError, match=re.escape(message)):
         ModelBenchConfig(**{"preset": "tiny-dense", **kw}).validate()
+
+
+def test_graphed_modes_need_cuda():
+    from weft.testing import DistributedTestError
+    cfg = TPBenchConfig("tiny", layers=1, batch_size=2, modes=("none", "domino+graph"), steps=1, warmup=1)
+    cfg.validate()  # a known mode
+    with pytest.raises(DistributedTestError, match=r"\+graph need CUDA"):
+        run_distributed(tp.run, 1, args=(cfg,), timeout=120)

@@ -2,7 +2,9 @@
 schedule, side by side: `none` (Megatron: every all-reduce waited where it is issued), `domino`
 (Domino's row split into --p1 micro-batches and column split into --p2 slices, the all-reduces
 overlapped) and `no-comm` (the
-all-reduces left out: the time an overlap can reach at best; not the model's function).
+all-reduces left out: the time an overlap can reach at best; not the model's function). A mode
+with `+graph` (GPUs) replays its forward and backward as one CUDA graph (weft.graphs), without the
+host's launch work (Domino sec. 4.3).
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
 same batch. `domino` is checked against `none` on the first batch (`max_abs_error`: outputs and
@@ -22,6 +24,7 @@ from weft.bench.breakdown import comm_cells, profile_parts
 from weft.bench.timing import Run, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
+from weft.graphs import GraphedStep
 from weft.jsonfile import write_json
 from weft.models.gpt import Block, GPTConfig, rotary_tables
 from weft.tp import TPBlock, TPStack, make_schedule
@@ -39,6 +42,7 @@ class TPShape:
 # model; `tiny` for the CPU.
 SHAPES = {"gpt3-2.7b": TPShape(2560, 32, 10240, 1024), "tiny": TPShape(64, 4, 256, 32)}
 MODES = ("none", "domino", "no-comm")
+GRAPH_SUFFIX = "+graph"
 
 
 @dataclass
@@ -52,8 +56,9 @@ class TPBenchConfig:
     p1: int = arg(2, "domino: micro-batches the batch is split into", parse=positive_int)
     p2: int = arg(1, "domino: column slices of each sub-layer's last linear (1: none; with p1 > 1 the hybrid)",
                   parse=positive_int)
-    modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm; a mode "
-                                 "listed twice is timed twice (the noise)", parse=names)
+    modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm, each "
+                                 "optionally with +graph (one CUDA graph per step, GPUs); a mode listed twice is "
+                                 "timed twice (the noise)", parse=names)
     dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
     steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
     warmup: int = arg(5, "untimed rounds first", parse=positive_int)
@@ -64,10 +69,10 @@ class TPBenchConfig:
     def validate(self) -> None:
         if self.config not in SHAPES:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(SHAPES)}")
-        unknown = [m for m in self.modes if m not in MODES]
+        unknown = [m for m in self.modes if m.removesuffix(GRAPH_SUFFIX) not in MODES]
         if not self.modes or unknown:
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
-        if "domino" in self.modes and self.p1 > self.batch_size:
+        if any(m.startswith("domino") for m in self.modes) and self.p1 > self.batch_size:
             raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
 
 
@@ -102,22 +107,39 @@ def run(bench: TPBenchConfig) -> dict:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(bench.batch_size, seq, shape.dim, generator=gen).to(device, dtype)
     grad = torch.randn(x.shape, generator=gen).to(device, dtype)
-    schedules = {m: make_schedule(m, bench.p1, bench.p2) for m in dict.fromkeys(bench.modes)}
+    if device.type != "cuda" and any(m.endswith(GRAPH_SUFFIX) for m in bench.modes):
+        raise ValueError(f"--modes with {GRAPH_SUFFIX} need CUDA")
 
-    def fwd_bwd(schedule) -> tuple[torch.Tensor, torch.Tensor]:
-        x_in = x.detach().requires_grad_()
-        out = stack(x_in, rope, schedule=schedule)
-        out.backward(grad)
-        stack.zero_grad(set_to_none=True)
-        return out.detach(), x_in.grad
+    def eager(schedule):
+        def fwd_bwd(x_in: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = stack(x_in, rope, schedule=schedule)
+            out.backward(grad)
+            return out.detach(), x_in.grad
+        return fwd_bwd
 
-    reference = fwd_bwd(schedules.get("none", make_schedule("none")))
+    def step_of(mode: str):
+        """The mode's step, x -> (output, input gradient); a graph replays it (owning the grads)."""
+        fwd_bwd = eager(make_schedule(mode.removesuffix(GRAPH_SUFFIX), bench.p1, bench.p2))
+        if mode.endswith(GRAPH_SUFFIX):
+            graphed = GraphedStep(fwd_bwd, [x.detach().requires_grad_()], grads_of=list(stack.parameters()),
+                                  accumulate=False)
+            return lambda: graphed(x)
+
+        def run_eager():
+            stack.zero_grad(set_to_none=True)
+            result = fwd_bwd(x.detach().requires_grad_())
+            stack.zero_grad(set_to_none=True)
+            return result
+        return run_eager
+
+    steps = {m: step_of(m) for m in dict.fromkeys(bench.modes)}
+    reference = tuple(t.clone() for t in step_of("none")())
     errors = {}
-    for mode, schedule in schedules.items():
-        out, dx = fwd_bwd(schedule)
-        errors[mode] = None if mode == "no-comm" else max(float((out - reference[0]).abs().max()),
-                                                          float((dx - reference[1]).abs().max()))
-    runs = [Run(lambda: None, lambda r, s=schedules[m]: fwd_bwd(s)) for m in bench.modes]
+    for mode, step in steps.items():
+        out, dx = step()
+        errors[mode] = None if mode.startswith("no-comm") else max(float((out - reference[0]).abs().max()),
+                                                                   float((dx - reference[1]).abs().max()))
+    runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in bench.modes]
     times = interleaved_ms(runs, bench.steps, bench.warmup, device)
     flops = flops_per_step(shape, bench.layers, bench.batch_size, seq) / world
     rows = []
@@ -127,7 +149,7 @@ def run(bench: TPBenchConfig) -> dict:
                "min_ms": float(times[i, 0].min()), "max_abs_error": errors[mode],
                "tflops_per_rank": flops / (median * 1e-3) / 1e12}
         if device.type == "cuda" and bench.profile_steps > 0:
-            row.update(profile_parts(lambda s=schedules[mode]: fwd_bwd(s), bench.profile_steps))
+            row.update(profile_parts(steps[mode], bench.profile_steps))
         rows.append(row)
     base = next((r for r in rows if r["mode"] == "none"), rows[0])
     for row in rows:
