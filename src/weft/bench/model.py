@@ -187,7 +187,7 @@ def run(bench: ModelBenchConfig) -> dict:
             float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
             if p.grad is not None])
         model.zero_grad(set_to_none=True)
-        run_until_tuned(lambda _: loss_of(batches[0], setting.moe_overrides),
+        run_until_tuned(lambda _: loss_of(batches[0], setting.moe_overrides, setting.tp_schedule),
                         lambda: sum(moe.tuning.measurements for moe in model.moe_layers()), device)
         settings[mode] = setting
     model.load_state_dict(start)
