@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from weft import MoE
 from weft.balance import LayerCostModel
-from weft.testing import run_checks
+from weft.testing import Checks, run_checks
 
 DIM, HIDDEN, TOP_K = 16, 32, 2
 
@@ -20,11 +20,8 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    failures = []
-
-    def expect(cond, what):
-        if not cond:
-            failures.append(f"rank {rank}: {what}")
+    checks = Checks(f"rank {rank}")
+    expect = checks.expect
 
     # Slow experts, cheap weights: copying a hot expert always pays in this model.
     cost = LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=4 * DIM,
@@ -71,7 +68,7 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
     expect(any(copied_over_steps), f"no expert was ever copied ({copied_over_steps}): the test exercised nothing")
     expect(len(set(copied_over_steps[1:])) >= 1 and all(1 in c for c in copied_over_steps if c),
            f"the hot expert 1 was not among the copies: {copied_over_steps}")
-    return failures
+    return checks.failures
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from weft.models.gpt import Block, GPTConfig, rotary_tables
-from weft.testing import run_checks
+from weft.testing import Checks, run_checks
 from weft.tp import Domino, NoComm, Sequential, TPBlock, TPStack, make_schedule
 
 CONFIG = GPTConfig(n_layer=2, n_head=4, dim=32, moe_every=0, block_size=16)
@@ -27,11 +27,8 @@ def tp_worker(schedule_name: str, p1: int, device: str = "cpu", p2: int = 1) -> 
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    failures = []
-
-    def expect(cond, what):
-        if not cond:
-            failures.append(f"rank {rank}, {schedule_name} p1={p1} p2={p2}: {what}")
+    checks = Checks(f"rank {rank}, {schedule_name} p1={p1} p2={p2}")
+    expect = checks.expect
 
     rope = tuple(t.double() for t in rotary_tables(SEQ, CONFIG.head_dim, CONFIG.rope_theta, torch.device(device)))
     dense = dense_blocks(device)
@@ -75,7 +72,7 @@ def tp_worker(schedule_name: str, p1: int, device: str = "cpu", p2: int = 1) -> 
         for block in dense:
             y_ref = block(y_ref, rope)
         expect(torch.allclose(stack(x, rope), y_ref, atol=1e-10), "evaluation outputs differ")
-    return failures
+    return checks.failures
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])

@@ -9,10 +9,22 @@ re-raised as `DistributedTestError`, and a run past `timeout` is killed, so test
 from weft.launch import WorkerError as DistributedTestError
 from weft.launch import free_port, run_distributed
 
-__all__ = ["run_distributed", "run_checks", "DistributedTestError", "free_port"]
+__all__ = ["run_distributed", "run_checks", "Checks", "DistributedTestError", "free_port"]
 
 
 def run_checks(fn, world_size: int, **kwargs) -> list[str]:
     """Run a worker that returns a list of failure messages on every rank; all ranks' messages,
     in rank order (empty when every check passed). Keyword arguments go to `run_distributed`."""
     return [message for rank in run_distributed(fn, world_size, **kwargs) for message in rank]
+
+
+class Checks:
+    """The failure messages a check worker returns (see `run_checks`), each after `prefix` (e.g.
+    the rank): `checks.expect(condition, what)` records `what` when the condition is false."""
+
+    def __init__(self, prefix: str):
+        self.prefix, self.failures = prefix, []
+
+    def expect(self, condition, what: str) -> None:
+        if not condition:
+            self.failures.append(f"{self.prefix}: {what}")

@@ -146,7 +146,8 @@ class _DominoStack(torch.autograd.Function):
                 for cols in columns:  # each slice's all-reduce under the next slice's matmul
                     with torch.enable_grad():
                         part = linear(inner, stage.out, queue, None if p2 == 1 else cols)
-                    reduced = part.detach().clone()
+                    # reduced in place: no backward reads a linear's output (the queue keeps its input)
+                    reduced = part.detach()
                     pending[i].append((reduced, all_reduce_(reduced, group, async_op=True)))
                     parts.append(part)
                 row.append(_Record(x_in, normed, h, parts))
@@ -161,12 +162,15 @@ class _DominoStack(torch.autograd.Function):
         stages, group, records = ctx.stages, ctx.group, ctx.records
         count = len(records[0])
         grads = [g.contiguous() for g in grad_out.chunk(count)]  # d loss / d (stage output), per micro-batch
-        param_grads: dict[int, torch.Tensor] = {}
+        param_grads: dict[int, torch.Tensor] = {}  # by id of the parameter
+
+        def add(key: int, g: torch.Tensor | None) -> None:
+            if g is not None:
+                param_grads[key] = g if key not in param_grads else param_grads[key] + g
 
         def accumulate(params, found):
             for p, g in zip(params, found):
-                if g is not None:
-                    param_grads[id(p)] = g if id(p) not in param_grads else param_grads[id(p)] + g
+                add(id(p), g)
 
         def finish(stage: Stage, rec: _Record, pending_grad) -> torch.Tensor:
             """Wait for a micro-batch's input-gradient all-reduce, then the norm's backward."""
@@ -181,8 +185,8 @@ class _DominoStack(torch.autograd.Function):
         pending: list = [None] * count
         for s in range(len(stages) - 1, -1, -1):
             stage = stages[s]
-            compute_params = [p for p in stage.params if p.requires_grad
-                              and all(p is not q for q in stage.norm.parameters())]
+            norm_ids = {id(p) for p in stage.norm.parameters()}
+            compute_params = [p for p in stage.params if p.requires_grad and id(p) not in norm_ids]
             for i in range(count):
                 if pending[i] is not None:  # the later stage's all-reduce of this micro-batch
                     grads[i] = grads[i] + finish(stages[s + 1], records[s + 1][i], pending[i])
@@ -196,9 +200,8 @@ class _DominoStack(torch.autograd.Function):
                 ctx.queue.run()  # ... and the weight-gradient matmuls under its all-reduce
         for i in range(count):
             grads[i] = grads[i] + finish(stages[0], records[0][i], pending[i])
-        accumulate_all = ctx.queue.grads()
-        for key, g in accumulate_all.items():
-            param_grads[key] = g if key not in param_grads else param_grads[key] + g
+        for key, g in ctx.queue.grads().items():
+            add(key, g)
         all_params = [p for stage in stages for p in stage.params]
         del ctx.records, ctx.queue
         return (None, None, None, torch.cat(grads), *(param_grads.get(id(p)) for p in all_params))

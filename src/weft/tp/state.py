@@ -6,9 +6,9 @@ parameter (gradients, Adam's moments)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from weft.comm import all_gather
 from weft.distributed import group_size
 from weft.tp.layers import TPMLP, TPAttention
 
@@ -28,9 +28,9 @@ def dense_tensor(module: TPAttention | TPMLP, name: str, local: torch.Tensor) ->
     """The dense tensor from every rank's `local` slice (a collective over the module's group)."""
     if group_size(module.group) == 1:
         return local
-    shards = [torch.empty_like(local) for _ in range(group_size(module.group))]
-    dist.all_gather(shards, local.contiguous(), group=module.group)
-    return module.unshard(name, shards)
+    with torch.no_grad():
+        shards = all_gather(local, module.group).chunk(group_size(module.group))
+    return module.unshard(name, list(shards))
 
 
 def local_tensor(module: TPAttention | TPMLP, name: str, dense: torch.Tensor) -> torch.Tensor:
