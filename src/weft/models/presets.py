@@ -19,11 +19,12 @@ from weft.moe.gates import SAMPLING_GATES
 # default. It trains at sequence length 512; block_size keeps GPT-2's 1024.
 #
 # Routing: top-1 by argmax collapses in the first steps of these byte-level models (one expert per
-# layer takes most tokens: 90% of the slots dropped at step 26 on a GPU, ~14% still dropped over
-# steps 201-600). Training samples the expert from the router's softmax instead (temperature 1,
-# Switch Transformer's "sample softmax") from a router initialised 10x smaller (nearly uniform at
-# the start): ~3% dropped after step 200, and a validation loss still well below the dense twin's
-# (docs/benchmarks.md, "What drives token drops"). Evaluation and generation route by argmax.
+# layer takes most tokens: 94% of gpt2-s-moe's slots dropped at step 26 on a GPU, 13-17% still
+# dropped over steps 201-600). Training samples the expert from the router's softmax instead
+# (temperature 1, Switch Transformer's "sample softmax") from a router initialised 10x smaller
+# (nearly uniform at the start): 2.6-3.2% (gpt2-s-moe) and 4.6% (gpt2-l-moe) dropped after step
+# 200, and a validation loss still well below the dense twins' (docs/benchmarks.md, "Sampled
+# routing"). Evaluation and generation route by argmax.
 _LANCET_MOE = dict(moe_every=2, num_experts=32, top_k=1, gate="topk", capacity_factor=1.25, activation="gelu",
                    routing_temperature=1.0, router_init_scale=0.1)
 
