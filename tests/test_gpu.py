@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_balance_equivalence import balance_worker
+from test_balance_schedule import schedule_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_exchange import exchange_worker
@@ -94,6 +95,15 @@ def test_replicated_experts_compute_the_plain_layer_on_nccl():
     # Pro-Prophet's Trans (all-gather) and Agg (reduce-scatter) on NCCL, fp32, placements changing per step.
     world = torch.cuda.device_count()
     flat = run_checks(balance_worker, world, args=(2 * world, "swiglu", "cuda", 1e-4), backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_blockwise_balance_schedule_computes_the_plain_model_on_nccl():
+    # Pro-Prophet's Trans a layer early and Agg under the preceding layer's backward, on the side
+    # communicator beside the all-to-alls (NCCL), fp32, placements changing per step.
+    flat = run_checks(schedule_worker, torch.cuda.device_count(), args=(4, "cuda"), backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

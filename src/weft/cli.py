@@ -31,6 +31,7 @@ from weft.overlap import run as overlap_run
 from weft.train.compare import format_table, summarize
 from weft.train.config import (
     BALANCE,
+    BALANCE_MODELS,
     CUDA_GRAPHS,
     FREE_ON_RESUME,
     TP_OVERLAPS,
@@ -87,7 +88,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
                 "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance",
-                "tp", "tp_overlap", "domino_p1", "domino_p2")
+                "balance_model", "tp", "tp_overlap", "domino_p1", "domino_p2")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")
+    tr.add_argument("--balance-model", default=None, choices=list(BALANCE_MODELS),
+                    help="with --balance pro-prophet, the planner's performance model: measured (default: profiled "
+                         "on this machine at the start) or nominal (H200-class constants)")
     tr.add_argument("--cuda-graphs", default=None, choices=list(CUDA_GRAPHS),
                     help="GPUs: replay each micro-step's forward and backward as one CUDA graph (no launch cost); "
                          "auto (default): where the shapes are static (padded capacity, no overlap engine), "

@@ -1,8 +1,8 @@
 """Process groups for expert parallelism (a DeviceMesh and its groups) and launch helpers.
 
 The only global state weft relies on is process groups: torch.distributed's own registry, and
-the cache of hierarchical (2DH) groups below, which exists because building them is a collective
-that must not be repeated per call. Every module takes its group explicitly, and `None` means
+the caches of hierarchical (2DH) groups and side groups below, which exist because building them
+is a collective that must not be repeated per call. Every module takes its group explicitly, and `None` means
 "the default group if one is initialised, else a single process".
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ __all__ = [
     "init_distributed",
     "build_moe_groups",
     "hierarchical_groups",
+    "side_group",
     "resolve_group",
     "group_rank",
     "group_size",
@@ -167,6 +168,8 @@ class HierarchicalGroups:
 # The one weft-owned registry of process groups (see the module docstring): the hierarchical
 # groups of (EP group, local size), since building them is a world-wide collective.
 _HIERARCHICAL_GROUPS: dict[tuple[dist.ProcessGroup, int], HierarchicalGroups] = {}
+# ... and the side group of each group (`side_group`).
+_SIDE_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
 def _ranks_in_group_order(group: dist.ProcessGroup) -> list[int]:
@@ -255,3 +258,24 @@ def hierarchical_groups(
     result = HierarchicalGroups(intra, inter, local_size, len(ranks) // local_size)
     _HIERARCHICAL_GROUPS[key] = result
     return result
+
+
+def side_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A second process group over the ranks of `group` (None: the default group), in the same
+    rank order. A communicator runs its collectives one after another, so a transfer that must not
+    wait behind the group's all-to-alls, nor hold them up (Pro-Prophet's Trans and Agg), goes
+    over this one instead. A one-rank group is its own side group; None without a process group.
+
+    Collective over the whole world, like `hierarchical_groups`: every rank calls it, in the same
+    order, with its own group. Cached per group, so build it once, e.g. with the layer."""
+    if not dist.is_initialized():
+        return None
+    group = resolve_group(group)
+    if group in _SIDE_GROUPS:
+        return _SIDE_GROUPS[group]
+    ranks = tuple(_ranks_in_group_order(group))
+    layouts: list[tuple[int, ...]] = [()] * dist.get_world_size()
+    dist.all_gather_object(layouts, ranks)
+    created = {members: _new_group(list(members)) for members in sorted(set(layouts)) if len(members) > 1}
+    _SIDE_GROUPS[group] = created.get(ranks, group)
+    return _SIDE_GROUPS[group]

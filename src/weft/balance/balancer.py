@@ -52,22 +52,28 @@ class ExpertBalancer:
         placement was best)."""
         return [] if self.last_plan is None else self.last_plan.placement.replicated
 
-    def plan(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[int, ...]:
-        """The experts to copy for this call, from the loads of the earlier calls (none at the
-        first); then this call's (E,) slot counts, gathered over `group` into (W, E), start their
-        way to the host to join the history at the next call. One small all-gather per call; the
-        host copy runs in the background (the paper's Plan under the previous iteration)."""
-        copied: tuple[int, ...] = ()
+    def next_copied(self) -> tuple[int, ...]:
+        """The experts to copy in the next call, planned from the loads of the earlier calls (none
+        before the first load arrives); the same until the next `record`, so the plan can be made
+        ahead of the call (Alg. 2: under the preceding block) and the call still agree with it.
+        Host arithmetic only: the recorded counts were copied to the host a whole call ago."""
         if self.ep_size == 1:  # one rank holds every expert: nothing to move
-            return copied
+            return ()
         if self._pending is not None:
             host, ready = self._pending
             if ready is not None:
                 ready.synchronize()  # long done: the copy was queued a whole call ago
             self.history.record(host)
-        if len(self.history):
+            self._pending = None
             self.last_plan = greedy_placement(self.history.predict(), self.owner_E, self.model, n=1, alpha=self.alpha)
-            copied = tuple(self.last_plan.placement.replicated)
+        return () if self.last_plan is None else tuple(self.last_plan.placement.replicated)
+
+    def record(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+        """This call's (E,) slot counts, gathered over `group` into (W, E), start their way to the
+        host to join the history at the next plan. One small all-gather per call; the host copy
+        runs in the background (the paper's Plan under the previous iteration)."""
+        if self.ep_size == 1:
+            return
         counts = counts_E.detach().reshape(1, -1)
         if group_size(group) > 1:
             gathered = [torch.empty_like(counts) for _ in range(group_size(group))]
@@ -80,4 +86,3 @@ class ExpertBalancer:
             ready = torch.cuda.Event()
             ready.record()
         self._pending = (host, ready)
-        return copied

@@ -21,7 +21,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from weft.bench.trace import decompose, is_comm_kernel, kernel_intervals, length, merge, profile_trace
+from weft.bench.trace import (
+    decompose,
+    is_comm_kernel,
+    is_transfer_kernel,
+    kernel_intervals,
+    length,
+    merge,
+    profile_trace,
+)
 from weft.profiling import PREFIX
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -186,9 +194,14 @@ def format_breakdown(b: Breakdown, title: str) -> str:
 def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path | None = None,
                   with_breakdown: bool = False) -> dict:
     """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
-    (communication hidden or exposed, `weft.bench.trace`) and, when asked, "breakdown"."""
+    (communication hidden or exposed, `weft.bench.trace`), "transfer_decomposition" where the step
+    ran all-gathers or reduce-scatters (the same for those kernels alone: Pro-Prophet's Trans and
+    Agg) and, when asked, "breakdown"."""
     trace = profile_trace(step, steps, trace_path)
     parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}
+    transfers, compute = kernel_intervals(trace, is_transfer_kernel)
+    if transfers:
+        parts["transfer_decomposition"] = decompose(transfers, compute, steps=steps).to_dict()
     if with_breakdown:
         parts["breakdown"] = breakdown(trace, steps).to_dict()
     return parts

@@ -38,6 +38,7 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
 from weft.jsonfile import write_json
 from weft.moe import MoE
+from weft.overlap import measure_layer_cost_model
 from weft.profiling import stage
 
 
@@ -234,19 +235,23 @@ def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> d
     }
 
 
-def zipf_shift(router_weight_ED: torch.Tensor, skew: float, seed: int = 0) -> torch.Tensor:
-    """(dim,) the input shift u with W u = b for the router weight W (E, dim) and the logit bias
-    b_e = -skew * ln(rank_e), ranks 1..E of a random permutation drawn from `seed` (the same on
-    every rank): softmax routing then prefers expert e by the factor rank_e^-skew, Zipf(skew)
-    shaped, hot experts spread over the ranks. Least squares (exact for E <= dim)."""
-    num_experts = router_weight_ED.shape[0]
+def zipf_bias(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
+    """(E,) float64 logit bias b_e = -skew * ln(rank_e), ranks 1..E of a random permutation drawn
+    from `seed` (the same on every rank): routing prefers expert e by the factor rank_e^-skew,
+    Zipf(skew) shaped, hot experts spread over the ranks."""
     ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed)) + 1
-    bias_E = -skew * torch.log(ranks.to(torch.float64))
+    return -skew * torch.log(ranks.to(torch.float64))
+
+
+def zipf_shift(router_weight_ED: torch.Tensor, skew: float, seed: int = 0) -> torch.Tensor:
+    """(dim,) the input shift u with W u = b for the router weight W (E, dim) and b the
+    `zipf_bias`: softmax routing then prefers expert e by rank_e^-skew. Least squares (exact for
+    E <= dim)."""
     weight = router_weight_ED.detach().to("cpu", torch.float64)
-    return (torch.linalg.pinv(weight) @ bias_E).to(router_weight_ED.device)
+    return (torch.linalg.pinv(weight) @ zipf_bias(router_weight_ED.shape[0], skew, seed)).to(router_weight_ED.device)
 
 
-def _load_imbalance(counts_E: torch.Tensor) -> float:
+def load_imbalance(counts_E: torch.Tensor) -> float:
     """max / mean of the experts' routed slots summed over the ranks."""
     total = counts_E.detach().to(torch.float64).clone()
     if dist.is_initialized():
@@ -271,7 +276,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     reference = (y0.float(), x0_grad.float())
     x0 = inputs[0]
     dropped = slowest(float(moe.stats.dropped) / (tokens * cfg.top_k), device)
-    imbalance = _load_imbalance(moe.stats.expert_counts)
+    imbalance = load_imbalance(moe.stats.expert_counts)
     moe.zero_grad(set_to_none=True)
 
     # Check every mode against plain before any timing: the optimizer steps of the timing loop
@@ -296,8 +301,12 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row["description"] = description
         check = base_mode(mode) not in NOT_THE_LAYER_FUNCTION
         row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
-        if base_mode(mode) == BALANCE_MODE:  # what the checked call copied
+        if base_mode(mode) == BALANCE_MODE:  # what the checked call copied, and the time its plan predicted
             row["copied_experts"] = forward.balancer.last_copied
+            plan = forward.balancer.last_plan
+            if plan is not None:
+                row.update(predicted_ms=plan.predicted_s * 1e3, plain_predicted_ms=plan.plain_s * 1e3,
+                           cost_model=dataclasses.asdict(forward.balancer.model))
         if not is_graphed(mode):  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)
@@ -318,6 +327,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     for row, run in zip(timed, runs):
         if not is_graphed(row["mode"]):
             row["peak_mib"] = _peak_mib(run, device)
+    _prediction_errors(rows)
     if device.type == "cuda" and profile_steps > 0:
         for row, run in zip(timed, runs):
             path = None
@@ -331,15 +341,31 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
 
 def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor) -> MoE:
     """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
-    after one untimed call on `warm_input` so that the next call has a load to plan from."""
+    its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`; the nominal
+    one on a single rank), after one untimed call on `warm_input` so that the next call has a
+    load to plan from."""
     if cf is not None:
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
+    measured = measure_layer_cost_model(moe, warm_input)[0] if moe.ep_size > 1 else None
     twin = MoE(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, moe.gate, None, moe.experts.activation,
-               group=moe.group, balance="pro-prophet", device=warm_input.device, dtype=moe.experts.w1.dtype)
+               group=moe.group, balance="pro-prophet", balance_model=measured, device=warm_input.device,
+               dtype=moe.experts.w1.dtype)
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
         twin(warm_input)
     return twin
+
+
+def _prediction_errors(rows: list[dict]) -> None:
+    """Pro-Prophet's planner predicted the balanced call's time and the plain layer's (eqs. 1-8):
+    give `plain` rows that prediction too, and every predicted row its error against the measured
+    median (predicted / measured - 1)."""
+    plain_predicted = next((r["plain_predicted_ms"] for r in rows if "plain_predicted_ms" in r), None)
+    for row in rows:
+        if row["mode"] == "plain" and plain_predicted is not None:
+            row["predicted_ms"] = plain_predicted
+        if "predicted_ms" in row and row.get("median_ms"):
+            row["prediction_error"] = row["predicted_ms"] / row["median_ms"] - 1
 
 
 def _peak_mib(run: Run, device: torch.device) -> float | None:
@@ -451,6 +477,8 @@ def print_table(report: dict) -> None:
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
         if r.get("copied_experts") is not None:
             tuned += f"  copied experts {r['copied_experts']} in the checked call"
+        if r.get("prediction_error") is not None:
+            tuned += f"  Pro-Prophet's model: {r['predicted_ms']:.3f} ms ({r['prediction_error']:+.0%})"
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
               f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f} {peak:>9}{tuned}")

@@ -9,6 +9,11 @@ two measurement devices with the dW scheduler on even where nothing communicates
 with nothing to hide it under). With `--tp N` (dense presets: the blocks split over groups of N
 ranks, weft.tp) the modes are `tp` (Megatron's schedule), `domino` (Domino's, `--p1`/`--p2`) and
 `no-comm` (the TP all-reduces left out: not the model's function, so no `max_error`).
+Pro-Prophet (dropless presets, `--capacity dropless`): `balance` (every MoE layer copies its
+planned heavy experts, Trans and Agg moved a layer early: the block-wise schedule, Alg. 2) and
+`balance-inline` (the copies moved inside each layer's call); the model is then built balanced
+and `none` runs it without copies. `--skew S` biases every layer's expert selection by a Zipf(S)
+ranking of the experts (the selection bias of weft.MoE's expert_bias, fixed), in every mode.
 
 Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
 dictionaries have decided) and its loss and gradients are checked against `none` on the starting
@@ -29,12 +34,17 @@ Per row (milliseconds; each step's time is the slowest rank's):
   (predicted / measured `fwd_bwd_ms` - 1), with the prediction's parts `predicted_forward_ms`
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
-- on CUDA, `decomposition` (a profiled run of each mode after the timing rounds).
+- on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
+  mode ran all-gathers or reduce-scatters (Pro-Prophet's Trans and Agg), `transfer_decomposition`:
+  their time and the share of it that overlapped computation;
+- balance modes: `copied_experts` (per MoE layer, the experts the last timed step copied).
+`meta.expert_load_max_over_mean`: per MoE layer, the busiest expert's slots over the mean.
 `meta.timing` is "interleaved"; `meta.rounds` / `meta.warmup_rounds` the counted and warm-up rounds.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 from dataclasses import dataclass
@@ -43,12 +53,13 @@ import torch
 import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
-from weft.bench.layer import write_report
+from weft.bench.layer import load_imbalance, write_report, zipf_bias
 from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import build_moe_groups, group_rank, init_distributed
-from weft.models import GPT
+from weft.models import GPT, GPTConfig
 from weft.models.presets import PresetChoice
+from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import WGradScheduler
 from weft.overlap import passes
 from weft.overlap.forward import Range
@@ -56,7 +67,9 @@ from weft.precision import training_autocast
 from weft.profiling import stage
 from weft.tp import make_schedule
 
-MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw")
+# Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
+BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}
+MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw", *BALANCE_MODES)
 TP_MODES = ("tp", "domino", "no-comm")
 
 
@@ -69,6 +82,7 @@ class _Setting:
     moe_overrides: dict  # per-call settings of every MoE layer (weft.MoE.forward's keywords)
     plan: passes.OverlapPlan | None
     tp_schedule: object = None  # the weft.tp schedule of a tensor-parallel mode
+    balance_schedule: str = "blockwise"  # a balanced model's (weft.models.gpt.run_units)
     max_error: float = 0.0
 
 
@@ -78,6 +92,10 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
         return _Setting([], None, {}, None, make_schedule("none" if mode == "tp" else mode, p1, p2))
     passes.apply(model, [], None)
     moe_overrides = {"overlap_degree": "auto" if mode == "tutel" else 1}
+    if model.balanced and mode not in BALANCE_MODES:  # the balanced model without copies
+        return _Setting([], None, moe_overrides, None, balance_schedule="off")
+    if mode in BALANCE_MODES:
+        return _Setting([], None, moe_overrides, None, balance_schedule=BALANCE_MODES[mode])
     plan, scheduler = None, None
     if mode.startswith("lancet"):
         plan = passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
@@ -124,6 +142,8 @@ class ModelBenchConfig(PresetChoice):
                   "domino, no-comm", parse=positive_int)
     p1: int = arg(2, "with --tp, mode domino: micro-batches", parse=positive_int)
     p2: int = arg(1, "with --tp, mode domino: column slices of each sub-layer's last linear", parse=positive_int)
+    skew: float = arg(0.0, "bias every MoE layer's expert selection by -S ln(rank) over a fixed random ranking of "
+                      "the experts (Zipf(S)-skewed load; 0: none)", parse=float)
 
     def validate(self) -> None:
         super().validate()
@@ -136,6 +156,25 @@ class ModelBenchConfig(PresetChoice):
                              "blocks (try its dense twin, or gpt3-2.7b)")
         if self.tp > 1 and "domino" in self.modes and self.p1 > self.batch_size:
             raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
+        cfg = self.model_config()
+        balancing = [m for m in self.modes if m in BALANCE_MODES]
+        if balancing and not (cfg.moe_every and cfg.capacity_factor is None):
+            raise ValueError(f"--modes {balancing[0]}: Pro-Prophet balances dropless MoE layers; add --capacity "
+                             f"dropless (and an MoE preset)")
+        if balancing and any(m.startswith("lancet") or m in ("dw-in-place", "defer-dw") for m in self.modes):
+            raise ValueError("--modes: the balance modes run beside none and tutel only (Lancet's pipeline and the "
+                             "dW scheduler copy inline)")
+        if self.skew < 0 or (self.skew and not cfg.moe_every):
+            raise ValueError(f"--skew {self.skew:g}: needs an MoE preset and a value >= 0")
+        if self.skew and cfg.gate not in EXPERT_BIAS_GATES:
+            gates = ", ".join(EXPERT_BIAS_GATES)
+            raise ValueError(f"--skew biases the expert selection of token-choice gates ({gates}), not {cfg.gate!r}")
+
+    def bench_model_config(self) -> GPTConfig:
+        """The model: the preset with the overrides, keeping a selection bias where `skew` sets one
+        (its rate unused: the benchmark never moves it)."""
+        cfg = self.model_config()
+        return dataclasses.replace(cfg, expert_bias_rate=cfg.expert_bias_rate or 1e-3) if self.skew else cfg
 
 
 def run(bench: ModelBenchConfig) -> dict:
@@ -146,33 +185,40 @@ def run(bench: ModelBenchConfig) -> dict:
     max_partitions, profile_steps = bench.max_partitions, bench.profile_steps
     ctx = init_distributed()
     device = ctx.device
-    cfg = bench.model_config()
+    cfg = bench.bench_model_config()
     groups = build_moe_groups(tp_size=bench.tp) if bench.tp > 1 else None
     torch.manual_seed(0)
     model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None,
+                balance="pro-prophet" if any(m in BALANCE_MODES for m in modes) else None,
                 tp_group=groups.tp if groups else None).to(device)
+    if bench.skew:
+        for moe in model.moe_layers():
+            moe.expert_bias.copy_(zipf_bias(cfg.num_experts, bench.skew))
     start = {k: v.clone() for k, v in model.state_dict().items()}
     # the ranks of a tensor-parallel group get the same tokens
     gen = torch.Generator(device="cpu").manual_seed(100 + (group_rank(groups.dp) if groups else ctx.rank))
     batches = [torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=gen).to(device)
                for _ in range(3)]
 
-    def loss_of(tokens, moe_overrides=None, tp_schedule=None):
+    def loss_of(tokens, setting: _Setting | None = None):
+        setting = setting or _Setting([], None, {}, None, balance_schedule="off")
         with training_autocast(device):
-            return model(tokens[:, :-1], tokens[:, 1:], moe_overrides=moe_overrides, tp_schedule=tp_schedule)[1]
+            return model(tokens[:, :-1], tokens[:, 1:], moe_overrides=setting.moe_overrides,
+                         tp_schedule=setting.tp_schedule, balance_schedule=setting.balance_schedule)[1]
 
     def backward(setting: _Setting, loss: torch.Tensor) -> None:
         # The scheduler's context flushes every deferred dW before it closes.
         with setting.scheduler.backward() if setting.scheduler is not None else contextlib.nullcontext():
             loss.backward()
 
-    def reference_grads(moe_overrides=None, tp_schedule=None):
+    def reference_grads(setting: _Setting | None = None):
         model.zero_grad(set_to_none=True)
         torch.manual_seed(1)
-        return loss_of(batches[0], moe_overrides, tp_schedule)
+        return loss_of(batches[0], setting)
 
     loss = reference_grads()
     loss.backward()
+    imbalance = [load_imbalance(moe.stats.expert_counts) for moe in model.moe_layers()]
     ref_loss, ref_grads = loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                         if p.grad is not None}
     # Configure each distinct mode once, checked on the starting weights; a repeated mode reuses
@@ -181,13 +227,13 @@ def run(bench: ModelBenchConfig) -> dict:
     for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
         setting = _configure(mode, model, batches[0][:, :-1], max_partitions, bench.p1, bench.p2)
-        loss = reference_grads(setting.moe_overrides, setting.tp_schedule)
+        loss = reference_grads(setting)
         backward(setting, loss)
         setting.max_error = None if mode == "no-comm" else max([abs(loss.item() - ref_loss)] + [
             float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
             if p.grad is not None])
         model.zero_grad(set_to_none=True)
-        run_until_tuned(lambda _: loss_of(batches[0], setting.moe_overrides, setting.tp_schedule),
+        run_until_tuned(lambda _, s=setting: loss_of(batches[0], s),
                         lambda: sum(moe.tuning.measurements for moe in model.moe_layers()), device)
         settings[mode] = setting
     model.load_state_dict(start)
@@ -196,7 +242,7 @@ def run(bench: ModelBenchConfig) -> dict:
 
     def step(setting: _Setting, i: int) -> None:
         """One training iteration; laps mark the end of forward and of backward."""
-        loss = loss_of(batches[i % len(batches)], setting.moe_overrides, setting.tp_schedule)
+        loss = loss_of(batches[i % len(batches)], setting)
         timer.lap()
         backward(setting, loss)
         timer.lap()
@@ -224,6 +270,10 @@ def run(bench: ModelBenchConfig) -> dict:
             # forward and backward).
             row.update({f"predicted_{k}_ms": v * 1e3 for k, v in plan.parts.items()})
             row["profile_s"] = plan.to_dict()["profile_s"]
+        if mode in BALANCE_MODES:
+            _switch(model, setting)
+            step(setting, 0)  # the copies of a step of this mode
+            row["copied_experts"] = [moe.balancer.last_copied for moe in model.moe_layers()]
         if device.type == "cuda" and profile_steps > 0:
             _switch(model, setting)
             row.update(profile_parts(lambda s=setting: step(s, 0), profile_steps, with_breakdown=bench.breakdown))
@@ -235,7 +285,8 @@ def run(bench: ModelBenchConfig) -> dict:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"meta": {"preset": preset, "gate": cfg.gate, "capacity_factor": cfg.capacity_factor, "top_k": cfg.top_k,
                        "batch_size": batch_size, "seq_len": cfg.block_size, "world_size": ctx.world_size,
-                       "tp": bench.tp, "p1": bench.p1, "p2": bench.p2,
+                       "tp": bench.tp, "p1": bench.p1, "p2": bench.p2, "skew": bench.skew,
+                       "expert_load_max_over_mean": imbalance,
                        "device": name, "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
                        "timing": "interleaved", "rounds": steps, "warmup_rounds": warmup,
@@ -268,6 +319,17 @@ def print_table(report: dict) -> None:
         print(f"{label:>12} {r['iteration_ms']:>9.2f} {r['iteration_ms_min']:>8.2f} {r['iteration_iqr_ms']:>7.2f} "
               f"{r['speedup']:>7.2f}x {r['fwd_bwd_ms']:>9.2f} {r['fwd_bwd_iqr_ms']:>7.2f} {pred:>10} "
               f"{perr:>9} {err:>9} {comm:>8} {exposed:>8} {hidden:>7}")
+    if meta.get("expert_load_max_over_mean"):
+        skew = f"skew {meta['skew']:g}, " if meta.get("skew") else ""
+        print(f"routing: {skew}expert load max/mean per MoE layer "
+              + ", ".join(f"{v:.2f}" for v in meta["expert_load_max_over_mean"]))
+    for r in report["results"]:
+        transfer = r.get("transfer_decomposition")
+        if transfer or "copied_experts" in r:
+            hidden = "" if not transfer or transfer["hidden_share"] is None else (
+                f": {transfer['comm_ms']:.3f} ms per step of all-gather / reduce-scatter kernels (Trans, Agg), "
+                f"{transfer['hidden_share']:.0%} under computation")
+            print(f"[{r['mode']}] copied experts per layer {r.get('copied_experts')}{hidden}")
     print_breakdowns(report["results"], lambda r: r["mode"])
     for r in report["results"]:
         if r.get("plan") and not r["repeat"]:  # a repeat runs the same plan

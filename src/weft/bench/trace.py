@@ -88,14 +88,30 @@ def is_comm_kernel(name: str) -> bool:
     return any(marker in lowered for marker in COMM_KERNEL_MARKERS)
 
 
-def kernel_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
-    """(communication, computation) GPU intervals of a Chrome trace exported by torch.profiler."""
+TRANSFER_KERNEL_MARKERS = ("allgather", "all_gather", "reducescatter", "reduce_scatter")
+
+
+def is_transfer_kernel(name: str) -> bool:
+    """An all-gather or reduce-scatter kernel: Pro-Prophet's Trans and Agg (and the balancer's
+    small gather of the load counts), as opposed to the all-to-alls."""
+    lowered = name.lower()
+    return is_comm_kernel(name) and any(marker in lowered for marker in TRANSFER_KERNEL_MARKERS)
+
+
+def kernel_intervals(trace: dict, is_comm=is_comm_kernel) -> tuple[list[Interval], list[Interval]]:
+    """(communication, computation) GPU intervals of a Chrome trace exported by torch.profiler.
+    `is_comm` picks the communication kernels to count (e.g. `is_transfer_kernel`); communication
+    kernels it does not pick are in neither list."""
     comm, compute = [], []
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         interval = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
-        (comm if is_comm_kernel(event.get("name", "")) else compute).append(interval)
+        name = event.get("name", "")
+        if is_comm(name):
+            comm.append(interval)
+        elif not is_comm_kernel(name):
+            compute.append(interval)
     return comm, compute
 
 

@@ -96,8 +96,8 @@ def all_to_all_counts(counts: torch.Tensor, group: dist.ProcessGroup | None) -> 
 
 
 # torch 2.13 renamed these (the old names warn); the GPU image's torch 2.11 has only the old ones.
-_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 class _AllGather(torch.autograd.Function):
@@ -108,14 +108,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-        _ALL_GATHER(out, x, group=group)
+        ALL_GATHER(out, x, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // group_size(ctx.group),) + tuple(grad.shape[1:]))
-        _REDUCE_SCATTER(out, grad, group=ctx.group)
+        REDUCE_SCATTER(out, grad, group=ctx.group)
         return out, None
 
 

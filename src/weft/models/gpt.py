@@ -27,6 +27,7 @@ from weft.kernels.rotary import rotary, rotary_reference
 from weft.kernels.rows import KERNELS
 from weft.moe import ACTIVATIONS, GATES, MoE
 from weft.moe.config import check_router_settings
+from weft.moe.exchange import Transfer
 from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import Linear
 from weft.profiling import stage
@@ -181,10 +182,50 @@ class MoEUnit:
     moe: MoE
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, transfer: Transfer | None = None) -> torch.Tensor:
         with stage("norm"):
             h = self.norm(x)
-        return x + self.moe(h, **self.overrides)
+        return x + self.moe(h, transfer=transfer, **self.overrides)
+
+
+BALANCE_SCHEDULES = ("blockwise", "inline", "off")
+
+
+def run_units(units: Sequence[Unit], x: torch.Tensor, balance_schedule: str = "blockwise") -> torch.Tensor:
+    """Run the residual sub-layers in order. Where MoE layers balance (Pro-Prophet), by
+    `balance_schedule`:
+
+    - "blockwise", Pro-Prophet's block-wise schedule (sec. V-B, Alg. 2): each balanced layer's
+      Trans (`MoE.start_transfer`) is launched as the preceding balanced layer's sub-layer begins
+      (the first one's before the first sub-layer), so it flies under that layer's experts and the
+      attention after it. Its Agg is launched when the copies' gradients are complete and waited
+      for where the Trans was launched, so it flies under the preceding layer's backward. Trans
+      and Agg use the layers' side communicator, beside the all-to-alls rather than between them
+      (where the paper splits them into two parts timed to fit the gaps);
+    - "inline": each layer copies its experts at its own call (Trans and Agg in the layer's path);
+    - "off": no layer copies (the plain layer's work; the loads are still recorded and planned).
+
+    The same function in every case: the copies compute exactly what their owners would."""
+    if balance_schedule not in BALANCE_SCHEDULES:
+        raise ValueError(f"unknown balance_schedule {balance_schedule!r}; choose from {', '.join(BALANCE_SCHEDULES)}")
+    balanced = [u for u in units if isinstance(u, MoEUnit) and u.moe.balancer is not None]
+    if balance_schedule == "inline" or not balanced:
+        for unit in units:
+            x = unit(x)
+        return x
+    start = (lambda unit: unit.moe.start_transfer()) if balance_schedule == "blockwise" else (
+        lambda unit: Transfer.none())
+    following = {id(a): b for a, b in zip(balanced, balanced[1:])}
+    transfer = start(balanced[0])
+    for unit in units:
+        if not (isinstance(unit, MoEUnit) and unit.moe.balancer is not None):
+            x = unit(x)
+            continue
+        after = following.get(id(unit))
+        upcoming = start(after) if after is not None else None  # launched before this layer's work
+        x = unit(x, transfer)
+        transfer = upcoming
+    return x
 
 
 # -- the blocks -------------------------------------------------------------------------------
@@ -331,14 +372,16 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, moe_overrides: Mapping[str, Any] | None = None,
-        tp_schedule=None,
+        tp_schedule=None, balance_schedule: str = "blockwise",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """idx (B, S) token ids -> logits (B, S, vocab) and, with targets (B, S), the training loss
         cross_entropy + aux_loss_coef * sum(aux_loss) + z_loss_coef * sum(z_loss).
 
         `moe_overrides` are per-call settings of every MoE layer (`weft.MoE.forward`'s keywords,
         e.g. `{"capacity_factor": None}` to run dropless for this call only). `tp_schedule` runs a
-        tensor-parallel model's blocks by another weft.tp schedule for this call."""
+        tensor-parallel model's blocks by another weft.tp schedule for this call.
+        `balance_schedule` (balanced models): when Pro-Prophet's copies move ("blockwise",
+        "inline" or "off"; see `run_units`); Lancet's pipeline (`unit_runner`) copies inline."""
         self._check_input(idx, targets)
         with stage("embedding"):
             x = self.tok_emb(idx)
@@ -349,8 +392,7 @@ class GPT(nn.Module):
         elif self.unit_runner is not None:
             x = self.unit_runner(self.units(rope, moe_overrides), x)
         else:
-            for unit in self.units(rope, moe_overrides):
-                x = unit(x)
+            x = run_units(self.units(rope, moe_overrides), x, balance_schedule)
         with stage("head"):
             logits = self.head(self.norm(x))
         if targets is None:

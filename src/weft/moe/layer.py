@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weft.balance import ExpertBalancer, LayerCostModel, nominal_cost_model
-from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group
+from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group, side_group
 from weft.kernels.rows import use_triton
 from weft.moe.config import (
     BALANCE_CHOICES,
@@ -38,6 +38,7 @@ from weft.moe.exchange import (
     Grouped,
     Layout,
     Padded,
+    Transfer,
     candidates,
     select,
     tuning_key,
@@ -136,6 +137,9 @@ class MoE(nn.Module):
         # Pro-Prophet: plans each dropless call's copied experts from the earlier calls' loads.
         self.balancer = None if balance is None else ExpertBalancer(
             num_experts, ep_size, balance_model or nominal_cost_model(dim, hidden_dim, activation == "swiglu", ep_size))
+        # Trans and Agg launched ahead (`start_transfer`) fly on a communicator of their own, beside
+        # the all-to-alls (built here: creating a process group is a collective).
+        self.transfer_group = side_group(self.group) if balance is not None and ep_size > 1 else None
         self.dim, self.hidden_dim, self.num_experts, self.gate = dim, hidden_dim, num_experts, gate
         self.normalize_gates, self.ep_size, self.parallel = normalize_gates, ep_size, parallel
         # m ranks per expert when there are fewer experts than ranks (Tutel's EP+DP+MP, fig. 7).
@@ -239,8 +243,12 @@ class MoE(nn.Module):
         return tuning_key(shape, call or self.default_call(), self.parallel)
 
     # -- the stages ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, **overrides) -> torch.Tensor:
-        """y = MoE(x); keyword arguments (see `call_with`) override the layer's settings for this call."""
+    def forward(self, x: torch.Tensor, transfer: Transfer | None = None, **overrides) -> torch.Tensor:
+        """y = MoE(x); keyword arguments (see `call_with`) override the layer's settings for this call.
+
+        `transfer` (balanced layers): the copies this call uses, launched ahead by
+        `start_transfer()` (Pro-Prophet's block-wise schedule); `Transfer.none()` runs the call
+        unbalanced. Left None, a balanced dropless call plans and copies its experts itself."""
         call = self.call_with(**overrides) if overrides else self.default_call()
         self._check_input(x)
         tokens_TD = x.reshape(-1, self.dim)
@@ -251,7 +259,7 @@ class MoE(nn.Module):
         # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
         tokens_TD = tokens_TD.to(self.experts.compute_dtype(tokens_TD))
         if routing.capacity is None:
-            y_TD = self._dropless(tokens_TD, routing, call, x.dtype)
+            y_TD = self._dropless(tokens_TD, routing, call, x.dtype, transfer)
         else:
             y_TD = self._padded(tokens_TD, routing, call, x.dtype)
         return y_TD.to(x.dtype).reshape(x.shape)
@@ -264,6 +272,20 @@ class MoE(nn.Module):
         with stage("routing"):
             return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias,
                                         fused=use_triton(call.kernels, logits_TE), sample=self.training)
+
+    def start_transfer(self) -> Transfer:
+        """Pro-Prophet's Trans for this layer's next call, launched now on the transfer group: the
+        experts the plan copies, from the loads of the earlier calls (nothing on one rank, before
+        any load is known, or where the plain placement is best). Alg. 2 launches it under the
+        preceding block's forward; pass it to the call as `transfer`."""
+        if self.balancer is None:
+            raise ValueError("start_transfer: this layer does not balance (build it with balance='pro-prophet')")
+        copied = self.balancer.next_copied()
+        if not copied:
+            return Transfer.none()
+        weight = self.experts.w1
+        dtype = torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type) else None
+        return Transfer(self.experts, self.placement, copied, self.transfer_group, dtype)
 
     def update_expert_bias(self, counts_E: torch.Tensor, rate: float) -> None:
         """After a training step: move the selection bias by `rate` towards balance, given the
@@ -279,18 +301,18 @@ class MoE(nn.Module):
         self.last_routing = summary
 
     def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
-                 copied: tuple[int, ...] = ()) -> torch.Tensor:
+                 transfer: Transfer | None = None) -> torch.Tensor:
         """The dispatched rows -> their experts' outputs, by the call's setting (tuned when "auto";
-        `capacity` is the tuning bucket's, agreed by every rank of the group; `copied`: the experts
-        Pro-Prophet copies to every rank for a dropless call)."""
+        `capacity` is the tuning bucket's, agreed by every rank of the group; `transfer`: the
+        experts Pro-Prophet copies to every rank for a dropless call)."""
         with stage("exchange"):
-            return self._exchange(rows, layout, call, capacity, copied)
+            return self._exchange(rows, layout, call, capacity, transfer)
 
     def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
-                  copied: tuple[int, ...]) -> torch.Tensor:
+                  transfer: Transfer | None) -> torch.Tensor:
         ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler)
         dropless = isinstance(layout, Grouped)
-        run = lambda setting, rows: select(ctx, setting, dropless, copied)(rows, layout)  # noqa: E731
+        run = lambda setting, rows: select(ctx, setting, dropless, transfer)(rows, layout)  # noqa: E731
         if not is_tuned(call, self.parallel, self.ep_size):
             return run(untuned_setting(call), rows)
         found = self.candidates(call)
@@ -321,7 +343,7 @@ class MoE(nn.Module):
                            tokens_TD.shape[0], routing.kept_S)
 
     def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall,
-                  out_dtype: torch.dtype) -> torch.Tensor:
+                  out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
         with stage("dispatch"):
@@ -331,8 +353,12 @@ class MoE(nn.Module):
             else:
                 token_ids_S = routing.token_ids_S.index_select(0, order_S)
                 rows_SD = tokens_TD.index_select(0, token_ids_S)
-        copied = self.balancer.plan(routing.counts_E, self.group) if self.balancer is not None else ()
-        out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k, copied)
+        if self.balancer is not None:
+            if transfer is None:  # not launched ahead: plan and copy now, on the layer's own group
+                transfer = Transfer(self.experts, self.placement, self.balancer.next_copied(), self.group,
+                                    self.experts.compute_dtype(tokens_TD))
+            self.balancer.record(routing.counts_E, self.group)
+        out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k, transfer)
         with stage("combine"):
             if fused:
                 return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)

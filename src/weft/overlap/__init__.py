@@ -5,6 +5,9 @@
   layer, with capacity-carrying routing (`moe_partition`) (sec. 5);
 - `planner` picks the ranges (pipeline simulator + dynamic programme over profiled costs);
 - `optimize(model, sample_batch)` profiles a weft GPT, plans and applies both passes.
+
+Pro-Prophet's performance model is measured from the same profile (`balance_model`:
+`fit_balance_models(model, sample_batch)`, `measure_layer_cost_model(moe, x)`).
 """
 from weft.ops.wgrad import (
     WGradScheduler,
@@ -14,9 +17,11 @@ from weft.ops.wgrad import (
     grouped_mm,
     linear,
 )
+from weft.overlap.balance_model import fit_balance_models, layer_cost_model, measure_layer_cost_model
 from weft.overlap.forward import PartitionedRunner, Range
 from weft.overlap.passes import OverlapPlan, optimize
 from weft.overlap.planner import Plan, Segment, plan, simulate
 
 __all__ = ["OverlapPlan", "PartitionedRunner", "Plan", "Range", "Segment", "WGradScheduler", "WGradStats", "best_fit",
-           "bmm", "grouped_mm", "linear", "optimize", "plan", "simulate"]
+           "bmm", "fit_balance_models", "grouped_mm", "layer_cost_model", "linear", "measure_layer_cost_model",
+           "optimize", "plan", "simulate"]

@@ -110,7 +110,7 @@ def profile_model(
     moes = [u.moe for u in units if isinstance(u, MoESubLayer)]
     if cost_model is None and moes and group_size(moes[0].group) > 1:
         sizes = [_a2a_bytes(m, _tokens(inputs[0], batch, k), inputs[0]) for m in moes for k in ks]
-        cost_model = measure_all_to_all(sizes, moes[0].group, device, _compute_dtype(moes[0], inputs[0], ctx), repeats)
+        cost_model = measure_all_to_all(sizes, moes[0].group, device, compute_dtype(moes[0], inputs[0], ctx), repeats)
 
     flat: list[float] = []  # every timing, in a fixed order, so one all-reduce agrees them
     for u, unit in enumerate(units):
@@ -159,12 +159,12 @@ def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
     return math.ceil(batch / k) * (x[0].numel() // x.shape[-1])
 
 
-def _compute_dtype(moe: MoE, x: torch.Tensor, ctx) -> torch.dtype:
+def compute_dtype(moe: MoE, x: torch.Tensor, ctx) -> torch.dtype:
     with ctx():
         return moe.experts.compute_dtype(x)
 
 
-def _rows(moe: MoE, tokens: int) -> int:
+def routed_rows(moe: MoE, tokens: int) -> int:
     """Rows a rank sends (and, balanced, receives) for `tokens` tokens: the kept slots."""
     rows = tokens * moe.top_k
     if moe.capacity_factor is not None and moe.capacity_factor > 0:
@@ -175,7 +175,7 @@ def _rows(moe: MoE, tokens: int) -> int:
 
 def _a2a_bytes(moe: MoE, tokens: int, x: torch.Tensor) -> int:
     dtype = moe.experts.w1.dtype if x.device.type == "cpu" else torch.bfloat16
-    return _rows(moe, tokens) * moe.dim * torch.tensor([], dtype=dtype).element_size()
+    return routed_rows(moe, tokens) * moe.dim * torch.tensor([], dtype=dtype).element_size()
 
 
 def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
@@ -183,11 +183,11 @@ def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
         return unit(x.detach().requires_grad_())
 
 
-def _expert_call(moe: MoE, x: torch.Tensor, ctx) -> tuple[Callable[[], torch.Tensor], int]:
+def expert_call(moe: MoE, x: torch.Tensor, ctx) -> tuple[Callable[[], torch.Tensor], int]:
     """The experts' forward on the rows a rank's experts receive for the tokens of x (balanced
     over its local experts), in the layout the layer uses: padded modes one batched matmul over
     (El, rows / El, dim), dropless grouped GEMM. Returns (call, rows)."""
-    rows = _rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
+    rows = routed_rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
     local = moe.num_local_experts
     with ctx():
         dtype = moe.experts.compute_dtype(x)
@@ -222,14 +222,14 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model)
     of the sub-layer's computation but the experts (norm, router, dispatch and combine copies,
     residual): the sub-layer without communication, less its experts."""
     moe, device = unit.moe, x.device
-    experts, rows = _expert_call(moe, x, ctx)
+    experts, rows = expert_call(moe, x, ctx)
     # The sub-layer with its all-to-alls removed and the same expert work (tokens stay on the
     # rank): everything it computes, without the communication the cost model prices.
     whole = time_call(lambda: _forward(_local(unit), x, ctx), device, repeats)
     expert_time = time_call(experts, device, repeats)
     comm = 0.0
     if cost_model is not None and group_size(moe.group) > 1:
-        element = torch.tensor([], dtype=_compute_dtype(moe, x, ctx)).element_size()
+        element = torch.tensor([], dtype=compute_dtype(moe, x, ctx)).element_size()
         comm = cost_model.predict("all_to_all", rows * moe.dim * element)
     return [max(0.0, whole - expert_time), comm, expert_time, comm]
 

@@ -25,6 +25,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 TP_OVERLAPS = ("none", "domino")
 CUDA_GRAPHS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
+BALANCE_MODELS = ("measured", "nominal")
 
 
 @dataclass
@@ -60,6 +61,9 @@ class TrainConfig:
     kernels: str = "auto"  # MoE dispatch/combine: "triton", "torch" or "auto" (weft.MoE's kernels)
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"
+    # Pro-Prophet's performance model: "measured" (the model profiled on this machine at the start,
+    # weft.overlap.fit_balance_models) or "nominal" (H200-class constants, no profiling)
+    balance_model: str = "measured"
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
@@ -117,6 +121,8 @@ class TrainConfig:
             raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
         if self.balance not in BALANCE:
             raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
+        if self.balance_model not in BALANCE_MODELS:
+            raise ValueError(f"train.balance_model must be 'measured' or 'nominal', got {self.balance_model!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"train.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and self.device == "cpu":
@@ -204,7 +210,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance",
+                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance", "balance_model",
                             "tp", "tp_overlap", "domino_p1", "domino_p2"})
 
 

@@ -8,6 +8,7 @@ the ranks of a tensor-parallel group read the same batches and hold slices of ev
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -22,7 +23,7 @@ from weft.jsonfile import write_json
 from weft.launch import ReportedError
 from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
-from weft.overlap import optimize
+from weft.overlap import fit_balance_models, optimize
 from weft.precision import training_autocast
 from weft.tp import make_schedule, sharded_parameters
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
@@ -258,6 +259,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
               + (f"; resumed from {ckpt.name}" if ckpt else ""), flush=True)
 
     plan = _setup_overlap(model, cfg, train_batches, start, device, ctx.rank)
+    _measure_balance_model(model, cfg, train_batches, start, device, ctx.rank, groups.ep_size)
     tokens_per_step = cfg.batch_size * block * cfg.grad_accum * dp_size
     warning = data_repeat_warning(len(data.train), tokens_per_step, cfg.steps)
     if warning and ctx.rank == 0:
@@ -324,6 +326,23 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
     if rank == 0:
         print("weft train: --overlap lancet\n" + plan.summary(), flush=True)
     return plan
+
+
+def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
+                           rank: int, ep_size: int) -> None:
+    """--balance pro-prophet with --balance-model measured: Pro-Prophet's performance model of
+    every MoE layer measured on this machine (weft.overlap.fit_balance_models) before the first
+    step."""
+    if not model.balanced or cfg.balance_model != "measured" or ep_size == 1:
+        return
+    x, _ = batches.get(start + 1, 0)
+    fitted = fit_balance_models(model, x.to(device), autocast=functools.partial(training_autocast, device))
+    if rank == 0 and fitted:
+        first = fitted[0]
+        print(f"weft train: Pro-Prophet's model measured: all-to-all {first.bandwidth / 1e9:.2f} GB/s per rank, "
+              f"experts {first.throughput:,.0f} rows/s per rank (layer 0), non-MoE forward / backward hiding "
+              "Trans / Agg " + ", ".join(f"{m.forward_non_moe_s * 1e3:.2f} / {m.backward_non_moe_s * 1e3:.2f}"
+                                         for m in fitted) + " ms per layer", flush=True)
 
 
 def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int) -> MicroSteps:

@@ -14,10 +14,10 @@ from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped, Layout, Padded
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
-from weft.moe.exchange.replicated import ReplicatedExperts
+from weft.moe.exchange.replicated import ReplicatedExperts, Transfer
 from weft.moe.exchange.select import candidates, select, tuning_key, untuned_setting
 from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped", "Layout",
-           "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "candidates", "select", "tuning_key",
-           "untuned_setting"]
+           "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer", "candidates", "select",
+           "tuning_key", "untuned_setting"]

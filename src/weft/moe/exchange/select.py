@@ -7,15 +7,15 @@ from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
-from weft.moe.exchange.replicated import ReplicatedExperts
+from weft.moe.exchange.replicated import ReplicatedExperts, Transfer
 from weft.moe.exchange.sliced import SlicedExperts
 from weft.tune.dictionary import DEGREES, Setting
 
 
-def select(ctx: ExchangeContext, setting: Setting, dropless: bool, copied: tuple[int, ...] = ()) -> Exchange:
+def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Transfer | None = None) -> Exchange:
     """The strategy that runs `setting`: r = 0 data-parallel experts; fewer experts than ranks the
-    sliced experts; d > 1 (while communicating) the pipelined exchange; experts to `copied` in a
-    plain dropless call (Pro-Prophet) the replicated experts; else one all-to-all.
+    sliced experts; d > 1 (while communicating) the pipelined exchange; a `transfer` copying
+    experts in a plain dropless call (Pro-Prophet) the replicated experts; else one all-to-all.
     New strategies (fused kernels) get their branch here."""
     placement = ctx.placement
     if setting.parallel == 0 and (placement.ep_size > 1 or not dropless):
@@ -25,8 +25,8 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, copied: tuple
     pipelined = setting.overlap_degree > 1 and ctx.communicate and not (dropless and placement.ep_size == 1)
     if pipelined:
         return Pipelined(ctx, setting.overlap_degree, setting.a2a_algo)
-    if copied and dropless and ctx.communicate and placement.ep_size > 1:
-        return ReplicatedExperts(ctx, copied)
+    if transfer is not None and transfer.copied and dropless and ctx.communicate and placement.ep_size > 1:
+        return ReplicatedExperts(ctx, transfer)
     return AllToAll(ctx, setting.a2a_algo)
 
 

@@ -1,0 +1,113 @@
+"""Pro-Prophet's performance model (sec. IV-B, eqs. 1-8) with this machine's constants, measured
+the way Lancet's planner measures its own (`weft.overlap.profile`): the all-to-all's bandwidth
+from a communication cost model (measured here, or `weft bench comm`'s), the experts' throughput
+from a timed grouped GEMM on the rows a rank computes, and the non-MoE forward and backward that
+hide Trans and Agg (eq. 8) from the profiled sub-layers between two balanced layers.
+
+The paper fits one bandwidth B for the all-to-all, Trans and Agg; so does weft (Trans and Agg
+run on a side communicator over the same links). Eq. 1 prices the rows a rank receives from the
+others, so B is the effective rate of the all-to-all at the layer's own size: the (W - 1) / W of
+the rows that cross the wire over the all-to-all's measured time.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from weft.balance import LayerCostModel
+from weft.comm.cost_model import CommCostModel
+from weft.distributed import group_size
+from weft.models.gpt import MoEUnit
+from weft.moe.layer import MoE
+from weft.overlap import planner
+from weft.overlap.profile import (
+    compute_dtype,
+    expert_call,
+    measure_all_to_all,
+    profile_model,
+    routed_rows,
+    time_call,
+)
+
+
+def layer_cost_model(moe: MoE, tokens: int, all_to_all: CommCostModel, expert_s: float, dtype: torch.dtype,
+                     forward_non_moe_s: float = 0.0, backward_non_moe_s: float = 0.0) -> LayerCostModel:
+    """The model of `moe` for calls of `tokens` tokens per rank from measured numbers: the
+    all-to-all cost model, `expert_s` the experts' forward on the rows a rank computes for those
+    tokens (balanced over the ranks), `dtype` the compute dtype (rows and copies travel in it)."""
+    world = moe.ep_size
+    if world < 2:
+        raise ValueError("a cost model for balancing needs an expert-parallel group of 2 or more ranks")
+    if expert_s <= 0:
+        raise ValueError(f"expert_s must be > 0, got {expert_s}")
+    element = torch.tensor([], dtype=dtype).element_size()
+    rows = routed_rows(moe, tokens)
+    row_bytes = moe.dim * element
+    a2a_s = all_to_all.predict("all_to_all", rows * row_bytes)
+    matrices = 3 if moe.experts.activation == "swiglu" else 2
+    expert_bytes = matrices * moe.dim * moe.hidden_dim * element
+    return LayerCostModel(num_devices=world, bandwidth=rows * (world - 1) / world * row_bytes / a2a_s,
+                          throughput=rows / expert_s, row_bytes=row_bytes, expert_param_bytes=expert_bytes,
+                          expert_grad_bytes=expert_bytes, forward_non_moe_s=forward_non_moe_s,
+                          backward_non_moe_s=backward_non_moe_s)
+
+
+def measure_layer_cost_model(moe: MoE, x: torch.Tensor, all_to_all: CommCostModel | None = None,
+                             autocast: Callable[[], object] | None = None,
+                             repeats: int = 5) -> tuple[LayerCostModel, CommCostModel]:
+    """Measure the model of one layer called on `x` (..., dim) alone (no block around it: nothing
+    else hides Trans and Agg). A collective over the layer's group (the all-to-all, measured
+    unless given, and the slowest rank's expert time). Returns it and the all-to-all model."""
+    ctx = autocast or contextlib.nullcontext
+    tokens_TD = x.reshape(-1, moe.dim)
+    dtype = compute_dtype(moe, tokens_TD, ctx)
+    if all_to_all is None:
+        size = routed_rows(moe, tokens_TD.shape[0]) * moe.dim * torch.tensor([], dtype=dtype).element_size()
+        all_to_all = measure_all_to_all([size // 4, size, size * 4], moe.group, x.device, dtype, repeats)
+    call, _ = expert_call(moe, tokens_TD.unsqueeze(0), ctx)
+    expert_s = torch.tensor([time_call(call, x.device, repeats)], dtype=torch.float64, device=x.device)
+    if group_size(moe.group) > 1:
+        torch.distributed.all_reduce(expert_s, op=torch.distributed.ReduceOp.MAX, group=moe.group)
+    return layer_cost_model(moe, tokens_TD.shape[0], all_to_all, float(expert_s), dtype), all_to_all
+
+
+def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | None = None,
+                       autocast: Callable[[], object] | None = None, repeats: int = 5) -> list[LayerCostModel]:
+    """Profile `model` (a weft GPT built with balance="pro-prophet") on token ids `idx` (batch,
+    seq) and give every balanced layer's planner its measured model; returns them in layer order.
+    The non-MoE time that hides a layer's Trans (eq. 8) is the forward computation of the
+    sub-layers since the preceding balanced layer (where the block-wise schedule launches it),
+    less that layer's experts (eq. 8 adds the experts' time itself); its Agg's, the backward of
+    the sub-layers between that are not MoE layers. A collective: every rank, the same batch
+    shape."""
+    if not model.balanced:
+        raise ValueError("fit_balance_models: the model does not balance (build it with balance='pro-prophet')")
+    was_training = model.training
+    model.train()
+    try:
+        profile, all_to_all = profile_model(model, idx, [1], all_to_all, repeats, autocast)
+    finally:
+        model.train(was_training)
+    units = model.units(None)
+    tokens = idx.numel()
+    dtype = compute_dtype(model.moe_layers()[0], model.tok_emb.weight, autocast or contextlib.nullcontext)
+    fitted, since = [], 0
+    for u, unit in enumerate(units):
+        if not (isinstance(unit, MoEUnit) and unit.moe.balancer is not None):
+            continue
+        forward = backward = 0.0
+        for i in range(since, u):
+            profiled = profile.units[i]
+            if isinstance(profiled, planner.MoEUnit):
+                forward += profiled.gate[1]
+            else:
+                forward, backward = forward + profiled.time[1], backward + profile.backward[i]
+        expert_s = profile.units[u].experts[1]
+        cost = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
+        unit.moe.balancer.model = cost
+        fitted.append(cost)
+        since = u
+    return fitted
+

@@ -1,0 +1,82 @@
+"""Pro-Prophet's performance model measured on the machine (weft.overlap.balance_model): its
+constants follow from the measured numbers as eqs. 1-5 define them, a profiled GPT's balanced
+layers get a model each (installed in their planners), and `weft train --balance-model` is
+checked."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft import MoE
+from weft.comm.cost_model import CommCostModel
+from weft.models import GPT, GPTConfig
+from weft.overlap import fit_balance_models, layer_cost_model, measure_layer_cost_model
+from weft.testing import Checks, run_checks
+from weft.train.config import TrainConfig
+
+DIM, HIDDEN = 16, 32
+
+
+def fit_worker() -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu")
+    # eqs. 1-5 from known numbers: 100 tokens x k 2 = 200 rows of 16 float32 values (64 bytes) per
+    # rank; an all-to-all of 200 * 64 bytes takes 1 ms on this made-up machine.
+    comm = CommCostModel.fit({"all_to_all": [(200 * 64, 1e-3), (400 * 64, 2e-3)]}, world, "gloo", "cpu")
+    model = layer_cost_model(moe, 100, comm, expert_s=2e-3, dtype=torch.float32, forward_non_moe_s=5e-3)
+    checks.expect(model.row_bytes == 64 and model.expert_param_bytes == 3 * DIM * HIDDEN * 4,
+                  f"row / expert bytes {model.row_bytes}, {model.expert_param_bytes}")
+    received = 200 * (world - 1) / world
+    checks.expect(abs(model.bandwidth - received * 64 / 1e-3) < 1e-6 * model.bandwidth,
+                  f"bandwidth {model.bandwidth}: not the received bytes over the all-to-all's time")
+    checks.expect(abs(model.throughput - 200 / 2e-3) < 1e-9 * model.throughput, f"throughput {model.throughput}")
+    checks.expect(model.forward_non_moe_s == 5e-3 and model.num_devices == world, "the other constants")
+    # Eq. 1 on the balanced load gives back the measured all-to-all.
+    checks.expect(abs(model.all_to_all_s(torch.tensor([received] * world)) - 1e-3) < 1e-12, "eq. 1 disagrees")
+
+    measured, a2a = measure_layer_cost_model(moe, torch.randn(100, DIM), repeats=2)
+    checks.expect(measured.bandwidth > 0 and measured.throughput > 0 and a2a.world_size == world,
+                  f"measured model {measured}")
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (measured.bandwidth, measured.throughput))
+    checks.expect(len(set(everyone)) == 1, f"the ranks measured different models: {everyone}")
+
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, dim=DIM, moe_every=2, num_experts=2 * world,
+                    top_k=2, capacity_factor=None)
+    torch.manual_seed(0)
+    gpt = GPT(cfg, balance="pro-prophet")
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    fitted = fit_balance_models(gpt, idx, repeats=2)
+    layers = gpt.moe_layers()
+    checks.expect(len(fitted) == len(layers) == 2, f"{len(fitted)} models for {len(layers)} layers")
+    checks.expect(all(m is layer.balancer.model for m, layer in zip(fitted, layers)), "models not installed")
+    # Blocks 1 and 3 are MoE: layer 0's Trans hides under block 0 and block 1's attention, layer
+    # 1's under layer 0's gate, block 2 and block 3's attention (timed: only their signs are sure).
+    checks.expect(all(m.forward_non_moe_s > 0 for m in fitted), f"non-MoE forward of {fitted}")
+    checks.expect(all(m.backward_non_moe_s > 0 and m.throughput > 0 for m in fitted), f"{fitted}")
+    checks.expect(gpt.training, "the model left out of training mode")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_cost_model_constants_come_from_the_measurements(world_size):
+    failures = run_checks(fit_worker, world_size, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def test_fitting_needs_a_balanced_model_with_ranks_to_balance():
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, dim=DIM, moe_every=2, num_experts=4,
+                    capacity_factor=None)
+    with pytest.raises(ValueError, match="does not balance"):
+        fit_balance_models(GPT(cfg), torch.zeros(1, 16, dtype=torch.long))
+    comm = CommCostModel.fit({"all_to_all": [(1024, 1e-3)]}, 1, "gloo", "cpu")
+    with pytest.raises(ValueError, match="2 or more ranks"):
+        layer_cost_model(MoE(DIM, HIDDEN, 4, capacity_factor=None), 10, comm, 1e-3, torch.float32)
+
+
+def test_train_balance_model_is_checked():
+    with pytest.raises(ValueError, match="train.balance_model must be 'measured' or 'nominal'"):
+        TrainConfig(balance_model="guessed").validate()
