@@ -51,7 +51,7 @@ def test_model_benchmark_times_the_tensor_parallel_schedules(tmp_path):
 @pytest.mark.parametrize("kw, message", [
     (dict(tp=2, modes=("none",)), "choose from tp, domino, no-comm (with --tp 2)"),
     (dict(modes=("domino",)), "tp, domino, no-comm need --tp"),
-    (dict(tp=2, preset="tiny", modes=("tp",)), "tensor parallelism splits dense models so far"),
+    (dict(tp=3, preset="tiny", modes=("tp",), batch_size=1), "do not divide evenly"),
     (dict(tp=2, modes=("domino",), p1=16, batch_size=8), "--p1 16 exceeds --batch-size 8"),
 ])
 def test_model_benchmark_refuses_tensor_parallel_settings_it_cannot_run(kw, message):

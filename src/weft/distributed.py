@@ -95,8 +95,9 @@ class MoEGroups:
     one of tensor-parallel training. In a distributed run every group is a real process group
     (possibly of one rank, e.g. `ep` with ep_size=1 keeps all experts local); without
     torch.distributed all are None.
-    `tp`: the tensor-parallel group (consecutive ranks; a dense model's blocks are split over it,
-    weft.tp), None without tensor parallelism; `dp` is then the ranks with this rank's TP index.
+    `tp`: the tensor-parallel group (consecutive ranks; a model's blocks are split over it,
+    weft.tp), None without tensor parallelism; `dp` is then the ranks with this rank's TP index,
+    and `ep` the whole world (an MoE model's experts) or None (a dense model).
     """
 
     ep: dist.ProcessGroup | None
@@ -109,15 +110,19 @@ class MoEGroups:
     tp_size: int = 1
 
 
-def build_moe_groups(ep_size: int | None = None, device_type: str | None = None, tp_size: int = 1) -> MoEGroups:
+def build_moe_groups(ep_size: int | None = None, device_type: str | None = None, tp_size: int = 1,
+                     experts: bool = True) -> MoEGroups:
     """Split the world into a (edp, ep) DeviceMesh: ranks [i*ep, (i+1)*ep) form EP group i.
 
     `ep_size` defaults to the whole world. It must divide the world size; with fewer experts
-    than ranks choose `ep_size <= num_experts` so every EP group holds all experts. `tp_size` > 1
-    (dense models): a (dp, tp) mesh instead, ranks [i*tp, (i+1)*tp) forming TP group i.
+    than ranks choose `ep_size <= num_experts` so every EP group holds all experts. `tp_size` > 1:
+    a (dp, tp) mesh instead, ranks [i*tp, (i+1)*tp) forming TP group i; a model with `experts`
+    then keeps them expert-parallel over the whole world (`ep_size` None or the world size): the
+    ranks of a TP group feed their MoE layers different tokens (weft.tp.TokenSplit), so every
+    rank's experts serve, and the all-to-all spans the world as without TP.
     """
     if tp_size > 1:
-        return _build_tp_groups(ep_size, device_type, tp_size)
+        return _build_tp_groups(ep_size, device_type, tp_size, experts)
     if not dist.is_initialized():
         if ep_size not in (None, 1):
             raise ValueError(f"ep_size={ep_size} needs an initialised process group (world size is 1)")
@@ -133,16 +138,20 @@ def build_moe_groups(ep_size: int | None = None, device_type: str | None = None,
     return MoEGroups(ep, edp, dist.group.WORLD, ep_size, world // ep_size, mesh)
 
 
-def _build_tp_groups(ep_size: int | None, device_type: str | None, tp_size: int) -> MoEGroups:
+def _build_tp_groups(ep_size: int | None, device_type: str | None, tp_size: int, experts: bool) -> MoEGroups:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world % tp_size:
         raise ValueError(f"tensor-parallel size {tp_size} must divide the world size ({world})")
-    if ep_size not in (None, 1):
-        raise ValueError(f"ep_size={ep_size}: tensor parallelism runs dense models, which have no experts to split")
+    if not experts and ep_size not in (None, 1):
+        raise ValueError(f"ep_size={ep_size}: this model is dense, it has no experts to split")
+    if experts and ep_size not in (None, world):
+        raise ValueError(f"ep_size={ep_size}: with tensor parallelism the experts are split over the whole world "
+                         f"({world} ranks); leave ep_size unset")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (world // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-    return MoEGroups(None, None, mesh.get_group("dp"), 1, 1, mesh, mesh.get_group("tp"), tp_size)
+    ep, size = (dist.group.WORLD, world) if experts else (None, 1)
+    return MoEGroups(ep, None, mesh.get_group("dp"), size, 1, mesh, mesh.get_group("tp"), tp_size)
 
 
 @dataclass(frozen=True)

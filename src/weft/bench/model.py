@@ -8,7 +8,9 @@ two measurement devices with the dW scheduler on even where nothing communicates
 `defer-dw` (`in_place=False`: every dW deferred to the end of backward, what deferral costs
 with nothing to hide it under). With `--tp N` (dense presets: the blocks split over groups of N
 ranks, weft.tp) the modes are `tp` (Megatron's schedule), `domino` (Domino's, `--p1`/`--p2`) and
-`no-comm` (the TP all-reduces left out: not the model's function, so no `max_error`).
+`no-comm` (the TP all-reduces left out: not the model's function, so no `max_error`); an MoE
+preset's experts are then expert-parallel over the whole world, each TP rank routing its share of
+the tokens (weft.tp.TokenSplit; `no-comm` keeps those exchanges).
 Pro-Prophet (dropless presets, `--capacity dropless`): `balance` (every MoE layer copies its
 planned heavy experts, Trans and Agg moved a layer early: the block-wise schedule, Alg. 2) and
 `balance-inline` (the copies moved inside each layer's call); the model is then built balanced
@@ -151,12 +153,12 @@ class ModelBenchConfig(PresetChoice):
         if not self.modes or any(m not in known for m in self.modes):
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}"
                              + (f" (with --tp {self.tp})" if self.tp > 1 else " (tp, domino, no-comm need --tp)"))
-        if self.tp > 1 and self.model_config().moe_every:
-            raise ValueError(f"--tp {self.tp}: tensor parallelism splits dense models so far; {self.preset} has MoE "
-                             "blocks (try its dense twin, or gpt3-2.7b)")
+        cfg = self.model_config()
+        if self.tp > 1 and cfg.moe_every and (self.batch_size * cfg.block_size) % self.tp:
+            raise ValueError(f"--tp {self.tp}: each TP rank routes 1/{self.tp} of the tokens; {self.batch_size} x "
+                             f"{cfg.block_size} do not divide evenly")
         if self.tp > 1 and "domino" in self.modes and self.p1 > self.batch_size:
             raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
-        cfg = self.model_config()
         balancing = [m for m in self.modes if m in BALANCE_MODES]
         if balancing and not (cfg.moe_every and cfg.capacity_factor is None):
             raise ValueError(f"--modes {balancing[0]}: Pro-Prophet balances dropless MoE layers; add --capacity "
@@ -186,7 +188,7 @@ def run(bench: ModelBenchConfig) -> dict:
     ctx = init_distributed()
     device = ctx.device
     cfg = bench.bench_model_config()
-    groups = build_moe_groups(tp_size=bench.tp) if bench.tp > 1 else None
+    groups = build_moe_groups(tp_size=bench.tp, experts=cfg.moe_every > 0) if bench.tp > 1 else None
     torch.manual_seed(0)
     model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None,
                 balance="pro-prophet" if any(m in BALANCE_MODES for m in modes) else None,

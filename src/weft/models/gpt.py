@@ -31,7 +31,7 @@ from weft.moe.exchange import Transfer
 from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import Linear
 from weft.profiling import stage
-from weft.tp import Sequential, TPBlock, run_blocks, sharded_parameters
+from weft.tp import Sequential, TPBlock, reduce_from_tp, run_blocks, sharded_parameters
 
 Unit = Callable[[torch.Tensor], torch.Tensor]
 # Runs a model's sub-layers in order on x (e.g. Lancet's partitioned pipeline, weft.overlap).
@@ -304,11 +304,14 @@ class GPT(nn.Module):
     (None = the default group if initialised, as for weft.MoE). `kernels`: "auto" (Triton's
     rotary and MoE dispatch/combine on CUDA), "triton" or "torch" (PyTorch ops only); the same
     function either way. `balance`: None, or "pro-prophet" for every MoE layer (weft.MoE's
-    balance; dropless models only); the same function either way. `tp_group` (dense models): the
-    blocks are split over this tensor-parallel group (weft.tp, Megatron's split) and run by
-    `tp_schedule` (weft.tp.Sequential by default, weft.tp.Domino to overlap the all-reduces);
-    every rank of the group gets the same tokens. The weights are those of the unsplit model (the
-    same seed gives the same model for any TP size)."""
+    balance; dropless models only); the same function either way. `tp_group`: the blocks are
+    split over this tensor-parallel group (weft.tp, Megatron's split: attention and dense MLPs
+    cut, MoE layers expert-parallel over `group` and fed 1 / tp of the tokens by each rank) and
+    run by `tp_schedule` (weft.tp.Sequential by default, weft.tp.Domino to overlap the
+    all-reduces); every rank of the group gets the same tokens. The weights are those of the
+    unsplit model (the same seed gives the same model for any TP size). With MoE layers, the aux
+    and z losses are the mean over the TP group of each rank's share's, as in data parallelism
+    over the shares."""
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto",
                  balance: str | None = None, tp_group: dist.ProcessGroup | None = None, tp_schedule=None):
@@ -332,9 +335,8 @@ class GPT(nn.Module):
         # Tensor parallelism: each block cut from its initialised dense self (so any TP size starts
         # from the same weights), run as one stack by the schedule.
         if group_size(tp_group) > 1:
-            if config.moe_every:
-                raise ValueError("tensor parallelism splits dense models so far (moe_every = 0); this model has MoE "
-                                 f"blocks (moe_every = {config.moe_every})")
+            if self.balanced:
+                raise ValueError("balance='pro-prophet' does not run with tensor parallelism yet")
             self.blocks = nn.ModuleList(TPBlock.from_dense(block, config.n_head, tp_group, kernels)
                                         for block in self.blocks)
             self.tp = (tp_group, tp_schedule if tp_schedule is not None else Sequential())
@@ -368,7 +370,7 @@ class GPT(nn.Module):
 
     def moe_layers(self) -> list[MoE]:
         """The MoE layers in block order."""
-        return [] if self.tp is not None else [block.ffn for block in self.blocks if block.is_moe]
+        return [block.ffn for block in self.blocks if isinstance(block.ffn, MoE)]
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, moe_overrides: Mapping[str, Any] | None = None,
@@ -402,6 +404,12 @@ class GPT(nn.Module):
         zero = ce.new_zeros(())
         aux = sum((moe.aux_loss for moe in self.moe_layers()), zero)
         z = sum((moe.z_loss for moe in self.moe_layers()), zero)
+        if self.tp is not None and self.moe_layers():
+            # Each rank of the TP group routed its own share of the tokens: the mean of the ranks'
+            # losses, as data parallelism over those shares would average them (the router's
+            # gradients are then summed over the group: weft.moe.grads).
+            group = self.tp[0]
+            aux, z = (reduce_from_tp(t, group) / group_size(group) for t in (aux, z))
         self.last_ce_loss, self.last_aux_loss, self.last_z_loss = ce.detach(), aux.detach(), z.detach()
         return logits, ce + self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
 

@@ -5,6 +5,11 @@ replicated parameter) holds its own tokens' gradient, and an expert's owner hold
 every EP rank's tokens routed to it. `reduce_gradients` turns both into the gradient of the mean
 loss over all data-parallel ranks: replicated parameters are summed over every rank, expert
 parameters over their expert-data-parallel replicas, and both are divided by the world size.
+
+Under tensor parallelism (weft.tp) each rank of a TP group routes its own share of the group's
+tokens: its routers' gradients are the share's, so they are first summed over the TP group; the
+data-parallel size is then the number of TP groups, and an expert's gradient, summed over every
+rank's share by the all-to-all backward, already counts each group's tokens once.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from torch import nn
 
 from weft.distributed import MoEGroups, group_size
 from weft.moe.experts import Experts
+from weft.moe.layer import MoE
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -23,6 +29,13 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
         if isinstance(module, Experts):
             params.extend(module.parameters())
     return params
+
+
+def token_split_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of MoE layers that are not experts (routers): under tensor parallelism each
+    rank's gradient of them is its share of the tokens'."""
+    experts = {id(p) for p in expert_parameters(model)}
+    return [p for m in model.modules() if isinstance(m, MoE) for p in m.parameters() if id(p) not in experts]
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
@@ -45,7 +58,12 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:
     Call after `backward` and before the optimizer step. Expert gradients (already summed over
     the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
     all other gradients over every rank; both are divided by the data-parallel world size.
+    With tensor parallelism the routers' gradients are summed over the TP group first.
     """
+    if groups.tp_size > 1:
+        routers = [p.grad for p in token_split_parameters(model) if p.grad is not None]
+        if routers:
+            _all_reduce_mean(routers, groups.tp, 1)
     world = group_size(groups.dp)
     if world == 1:
         return

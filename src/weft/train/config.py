@@ -70,8 +70,9 @@ class TrainConfig:
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"
     cuda_graphs: str = "auto"
-    # tensor parallelism (dense models): the blocks split over groups of `tp` consecutive ranks
-    # (weft.tp); `tp_overlap` "domino" overlaps its all-reduces by cutting each micro-step's batch
+    # tensor parallelism: the blocks split over groups of `tp` consecutive ranks (weft.tp; MoE
+    # layers keep their experts over the whole world, each TP rank routing 1/tp of the tokens);
+    # `tp_overlap` "domino" overlaps its all-reduces by cutting each micro-step's batch
     # into `domino_p1` micro-batches and each sub-layer's last linear into `domino_p2` column
     # slices (Domino), "none" waits for them (Megatron)
     tp: int = 1
@@ -155,11 +156,14 @@ class TrainConfig:
             if self.tp_overlap != "none":
                 raise ValueError(f"train.tp_overlap {self.tp_overlap!r} overlaps tensor parallelism; set --tp > 1")
             return
-        if model.moe_every:
-            raise ValueError(f"--tp {self.tp}: tensor parallelism splits dense models so far; {self.preset} has MoE "
-                             f"blocks (moe_every = {model.moe_every}; its dense twin or moe_every = 0 is dense)")
+        if model.moe_every and self.balance != "none":
+            raise ValueError(f"--tp {self.tp}: --balance {self.balance} does not run with tensor parallelism yet")
+        if model.moe_every and (self.batch_size * model.block_size) % self.tp:
+            raise ValueError(f"--tp {self.tp}: each rank of a TP group routes 1/{self.tp} of the tokens; "
+                             f"{self.batch_size} x {model.block_size} tokens per micro-step do not divide evenly")
         if self.overlap != "none":
-            raise ValueError(f"--tp {self.tp}: overlap {self.overlap!r} is for MoE layers; use --tp-overlap domino")
+            raise ValueError(f"--tp {self.tp}: --overlap {self.overlap} does not run with tensor parallelism; use "
+                             "--tp-overlap domino")
         if self.cuda_graphs == "on":
             raise ValueError(f"--tp {self.tp}: CUDA graphs do not capture the tensor-parallel step yet; use "
                              "--cuda-graphs auto or off")

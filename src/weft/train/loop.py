@@ -194,9 +194,9 @@ def train(cfg: TrainConfig) -> dict:
     cfg.validate()
     ctx = init_distributed(backend="gloo" if cfg.device == "cpu" else None)
     device = ctx.device
-    groups = build_moe_groups(cfg.ep_size, tp_size=cfg.tp)
-    run_dir = cfg.run_dir
     model_cfg = cfg.model_config()
+    groups = build_moe_groups(cfg.ep_size, tp_size=cfg.tp, experts=model_cfg.moe_every > 0)
+    run_dir = cfg.run_dir
     check_run_dir(cfg)
     lock = _lock_run_dir(run_dir, ctx.rank, device)  # nobody writes before every rank has checked
     try:
@@ -253,7 +253,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         _write_run_config(run_dir, cfg, start)
         print(f"weft train: {cfg.preset} ({model.num_parameters() / 1e6:.2f}M params, "
               f"{model.num_parameters(active_only=True) / 1e6:.2f}M active) on {ctx.world_size} x {device.type}"
-              f"{'' if groups.ep_size == 1 else f', expert parallel over {groups.ep_size}'}"
+              f"{'' if groups.ep_size == 1 or not model_cfg.moe_every else f', expert parallel over {groups.ep_size}'}"
               f"{'' if groups.tp_size == 1 else f', tensor parallel over {groups.tp_size} ({cfg.tp_overlap})'}; "
               f"data: {data.source}, {data.num_tokens / 1e6:.1f}M tokens; run dir {run_dir}"
               + (f"; resumed from {ckpt.name}" if ckpt else ""), flush=True)
@@ -385,6 +385,8 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     loss_sum[:3] /= cfg.grad_accum * world
     stats = _all_reduce(torch.cat([loss_sum, counts.flatten()]), groups.dp)
     num_moes = counts.shape[0]
+    if num_moes and groups.tp_size > 1:  # each TP rank routed its own share: drops and loads over all ranks
+        stats[3:] = _all_reduce(stats[3:].contiguous(), groups.tp)
     slots = stats[4:].sum().clamp_min(1)
     counts = stats[4:].view(num_moes, model.config.num_experts)  # (0, E) for a dense model
     mean = counts.mean(1).clamp_min(1e-9)
