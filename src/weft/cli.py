@@ -230,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")
     tr.add_argument("--tp-overlap", default=None, choices=list(TP_OVERLAPS),
-                    help="with --tp: none (default: each all-reduce waited where issued) or domino (each "
-                         "micro-step's batch cut into --domino-p1 micro-batches whose all-reduces overlap compute)")
+                    help="with --tp: none (default: each all-reduce waited where issued), domino (each "
+                         "micro-step's batch cut into --domino-p1 micro-batches whose all-reduces overlap compute) "
+                         "or auto (none and Domino's splits timed at the start, the fastest run; cached)")
     tr.add_argument("--domino-p1", type=positive_int, default=None, help="Domino's micro-batches (default 2)")
     tr.add_argument("--domino-p2", type=positive_int, default=None,
                     help="Domino's column slices of each sub-layer's last linear (default 1: none)")

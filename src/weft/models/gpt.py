@@ -349,6 +349,13 @@ class GPT(nn.Module):
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
 
+    def use_tp_schedule(self, schedule) -> None:
+        """Run the tensor-parallel blocks by `schedule` from now on (e.g. the one a measured
+        search chose, weft.tp.search)."""
+        if self.tp is None:
+            raise ValueError("use_tp_schedule: this model is not tensor-parallel")
+        self.tp = (self.tp[0], schedule)
+
     def _init_weights(self) -> None:
         # nanoGPT / GPT-2 init; residual projections scaled by 1/sqrt(2 * n_layer) because each
         # block adds two of them to the residual stream. weft.MoE initialises itself (its expert

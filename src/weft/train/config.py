@@ -22,7 +22,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
-TP_OVERLAPS = ("none", "domino")
+TP_OVERLAPS = ("none", "domino", "auto")
 CUDA_GRAPHS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
@@ -74,7 +74,8 @@ class TrainConfig:
     # layers keep their experts over the whole world, each TP rank routing 1/tp of the tokens);
     # `tp_overlap` "domino" overlaps its all-reduces by cutting each micro-step's batch
     # into `domino_p1` micro-batches and each sub-layer's last linear into `domino_p2` column
-    # slices (Domino), "none" waits for them (Megatron)
+    # slices (Domino), "none" waits for them (Megatron), "auto" times those and Domino's other
+    # splits at the start and runs the fastest (weft.tp.search; the choice is cached)
     tp: int = 1
     tp_overlap: str = "none"
     domino_p1: int = 2
@@ -151,7 +152,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
         if self.tp_overlap not in TP_OVERLAPS:
-            raise ValueError(f"train.tp_overlap must be 'none' or 'domino', got {self.tp_overlap!r}")
+            raise ValueError(f"train.tp_overlap must be 'none', 'domino' or 'auto', got {self.tp_overlap!r}")
         if self.tp == 1:
             if self.tp_overlap != "none":
                 raise ValueError(f"train.tp_overlap {self.tp_overlap!r} overlaps tensor parallelism; set --tp > 1")

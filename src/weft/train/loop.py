@@ -9,6 +9,8 @@ the ranks of a tensor-parallel group read the same batches and hold slices of ev
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import math
 import os
 import time
@@ -26,6 +28,7 @@ from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import fit_balance_models, optimize
 from weft.precision import training_autocast
 from weft.tp import make_schedule, sharded_parameters
+from weft.tp.search import choose_schedule
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
@@ -228,7 +231,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels,
                 balance=None if cfg.balance == "none" else cfg.balance, tp_group=groups.tp,
-                tp_schedule=make_schedule(cfg.tp_overlap, cfg.domino_p1, cfg.domino_p2)).to(device)
+                tp_schedule=make_schedule("none" if cfg.tp_overlap == "auto" else cfg.tp_overlap, cfg.domino_p1,
+                                          cfg.domino_p2)).to(device)
     optimizer = build_optimizer(model, cfg)
     try:
         data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction,
@@ -260,6 +264,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
 
     plan = _setup_overlap(model, cfg, train_batches, start, device, ctx.rank)
     _measure_balance_model(model, cfg, train_batches, start, device, ctx.rank, groups.ep_size)
+    _choose_tp_schedule(model, cfg, train_batches, start, device, ctx.rank, ctx.world_size)
     tokens_per_step = cfg.batch_size * block * cfg.grad_accum * dp_size
     warning = data_repeat_warning(len(data.train), tokens_per_step, cfg.steps)
     if warning and ctx.rank == 0:
@@ -343,6 +348,33 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
               f"experts {first.throughput:,.0f} rows/s per rank (layer 0), non-MoE forward / backward hiding "
               "Trans / Agg " + ", ".join(f"{m.forward_non_moe_s * 1e3:.2f} / {m.backward_non_moe_s * 1e3:.2f}"
                                          for m in fitted) + " ms per layer", flush=True)
+
+
+def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
+                        rank: int, world: int) -> None:
+    """--tp-overlap auto: time Megatron's schedule and Domino's splits on a training batch and run
+    the fastest (weft.tp.search), the decision cached in $WEFT_CACHE/tp_schedules.json."""
+    if cfg.tp_overlap != "auto":
+        return
+    x, y = (t.to(device) for t in batches.get(start + 1, 0))
+
+    def step(schedule) -> None:
+        with training_autocast(device):
+            _, loss = model(x, y, tp_schedule=schedule)
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    shape = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key = (f"model-{shape}-batch{x.shape[0]}x{x.shape[1]}-tp{cfg.tp}-world{world}-{name}-torch{torch.__version__}"
+           f"-kernels-{cfg.kernels}")
+    schedule, report = choose_schedule(step, x.shape[0], model.config.dim, device, key,
+                                       token_cache_dir().parent / "tp_schedules.json")
+    model.use_tp_schedule(schedule)
+    if rank == 0:
+        how = "from the cache" if report["from_cache"] else "measured: " + ", ".join(
+            f"{n} {t:.1f} ms" for n, t in report["times_ms"].items())
+        print(f"weft train: --tp-overlap auto runs {report['chosen']} ({how})", flush=True)
 
 
 def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int) -> MicroSteps:
