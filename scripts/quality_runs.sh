@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Training-quality runs, back to back on every GPU of the machine, same data, seed and steps:
-# each RUNS entry NAME=PRESET[,field=value...] trains PRESET with those GPTConfig fields (written
+# each RUNS entry NAME=PRESET[,field=value...] (NAME: letters, digits, - and _; the device returns
+# no file whose path holds a comma) trains PRESET with those GPTConfig fields (written
 # to a [model] TOML table) for STEPS steps with TRAIN_ARGS, one checkpoint at CKPT_INTERVAL
 # (default STEPS); metrics.jsonl, config.json and the log of each land in $OUT/NAME (checkpoints
 # are deleted), and `weft plot` overlays them all in $OUT/compare.png with a table of losses and

@@ -16,7 +16,8 @@ from weft.testing import Checks, run_checks
 DIM, HIDDEN, TOP_K = 16, 32, 2
 
 
-def balance_worker(num_experts: int, activation: str, device: str = "cpu", tolerance: float = 1e-5) -> list[str]:
+def balance_worker(num_experts: int, activation: str, device: str = "cpu", tolerance: float = 1e-5,
+                   n: int = 1) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
@@ -30,7 +31,7 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
     for balance in (None, "pro-prophet"):
         torch.manual_seed(0)
         layers.append(MoE(DIM, HIDDEN, num_experts, TOP_K, capacity_factor=None, activation=activation,
-                          balance=balance, balance_model=cost, device=device))
+                          balance=balance, balance_model=cost, balance_n=n, device=device))
     for layer in layers:
         with torch.no_grad():
             layer.router.weight[1, 0] += 10.0  # expert 1 (on rank 0) hot, through x[:, 0]
@@ -64,6 +65,9 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
             expect(error < tolerance, f"step {step}: {name} differs (relative error {error:.1e})")
         plan = balanced.balancer.last_plan
         copied_over_steps.append(tuple(plan.placement.replicated) if plan else ())
+        if plan:  # n > 1: each copy to the W - n ranks sending its expert the most rows
+            sizes = {len(devices) for devices in plan.placement.copies.values()}
+            expect(sizes <= {world - n}, f"step {step}: copies went to {sizes} ranks, not W - n = {world - n}")
     expect(copied_over_steps[0] == (), "the first call has no history to plan from")
     expect(any(copied_over_steps), f"no expert was ever copied ({copied_over_steps}): the test exercised nothing")
     expect(len(set(copied_over_steps[1:])) >= 1 and all(1 in c for c in copied_over_steps if c),
@@ -76,6 +80,19 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
 def test_replicated_experts_compute_the_plain_layer(world_size, activation):
     flat = run_checks(balance_worker, world_size, args=(2 * world_size, activation), timeout=300)
     assert not flat, "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_copies_to_some_ranks_compute_the_plain_layer(n):
+    """Pro-Prophet's n > 1 on 4 ranks: each copy goes point to point to the 4 - n ranks sending
+    its expert the most rows, and their gradients come back to the owner."""
+    flat = run_checks(balance_worker, 4, args=(8, "swiglu", "cpu", 1e-5, n), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+def test_balance_n_is_checked():
+    with pytest.raises(ValueError, match=r"balance n must be in \[1, 1\]"):
+        MoE(DIM, HIDDEN, 4, balance="pro-prophet", balance_n=2)
 
 
 def test_balance_settings_are_checked():

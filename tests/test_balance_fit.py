@@ -77,6 +77,8 @@ def test_fitting_needs_a_balanced_model_with_ranks_to_balance():
         layer_cost_model(MoE(DIM, HIDDEN, 4, capacity_factor=None), 10, comm, 1e-3, torch.float32)
 
 
-def test_train_balance_model_is_checked():
+def test_train_balance_settings_are_checked():
     with pytest.raises(ValueError, match="train.balance_model must be 'measured' or 'nominal'"):
         TrainConfig(balance_model="guessed").validate()
+    with pytest.raises(ValueError, match="train.balance_n must be a positive integer"):
+        TrainConfig(balance_n=0).validate()

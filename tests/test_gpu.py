@@ -17,6 +17,7 @@ from test_moe_exchange import exchange_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
 from test_tp import tp_worker
+from test_tp_moe import tp_moe_worker
 from weft import MoE
 from weft.testing import run_checks
 
@@ -243,5 +244,17 @@ def test_tensor_parallel_blocks_compute_the_dense_blocks_on_nccl(schedule, p1, p
     """weft.tp on every GPU with NCCL (float64): Megatron's and Domino's schedules (row split,
     hybrid) against the dense blocks, outputs and every gradient, over two SGD steps."""
     flat = run_checks(tp_worker, torch.cuda.device_count(), args=(schedule, p1, "cuda", p2), backend="nccl",
+                      timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize("schedule, capacity_factor", [("none", 1.0), ("domino", None)])
+def test_tensor_parallel_moe_model_computes_expert_and_data_parallelism_on_nccl(schedule, capacity_factor):
+    """An MoE GPT with its attention split over the GPUs and its experts over all of them, each
+    TP rank routing its share of the tokens (NCCL, float64): plain EP + DP's losses and gradients."""
+    world = torch.cuda.device_count()
+    flat = run_checks(tp_moe_worker, world, args=(world, schedule, capacity_factor, "cuda"), backend="nccl",
                       timeout=300)
     assert not flat, "\n".join(flat[:15])

@@ -25,17 +25,20 @@ def _config(world: int, capacity_factor) -> GPTConfig:
                      top_k=2, capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
 
 
-def tp_moe_worker(tp: int, schedule: str, capacity_factor) -> list[str]:
+def tp_moe_worker(tp: int, schedule: str, capacity_factor, device: str = "cpu") -> list[str]:
+    """`device` "cuda": each rank on its own GPU (NCCL), float64 as on the CPU."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
     checks = Checks(f"rank {rank}, tp {tp} {schedule} cf {capacity_factor}")
     cfg = _config(world, capacity_factor)
     plain_groups = build_moe_groups()
     tp_groups = build_moe_groups(tp_size=tp, experts=True)
     torch.manual_seed(0)
-    plain = GPT(cfg, group=plain_groups.ep, kernels="torch").double()
+    plain = GPT(cfg, group=plain_groups.ep, kernels="torch").double().to(device)
     torch.manual_seed(0)
     split = GPT(cfg, group=tp_groups.ep, kernels="torch", tp_group=tp_groups.tp,
-                tp_schedule=make_schedule(schedule, 2)).double()
+                tp_schedule=make_schedule(schedule, 2)).double().to(device)
     checks.expect(len(split.moe_layers()) == 1 and split.moe_layers()[0].ep_size == world,
                   "the TP model's MoE layer is not expert-parallel over the world")
     checks.expect(any(isinstance(s, TokenSplit) for b in split.blocks for s in b.stages((None, None))),
@@ -45,7 +48,7 @@ def tp_moe_worker(tp: int, schedule: str, capacity_factor) -> list[str]:
     dp_rank, per_group = group_rank(tp_groups.dp), BATCH // (world // tp)
     for step in range(2):
         tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1),
-                               generator=torch.Generator().manual_seed(step))
+                               generator=torch.Generator().manual_seed(step)).to(device)
         mine = tokens[rank * BATCH // world:(rank + 1) * BATCH // world]  # plain: this rank's rows
         group_rows = tokens[dp_rank * per_group:(dp_rank + 1) * per_group]  # TP: its group's rows
         losses = []
@@ -72,13 +75,13 @@ def tp_moe_worker(tp: int, schedule: str, capacity_factor) -> list[str]:
     # collective of the MoE sub-layer (domino needs 2 sequences, whose tokens always share by 2).
     try:
         if schedule == "none":
-            split(torch.zeros(1, 3, dtype=torch.long))
+            split(torch.zeros(1, 3, dtype=torch.long, device=device))
             checks.expect(False, "3 tokens were split over the TP group in training")
     except ValueError as e:
         checks.expect(f"3 rows cannot be split evenly over {tp}" in str(e), f"unexpected error: {e}")
     # Sampling one sequence of a length the group cannot share: every rank routes all its tokens.
     with torch.no_grad():
-        odd = torch.randint(0, cfg.vocab_size, (1, 3), generator=torch.Generator().manual_seed(7))
+        odd = torch.randint(0, cfg.vocab_size, (1, 3), generator=torch.Generator().manual_seed(7)).to(device)
         checks.expect(torch.allclose(split(odd)[0], plain(odd)[0], atol=1e-10), "an odd-length forward differs")
     return checks.failures
 

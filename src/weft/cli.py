@@ -88,7 +88,7 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
                 "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance",
-                "balance_model", "tp", "tp_overlap", "domino_p1", "domino_p2")
+                "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")
+    tr.add_argument("--balance-n", type=positive_int, default=None,
+                    help="with --balance pro-prophet, Pro-Prophet's n: each copied expert goes to all ranks but n "
+                         "(its owner counted; default 1: every other rank); 1 <= n < ranks")
     tr.add_argument("--balance-model", default=None, choices=list(BALANCE_MODELS),
                     help="with --balance pro-prophet, the planner's performance model: measured (default: profiled "
                          "on this machine at the start) or nominal (H200-class constants)")

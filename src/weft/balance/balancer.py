@@ -32,13 +32,19 @@ def nominal_cost_model(dim: int, hidden_dim: int, gated: bool, ep_size: int, byt
 
 class ExpertBalancer:
     """Plans each call's copied experts for one layer of `num_experts` experts over an
-    expert-parallel group of `ep_size` ranks (expert e owned by rank e // (E / W))."""
+    expert-parallel group of `ep_size` ranks (expert e owned by rank e // (E / W)); each copied
+    expert goes to the W - n ranks sending it the most rows (Pro-Prophet's n, counting the owner:
+    1, the default, copies to every rank)."""
 
-    def __init__(self, num_experts: int, ep_size: int, model: LayerCostModel, window: int = 1, alpha: float = 1.0):
+    def __init__(self, num_experts: int, ep_size: int, model: LayerCostModel, window: int = 1, alpha: float = 1.0,
+                 n: int = 1):
         if num_experts % ep_size:
             raise ValueError(f"balancing needs whole experts per rank: {num_experts} experts over {ep_size} ranks")
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max(1, ep_size - 1):
+            raise ValueError(f"balance n must be in [1, {max(1, ep_size - 1)}] for {ep_size} ranks (the ranks, owner "
+                             f"included, that get no copy of a copied expert), got {n!r}")
         local = num_experts // ep_size
-        self.ep_size = ep_size
+        self.ep_size, self.n = ep_size, n
         self.owner_E = tuple(e // local for e in range(num_experts))
         self.model, self.alpha = model, alpha
         self.history = LoadHistory(window)
@@ -52,21 +58,25 @@ class ExpertBalancer:
         placement was best)."""
         return [] if self.last_plan is None else self.last_plan.placement.replicated
 
-    def next_copied(self) -> tuple[int, ...]:
-        """The experts to copy in the next call, planned from the loads of the earlier calls (none
-        before the first load arrives); the same until the next `record`, so the plan can be made
-        ahead of the call (Alg. 2: under the preceding block) and the call still agree with it.
-        Host arithmetic only: the recorded counts were copied to the host a whole call ago."""
+    def next_copies(self) -> dict[int, frozenset[int]]:
+        """The next call's copies, expert -> the ranks that get one, planned from the loads of the
+        earlier calls (none before the first load arrives); the same until the next `record`, so
+        the plan can be made ahead of the call (Alg. 2: under the preceding block) and the call
+        still agree with it. Host arithmetic only: the recorded counts were copied to the host a
+        whole call ago."""
         if self.ep_size == 1:  # one rank holds every expert: nothing to move
-            return ()
+            return {}
         if self._pending is not None:
             host, ready = self._pending
             if ready is not None:
                 ready.synchronize()  # long done: the copy was queued a whole call ago
             self.history.record(host)
             self._pending = None
-            self.last_plan = greedy_placement(self.history.predict(), self.owner_E, self.model, n=1, alpha=self.alpha)
-        return () if self.last_plan is None else tuple(self.last_plan.placement.replicated)
+            self.last_plan = greedy_placement(self.history.predict(), self.owner_E, self.model, n=self.n,
+                                              alpha=self.alpha)
+        if self.last_plan is None:
+            return {}
+        return {e: devices for e, devices in self.last_plan.placement.copies.items() if devices}
 
     def record(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         """This call's (E,) slot counts, gathered over `group` into (W, E), start their way to the

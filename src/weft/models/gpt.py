@@ -256,7 +256,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None, kernels: str = "auto",
-                 balance: str | None = None):
+                 balance: str | None = None, balance_n: int = 1):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config, kernels)
@@ -266,7 +266,7 @@ class Block(nn.Module):
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
                 config.capacity_factor, config.activation, group=group, kernels=kernels,
                 expert_bias=config.expert_bias_rate > 0, routing_temperature=config.routing_temperature,
-                router_init_scale=config.router_init_scale, balance=balance,
+                router_init_scale=config.router_init_scale, balance=balance, balance_n=balance_n,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)
@@ -304,7 +304,7 @@ class GPT(nn.Module):
     (None = the default group if initialised, as for weft.MoE). `kernels`: "auto" (Triton's
     rotary and MoE dispatch/combine on CUDA), "triton" or "torch" (PyTorch ops only); the same
     function either way. `balance`: None, or "pro-prophet" for every MoE layer (weft.MoE's
-    balance; dropless models only); the same function either way. `tp_group`: the blocks are
+    balance and `balance_n`; dropless models only); the same function either way. `tp_group`: the blocks are
     split over this tensor-parallel group (weft.tp, Megatron's split: attention and dense MLPs
     cut, MoE layers expert-parallel over `group` and fed 1 / tp of the tokens by each rank) and
     run by `tp_schedule` (weft.tp.Sequential by default, weft.tp.Domino to overlap the
@@ -314,7 +314,8 @@ class GPT(nn.Module):
     over the shares."""
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto",
-                 balance: str | None = None, tp_group: dist.ProcessGroup | None = None, tp_schedule=None):
+                 balance: str | None = None, tp_group: dist.ProcessGroup | None = None, tp_schedule=None,
+                 balance_n: int = 1):
         super().__init__()
         config.validate()
         if kernels not in KERNELS:
@@ -325,7 +326,7 @@ class GPT(nn.Module):
         self.config = config
         self.balanced = balance is not None and config.moe_every > 0
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels, balance)
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels, balance, balance_n)
                                     for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)

@@ -81,11 +81,14 @@ class MoE(nn.Module):
             "torch" index ops; "auto" (default): Triton on CUDA where installed, torch elsewhere.
             Expert choice always uses torch's (a token takes a varying number of slots there).
         balance: None, or "pro-prophet" (dropless calls: the heaviest experts, planned from the
-            earlier calls' loads by Pro-Prophet's model and greedy search, are copied to every rank
-            for the call and computed where their rows are; outputs and gradients unchanged;
+            earlier calls' loads by Pro-Prophet's model and greedy search, are copied to other
+            ranks for the call and computed where their rows are; outputs and gradients unchanged;
             `balancer.last_plan` shows the latest plan). E >= W.
         balance_model: the `weft.balance.LayerCostModel` the plans use (default: nominal
             H200-class constants for this layer's shapes).
+        balance_n: Pro-Prophet's n, the ranks (the owner included) that get no copy of a copied
+            expert: 1 (default) copies to every other rank (one all-gather), n > 1 to the W - n
+            ranks sending the expert the most rows (point-to-point sends). 1 <= n <= W - 1.
         expert_bias: keep a per-expert selection bias (buffer `expert_bias`, zeros at start) that
             is added to the router probabilities when choosing experts, never to the gates;
             `update_expert_bias` moves it after each training step (DeepSeek-V3's
@@ -115,7 +118,7 @@ class MoE(nn.Module):
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
                  kernels: str = "auto", expert_bias: bool = False, routing_temperature: float = 0.0,
                  router_init_scale: float = 1.0, balance: str | None = None,
-                 balance_model: LayerCostModel | None = None, dtype: torch.dtype | None = None,
+                 balance_model: LayerCostModel | None = None, balance_n: int = 1, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
         self.group = resolve_group(group)
@@ -136,7 +139,8 @@ class MoE(nn.Module):
                              f"{ep_size} ranks)")
         # Pro-Prophet: plans each dropless call's copied experts from the earlier calls' loads.
         self.balancer = None if balance is None else ExpertBalancer(
-            num_experts, ep_size, balance_model or nominal_cost_model(dim, hidden_dim, activation == "swiglu", ep_size))
+            num_experts, ep_size, balance_model or nominal_cost_model(dim, hidden_dim, activation == "swiglu", ep_size),
+            n=balance_n)
         # Trans and Agg launched ahead (`start_transfer`) fly on a communicator of their own, beside
         # the all-to-alls (built here: creating a process group is a collective).
         self.transfer_group = side_group(self.group) if balance is not None and ep_size > 1 else None
@@ -280,12 +284,12 @@ class MoE(nn.Module):
         preceding block's forward; pass it to the call as `transfer`."""
         if self.balancer is None:
             raise ValueError("start_transfer: this layer does not balance (build it with balance='pro-prophet')")
-        copied = self.balancer.next_copied()
-        if not copied:
+        copies = self.balancer.next_copies()
+        if not copies:
             return Transfer.none()
         weight = self.experts.w1
         dtype = torch.get_autocast_dtype(weight.device.type) if torch.is_autocast_enabled(weight.device.type) else None
-        return Transfer(self.experts, self.placement, copied, self.transfer_group, dtype)
+        return Transfer(self.experts, self.placement, copies, self.transfer_group, dtype)
 
     def update_expert_bias(self, counts_E: torch.Tensor, rate: float) -> None:
         """After a training step: move the selection bias by `rate` towards balance, given the
@@ -355,7 +359,7 @@ class MoE(nn.Module):
                 rows_SD = tokens_TD.index_select(0, token_ids_S)
         if self.balancer is not None:
             if transfer is None:  # not launched ahead: plan and copy now, on the layer's own group
-                transfer = Transfer(self.experts, self.placement, self.balancer.next_copied(), self.group,
+                transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(), self.group,
                                     self.experts.compute_dtype(tokens_TD))
             self.balancer.record(routing.counts_E, self.group)
         out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k, transfer)

@@ -64,6 +64,8 @@ class TrainConfig:
     # Pro-Prophet's performance model: "measured" (the model profiled on this machine at the start,
     # weft.overlap.fit_balance_models) or "nominal" (H200-class constants, no profiling)
     balance_model: str = "measured"
+    # Pro-Prophet's n: the ranks (owner included) that get no copy of a copied expert (1: copy to all)
+    balance_n: int = 1
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
@@ -123,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
         if self.balance not in BALANCE:
             raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
+        if isinstance(self.balance_n, bool) or not isinstance(self.balance_n, int) or self.balance_n < 1:
+            raise ValueError(f"train.balance_n must be a positive integer, got {self.balance_n!r}")
         if self.balance_model not in BALANCE_MODELS:
             raise ValueError(f"train.balance_model must be 'measured' or 'nominal', got {self.balance_model!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
@@ -216,7 +220,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
                             "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance", "balance_model",
-                            "tp", "tp_overlap", "domino_p1", "domino_p2"})
+                            "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

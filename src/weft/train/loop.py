@@ -230,7 +230,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels,
-                balance=None if cfg.balance == "none" else cfg.balance, tp_group=groups.tp,
+                balance=None if cfg.balance == "none" else cfg.balance, balance_n=cfg.balance_n, tp_group=groups.tp,
                 tp_schedule=make_schedule("none" if cfg.tp_overlap == "auto" else cfg.tp_overlap, cfg.domino_p1,
                                           cfg.domino_p2)).to(device)
     optimizer = build_optimizer(model, cfg)

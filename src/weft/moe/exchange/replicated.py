@@ -1,91 +1,178 @@
 """Pro-Prophet's lightweight expert placement (sec. IV-A, fig. 6), dropless: for one call, the
-weights of a few heavy experts (`copied`, global ids, the same on every rank) are copied to every
-rank of the expert-parallel group (Trans; the paper's n = 1), each rank computes its own rows for
-those experts locally, and only the rows of the other experts travel in the all-to-alls. The
-copies' weight gradients are summed back into the owners' (Agg) by the backward of the same
-collective, so the layer's outputs and gradients are those of plain expert parallelism, and no
-parameter or optimizer state moves between calls.
+weights of a few heavy experts are copied to chosen ranks of the expert-parallel group (Trans),
+each of those ranks computes its own rows for those experts locally, and only the other rows
+travel in the all-to-alls. The copies' weight gradients are summed back into the owners' (Agg)
+by the backward of the same transfer, so the layer's outputs and gradients are those of plain
+expert parallelism, and no parameter or optimizer state moves between calls.
 
-Trans is one all-gather of a (S_max, P) stack of flattened weights (P: one expert's w1, w2, w3),
-S_max the most copied experts any one rank owns (ranks owning fewer pad with zeros); its
-backward, a reduce-scatter, is Agg. A `Transfer` is launched when it is built and waited for
-when the copies are first used, so it can start a layer early (Alg. 2, `weft.models.gpt`).
+A `Transfer` moves one call's copies, launched when it is built and waited for when the copies
+are first used, so it can start a layer early (Alg. 2, `weft.models.gpt.run_units`). Where every
+copied expert goes to every rank but its owner (the paper's n = 1) it is one all-gather of a
+(S_max, P) stack of flattened weights (P: one expert's w1, w2, w3; S_max the most copied experts
+any one rank owns, ranks owning fewer padding with zeros), whose backward, a reduce-scatter, is
+Agg. Otherwise (n > 1: each copy to the W - n ranks sending its expert the most rows) the owners
+send each copy to its ranks point to point, and in backward each of those ranks sends its copy's
+gradient back, summed by the owner.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from weft.comm import start_all_gather, wait_all_gather
+from weft.comm.split import SplitCollective, start, wait
 from weft.distributed import group_rank
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement
 from weft.moe.experts import Experts
 
 
-class Transfer:
-    """Trans of one call's `copied` experts (global ids, the same on every rank): their (w1, w2,
-    w3) gathered from the owners to every rank of `group` (a group over the expert-parallel ranks,
-    e.g. its `side_group`), launched when built, in `dtype` (the experts' compute dtype: bf16
-    under autocast halves the bytes). `copies()` waits and returns them stacked in `copied` order,
-    differentiable: their gradients are summed into the owners' weights (Agg), launched when the
-    copies' gradients are complete and waited for where the transfer was built."""
+class _Works:
+    """Point-to-point works waited together, then `after()` (e.g. summing received gradients)."""
 
-    def __init__(self, experts: Experts, placement: ExpertPlacement, copied: tuple[int, ...],
+    def __init__(self, works: list, after=None):
+        self.works, self.after = works, after
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+        if self.after is not None:
+            self.after()
+
+
+@dataclass
+class _PendingCopies(SplitCollective):
+    """The owners' copies sent point to point: forward, row `row` of this rank's (owned, P) stack to
+    each group rank in `sends` [(row, dst)], the received copies into row `slot` of the output from
+    `recvs` [(slot, src)], and the owned ones kept in place (`keeps` [(row, slot)]), in one order
+    on every rank (copied experts ascending, then destination); backward, the reverse, each owner
+    summing the gradients it receives into its own rows'."""
+
+    group: dist.ProcessGroup | None
+    sends: list[tuple[int, int]]
+    recvs: list[tuple[int, int]]
+    keeps: list[tuple[int, int]]
+    slots: int
+    _peers: dict[int, int] = field(default_factory=dict)
+
+    def _global(self, group_rank_: int) -> int:
+        if group_rank_ not in self._peers:
+            self._peers[group_rank_] = dist.get_global_rank(self.group, group_rank_) if self.group else group_rank_
+        return self._peers[group_rank_]
+
+    def _exchange(self, outgoing: list[tuple[torch.Tensor, int]], incoming: list[tuple[torch.Tensor, int]], after=None):
+        ops = [dist.P2POp(dist.isend, t, self._global(peer), self.group) for t, peer in outgoing]
+        ops += [dist.P2POp(dist.irecv, t, self._global(peer), self.group) for t, peer in incoming]
+        return _Works(dist.batch_isend_irecv(ops) if ops else [], after)
+
+    def launch(self, stack: torch.Tensor):
+        out = stack.new_empty(self.slots, stack.shape[1])
+        for row, slot in self.keeps:
+            out[slot].copy_(stack[row])
+        return out, self._exchange([(stack[row], dst) for row, dst in self.sends],
+                                   [(out[slot], src) for slot, src in self.recvs])
+
+    def launch_backward(self, grad: torch.Tensor):
+        grad_stack = grad.new_zeros(len(self.keeps), grad.shape[1])
+        for row, slot in self.keeps:
+            grad_stack[row].copy_(grad[slot])
+        received = grad.new_empty(len(self.sends), grad.shape[1])
+        rows = torch.tensor([row for row, _ in self.sends], dtype=torch.long, device=grad.device)
+        return grad_stack, self._exchange([(grad[slot], src) for slot, src in self.recvs],
+                                          [(received[i], dst) for i, (_, dst) in enumerate(self.sends)],
+                                          after=lambda: grad_stack.index_add_(0, rows, received))
+
+
+class Transfer:
+    """Trans of one call's copies: `copies` maps each copied expert (global id, the same on every
+    rank) to the group ranks that get a copy (never its owner). Their (w1, w2, w3) go from the
+    owners over `group` (a group over the expert-parallel ranks in their order, e.g. its
+    `side_group`), launched when built, in `dtype` (the experts' compute dtype: bf16 under
+    autocast halves the bytes). `copies()` waits and returns the copies this rank holds (of the
+    experts in `here`, in that order), differentiable: their gradients are summed into the
+    owners' weights (Agg), launched when the copies' gradients are complete and waited for where
+    the transfer was built. An owner computes its own rows of its copied experts from its "copy"
+    too (its own weights, moved nowhere), so that every rank taking part in the transfer uses it
+    and so joins its backward."""
+
+    def __init__(self, experts: Experts, placement: ExpertPlacement, copies: Mapping[int, Collection[int]],
                  group: dist.ProcessGroup | None, dtype: torch.dtype | None = None):
-        self.copied = tuple(sorted(copied))
+        self.holders = {e: frozenset(devices) for e, devices in sorted(copies.items()) if devices}
+        self.copied = tuple(self.holders)
+        self.here: tuple[int, ...] = ()
         self._copies: tuple | None = None
         if not self.copied:
             return
-        if len(set(copied)) != len(copied) or not all(0 <= e < placement.num_experts for e in copied):
-            raise ValueError(f"copied must be distinct expert ids in [0, {placement.num_experts}), got {copied}")
+        ep_size, local = placement.ep_size, placement.num_local
+        if not all(0 <= e < placement.num_experts for e in self.copied):
+            raise ValueError(f"copied experts must be ids in [0, {placement.num_experts}), got {self.copied}")
         if placement.expert_shards > 1:
             raise ValueError("replicated experts need whole experts on each rank (E >= W)")
-        weights = experts.weights()
-        local, rank = placement.num_local, group_rank(placement.group)
         owner = {e: e // local for e in self.copied}
-        per_rank = [[e for e in self.copied if owner[e] == r] for r in range(placement.ep_size)]
-        most = max(len(es) for es in per_rank)
+        for e, devices in self.holders.items():
+            if owner[e] in devices or not all(0 <= d < ep_size for d in devices):
+                raise ValueError(f"expert {e}: copies must go to ranks in [0, {ep_size}) other than its owner "
+                                 f"{owner[e]}, got {sorted(devices)}")
+        rank = group_rank(placement.group)
+        self.here = tuple(e for e in self.copied if rank in self.holders[e] or owner[e] == rank)
+        weights = experts.weights()
         present = [w for w in weights if w is not None]
-        mine = torch.tensor([e - rank * local for e in per_rank[rank]], dtype=torch.long, device=present[0].device)
+        owned = [e for e in self.copied if owner[e] == rank]
+        mine = torch.tensor([e - rank * local for e in owned], dtype=torch.long, device=present[0].device)
         stack = torch.cat([w.index_select(0, mine).flatten(1).to(dtype or w.dtype) for w in present], dim=1)
-        if stack.shape[0] < most:  # every rank sends `most` rows
-            stack = torch.cat([stack, stack.new_zeros(most - stack.shape[0], stack.shape[1])])
-        # each copied expert's row in the gather
-        self._rows = torch.tensor([owner[e] * most + per_rank[owner[e]].index(e) for e in self.copied],
-                                  dtype=torch.long, device=stack.device)
         self._shapes = [None if w is None else tuple(w.shape[1:]) for w in weights]
-        self._out, self._pending = start_all_gather(stack, group)
+        if all(devices == set(range(ep_size)) - {owner[e]} for e, devices in self.holders.items()):
+            # every rank but the owner: one all-gather of every rank's `most` rows
+            per_rank = [[e for e in self.copied if owner[e] == r] for r in range(ep_size)]
+            most = max(len(es) for es in per_rank)
+            if stack.shape[0] < most:
+                stack = torch.cat([stack, stack.new_zeros(most - stack.shape[0], stack.shape[1])])
+            self._rows = torch.tensor([owner[e] * most + per_rank[owner[e]].index(e) for e in self.here],
+                                      dtype=torch.long, device=stack.device)
+            self._out, self._pending = start_all_gather(stack, group)
+            return
+        sends = [(owned.index(e), d) for e in owned for d in sorted(self.holders[e])]
+        recvs = [(slot, owner[e]) for slot, e in enumerate(self.here) if owner[e] != rank]
+        keeps = [(owned.index(e), slot) for slot, e in enumerate(self.here) if owner[e] == rank]
+        self._rows = None
+        self._pending = _PendingCopies(group, sends, recvs, keeps, len(self.here))
+        self._out = start(stack, self._pending)
 
     @classmethod
     def none(cls) -> Transfer:
         """A transfer of no expert: the call it is given to runs unbalanced."""
-        return cls(None, None, (), None)  # type: ignore[arg-type]
+        return cls(None, None, {}, None)  # type: ignore[arg-type]
 
     def copies(self) -> tuple:
-        """The copied experts' (w1, w2, w3) on this rank, stacked in `copied` order (waits for the
+        """The (w1, w2, w3) of the copies this rank holds, stacked in `here` order (waits for the
         transfer at the first call; later calls return the same tensors)."""
-        if not self.copied:
-            raise ValueError("this transfer copies no expert")
+        if not self.here:
+            raise ValueError("this rank holds no copy in this transfer")
         if self._copies is None:
-            gathered = wait_all_gather(self._out, self._pending).index_select(0, self._rows)
-            parts, start = [], 0
+            if self._rows is not None:
+                gathered = wait_all_gather(self._out, self._pending).index_select(0, self._rows)
+            else:
+                gathered = wait(self._out, self._pending)
+            parts, begin = [], 0
             for shape in self._shapes:
                 if shape is None:
                     parts.append(None)
                     continue
                 size = math.prod(shape)
-                parts.append(gathered[:, start:start + size].reshape(-1, *shape))
-                start += size
+                parts.append(gathered[:, begin:begin + size].reshape(-1, *shape))
+                begin += size
             self._copies = tuple(parts)
         return self._copies
 
 
 class ReplicatedExperts(Exchange):
-    """Dropless expert parallelism with the `copied` experts computed where their rows are
-    (E >= W, unsharded experts)."""
+    """Dropless expert parallelism with the copied experts computed where a copy is (the
+    transfer's `here`: this rank's own rows of them), the other rows sent to their owners (E >= W,
+    unsharded experts)."""
 
     def __init__(self, ctx: ExchangeContext, transfer: Transfer):
         super().__init__(ctx)
@@ -101,15 +188,18 @@ class ReplicatedExperts(Exchange):
     def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         ctx, placement = self.ctx, self.ctx.placement
         device = rows_ND.device
+        here = list(self.transfer.here)
+        if not here:  # no copy on this rank (and none of its experts copied): the plain exchange
+            return AllToAll(ctx).grouped(rows_ND, counts_E)
         copied_E = torch.zeros(placement.num_experts, dtype=torch.bool, device=device)
-        copied_E[list(self.copied)] = True
+        copied_E[here] = True
         expert_of_row = torch.repeat_interleave(torch.arange(placement.num_experts, device=device), counts_E,
                                                 output_size=rows_ND.shape[0])
         local_N = copied_E[expert_of_row]
         local_rows, sent_rows = local_N.nonzero().squeeze(1), (~local_N).nonzero().squeeze(1)
         sent_out = AllToAll(ctx).grouped(rows_ND.index_select(0, sent_rows), torch.where(copied_E, 0, counts_E))
         local_out = ctx.experts.forward_grouped(rows_ND.index_select(0, local_rows),
-                                                counts_E[list(self.copied)].tolist(),
+                                                counts_E[here].tolist(),
                                                 self.transfer.copies())
         out = sent_out.new_empty(rows_ND.shape[0], sent_out.shape[1])
         return out.index_copy(0, sent_rows, sent_out).index_copy(0, local_rows, local_out.to(sent_out.dtype))

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The 2-GPU measurements the open issues wait on, in parts that each fit one device call (<= 600 s)
+# on nvidia-h200-x2. Logs and JSON under $OUT/<part>/; each part's tables are printed last.
+#   PARTS="tests balance" OUT=$OUT bash scripts/x2_pending.sh
+# Parts:
+#   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule and of TP for MoE models
+#   balance  Pro-Prophet: the layer at skew 1.2 and 0 (plain vs balance, the plan's predicted time),
+#            and whole iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline:
+#            the share of Trans and Agg under computation)
+#   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm), NVLink and
+#            NCCL_P2P_DISABLE=1, and `--tp-overlap auto`'s choice in a short run
+#   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+OUT=${OUT:-./x2_out}
+export WEFT_CACHE=${WEFT_CACHE:-/tmp/weft_cache}
+RUN="torchrun --standalone --nproc_per_node=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))') -m weft"
+QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
+
+part_tests() {
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+    -k "replicated or blockwise or tensor_parallel_moe" > "$1/tests.log" 2>&1
+  tail -n 15 "$1/tests.log"
+}
+
+part_balance() {
+  for skew in 1.2 0; do
+    $RUN bench layer --config qwen2 --capacity dropless --skew "$skew" --modes plain,balance,plain,balance \
+      --dtype bf16 --activation relu --optimizer sgd --steps 20 --json "$1/layer_skew$skew.json" \
+      > "$1/layer_skew$skew.log" 2>&1
+    grep -v "$QUIET" "$1/layer_skew$skew.log" | tail -n 12
+  done
+  $RUN bench model --preset qwen2-moe-2l --capacity dropless --skew 1 --batch-size 2 \
+    --modes none,balance,balance-inline,balance --steps 10 --warmup 3 --json "$1/model.json" > "$1/model.log" 2>&1
+  grep -v "$QUIET" "$1/model.log" | tail -n 14
+}
+
+part_domino() {
+  for regime in nvlink p2p_disabled; do
+    [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
+    $RUN bench model --preset gpt3-2.7b --tp 2 --batch-size 4 --modes tp,domino,no-comm,tp --steps 10 \
+      --warmup 3 --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1
+    grep -v "$QUIET" "$1/model_$regime.log" | tail -n 10
+  done
+  unset NCCL_P2P_DISABLE
+  $RUN train --preset gpt3-2.7b --tp 2 --tp-overlap auto --batch-size 4 --steps 6 \
+    --sample-tokens 0 --out "$1/train_auto" > "$1/train_auto.log" 2>&1
+  grep "tp-overlap auto\|step 6" "$1/train_auto.log"
+}
+
+part_tpmoe() {
+  $RUN bench model --preset qwen2-moe-2l --tp 2 --batch-size 2 --modes tp,domino,no-comm,tp --steps 10 \
+    --warmup 3 --json "$1/model.json" > "$1/model.log" 2>&1
+  grep -v "$QUIET" "$1/model.log" | tail -n 10
+}
+
+for part in ${PARTS:-tests balance domino tpmoe}; do
+  dir="$OUT/$part"
+  mkdir -p "$dir"
+  echo "== $part"
+  "part_$part" "$dir" || echo "$part failed (exit $?)"
+done
