@@ -112,7 +112,7 @@ def test_a_tensor_parallel_moe_checkpoint_resumes_on_one_rank(corpus, one_rank_m
      "does not run with tensor parallelism yet"),
     (dict(tp=4, model={"moe_every": 2, "block_size": 15}, batch_size=2), "do not divide evenly"),
     (dict(tp=1, tp_overlap="domino"), "set --tp > 1"),
-    (dict(tp=2, tp_overlap="fast"), "train.tp_overlap must be 'none' or 'domino'"),
+    (dict(tp=2, tp_overlap="fast"), "train.tp_overlap must be 'none', 'domino' or 'auto'"),
     (dict(tp=0), "train.tp must be a positive integer"),
     (dict(tp=2, overlap="lancet"), "use --tp-overlap domino"),
     (dict(tp=2, tp_overlap="domino", domino_p1=32, batch_size=8), "exceeds the batch size 8"),

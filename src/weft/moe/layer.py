@@ -308,7 +308,7 @@ class MoE(nn.Module):
                  transfer: Transfer | None = None) -> torch.Tensor:
         """The dispatched rows -> their experts' outputs, by the call's setting (tuned when "auto";
         `capacity` is the tuning bucket's, agreed by every rank of the group; `transfer`: the
-        experts Pro-Prophet copies to every rank for a dropless call)."""
+        copies of Pro-Prophet's experts for a dropless call)."""
         with stage("exchange"):
             return self._exchange(rows, layout, call, capacity, transfer)
 
@@ -358,7 +358,7 @@ class MoE(nn.Module):
                 token_ids_S = routing.token_ids_S.index_select(0, order_S)
                 rows_SD = tokens_TD.index_select(0, token_ids_S)
         if self.balancer is not None:
-            if transfer is None:  # not launched ahead: plan and copy now, on the layer's own group
+            if transfer is None and call.communicate:  # not launched ahead: plan and copy now, on the EP group
                 transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(), self.group,
                                     self.experts.compute_dtype(tokens_TD))
             self.balancer.record(routing.counts_E, self.group)
