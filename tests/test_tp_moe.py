@@ -86,10 +86,9 @@ def tp_moe_worker(tp: int, schedule: str, capacity_factor, device: str = "cpu") 
     return checks.failures
 
 
-# Every world and TP size with both schedules and both capacity modes, each pair once.
+# Every world and TP size, each schedule and capacity mode on 2 and on 4 ranks.
 @pytest.mark.parametrize("world, tp, schedule, capacity_factor", [
-    (2, 2, "none", 1.0), (2, 2, "domino", None), (4, 2, "none", None), (4, 2, "domino", 1.0),
-    (4, 4, "none", 1.0), (4, 4, "domino", None)])
+    (2, 2, "none", 1.0), (2, 2, "domino", None), (4, 2, "domino", 1.0), (4, 4, "none", None)])
 def test_tensor_parallel_moe_model_computes_expert_and_data_parallelism(world, tp, schedule, capacity_factor):
     failures = run_checks(tp_moe_worker, world, args=(tp, schedule, capacity_factor), timeout=300)
     assert not failures, "\n".join(failures[:15])

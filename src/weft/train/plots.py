@@ -269,7 +269,7 @@ def _expert_load_figure(name: str, steps: np.ndarray, layers: list[np.ndarray],
         else:
             ax.yaxis.get_major_locator().set_params(integer=True)
         if copied is not None and copied[layer][0]:
-            ax.scatter(*copied[layer], s=6, marker="s", color="red", linewidths=0, label="copied to every rank")
+            ax.scatter(*copied[layer], s=6, marker="s", color="red", linewidths=0, label="copied")
             ax.legend(loc="upper right", fontsize="x-small")
         if layer + ncols >= len(layers):  # no panel below
             ax.set_xlabel("step")

@@ -6,7 +6,7 @@
 | `Pipelined` | d > 1: chunks whose all-to-alls overlap the experts | Tutel 3.2 |
 | `DataParallelExperts` | r = 0: weights gathered to the rows | Tutel 3.1 |
 | `SlicedExperts` | fewer experts than ranks, r > 0 slices | Tutel 3.1, fig. 7 |
-| `ReplicatedExperts` | dropless with `balance="pro-prophet"`: heavy experts copied to every rank | Pro-Prophet IV-A |
+| `ReplicatedExperts` | dropless with `balance="pro-prophet"`: heavy experts copied to chosen ranks | Pro-Prophet IV-A |
 
 `select` picks one per call from a `Setting`; see docs/architecture.md for adding one.
 """
