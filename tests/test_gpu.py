@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_balance_equivalence import balance_worker
+from test_comet import kernels_worker
 from test_balance_schedule import schedule_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
@@ -108,14 +109,15 @@ def test_blockwise_balance_schedule_computes_the_plain_model_on_nccl():
     assert not flat, "\n".join(flat[:15])
 
 
-def determinism_worker(dtypes, device) -> list[str]:
+def determinism_worker(dtypes, device, kernels: str = "auto") -> list[str]:
     """Two forward+backward runs of the layer (kernels "auto": Triton on CUDA) on the same input give
     bitwise equal outputs and gradients, padded and dropless; the torch path's atomics do not promise it."""
     failures = []
     rank = torch.distributed.get_rank()
     for cap in (1.0, None):
         torch.manual_seed(0)
-        moe = MoE(256, 512, 16, top_k=4, capacity_factor=cap, activation="gelu", dtype=dtypes[0], device=device)
+        moe = MoE(256, 512, 16, top_k=4, capacity_factor=cap, activation="gelu", dtype=dtypes[0], device=device,
+                  kernels=kernels)
         gen = torch.Generator(device=device).manual_seed(10 + rank)
         x = torch.randn(2048, 256, device=device, dtype=dtypes[0], generator=gen)
         dy = torch.randn(2048, 256, device=device, dtype=dtypes[0], generator=gen)
@@ -142,6 +144,31 @@ def differences(label: str, actual: list[torch.Tensor], expected: list[torch.Ten
 @needs_cuda
 def test_two_runs_are_bitwise_equal_on_nccl():
     flat = _check_on_every_gpu(determinism_worker)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_comet_kernels_match_their_references_on_cuda():
+    """Both Comet kernels on one GPU, W = 1, 2, 4 ranks' buffers in one process: copy and compute
+    programs really run side by side, so the flags' ordering is tested, not just the addressing."""
+    flat = run_checks(kernels_worker, 1, args=("cuda",), timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.parametrize("gate", GATES)
+def test_comet_matches_dense_reference_on_every_gpu(gate):
+    """kernels="comet" on every GPU of the machine (symmetric memory over NCCL's group; one GPU:
+    the kernels on local buffers), fp32 and bf16, every capacity mode, k and activation."""
+    flat = run_checks(equivalence_worker, torch.cuda.device_count(),
+                      args=(gate, (torch.float32, torch.bfloat16), "cuda", "comet"), backend="nccl", timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_comet_two_runs_are_bitwise_equal():
+    flat = run_checks(determinism_worker, torch.cuda.device_count(), args=((torch.bfloat16,), "cuda", "comet"),
+                      backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

@@ -180,11 +180,13 @@ def test_matches_dense_reference(world_size, gate):
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 4])
-@pytest.mark.parametrize("gate", ["topk", "bpr", "cosine", "random"])
+@pytest.mark.parametrize("world_size, gate", [(1, "topk"), (2, "topk"), (4, "topk"), (2, "bpr"), (2, "cosine"),
+                                              (2, "random")])
 def test_triton_kernels_match_dense_reference(world_size, gate, monkeypatch):
     """kernels="triton" (dispatch and combine by weft.kernels.rows, in Triton's CPU interpreter,
-    which the spawned ranks pick up from the environment when they import Triton)."""
+    which the spawned ranks pick up from the environment when they import Triton). The kernels
+    act on each rank's own rows, so every world size runs with one gate and the other gates on
+    two ranks (the interpreter is slow: this keeps CI short)."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, world_size, args=(gate, DTYPES, "cpu", "triton", ("swiglu",)),

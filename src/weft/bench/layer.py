@@ -69,10 +69,13 @@ PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 # LOCAL_WORLD_SIZE ranks); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
 # experts than ranks): N model-parallel slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
 # dictionary picks among them. `torch`: plain with PyTorch's index ops for dispatch and combine (the
-# path before the Triton kernels; `plain` takes the layer's default, "auto").
+# path before the Triton kernels; `plain` takes the layer's default, "auto"). `comet`: Comet's fused
+# expert kernels (weft.moe.exchange.Comet; the NCCL path, with a warning, where the GPUs cannot
+# address each other's memory).
 MODES: dict[str, dict] = {
     "plain": PLAIN,
     "torch": {**PLAIN, "kernels": "torch"},
+    "comet": {**PLAIN, "kernels": "comet"},
     "no-comm": {**PLAIN, "communicate": False},
     "d2": {**PLAIN, "overlap_degree": 2},
     "d4": {**PLAIN, "overlap_degree": 4},

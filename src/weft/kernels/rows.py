@@ -30,7 +30,7 @@ except ImportError:  # CPU-only installs: the PyTorch references remain
     triton = None
 
 BLOCK_D = 512
-KERNELS = ("auto", "torch", "triton")  # the `kernels` setting of weft.MoE, GPT and weft train
+KERNELS = ("auto", "torch", "triton", "comet")  # the `kernels` setting of weft.MoE, GPT and weft train
 
 
 def triton_usable(x: torch.Tensor) -> bool:
@@ -42,7 +42,8 @@ def triton_usable(x: torch.Tensor) -> bool:
 
 def use_triton(kernels: str, x: torch.Tensor) -> bool:
     """Whether the `kernels` setting runs the Triton kernels on x: never for "torch"; for "auto"
-    where they can run; for "triton" always (RuntimeError where they cannot)."""
+    and "comet" (whose dispatch and combine are these) where they can run; for "triton" always
+    (RuntimeError where they cannot)."""
     if kernels == "torch":
         return False
     usable = triton_usable(x)

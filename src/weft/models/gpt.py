@@ -319,7 +319,7 @@ class GPT(nn.Module):
         super().__init__()
         config.validate()
         if kernels not in KERNELS:
-            raise ValueError(f"unknown kernels {kernels!r}; choose 'auto', 'torch' or 'triton'")
+            raise ValueError(f"unknown kernels {kernels!r}; choose one of {', '.join(KERNELS)}")
         if balance is not None and config.moe_every and config.capacity_factor is not None:
             raise ValueError(f"balance={balance!r} balances dropless MoE layers; this model's capacity_factor is "
                              f"{config.capacity_factor} (set capacity_factor = \"dropless\" in the [model] table)")

@@ -32,7 +32,9 @@ class MoECall:
     communicate: False keeps every row on its rank while the local experts do the same work (the
         no-communication bound benchmarks measure); the output is then NOT the layer's function.
     kernels: dispatch and combine by "torch" index ops or the "triton" kernels (deterministic);
-        "auto": Triton where it can run (CUDA tensors), torch elsewhere. Same function either way.
+        "auto": Triton where it can run (CUDA tensors), torch elsewhere; "comet": as "auto", and
+        plain padded calls run Comet's fused expert kernels where the ranks can address each
+        other's memory (`weft.moe.exchange.Comet`). Same function every way.
     """
 
     top_k: int
@@ -103,7 +105,7 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
     if degree != "auto" and (isinstance(degree, bool) or not isinstance(degree, int) or degree < 1):
         raise ValueError(f"overlap_degree must be a positive integer or 'auto', got {degree!r}")
     if call.kernels not in KERNELS:
-        raise ValueError(f"unknown kernels {call.kernels!r}; choose 'auto', 'torch' or 'triton'")
+        raise ValueError(f"unknown kernels {call.kernels!r}; choose one of {', '.join(KERNELS)}")
     if call.a2a_algo not in A2A_ALGOS:
         raise ValueError(f"unknown a2a_algo {call.a2a_algo!r}; choose 'linear', '2dh' or 'auto'")
     if call.a2a_algo == "2dh" and cf is None:

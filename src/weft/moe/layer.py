@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import warnings
 from types import EllipsisType
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from weft.balance import ExpertBalancer, LayerCostModel, nominal_cost_model
+from weft.comm.peers import PeerBuffers, peer_buffers, peers_unavailable
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group, side_group
 from weft.kernels.rows import use_triton
 from weft.moe.config import (
@@ -80,6 +82,11 @@ class MoE(nn.Module):
         kernels: dispatch and combine with the "triton" kernels (deterministic: no atomics) or
             "torch" index ops; "auto" (default): Triton on CUDA where installed, torch elsewhere.
             Expert choice always uses torch's (a token takes a varying number of slots there).
+            "comet": as "auto", and plain padded calls (d = 1, linear, E >= W) run Comet's fused
+            expert GEMMs, which read and write the other ranks' rows tile by tile over peer memory
+            (symmetric memory on GPUs, shared files across CPU processes); where the ranks cannot
+            address each other's memory (NCCL_P2P_DISABLE=1, several nodes) it says so once and runs
+            the NCCL exchange. The first comet call allocates the group's buffers (collective).
         balance: None, or "pro-prophet" (dropless calls: the heaviest experts, planned from the
             earlier calls' loads by Pro-Prophet's model and greedy search, are copied to other
             ranks for the call and computed where their rows are; outputs and gradients unchanged;
@@ -314,7 +321,8 @@ class MoE(nn.Module):
 
     def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
                   transfer: Transfer | None) -> torch.Tensor:
-        ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler)
+        ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler,
+                              self._comet_peers(call, rows.device))
         dropless = isinstance(layout, Grouped)
         run = lambda setting, rows: select(ctx, setting, dropless, transfer)(rows, layout)  # noqa: E731
         if not is_tuned(call, self.parallel, self.ep_size):
@@ -325,6 +333,18 @@ class MoE(nn.Module):
         if dropless:
             capacity = self._dropless_capacity(capacity, rows.device)
         return self.tuning.run(self.tuning_key(call), capacity, found, self.group, run, rows, caller=id(self))
+
+    def _comet_peers(self, call: MoECall, device: torch.device) -> PeerBuffers | None:
+        """The group's peer buffers when this call may run Comet's kernels (else None; said once
+        per reason when the ranks cannot address each other's memory)."""
+        if call.kernels != "comet" or not call.communicate or self.expert_shards > 1:
+            return None
+        reason = peers_unavailable(self.group, device)
+        if reason is not None:
+            warnings.warn(f"kernels='comet' needs ranks that address each other's memory; {reason}: "
+                          f"the MoE layers run the NCCL exchange", stacklevel=4)
+            return None
+        return peer_buffers(self.group, device)
 
     def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype) -> torch.Tensor:
         cap = routing.capacity
@@ -389,7 +409,8 @@ class MoE(nn.Module):
             "normalize_gates": self.normalize_gates, "parallel": self.parallel,
             "routing_temperature": self.gate_rule.temperature, "expert dtype": str(self.experts.w1.dtype),
             "overlap_degree": call.overlap_degree,
-            "a2a_algo": call.a2a_algo, "tokens per rank (padded capacity)": tokens_TD.shape[0] if fixed_size else None,
+            "a2a_algo": call.a2a_algo, "kernels": call.kernels,
+            "tokens per rank (padded capacity)": tokens_TD.shape[0] if fixed_size else None,
         }
         codes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
         mine = torch.tensor(codes, dtype=torch.int64, device=tokens_TD.device)

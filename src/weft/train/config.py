@@ -58,7 +58,7 @@ class TrainConfig:
     overlap: str = "none"  # none, tutel (tuned pipelining degree) or lancet (weft.overlap.optimize)
     sample_tokens: int = 200
     sample_prompt: str = "def "
-    kernels: str = "auto"  # MoE dispatch/combine: "triton", "torch" or "auto" (weft.MoE's kernels)
+    kernels: str = "auto"  # weft.MoE's kernels: "auto", "torch", "triton" or "comet" (fused expert GEMMs)
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"
     # Pro-Prophet's performance model: "measured" (the model profiled on this machine at the start,
@@ -122,7 +122,7 @@ class TrainConfig:
         if not isinstance(self.fused_optimizer, bool):
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in KERNELS:
-            raise ValueError(f"train.kernels must be 'auto', 'torch' or 'triton', got {self.kernels!r}")
+            raise ValueError(f"train.kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.balance not in BALANCE:
             raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
         if isinstance(self.balance_n, bool) or not isinstance(self.balance_n, int) or self.balance_n < 1:

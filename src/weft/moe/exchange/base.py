@@ -64,12 +64,15 @@ class ExpertPlacement:
 class ExchangeContext:
     """What an exchange needs for one call: the experts, their placement, whether to communicate
     at all (False: the no-communication benchmark bound, every row stays on its rank; not the
-    layer's function) and Lancet's weight-gradient scheduler (None: off)."""
+    layer's function), Lancet's weight-gradient scheduler (None: off) and the group's peer
+    buffers for Comet's fused kernels (`weft.comm.peers`; None: `kernels` is not "comet", or the
+    ranks cannot address each other's memory)."""
 
     experts: Experts
     placement: ExpertPlacement
     communicate: bool = True
     scheduler: object | None = None
+    peers: object | None = None
 
     def all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo: str = "linear"):
         """All-to-all of x over the EP group (equal splits, or the given ones); x when not communicating."""

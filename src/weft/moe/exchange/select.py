@@ -5,6 +5,7 @@ from __future__ import annotations
 from weft.moe.config import MoECall, parallel_choices
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.exchange.comet import Comet
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
 from weft.moe.exchange.replicated import ReplicatedExperts, Transfer
@@ -15,8 +16,8 @@ from weft.tune.dictionary import DEGREES, Setting
 def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Transfer | None = None) -> Exchange:
     """The strategy that runs `setting`: r = 0 data-parallel experts; fewer experts than ranks the
     sliced experts; d > 1 (while communicating) the pipelined exchange; a `transfer` copying
-    experts in a plain dropless call (Pro-Prophet) the replicated experts; else one all-to-all.
-    New strategies (fused kernels) get their branch here."""
+    experts in a plain dropless call (Pro-Prophet) the replicated experts; peer buffers
+    (`kernels="comet"`) in a plain padded call Comet's fused kernels; else one all-to-all."""
     placement = ctx.placement
     if setting.parallel == 0 and (placement.ep_size > 1 or not dropless):
         return DataParallelExperts(ctx)
@@ -27,6 +28,9 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Tra
         return Pipelined(ctx, setting.overlap_degree, setting.a2a_algo)
     if transfer is not None and transfer.copied and dropless and ctx.communicate and placement.ep_size > 1:
         return ReplicatedExperts(ctx, transfer)
+    if ctx.peers is not None and ctx.communicate and not dropless and setting.a2a_algo == "linear" \
+            and ctx.scheduler is None:
+        return Comet(ctx, ctx.peers)
     return AllToAll(ctx, setting.a2a_algo)
 
 

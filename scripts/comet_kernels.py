@@ -1,0 +1,102 @@
+"""Comet's two kernels on one GPU against torch.bmm on the same shapes (2-rank buffers held by this
+GPU, so the "remote" rows are local memory: this times the kernels' compute path and its tile
+scheduling, not NVLink). Prints a table and writes JSON to $OUT/comet_kernels.json.
+
+    PYTHONPATH=src python3 scripts/comet_kernels.py [--configs qwen2 phi35 mixtral] [--n-comm 4 8 16]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+
+import torch
+
+from weft.bench.layer import CONFIGS
+from weft.kernels import comet as K
+
+
+def timed(fn, steps: int = 20, warmup: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def parse_tiles(spec: str) -> K.CometTiles:
+    sizes, rest = spec.split("w")
+    warps, stages = rest.split("s")
+    bm, bn, bk = (int(v) for v in sizes.split("x"))
+    return K.CometTiles(bm, bn, bk, num_warps=int(warps), num_stages=int(stages), widen=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", nargs="+", default=["qwen2", "phi35", "mixtral"])
+    parser.add_argument("--n-comm", nargs="+", type=int, default=[16, 32, 48, 64])
+    parser.add_argument("--world", type=int, default=2, help="ranks whose buffers the GPU holds")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    parser.add_argument("--tiles", nargs="+", default=["128x128x64w8s3"],
+                        help="GEMM tiles to time, BMxBNxBK w<warps> s<stages> (the first runs the n_comm sweep)")
+    args = parser.parse_args()
+    rows, dev, dtype = [], torch.device("cuda"), torch.bfloat16
+    for name in args.configs:
+        cfg = CONFIGS[name]
+        world, local = args.world, cfg.num_experts // args.world
+        cap = args.tokens * cfg.top_k // cfg.num_experts
+        sends = [torch.randn(cfg.num_experts * cap, cfg.dim, device=dev, dtype=dtype) for _ in range(world)]
+        table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=dev)
+        w1 = torch.randn(local, cfg.dim, cfg.hidden_dim, device=dev, dtype=dtype) / cfg.dim ** 0.5
+        w2 = torch.randn(local, cfg.hidden_dim, cfg.dim, device=dev, dtype=dtype) / cfg.hidden_dim ** 0.5
+        outs = [torch.empty(cfg.num_experts * cap, cfg.dim, device=dev, dtype=dtype) for _ in range(world)]
+        out_table = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device=dev)
+        gathered, h = K.pull_gemm_reference(sends, 0, cap, w1)
+        flops0 = 2 * local * world * cap * cfg.dim * cfg.hidden_dim
+        bmm0 = timed(lambda: torch.bmm(gathered, w1))
+        bmm1 = timed(lambda: torch.bmm(h, w2))
+        err = float((K.pull_gemm(table, sends[0], 0, cap, w1, K.CometTiles.for_device(dev))[1].float()
+                     - h.float()).norm() / h.float().norm())
+        row = {"config": name, "experts_here": local, "rows_per_expert": world * cap, "bmm_layer0_ms": bmm0,
+               "bmm_layer1_ms": bmm1, "pull_rel_err": err}
+        shapes = [parse_tiles(t) for t in args.tiles]
+        for n_comm in args.n_comm:
+            tiles = dataclasses.replace(shapes[0], n_comm=n_comm)
+            row[f"pull_gemm_ms_c{n_comm}"] = timed(lambda: K.pull_gemm(table, sends[0], 0, cap, w1, tiles))
+        best_comm = min(args.n_comm, key=lambda c: row[f"pull_gemm_ms_c{c}"])
+        for spec, tiles in zip(args.tiles, shapes):
+            tiles = dataclasses.replace(tiles, n_comm=best_comm)
+            row[f"tiles {spec}"] = (timed(lambda: K.pull_gemm(table, sends[0], 0, cap, w1, tiles)),
+                                    timed(lambda: K.gemm_push(h, w2, out_table, outs[0], 0, cap, tiles)))
+            print(f"{name} tiles {spec} n_comm {best_comm}: pull {row[f'tiles {spec}'][0]:.3f} ms, "
+                  f"push {row[f'tiles {spec}'][1]:.3f} ms", flush=True)
+        row["gemm_push_ms"] = min(v[1] for k, v in row.items() if k.startswith("tiles "))
+        row["tflops_bmm_layer0"] = flops0 / bmm0 / 1e9
+        row["tflops_pull_best"] = flops0 / min(v[0] for k, v in row.items() if k.startswith("tiles ")) / 1e9
+        row["tflops_push"] = flops0 / row["gemm_push_ms"] / 1e9
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{'config':<9} {'bmm0 ms':>8} {'pull best':>9} {'bmm1 ms':>8} {'push ms':>8} {'TF bmm':>7} "
+          f"{'TF pull':>7} {'TF push':>7}  pull ms by n_comm")
+    for r in rows:
+        best = min(v[0] for k, v in r.items() if k.startswith("tiles "))
+        sweep = " ".join(f"{c}:{r[f'pull_gemm_ms_c{c}']:.3f}" for c in args.n_comm)
+        print(f"{r['config']:<9} {r['bmm_layer0_ms']:>8.3f} {best:>9.3f} {r['bmm_layer1_ms']:>8.3f} "
+              f"{r['gemm_push_ms']:>8.3f} {r['tflops_bmm_layer0']:>7.0f} {r['tflops_pull_best']:>7.0f} "
+              f"{r['tflops_push']:>7.0f}  {sweep}")
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "comet_kernels.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

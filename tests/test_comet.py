@@ -1,0 +1,139 @@
+"""Comet's fused kernels (weft.kernels.comet) and exchange (weft.moe.exchange.Comet).
+
+- The two kernels against their PyTorch references in Triton's CPU interpreter, every rank's buffer
+  in one process (W = 1, 2, 4; capacities that do not fill a row tile; transposed weights).
+- `weft.MoE(kernels="comet")` against the dense reference on 1, 2 and 4 gloo processes that share
+  their buffers through files in shared memory: outputs, losses, every gradient, counts and drops,
+  through the kernels' PyTorch references and through the Triton kernels (interpreter).
+- Where the ranks cannot address each other's memory, "comet" says so and runs the NCCL path.
+"""
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_moe_equivalence import check_case
+from weft import MoE
+from weft.comm.peers import peer_buffers, peers_unavailable
+from weft.testing import run_checks, run_distributed
+
+COMET_BUFFERS = ["comet.grad_out", "comet.grad_send", "comet.out", "comet.send"]
+
+
+def kernels_worker(device: str = "cpu") -> list[str]:
+    from weft.kernels import comet as K
+
+    failures = []
+    gen = torch.Generator().manual_seed(0)
+    tiles = K.CometTiles.for_device(torch.device(device))
+    for dtype, (world, local, cap, dim, hidden) in itertools.product(
+            (torch.float32, torch.bfloat16), ((1, 2, 5, 24, 40), (2, 2, 20, 40, 33), (4, 1, 7, 16, 48))):
+        label = f"{dtype} W={world} El={local} C={cap}"
+        rows = world * local * cap
+        sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]
+        table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=device)
+        outs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
+        outs_ref = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
+        out_table = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device=device)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for rank in range(world):
+            # weights (El, hidden, dim) viewed transposed: the backward's w^T, strided
+            b = torch.randn(local, hidden, dim, generator=gen).to(device, dtype).transpose(1, 2)
+            gathered, out = K.pull_gemm(table, sends[rank], rank, cap, b, tiles)
+            gathered_ref, out_ref = K.pull_gemm_reference(sends, rank, cap, b)
+            if not torch.equal(gathered, gathered_ref):
+                failures.append(f"{label} rank {rank}: pulled rows differ")
+            err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm())
+            if err > tol:
+                failures.append(f"{label} rank {rank}: pull_gemm rel err {err:.2e}")
+            a = torch.randn(local, world * cap, dim, generator=gen).to(device, dtype)
+            w = torch.randn(local, dim, hidden, generator=gen).to(device, dtype)
+            K.gemm_push(a, w, out_table, outs[rank], rank, cap, tiles)
+            K.gemm_push_reference(a, w, outs_ref, rank, cap)
+        for rank in range(world):  # every rank's rows, written by every rank
+            err = float((outs[rank].float() - outs_ref[rank].float()).norm() / outs_ref[rank].float().norm())
+            if err > tol:
+                failures.append(f"{label}: gemm_push into rank {rank}'s buffer, rel err {err:.2e}")
+    return failures
+
+
+def test_kernels_match_their_references(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(kernels_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures)
+
+
+CASES = (("topk", 1.0, 2, "gelu", torch.float32), ("topk", 0, 1, "swiglu", torch.bfloat16),
+         ("bpr", -1.0, 4, "relu", torch.float32), ("cosine", 1.0, 2, "silu", torch.bfloat16),
+         ("random", 1.0, 1, "swiglu", torch.float32), ("expert_choice", 1.25, 2, "gelu", torch.float32))
+
+
+def comet_worker(cases=CASES) -> list[str]:
+    failures = []
+    for gate, cap, k, activation, dtype in cases:
+        failures += check_case(gate, cap, k, activation, dtype, kernels="comet")
+    names = peer_buffers(dist.group.WORLD, torch.device("cpu")).names()
+    if names != COMET_BUFFERS:  # the calls went through Comet's exchange, forward and backward
+        failures.append(f"rank {dist.get_rank()}: peer buffers {names}, expected {COMET_BUFFERS}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_comet_layer_matches_dense_reference(world_size):
+    """The kernels' PyTorch references over shared-file peer buffers: the exchange's protocol
+    (buffers, barriers, row placement, the backward's pull and push) on real processes."""
+    flat = run_checks(comet_worker, world_size, timeout=300)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatch):
+    """The same through the Triton kernels (interpreter): each rank's kernels read and write the
+    other processes' buffers by address (one rank: `test_kernels_match_their_references`)."""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32))
+    flat = run_checks(comet_worker, world_size, args=(cases,), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+def fallback_worker() -> list[str]:
+    """Dropless calls and ranks that cannot share memory run the NCCL path, the same function."""
+    failures = check_case("topk", None, 2, "gelu", torch.float32, kernels="comet")
+    if "comet.send" in peer_buffers(dist.group.WORLD, torch.device("cpu")).names():
+        failures.append("a dropless call went through Comet's padded exchange")
+    moe = MoE(16, 24, 8, top_k=2, capacity_factor=1.0, kernels="comet")
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
+    with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as env:
+        warnings.simplefilter("always")
+        env.setenv("LOCAL_WORLD_SIZE", "1")  # as if every rank were on a node of its own
+        y_fallback = moe(x)
+    said = [str(w.message) for w in caught if "kernels='comet'" in str(w.message)]
+    if not said or "span several nodes" not in said[0]:
+        failures.append(f"no warning naming why comet cannot run: {said}")
+    if not torch.allclose(y_fallback, moe(x, kernels="auto"), atol=1e-6):
+        failures.append("the fallback computes another function")
+    return failures
+
+
+def test_comet_falls_back_to_the_nccl_path():
+    flat = run_checks(fallback_worker, 2, timeout=300)
+    assert not flat, "\n".join(flat)
+
+
+def test_peers_unavailable_names_the_reason(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert peers_unavailable(None, torch.device("cpu")) is None  # one rank: nothing to share
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    results = run_distributed(_unavailable_worker, 2, timeout=120)
+    assert results[0] == (None, "NCCL_P2P_DISABLE=1: the GPUs do not reach each other's memory")
+
+
+def _unavailable_worker():
+    return peers_unavailable(dist.group.WORLD, torch.device("cpu")), peers_unavailable(dist.group.WORLD,
+                                                                                      torch.device("cuda"))
