@@ -30,8 +30,12 @@ def kernels_worker(device: str = "cpu") -> list[str]:
     failures = []
     gen = torch.Generator().manual_seed(0)
     tiles = K.CometTiles.for_device(torch.device(device))
-    for dtype, (world, local, cap, dim, hidden) in itertools.product(
-            (torch.float32, torch.bfloat16), ((1, 2, 5, 24, 40), (2, 2, 20, 40, 33), (4, 1, 7, 16, 48))):
+    # Partial row, column and K tiles, and shapes the tiles divide (no masked loads): 16 on the
+    # interpreter's tiles, 128 and 256 on the GPU's.
+    shapes = [(1, 2, 5, 24, 40), (2, 2, 20, 40, 33), (4, 1, 7, 16, 48), (2, 2, 16, 32, 48)]
+    if device == "cuda":
+        shapes.append((2, 2, 128, 256, 512))
+    for dtype, (world, local, cap, dim, hidden) in itertools.product((torch.float32, torch.bfloat16), shapes):
         label = f"{dtype} W={world} El={local} C={cap}"
         rows = world * local * cap
         sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from test_balance_equivalence import balance_worker
-from test_comet import kernels_worker
 from test_balance_schedule import schedule_worker
+from test_comet import kernels_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_exchange import exchange_worker

@@ -106,11 +106,30 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _k_in_range(k, K, EVEN_K: tl.constexpr):
-        """k < K, known true at compile time where the tiles divide K (no mask along K)."""
-        if EVEN_K:
-            return tl.full(k.shape, 1, tl.int1)
-        return k < K
+    def _tile_product(a, b, m, n, M, K: tl.constexpr, N, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, A_CG: tl.constexpr):
+        """a[m, :] @ b[:, n] in float32 (a: rows of K, contiguous; b: strides sb_k, sb_n). EVEN: the tiles
+        divide M, N and K, so no load is masked. A_CG: read a through L2 only (rows another program wrote)."""
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        a_ptr = a + m[:, None].to(tl.int64) * K
+        for k0 in range(0, K, BK):
+            k = k0 + tl.arange(0, BK)
+            if EVEN:
+                if A_CG:
+                    a_tile = tl.load(a_ptr + k[None, :], cache_modifier=".cg")
+                else:
+                    a_tile = tl.load(a_ptr + k[None, :])
+                b_tile = tl.load(b + k[:, None] * sb_k + n[None, :] * sb_n)
+            else:
+                a_mask = (m[:, None] < M) & (k[None, :] < K)
+                if A_CG:
+                    a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
+                else:
+                    a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0)
+                b_tile = tl.load(b + k[:, None] * sb_k + n[None, :] * sb_n,
+                                 mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
+            acc = _dot(a_tile, b_tile, acc, IEEE)
+        return acc
 
     @triton.jit
     def _copy_tile(table, gathered, flags, i, j, rank, num_local, capacity, M, K: tl.constexpr, n_mt,
@@ -119,20 +138,20 @@ if triton is not None:
         m = j * BM + tl.arange(0, BM)
         valid = m < M
         src = m // capacity
-        src_row = (rank * num_local + i) * capacity + m % capacity
+        src_row = ((rank * num_local + i) * capacity + m % capacity).to(tl.int64)
         base = tl.load(table + src, mask=valid, other=0).to(tl.pointer_type(gathered.dtype.element_ty))
         for k0 in range(0, K, BC):
             k = k0 + tl.arange(0, BC)
             mask = valid[:, None] & (k[None, :] < K)
             rows = tl.load(base[:, None] + src_row[:, None] * K + k[None, :], mask=mask)
-            tl.store(gathered + (i * M + m[:, None]) * K + k[None, :], rows, mask=mask)
+            tl.store(gathered + (i.to(tl.int64) * M + m[:, None]) * K + k[None, :], rows, mask=mask)
         tl.debug_barrier()
         tl.atomic_xchg(flags + i * n_mt + j, 1, sem="release", scope="gpu")
 
     @triton.jit
     def _pull_gemm_kernel(table, gathered, b, out, flags, rank, num_local, capacity, M, K: tl.constexpr, N,
                           sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          BC: tl.constexpr, N_COMM: tl.constexpr, IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+                          BC: tl.constexpr, N_COMM: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr):
         pid = tl.program_id(0)
         n_mt = tl.cdiv(M, BM)
         first = (rank * capacity) // BM  # the tile holding this rank's own first row: start there
@@ -153,22 +172,15 @@ if triton is not None:
                 pass
             m = j * BM + tl.arange(0, BM)
             n = n0 + tl.arange(0, BN)
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                k = k0 + tl.arange(0, BK)
-                k_ok = _k_in_range(k, K, EVEN_K)
-                a_tile = tl.load(gathered + (i * M + m[:, None]) * K + k[None, :],
-                                 mask=(m[:, None] < M) & k_ok[None, :], other=0.0, cache_modifier=".cg")
-                b_tile = tl.load(b + i * sb_e + k[:, None] * sb_k + n[None, :] * sb_n,
-                                 mask=k_ok[:, None] & (n[None, :] < N), other=0.0)
-                acc = _dot(a_tile, b_tile, acc, IEEE)
-            tl.store(out + (i * M + m[:, None]) * N + n[None, :], acc.to(out.dtype.element_ty),
+            acc = _tile_product(gathered + i.to(tl.int64) * M * K, b + i * sb_e, m, n, M, K, N, sb_k, sb_n,
+                                BM, BN, BK, IEEE, EVEN, True)
+            tl.store(out + (i.to(tl.int64) * M + m[:, None]) * N + n[None, :], acc.to(out.dtype.element_ty),
                      mask=(m[:, None] < M) & (n[None, :] < N))
 
     @triton.jit
     def _gemm_push_kernel(a, b, table, like, rank, num_local, capacity, M, K: tl.constexpr, N, world,
                           sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          IEEE: tl.constexpr, EVEN_K: tl.constexpr):
+                          IEEE: tl.constexpr, EVEN: tl.constexpr):
         pid = tl.program_id(0)
         n_mt = tl.cdiv(M, BM)
         n_nt = tl.cdiv(N, BN)
@@ -177,18 +189,11 @@ if triton is not None:
         i = (pid // n_nt) % num_local
         n = (pid % n_nt) * BN + tl.arange(0, BN)
         m = j * BM + tl.arange(0, BM)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k = k0 + tl.arange(0, BK)
-            k_ok = _k_in_range(k, K, EVEN_K)
-            a_tile = tl.load(a + (i * M + m[:, None]) * K + k[None, :], mask=(m[:, None] < M) & k_ok[None, :],
-                             other=0.0)
-            b_tile = tl.load(b + i * sb_e + k[:, None] * sb_k + n[None, :] * sb_n,
-                             mask=k_ok[:, None] & (n[None, :] < N), other=0.0)
-            acc = _dot(a_tile, b_tile, acc, IEEE)
+        acc = _tile_product(a + i.to(tl.int64) * M * K, b + i * sb_e, m, n, M, K, N, sb_k, sb_n, BM, BN, BK, IEEE,
+                            EVEN, False)
         valid = m < M
         dest = m // capacity
-        dest_row = (rank * num_local + i) * capacity + m % capacity
+        dest_row = ((rank * num_local + i) * capacity + m % capacity).to(tl.int64)
         base = tl.load(table + dest, mask=valid, other=0).to(tl.pointer_type(like.dtype.element_ty))
         tl.store(base[:, None] + dest_row[:, None] * N + n[None, :], acc.to(like.dtype.element_ty),
                  mask=valid[:, None] & (n[None, :] < N))
@@ -208,7 +213,7 @@ def pull_gemm(table: torch.Tensor, like: torch.Tensor, rank: int, capacity: int,
     grid = tiles.n_comm + num_local * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     _pull_gemm_kernel[(grid,)](table, gathered, b_EKN, out, flags, rank, num_local, capacity, M, K, N,
                                *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-                               BC=tiles.block_copy, N_COMM=tiles.n_comm, **_launch(like, tiles, K))
+                               BC=tiles.block_copy, N_COMM=tiles.n_comm, **_launch(like, tiles, M, N, K))
     return gathered, out
 
 
@@ -222,11 +227,12 @@ def gemm_push(a_EMK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, lik
     grid = num_local * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     _gemm_push_kernel[(grid,)](a_EMK, b_EKN, table, like, rank, num_local, capacity, M, K, N, world,
                                *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-                               **_launch(like, tiles, K))
+                               **_launch(like, tiles, M, N, K))
 
 
-def _launch(x: torch.Tensor, tiles: CometTiles, K: int) -> dict:
+def _launch(x: torch.Tensor, tiles: CometTiles, M: int, N: int, K: int) -> dict:
     """Launch options: float32 GEMMs in IEEE precision (and every GEMM under the interpreter); no
-    masks along K where the tiles divide it."""
-    ieee = {"IEEE": x.dtype == torch.float32 or not x.is_cuda, "EVEN_K": K % tiles.block_k == 0}
+    masked loads where the tiles divide the GEMM."""
+    even = M % tiles.block_m == 0 and N % tiles.block_n == 0 and K % tiles.block_k == 0
+    ieee = {"IEEE": x.dtype == torch.float32 or not x.is_cuda, "EVEN": even}
     return {**ieee, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages} if x.is_cuda else ieee
