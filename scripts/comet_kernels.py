@@ -36,7 +36,7 @@ def parse_tiles(spec: str) -> K.CometTiles:
     sizes, rest = spec.split("w")
     warps, stages = rest.split("s")
     bm, bn, bk = (int(v) for v in sizes.split("x"))
-    return K.CometTiles(bm, bn, bk, num_warps=int(warps), num_stages=int(stages), widen=False)
+    return K.CometTiles(bm, bn, bk, num_warps=int(warps), num_stages=int(stages))
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--n-comm", nargs="+", type=int, default=[16, 32, 48, 64])
     parser.add_argument("--world", type=int, default=2, help="ranks whose buffers the GPU holds")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--tiles", nargs="+", default=["128x128x64w8s3"],
+    parser.add_argument("--tiles", nargs="+", default=["256x128x64w8s3"],
                         help="GEMM tiles to time, BMxBNxBK w<warps> s<stages> (the first runs the n_comm sweep)")
     args = parser.parse_args()
     rows, dev, dtype = [], torch.device("cuda"), torch.bfloat16
@@ -75,9 +75,12 @@ def main() -> None:
         for spec, tiles in zip(args.tiles, shapes):
             tiles = dataclasses.replace(tiles, n_comm=best_comm)
             row[f"tiles {spec}"] = (timed(lambda: K.pull_gemm(table, sends[0], 0, cap, w1, tiles)),
-                                    timed(lambda: K.gemm_push(h, w2, out_table, outs[0], 0, cap, tiles)))
+                                    timed(lambda: K.gemm_push(h, w2, out_table, outs[0], 0, cap, tiles)),
+                                    timed(lambda: K.gemm_push(h, w1.transpose(1, 2), out_table, outs[0], 0, cap,
+                                                              tiles)))
             print(f"{name} tiles {spec} n_comm {best_comm}: pull {row[f'tiles {spec}'][0]:.3f} ms, "
-                  f"push {row[f'tiles {spec}'][1]:.3f} ms", flush=True)
+                  f"push {row[f'tiles {spec}'][1]:.3f} ms, push by w1^T {row[f'tiles {spec}'][2]:.3f} ms",
+                  flush=True)
         row["gemm_push_ms"] = min(v[1] for k, v in row.items() if k.startswith("tiles "))
         row["tflops_bmm_layer0"] = flops0 / bmm0 / 1e9
         row["tflops_pull_best"] = flops0 / min(v[0] for k, v in row.items() if k.startswith("tiles ")) / 1e9

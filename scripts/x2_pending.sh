@@ -10,6 +10,9 @@
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm), NVLink and
 #            NCCL_P2P_DISABLE=1, and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
+#   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
+#            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, and qwen2-moe-2l training
+#            with --kernels comet against auto (losses step by step, tokens/s)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
@@ -55,7 +58,23 @@ part_tpmoe() {
   grep -v "$QUIET" "$1/model.log" | tail -n 10
 }
 
-for part in ${PARTS:-tests balance domino tpmoe}; do
+part_comet() {
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "comet" > "$1/tests.log" 2>&1
+  tail -n 5 "$1/tests.log"
+  for config in qwen2 phi35 mixtral; do
+    $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+      --modes plain+graph,comet+graph,no-comm+graph,plain+graph,comet+graph --baseline plain+graph --steps 20 \
+      --warmup 5 --json "$1/layer_$config.json" > "$1/layer_$config.log" 2>&1
+    grep -v "$QUIET" "$1/layer_$config.log" | tail -n 8
+  done
+  for kernels in auto comet; do
+    $RUN train --preset qwen2-moe-2l --kernels "$kernels" --batch-size 2 --steps 16 --sample-tokens 0 \
+      --out "$1/train_$kernels" > "$1/train_$kernels.log" 2>&1
+    grep "step 16" "$1/train_$kernels.log"
+  done
+}
+
+for part in ${PARTS:-tests balance domino tpmoe comet}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

@@ -437,3 +437,14 @@ def test_weft_train_refuses_balance_on_a_padded_model(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--preset", "tiny", "--balance", "pro-prophet", "--steps", "2"])
     assert "train.balance 'pro-prophet' balances dropless MoE layers" in capsys.readouterr().err
+
+
+def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path):
+    """--kernels comet (padded capacity: Comet's exchange over shared-memory files between the two
+    gloo ranks, its kernels' PyTorch references) trains with the losses of --kernels auto."""
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "auto", steps=8, log_interval=1), 2, cache)
+    run(config(corpus, tmp_path / "comet", steps=8, log_interval=1, kernels="comet"), 2, cache)
+    auto, comet = losses(tmp_path / "auto"), losses(tmp_path / "comet")
+    assert sorted(comet) == list(range(1, 9))
+    assert all(abs(auto[s] - comet[s]) <= 1e-5 * abs(auto[s]) for s in auto), (auto, comet)

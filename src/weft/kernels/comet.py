@@ -45,30 +45,23 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class CometTiles:
-    """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0."""
+    """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0. The GPU
+    default, 256 x 128 x 64 with 8 warps and 3 stages and 64 copy programs, was the fastest of the
+    shapes timed on one H200 for qwen2's, phi35's and mixtral's expert GEMMs (docs/benchmarks.md)."""
 
-    block_m: int = 128
+    block_m: int = 256
     block_n: int = 128
     block_k: int = 64
     block_copy: int = 128
-    n_comm: int = 32
+    n_comm: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    widen: bool = True  # `for_width` may widen block_n
 
     @staticmethod
     def for_device(device: torch.device, n_comm: int | None = None) -> CometTiles:
         """GPU tiles (wgmma-sized) on CUDA; small ones for the CPU interpreter."""
         tiles = CometTiles() if device.type == "cuda" else CometTiles(16, 16, 16, 32, 2, 1, 1)
         return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
-
-    def for_width(self, n: int) -> CometTiles:
-        """These tiles for a GEMM of n output columns: 256-wide tiles from n = 4096 on the GPU
-        (one H200: 128 x 256 was the fastest of six shapes for phi35's and mixtral's GEMMs, 128 x 128
-        for qwen2's; docs/benchmarks.md)."""
-        if self.widen and self.block_n == 128 and n >= 4096:
-            return dataclasses.replace(self, block_n=256)
-        return self
 
 
 # -- references (the CPU path and the test oracle) -------------------------------------------------
@@ -206,7 +199,7 @@ def pull_gemm(table: torch.Tensor, like: torch.Tensor, rank: int, capacity: int,
     rank's own buffer, for dtype and device). Equal to `pull_gemm_reference` up to the float32
     accumulation order."""
     world, (num_local, K, N) = table.numel(), b_EKN.shape
-    M, tiles = world * capacity, tiles.for_width(N)
+    M = world * capacity
     gathered = like.new_empty(num_local, M, K)
     out = like.new_empty(num_local, M, N)
     flags = torch.zeros(num_local * triton.cdiv(M, tiles.block_m), dtype=torch.int32, device=like.device)
@@ -223,7 +216,6 @@ def gemm_push(a_EMK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, lik
     at row (rank * El + i) * C + c. `like`: this rank's own buffer (dtype). Equal to
     `gemm_push_reference` up to the float32 accumulation order."""
     world, (num_local, M, K), N = table.numel(), a_EMK.shape, b_EKN.shape[2]
-    tiles = tiles.for_width(N)
     grid = num_local * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
     _gemm_push_kernel[(grid,)](a_EMK, b_EKN, table, like, rank, num_local, capacity, M, K, N, world,
                                *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
