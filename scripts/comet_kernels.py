@@ -59,24 +59,27 @@ def main() -> None:
         w2 = torch.randn(local, cfg.hidden_dim, cfg.dim, device=dev, dtype=dtype) / cfg.hidden_dim ** 0.5
         outs = [torch.empty(cfg.num_experts * cap, cfg.dim, device=dev, dtype=dtype) for _ in range(world)]
         out_table = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device=dev)
-        gathered, h = K.pull_gemm_reference(sends, 0, cap, w1)
+        rows_map = K.RowMap.padded(world, local, cap, 0, parse_tiles(args.tiles[0]).block_m, dev)
+        gathered, h = K.pull_gemm_reference(sends, rows_map, w1)
         flops0 = 2 * local * world * cap * cfg.dim * cfg.hidden_dim
-        bmm0 = timed(lambda: torch.bmm(gathered, w1))
-        bmm1 = timed(lambda: torch.bmm(h, w2))
-        err = float((K.pull_gemm(table, sends[0], 0, cap, w1, K.CometTiles.for_device(dev))[1].float()
+        gathered_3d, h_3d = gathered.view(local, world * cap, -1), h.view(local, world * cap, -1)
+        bmm0 = timed(lambda: torch.bmm(gathered_3d, w1))
+        bmm1 = timed(lambda: torch.bmm(h_3d, w2))
+        err = float((K.pull_gemm(table, sends[0], rows_map, w1, parse_tiles(args.tiles[0]))[1].float()
                      - h.float()).norm() / h.float().norm())
         row = {"config": name, "experts_here": local, "rows_per_expert": world * cap, "bmm_layer0_ms": bmm0,
                "bmm_layer1_ms": bmm1, "pull_rel_err": err}
         shapes = [parse_tiles(t) for t in args.tiles]
         for n_comm in args.n_comm:
             tiles = dataclasses.replace(shapes[0], n_comm=n_comm)
-            row[f"pull_gemm_ms_c{n_comm}"] = timed(lambda: K.pull_gemm(table, sends[0], 0, cap, w1, tiles))
+            row[f"pull_gemm_ms_c{n_comm}"] = timed(lambda: K.pull_gemm(table, sends[0], rows_map, w1, tiles))
         best_comm = min(args.n_comm, key=lambda c: row[f"pull_gemm_ms_c{c}"])
         for spec, tiles in zip(args.tiles, shapes):
             tiles = dataclasses.replace(tiles, n_comm=best_comm)
-            row[f"tiles {spec}"] = (timed(lambda: K.pull_gemm(table, sends[0], 0, cap, w1, tiles)),
-                                    timed(lambda: K.gemm_push(h, w2, out_table, outs[0], 0, cap, tiles)),
-                                    timed(lambda: K.gemm_push(h, w1.transpose(1, 2), out_table, outs[0], 0, cap,
+            tile_map = K.RowMap.padded(world, local, cap, 0, tiles.block_m, dev)
+            row[f"tiles {spec}"] = (timed(lambda: K.pull_gemm(table, sends[0], tile_map, w1, tiles)),
+                                    timed(lambda: K.gemm_push(h, w2, out_table, outs[0], tile_map, tiles)),
+                                    timed(lambda: K.gemm_push(h, w1.transpose(1, 2), out_table, outs[0], tile_map,
                                                               tiles)))
             print(f"{name} tiles {spec} n_comm {best_comm}: pull {row[f'tiles {spec}'][0]:.3f} ms, "
                   f"push {row[f'tiles {spec}'][1]:.3f} ms, push by w1^T {row[f'tiles {spec}'][2]:.3f} ms",

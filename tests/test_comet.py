@@ -1,10 +1,12 @@
 """Comet's fused kernels (weft.kernels.comet) and exchange (weft.moe.exchange.Comet).
 
 - The two kernels against their PyTorch references in Triton's CPU interpreter, every rank's buffer
-  in one process (W = 1, 2, 4; capacities that do not fill a row tile; transposed weights).
+  in one process (W = 1, 2, 4; padded maps whose capacities do not fill a row tile and dropless
+  maps with random counts; transposed weights).
 - `weft.MoE(kernels="comet")` against the dense reference on 1, 2 and 4 gloo processes that share
-  their buffers through files in shared memory: outputs, losses, every gradient, counts and drops,
-  through the kernels' PyTorch references and through the Triton kernels (interpreter).
+  their buffers through files in shared memory, padded and dropless: outputs, losses, every
+  gradient, counts and drops, through the kernels' PyTorch references and through the Triton
+  kernels (interpreter).
 - Where the ranks cannot address each other's memory, "comet" says so and runs the NCCL path.
 """
 from __future__ import annotations
@@ -24,6 +26,22 @@ from weft.testing import run_checks, run_distributed
 COMET_BUFFERS = ["comet.grad_out", "comet.grad_send", "comet.out", "comet.send"]
 
 
+def rank_maps(K, world: int, local: int, cap: int, block_m: int, device, gen) -> list:
+    """Every rank's `RowMap` and every source's buffer rows: padded (cap > 0: C slots per expert
+    from every source) or dropless (cap <= 0: each source's routed rows sorted by expert, random
+    counts up to -cap, some zero)."""
+    experts = world * local
+    if cap > 0:
+        return [K.RowMap.padded(world, local, cap, r, block_m, device) for r in range(world)], experts * cap
+    counts = torch.randint(0, -cap + 1, (world, experts), generator=gen)
+    counts[0, 0] = 0  # an empty (source, expert) pair
+    offsets = torch.cumsum(counts, 1) - counts
+    mine = [slice(r * local, (r + 1) * local) for r in range(world)]
+    maps = [K.RowMap.build(counts[:, mine[r]].tolist(), offsets[:, mine[r]].tolist(), r, block_m, device)
+            for r in range(world)]
+    return maps, int(counts.sum(1).max())
+
+
 def kernels_worker(device: str = "cpu") -> list[str]:
     from weft.kernels import comet as K
 
@@ -31,33 +49,34 @@ def kernels_worker(device: str = "cpu") -> list[str]:
     gen = torch.Generator().manual_seed(0)
     tiles = K.CometTiles.for_device(torch.device(device))
     # Partial row, column and K tiles, and shapes the tiles divide (no masked loads): 16 on the
-    # interpreter's tiles, 128 and 256 on the GPU's.
-    shapes = [(1, 2, 5, 24, 40), (2, 2, 20, 40, 33), (4, 1, 7, 16, 48), (2, 2, 16, 32, 48)]
+    # interpreter's tiles, 128 and 256 on the GPU's; capacity <= 0: dropless, up to -cap rows.
+    shapes = [(1, 2, 5, 24, 40), (2, 2, 20, 40, 33), (4, 1, 7, 16, 48), (2, 2, 16, 32, 48), (2, 2, -12, 24, 40),
+              (4, 2, -9, 16, 32)]
     if device == "cuda":
-        shapes.append((2, 2, 128, 256, 512))
+        shapes += [(2, 2, 128, 256, 512), (2, 4, -300, 256, 512)]
     for dtype, (world, local, cap, dim, hidden) in itertools.product((torch.float32, torch.bfloat16), shapes):
         label = f"{dtype} W={world} El={local} C={cap}"
-        rows = world * local * cap
+        maps, rows = rank_maps(K, world, local, cap, tiles.block_m, device, gen)
         sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]
         table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=device)
         outs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
         outs_ref = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
         out_table = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device=device)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        for rank in range(world):
+        for rank, rank_map in enumerate(maps):
             # weights (El, hidden, dim) viewed transposed: the backward's w^T, strided
             b = torch.randn(local, hidden, dim, generator=gen).to(device, dtype).transpose(1, 2)
-            gathered, out = K.pull_gemm(table, sends[rank], rank, cap, b, tiles)
-            gathered_ref, out_ref = K.pull_gemm_reference(sends, rank, cap, b)
+            gathered, out = K.pull_gemm(table, sends[rank], rank_map, b, tiles)
+            gathered_ref, out_ref = K.pull_gemm_reference(sends, rank_map, b)
             if not torch.equal(gathered, gathered_ref):
                 failures.append(f"{label} rank {rank}: pulled rows differ")
-            err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm())
+            err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm().clamp_min(1e-12))
             if err > tol:
                 failures.append(f"{label} rank {rank}: pull_gemm rel err {err:.2e}")
-            a = torch.randn(local, world * cap, dim, generator=gen).to(device, dtype)
+            a = torch.randn(rank_map.num_rows, dim, generator=gen).to(device, dtype)
             w = torch.randn(local, dim, hidden, generator=gen).to(device, dtype)
-            K.gemm_push(a, w, out_table, outs[rank], rank, cap, tiles)
-            K.gemm_push_reference(a, w, outs_ref, rank, cap)
+            K.gemm_push(a, w, out_table, outs[rank], rank_map, tiles)
+            K.gemm_push_reference(a, w, outs_ref, rank_map)
         for rank in range(world):  # every rank's rows, written by every rank
             err = float((outs[rank].float() - outs_ref[rank].float()).norm() / outs_ref[rank].float().norm())
             if err > tol:
@@ -74,7 +93,8 @@ def test_kernels_match_their_references(monkeypatch):
 
 CASES = (("topk", 1.0, 2, "gelu", torch.float32), ("topk", 0, 1, "swiglu", torch.bfloat16),
          ("bpr", -1.0, 4, "relu", torch.float32), ("cosine", 1.0, 2, "silu", torch.bfloat16),
-         ("random", 1.0, 1, "swiglu", torch.float32), ("expert_choice", 1.25, 2, "gelu", torch.float32))
+         ("random", 1.0, 1, "swiglu", torch.float32), ("expert_choice", 1.25, 2, "gelu", torch.float32),
+         ("topk", None, 2, "swiglu", torch.float32), ("bpr", None, 4, "gelu", torch.bfloat16))
 
 
 def comet_worker(cases=CASES) -> list[str]:
@@ -101,16 +121,20 @@ def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatc
     other processes' buffers by address (one rank: `test_kernels_match_their_references`)."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32))
+    cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32), ("topk", None, 2, "swiglu", torch.float32))
     flat = run_checks(comet_worker, world_size, args=(cases,), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
+def test_dropless_calls_run_through_comet():
+    """A dropless-only run allocates Comet's buffers: the calls above went through its exchange."""
+    flat = run_checks(comet_worker, 2, args=((("topk", None, 2, "gelu", torch.float32),),), timeout=300)
+    assert not flat, "\n".join(flat)
+
+
 def fallback_worker() -> list[str]:
-    """Dropless calls and ranks that cannot share memory run the NCCL path, the same function."""
-    failures = check_case("topk", None, 2, "gelu", torch.float32, kernels="comet")
-    if "comet.send" in peer_buffers(dist.group.WORLD, torch.device("cpu")).names():
-        failures.append("a dropless call went through Comet's padded exchange")
+    """Ranks that cannot share memory run the NCCL path, the same function, and are told why."""
+    failures = []
     moe = MoE(16, 24, 8, top_k=2, capacity_factor=1.0, kernels="comet")
     x = torch.randn(16, 16, generator=torch.Generator().manual_seed(dist.get_rank()))
     with warnings.catch_warnings(record=True) as caught, pytest.MonkeyPatch.context() as env:
@@ -120,6 +144,8 @@ def fallback_worker() -> list[str]:
     said = [str(w.message) for w in caught if "kernels='comet'" in str(w.message)]
     if not said or "span several nodes" not in said[0]:
         failures.append(f"no warning naming why comet cannot run: {said}")
+    if peer_buffers(dist.group.WORLD, torch.device("cpu")).names():
+        failures.append("the fallback call allocated Comet's buffers")
     if not torch.allclose(y_fallback, moe(x, kernels="auto"), atol=1e-6):
         failures.append("the fallback computes another function")
     return failures

@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--kernels", default=None, choices=list(KERNELS),
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs; comet: as auto, and Comet's fused expert GEMMs that "
-                         "communicate tile by tile where the GPUs reach each other's memory (padded capacity)")
+                         "communicate tile by tile where the GPUs reach each other's memory")
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")

@@ -48,6 +48,7 @@ class PeerBuffers(ABC):
         self.group, self.device = group, device
         self.rank, self.world = group_rank(group), group_size(group)
         self._buffers: dict[tuple, PeerBuffer] = {}
+        self._memo: dict[tuple, object] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PeerBuffer:
         """The buffer `name` of this shape and dtype; allocated on first use, which is a collective:
@@ -56,6 +57,12 @@ class PeerBuffers(ABC):
         if key not in self._buffers:
             self._buffers[key] = self._allocate(f"{name}{len(self._buffers)}", tuple(shape), dtype)
         return self._buffers[key]
+
+    def memo(self, key: tuple, build):
+        """`build()`, computed once per key for this group (e.g. a fixed map of rows to buffers)."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def names(self) -> list[str]:
         """The buffers allocated so far, by the names they were asked for."""

@@ -1,26 +1,28 @@
 """Comet's two fused MoE kernels (Comet, MLSys 2025, sections 3.1-3.2), each beside its PyTorch reference.
 
-The padded expert-parallel layout of weft (docs/moe.md): W ranks, El experts per rank, C slots per
-expert per source rank, E = W * El. A rank's dispatched rows (E * C, D) sit in a buffer every rank
-of the group can address (`weft.comm.peers`): row (r * El + i) * C + c is slot c of rank r's local
-expert i. On rank r, local expert i's rows in Flexible order (Tutel) are m = s * C + c for source
-rank s and slot c; there are M = W * C of them per expert.
+Every rank's dispatched rows sit in a buffer every rank of the group can address
+(`weft.comm.peers`). On rank r, the rows of r's El local experts are "gathered" rows, R of them,
+grouped by expert (`segments[i]` rows for local expert i) and within an expert by source rank. A
+`RowMap` says where each gathered row g lives: rank `rank_R[g]`'s buffer, row `row_R[g]`. It
+covers both of weft's layouts: padded (C slots per expert per source, Tutel's Flexible order) and
+dropless (each source's routed rows sorted by expert, counts varying per call). Its tiles cut each
+expert's rows into runs of at most `block_m` rows (a GEMM's rows are independent, so the shared
+tensor is split along M, 3.1.1).
 
-- `pull_gemm` (Comet's layer0, fig. 4 left and fig. 5): out[i] = rows[i] @ b[i], where rows[i]
-  (M, K) are read from the source ranks' buffers. The shared tensor is split along M (tokens are
-  independent in a GEMM, 3.1.1) into tiles of `block_m` rows. `n_comm` programs only copy: each
-  takes whole row tiles, copies them into the local `gathered` (El, M, K) and raises the tile's
-  flag; every other program computes one output tile once its rows' flag is up (thread-block
-  specialisation, 3.2.1). Tiles start with this rank's own rows (local first, 3.1.2), so the GEMM
-  starts before any byte crosses the link. Returns both `gathered` (the backward needs it) and out.
-- `gemm_push` (layer1, fig. 4 right and fig. 7): y[i] = a[i] @ b[i] (a (El, M, K) local), each
+- `pull_gemm` (Comet's layer0, fig. 4 left and fig. 5): out = gathered @ b per expert, where the
+  gathered rows are read from the source ranks' buffers. The first `n_comm` programs only copy:
+  each takes whole tiles, copies their rows into the local `gathered` (R, K) and raises the tile's
+  flag; every other program computes one output tile once its tile's flag is up (thread-block
+  specialisation, 3.2.1). Tiles whose rows start on this rank come first (3.1.2: what the
+  consumer can use at once), so the GEMM starts before any byte crosses the link.
+- `gemm_push` (layer1, fig. 4 right and fig. 7): y = a @ b per expert (a (R, K) local), each
   finished tile stored straight into the buffer of the rank its rows came from, at the rows that
-  rank dispatched them from; the top-k reduction then runs there (the layer's combine). Tiles go
-  remote first, this rank's own last. The stores sit in the GEMM's epilogue (Comet's "vertical
-  fusion", 3.2.1): each output element crosses the link once, and stores do not stall the
-  program the way the layer0 loads would, so no copy programs are needed here. Comet reduces the
-  top-k partially before sending (fewer bytes when several of a token's experts share a rank);
-  weft sends every expert's row and reduces at home.
+  rank dispatched them from; the top-k reduction then runs there (the layer's combine). Remote
+  tiles first, this rank's own last. The stores sit in the GEMM's epilogue (Comet's "vertical
+  fusion", 3.2.1): each output element crosses the link once, and stores do not stall a program
+  the way layer0's loads would, so no copy programs are needed here. Comet reduces the top-k
+  partially before sending (fewer bytes when several of a token's experts share a rank); weft
+  sends every expert's row and reduces at home.
 
 Both kernels accumulate in float32 (fp32 inputs with IEEE products, not TF32) and write every
 output element from exactly one program: deterministic. Spin-waits on the flags need every copy
@@ -28,7 +30,7 @@ program to be resident before the compute programs that wait for it: they have t
 program ids, which CUDA schedules first. The kernels run on CUDA tensors, and on CPU tensors
 under Triton's interpreter (TRITON_INTERPRET=1), where the programs run one after another in id
 order (copy programs first), which is how the CPU suite tests them with every rank's buffer in
-one process (`tests/test_comet_kernels.py`).
+one process (`tests/test_comet.py`).
 """
 from __future__ import annotations
 
@@ -64,27 +66,102 @@ class CometTiles:
         return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
 
 
+@dataclass(frozen=True)
+class RowMap:
+    """Where rank `rank`'s gathered rows live, and their tiles.
+
+    `rank_R` (int32) and `row_R` (int64): gathered row g is row `row_R[g]` of rank `rank_R[g]`'s
+    buffer. `segments[i]`: the rows of local expert i (consecutive). `pull_tiles` / `push_tiles`
+    (int32 (T, 3): expert, first row, end row): the same tiles in layer0's order (rows starting on
+    this rank first) and layer1's (remote first, this rank's own last)."""
+
+    rank_R: torch.Tensor
+    row_R: torch.Tensor
+    segments: tuple[int, ...]
+    pull_tiles: torch.Tensor
+    push_tiles: torch.Tensor
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.segments)
+
+    @staticmethod
+    def build(counts_SI: list[list[int]], offsets_SI: list[list[int]], rank: int, block_m: int,
+              device: torch.device) -> RowMap:
+        """Local expert i's rows from source s are `counts_SI[s][i]` rows of s's buffer from row
+        `offsets_SI[s][i]` on; gathered by expert, then by source."""
+        world, num_local = len(counts_SI), len(counts_SI[0])
+        count_IS = torch.tensor(counts_SI, dtype=torch.int64).T.reshape(-1)  # (El * W,) expert-major
+        offset_IS = torch.tensor(offsets_SI, dtype=torch.int64).T.reshape(-1)
+        rows = int(count_IS.sum())
+        start_IS = torch.cumsum(count_IS, 0) - count_IS
+        source_IS = torch.arange(world).repeat(num_local)
+        rank_R = torch.repeat_interleave(source_IS, count_IS, output_size=rows)
+        row_R = torch.repeat_interleave(offset_IS - start_IS, count_IS, output_size=rows) + torch.arange(rows)
+        segments = count_IS.view(num_local, world).sum(1)
+        tiles = []
+        expert_start = 0
+        for i, size in enumerate(segments.tolist()):
+            for first in range(expert_start, expert_start + size, block_m):
+                tiles.append((i, first, min(first + block_m, expert_start + size)))
+            expert_start += size
+        tiles_T3 = torch.tensor(tiles, dtype=torch.int32).view(-1, 3)
+        distance = (rank_R[tiles_T3[:, 1].long()] - rank) % world if tiles else torch.zeros(0, dtype=torch.int64)
+        pull = torch.sort(distance, stable=True).indices
+        push = torch.sort((distance - 1) % world, stable=True).indices
+        return RowMap(rank_R.to(device, torch.int32), row_R.to(device), tuple(segments.tolist()),
+                      tiles_T3[pull].to(device), tiles_T3[push].to(device))
+
+    @staticmethod
+    def padded(world: int, num_local: int, capacity: int, rank: int, block_m: int, device: torch.device) -> RowMap:
+        """The padded layout: C slots of each expert from each source, rank r's expert i's slots at
+        rows (r * El + i) * C of every source's buffer."""
+        counts = [[capacity] * num_local for _ in range(world)]
+        offsets = [[(rank * num_local + i) * capacity for i in range(num_local)] for _ in range(world)]
+        return RowMap.build(counts, offsets, rank, block_m, device)
+
+
+def segment_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, segments: tuple[int, ...]) -> torch.Tensor:
+    """x's rows of expert i (consecutive, `segments[i]` of them) @ w[i]: one batched matmul when
+    every expert has the same rows, else one matmul per expert."""
+    if len(set(segments)) == 1:
+        num_local, rows = len(segments), segments[0]
+        return torch.bmm(x_RK.view(num_local, rows, -1), w_EKN.to(x_RK.dtype)).view(num_local * rows, -1)
+    outs = [part @ w_EKN[i].to(x_RK.dtype) for i, part in enumerate(torch.split(x_RK, list(segments)))]
+    return torch.cat(outs) if outs else x_RK.new_zeros(0, w_EKN.shape[2])
+
+
+def segment_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, segments: tuple[int, ...]) -> torch.Tensor:
+    """The weight gradient of `segment_mm`: (El, K, N), x's rows of expert i transposed @ dy's."""
+    if len(set(segments)) == 1:
+        num_local, rows = len(segments), segments[0]
+        return torch.bmm(x_RK.view(num_local, rows, -1).transpose(1, 2), dy_RN.view(num_local, rows, -1))
+    return torch.stack([a.T @ b for a, b in zip(torch.split(x_RK, list(segments)), torch.split(dy_RN, list(segments)))])
+
+
 # -- references (the CPU path and the test oracle) -------------------------------------------------
-def pull_rows_reference(sources: list[torch.Tensor], rank: int, num_local: int, capacity: int) -> torch.Tensor:
-    """Local expert i's rows from every source buffer (E * C, K) -> gathered (El, W * C, K)."""
-    per_source = [src.view(len(sources), num_local, capacity, -1)[rank] for src in sources]  # (El, C, K) each
-    return torch.stack(per_source, 1).flatten(1, 2)
+def pull_rows_reference(sources: list[torch.Tensor], rows: RowMap) -> torch.Tensor:
+    """The gathered rows (R, K), row g = sources[rank_R[g]][row_R[g]]."""
+    gathered = sources[0].new_empty(rows.num_rows, sources[0].shape[1])
+    for s, source in enumerate(sources):
+        here = (rows.rank_R == s).nonzero().flatten()
+        gathered[here] = source.index_select(0, rows.row_R[here])
+    return gathered
 
 
-def pull_gemm_reference(sources: list[torch.Tensor], rank: int, capacity: int,
+def pull_gemm_reference(sources: list[torch.Tensor], rows: RowMap,
                         b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gathered, gathered @ b) with gathered = `pull_rows_reference`."""
-    gathered = pull_rows_reference(sources, rank, b_EKN.shape[0], capacity)
-    return gathered, torch.bmm(gathered, b_EKN.to(gathered.dtype))
+    """(gathered, gathered @ b per expert) with gathered = `pull_rows_reference`."""
+    gathered = pull_rows_reference(sources, rows)
+    return gathered, segment_mm(gathered, b_EKN, rows.segments)
 
 
-def gemm_push_reference(a_EMK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rank: int,
-                        capacity: int) -> None:
-    """y = a @ b; rows s * C + c of expert i into dests[s] row (rank * El + i) * C + c."""
-    num_local, world = a_EMK.shape[0], len(dests)
-    y = torch.bmm(a_EMK, b_EKN.to(a_EMK.dtype)).view(num_local, world, capacity, -1)
+def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rows: RowMap) -> None:
+    """y = a @ b per expert; y[g] into dests[rank_R[g]] row row_R[g]."""
+    y = segment_mm(a_RK, b_EKN, rows.segments)
     for s, dest in enumerate(dests):
-        dest.view(world, num_local, capacity, -1)[rank].copy_(y[:, s])
+        here = (rows.rank_R == s).nonzero().flatten()
+        dest.index_copy_(0, rows.row_R[here], y[here].to(dest.dtype))
 
 
 # -- Triton kernels ----------------------------------------------------------------------------------
@@ -99,132 +176,130 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _tile_product(a, b, m, n, M, K: tl.constexpr, N, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr,
+    def _tile_product(a, b, m, m_ok, n, K: tl.constexpr, N, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, A_CG: tl.constexpr):
-        """a[m, :] @ b[:, n] in float32 (a: rows of K, contiguous; b: strides sb_k, sb_n). EVEN: the tiles
-        divide M, N and K, so no load is masked. A_CG: read a through L2 only (rows another program wrote)."""
+        """a[m, :] @ b[:, n] in float32 over the rows with m_ok (a: rows of K, contiguous; b: strides
+        sb_k, sb_n). EVEN: the tiles divide N and K (no mask along them). A_CG: read a through L2
+        only (rows another program wrote)."""
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         a_ptr = a + m[:, None].to(tl.int64) * K
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             if EVEN:
-                if A_CG:
-                    a_tile = tl.load(a_ptr + k[None, :], cache_modifier=".cg")
-                else:
-                    a_tile = tl.load(a_ptr + k[None, :])
+                a_mask = m_ok[:, None]
                 b_tile = tl.load(b + k[:, None] * sb_k + n[None, :] * sb_n)
             else:
-                a_mask = (m[:, None] < M) & (k[None, :] < K)
-                if A_CG:
-                    a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
-                else:
-                    a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0)
+                a_mask = m_ok[:, None] & (k[None, :] < K)
                 b_tile = tl.load(b + k[:, None] * sb_k + n[None, :] * sb_n,
                                  mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
+            if A_CG:
+                a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
+            else:
+                a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0)
             acc = _dot(a_tile, b_tile, acc, IEEE)
         return acc
 
     @triton.jit
-    def _copy_tile(table, gathered, flags, i, j, rank, num_local, capacity, M, K: tl.constexpr, n_mt,
-                   BM: tl.constexpr, BC: tl.constexpr):
-        """Row tile j of local expert i from its source ranks' buffers into `gathered`, then its flag."""
-        m = j * BM + tl.arange(0, BM)
-        valid = m < M
-        src = m // capacity
-        src_row = ((rank * num_local + i) * capacity + m % capacity).to(tl.int64)
+    def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K: tl.constexpr, BM: tl.constexpr,
+                   BC: tl.constexpr):
+        """Tile t's rows from their ranks' buffers into `gathered`, then the tile's flag."""
+        first = tl.load(tiles + t * 3 + 1)
+        end = tl.load(tiles + t * 3 + 2)
+        m = first + tl.arange(0, BM)
+        valid = m < end
+        src = tl.load(rank_R + m, mask=valid, other=0)
+        src_row = tl.load(row_R + m, mask=valid, other=0)
         base = tl.load(table + src, mask=valid, other=0).to(tl.pointer_type(gathered.dtype.element_ty))
         for k0 in range(0, K, BC):
             k = k0 + tl.arange(0, BC)
             mask = valid[:, None] & (k[None, :] < K)
-            rows = tl.load(base[:, None] + src_row[:, None] * K + k[None, :], mask=mask)
-            tl.store(gathered + (i.to(tl.int64) * M + m[:, None]) * K + k[None, :], rows, mask=mask)
+            values = tl.load(base[:, None] + src_row[:, None] * K + k[None, :], mask=mask)
+            tl.store(gathered + m[:, None].to(tl.int64) * K + k[None, :], values, mask=mask)
         tl.debug_barrier()
-        tl.atomic_xchg(flags + i * n_mt + j, 1, sem="release", scope="gpu")
+        tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _pull_gemm_kernel(table, gathered, b, out, flags, rank, num_local, capacity, M, K: tl.constexpr, N,
+    def _pull_gemm_kernel(table, gathered, b, out, flags, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
                           sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           BC: tl.constexpr, N_COMM: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr):
         pid = tl.program_id(0)
-        n_mt = tl.cdiv(M, BM)
-        first = (rank * capacity) // BM  # the tile holding this rank's own first row: start there
-        if pid < N_COMM:
-            # A copy program: whole row tiles (expert-major within a tile round), then the flag.
-            task = pid
-            while task < num_local * n_mt:
-                _copy_tile(table, gathered, flags, task % num_local, (task // num_local + first) % n_mt,
-                           rank, num_local, capacity, M, K, n_mt, BM, BC)
-                task += N_COMM
-        else:
+        if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order
+            t = pid
+            while t < n_tiles:
+                _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K, BM, BC)
+                t += N_COMM
+        else:  # a GEMM program: one output tile, once its rows are here
             q = pid - N_COMM
             n_nt = tl.cdiv(N, BN)
-            j = (q // (num_local * n_nt) + first) % n_mt
-            i = (q // n_nt) % num_local
-            n0 = (q % n_nt) * BN
-            while tl.atomic_add(flags + i * n_mt + j, 0, sem="acquire", scope="gpu") == 0:
+            t = q // n_nt
+            while tl.atomic_add(flags + t, 0, sem="acquire", scope="gpu") == 0:
                 pass
-            m = j * BM + tl.arange(0, BM)
-            n = n0 + tl.arange(0, BN)
-            acc = _tile_product(gathered + i.to(tl.int64) * M * K, b + i * sb_e, m, n, M, K, N, sb_k, sb_n,
-                                BM, BN, BK, IEEE, EVEN, True)
-            tl.store(out + (i.to(tl.int64) * M + m[:, None]) * N + n[None, :], acc.to(out.dtype.element_ty),
-                     mask=(m[:, None] < M) & (n[None, :] < N))
+            i = tl.load(tiles + t * 3)
+            first = tl.load(tiles + t * 3 + 1)
+            end = tl.load(tiles + t * 3 + 2)
+            m = first + tl.arange(0, BM)
+            n = (q % n_nt) * BN + tl.arange(0, BN)
+            acc = _tile_product(gathered, b + i * sb_e, m, m < end, n, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN,
+                                True)
+            tl.store(out + m[:, None].to(tl.int64) * N + n[None, :], acc.to(out.dtype.element_ty),
+                     mask=(m[:, None] < end) & (n[None, :] < N))
 
     @triton.jit
-    def _gemm_push_kernel(a, b, table, like, rank, num_local, capacity, M, K: tl.constexpr, N, world,
-                          sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          IEEE: tl.constexpr, EVEN: tl.constexpr):
+    def _gemm_push_kernel(a, b, table, like, rank_R, row_R, tiles, K: tl.constexpr, N, sb_e, sb_k, sb_n,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                          EVEN: tl.constexpr):
         pid = tl.program_id(0)
-        n_mt = tl.cdiv(M, BM)
         n_nt = tl.cdiv(N, BN)
-        first = (((rank + 1) % world) * capacity) // BM  # remote rows first, this rank's own last
-        j = (pid // (num_local * n_nt) + first) % n_mt
-        i = (pid // n_nt) % num_local
+        t = pid // n_nt
+        i = tl.load(tiles + t * 3)
+        first = tl.load(tiles + t * 3 + 1)
+        end = tl.load(tiles + t * 3 + 2)
+        m = first + tl.arange(0, BM)
+        valid = m < end
         n = (pid % n_nt) * BN + tl.arange(0, BN)
-        m = j * BM + tl.arange(0, BM)
-        acc = _tile_product(a + i.to(tl.int64) * M * K, b + i * sb_e, m, n, M, K, N, sb_k, sb_n, BM, BN, BK, IEEE,
-                            EVEN, False)
-        valid = m < M
-        dest = m // capacity
-        dest_row = ((rank * num_local + i) * capacity + m % capacity).to(tl.int64)
+        acc = _tile_product(a, b + i * sb_e, m, valid, n, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, False)
+        dest = tl.load(rank_R + m, mask=valid, other=0)
+        dest_row = tl.load(row_R + m, mask=valid, other=0)
         base = tl.load(table + dest, mask=valid, other=0).to(tl.pointer_type(like.dtype.element_ty))
         tl.store(base[:, None] + dest_row[:, None] * N + n[None, :], acc.to(like.dtype.element_ty),
                  mask=valid[:, None] & (n[None, :] < N))
 
 
-def pull_gemm(table: torch.Tensor, like: torch.Tensor, rank: int, capacity: int, b_EKN: torch.Tensor,
+def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
               tiles: CometTiles) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer0: (gathered, gathered @ b), gathered (El, W * C, K) read from the W source buffers
-    whose addresses are in `table` (int64, one per rank, on the kernel's device; `like` this
-    rank's own buffer, for dtype and device). Equal to `pull_gemm_reference` up to the float32
-    accumulation order."""
-    world, (num_local, K, N) = table.numel(), b_EKN.shape
-    M = world * capacity
-    gathered = like.new_empty(num_local, M, K)
-    out = like.new_empty(num_local, M, N)
-    flags = torch.zeros(num_local * triton.cdiv(M, tiles.block_m), dtype=torch.int32, device=like.device)
-    grid = tiles.n_comm + num_local * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
-    _pull_gemm_kernel[(grid,)](table, gathered, b_EKN, out, flags, rank, num_local, capacity, M, K, N,
-                               *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-                               BC=tiles.block_copy, N_COMM=tiles.n_comm, **_launch(like, tiles, M, N, K))
+    """Layer0: (gathered, gathered @ b per expert), gathered (R, K) read from the buffers whose
+    addresses are in `table` (int64, one per rank, on the kernel's device; `like`: this rank's own
+    buffer, for dtype and device). Equal to `pull_gemm_reference` up to float32 summation order.
+    `tiles.block_m` must be the one `rows` was built with."""
+    num_local, K, N = b_EKN.shape
+    gathered = like.new_empty(rows.num_rows, K)
+    out = like.new_empty(rows.num_rows, N)
+    n_tiles = rows.pull_tiles.shape[0]
+    flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
+    grid = tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n)
+    _pull_gemm_kernel[(grid,)](table, gathered, b_EKN, out, flags, rows.rank_R, rows.row_R, rows.pull_tiles,
+                               n_tiles, K, N, *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n,
+                               BK=tiles.block_k, BC=tiles.block_copy, N_COMM=tiles.n_comm, **_launch(like, tiles, N, K))
     return gathered, out
 
 
-def gemm_push(a_EMK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like: torch.Tensor, rank: int,
-              capacity: int, tiles: CometTiles) -> None:
-    """Layer1: a @ b, rows s * C + c of expert i stored into rank s's buffer (address in `table`)
-    at row (rank * El + i) * C + c. `like`: this rank's own buffer (dtype). Equal to
-    `gemm_push_reference` up to the float32 accumulation order."""
-    world, (num_local, M, K), N = table.numel(), a_EMK.shape, b_EKN.shape[2]
-    grid = num_local * triton.cdiv(M, tiles.block_m) * triton.cdiv(N, tiles.block_n)
-    _gemm_push_kernel[(grid,)](a_EMK, b_EKN, table, like, rank, num_local, capacity, M, K, N, world,
+def gemm_push(a_RK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like: torch.Tensor, rows: RowMap,
+              tiles: CometTiles) -> None:
+    """Layer1: a @ b per expert, row g stored into rank rank_R[g]'s buffer (address in `table`) at
+    row row_R[g]. `like`: this rank's own buffer (dtype). Equal to `gemm_push_reference` up to
+    float32 summation order."""
+    K, N = a_RK.shape[1], b_EKN.shape[2]
+    grid = rows.push_tiles.shape[0] * triton.cdiv(N, tiles.block_n)
+    if grid == 0:
+        return
+    _gemm_push_kernel[(grid,)](a_RK, b_EKN, table, like, rows.rank_R, rows.row_R, rows.push_tiles, K, N,
                                *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-                               **_launch(like, tiles, M, N, K))
+                               **_launch(like, tiles, N, K))
 
 
-def _launch(x: torch.Tensor, tiles: CometTiles, M: int, N: int, K: int) -> dict:
+def _launch(x: torch.Tensor, tiles: CometTiles, N: int, K: int) -> dict:
     """Launch options: float32 GEMMs in IEEE precision (and every GEMM under the interpreter); no
-    masked loads where the tiles divide the GEMM."""
-    even = M % tiles.block_m == 0 and N % tiles.block_n == 0 and K % tiles.block_k == 0
+    masks along N and K where the tiles divide them."""
+    even = N % tiles.block_n == 0 and K % tiles.block_k == 0
     ieee = {"IEEE": x.dtype == torch.float32 or not x.is_cuda, "EVEN": even}
     return {**ieee, "num_warps": tiles.num_warps, "num_stages": tiles.num_stages} if x.is_cuda else ieee

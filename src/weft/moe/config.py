@@ -33,7 +33,7 @@ class MoECall:
         no-communication bound benchmarks measure); the output is then NOT the layer's function.
     kernels: dispatch and combine by "torch" index ops or the "triton" kernels (deterministic);
         "auto": Triton where it can run (CUDA tensors), torch elsewhere; "comet": as "auto", and
-        plain padded calls run Comet's fused expert kernels where the ranks can address each
+        plain calls (padded or dropless) run Comet's fused expert kernels where the ranks can address each
         other's memory (`weft.moe.exchange.Comet`). Same function every way.
     """
 

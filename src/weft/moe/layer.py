@@ -82,7 +82,7 @@ class MoE(nn.Module):
         kernels: dispatch and combine with the "triton" kernels (deterministic: no atomics) or
             "torch" index ops; "auto" (default): Triton on CUDA where installed, torch elsewhere.
             Expert choice always uses torch's (a token takes a varying number of slots there).
-            "comet": as "auto", and plain padded calls (d = 1, linear, E >= W) run Comet's fused
+            "comet": as "auto", and plain calls (d = 1, linear, E >= W; padded or dropless) run Comet's fused
             expert GEMMs, which read and write the other ranks' rows tile by tile over peer memory
             (symmetric memory on GPUs, shared files across CPU processes); where the ranks cannot
             address each other's memory (NCCL_P2P_DISABLE=1, several nodes) it says so once and runs

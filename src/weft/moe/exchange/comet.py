@@ -7,23 +7,27 @@ stores each finished tile into the buffer of the rank the rows came from, where 
 combine then does the top-k sum. The buffers are peer memory (`weft.comm.peers`): symmetric memory
 on GPUs, shared files across CPU processes. The backward runs the same two patterns: the output
 gradient's rows are pulled by the experts' ranks under dY @ w2^T (Comet's layer1 in reverse), and
-the input gradient dH @ w1^T is pushed home tile by tile; the weight gradients stay batched GEMMs
-over rows that are then local.
+the input gradient dH @ w1^T is pushed home tile by tile; the weight gradients are GEMMs over
+rows that are then local.
 
-Same function as `AllToAll` on padded layouts (outputs, gradients, dropped slots): the rows each
-rank sends and receives are the all-to-all's, in Tutel's Flexible order. Dropless calls (whose
-per-expert row counts vary) run the plain exchange: fused dropless kernels are not built yet.
+Both layouts: padded (every rank's buffer holds E * C rows; the map from gathered rows to buffer
+rows is fixed and kept with the group's buffers) and dropless (each rank's routed rows sorted by
+expert; the ranks all-gather their per-expert counts, one small collective, and read them on the
+host once to build the map, as the all-to-allv reads its sizes). Same function as `AllToAll`:
+outputs, gradients and dropped slots; the rows each rank reads and writes are the all-to-all's.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
+from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
-from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.experts import activate
 from weft.profiling import stage
@@ -31,95 +35,124 @@ from weft.profiling import stage
 
 @dataclass(frozen=True)
 class CometPlan:
-    """One call's constants: the group's peer buffers, the padded capacity, the tiles, and whether
-    the Triton kernels run (else their PyTorch references over the same buffers)."""
+    """One call's constants: the group's peer buffers and their rows per rank (`buffer_rows`, the
+    same on every rank), where this rank's experts' rows are (`rows`), the tiles, and whether the
+    Triton kernels run (else their PyTorch references over the same buffers)."""
 
     peers: PeerBuffers
-    num_local: int
-    capacity: int
+    buffer_rows: int
+    rows: RowMap
     activation: str
     tiles: kernels.CometTiles
     use_kernels: bool
 
-    def buffer(self, name: str, rows_RD: torch.Tensor) -> PeerBuffer:
-        return self.peers.get(f"comet.{name}", tuple(rows_RD.shape), rows_RD.dtype)
+    def buffer(self, name: str, like: torch.Tensor) -> PeerBuffer:
+        return self.peers.get(f"comet.{name}", (self.buffer_rows, like.shape[1]), like.dtype)
 
-    def share(self, name: str, rows_RD: torch.Tensor) -> PeerBuffer:
+    def share(self, name: str, rows_ND: torch.Tensor) -> PeerBuffer:
         """Write this rank's rows into its buffer `name`, then wait until every rank has."""
-        buffer = self.buffer(name, rows_RD)
-        buffer.local.copy_(rows_RD)
+        buffer = self.buffer(name, rows_ND)
+        buffer.local[: rows_ND.shape[0]].copy_(rows_ND)
         self.peers.barrier()
         return buffer
 
     def pull(self, source: PeerBuffer, b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer0: (this rank's experts' rows gathered from every source, their product with b)."""
         if self.use_kernels:
-            return kernels.pull_gemm(source.table, source.local, self.peers.rank, self.capacity, b_EKN, self.tiles)
-        return kernels.pull_gemm_reference(source.peers, self.peers.rank, self.capacity, b_EKN)
+            return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, self.tiles)
+        return kernels.pull_gemm_reference(source.peers, self.rows, b_EKN)
 
-    def push(self, a_EMK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
+    def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         """Layer1: a @ b's rows into the ranks they came from; returns this rank's rows (a copy)."""
         dest = self.buffer(name, like)
         if self.use_kernels:
-            kernels.gemm_push(a_EMK.contiguous(), b_EKN, dest.table, dest.local, self.peers.rank, self.capacity,
-                              self.tiles)
+            kernels.gemm_push(a_RK.contiguous(), b_EKN, dest.table, dest.local, self.rows, self.tiles)
         else:
-            kernels.gemm_push_reference(a_EMK, b_EKN, dest.peers, self.peers.rank, self.capacity)
+            kernels.gemm_push_reference(a_RK, b_EKN, dest.peers, self.rows)
         self.peers.barrier()
-        return dest.local.clone()
+        return dest.local[: like.shape[0]].clone()
 
 
 class CometExperts(torch.autograd.Function):
-    """rows (E * C, dim) dispatched by this rank -> their experts' outputs, same rows (padded layout)."""
+    """rows (N, dim) dispatched by this rank -> their experts' outputs, same rows."""
 
     @staticmethod
-    def forward(ctx, rows_RD, w1, w2, w3, plan: CometPlan):
-        source = plan.share("send", rows_RD)
-        gathered, h1 = plan.pull(source, w1)  # (El, W * C, dim), (El, W * C, hidden)
-        h3 = torch.bmm(gathered, w3) if w3 is not None else None
-        out_RD = plan.push(activate(plan.activation, h1, h3), w2, "out", rows_RD)
+    def forward(ctx, rows_ND, w1, w2, w3, plan: CometPlan):
+        source = plan.share("send", rows_ND)
+        gathered, h1 = plan.pull(source, w1)  # (R, dim), (R, hidden): this rank's experts' rows
+        h3 = segment_mm(gathered, w3, plan.rows.segments) if w3 is not None else None
+        out_ND = plan.push(activate(plan.activation, h1, h3), w2, "out", rows_ND)
         ctx.plan = plan
         ctx.save_for_backward(gathered, h1, h3, w1, w2, w3)
-        return out_RD
+        return out_ND
 
     @staticmethod
-    def backward(ctx, grad_RD):
+    def backward(ctx, grad_ND):
         plan = ctx.plan
         gathered, h1, h3, w1, w2, w3 = ctx.saved_tensors
-        source = plan.share("grad_send", grad_RD.to(gathered.dtype).contiguous())
+        segments = plan.rows.segments
+        grad_ND = grad_ND.to(gathered.dtype).contiguous()
+        source = plan.share("grad_send", grad_ND)
         grad_out, grad_act = plan.pull(source, w2.transpose(1, 2))  # dY rows here; dY @ w2^T
         with torch.enable_grad():  # the activation again, for its gradient and dW2
             inputs = [h.detach().requires_grad_() for h in (h1, h3) if h is not None]
             act = activate(plan.activation, *inputs)
-        grad_w2 = torch.bmm(act.detach().transpose(1, 2), grad_out)
+        grad_w2 = segment_wgrad(act.detach(), grad_out, segments)
         grads_h = torch.autograd.grad(act, inputs, grad_act)
-        grad_w1 = torch.bmm(gathered.transpose(1, 2), grads_h[0])
-        grad_w3 = torch.bmm(gathered.transpose(1, 2), grads_h[1]) if w3 is not None else None
+        grad_w1 = segment_wgrad(gathered, grads_h[0], segments)
+        grad_w3 = segment_wgrad(gathered, grads_h[1], segments) if w3 is not None else None
         if w3 is None:
             a, b = grads_h[0], w1.transpose(1, 2)
         else:  # dX = dh1 @ w1^T + dh3 @ w3^T as one GEMM over the joined hidden dimension
-            a, b = torch.cat(grads_h, 2), torch.cat([w1, w3], 2).transpose(1, 2)
-        grad_rows = plan.push(a, b, "grad_out", grad_RD.to(gathered.dtype))
-        return grad_rows, grad_w1, grad_w2, grad_w3, None
+            a, b = torch.cat(grads_h, 1), torch.cat([w1, w3], 2).transpose(1, 2)
+        grad_rows = plan.push(a, b, "grad_out", grad_ND)
+        return grad_rows, grad_w1.to(w1.dtype), grad_w2.to(w2.dtype), \
+            None if grad_w3 is None else grad_w3.to(w3.dtype), None
 
 
 class Comet(Exchange):
-    """Padded layouts through Comet's fused kernels on the group's peer buffers; dropless through
-    the plain exchange (see the module docstring)."""
+    """Both layouts through Comet's fused kernels on the group's peer buffers."""
 
     def __init__(self, ctx: ExchangeContext, peers: PeerBuffers, tiles: kernels.CometTiles | None = None):
         super().__init__(ctx)
         self.peers, self.tiles = peers, tiles
 
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
-        experts = self.ctx.experts
-        dtype = experts.compute_dtype(rows_RD)
-        w1, w2, w3 = (None if w is None else w.to(dtype) for w in experts.weights())
-        tiles = self.tiles or kernels.CometTiles.for_device(rows_RD.device)
-        plan = CometPlan(self.peers, experts.num_local, capacity, experts.activation, tiles,
-                         kernels.triton is not None and triton_usable(rows_RD))
-        with stage("experts"), torch.autocast(rows_RD.device.type, enabled=False):
-            return CometExperts.apply(rows_RD.to(dtype).contiguous(), w1, w2, w3, plan)
+        tiles = self._tiles(rows_RD)
+        key = ("comet.padded", self.ctx.placement.num_local, capacity, tiles.block_m)
+        world, local = self.peers.world, self.ctx.placement.num_local
+        rows = self.peers.memo(key, lambda: RowMap.padded(world, local, capacity, self.peers.rank, tiles.block_m,
+                                                          rows_RD.device))
+        return self._run(rows_RD, rows_RD.shape[0], rows, tiles)
 
     def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return AllToAll(self.ctx).grouped(rows_ND, counts_E)
+        tiles = self._tiles(rows_ND)
+        rank, local = self.peers.rank, self.ctx.placement.num_local
+        counts_WE = self._all_counts(counts_E)  # every rank's rows per expert, on the host
+        offsets_WE = [[0, *itertools.accumulate(row[:-1])] for row in counts_WE]
+        mine = slice(rank * local, (rank + 1) * local)
+        rows = RowMap.build([row[mine] for row in counts_WE], [row[mine] for row in offsets_WE], rank, tiles.block_m,
+                            rows_ND.device)
+        most = max(sum(row) for row in counts_WE)
+        buffer_rows = 1 << max(0, (most - 1).bit_length())  # a power of two: few sizes, few allocations
+        return self._run(rows_ND, buffer_rows, rows, tiles)
+
+    def _all_counts(self, counts_E: torch.Tensor) -> list[list[int]]:
+        if self.peers.world == 1:
+            return [counts_E.tolist()]
+        gathered = [torch.empty_like(counts_E) for _ in range(self.peers.world)]
+        with stage("all_to_all"):
+            dist.all_gather(gathered, counts_E.contiguous(), group=self.peers.group)
+        return torch.stack(gathered).tolist()
+
+    def _tiles(self, rows: torch.Tensor) -> kernels.CometTiles:
+        return self.tiles or kernels.CometTiles.for_device(rows.device)
+
+    def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles) -> torch.Tensor:
+        experts = self.ctx.experts
+        dtype = experts.compute_dtype(rows_ND)
+        w1, w2, w3 = (None if w is None else w.to(dtype) for w in experts.weights())
+        plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles,
+                         kernels.triton is not None and triton_usable(rows_ND))
+        with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
+            return CometExperts.apply(rows_ND.to(dtype).contiguous(), w1, w2, w3, plan)

@@ -17,7 +17,7 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Tra
     """The strategy that runs `setting`: r = 0 data-parallel experts; fewer experts than ranks the
     sliced experts; d > 1 (while communicating) the pipelined exchange; a `transfer` copying
     experts in a plain dropless call (Pro-Prophet) the replicated experts; peer buffers
-    (`kernels="comet"`) in a plain padded call Comet's fused kernels; else one all-to-all."""
+    (`kernels="comet"`) in a plain call Comet's fused kernels; else one all-to-all."""
     placement = ctx.placement
     if setting.parallel == 0 and (placement.ep_size > 1 or not dropless):
         return DataParallelExperts(ctx)
@@ -28,8 +28,7 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Tra
         return Pipelined(ctx, setting.overlap_degree, setting.a2a_algo)
     if transfer is not None and transfer.copied and dropless and ctx.communicate and placement.ep_size > 1:
         return ReplicatedExperts(ctx, transfer)
-    if ctx.peers is not None and ctx.communicate and not dropless and setting.a2a_algo == "linear" \
-            and ctx.scheduler is None:
+    if ctx.peers is not None and ctx.communicate and setting.a2a_algo == "linear" and ctx.scheduler is None:
         return Comet(ctx, ctx.peers)
     return AllToAll(ctx, setting.a2a_algo)
 
