@@ -106,19 +106,18 @@ class CometExperts(torch.autograd.Function):
         else:  # dX = dh1 @ w1^T + dh3 @ w3^T as one GEMM over the joined hidden dimension
             a, b = torch.cat(grads_h, 1), torch.cat([w1, w3], 2).transpose(1, 2)
         grad_rows = plan.push(a, b, "grad_out", grad_ND)
-        return grad_rows, grad_w1.to(w1.dtype), grad_w2.to(w2.dtype), \
-            None if grad_w3 is None else grad_w3.to(w3.dtype), None
+        return grad_rows, grad_w1, grad_w2, grad_w3, None
 
 
 class Comet(Exchange):
     """Both layouts through Comet's fused kernels on the group's peer buffers."""
 
-    def __init__(self, ctx: ExchangeContext, peers: PeerBuffers, tiles: kernels.CometTiles | None = None):
+    def __init__(self, ctx: ExchangeContext, peers: PeerBuffers):
         super().__init__(ctx)
-        self.peers, self.tiles = peers, tiles
+        self.peers = peers
 
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
-        tiles = self._tiles(rows_RD)
+        tiles = kernels.CometTiles.for_device(rows_RD.device)
         key = ("comet.padded", self.ctx.placement.num_local, capacity, tiles.block_m)
         world, local = self.peers.world, self.ctx.placement.num_local
         rows = self.peers.memo(key, lambda: RowMap.padded(world, local, capacity, self.peers.rank, tiles.block_m,
@@ -126,7 +125,7 @@ class Comet(Exchange):
         return self._run(rows_RD, rows_RD.shape[0], rows, tiles)
 
     def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        tiles = self._tiles(rows_ND)
+        tiles = kernels.CometTiles.for_device(rows_ND.device)
         rank, local = self.peers.rank, self.ctx.placement.num_local
         counts_WE = self._all_counts(counts_E)  # every rank's rows per expert, on the host
         offsets_WE = [[0, *itertools.accumulate(row[:-1])] for row in counts_WE]
@@ -145,14 +144,10 @@ class Comet(Exchange):
             dist.all_gather(gathered, counts_E.contiguous(), group=self.peers.group)
         return torch.stack(gathered).tolist()
 
-    def _tiles(self, rows: torch.Tensor) -> kernels.CometTiles:
-        return self.tiles or kernels.CometTiles.for_device(rows.device)
-
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles) -> torch.Tensor:
         experts = self.ctx.experts
         dtype = experts.compute_dtype(rows_ND)
         w1, w2, w3 = (None if w is None else w.to(dtype) for w in experts.weights())
-        plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles,
-                         kernels.triton is not None and triton_usable(rows_ND))
+        plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND))
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
             return CometExperts.apply(rows_ND.to(dtype).contiguous(), w1, w2, w3, plan)

@@ -28,7 +28,7 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Tra
         return Pipelined(ctx, setting.overlap_degree, setting.a2a_algo)
     if transfer is not None and transfer.copied and dropless and ctx.communicate and placement.ep_size > 1:
         return ReplicatedExperts(ctx, transfer)
-    if ctx.peers is not None and ctx.communicate and setting.a2a_algo == "linear" and ctx.scheduler is None:
+    if ctx.peers is not None and setting.a2a_algo == "linear" and ctx.scheduler is None:
         return Comet(ctx, ctx.peers)
     return AllToAll(ctx, setting.a2a_algo)
 
