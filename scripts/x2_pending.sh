@@ -11,7 +11,8 @@
 #            NCCL_P2P_DISABLE=1, and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
-#            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, and qwen2-moe-2l training
+#            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
+#            comet, eager), and qwen2-moe-2l training
 #            with --kernels comet against auto (losses step by step, tokens/s)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -67,6 +68,10 @@ part_comet() {
       --warmup 5 --json "$1/layer_$config.json" > "$1/layer_$config.log" 2>&1
     grep -v "$QUIET" "$1/layer_$config.log" | tail -n 8
   done
+  $RUN bench layer --config qwen2 --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
+    --modes plain,comet,plain,comet --steps 10 --warmup 3 --json "$1/layer_qwen2_dropless.json" \
+    > "$1/layer_qwen2_dropless.log" 2>&1
+  grep -v "$QUIET" "$1/layer_qwen2_dropless.log" | tail -n 6
   for kernels in auto comet; do
     $RUN train --preset qwen2-moe-2l --kernels "$kernels" --batch-size 2 --steps 16 --sample-tokens 0 \
       --out "$1/train_$kernels" > "$1/train_$kernels.log" 2>&1

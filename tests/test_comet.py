@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 
@@ -40,6 +41,47 @@ def rank_maps(K, world: int, local: int, cap: int, block_m: int, device, gen) ->
     maps = [K.RowMap.build(counts[:, mine[r]].tolist(), offsets[:, mine[r]].tolist(), r, block_m, device)
             for r in range(world)]
     return maps, int(counts.sum(1).max())
+
+
+def test_row_map_and_segment_gemms_match_loops_over_experts():
+    """`RowMap.build` (vectorised) against its definition written as loops, and the per-expert
+    GEMMs (`segment_mm`, `segment_wgrad`: bmm, grouped GEMM or a loop, by shape) against one matmul
+    per expert; experts without rows, equal and unequal segments, aligned and unaligned widths."""
+    from weft.kernels import comet as K
+
+    gen = torch.Generator().manual_seed(0)
+    for world, local, block_m, most in itertools.product((1, 2, 4), (1, 3), (2, 16), (0, 5, 19)):
+        counts = torch.randint(0, most + 1, (world, world * local), generator=gen)
+        if most == 19:
+            counts[:, 0] = 0  # an expert no source sends rows to
+        rank = world - 1
+        mine = slice(rank * local, (rank + 1) * local)
+        offsets = torch.cumsum(counts, 1) - counts
+        rows = K.RowMap.build(counts[:, mine].tolist(), offsets[:, mine].tolist(), rank, block_m, torch.device("cpu"))
+        where, tiles, start = [], [], 0
+        for i in range(local):
+            for s in range(world):
+                c, o = int(counts[s, rank * local + i]), int(offsets[s, rank * local + i])
+                where += [(s, o + j) for j in range(c)]
+            size = int(counts[:, rank * local + i].sum())
+            tiles += [(i, f, min(f + block_m, start + size)) for f in range(start, start + size, block_m)]
+            start += size
+        label = f"W={world} El={local} block {block_m} counts<={most}"
+        assert list(zip(rows.rank_R.tolist(), rows.row_R.tolist())) == where, label
+        segments = [int(counts[:, rank * local + i].sum()) for i in range(local)]
+        assert rows.segments == tuple(segments) and rows.ends_I.tolist() == list(itertools.accumulate(segments))
+        for order in (rows.pull_tiles, rows.push_tiles):
+            assert order.dtype == torch.int32 and sorted(map(tuple, order.tolist())) == tiles, label
+        first_rank = [(rows.rank_R[t[1]].item() - rank) % world for t in rows.pull_tiles.tolist()]
+        assert first_rank == sorted(first_rank), f"{label}: layer0 takes tiles starting on this rank first"
+        for dim, hidden in ((8, 12), (5, 7)):
+            x = torch.randn(rows.num_rows, dim, generator=gen)
+            w = torch.randn(local, dim, hidden, generator=gen)
+            dy = torch.randn(rows.num_rows, hidden, generator=gen)
+            y_ref = torch.cat([part @ w[i] for i, part in enumerate(torch.split(x, segments))])
+            dw_ref = torch.stack([a.T @ b for a, b in zip(torch.split(x, segments), torch.split(dy, segments))])
+            torch.testing.assert_close(K.segment_mm(x, w, rows), y_ref, msg=label)
+            torch.testing.assert_close(K.segment_wgrad(x, dy, rows), dw_ref, msg=label)
 
 
 def kernels_worker(device: str = "cpu") -> list[str]:
@@ -129,6 +171,53 @@ def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatc
 def test_dropless_calls_run_through_comet():
     """A dropless-only run allocates Comet's buffers: the calls above went through its exchange."""
     flat = run_checks(comet_worker, 2, args=((("topk", None, 2, "gelu", torch.float32),),), timeout=300)
+    assert not flat, "\n".join(flat)
+
+
+def tuned_worker(path: str) -> list[str]:
+    """Comet's adaptive assignment in the layer: with two copy-program choices, the first call of
+    each shape times both (layer0's forward and backward GEMMs have the same shape: one key; the
+    padded calls' rows and the dropless call's fall in other buckets), keeps the fastest in the
+    layer's tuning dictionary (rank 0 saves it), and computes what the plain exchange does."""
+    from weft.kernels import comet as K
+    from weft.tune import TuningDictionary
+
+    def choices(device, n_comm=None):  # the interpreter's tiles, with something to choose
+        return dataclasses.replace(K.CometTiles(16, 16, 16, 32, 2, 1, 1), n_comm_choices=(1, 2))
+
+    K.CometTiles.for_device = staticmethod(choices)
+    failures = []
+    tuning = TuningDictionary(path, trials=1)
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 8, top_k=2, capacity_factor=1.0, kernels="comet", tuning=tuning)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for capacity in (2.0, None, 2.0):  # the second padded call reuses the choice
+        x = torch.randn(20, 16, generator=gen)
+        outs = []
+        for kernels in ("comet", "auto"):
+            xi = x.clone().requires_grad_()
+            y = moe(xi, kernels=kernels, capacity_factor=capacity)
+            y.square().sum().backward()
+            outs.append((y.detach(), xi.grad, moe.experts.w1.grad.clone()))
+            moe.zero_grad()
+        for what, a, b in zip(("output", "input grad", "w1 grad"), *outs):
+            if not torch.allclose(a, b, atol=1e-5):
+                failures.append(f"capacity {capacity}: {what} differs from the plain exchange")
+    pulls = {k: e for k, e in tuning.kernels.items() if k.startswith("comet.pull")}
+    if len(pulls) != 2 or any(sorted(e["times_ms"]) != ["1", "2"] or e["best"] not in (1, 2) for e in pulls.values()):
+        failures.append(f"expected layer0 tuned for both layouts' row buckets: {pulls}")
+    if tuning.measurements != 2 * len(pulls):
+        failures.append(f"{tuning.measurements} timed runs for {len(pulls)} shapes: some were timed twice")
+    dist.barrier()
+    if dist.get_rank() == 0 and TuningDictionary(path).kernels.keys() != pulls.keys():
+        failures.append("rank 0 did not save its choices")
+    return failures
+
+
+def test_comet_times_its_copy_programs_once_per_shape(tmp_path, monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(tuned_worker, 2, args=(str(tmp_path / "tuning.json"),), timeout=300)
     assert not flat, "\n".join(flat)
 
 

@@ -323,3 +323,36 @@ def test_layers_with_other_candidate_sets_do_not_share_a_choice():
     keys = [m.tuning_key() for m in layers]
     assert len(set(keys)) == len(keys), keys
     assert keys[1].endswith("-d2-linear") and keys[2].endswith("-adaptive") and keys[3].endswith("-dropless")
+
+
+def test_kernel_parameters_are_timed_once_and_kept_with_the_dictionary(tmp_path, monkeypatch):
+    """`pick` (Comet's copy programs): the fastest candidate by its best trial, each candidate run
+    once to warm up and `trials` times timed; the choice is reused without running, saved beside
+    the exchange settings and reloaded; a kept choice that is no longer a candidate is timed anew."""
+    fake_ms = {16: [3.0, 2.0], 32: [1.5, 9.0], 64: [1.8, 1.7]}  # 32 wins on its best trial
+    served = {c: iter(v) for c, v in fake_ms.items()}
+    monkeypatch.setattr("weft.tune.dictionary._time_ms", lambda run, c, device: (run(c), next(served[c]))[1])
+    runs = []
+    path = tmp_path / "tuning.json"
+    tuning = TuningDictionary(path, trials=2)
+    assert tuning.picked("comet.pull-x") is None
+    assert tuning.pick("comet.pull-x", (16, 32, 64), runs.append, torch.device("cpu")) == 32
+    assert runs == [16, 16, 16, 32, 32, 32, 64, 64, 64] and tuning.measurements == 6
+    assert tuning.pick("comet.pull-x", (16, 32, 64), runs.append, torch.device("cpu")) == 32
+    assert len(runs) == 9 and tuning.picked("comet.pull-x") == 32
+    assert tuning.pick("one", (8,), runs.append, torch.device("cpu")) == 8 and len(runs) == 9
+    assert "comet.pull-x: best 32; fastest ms: 16 2.000, 32 1.500, 64 1.700" in tuning.summary()
+    reloaded = TuningDictionary(path, trials=2)
+    assert reloaded.picked("comet.pull-x") == 32
+    assert reloaded.pick("comet.pull-x", (16, 32, 64), runs.append, torch.device("cpu")) == 32 and len(runs) == 9
+    served = {c: iter([5.0, 4.0]) for c in (16, 64)}
+    assert reloaded.pick("comet.pull-x", (16, 64), runs.append, torch.device("cpu")) == 16 and len(runs) == 15
+
+
+def test_tuning_files_without_kernels_load_and_bad_kernel_sections_are_refused(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": "weft.tuning/1", "table": {}}))
+    assert TuningDictionary(path).kernels == {}
+    path.write_text(json.dumps({"format": "weft.tuning/1", "table": {}, "kernels": {"k": {"times": 1}}}))
+    with pytest.raises(ValueError, match="'kernels' section is not a table of choices"):
+        TuningDictionary(path)

@@ -148,8 +148,9 @@ class LayerBenchConfig:
                                  "dispatch/combine), no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
                                  "all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
-                                 "(Pro-Prophet's replicated experts, dropless), torchtitan, megatron (default "
-                                 "plain,no-comm)", parse=names)
+                                 "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
+                                 "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
+                                 "CUDA graph; padded capacity) (default plain,no-comm)", parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
                                              "(default 1.0,dropless)", parse=capacity_list)

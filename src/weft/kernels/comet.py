@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weft.kernels.grouped_mm import grouped_mm_takes
 from weft.kernels.rows import triton
 
 if triton is not None:
@@ -47,9 +48,11 @@ if triton is not None:
 
 @dataclass(frozen=True)
 class CometTiles:
-    """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0. The GPU
-    default, 256 x 128 x 64 with 8 warps and 3 stages and 64 copy programs, was the fastest of the
-    shapes timed on one H200 for qwen2's, phi35's and mixtral's expert GEMMs (docs/benchmarks.md)."""
+    """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0, chosen
+    per shape among `n_comm_choices` where a tuning dictionary times them (Comet's adaptive
+    workload assignment; `weft.moe.exchange.comet`), else the default. The GPU tiles, 256 x 128 x 64
+    with 8 warps and 3 stages, and the default of 64 copy programs were the fastest of the shapes
+    timed on one H200 for qwen2's, phi35's and mixtral's expert GEMMs (docs/benchmarks.md)."""
 
     block_m: int = 256
     block_n: int = 128
@@ -58,12 +61,14 @@ class CometTiles:
     n_comm: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    n_comm_choices: tuple[int, ...] = (16, 32, 64, 128)
 
     @staticmethod
     def for_device(device: torch.device, n_comm: int | None = None) -> CometTiles:
-        """GPU tiles (wgmma-sized) on CUDA; small ones for the CPU interpreter."""
-        tiles = CometTiles() if device.type == "cuda" else CometTiles(16, 16, 16, 32, 2, 1, 1)
-        return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
+        """GPU tiles (wgmma-sized) on CUDA; small ones for the CPU interpreter, where there is
+        nothing to tune (its programs run one after another)."""
+        tiles = CometTiles() if device.type == "cuda" else CometTiles(16, 16, 16, 32, 2, 1, 1, (2,))
+        return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm, n_comm_choices=(n_comm,))
 
 
 @dataclass(frozen=True)
@@ -71,13 +76,15 @@ class RowMap:
     """Where rank `rank`'s gathered rows live, and their tiles.
 
     `rank_R` (int32) and `row_R` (int64): gathered row g is row `row_R[g]` of rank `rank_R[g]`'s
-    buffer. `segments[i]`: the rows of local expert i (consecutive). `pull_tiles` / `push_tiles`
+    buffer. `segments[i]`: the rows of local expert i (consecutive); `ends_I` (int32, on the
+    device): their running sum, the offsets `torch._grouped_mm` takes. `pull_tiles` / `push_tiles`
     (int32 (T, 3): expert, first row, end row): the same tiles in layer0's order (rows starting on
     this rank first) and layer1's (remote first, this rank's own last)."""
 
     rank_R: torch.Tensor
     row_R: torch.Tensor
     segments: tuple[int, ...]
+    ends_I: torch.Tensor
     pull_tiles: torch.Tensor
     push_tiles: torch.Tensor
 
@@ -89,7 +96,9 @@ class RowMap:
     def build(counts_SI: list[list[int]], offsets_SI: list[list[int]], rank: int, block_m: int,
               device: torch.device) -> RowMap:
         """Local expert i's rows from source s are `counts_SI[s][i]` rows of s's buffer from row
-        `offsets_SI[s][i]` on; gathered by expert, then by source."""
+        `offsets_SI[s][i]` on; gathered by expert, then by source. Built on the host from the
+        counts the caller already holds there, with no loop over rows or tiles, and moved to
+        `device` in one copy."""
         world, num_local = len(counts_SI), len(counts_SI[0])
         count_IS = torch.tensor(counts_SI, dtype=torch.int64).T.reshape(-1)  # (El * W,) expert-major
         offset_IS = torch.tensor(offsets_SI, dtype=torch.int64).T.reshape(-1)
@@ -98,19 +107,17 @@ class RowMap:
         source_IS = torch.arange(world).repeat(num_local)
         rank_R = torch.repeat_interleave(source_IS, count_IS, output_size=rows)
         row_R = torch.repeat_interleave(offset_IS - start_IS, count_IS, output_size=rows) + torch.arange(rows)
-        segments = count_IS.view(num_local, world).sum(1)
-        tiles = []
-        expert_start = 0
-        for i, size in enumerate(segments.tolist()):
-            for first in range(expert_start, expert_start + size, block_m):
-                tiles.append((i, first, min(first + block_m, expert_start + size)))
-            expert_start += size
-        tiles_T3 = torch.tensor(tiles, dtype=torch.int32).view(-1, 3)
-        distance = (rank_R[tiles_T3[:, 1].long()] - rank) % world if tiles else torch.zeros(0, dtype=torch.int64)
-        pull = torch.sort(distance, stable=True).indices
-        push = torch.sort((distance - 1) % world, stable=True).indices
-        return RowMap(rank_R.to(device, torch.int32), row_R.to(device), tuple(segments.tolist()),
-                      tiles_T3[pull].to(device), tiles_T3[push].to(device))
+        count_I = count_IS.view(num_local, world).sum(1)
+        end_I = torch.cumsum(count_I, 0)
+        tiles_T3 = _tiles(count_I, end_I - count_I, block_m)
+        distance_T = (rank_R[tiles_T3[:, 1]] - rank) % world
+        pull = torch.sort(distance_T, stable=True).indices
+        push = torch.sort((distance_T - 1) % world, stable=True).indices
+        parts = (rank_R, row_R, end_I, tiles_T3[pull].flatten(), tiles_T3[push].flatten())
+        packed = torch.cat(parts).to(device)
+        rank_R, row_R, end_I, pull_T3, push_T3 = torch.split(packed, [p.numel() for p in parts])
+        return RowMap(rank_R.to(torch.int32), row_R, tuple(count_I.tolist()), end_I.to(torch.int32),
+                      pull_T3.view(-1, 3).to(torch.int32), push_T3.view(-1, 3).to(torch.int32))
 
     @staticmethod
     def padded(world: int, num_local: int, capacity: int, rank: int, block_m: int, device: torch.device) -> RowMap:
@@ -121,21 +128,42 @@ class RowMap:
         return RowMap.build(counts, offsets, rank, block_m, device)
 
 
-def segment_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, segments: tuple[int, ...]) -> torch.Tensor:
-    """x's rows of expert i (consecutive, `segments[i]` of them) @ w[i]: one batched matmul when
-    every expert has the same rows, else one matmul per expert."""
+def _tiles(count_I: torch.Tensor, start_I: torch.Tensor, block_m: int) -> torch.Tensor:
+    """(T, 3) int64: each expert's rows [start, start + count) cut into runs of at most `block_m`
+    (expert, first, end), in expert order; experts without rows have no tile."""
+    tiles_I = (count_I + block_m - 1) // block_m
+    expert_T = torch.repeat_interleave(torch.arange(len(count_I)), tiles_I)
+    first_tile_I = torch.cumsum(tiles_I, 0) - tiles_I
+    first_T = start_I[expert_T] + (torch.arange(len(expert_T)) - first_tile_I[expert_T]) * block_m
+    end_T = torch.minimum(first_T + block_m, (start_I + count_I)[expert_T])
+    return torch.stack([expert_T, first_T, end_T], 1)
+
+
+def segment_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, rows: RowMap) -> torch.Tensor:
+    """x's rows of expert i (consecutive, `rows.segments[i]` of them) @ w[i]: one batched matmul
+    when every expert has the same rows, else one grouped GEMM where `torch._grouped_mm` takes the
+    operands, else one matmul per expert."""
+    segments, w_EKN = rows.segments, w_EKN.to(x_RK.dtype)
     if len(set(segments)) == 1:
-        num_local, rows = len(segments), segments[0]
-        return torch.bmm(x_RK.view(num_local, rows, -1), w_EKN.to(x_RK.dtype)).view(num_local * rows, -1)
-    outs = [part @ w_EKN[i].to(x_RK.dtype) for i, part in enumerate(torch.split(x_RK, list(segments)))]
+        num_local, count = len(segments), segments[0]
+        return torch.bmm(x_RK.view(num_local, count, x_RK.shape[1]), w_EKN).view(num_local * count, w_EKN.shape[2])
+    if grouped_mm_takes(x_RK, w_EKN):
+        return torch._grouped_mm(x_RK, w_EKN, offs=rows.ends_I)
+    outs = [part @ w_EKN[i] for i, part in enumerate(torch.split(x_RK, list(segments)))]
     return torch.cat(outs) if outs else x_RK.new_zeros(0, w_EKN.shape[2])
 
 
-def segment_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, segments: tuple[int, ...]) -> torch.Tensor:
-    """The weight gradient of `segment_mm`: (El, K, N), x's rows of expert i transposed @ dy's."""
+def segment_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, rows: RowMap) -> torch.Tensor:
+    """The weight gradient of `segment_mm`: (El, K, N), x's rows of expert i transposed @ dy's (the
+    grouped GEMM's 2-D x 2-D form: groups along the contracted rows; an expert without rows gets
+    zeros)."""
+    segments = rows.segments
     if len(set(segments)) == 1:
-        num_local, rows = len(segments), segments[0]
-        return torch.bmm(x_RK.view(num_local, rows, -1).transpose(1, 2), dy_RN.view(num_local, rows, -1))
+        num_local, count = len(segments), segments[0]
+        x_IRK, dy_IRN = x_RK.view(num_local, count, x_RK.shape[1]), dy_RN.view(num_local, count, dy_RN.shape[1])
+        return torch.bmm(x_IRK.transpose(1, 2), dy_IRN)
+    if grouped_mm_takes(x_RK.T, dy_RN):
+        return torch._grouped_mm(x_RK.T, dy_RN, offs=rows.ends_I)
     return torch.stack([a.T @ b for a, b in zip(torch.split(x_RK, list(segments)), torch.split(dy_RN, list(segments)))])
 
 
@@ -153,12 +181,12 @@ def pull_gemm_reference(sources: list[torch.Tensor], rows: RowMap,
                         b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(gathered, gathered @ b per expert) with gathered = `pull_rows_reference`."""
     gathered = pull_rows_reference(sources, rows)
-    return gathered, segment_mm(gathered, b_EKN, rows.segments)
+    return gathered, segment_mm(gathered, b_EKN, rows)
 
 
 def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rows: RowMap) -> None:
     """y = a @ b per expert; y[g] into dests[rank_R[g]] row row_R[g]."""
-    y = segment_mm(a_RK, b_EKN, rows.segments)
+    y = segment_mm(a_RK, b_EKN, rows)
     for s, dest in enumerate(dests):
         here = (rows.rank_R == s).nonzero().flatten()
         dest.index_copy_(0, rows.row_R[here], y[here].to(dest.dtype))

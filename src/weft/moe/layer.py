@@ -322,7 +322,7 @@ class MoE(nn.Module):
     def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
                   transfer: Transfer | None) -> torch.Tensor:
         ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler,
-                              self._comet_peers(call, rows.device))
+                              self._comet_peers(call, rows.device), self.tuning)
         dropless = isinstance(layout, Grouped)
         run = lambda setting, rows: select(ctx, setting, dropless, transfer)(rows, layout)  # noqa: E731
         if not is_tuned(call, self.parallel, self.ep_size):

@@ -8,6 +8,12 @@ same across the EP group). Measuring goes in rounds: all of a round's candidates
 the group's rank 0 decides from its own times what the next round measures (Tutel's ternary
 search of r) or, after the last round, which setting wins, and broadcasts it, so all ranks always
 run the same setting. Decisions can be persisted as JSON and reloaded.
+
+Beside the exchange settings it keeps kernel parameters that change speed only, such as the
+number of copy programs in Comet's layer0 kernel (Comet 3.2.2, adaptive workload assignment):
+`pick` times each candidate the first time a key is seen, on this rank alone (no collective:
+a kernel parameter may differ between ranks without changing what they compute), and reuses the
+fastest afterwards.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,10 +89,11 @@ class TuningDictionary:
         self.path = Path(path) if path else None
         self.bucket_size, self.trials = bucket_size, trials
         self.table: dict[str, dict[str, dict]] = {}
+        self.kernels: dict[str, dict] = {}  # key -> {"times_ms": {candidate: [ms, ...]}, "best": candidate}
         self.measurements = 0  # candidate runs timed by this process (for tests and logs)
         self._pending: dict[tuple[Hashable, str, str], _Trial] = {}  # per caller: trials awaiting backward
         if self.path is not None and self.path.exists():
-            self.table = _load(self.path)
+            self.table, self.kernels = _load(self.path)
 
     def bucket(self, capacity: int) -> int:
         return capacity // self.bucket_size
@@ -129,7 +136,7 @@ class TuningDictionary:
                 else:
                     entry["best"] = [best.overlap_degree, best.a2a_algo, best.parallel]
                     if self.path is not None and group_rank(group) == 0:
-                        _save(self.path, self.table)  # atomic: EP groups sharing the file cannot tear it
+                        self._save()
         if entry.get("best"):
             return execute(Setting(*entry["best"]), buffer)
         # Round robin, so warm-up effects and drifts hit every candidate alike.
@@ -146,6 +153,38 @@ class TuningDictionary:
         trial.finish()
         return out
 
+    def picked(self, key: str) -> int | None:
+        """The choice `pick` made for `key`, or None (e.g. for a call that must not time anything,
+        such as one captured into a CUDA graph)."""
+        entry = self.kernels.get(key)
+        return None if entry is None else entry["best"]
+
+    def pick(self, key: str, candidates: Sequence[int], run: Callable[[int], object], device: torch.device,
+             group: dist.ProcessGroup | None = None) -> int:
+        """The fastest of `candidates` for `key`: on the first call `run(candidate)` runs once to
+        warm up and `trials` times timed for each candidate (so `run` must have no effect but its
+        time), and the choice is kept (and saved by `group`'s rank 0 when the dictionary has a
+        path); later calls, and dictionaries loaded from that file, return it without running."""
+        entry = self.kernels.get(key)
+        if entry is not None and entry["best"] in candidates:
+            return entry["best"]
+        if len(candidates) == 1:
+            return candidates[0]
+        times = {}
+        for candidate in candidates:
+            run(candidate)
+            times[str(candidate)] = [_time_ms(run, candidate, device) for _ in range(self.trials)]
+            self.measurements += self.trials
+        best = min(candidates, key=lambda c: min(times[str(c)]))
+        self.kernels[key] = {"times_ms": times, "best": best}
+        if self.path is not None and group_rank(group) == 0:
+            self._save()
+        return best
+
+    def _save(self) -> None:
+        """Atomic: EP groups sharing the file cannot tear it."""
+        _save(self.path, self.table, self.kernels)
+
     def chosen(self) -> list[str]:
         """The settings decided so far (one name per layer key and capacity bucket, e.g. "d2-linear")."""
         return [Setting(*entry["best"]).name for _, buckets in sorted(self.table.items())
@@ -158,6 +197,9 @@ class TuningDictionary:
                 times = ", ".join(f"{n} {min(v):.3f}" for n, v in entry["times_ms"].items())
                 best = Setting(*entry["best"]).name if entry.get("best") else "(tuning)"
                 lines.append(f"{key} capacity bucket {bucket}: best {best}; fastest ms: {times}")
+        for key, entry in sorted(self.kernels.items()):
+            times = ", ".join(f"{n} {min(v):.3f}" for n, v in entry["times_ms"].items())
+            lines.append(f"{key}: best {entry['best']}; fastest ms: {times}")
         return "\n".join(lines)
 
 
@@ -230,19 +272,35 @@ def _next_step(candidates: list[Setting], active: list[Setting], times: dict[str
     return sorted({c.parallel for c, chosen in zip(candidates, plan[1:]) if chosen}), candidates[plan[0]]
 
 
-def _save(path: Path, table: dict) -> None:
+def _time_ms(run: Callable[[int], object], candidate: int, device: torch.device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run(candidate)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    began = time.perf_counter()
+    run(candidate)
+    return (time.perf_counter() - began) * 1e3
+
+
+def _save(path: Path, table: dict, kernels: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
-        json.dump({"format": "weft.tuning/1", "table": table}, f, indent=2)
+        json.dump({"format": "weft.tuning/1", "table": table, "kernels": kernels}, f, indent=2)
     os.replace(tmp, path)
 
 
-def _load(path: Path) -> dict:
+def _load(path: Path) -> tuple[dict, dict]:
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"tuning dictionary {path} is not readable JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != "weft.tuning/1" or not isinstance(doc.get("table"), dict):
         raise ValueError(f"tuning dictionary {path} is not a weft tuning file (format weft.tuning/1)")
-    return doc["table"]
+    kernels = doc.get("kernels", {})  # files written before kernel parameters were kept have none
+    if not isinstance(kernels, dict) or not all(isinstance(e, dict) and "best" in e for e in kernels.values()):
+        raise ValueError(f"tuning dictionary {path}: its 'kernels' section is not a table of choices")
+    return doc["table"], kernels

@@ -23,6 +23,7 @@ from weft.comm import all_to_all, all_to_all_counts
 from weft.distributed import HierarchicalGroups
 from weft.moe.experts import Experts
 from weft.profiling import stage
+from weft.tune.dictionary import TuningDictionary
 
 
 @dataclass(frozen=True)
@@ -64,15 +65,17 @@ class ExpertPlacement:
 class ExchangeContext:
     """What an exchange needs for one call: the experts, their placement, whether to communicate
     at all (False: the no-communication benchmark bound, every row stays on its rank; not the
-    layer's function), Lancet's weight-gradient scheduler (None: off) and the group's peer
+    layer's function), Lancet's weight-gradient scheduler (None: off), the group's peer
     buffers for Comet's fused kernels (`weft.comm.peers`; None: `kernels` is not "comet", or the
-    ranks cannot address each other's memory)."""
+    ranks cannot address each other's memory) and the layer's tuning dictionary, where kernels
+    keep the parameters they time (Comet's copy programs; None: defaults, nothing timed)."""
 
     experts: Experts
     placement: ExpertPlacement
     communicate: bool = True
     scheduler: object | None = None
     peers: object | None = None
+    tuning: TuningDictionary | None = None
 
     def all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo: str = "linear"):
         """All-to-all of x over the EP group (equal splits, or the given ones); x when not communicating."""

@@ -18,6 +18,7 @@ outputs, gradients and dropped slots; the rows each rank reads and writes are th
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -31,13 +32,15 @@ from weft.kernels.rows import triton_usable
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.experts import activate
 from weft.profiling import stage
+from weft.tune.dictionary import TuningDictionary
 
 
 @dataclass(frozen=True)
 class CometPlan:
     """One call's constants: the group's peer buffers and their rows per rank (`buffer_rows`, the
-    same on every rank), where this rank's experts' rows are (`rows`), the tiles, and whether the
-    Triton kernels run (else their PyTorch references over the same buffers)."""
+    same on every rank), where this rank's experts' rows are (`rows`), the tiles, whether the
+    Triton kernels run (else their PyTorch references over the same buffers), and the tuning
+    dictionary that keeps layer0's copy programs per shape (None: the tiles' default)."""
 
     peers: PeerBuffers
     buffer_rows: int
@@ -45,6 +48,7 @@ class CometPlan:
     activation: str
     tiles: kernels.CometTiles
     use_kernels: bool
+    tuning: TuningDictionary | None = None
 
     def buffer(self, name: str, like: torch.Tensor) -> PeerBuffer:
         return self.peers.get(f"comet.{name}", (self.buffer_rows, like.shape[1]), like.dtype)
@@ -59,8 +63,31 @@ class CometPlan:
     def pull(self, source: PeerBuffer, b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer0: (this rank's experts' rows gathered from every source, their product with b)."""
         if self.use_kernels:
-            return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, self.tiles)
+            return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, self.pull_tiles(source, b_EKN))
         return kernels.pull_gemm_reference(source.peers, self.rows, b_EKN)
+
+    def pull_tiles(self, source: PeerBuffer, b_EKN: torch.Tensor) -> kernels.CometTiles:
+        """Comet's adaptive workload assignment (3.2.2): layer0's tiles with the number of copy
+        programs that ran this shape fastest on this rank, timed the first time the shape is seen
+        (a rerun of layer0 reads the same rows and writes only local tensors, so timing it changes
+        nothing). A call captured into a CUDA graph times nothing: it takes an earlier choice, or
+        the default."""
+        tiles = self.tiles
+        if self.tuning is None or len(tiles.n_comm_choices) == 1:
+            return tiles
+        num_local, K, N = b_EKN.shape
+        rows = 1 << max(0, (self.rows.num_rows - 1).bit_length())  # dropless: a power-of-two bucket
+        dtype = str(b_EKN.dtype).removeprefix("torch.")
+        key = (f"comet.pull-W{self.peers.world}-El{num_local}-R{rows}-K{K}-N{N}-{dtype}"
+               f"-{tiles.block_m}x{tiles.block_n}x{tiles.block_k}")
+        if source.local.is_cuda and torch.cuda.is_current_stream_capturing():
+            n_comm = self.tuning.picked(key)
+        else:
+            def run(n: int):
+                return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN,
+                                         dataclasses.replace(tiles, n_comm=n))
+            n_comm = self.tuning.pick(key, tiles.n_comm_choices, run, source.local.device, self.peers.group)
+        return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
 
     def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
         """Layer1: a @ b's rows into the ranks they came from; returns this rank's rows (a copy)."""
@@ -80,7 +107,7 @@ class CometExperts(torch.autograd.Function):
     def forward(ctx, rows_ND, w1, w2, w3, plan: CometPlan):
         source = plan.share("send", rows_ND)
         gathered, h1 = plan.pull(source, w1)  # (R, dim), (R, hidden): this rank's experts' rows
-        h3 = segment_mm(gathered, w3, plan.rows.segments) if w3 is not None else None
+        h3 = segment_mm(gathered, w3, plan.rows) if w3 is not None else None
         out_ND = plan.push(activate(plan.activation, h1, h3), w2, "out", rows_ND)
         ctx.plan = plan
         ctx.save_for_backward(gathered, h1, h3, w1, w2, w3)
@@ -90,17 +117,16 @@ class CometExperts(torch.autograd.Function):
     def backward(ctx, grad_ND):
         plan = ctx.plan
         gathered, h1, h3, w1, w2, w3 = ctx.saved_tensors
-        segments = plan.rows.segments
         grad_ND = grad_ND.to(gathered.dtype).contiguous()
         source = plan.share("grad_send", grad_ND)
         grad_out, grad_act = plan.pull(source, w2.transpose(1, 2))  # dY rows here; dY @ w2^T
         with torch.enable_grad():  # the activation again, for its gradient and dW2
             inputs = [h.detach().requires_grad_() for h in (h1, h3) if h is not None]
             act = activate(plan.activation, *inputs)
-        grad_w2 = segment_wgrad(act.detach(), grad_out, segments)
+        grad_w2 = segment_wgrad(act.detach(), grad_out, plan.rows)
         grads_h = torch.autograd.grad(act, inputs, grad_act)
-        grad_w1 = segment_wgrad(gathered, grads_h[0], segments)
-        grad_w3 = segment_wgrad(gathered, grads_h[1], segments) if w3 is not None else None
+        grad_w1 = segment_wgrad(gathered, grads_h[0], plan.rows)
+        grad_w3 = segment_wgrad(gathered, grads_h[1], plan.rows) if w3 is not None else None
         if w3 is None:
             a, b = grads_h[0], w1.transpose(1, 2)
         else:  # dX = dh1 @ w1^T + dh3 @ w3^T as one GEMM over the joined hidden dimension
@@ -148,6 +174,7 @@ class Comet(Exchange):
         experts = self.ctx.experts
         dtype = experts.compute_dtype(rows_ND)
         w1, w2, w3 = (None if w is None else w.to(dtype) for w in experts.weights())
-        plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND))
+        plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND),
+                         self.ctx.tuning)
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
             return CometExperts.apply(rows_ND.to(dtype).contiguous(), w1, w2, w3, plan)
