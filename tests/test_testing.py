@@ -1,6 +1,7 @@
 """The multi-process test helper reports failures and never hangs."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -47,7 +48,6 @@ def test_timeout_kills_a_hanging_rank():
 
 def rank_one_crashes_natively() -> None:
     if dist.get_rank() == 1:
-        import os
         os._exit(7)  # no Python exception: what a native crash looks like to the launcher
     t = torch.ones(1)
     dist.all_reduce(t)  # rank 0 then fails inside gloo ("Connection reset by peer" or similar)
@@ -58,3 +58,25 @@ def test_a_rank_dying_without_an_exception_is_named_first():
         run_distributed(rank_one_crashes_natively, 2, timeout=60)
     message = str(info.value)
     assert message.startswith("rank 1 died with exit code 7 without a Python exception"), message[:300]
+
+
+def environment_and_parent() -> tuple[str | None, int]:
+    return os.environ.get("WEFT_TEST_MARK"), os.getppid()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_ranks_take_the_callers_environment_at_the_call(monkeypatch, start_method):
+    """Forked ranks come from a server started at an earlier call, with its environment then: each
+    rank takes the caller's environment as it is now, as a spawned rank does."""
+    run_distributed(rank_and_sum, 1, start_method=start_method)  # the server (if any) starts without the mark
+    for mark in ("one", "two"):
+        monkeypatch.setenv("WEFT_TEST_MARK", mark)
+        results = run_distributed(environment_and_parent, 2, start_method=start_method)
+        assert [value for value, _ in results] == [mark, mark]
+        forked = all(parent != os.getpid() for _, parent in results)
+        assert forked == (start_method == "forkserver"), results
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"):
+        run_distributed(rank_and_sum, 1, start_method="fork")

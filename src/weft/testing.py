@@ -1,4 +1,4 @@
-"""Test helper: run a function in N spawned gloo processes on the CPU, with a timeout.
+"""Test helper: run a function in N gloo processes on the CPU (forked from a server), with a timeout.
 
     results = run_distributed(fn, world_size=4, args=(...,), timeout=120)
 
@@ -6,10 +6,23 @@
 with `dist.get_rank()`. Results come back in rank order; the first failing rank's traceback is
 re-raised as `DistributedTestError`, and a run past `timeout` is killed, so tests never hang.
 """
+import os
+
+from weft import launch
 from weft.launch import WorkerError as DistributedTestError
-from weft.launch import free_port, run_distributed
+from weft.launch import free_port
 
 __all__ = ["run_distributed", "run_checks", "Checks", "DistributedTestError", "free_port"]
+
+
+def run_distributed(fn, world_size: int, **kwargs):
+    """`weft.launch.run_distributed` with the ranks forked from a server that imported torch once
+    (`start_method="forkserver"`, unless given): a test suite starts hundreds of short worlds, and
+    a spawned rank spends seconds importing torch. Under TRITON_INTERPRET the ranks are spawned:
+    Triton reads that switch when a kernel is defined, and a forked rank defines weft's kernels
+    (importing `weft.launch`, its entry point) before it takes the caller's environment."""
+    kwargs.setdefault("start_method", "spawn" if os.environ.get("TRITON_INTERPRET") else "forkserver")
+    return launch.run_distributed(fn, world_size, **kwargs)
 
 
 def run_checks(fn, world_size: int, **kwargs) -> list[str]:
