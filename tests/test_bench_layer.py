@@ -1,6 +1,7 @@
 """`weft bench layer` end to end on 2 gloo ranks: every mode, both capacity regimes, JSON."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -130,3 +131,28 @@ def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
     balanced = rows[None, "balance"]
     assert balanced["median_ms"] > 0 and balanced["max_abs_error"] < 1e-5
     assert balanced["copied_experts"], "the skewed check call copied no expert"
+
+
+def comet_bench_worker(cfg: LayerBenchConfig) -> dict:
+    from weft.kernels import comet as K
+
+    def choices(device, n_comm=None):  # the interpreter's tiles, with two copy-program counts to time
+        return dataclasses.replace(K.CometTiles(16, 16, 16, 32, 2, 1, 1), n_comm_choices=(1, 2))
+
+    K.CometTiles.for_device = staticmethod(choices)
+    return layer.run(cfg)
+
+
+def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "comet.json"
+    cfg = LayerBenchConfig("tiny", 32, capacity=(1.0,), steps=1, warmup=1, json=str(out), modes=("plain", "comet"))
+    run_distributed(comet_bench_worker, 2, args=(cfg,), timeout=300)
+    report = json.loads(out.read_text())
+    plain, comet = report["results"]
+    assert "comet_copy_programs" not in plain and comet["max_abs_error"] == pytest.approx(0.0, abs=1e-5)
+    assert comet["comet_copy_programs"] and set(comet["comet_copy_programs"].values()) <= {1, 2}
+    capsys.readouterr()
+    layer.print_table(report)
+    assert re.search(r"comet .* copy programs [12]", capsys.readouterr().out)

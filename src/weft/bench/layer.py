@@ -331,6 +331,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     for row, run in zip(timed, runs):
         if not is_graphed(row["mode"]):
             row["peak_mib"] = _peak_mib(run, device)
+        if base_mode(row["mode"]) == "comet" and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
+            row["comet_copy_programs"] = {key: entry["best"] for key, entry in moe.tuning.kernels.items()}
     _prediction_errors(rows)
     if device.type == "cuda" and profile_steps > 0:
         for row, run in zip(timed, runs):
@@ -481,6 +483,8 @@ def print_table(report: dict) -> None:
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
         if r.get("copied_experts") is not None:
             tuned += f"  copied experts {r['copied_experts']} in the checked call"
+        if r.get("comet_copy_programs"):
+            tuned += "  copy programs " + "/".join(map(str, sorted(set(r["comet_copy_programs"].values()))))
         if r.get("prediction_error") is not None:
             tuned += f"  Pro-Prophet's model: {r['predicted_ms']:.3f} ms ({r['prediction_error']:+.0%})"
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
