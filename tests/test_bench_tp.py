@@ -66,3 +66,25 @@ def test_graphed_modes_need_cuda():
     cfg.validate()  # a known mode
     with pytest.raises(DistributedTestError, match=r"\+graph need CUDA"):
         run_distributed(tp.run, 1, args=(cfg,), timeout=120)
+
+
+def test_the_megatron_peer_row_says_why_it_cannot_run_here(tmp_path, capsys):
+    """`--modes ...,megatron` where Megatron-Core cannot run (not installed, or no CUDA): the row
+    names the reason and the other modes are timed as usual."""
+    out = tmp_path / "tp.json"
+    cfg = TPBenchConfig("tiny", layers=1, batch_size=2, p1=2, modes=("none", "megatron", "domino"), steps=1,
+                        warmup=1, json=str(out))
+    run_distributed(tp.run, 2, args=(cfg,), timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["none", "megatron", "domino"]
+    peer = rows[1]
+    assert peer["median_ms"] is None and peer["speedup"] is None
+    assert "megatron.core is not installed" in peer["error"] or "need CUDA" in peer["error"], peer["error"]
+    assert rows[0]["median_ms"] > 0 and rows[2]["max_abs_error"] < 1e-5
+    tp.print_table(json.loads(out.read_text()))
+    assert re.search(r"megatron  unavailable: PeerUnavailable: ", capsys.readouterr().out)
+
+
+def test_graphs_of_the_peer_are_refused():
+    with pytest.raises(ValueError, match="choose from none, domino, no-comm, megatron"):
+        TPBenchConfig("tiny", modes=("megatron+graph",)).validate()

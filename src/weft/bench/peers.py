@@ -1,10 +1,15 @@
-"""Other libraries' MoE layers, set up for `weft bench layer`.
+"""Other libraries' MoE layers, set up for `weft bench layer`, and tensor-parallel blocks, for
+`weft bench tp`.
 
-There are two peers, built with the same shapes as weft's layer:
+There are two MoE peers, built with the same shapes as weft's layer:
 
 * ``torchtitan``: torchtitan's ``MoE`` (``torchtitan.models.common.moe``, tested with 0.3.0).
 * ``megatron``: Megatron-Core's ``MoELayer`` with the all-to-all token dispatcher (tested with
   0.19.2).
+
+and one tensor-parallel peer, :func:`build_tp_peer`: Megatron-Core's ``TransformerBlock`` from
+the local spec (no Transformer Engine), tensor parallel over all ranks, with weft's dense block
+shape (written against 0.19.2; not yet run on GPUs).
 
 Each peer is imported only inside :func:`build_peer`, so weft never needs them. Call
 :func:`build_peer` on every rank after torch.distributed is initialised. Experts are split over
@@ -216,18 +221,19 @@ def _require_cuda(device: torch.device) -> None:
                               "and copies split sizes on a CUDA side stream)")
 
 
-def _megatron_parallel_state(parallel_state, tensor_parallel, world_size: int, device: torch.device) -> None:
-    """Expert-parallel groups over all ranks (TP = PP = 1), set up once per process. Reseeding
-    Megatron's RNG tracker leaves the caller's CUDA RNG state as it was."""
+def _megatron_parallel_state(parallel_state, tensor_parallel, device: torch.device, tp: int = 1, ep: int = 1) -> None:
+    """Megatron's groups: tensor parallel over `tp` ranks and expert parallel over `ep` (PP = 1),
+    set up once per process (again when the sizes change). Reseeding Megatron's RNG tracker
+    leaves the caller's CUDA RNG state as it was."""
     ready = parallel_state.model_parallel_is_initialized()
-    if ready and (parallel_state.get_expert_model_parallel_world_size() != world_size
-                  or parallel_state.get_tensor_model_parallel_world_size() != 1):
+    if ready and (parallel_state.get_expert_model_parallel_world_size() != ep
+                  or parallel_state.get_tensor_model_parallel_world_size() != tp):
         parallel_state.destroy_model_parallel()
         ready = False
     if not ready:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-            expert_model_parallel_size=world_size, create_gloo_process_groups=False)
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+            expert_model_parallel_size=ep, create_gloo_process_groups=False)
     rng = torch.cuda.get_rng_state(device)
     tensor_parallel.model_parallel_cuda_manual_seed(_SEED)
     torch.cuda.set_rng_state(rng, device)
@@ -244,7 +250,7 @@ def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activa
     _require_cuda(device)
     _check_distributed(world_size)
     torch.cuda.set_device(device)
-    _megatron_parallel_state(ps, tp, world_size, device)
+    _megatron_parallel_state(ps, tp, device, ep=world_size)
 
     act = {"relu": torch.nn.functional.relu, "gelu": torch.nn.functional.gelu,
            "silu": torch.nn.functional.silu, "swiglu": torch.nn.functional.silu}[activation]
@@ -295,3 +301,57 @@ def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activa
         f"ColumnParallelLinear/RowParallelLinear, no grouped GEMM), activation {act_desc}, no bias, "
         f"params {str(dtype).replace('torch.', '')}; {capacity}")
     return PeerLayer(layer, description, run)
+
+
+# -- Megatron-Core tensor parallelism (weft bench tp) ----------------------------------------
+
+def build_tp_peer(dim: int, n_head: int, hidden_dim: int, layers: int, seq_len: int, norm_eps: float,
+                  rope_theta: float, dtype: torch.dtype, device: torch.device | str,
+                  world_size: int) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], str]:
+    """Megatron-Core's `TransformerBlock` of `layers` GPT layers from the local spec (no Transformer
+    Engine): RMSNorm, causal self-attention with rotary q, k (`DotProductAttention`: unfused
+    softmax), GELU MLP, no biases, no final norm, tensor parallel over all `world_size` ranks
+    (Megatron's schedule: column- then row-parallel linears, one all-reduce after each sub-layer;
+    no sequence parallelism). Returns (module, run, description); `run(x)` maps weft's (batch,
+    seq, dim) to (batch, seq, dim). Raises `PeerUnavailable` where it cannot run."""
+    ps, tp, cfg_mod, block_mod, specs, rotary_mod = _import(
+        "megatron.core", ("megatron.core.parallel_state", "megatron.core.tensor_parallel",
+                          "megatron.core.transformer.transformer_config",
+                          "megatron.core.transformer.transformer_block", "megatron.core.models.gpt.gpt_layer_specs",
+                          "megatron.core.models.common.embeddings.rotary_pos_embedding"),
+        "megatron-core==0.19.2")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise PeerUnavailable("Megatron-Core's tensor-parallel layers need CUDA (they allocate on "
+                              "torch.cuda.current_device() and fork its CUDA RNG tracker)")
+    _check_distributed(world_size)
+    torch.cuda.set_device(device)
+    _megatron_parallel_state(ps, tp, device, tp=world_size)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = cfg_mod.TransformerConfig(
+            num_layers=layers, hidden_size=dim, num_attention_heads=n_head, ffn_hidden_size=hidden_dim,
+            normalization="RMSNorm", layernorm_epsilon=norm_eps, activation_func=torch.nn.functional.gelu,
+            gated_linear_unit=False, add_bias_linear=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+            gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+            tensor_model_parallel_size=world_size, pipeline_model_parallel_size=1, sequence_parallel=False,
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            init_method_std=_INIT_STD, use_cpu_initialization=False, perform_initialization=True,
+        )
+        block = block_mod.TransformerBlock(config, specs.get_gpt_layer_local_spec(normalization="RMSNorm"),
+                                           post_layer_norm=False)
+        rotary = rotary_mod.RotaryEmbedding(kv_channels=dim // n_head, rotary_percent=1.0,
+                                            rotary_base=int(rope_theta))
+    rope = rotary(seq_len)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        out = block(x.transpose(0, 1), attention_mask=None, rotary_pos_emb=rope)  # Megatron's layout: [S, B, D]
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(0, 1)
+
+    description = (f"Megatron-Core {_version('megatron-core')} TransformerBlock, local spec without Transformer "
+                   f"Engine: {layers} layers, TP={world_size} (column/row-parallel linears, an all-reduce per "
+                   f"sub-layer, no sequence parallelism), unfused attention and softmax, torch RMSNorm, GELU MLP, "
+                   f"no bias, params {str(dtype).replace('torch.', '')}")
+    return block, run, description

@@ -4,7 +4,9 @@ schedule, side by side: `none` (Megatron: every all-reduce waited where it is is
 overlapped) and `no-comm` (the
 all-reduces left out: the time an overlap can reach at best; not the model's function). A mode
 with `+graph` (GPUs) replays its forward and backward as one CUDA graph (weft.graphs), without the
-host's launch work (Domino sec. 4.3).
+host's launch work (Domino sec. 4.3). `megatron`: Megatron-Core's own tensor-parallel
+`TransformerBlock` with the same shapes (`weft.bench.peers.build_tp_peer`; its own weights, so
+not checked against `none`), where it is installed and runs (GPUs); elsewhere its row says why not.
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
 same batch. `domino` is checked against `none` on the first batch (`max_abs_error`: outputs and
@@ -15,12 +17,14 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, profile_parts
+from weft.bench.peers import build_tp_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
@@ -42,6 +46,7 @@ class TPShape:
 # model; `tiny` for the CPU.
 SHAPES = {"gpt3-2.7b": TPShape(2560, 32, 10240, 1024), "tiny": TPShape(64, 4, 256, 32)}
 MODES = ("none", "domino", "no-comm")
+PEER = "megatron"  # Megatron-Core's tensor-parallel block: timed beside, never graphed
 GRAPH_SUFFIX = "+graph"
 
 
@@ -57,7 +62,8 @@ class TPBenchConfig:
     p2: int = arg(1, "domino: column slices of each sub-layer's last linear (1: none; with p1 > 1 the hybrid)",
                   parse=positive_int)
     modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm, each "
-                                 "optionally with +graph (one CUDA graph per step, GPUs); a mode listed twice is "
+                                 "optionally with +graph (one CUDA graph per step, GPUs), and megatron "
+                                 "(Megatron-Core's tensor-parallel block, if installed); a mode listed twice is "
                                  "timed twice (the noise)", parse=names)
     dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
     steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
@@ -69,9 +75,9 @@ class TPBenchConfig:
     def validate(self) -> None:
         if self.config not in SHAPES:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(SHAPES)}")
-        unknown = [m for m in self.modes if m.removesuffix(GRAPH_SUFFIX) not in MODES]
+        unknown = [m for m in self.modes if m.removesuffix(GRAPH_SUFFIX) not in MODES and m != PEER]
         if not self.modes or unknown:
-            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}")
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}, {PEER}")
         if any(m.startswith("domino") for m in self.modes) and self.p1 > self.batch_size:
             raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
 
@@ -132,28 +138,53 @@ def run(bench: TPBenchConfig) -> dict:
             return result
         return run_eager
 
-    steps = {m: step_of(m) for m in dict.fromkeys(bench.modes)}
+    steps, unavailable, descriptions = {}, {}, {}
+    for mode in dict.fromkeys(bench.modes):
+        if mode != PEER:
+            steps[mode] = step_of(mode)
+            continue
+        try:
+            steps[mode], descriptions[mode] = _peer_step(shape, config, bench.layers, seq, dtype, device, world, x,
+                                                         grad)
+        except Exception as e:  # a peer that cannot run here is reported, not fatal
+            unavailable[mode] = f"{type(e).__name__}: {e}"
     reference = tuple(t.clone() for t in step_of("none")())
     errors = {}
-    for mode, step in steps.items():
-        out, dx = step()
-        errors[mode] = None if mode.startswith("no-comm") else max(float((out - reference[0]).abs().max()),
-                                                                   float((dx - reference[1]).abs().max()))
-    runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in bench.modes]
-    times = interleaved_ms(runs, bench.steps, bench.warmup, device)
+    for mode, step in list(steps.items()):
+        try:
+            out, dx = step()
+        except Exception as e:  # the peer's first step is where an API mismatch shows
+            if mode != PEER:
+                raise
+            unavailable[mode] = f"{type(e).__name__}: {e}"
+            del steps[mode]
+            continue
+        checked = not mode.startswith("no-comm") and mode != PEER  # no-comm: not the function; the peer: other weights
+        errors[mode] = max(float((out - reference[0]).abs().max()),
+                           float((dx - reference[1]).abs().max())) if checked else None
+    timed = [m for m in bench.modes if m in steps]
+    runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in timed]
+    samples = iter(interleaved_ms(runs, bench.steps, bench.warmup, device)[:, 0] if runs else [])
     flops = flops_per_step(shape, bench.layers, bench.batch_size, seq) / world
     rows = []
     for i, mode in enumerate(bench.modes):
-        q1, median, q3 = quartiles(times[i, 0])
-        row = {"mode": mode, "repeat": bench.modes[:i].count(mode), "median_ms": median, "iqr_ms": q3 - q1,
-               "min_ms": float(times[i, 0].min()), "max_abs_error": errors[mode],
-               "tflops_per_rank": flops / (median * 1e-3) / 1e12}
+        row = {"mode": mode, "repeat": bench.modes[:i].count(mode)}
+        rows.append(row)
+        if mode in unavailable:
+            row.update(median_ms=None, error=unavailable[mode])
+            continue
+        sample = next(samples)
+        q1, median, q3 = quartiles(sample)
+        row.update(median_ms=median, iqr_ms=q3 - q1, min_ms=float(sample.min()), max_abs_error=errors[mode],
+                   tflops_per_rank=flops / (median * 1e-3) / 1e12)
+        if mode in descriptions:
+            row["description"] = descriptions[mode]
         if device.type == "cuda" and bench.profile_steps > 0:
             row.update(profile_parts(steps[mode], bench.profile_steps))
-        rows.append(row)
-    base = next((r for r in rows if r["mode"] == "none"), rows[0])
+    base = next((r for r in rows if r["mode"] == "none"), None) or next(
+        (r for r in rows if r["median_ms"] is not None), None)
     for row in rows:
-        row["speedup"] = base["median_ms"] / row["median_ms"]
+        row["speedup"] = base["median_ms"] / row["median_ms"] if base and row["median_ms"] is not None else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"meta": {"config": bench.config, **vars(shape), "seq_len": seq, "layers": bench.layers,
                        "batch_size": bench.batch_size, "p1": bench.p1, "p2": bench.p2, "tp": world, "device": name,
@@ -169,6 +200,21 @@ def run(bench: TPBenchConfig) -> dict:
     return report
 
 
+def _peer_step(shape: TPShape, config: GPTConfig, layers: int, seq: int, dtype: torch.dtype, device: torch.device,
+               world: int, x: torch.Tensor, grad: torch.Tensor) -> tuple[Callable, str]:
+    """Megatron-Core's block as a step like the others: x -> (output, input gradient)."""
+    block, forward, description = build_tp_peer(shape.dim, shape.n_head, shape.hidden_dim, layers, seq,
+                                                 config.norm_eps, config.rope_theta, dtype, device, world)
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        x_in = x.detach().requires_grad_()
+        out = forward(x_in)
+        out.backward(grad)
+        block.zero_grad(set_to_none=True)
+        return out.detach(), x_in.grad
+    return step, description
+
+
 def print_table(report: dict) -> None:
     meta = report["meta"]
     print(f"\nweft bench tp: {meta['config']} ({meta['layers']} blocks of {meta['dim']} x {meta['hidden_dim']}, "
@@ -179,6 +225,9 @@ def print_table(report: dict) -> None:
           f"{'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
     for r in report["results"]:
         label = r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "")
+        if r["median_ms"] is None:
+            print(f"{label:>10}  unavailable: {r['error'][:150]}")
+            continue
         err = "n/a" if r["max_abs_error"] is None else f"{r['max_abs_error']:.1e}"
         comm, exposed, hidden = comm_cells(r)
         print(f"{label:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {r['min_ms']:>8.3f} {r['speedup']:>7.2f}x "
