@@ -8,7 +8,7 @@
 #            and whole iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline:
 #            the share of Trans and Agg under computation)
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
-#            Megatron-Core's tensor-parallel block (bench tp; its wheel carried in .whl/), NVLink and
+#            Megatron-Core's block and DeepSpeed's Domino (bench tp; wheels carried in .whl/), NVLink and
 #            NCCL_P2P_DISABLE=1, and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
@@ -18,7 +18,7 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
-if ls .whl/*.whl > /dev/null 2>&1; then  # optional peers (megatron-core), carried as wheels (bench/peers.py)
+if ls .whl/*.whl > /dev/null 2>&1; then  # optional peers (megatron-core, deepspeed), carried as wheels (bench/peers.py)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
@@ -51,7 +51,7 @@ part_domino() {
     $RUN bench model --preset gpt3-2.7b --tp 2 --batch-size 4 --modes tp,domino,no-comm,tp --steps 10 \
       --warmup 3 --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1
     grep -v "$QUIET" "$1/model_$regime.log" | tail -n 10
-    $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 --modes none,domino,no-comm,megatron,none \
+    $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 --modes none,domino,no-comm,megatron,deepspeed,none \
       --steps 10 --warmup 3 --json "$1/blocks_$regime.json" > "$1/blocks_$regime.log" 2>&1
     grep -v "$QUIET" "$1/blocks_$regime.log" | tail -n 8
   done

@@ -5,8 +5,10 @@ import json
 import re
 
 import pytest
+import torch
 
 from weft.bench import tp
+from weft.bench.peers import build_tp_peer
 from weft.bench.tp import TPBenchConfig, flops_per_step
 from weft.testing import run_distributed
 
@@ -68,23 +70,33 @@ def test_graphed_modes_need_cuda():
         run_distributed(tp.run, 1, args=(cfg,), timeout=120)
 
 
-def test_the_megatron_peer_row_says_why_it_cannot_run_here(tmp_path, capsys):
-    """`--modes ...,megatron` where Megatron-Core cannot run (not installed, or no CUDA): the row
-    names the reason and the other modes are timed as usual."""
+def test_peer_rows_say_why_they_cannot_run_here(tmp_path, capsys):
+    """`--modes ...,megatron,deepspeed` where a peer cannot run (not installed; Megatron-Core also
+    needs CUDA): its row names the reason and the other modes are timed as usual."""
     out = tmp_path / "tp.json"
-    cfg = TPBenchConfig("tiny", layers=1, batch_size=2, p1=2, modes=("none", "megatron", "domino"), steps=1,
-                        warmup=1, json=str(out))
+    cfg = TPBenchConfig("tiny", layers=1, batch_size=2, p1=2, modes=("none", "megatron", "domino", "deepspeed"),
+                        steps=1, warmup=1, json=str(out))
     run_distributed(tp.run, 2, args=(cfg,), timeout=300)
-    rows = json.loads(out.read_text())["results"]
-    assert [r["mode"] for r in rows] == ["none", "megatron", "domino"]
-    peer = rows[1]
-    assert peer["median_ms"] is None and peer["speedup"] is None
-    assert "megatron.core is not installed" in peer["error"] or "need CUDA" in peer["error"], peer["error"]
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [r["mode"] for r in rows] == ["none", "megatron", "domino", "deepspeed"]
     assert rows[0]["median_ms"] > 0 and rows[2]["max_abs_error"] < 1e-5
-    tp.print_table(json.loads(out.read_text()))
+    megatron, deepspeed = rows[1], rows[3]
+    assert megatron["median_ms"] is None and megatron["speedup"] is None
+    assert "megatron.core is not installed" in megatron["error"] or "need CUDA" in megatron["error"]
+    if deepspeed["median_ms"] is None:  # DeepSpeed runs on gloo where it is installed
+        assert "deepspeed is not installed" in deepspeed["error"], deepspeed["error"]
+    else:
+        assert deepspeed["max_abs_error"] is None and "Domino" in deepspeed["description"]
+    capsys.readouterr()
+    tp.print_table(report)
     assert re.search(r"megatron  unavailable: PeerUnavailable: ", capsys.readouterr().out)
 
 
-def test_graphs_of_the_peer_are_refused():
-    with pytest.raises(ValueError, match="choose from none, domino, no-comm, megatron"):
+def test_graphs_of_peers_and_unknown_peers_are_refused():
+    with pytest.raises(ValueError, match="choose from none, domino, no-comm, megatron, deepspeed"):
         TPBenchConfig("tiny", modes=("megatron+graph",)).validate()
+    with pytest.raises(ValueError, match="unknown tensor-parallel peer 'apex'"):
+        build_tp_peer("apex", 64, 4, 256, 1, 32, 1e-5, 1e4, torch.float32, "cpu", 1)
+    with pytest.raises(ValueError, match=r"heads \(4\) and MLP width \(256\) must split over 3 ranks"):
+        build_tp_peer("deepspeed", 64, 4, 256, 1, 32, 1e-5, 1e4, torch.float32, "cpu", 3)

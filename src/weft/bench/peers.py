@@ -7,9 +7,13 @@ There are two MoE peers, built with the same shapes as weft's layer:
 * ``megatron``: Megatron-Core's ``MoELayer`` with the all-to-all token dispatcher (tested with
   0.19.2).
 
-and one tensor-parallel peer, :func:`build_tp_peer`: Megatron-Core's ``TransformerBlock`` from
-the local spec (no Transformer Engine), tensor parallel over all ranks, with weft's dense block
-shape (written against 0.19.2; not yet run on GPUs).
+and two tensor-parallel peers, :func:`build_tp_peer`, with weft's dense block shape, tensor
+parallel over all ranks:
+
+* ``megatron``: Megatron-Core's ``TransformerBlock`` from the local spec (no Transformer Engine;
+  written against 0.19.2, not yet run on GPUs).
+* ``deepspeed``: DeepSpeed's Domino (``deepspeed.runtime.domino.transformer.DominoTransformer``,
+  the paper authors' code; tested with 0.19.8 on CPU gloo ranks).
 
 Each peer is imported only inside :func:`build_peer`, so weft never needs them. Call
 :func:`build_peer` on every rank after torch.distributed is initialised. Experts are split over
@@ -24,6 +28,12 @@ beside the system's torch::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+
+DeepSpeed is an sdist on PyPI; `DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation
+deepspeed==0.19.8` makes a pure-Python wheel (Domino needs none of its compiled ops), and its
+imports need einops, hjson, msgpack, psutil, py-cpuinfo and pydantic (2, with pydantic-core,
+annotated-types, typing-inspection): `pip download --no-deps --only-binary=:all:
+--python-version 3.12` of those for the GPU machine's Python.
 """
 from __future__ import annotations
 
@@ -33,6 +43,7 @@ import importlib.util
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -305,22 +316,36 @@ def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activa
 
 # -- Megatron-Core tensor parallelism (weft bench tp) ----------------------------------------
 
-def build_tp_peer(dim: int, n_head: int, hidden_dim: int, layers: int, seq_len: int, norm_eps: float,
+TP_PEERS = ("megatron", "deepspeed")
+
+
+def build_tp_peer(name: str, dim: int, n_head: int, hidden_dim: int, layers: int, seq_len: int, norm_eps: float,
                   rope_theta: float, dtype: torch.dtype, device: torch.device | str,
                   world_size: int) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor], str]:
+    """Tensor-parallel peer `name` (`TP_PEERS`): (module, run, description), `run(x)` mapping
+    weft's (batch, seq, dim) to (batch, seq, dim) through `layers` blocks split over all
+    `world_size` ranks. Raises `PeerUnavailable` where it cannot run."""
+    if name not in TP_PEERS:
+        raise ValueError(f"unknown tensor-parallel peer {name!r}; choose from {TP_PEERS}")
+    if dim % n_head or n_head % world_size or hidden_dim % world_size:
+        raise ValueError(f"heads ({n_head}) and MLP width ({hidden_dim}) must split over {world_size} ranks")
+    build = _build_megatron_tp if name == "megatron" else _build_deepspeed_domino
+    return build(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_theta, dtype, torch.device(device),
+                 world_size)
+
+
+def _build_megatron_tp(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_theta, dtype, device, world_size):
     """Megatron-Core's `TransformerBlock` of `layers` GPT layers from the local spec (no Transformer
     Engine): RMSNorm, causal self-attention with rotary q, k (`DotProductAttention`: unfused
     softmax), GELU MLP, no biases, no final norm, tensor parallel over all `world_size` ranks
     (Megatron's schedule: column- then row-parallel linears, one all-reduce after each sub-layer;
-    no sequence parallelism). Returns (module, run, description); `run(x)` maps weft's (batch,
-    seq, dim) to (batch, seq, dim). Raises `PeerUnavailable` where it cannot run."""
+    no sequence parallelism)."""
     ps, tp, cfg_mod, block_mod, specs, rotary_mod = _import(
         "megatron.core", ("megatron.core.parallel_state", "megatron.core.tensor_parallel",
                           "megatron.core.transformer.transformer_config",
                           "megatron.core.transformer.transformer_block", "megatron.core.models.gpt.gpt_layer_specs",
                           "megatron.core.models.common.embeddings.rotary_pos_embedding"),
         "megatron-core==0.19.2")
-    device = torch.device(device)
     if device.type != "cuda":
         raise PeerUnavailable("Megatron-Core's tensor-parallel layers need CUDA (they allocate on "
                               "torch.cuda.current_device() and fork its CUDA RNG tracker)")
@@ -354,4 +379,60 @@ def build_tp_peer(dim: int, n_head: int, hidden_dim: int, layers: int, seq_len: 
                    f"Engine: {layers} layers, TP={world_size} (column/row-parallel linears, an all-reduce per "
                    f"sub-layer, no sequence parallelism), unfused attention and softmax, torch RMSNorm, GELU MLP, "
                    f"no bias, params {str(dtype).replace('torch.', '')}")
+    return block, run, description
+
+
+class _WorldTP:
+    """The model-parallel unit DeepSpeed's Domino asks for its tensor-parallel group: the world."""
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size() -> int:
+        return dist.get_world_size()
+
+    @staticmethod
+    def get_tensor_model_parallel_group():
+        return dist.group.WORLD
+
+
+def _rotate(t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (halves rotated) of t (..., seq, head_dim) by angles (seq, head_dim)."""
+    t1, t2 = t.chunk(2, dim=-1)
+    return t * angles.cos().to(t.dtype) + torch.cat([-t2, t1], dim=-1) * angles.sin().to(t.dtype)
+
+
+def _build_deepspeed_domino(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_theta, dtype, device,
+                            world_size):
+    """DeepSpeed's Domino transformer (`DominoTransformer`, inter-layer overlap): the batch in 2
+    micro-batches whose all-reduces run asynchronously under the other's computation, LayerNorm,
+    fused causal attention (SDPA), GELU MLP, no biases, no final norm, TP over all ranks."""
+    (domino,) = _import("deepspeed", ("deepspeed.runtime.domino.transformer",), "deepspeed==0.19.8")
+    _check_distributed(world_size)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+    def init(weight: torch.Tensor) -> torch.Tensor:
+        return nn.init.normal_(weight, 0.0, _INIT_STD)
+
+    config = SimpleNamespace(  # the fields DeepSpeed's Domino reads (Megatron's names)
+        num_layers=layers, hidden_size=dim, num_attention_heads=n_head, kv_channels=dim // n_head,
+        ffn_hidden_size=hidden_dim, gated_linear_unit=False, add_bias_linear=False, layernorm_epsilon=norm_eps,
+        apply_residual_connection_post_layernorm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=dtype, perform_initialization=True, init_method=init, output_layer_init_method=init,
+        domino_intra_layer_overlap=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        block = domino.DominoTransformer(config, _WorldTP(), _rotate, domino.ModelType.encoder_or_decoder,
+                                         post_layer_norm=False).to(device)
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, dim // n_head, 2, dtype=torch.float32) / (dim // n_head))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([freqs, freqs], dim=-1).to(device)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] % 2:
+            raise ValueError(f"DeepSpeed's Domino splits the batch in 2: batch {x.shape[0]} is odd")
+        return block(x.transpose(0, 1), None, rotary_pos_emb=angles).transpose(0, 1)  # its layout: [S, B, D]
+
+    description = (f"DeepSpeed {_version('deepspeed')} Domino (DominoTransformer, inter-layer overlap): {layers} "
+                   f"layers, TP={world_size}, the batch in 2 micro-batches with asynchronous all-reduces, "
+                   f"LayerNorm, SDPA causal attention, GELU MLP, no bias, params {str(dtype).replace('torch.', '')}")
     return block, run, description

@@ -4,9 +4,10 @@ schedule, side by side: `none` (Megatron: every all-reduce waited where it is is
 overlapped) and `no-comm` (the
 all-reduces left out: the time an overlap can reach at best; not the model's function). A mode
 with `+graph` (GPUs) replays its forward and backward as one CUDA graph (weft.graphs), without the
-host's launch work (Domino sec. 4.3). `megatron`: Megatron-Core's own tensor-parallel
-`TransformerBlock` with the same shapes (`weft.bench.peers.build_tp_peer`; its own weights, so
-not checked against `none`), where it is installed and runs (GPUs); elsewhere its row says why not.
+host's launch work (Domino sec. 4.3). The peers `megatron` (Megatron-Core's tensor-parallel
+`TransformerBlock`) and `deepspeed` (DeepSpeed's Domino) run the same shapes
+(`weft.bench.peers.build_tp_peer`; their own weights, so not checked against `none`) where they
+are installed and run; elsewhere their rows say why not.
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
 same batch. `domino` is checked against `none` on the first batch (`max_abs_error`: outputs and
@@ -24,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, profile_parts
-from weft.bench.peers import build_tp_peer
+from weft.bench.peers import TP_PEERS, build_tp_peer
 from weft.bench.timing import Run, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
@@ -46,7 +47,6 @@ class TPShape:
 # model; `tiny` for the CPU.
 SHAPES = {"gpt3-2.7b": TPShape(2560, 32, 10240, 1024), "tiny": TPShape(64, 4, 256, 32)}
 MODES = ("none", "domino", "no-comm")
-PEER = "megatron"  # Megatron-Core's tensor-parallel block: timed beside, never graphed
 GRAPH_SUFFIX = "+graph"
 
 
@@ -62,9 +62,9 @@ class TPBenchConfig:
     p2: int = arg(1, "domino: column slices of each sub-layer's last linear (1: none; with p1 > 1 the hybrid)",
                   parse=positive_int)
     modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm, each "
-                                 "optionally with +graph (one CUDA graph per step, GPUs), and megatron "
-                                 "(Megatron-Core's tensor-parallel block, if installed); a mode listed twice is "
-                                 "timed twice (the noise)", parse=names)
+                                 "optionally with +graph (one CUDA graph per step, GPUs), and the peers megatron "
+                                 "(Megatron-Core's tensor-parallel block) and deepspeed (DeepSpeed's Domino), if "
+                                 "installed; a mode listed twice is timed twice (the noise)", parse=names)
     dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
     steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
     warmup: int = arg(5, "untimed rounds first", parse=positive_int)
@@ -75,9 +75,9 @@ class TPBenchConfig:
     def validate(self) -> None:
         if self.config not in SHAPES:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(SHAPES)}")
-        unknown = [m for m in self.modes if m.removesuffix(GRAPH_SUFFIX) not in MODES and m != PEER]
+        unknown = [m for m in self.modes if m.removesuffix(GRAPH_SUFFIX) not in MODES and m not in TP_PEERS]
         if not self.modes or unknown:
-            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES)}, {PEER}")
+            raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(MODES + TP_PEERS)}")
         if any(m.startswith("domino") for m in self.modes) and self.p1 > self.batch_size:
             raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
 
@@ -140,12 +140,12 @@ def run(bench: TPBenchConfig) -> dict:
 
     steps, unavailable, descriptions = {}, {}, {}
     for mode in dict.fromkeys(bench.modes):
-        if mode != PEER:
+        if mode not in TP_PEERS:
             steps[mode] = step_of(mode)
             continue
         try:
-            steps[mode], descriptions[mode] = _peer_step(shape, config, bench.layers, seq, dtype, device, world, x,
-                                                         grad)
+            steps[mode], descriptions[mode] = _peer_step(mode, shape, config, bench.layers, seq, dtype, device,
+                                                         world, x, grad)
         except Exception as e:  # a peer that cannot run here is reported, not fatal
             unavailable[mode] = f"{type(e).__name__}: {e}"
     reference = tuple(t.clone() for t in step_of("none")())
@@ -154,12 +154,13 @@ def run(bench: TPBenchConfig) -> dict:
         try:
             out, dx = step()
         except Exception as e:  # the peer's first step is where an API mismatch shows
-            if mode != PEER:
+            if mode not in TP_PEERS:
                 raise
             unavailable[mode] = f"{type(e).__name__}: {e}"
             del steps[mode]
             continue
-        checked = not mode.startswith("no-comm") and mode != PEER  # no-comm: not the function; the peer: other weights
+        # no-comm is not the function; the peers have their own weights
+        checked = not mode.startswith("no-comm") and mode not in TP_PEERS
         errors[mode] = max(float((out - reference[0]).abs().max()),
                            float((dx - reference[1]).abs().max())) if checked else None
     timed = [m for m in bench.modes if m in steps]
@@ -200,10 +201,10 @@ def run(bench: TPBenchConfig) -> dict:
     return report
 
 
-def _peer_step(shape: TPShape, config: GPTConfig, layers: int, seq: int, dtype: torch.dtype, device: torch.device,
-               world: int, x: torch.Tensor, grad: torch.Tensor) -> tuple[Callable, str]:
-    """Megatron-Core's block as a step like the others: x -> (output, input gradient)."""
-    block, forward, description = build_tp_peer(shape.dim, shape.n_head, shape.hidden_dim, layers, seq,
+def _peer_step(name: str, shape: TPShape, config: GPTConfig, layers: int, seq: int, dtype: torch.dtype,
+               device: torch.device, world: int, x: torch.Tensor, grad: torch.Tensor) -> tuple[Callable, str]:
+    """A peer's blocks as a step like the others: x -> (output, input gradient)."""
+    block, forward, description = build_tp_peer(name, shape.dim, shape.n_head, shape.hidden_dim, layers, seq,
                                                  config.norm_eps, config.rope_theta, dtype, device, world)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
