@@ -125,12 +125,13 @@ def run_distributed(
     env: dict[str, Any] | None = None,
     start_method: str = "spawn",
 ) -> list[Any]:
-    """Run `fn(*args)` on `world_size` spawned local ranks; return their results in rank order.
+    """Run `fn(*args)` on `world_size` local ranks; return their results in rank order.
 
     Each rank initialises torch.distributed (gloo over loopback, or NCCL with one GPU per rank)
     before calling `fn`, which reads its rank from `dist.get_rank()`. The first exception in any
     rank terminates all of them and is re-raised here with that rank's traceback; a run past
-    `timeout` seconds (None: no limit) is killed and reported. `fn` must be picklable.
+    `timeout` seconds (None: no limit) is killed and reported. `fn` and `args` must be picklable
+    (plain pickle: tensors travel by value).
 
     `start_method`: "spawn" (a new interpreter per rank) or "forkserver" (ranks forked from one
     server process per launcher that imported torch once, with the launcher's environment as it
