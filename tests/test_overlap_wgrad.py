@@ -288,10 +288,10 @@ def test_communicate_measures_an_unknown_collective_then_fills_it():
 @pytest.mark.parametrize("in_place", [True, False])
 def test_an_item_no_collective_takes_runs_where_it_is_produced(in_place):
     # Lancet moves only the dW instructions it assigns to an all-to-all; the others stay in
-    # place. The collective's budget (1 ms) fits the items before it; w_mid's item comes after
-    # it, so from the second backward on its dW runs inside autograd, before backward reaches x
-    # (in_place), not at the end.
-    scheduler = WGradScheduler(comm_time=lambda nbytes: 1e-3, in_place=in_place)
+    # place. The collective's budget (1e9 s: whatever the items' measured times on a loaded
+    # machine) fits the items before it; w_mid's item comes after it, so from the second backward
+    # on its dW runs inside autograd, before backward reaches x (in_place), not at the end.
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1e9, in_place=in_place)
     params = make_params()
     handle = FakeHandle(lambda: None)
     seen = []
