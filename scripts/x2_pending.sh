@@ -2,6 +2,7 @@
 # The 2-GPU measurements the open issues wait on, in parts that each fit one device call (<= 600 s)
 # on nvidia-h200-x2. Logs and JSON under $OUT/<part>/; each part's tables are printed last.
 #   PARTS="tests balance" OUT=$OUT bash scripts/x2_pending.sh
+# The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
 #   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule and of TP for MoE models
 #   balance  Pro-Prophet: the layer at skew 1.2 and 0 (plain vs balance, the plan's predicted time),

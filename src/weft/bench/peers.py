@@ -22,18 +22,16 @@ all ``world_size`` ranks (expert parallel), with no tensor or pipeline paralleli
 backpropagated through.
 
 The peers are not dependencies of weft. On a machine without network, put their wheels in
-``.whl/`` (``pip download --no-deps`` of torchtitan==0.3.0, spmd_types==0.2.3, tyro,
-docstring-parser, typeguard, typing_extensions>=4.13, megatron-core==0.19.2) and install them
-beside the system's torch::
+``.whl/`` (``scripts/peer_wheels.sh`` downloads and builds them: torchtitan==0.3.0,
+spmd_types==0.2.3, tyro, docstring-parser, typeguard, typing_extensions, megatron-core==0.19.2,
+deepspeed==0.19.8 and what it imports) and install them beside the system's torch::
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
 
-DeepSpeed is an sdist on PyPI; `DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation
-deepspeed==0.19.8` makes a pure-Python wheel (Domino needs none of its compiled ops), and its
-imports need einops, hjson, msgpack, psutil, py-cpuinfo and pydantic (2, with pydantic-core,
-annotated-types, typing-inspection): `pip download --no-deps --only-binary=:all:
---python-version 3.12` of those for the GPU machine's Python.
+DeepSpeed is an sdist on PyPI; the script builds it as a pure-Python wheel (`DS_BUILD_OPS=0`:
+Domino needs none of its compiled ops) and fetches what its imports need (einops, hjson, msgpack,
+psutil, py-cpuinfo, pydantic 2) for the GPU machine's Python.
 """
 from __future__ import annotations
 
