@@ -332,8 +332,12 @@ def test_kernel_parameters_are_timed_once_and_kept_with_the_dictionary(tmp_path,
     the exchange settings and reloaded; a kept choice that is no longer a candidate is timed anew."""
     fake_ms = {16: [3.0, 2.0], 32: [1.5, 9.0], 64: [1.8, 1.7]}  # 32 wins on its best trial
     served = {c: iter(v) for c, v in fake_ms.items()}
-    monkeypatch.setattr("weft.tune.dictionary._time_ms", lambda run, c, device: (run(c), next(served[c]))[1])
     runs = []
+
+    def fake_seconds(fn, device):  # the next fake time of the candidate fn just ran
+        fn()
+        return next(served[runs[-1]]) / 1e3
+    monkeypatch.setattr("weft.tune.dictionary.seconds", fake_seconds)
     path = tmp_path / "tuning.json"
     tuning = TuningDictionary(path, trials=2)
     assert tuning.picked("comet.pull-x") is None

@@ -1,5 +1,6 @@
 """Named stages for the torch profiler: `with stage("dispatch"): ...` marks a region as a
-`weft.dispatch` range while a profiler is recording, and costs one C call otherwise.
+`weft.dispatch` range while a profiler is recording, and costs one C call otherwise; and
+`seconds(fn, device)`, the one timer of a call that measuring code shares.
 
 `weft.bench.breakdown` attributes every GPU kernel to the innermost stage that launched it,
 forward and backward (a backward op inherits the stage of the forward op it differentiates).
@@ -7,6 +8,8 @@ forward and backward (a backward op inherits the stage of the forward op it diff
 from __future__ import annotations
 
 import contextlib
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,3 +21,17 @@ def stage(name: str) -> contextlib.AbstractContextManager:
     if torch._C._autograd._profiler_enabled():
         return torch.profiler.record_function(PREFIX + name)
     return contextlib.nullcontext()
+
+
+def seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one fn() call: between two CUDA events on GPUs (no host sync inside), else wall."""
+    if device.type != "cuda":
+        begin = time.perf_counter()
+        fn()
+        return time.perf_counter() - begin
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from weft.models.gpt import apply_rotary, rotary_tables
+
 PEERS = ("torchtitan", "megatron")
 _ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 _INIT_STD = 0.02
@@ -224,10 +226,9 @@ def _build_torchtitan(dim, hidden_dim, num_experts, top_k, capacity_factor, acti
 
 # -- Megatron-Core ---------------------------------------------------------------------------
 
-def _require_cuda(device: torch.device) -> None:
+def _require_cuda(device: torch.device, why: str) -> None:
     if device.type != "cuda":
-        raise PeerUnavailable("Megatron-Core's MoELayer needs CUDA (it allocates on torch.cuda.current_device() "
-                              "and copies split sizes on a CUDA side stream)")
+        raise PeerUnavailable(f"{why} need CUDA")
 
 
 def _megatron_parallel_state(parallel_state, tensor_parallel, device: torch.device, tp: int = 1, ep: int = 1) -> None:
@@ -256,7 +257,8 @@ def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activa
         "megatron.core", ("megatron.core.parallel_state", "megatron.core.tensor_parallel",
                           "megatron.core.transformer.transformer_config", "megatron.core.models.gpt.moe_module_specs"),
         "megatron-core==0.19.2")
-    _require_cuda(device)
+    _require_cuda(device, "Megatron-Core's MoELayer and its dispatcher (allocating on torch.cuda.current_device(), "
+                          "copying split sizes on a CUDA side stream)")
     _check_distributed(world_size)
     torch.cuda.set_device(device)
     _megatron_parallel_state(ps, tp, device, ep=world_size)
@@ -312,7 +314,7 @@ def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activa
     return PeerLayer(layer, description, run)
 
 
-# -- Megatron-Core tensor parallelism (weft bench tp) ----------------------------------------
+# -- tensor-parallel peers (weft bench tp) ----------------------------------------------------
 
 TP_PEERS = ("megatron", "deepspeed")
 
@@ -344,9 +346,8 @@ def _build_megatron_tp(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_
                           "megatron.core.transformer.transformer_block", "megatron.core.models.gpt.gpt_layer_specs",
                           "megatron.core.models.common.embeddings.rotary_pos_embedding"),
         "megatron-core==0.19.2")
-    if device.type != "cuda":
-        raise PeerUnavailable("Megatron-Core's tensor-parallel layers need CUDA (they allocate on "
-                              "torch.cuda.current_device() and fork its CUDA RNG tracker)")
+    _require_cuda(device, "Megatron-Core's tensor-parallel layers (allocating on torch.cuda.current_device(), "
+                          "forking its CUDA RNG tracker)")
     _check_distributed(world_size)
     torch.cuda.set_device(device)
     _megatron_parallel_state(ps, tp, device, tp=world_size)
@@ -392,10 +393,9 @@ class _WorldTP:
         return dist.group.WORLD
 
 
-def _rotate(t: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (halves rotated) of t (..., seq, head_dim) by angles (seq, head_dim)."""
-    t1, t2 = t.chunk(2, dim=-1)
-    return t * angles.cos().to(t.dtype) + torch.cat([-t2, t1], dim=-1) * angles.sin().to(t.dtype)
+def _rotate(t: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """DeepSpeed's rotary hook: weft's own rotation of t (..., seq, head_dim) by (cos, sin)."""
+    return apply_rotary(t, *tables)
 
 
 def _build_deepspeed_domino(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_theta, dtype, device,
@@ -421,14 +421,13 @@ def _build_deepspeed_domino(dim, n_head, hidden_dim, layers, seq_len, norm_eps, 
         warnings.simplefilter("ignore")
         block = domino.DominoTransformer(config, _WorldTP(), _rotate, domino.ModelType.encoder_or_decoder,
                                          post_layer_norm=False).to(device)
-    inv_freq = 1.0 / rope_theta ** (torch.arange(0, dim // n_head, 2, dtype=torch.float32) / (dim // n_head))
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    angles = torch.cat([freqs, freqs], dim=-1).to(device)
+    tables = rotary_tables(seq_len, dim // n_head, rope_theta, device)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] % 2:
             raise ValueError(f"DeepSpeed's Domino splits the batch in 2: batch {x.shape[0]} is odd")
-        return block(x.transpose(0, 1), None, rotary_pos_emb=angles).transpose(0, 1)  # its layout: [S, B, D]
+        # its layout is [S, B, D]; a pair of embeddings is read as (queries', keys')
+        return block(x.transpose(0, 1), None, rotary_pos_emb=(tables, tables)).transpose(0, 1)
 
     description = (f"DeepSpeed {_version('deepspeed')} Domino (DominoTransformer, inter-layer overlap): {layers} "
                    f"layers, TP={world_size}, the batch in 2 micro-batches with asynchronous all-reduces, "

@@ -6,13 +6,16 @@ import torch
 
 def use_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     """torch._grouped_mm needs CUDA sm90+, bf16 and 16-byte aligned row strides."""
-    if not (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16):
-        return False
-    if w1.dtype != torch.bfloat16 or w2.dtype != torch.bfloat16:
-        return False
-    if torch.cuda.get_device_capability(x.device)[0] < 9:
+    if not (x.is_cuda and _cuda_kernel_takes(x, w1, w2)):
         return False
     return w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0
+
+
+def _cuda_kernel_takes(*operands: torch.Tensor) -> bool:
+    """torch._grouped_mm's CUDA kernel: bfloat16 operands on an sm90+ GPU."""
+    if not hasattr(torch, "_grouped_mm") or any(t.dtype != torch.bfloat16 for t in operands):
+        return False
+    return torch.cuda.get_device_capability(operands[0].device)[0] >= 9
 
 
 def grouped_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -22,7 +25,7 @@ def grouped_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     leading strides."""
     if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or not a.dtype.is_floating_point:
         return False
-    if a.is_cuda and (a.dtype != torch.bfloat16 or torch.cuda.get_device_capability(a.device)[0] < 9):
+    if a.is_cuda and not _cuda_kernel_takes(a, b):
         return False
     return _aligned(a) and _aligned(b)
 

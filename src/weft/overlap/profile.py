@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from weft.moe.capacity import capacity_bound
 from weft.moe.layer import MoE
 from weft.overlap import planner
 from weft.overlap.moe_partition import can_route_in_parts
+from weft.profiling import seconds
 
 
 @dataclass
@@ -49,21 +49,7 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, 
         fn()
     if device.type != "cuda":
         inner = 1
-    return statistics.median(_seconds(lambda: [fn() for _ in range(inner)], device) / inner for _ in range(repeats))
-
-
-def _seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Seconds of one fn() call: between two CUDA events on GPUs (no host sync inside), else wall."""
-    if device.type != "cuda":
-        begin = time.perf_counter()
-        fn()
-        return time.perf_counter() - begin
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3
+    return statistics.median(seconds(lambda: [fn() for _ in range(inner)], device) / inner for _ in range(repeats))
 
 
 def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
@@ -256,7 +242,7 @@ def _time_model_backward(model, idx: torch.Tensor, ctx, repeats: int) -> float:
     for i in range(repeats + 1):  # the first is warm-up
         with ctx():
             loss = model(idx, idx, moe_overrides={"communicate": False})[1]
-        elapsed = _seconds(loss.backward, idx.device)
+        elapsed = seconds(loss.backward, idx.device)
         if i:
             times.append(elapsed)
     model.zero_grad(set_to_none=True)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import group_rank, group_size
+from weft.profiling import seconds
 
 DEGREES = (1, 2, 4, 8)
 
@@ -173,7 +174,7 @@ class TuningDictionary:
         times = {}
         for candidate in candidates:
             run(candidate)
-            times[str(candidate)] = [_time_ms(run, candidate, device) for _ in range(self.trials)]
+            times[str(candidate)] = [seconds(lambda: run(candidate), device) * 1e3 for _ in range(self.trials)]
             self.measurements += self.trials
         best = min(candidates, key=lambda c: min(times[str(c)]))
         self.kernels[key] = {"times_ms": times, "best": best}
@@ -270,19 +271,6 @@ def _next_step(candidates: list[Setting], active: list[Setting], times: dict[str
         dist.broadcast(plan, src=dist.get_global_rank(group, 0), group=group)
     plan = plan.tolist()
     return sorted({c.parallel for c, chosen in zip(candidates, plan[1:]) if chosen}), candidates[plan[0]]
-
-
-def _time_ms(run: Callable[[int], object], candidate: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(candidate)
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    began = time.perf_counter()
-    run(candidate)
-    return (time.perf_counter() - began) * 1e3
 
 
 def _save(path: Path, table: dict, kernels: dict) -> None:
