@@ -226,9 +226,13 @@ def _build_torchtitan(dim, hidden_dim, num_experts, top_k, capacity_factor, acti
 
 # -- Megatron-Core ---------------------------------------------------------------------------
 
-def _require_cuda(device: torch.device, why: str) -> None:
+_MOE_NEEDS_CUDA = ("Megatron-Core's MoELayer needs CUDA (it allocates on torch.cuda.current_device() and copies "
+                   "split sizes on a CUDA side stream)")
+
+
+def _require_cuda(device: torch.device, message: str = _MOE_NEEDS_CUDA) -> None:
     if device.type != "cuda":
-        raise PeerUnavailable(f"{why} need CUDA")
+        raise PeerUnavailable(message)
 
 
 def _megatron_parallel_state(parallel_state, tensor_parallel, device: torch.device, tp: int = 1, ep: int = 1) -> None:
@@ -257,8 +261,7 @@ def _build_megatron(dim, hidden_dim, num_experts, top_k, capacity_factor, activa
         "megatron.core", ("megatron.core.parallel_state", "megatron.core.tensor_parallel",
                           "megatron.core.transformer.transformer_config", "megatron.core.models.gpt.moe_module_specs"),
         "megatron-core==0.19.2")
-    _require_cuda(device, "Megatron-Core's MoELayer and its dispatcher (allocating on torch.cuda.current_device(), "
-                          "copying split sizes on a CUDA side stream)")
+    _require_cuda(device)
     _check_distributed(world_size)
     torch.cuda.set_device(device)
     _megatron_parallel_state(ps, tp, device, ep=world_size)
@@ -346,8 +349,8 @@ def _build_megatron_tp(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_
                           "megatron.core.transformer.transformer_block", "megatron.core.models.gpt.gpt_layer_specs",
                           "megatron.core.models.common.embeddings.rotary_pos_embedding"),
         "megatron-core==0.19.2")
-    _require_cuda(device, "Megatron-Core's tensor-parallel layers (allocating on torch.cuda.current_device(), "
-                          "forking its CUDA RNG tracker)")
+    _require_cuda(device, "Megatron-Core's tensor-parallel layers need CUDA (they allocate on "
+                          "torch.cuda.current_device() and fork its CUDA RNG tracker)")
     _check_distributed(world_size)
     torch.cuda.set_device(device)
     _megatron_parallel_state(ps, tp, device, tp=world_size)
