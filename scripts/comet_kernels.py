@@ -42,10 +42,10 @@ def parse_tiles(spec: str) -> K.CometTiles:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="+", default=["qwen2", "phi35", "mixtral"])
-    parser.add_argument("--n-comm", nargs="+", type=int, default=[16, 32, 48, 64])
+    parser.add_argument("--n-comm", nargs="+", type=int, default=[16, 32, 64])
     parser.add_argument("--world", type=int, default=2, help="ranks whose buffers the GPU holds")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    parser.add_argument("--tiles", nargs="+", default=["256x128x64w8s3"],
+    parser.add_argument("--tiles", nargs="+", default=["128x256x64w8s4"],
                         help="GEMM tiles to time, BMxBNxBK w<warps> s<stages> (the first runs the n_comm sweep)")
     args = parser.parse_args()
     rows, dev, dtype = [], torch.device("cuda"), torch.bfloat16

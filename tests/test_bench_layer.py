@@ -136,7 +136,7 @@ def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
 def comet_bench_worker(cfg: LayerBenchConfig) -> dict:
     from weft.kernels import comet as K
 
-    def choices(device, n_comm=None):  # the interpreter's tiles, with two copy-program counts to time
+    def choices(device, n_comm=None, dtype=None):  # the interpreter's tiles, with two copy-program counts to time
         return dataclasses.replace(K.CometTiles(16, 16, 16, 32, 2, 1, 1), n_comm_choices=(1, 2))
 
     K.CometTiles.for_device = staticmethod(choices)

@@ -89,15 +89,17 @@ def kernels_worker(device: str = "cpu") -> list[str]:
 
     failures = []
     gen = torch.Generator().manual_seed(0)
-    tiles = K.CometTiles.for_device(torch.device(device))
     # Partial row, column and K tiles, and shapes the tiles divide (no masked loads): 16 on the
     # interpreter's tiles, 128 and 256 on the GPU's; capacity <= 0: dropless, up to -cap rows.
+    # Widths that are multiples of 8 take the TMA descriptors, others (33) the pointer loads.
     shapes = [(1, 2, 5, 24, 40), (2, 2, 20, 40, 33), (4, 1, 7, 16, 48), (2, 2, 16, 32, 48), (2, 2, -12, 24, 40),
-              (4, 2, -9, 16, 32)]
+              (4, 2, -9, 16, 32), (2, 3, 6, 33, 24)]
     if device == "cuda":
-        shapes += [(2, 2, 128, 256, 512), (2, 4, -300, 256, 512)]
-    for dtype, (world, local, cap, dim, hidden) in itertools.product((torch.float32, torch.bfloat16), shapes):
-        label = f"{dtype} W={world} El={local} C={cap}"
+        shapes += [(2, 2, 128, 256, 512), (2, 4, -300, 256, 512), (2, 2, 100, 256, 704)]
+    cases = itertools.product((torch.float32, torch.bfloat16), shapes, (False, True))
+    for dtype, (world, local, cap, dim, hidden), transposed in cases:
+        label = f"{dtype} W={world} El={local} C={cap} dim={dim} hidden={hidden} w^T={transposed}"
+        tiles = K.CometTiles.for_device(torch.device(device), dtype=dtype)
         maps, rows = rank_maps(K, world, local, cap, tiles.block_m, device, gen)
         sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]
         table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=device)
@@ -105,9 +107,14 @@ def kernels_worker(device: str = "cpu") -> list[str]:
         outs_ref = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
         out_table = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device=device)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
+
+        def weights(k: int, n: int) -> torch.Tensor:  # (El, k, n), or (El, n, k) viewed transposed: the backward's w^T
+            if transposed:
+                return torch.randn(local, n, k, generator=gen).to(device, dtype).transpose(1, 2)
+            return torch.randn(local, k, n, generator=gen).to(device, dtype)
+
         for rank, rank_map in enumerate(maps):
-            # weights (El, hidden, dim) viewed transposed: the backward's w^T, strided
-            b = torch.randn(local, hidden, dim, generator=gen).to(device, dtype).transpose(1, 2)
+            b = weights(dim, hidden)
             gathered, out = K.pull_gemm(table, sends[rank], rank_map, b, tiles)
             gathered_ref, out_ref = K.pull_gemm_reference(sends, rank_map, b)
             if not torch.equal(gathered, gathered_ref):
@@ -116,7 +123,7 @@ def kernels_worker(device: str = "cpu") -> list[str]:
             if err > tol:
                 failures.append(f"{label} rank {rank}: pull_gemm rel err {err:.2e}")
             a = torch.randn(rank_map.num_rows, dim, generator=gen).to(device, dtype)
-            w = torch.randn(local, dim, hidden, generator=gen).to(device, dtype)
+            w = weights(dim, hidden)
             K.gemm_push(a, w, out_table, outs[rank], rank_map, tiles)
             K.gemm_push_reference(a, w, outs_ref, rank_map)
         for rank in range(world):  # every rank's rows, written by every rank
@@ -182,7 +189,7 @@ def tuned_worker(path: str) -> list[str]:
     from weft.kernels import comet as K
     from weft.tune import TuningDictionary
 
-    def choices(device, n_comm=None):  # the interpreter's tiles, with something to choose
+    def choices(device, n_comm=None, dtype=None):  # the interpreter's tiles, with something to choose
         return dataclasses.replace(K.CometTiles(16, 16, 16, 32, 2, 1, 1), n_comm_choices=(1, 2))
 
     K.CometTiles.for_device = staticmethod(choices)

@@ -24,6 +24,10 @@ tensor is split along M, 3.1.1).
   partially before sending (fewer bytes when several of a token's experts share a rank); weft
   sends every expert's row and reduces at home.
 
+Both GEMMs read the weights (and layer1 its local rows) through the tensor memory accelerator
+where it takes them, take row tiles in groups for L2 reuse, and store through row addresses
+declared 16-byte aligned (docs/comet.md, "How the GEMM tiles run").
+
 Both kernels accumulate in float32 (fp32 inputs with IEEE products, not TF32) and write every
 output element from exactly one program: deterministic. Spin-waits on the flags need every copy
 program to be resident before the compute programs that wait for it: they have the lowest
@@ -44,30 +48,39 @@ from weft.kernels.rows import triton
 
 if triton is not None:
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @dataclass(frozen=True)
 class CometTiles:
     """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0, chosen
     per shape among `n_comm_choices` where a tuning dictionary times them (Comet's adaptive
-    workload assignment; `weft.moe.exchange.comet`), else the default. The GPU tiles, 256 x 128 x 64
-    with 8 warps and 3 stages, and the default of 64 copy programs were the fastest of the shapes
-    timed on one H200 for qwen2's, phi35's and mixtral's expert GEMMs (docs/benchmarks.md)."""
+    workload assignment; `weft.moe.exchange.comet`), else the default. `group`: row tiles taken
+    together across every column tile (L2 reuse). The 16-bit GPU tiles, 128 x 256 x 64 with 8 warps
+    and 4 stages, were the fastest or near it of the shapes timed on one H100 for qwen2's,
+    phi35's and mixtral's expert GEMMs (docs/benchmarks.md); float32 GEMMs (IEEE products) take
+    tiles whose stages fit in shared memory."""
 
-    block_m: int = 256
-    block_n: int = 128
+    block_m: int = 128
+    block_n: int = 256
     block_k: int = 64
     block_copy: int = 128
-    n_comm: int = 64
+    n_comm: int = 32
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int = 4
     n_comm_choices: tuple[int, ...] = (16, 32, 64, 128)
+    group: int = 8
 
     @staticmethod
-    def for_device(device: torch.device, n_comm: int | None = None) -> CometTiles:
-        """GPU tiles (wgmma-sized) on CUDA; small ones for the CPU interpreter, where there is
-        nothing to tune (its programs run one after another)."""
-        tiles = CometTiles() if device.type == "cuda" else CometTiles(16, 16, 16, 32, 2, 1, 1, (2,))
+    def for_device(device: torch.device, n_comm: int | None = None, dtype: torch.dtype = torch.bfloat16) -> CometTiles:
+        """GPU tiles (wgmma-sized; smaller for float32) on CUDA; small ones for the CPU interpreter,
+        where there is nothing to tune (its programs run one after another)."""
+        if device.type != "cuda":
+            tiles = CometTiles(16, 16, 16, 32, 2, 1, 1, (2,), group=2)
+        elif dtype == torch.float32:
+            tiles = CometTiles(128, 128, 32, num_stages=3)
+        else:
+            tiles = CometTiles()
         return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm, n_comm_choices=(n_comm,))
 
 
@@ -204,28 +217,71 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
-    def _tile_product(a, b, m, m_ok, n, K: tl.constexpr, N, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, A_CG: tl.constexpr):
-        """a[m, :] @ b[:, n] in float32 over the rows with m_ok (a: rows of K, contiguous; b: strides
-        sb_k, sb_n). EVEN: the tiles divide N and K (no mask along them). A_CG: read a through L2
-        only (rows another program wrote)."""
+    def _work_item(q, n_tiles, n_nt, GROUP: tl.constexpr):
+        """Work item q -> (row tile, column tile), GROUP row tiles at a time across every column
+        tile: the programs running together share B's column tiles and A's row tiles in L2."""
+        width = GROUP * n_nt
+        first_t = (q // width) * GROUP
+        size = tl.minimum(n_tiles - first_t, GROUP)
+        return first_t + (q % width) % size, (q % width) // size
+
+    @triton.jit
+    def _tile_product(a, a_desc, b, b_desc, i, first, m, m_ok, n0, K: tl.constexpr, N, sb_k, sb_n,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
+                      A_TMA: tl.constexpr, A_CG: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr):
+        """a[m, :] @ b_i[:, n0:n0 + BN] in float32, rows with m_ok (others: anything; the caller masks
+        them). a: rows of K, contiguous, read by the tensor memory accelerator (A_TMA: `a_desc`, a
+        block at [first, k]; rows past the tile belong to other tiles or are zeros) or by pointers
+        (A_CG: through L2 only, for rows another program wrote). b_i = expert i's weight: by TMA
+        (`b_desc` over (El * K, N), or with B_T over the (El * N, K) storage of b transposed,
+        whose rows past N are discarded columns), else by pointers with strides sb_k, sb_n. EVEN:
+        the tiles divide N and K (no masks on pointer loads)."""
         acc = tl.zeros((BM, BN), dtype=tl.float32)
+        n = n0 + tl.arange(0, BN)
         a_ptr = a + m[:, None].to(tl.int64) * K
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
-            if EVEN:
-                a_mask = m_ok[:, None]
-                b_tile = tl.load(b + k[:, None] * sb_k + n[None, :] * sb_n)
+            if A_TMA:
+                a_tile = a_desc.load([first, k0])
             else:
-                a_mask = m_ok[:, None] & (k[None, :] < K)
-                b_tile = tl.load(b + k[:, None] * sb_k + n[None, :] * sb_n,
-                                 mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
-            if A_CG:
-                a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
+                a_mask = m_ok[:, None] if EVEN else m_ok[:, None] & (k[None, :] < K)
+                if A_CG:
+                    a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0, cache_modifier=".cg")
+                else:
+                    a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0)
+            if B_TMA:
+                if B_T:
+                    b_tile = b_desc.load([i * N + n0, k0]).T
+                else:
+                    b_tile = b_desc.load([i * K + k0, n0])
             else:
-                a_tile = tl.load(a_ptr + k[None, :], mask=a_mask, other=0.0)
+                b_ptr = b + k[:, None] * sb_k + n[None, :] * sb_n
+                if EVEN:
+                    b_tile = tl.load(b_ptr)
+                else:
+                    b_tile = tl.load(b_ptr, mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
             acc = _dot(a_tile, b_tile, acc, IEEE)
         return acc
+
+    @triton.jit
+    def _store_tile(row_ptr, valid, n0, acc, N, BN: tl.constexpr):
+        """acc's rows (valid ones) into row_ptr[r] + n0.., in two column halves: the epilogue holds
+        half the tile's addresses at a time (fewer registers than the full tile's)."""
+        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BN // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        n = n0 + tl.arange(0, BN // 2)
+        dtype = row_ptr.dtype.element_ty
+        tl.store(row_ptr[:, None] + n[None, :], left.to(dtype), mask=valid[:, None] & (n < N)[None, :])
+        n = n + BN // 2
+        tl.store(row_ptr[:, None] + n[None, :], right.to(dtype), mask=valid[:, None] & (n < N)[None, :])
+
+    @triton.jit
+    def _row_bases(table, rank, valid, like):
+        """Each row's buffer: the address `table` holds for its rank, as a pointer to `like`'s dtype,
+        declared 16-byte aligned (buffers start on allocation boundaries), so that a row's
+        consecutive elements move in 16-byte accesses rather than one element at a time."""
+        base = tl.load(table + rank, mask=valid, other=0).to(tl.pointer_type(like.dtype.element_ty))
+        return tl.multiple_of(base, 16)
 
     @triton.jit
     def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K: tl.constexpr, BM: tl.constexpr,
@@ -237,7 +293,7 @@ if triton is not None:
         valid = m < end
         src = tl.load(rank_R + m, mask=valid, other=0)
         src_row = tl.load(row_R + m, mask=valid, other=0)
-        base = tl.load(table + src, mask=valid, other=0).to(tl.pointer_type(gathered.dtype.element_ty))
+        base = _row_bases(table, src, valid, gathered)
         for k0 in range(0, K, BC):
             k = k0 + tl.arange(0, BC)
             mask = valid[:, None] & (k[None, :] < K)
@@ -247,9 +303,10 @@ if triton is not None:
         tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _pull_gemm_kernel(table, gathered, b, out, flags, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
-                          sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          BC: tl.constexpr, N_COMM: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr):
+    def _pull_gemm_kernel(table, gathered, b, b_desc, out, flags, rank_R, row_R, tiles, n_tiles, K: tl.constexpr,
+                          N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
+                          EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr):
         pid = tl.program_id(0)
         if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order
             t = pid
@@ -257,40 +314,34 @@ if triton is not None:
                 _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K, BM, BC)
                 t += N_COMM
         else:  # a GEMM program: one output tile, once its rows are here
-            q = pid - N_COMM
-            n_nt = tl.cdiv(N, BN)
-            t = q // n_nt
+            t, nt = _work_item(pid - N_COMM, n_tiles, tl.cdiv(N, BN), GROUP)
             while tl.atomic_add(flags + t, 0, sem="acquire", scope="gpu") == 0:
                 pass
             i = tl.load(tiles + t * 3)
             first = tl.load(tiles + t * 3 + 1)
             end = tl.load(tiles + t * 3 + 2)
             m = first + tl.arange(0, BM)
-            n = (q % n_nt) * BN + tl.arange(0, BN)
-            acc = _tile_product(gathered, b + i * sb_e, m, m < end, n, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN,
-                                True)
-            tl.store(out + m[:, None].to(tl.int64) * N + n[None, :], acc.to(out.dtype.element_ty),
-                     mask=(m[:, None] < end) & (n[None, :] < N))
+            acc = _tile_product(gathered, None, b + i * sb_e, b_desc, i, first, m, m < end, nt * BN, K, N, sb_k,
+                                sb_n, BM, BN, BK, IEEE, EVEN, False, True, B_TMA, B_T)
+            _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
 
     @triton.jit
-    def _gemm_push_kernel(a, b, table, like, rank_R, row_R, tiles, K: tl.constexpr, N, sb_e, sb_k, sb_n,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
-                          EVEN: tl.constexpr):
-        pid = tl.program_id(0)
-        n_nt = tl.cdiv(N, BN)
-        t = pid // n_nt
+    def _gemm_push_kernel(a, a_desc, b, b_desc, table, like, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
+                          sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          GROUP: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, A_TMA: tl.constexpr,
+                          B_TMA: tl.constexpr, B_T: tl.constexpr):
+        t, nt = _work_item(tl.program_id(0), n_tiles, tl.cdiv(N, BN), GROUP)
         i = tl.load(tiles + t * 3)
         first = tl.load(tiles + t * 3 + 1)
         end = tl.load(tiles + t * 3 + 2)
         m = first + tl.arange(0, BM)
         valid = m < end
-        n = (pid % n_nt) * BN + tl.arange(0, BN)
-        acc = _tile_product(a, b + i * sb_e, m, valid, n, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, False)
+        acc = _tile_product(a, a_desc, b + i * sb_e, b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n,
+                            BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
         dest = tl.load(rank_R + m, mask=valid, other=0)
         dest_row = tl.load(row_R + m, mask=valid, other=0)
-        base = tl.load(table + dest, mask=valid, other=0).to(tl.pointer_type(like.dtype.element_ty))
-        tl.store(base[:, None] + dest_row[:, None] * N + n[None, :], acc.to(like.dtype.element_ty),
-                 mask=valid[:, None] & (n[None, :] < N))
+        base = _row_bases(table, dest, valid, like)
+        _store_tile(base + dest_row * N, valid, nt * BN, acc, N, BN)
 
 
 def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
@@ -304,10 +355,11 @@ def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torc
     out = like.new_empty(rows.num_rows, N)
     n_tiles = rows.pull_tiles.shape[0]
     flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
-    grid = tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n)
-    _pull_gemm_kernel[(grid,)](table, gathered, b_EKN, out, flags, rows.rank_R, rows.row_R, rows.pull_tiles,
-                               n_tiles, K, N, *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n,
-                               BK=tiles.block_k, BC=tiles.block_copy, N_COMM=tiles.n_comm, **_launch(like, tiles, N, K))
+    b, b_desc, b_t = _weights(b_EKN, tiles)
+    _pull_gemm_kernel[(tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n),)](
+        table, gathered, b, b_desc, out, flags, rows.rank_R, rows.row_R, rows.pull_tiles, n_tiles, K, N,
+        *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, BC=tiles.block_copy,
+        N_COMM=tiles.n_comm, GROUP=tiles.group, B_TMA=b_desc is not None, B_T=b_t, **_launch(like, tiles, N, K))
     return gathered, out
 
 
@@ -317,12 +369,41 @@ def gemm_push(a_RK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like
     row row_R[g]. `like`: this rank's own buffer (dtype). Equal to `gemm_push_reference` up to
     float32 summation order."""
     K, N = a_RK.shape[1], b_EKN.shape[2]
-    grid = rows.push_tiles.shape[0] * triton.cdiv(N, tiles.block_n)
-    if grid == 0:
+    n_tiles = rows.push_tiles.shape[0]
+    if n_tiles == 0:
         return
-    _gemm_push_kernel[(grid,)](a_RK, b_EKN, table, like, rows.rank_R, rows.row_R, rows.push_tiles, K, N,
-                               *b_EKN.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k,
-                               **_launch(like, tiles, N, K))
+    b, b_desc, b_t = _weights(b_EKN, tiles)
+    a_desc = TensorDescriptor.from_tensor(a_RK, [tiles.block_m, tiles.block_k]) if _tma_takes(a_RK) else None
+    _gemm_push_kernel[(n_tiles * triton.cdiv(N, tiles.block_n),)](
+        a_RK, a_desc, b, b_desc, table, like, rows.rank_R, rows.row_R, rows.push_tiles, n_tiles, K, N,
+        *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP=tiles.group,
+        A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_T=b_t, **_launch(like, tiles, N, K))
+
+
+def _weights(b_EKN: torch.Tensor, tiles: CometTiles) -> tuple[torch.Tensor, object, bool]:
+    """(b, its TMA descriptor or None, whether it is read transposed). b (El, K, N) as it is when
+    row-major per expert or the transpose of a row-major (El, N, K) (the backward's w^T), else a
+    row-major copy. The descriptor covers (El * K, N) blocks [BK, BN] (only where BK divides K:
+    a block must not reach the next expert's rows, which would meet A's columns past K), or the
+    transposed storage (El * N, K) blocks [BN, BK] (rows past an expert's N are columns the
+    epilogue discards)."""
+    num_local, K, N = b_EKN.shape
+    transposed = b_EKN.stride(1) == 1 and b_EKN.stride(2) == K and b_EKN.stride(0) == K * N and N > 1
+    if not transposed and b_EKN.stride() != (K * N, N, 1):
+        b_EKN = b_EKN.contiguous()
+    storage = b_EKN.transpose(1, 2).reshape(num_local * N, K) if transposed else b_EKN.view(num_local * K, N)
+    if not _tma_takes(storage) or (not transposed and K % tiles.block_k):
+        return b_EKN, None, False
+    block = [tiles.block_n, tiles.block_k] if transposed else [tiles.block_k, tiles.block_n]
+    return b_EKN, TensorDescriptor.from_tensor(storage, block), transposed
+
+
+def _tma_takes(m: torch.Tensor) -> bool:
+    """A 2-D operand the tensor memory accelerator can read: row-major, 16-byte aligned base and
+    row stride, on an sm90+ GPU (or the CPU interpreter, which runs descriptors as loads)."""
+    if m.is_cuda and torch.cuda.get_device_capability(m.device)[0] < 9:
+        return False
+    return m.stride(1) == 1 and m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0
 
 
 def _launch(x: torch.Tensor, tiles: CometTiles, N: int, K: int) -> dict:

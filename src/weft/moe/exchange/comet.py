@@ -143,7 +143,7 @@ class Comet(Exchange):
         self.peers = peers
 
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
-        tiles = kernels.CometTiles.for_device(rows_RD.device)
+        tiles = kernels.CometTiles.for_device(rows_RD.device, dtype=self.ctx.experts.compute_dtype(rows_RD))
         key = ("comet.padded", self.ctx.placement.num_local, capacity, tiles.block_m)
         world, local = self.peers.world, self.ctx.placement.num_local
         rows = self.peers.memo(key, lambda: RowMap.padded(world, local, capacity, self.peers.rank, tiles.block_m,
@@ -151,7 +151,7 @@ class Comet(Exchange):
         return self._run(rows_RD, rows_RD.shape[0], rows, tiles)
 
     def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        tiles = kernels.CometTiles.for_device(rows_ND.device)
+        tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
         rank, local = self.peers.rank, self.ctx.placement.num_local
         counts_WE = self._all_counts(counts_E)  # every rank's rows per expert, on the host
         offsets_WE = [[0, *itertools.accumulate(row[:-1])] for row in counts_WE]
