@@ -336,12 +336,12 @@ if triton is not None:
         end = tl.load(tiles + t * 3 + 2)
         m = first + tl.arange(0, BM)
         valid = m < end
+        # where the rows go, loaded before the product so that these loads' latency hides under it
+        dest_row = tl.load(row_R + m, mask=valid, other=0)
+        row_ptr = _row_bases(table, tl.load(rank_R + m, mask=valid, other=0), valid, like) + dest_row * N
         acc = _tile_product(a, a_desc, b + i * sb_e, b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n,
                             BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
-        dest = tl.load(rank_R + m, mask=valid, other=0)
-        dest_row = tl.load(row_R + m, mask=valid, other=0)
-        base = _row_bases(table, dest, valid, like)
-        _store_tile(base + dest_row * N, valid, nt * BN, acc, N, BN)
+        _store_tile(row_ptr, valid, nt * BN, acc, N, BN)
 
 
 def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
