@@ -30,7 +30,7 @@ QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
 part_tests() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "replicated or blockwise or tensor_parallel_moe" > "$1/tests.log" 2>&1
+    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers" > "$1/tests.log" 2>&1
   tail -n 15 "$1/tests.log"
 }
 

@@ -4,6 +4,7 @@ chunks) and of every r of the switchable parallelism again on NCCL with bfloat16
 two passes in training (fp32), on every GPU."""
 from __future__ import annotations
 
+import importlib.util
 import itertools
 
 import pytest
@@ -20,6 +21,7 @@ from test_overlap_passes import both_passes_worker
 from test_tp import tp_worker
 from test_tp_moe import tp_moe_worker
 from weft import MoE
+from weft.bench.peers import build_tp_peer
 from weft.testing import run_checks
 
 pytestmark = pytest.mark.gpu
@@ -285,3 +287,33 @@ def test_tensor_parallel_moe_model_computes_expert_and_data_parallelism_on_nccl(
     flat = run_checks(tp_moe_worker, world, args=(world, schedule, capacity_factor, "cuda"), backend="nccl",
                       timeout=300)
     assert not flat, "\n".join(flat[:15])
+
+
+def tp_peers_worker(device) -> list[str]:
+    """Each installed tensor-parallel peer built over every GPU, in bf16: every parameter on the GPU
+    in bf16 (their norms are built on the CPU in fp32 and must be moved), forward and backward run."""
+    failures = []
+    world = torch.distributed.get_world_size()
+    device = torch.device(device, torch.cuda.current_device())
+    for name, package in (("megatron", "megatron.core"), ("deepspeed", "deepspeed")):
+        if importlib.util.find_spec(package.split(".")[0]) is None:
+            continue
+        block, run, _ = build_tp_peer(name, 256, 8, 1024, 2, 128, 1e-5, 1e4, torch.bfloat16, device, world)
+        kinds = {(p.device.type, p.dtype) for p in block.parameters()}
+        if kinds != {("cuda", torch.bfloat16)}:
+            failures.append(f"{name}: parameters {kinds}")
+        x = torch.randn(2, 128, 256, device=device, dtype=torch.bfloat16, requires_grad=True)
+        y = run(x)
+        y.float().square().mean().backward()
+        finite = bool(torch.isfinite(x.grad).all())
+        if y.shape != x.shape or not finite:
+            failures.append(f"{name}: output {tuple(y.shape)}, input gradient finite: {finite}")
+    return failures
+
+
+@needs_cuda
+def test_tensor_parallel_peers_run_on_every_gpu():
+    if all(importlib.util.find_spec(p) is None for p in ("megatron", "deepspeed")):
+        pytest.skip("no TP peer installed (bash scripts/peer_wheels.sh, then carry .whl)")
+    flat = run_checks(tp_peers_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=300)
+    assert not flat, "\n".join(flat)

@@ -368,6 +368,9 @@ def _build_megatron_tp(dim, n_head, hidden_dim, layers, seq_len, norm_eps, rope_
         )
         block = block_mod.TransformerBlock(config, specs.get_gpt_layer_local_spec(normalization="RMSNorm"),
                                            post_layer_norm=False)
+        # the local spec's norms are torch modules built on the CPU in float32; Megatron's own
+        # training moves and casts the whole model (Float16Module), so do the same
+        block = block.to(device=device, dtype=dtype)
         rotary = rotary_mod.RotaryEmbedding(kv_channels=dim // n_head, rotary_percent=1.0,
                                             rotary_base=int(rope_theta))
     rope = rotary(seq_len)
@@ -423,7 +426,7 @@ def _build_deepspeed_domino(dim, n_head, hidden_dim, layers, seq_len, norm_eps, 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         block = domino.DominoTransformer(config, _WorldTP(), _rotate, domino.ModelType.encoder_or_decoder,
-                                         post_layer_norm=False).to(device)
+                                         post_layer_norm=False).to(device=device, dtype=dtype)  # its norms: fp32
     tables = rotary_tables(seq_len, dim // n_head, rope_theta, device)
 
     def run(x: torch.Tensor) -> torch.Tensor:
