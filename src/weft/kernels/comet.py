@@ -109,28 +109,30 @@ class RowMap:
     def build(counts_SI: list[list[int]], offsets_SI: list[list[int]], rank: int, block_m: int,
               device: torch.device) -> RowMap:
         """Local expert i's rows from source s are `counts_SI[s][i]` rows of s's buffer from row
-        `offsets_SI[s][i]` on; gathered by expert, then by source. Built on the host from the
-        counts the caller already holds there, with no loop over rows or tiles, and moved to
-        `device` in one copy."""
+        `offsets_SI[s][i]` on; gathered by expert, then by source. The counts and offsets (El * W
+        numbers the caller holds on the host) go to `device` in one copy, and the per-row and
+        per-tile arrays are computed there, every size known on the host (no synchronisation, no
+        loop over rows or tiles: a dropless call builds its map every time, and host tensor ops on
+        16k rows cost milliseconds on a busy GPU host)."""
         world, num_local = len(counts_SI), len(counts_SI[0])
-        count_IS = torch.tensor(counts_SI, dtype=torch.int64).T.reshape(-1)  # (El * W,) expert-major
-        offset_IS = torch.tensor(offsets_SI, dtype=torch.int64).T.reshape(-1)
-        rows = int(count_IS.sum())
+        count_IS_host = [counts_SI[s][i] for i in range(num_local) for s in range(world)]  # expert-major
+        offset_IS_host = [offsets_SI[s][i] for i in range(num_local) for s in range(world)]
+        segments = tuple(sum(count_IS_host[i * world:(i + 1) * world]) for i in range(num_local))
+        rows, n_tiles = sum(segments), sum(-(-c // block_m) for c in segments)
+        count_IS, offset_IS = torch.tensor([count_IS_host, offset_IS_host], dtype=torch.int64).to(device)
         start_IS = torch.cumsum(count_IS, 0) - count_IS
-        source_IS = torch.arange(world).repeat(num_local)
+        source_IS = torch.arange(world, device=device).repeat(num_local)
         rank_R = torch.repeat_interleave(source_IS, count_IS, output_size=rows)
-        row_R = torch.repeat_interleave(offset_IS - start_IS, count_IS, output_size=rows) + torch.arange(rows)
+        row_R = torch.repeat_interleave(offset_IS - start_IS, count_IS, output_size=rows)
+        row_R += torch.arange(rows, device=device)
         count_I = count_IS.view(num_local, world).sum(1)
         end_I = torch.cumsum(count_I, 0)
-        tiles_T3 = _tiles(count_I, end_I - count_I, block_m)
-        distance_T = (rank_R[tiles_T3[:, 1]] - rank) % world
+        tiles_T3 = _tiles(count_I, end_I - count_I, block_m, n_tiles)
+        distance_T = (rank_R[tiles_T3[:, 1]] - rank) % world if n_tiles else tiles_T3[:, 0]
         pull = torch.sort(distance_T, stable=True).indices
         push = torch.sort((distance_T - 1) % world, stable=True).indices
-        parts = (rank_R, row_R, end_I, tiles_T3[pull].flatten(), tiles_T3[push].flatten())
-        packed = torch.cat(parts).to(device)
-        rank_R, row_R, end_I, pull_T3, push_T3 = torch.split(packed, [p.numel() for p in parts])
-        return RowMap(rank_R.to(torch.int32), row_R, tuple(count_I.tolist()), end_I.to(torch.int32),
-                      pull_T3.view(-1, 3).to(torch.int32), push_T3.view(-1, 3).to(torch.int32))
+        return RowMap(rank_R.to(torch.int32), row_R, segments, end_I.to(torch.int32),
+                      tiles_T3[pull].to(torch.int32), tiles_T3[push].to(torch.int32))
 
     @staticmethod
     def padded(world: int, num_local: int, capacity: int, rank: int, block_m: int, device: torch.device) -> RowMap:
@@ -141,13 +143,15 @@ class RowMap:
         return RowMap.build(counts, offsets, rank, block_m, device)
 
 
-def _tiles(count_I: torch.Tensor, start_I: torch.Tensor, block_m: int) -> torch.Tensor:
+def _tiles(count_I: torch.Tensor, start_I: torch.Tensor, block_m: int, n_tiles: int) -> torch.Tensor:
     """(T, 3) int64: each expert's rows [start, start + count) cut into runs of at most `block_m`
-    (expert, first, end), in expert order; experts without rows have no tile."""
+    (expert, first, end), in expert order; experts without rows have no tile. `n_tiles`: T, which
+    the caller knows on the host."""
     tiles_I = (count_I + block_m - 1) // block_m
-    expert_T = torch.repeat_interleave(torch.arange(len(count_I)), tiles_I)
+    expert_T = torch.repeat_interleave(torch.arange(len(count_I), device=count_I.device), tiles_I,
+                                       output_size=n_tiles)
     first_tile_I = torch.cumsum(tiles_I, 0) - tiles_I
-    first_T = start_I[expert_T] + (torch.arange(len(expert_T)) - first_tile_I[expert_T]) * block_m
+    first_T = start_I[expert_T] + (torch.arange(n_tiles, device=count_I.device) - first_tile_I[expert_T]) * block_m
     end_T = torch.minimum(first_T + block_m, (start_I + count_I)[expert_T])
     return torch.stack([expert_T, first_T, end_T], 1)
 
