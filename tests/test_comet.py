@@ -263,3 +263,86 @@ def test_peers_unavailable_names_the_reason(monkeypatch):
 def _unavailable_worker():
     return peers_unavailable(dist.group.WORLD, torch.device("cpu")), peers_unavailable(dist.group.WORLD,
                                                                                       torch.device("cuda"))
+
+
+def auto_comet_worker() -> list[str]:
+    """`kernels="auto"` with a tuned exchange: Comet's setting is one more candidate where "auto"
+    means the Triton kernels (GPUs; here the rule is told the CPU counts, so the kernels'
+    references run over shared-file peer buffers). Every candidate, Comet's included, computes
+    the plain layer's outputs and gradients while the tuner times them, the ranks agree on the
+    winner, and one rank (nothing to exchange) offers no Comet setting."""
+    import weft.moe.layer as layer_module
+    from weft.tune import TuningDictionary
+
+    rule = layer_module.offers_comet
+    layer_module.offers_comet = lambda call, on_gpu, ep, shards: rule(call, True, ep, shards)
+    failures, world = [], dist.get_world_size()
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    for capacity in (1.0, None):  # padded and dropless
+        tuning = TuningDictionary(trials=1)
+        torch.manual_seed(0)
+        auto = MoE(16, 24, 8, top_k=2, capacity_factor=capacity, overlap_degree="auto", tuning=tuning)
+        torch.manual_seed(0)
+        plain = MoE(16, 24, 8, top_k=2, capacity_factor=capacity)
+        names = [c.name for c in auto.candidates()]
+        offered = "d1-linear-comet" in names
+        if offered != (world > 1):
+            failures.append(f"capacity {capacity}: candidates {names} on {world} ranks")
+        for step in range(len(names) + 2):
+            x = torch.randn(24, 16, generator=gen)
+            xa, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+            ya, yp = auto(xa), plain(xp)
+            ya.square().sum().backward()
+            yp.square().sum().backward()
+            if not (torch.allclose(ya, yp, atol=1e-5) and torch.allclose(xa.grad, xp.grad, atol=1e-5)):
+                failures.append(f"capacity {capacity} step {step}: output or input gradient differs from plain")
+        for (name, pa), pp in zip(auto.named_parameters(), plain.parameters()):
+            if not torch.allclose(pa.grad, pp.grad, atol=1e-4):
+                failures.append(f"capacity {capacity}: {name} gradient differs from plain")
+        timed = {n for buckets in tuning.table.values() for e in buckets.values() for n in e["times_ms"]}
+        if offered and "d1-linear-comet" not in timed:
+            failures.append(f"capacity {capacity}: Comet's setting was never timed ({sorted(timed)})")
+        chosen = [None] * world
+        dist.all_gather_object(chosen, tuning.chosen())
+        nothing_to_tune = world == 1 and capacity is None  # one rank, dropless: no exchange
+        if len({tuple(c) for c in chosen}) != 1 or (not chosen[0] and not nothing_to_tune):
+            failures.append(f"capacity {capacity}: the ranks chose {chosen}")
+    buffers = peer_buffers(dist.group.WORLD, torch.device("cpu")).names()
+    if (world > 1) != (buffers == COMET_BUFFERS):
+        failures.append(f"peer buffers {buffers}: Comet's exchange {'did not run' if world > 1 else 'ran'}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_auto_tunes_comet_as_a_candidate(world_size):
+    flat = run_checks(auto_comet_worker, world_size, timeout=300)
+    assert not flat, f"{len(flat)} failures, first ones:\n" + "\n".join(flat[:15])
+
+
+def test_auto_offers_comet_only_where_it_can_run():
+    """The rule (`offers_comet`) and the candidate lists: Comet's setting beside the plain one for
+    "auto" on GPUs with an exchange among whole experts; `kernels="comet"` makes the plain setting
+    Comet's; r = 0 or a fixed pipelining degree leaves no plain setting to pair it with."""
+    from weft.moe.config import MoECall
+    from weft.moe.exchange import candidates, offers_comet, tuning_key, untuned_setting
+    from weft.tune import Setting
+
+    auto = MoECall(top_k=2, capacity_factor=1.0, overlap_degree="auto", kernels="auto")
+    assert offers_comet(auto, True, 2, 1)
+    assert not offers_comet(auto, False, 2, 1)  # CPU: "auto" means torch ops
+    assert not offers_comet(auto, True, 1, 1)  # one rank: nothing to exchange
+    assert not offers_comet(auto, True, 4, 2)  # experts sliced over ranks
+    assert not offers_comet(dataclasses.replace(auto, kernels="triton"), True, 2, 1)
+    assert not offers_comet(dataclasses.replace(auto, communicate=False), True, 2, 1)
+    names = [s.name for s in candidates(auto, "expert", 2, 1, 1, comet=True)]
+    assert names == ["d1-linear", "d1-linear-comet", "d2-linear", "d4-linear", "d8-linear"]
+    assert [s.name for s in candidates(auto, "expert", 2, 1, 1)] == ["d1-linear", "d2-linear", "d4-linear",
+                                                                     "d8-linear"]
+    assert Setting(1, "linear", 1, True) not in candidates(dataclasses.replace(auto, overlap_degree=2), "expert",
+                                                           2, 1, 1, comet=True)
+    comet = dataclasses.replace(auto, kernels="comet")
+    assert [s.name for s in candidates(comet, "expert", 2, 1, 1)][:2] == ["d1-linear-comet", "d2-linear"]
+    assert untuned_setting(comet) == Setting(1, "linear", 1, True)
+    assert untuned_setting(auto) == Setting(1, "linear")
+    assert tuning_key("s", auto, "expert", comet=True) == tuning_key("s", comet, "expert") != tuning_key("s", auto,
+                                                                                                    "expert")

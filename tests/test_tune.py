@@ -361,3 +361,18 @@ def test_tuning_files_without_kernels_load_and_bad_kernel_sections_are_refused(t
     path.write_text(json.dumps({"format": "weft.tuning/1", "table": {}, "kernels": {"k": {"times": 1}}}))
     with pytest.raises(ValueError, match="'kernels' section is not a table of choices"):
         TuningDictionary(path)
+
+
+def test_comet_settings_are_kept_in_the_file_and_older_entries_load(tmp_path):
+    """A decided Comet setting is written as [d, algo, r, true] and read back as itself; the
+    three-entry form of files written before it still reads (as an all-to-all setting)."""
+    comet, plain = Setting(1, "linear", 1, comet=True), Setting(2, "linear")
+    assert comet.name == "d1-linear-comet" and Setting(*comet.to_json()) == comet
+    assert plain.to_json() == [2, "linear", 1] and Setting(*plain.to_json()) == plain
+    path = tmp_path / "tuning.json"
+    tuning = TuningDictionary(path, bucket_size=4, trials=1)
+    tuning.table["key"] = {"0": {"times_ms": {}, "best": comet.to_json()}, "1": {"times_ms": {}, "best": [4, "2dh", 1]}}
+    tuning._save()
+    again = TuningDictionary(path, bucket_size=4)
+    assert again.best("key", 0) == comet and again.best("key", 4) == Setting(4, "2dh")
+    assert again.chosen() == ["d1-linear-comet", "d4-2dh"]

@@ -42,6 +42,7 @@ from weft.moe.exchange import (
     Padded,
     Transfer,
     candidates,
+    offers_comet,
     select,
     tuning_key,
     untuned_setting,
@@ -244,14 +245,24 @@ class MoE(nn.Module):
 
     def candidates(self, call: MoECall | None = None) -> list[Setting]:
         """The settings the tuning dictionary may choose from for `call` (default: the layer's)."""
+        call = call or self.default_call()
         groups = self.placement.groups_2dh
-        return candidates(call or self.default_call(), self.parallel, self.ep_size, self.expert_shards,
-                          groups.num_nodes if groups is not None else 1)
+        return candidates(call, self.parallel, self.ep_size, self.expert_shards,
+                          groups.num_nodes if groups is not None else 1, comet=self._offers_comet(call))
 
     def tuning_key(self, call: MoECall | None = None) -> str:
-        shape = (f"E{self.num_experts}-k{(call or self.default_call()).top_k}-dim{self.dim}-h{self.hidden_dim}"
+        call = call or self.default_call()
+        shape = (f"E{self.num_experts}-k{call.top_k}-dim{self.dim}-h{self.hidden_dim}"
                  f"-{self.experts.activation}-W{self.ep_size}-{str(self.experts.w1.dtype).replace('torch.', '')}")
-        return tuning_key(shape, call or self.default_call(), self.parallel)
+        return tuning_key(shape, call, self.parallel, comet=self._offers_comet(call))
+
+    def _offers_comet(self, call: MoECall) -> bool:
+        """Whether a tuned call of this layer times Comet's exchange as a candidate (`offers_comet`,
+        where the ranks map each other's memory; no warning where they do not: "auto" then just
+        tunes the other settings)."""
+        device = self.experts.w1.device
+        return (offers_comet(call, device.type == "cuda", self.ep_size, self.expert_shards)
+                and peers_unavailable(self.group, device) is None)
 
     # -- the stages ------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, transfer: Transfer | None = None, **overrides) -> torch.Tensor:
@@ -321,11 +332,12 @@ class MoE(nn.Module):
 
     def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
                   transfer: Transfer | None) -> torch.Tensor:
+        tuned = is_tuned(call, self.parallel, self.ep_size)
         ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler,
-                              self._comet_peers(call, rows.device), self.tuning)
+                              self._comet_peers(call, rows.device, tuned), self.tuning)
         dropless = isinstance(layout, Grouped)
         run = lambda setting, rows: select(ctx, setting, dropless, transfer)(rows, layout)  # noqa: E731
-        if not is_tuned(call, self.parallel, self.ep_size):
+        if not tuned:
             return run(untuned_setting(call), rows)
         found = self.candidates(call)
         if len(found) == 1:  # nothing to tune: no bucket (a dropless bucket costs an all-reduce)
@@ -334,9 +346,12 @@ class MoE(nn.Module):
             capacity = self._dropless_capacity(capacity, rows.device)
         return self.tuning.run(self.tuning_key(call), capacity, found, self.group, run, rows, caller=id(self))
 
-    def _comet_peers(self, call: MoECall, device: torch.device) -> PeerBuffers | None:
-        """The group's peer buffers when this call may run Comet's kernels (else None; said once
-        per reason when the ranks cannot address each other's memory)."""
+    def _comet_peers(self, call: MoECall, device: torch.device, tuned: bool) -> PeerBuffers | None:
+        """The group's peer buffers when this call may run Comet's kernels: `kernels="comet"`, or a
+        tuned call that offers Comet as a candidate (else None; for "comet", said once per reason
+        when the ranks cannot address each other's memory)."""
+        if tuned and self._offers_comet(call):
+            return peer_buffers(self.group, device)
         if call.kernels != "comet" or not call.communicate or self.expert_shards > 1:
             return None
         reason = peers_unavailable(self.group, device)

@@ -39,10 +39,17 @@ class Setting:
     overlap_degree: int
     a2a_algo: str
     parallel: int = 1  # Tutel's r: 1 expert parallel, 0 data parallel (weights gathered)
+    comet: bool = False  # Comet's fused kernels exchange instead of the all-to-alls (d = 1, linear, r = 1)
 
     @property
     def name(self) -> str:
-        return f"d{self.overlap_degree}-{self.a2a_algo}" + ("" if self.parallel == 1 else f"-r{self.parallel}")
+        return (f"d{self.overlap_degree}-{self.a2a_algo}" + ("" if self.parallel == 1 else f"-r{self.parallel}")
+                + ("-comet" if self.comet else ""))
+
+    def to_json(self) -> list:
+        """As the tuning file keeps it ([d, algo, r], plus true for comet; files written before
+        comet have three entries, which `Setting(*entry)` still reads)."""
+        return [self.overlap_degree, self.a2a_algo, self.parallel] + ([True] if self.comet else [])
 
 
 def next_round(rs: list[int], best_ms: dict[int, float]) -> list[int]:
@@ -135,7 +142,7 @@ class TuningDictionary:
                     entry["r_searched"] = sorted(searched + more)
                     active = [c for c in candidates if c.parallel in entry["r_searched"]]
                 else:
-                    entry["best"] = [best.overlap_degree, best.a2a_algo, best.parallel]
+                    entry["best"] = best.to_json()
                     if self.path is not None and group_rank(group) == 0:
                         self._save()
         if entry.get("best"):

@@ -7,7 +7,7 @@
 | `DataParallelExperts` | r = 0: weights gathered to the rows | Tutel 3.1 |
 | `SlicedExperts` | fewer experts than ranks, r > 0 slices | Tutel 3.1, fig. 7 |
 | `ReplicatedExperts` | dropless with `balance="pro-prophet"`: heavy experts copied to chosen ranks | Pro-Prophet IV-A |
-| `Comet` | `kernels="comet"`, padded: expert GEMMs pulling / pushing rows tile by tile (peer memory) | Comet 3 |
+| `Comet` | `kernels="comet"`, or a tuned "auto" call on GPUs that chose it: fused expert GEMMs | Comet 3 |
 
 `select` picks one per call from a `Setting`; see docs/architecture.md for adding one.
 """
@@ -17,9 +17,9 @@ from weft.moe.exchange.comet import Comet
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
 from weft.moe.exchange.replicated import ReplicatedExperts, Transfer
-from weft.moe.exchange.select import candidates, select, tuning_key, untuned_setting
+from weft.moe.exchange.select import candidates, offers_comet, select, tuning_key, untuned_setting
 from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "Comet", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped",
-           "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer", "candidates", "select",
-           "tuning_key", "untuned_setting"]
+           "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer", "candidates",
+           "offers_comet", "select", "tuning_key", "untuned_setting"]

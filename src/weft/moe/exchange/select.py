@@ -16,8 +16,8 @@ from weft.tune.dictionary import DEGREES, Setting
 def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Transfer | None = None) -> Exchange:
     """The strategy that runs `setting`: r = 0 data-parallel experts; fewer experts than ranks the
     sliced experts; d > 1 (while communicating) the pipelined exchange; a `transfer` copying
-    experts in a plain dropless call (Pro-Prophet) the replicated experts; peer buffers
-    (`kernels="comet"`) in a plain call Comet's fused kernels; else one all-to-all."""
+    experts in a plain dropless call (Pro-Prophet) the replicated experts; a comet setting with
+    peer buffers (the ranks map each other's memory) Comet's fused kernels; else one all-to-all."""
     placement = ctx.placement
     if setting.parallel == 0 and (placement.ep_size > 1 or not dropless):
         return DataParallelExperts(ctx)
@@ -28,26 +28,52 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Tra
         return Pipelined(ctx, setting.overlap_degree, setting.a2a_algo)
     if transfer is not None and transfer.copied and dropless and ctx.communicate and placement.ep_size > 1:
         return ReplicatedExperts(ctx, transfer)
-    if ctx.peers is not None and setting.a2a_algo == "linear" and ctx.scheduler is None:
+    if setting.comet and ctx.peers is not None and ctx.scheduler is None:
         return Comet(ctx, ctx.peers)
     return AllToAll(ctx, setting.a2a_algo)
 
 
 def untuned_setting(call: MoECall) -> Setting:
     """The setting of a call the tuning dictionary does not decide: "auto" parts at their plain
-    values (d = 1, linear), r = 1 unless the call fixed it."""
-    return Setting(1 if call.overlap_degree == "auto" else call.overlap_degree,
-                   "linear" if call.a2a_algo == "auto" else call.a2a_algo,
-                   1 if call.parallel_r is None else call.parallel_r)
+    values (d = 1, linear), r = 1 unless the call fixed it; `kernels="comet"` makes its plain
+    setting Comet's."""
+    return _comet_if_asked(call, Setting(1 if call.overlap_degree == "auto" else call.overlap_degree,
+                                         "linear" if call.a2a_algo == "auto" else call.a2a_algo,
+                                         1 if call.parallel_r is None else call.parallel_r))
 
 
-def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, num_nodes: int) -> list[Setting]:
+def _comet_if_asked(call: MoECall, setting: Setting) -> Setting:
+    """`kernels="comet"`: the plain setting (d = 1, linear, r = 1) runs Comet's kernels."""
+    plain = (setting.overlap_degree, setting.a2a_algo, setting.parallel) == (1, "linear", 1)
+    return Setting(1, "linear", 1, comet=True) if call.kernels == "comet" and plain else setting
+
+
+def offers_comet(call: MoECall, on_gpu: bool, ep_size: int, expert_shards: int) -> bool:
+    """Whether a tuned `kernels="auto"` call times Comet's exchange beside the all-to-all settings
+    (the caller checks that the ranks map each other's memory): "auto" means the Triton kernels,
+    which is on GPUs; an exchange among several ranks; whole experts per rank. Comet's setting runs
+    the same function (outputs, gradients, drops), so the tuner keeps it only where it is faster."""
+    return call.kernels == "auto" and on_gpu and call.communicate and ep_size > 1 and expert_shards == 1
+
+
+def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, num_nodes: int,
+               comet: bool = False) -> list[Setting]:
     """The settings a call may run: every degree if `overlap_degree="auto"` (dropless: only with
     E >= W, the sliced dropless exchange has no pipelined form), both all-to-all algorithms if
     `a2a_algo="auto"` and the group spans several nodes (padded modes only), and for
     `parallel="adaptive"` layers whose call did not fix r, r = 0 and every divisor r of W / E (just
     r = 1 when E >= W), each r with every degree and algorithm. The tuner does not time all of
-    them: it ternary-searches r over the divisors. A one-rank dropless call has nothing to tune."""
+    them: it ternary-searches r over the divisors. A one-rank dropless call has nothing to tune.
+    `comet` (see `offers_comet`): Comet's exchange as one more candidate beside the plain setting;
+    with `kernels="comet"` the plain setting is Comet's."""
+    found = [_comet_if_asked(call, s) for s in _exchange_candidates(call, parallel, ep_size, expert_shards, num_nodes)]
+    if comet and Setting(1, "linear") in found:
+        found.insert(found.index(Setting(1, "linear")) + 1, Setting(1, "linear", 1, comet=True))
+    return found
+
+
+def _exchange_candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int,
+                         num_nodes: int) -> list[Setting]:
     padded = not call.dropless
     free_r = parallel == "adaptive" and call.parallel_r is None
     if call.parallel_r == 0:
@@ -78,10 +104,11 @@ def is_tuned(call: MoECall, parallel: str, ep_size: int) -> bool:
     return call.communicate and ("auto" in (call.overlap_degree, call.a2a_algo) or free_r)
 
 
-def tuning_key(shape: str, call: MoECall, parallel: str) -> str:
+def tuning_key(shape: str, call: MoECall, parallel: str, comet: bool = False) -> str:
     """Everything but the capacity that changes which setting is fastest, or which are candidates:
-    the layer's `shape` (experts, k, sizes, activation, W, dtype) and the call's fixed parts."""
-    key = shape
+    the layer's `shape` (experts, k, sizes, activation, W, dtype), the call's fixed parts, and
+    whether Comet's exchange is among them (`comet`, or `kernels="comet"`)."""
+    key = shape + ("-comet" if comet or call.kernels == "comet" else "")
     # Layers (or calls) with other candidate sets must not share a choice: a fixed degree or
     # algorithm must not run another one, and only "adaptive" layers may run r = 0.
     if call.overlap_degree != "auto":
