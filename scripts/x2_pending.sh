@@ -14,7 +14,7 @@
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
-#            comet, eager), and qwen2-moe-2l training
+#            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
 #            with --kernels comet against auto (losses step by step, tokens/s)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -78,7 +78,7 @@ part_comet() {
     grep -v "$QUIET" "$1/layer_$config.log" | tail -n 8
   done
   $RUN bench layer --config qwen2 --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
-    --modes plain,comet,plain,comet --steps 10 --warmup 3 --json "$1/layer_qwen2_dropless.json" \
+    --modes plain,comet,auto,plain,comet --steps 10 --warmup 3 --json "$1/layer_qwen2_dropless.json" \
     > "$1/layer_qwen2_dropless.log" 2>&1
   grep -v "$QUIET" "$1/layer_qwen2_dropless.log" | tail -n 6
   for kernels in auto comet; do

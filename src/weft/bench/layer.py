@@ -331,7 +331,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     for row, run in zip(timed, runs):
         if not is_graphed(row["mode"]):
             row["peak_mib"] = _peak_mib(run, device)
-        if base_mode(row["mode"]) == "comet" and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
+        runs_comet = base_mode(row["mode"]) == "comet" or any(t.endswith("-comet") for t in row.get("tuned", []))
+        if runs_comet and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
             row["comet_copy_programs"] = {key: entry["best"] for key, entry in moe.tuning.kernels.items()}
     _prediction_errors(rows)
     if device.type == "cuda" and profile_steps > 0:
