@@ -84,9 +84,12 @@ def test_row_map_and_segment_gemms_match_loops_over_experts():
             torch.testing.assert_close(K.segment_wgrad(x, dy, rows), dw_ref, msg=label)
 
 
-def kernels_worker(device: str = "cpu") -> list[str]:
+def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
+    """`tma=False`: as with a Triton without host tensor descriptors, every operand by pointer."""
     from weft.kernels import comet as K
 
+    if not tma:
+        K.TensorDescriptor = None
     failures = []
     gen = torch.Generator().manual_seed(0)
     # Partial row, column and K tiles, and shapes the tiles divide (no masked loads): 16 on the
@@ -133,10 +136,11 @@ def kernels_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
-def test_kernels_match_their_references(monkeypatch):
+@pytest.mark.parametrize("tma", [True, False])
+def test_kernels_match_their_references(monkeypatch, tma):
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(kernels_worker, 1, timeout=300)[0]
+    failures = run_distributed(kernels_worker, 1, args=("cpu", tma), timeout=300)[0]
     assert not failures, "\n".join(failures)
 
 

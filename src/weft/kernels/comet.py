@@ -48,7 +48,10 @@ from weft.kernels.rows import triton
 
 if triton is not None:
     import triton.language as tl
+try:  # Triton >= 3.4; older Tritons (the ones older torch releases bring) read every operand by pointer
     from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 
 @dataclass(frozen=True)
@@ -404,8 +407,9 @@ def _weights(b_EKN: torch.Tensor, tiles: CometTiles) -> tuple[torch.Tensor, obje
 
 def _tma_takes(m: torch.Tensor) -> bool:
     """A 2-D operand the tensor memory accelerator can read: row-major, 16-byte aligned base and
-    row stride, on an sm90+ GPU (or the CPU interpreter, which runs descriptors as loads)."""
-    if m.is_cuda and torch.cuda.get_device_capability(m.device)[0] < 9:
+    row stride, on an sm90+ GPU (or the CPU interpreter, which runs descriptors as loads), with a
+    Triton that has host tensor descriptors."""
+    if TensorDescriptor is None or (m.is_cuda and torch.cuda.get_device_capability(m.device)[0] < 9):
         return False
     return m.stride(1) == 1 and m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0
 
