@@ -92,3 +92,69 @@ def tp_moe_worker(tp: int, schedule: str, capacity_factor, device: str = "cpu") 
 def test_tensor_parallel_moe_model_computes_expert_and_data_parallelism(world, tp, schedule, capacity_factor):
     failures = run_checks(tp_moe_worker, world, args=(tp, schedule, capacity_factor), timeout=300)
     assert not failures, "\n".join(failures[:15])
+
+
+def tp_balance_worker(tp: int, schedule: str) -> list[str]:
+    """Pro-Prophet in a tensor-parallel MoE model: each TP rank's share of the tokens routed by a
+    balanced dropless layer that copies its hot experts (inline, each call) computes what plain
+    expert and data parallelism without copies computes: losses and every gradient, over steps
+    whose hot expert moves (so the placements change)."""
+    from weft.balance import LayerCostModel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}, tp {tp} {schedule}, pro-prophet")
+    cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, dim=32, moe_every=1, num_experts=2 * world,
+                    top_k=2, capacity_factor=None, activation="swiglu", expert_bias_rate=1e-3)
+    # Slow experts, cheap weights: copying a hot expert always pays in this model.
+    cost = LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=8 * cfg.dim,
+                          expert_param_bytes=1.0, expert_grad_bytes=1.0)
+    plain_groups, tp_groups = build_moe_groups(), build_moe_groups(tp_size=tp, experts=True)
+    torch.manual_seed(0)
+    plain = GPT(cfg, group=plain_groups.ep, kernels="torch").double()
+    torch.manual_seed(0)
+    split = GPT(cfg, group=tp_groups.ep, kernels="torch", balance="pro-prophet", tp_group=tp_groups.tp,
+                tp_schedule=make_schedule(schedule, 2)).double()
+    for moe in split.moe_layers():
+        moe.balancer.model = cost
+    sliced = sharded_entries(split)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, split)]
+    dp_rank, per_group = group_rank(tp_groups.dp), BATCH // (world // tp)
+    copied = []
+    for step in range(4):
+        hot = (step // 2) % cfg.num_experts  # the hot expert moves: the plans differ over the steps
+        for model in (plain, split):
+            for moe in model.moe_layers():
+                moe.expert_bias.zero_()[hot] = 3.0  # skew the selection towards `hot`
+        tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1),
+                               generator=torch.Generator().manual_seed(step))
+        mine = tokens[rank * BATCH // world:(rank + 1) * BATCH // world]
+        group_rows = tokens[dp_rank * per_group:(dp_rank + 1) * per_group]
+        losses = []
+        for model, groups, batch in ((plain, plain_groups, mine), (split, tp_groups, group_rows)):
+            _, loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            reduce_gradients(model, groups)
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=groups.dp)
+            losses.append(float(total) / dist.get_world_size(groups.dp))
+        copied.append([c for moe in split.moe_layers() for c in moe.balancer.last_copied])
+        checks.expect(abs(losses[0] - losses[1]) < 1e-6 * abs(losses[0]),
+                      f"step {step}: loss {losses[1]} != plain {losses[0]}")
+        split_params = dict(split.named_parameters())
+        for name, p in plain.named_parameters():
+            q = split_params[name]
+            grad = dense_tensor(*sliced[name], q.grad) if name in sliced else q.grad
+            error = float((grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+            checks.expect(error < 1e-6, f"step {step}: gradient of {name} differs (relative {error:.1e})")
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    checks.expect(any(copied), f"no expert was copied over the steps ({copied}): nothing was tested")
+    checks.expect(len({tuple(c) for c in copied if c}) > 1, f"the placement never changed: {copied}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world, tp, schedule", [(2, 2, "none"), (4, 2, "domino"), (4, 4, "none")])
+def test_pro_prophet_in_a_tensor_parallel_moe_model_computes_plain_parallelism(world, tp, schedule):
+    failures = run_checks(tp_balance_worker, world, args=(tp, schedule), timeout=300)
+    assert not failures, "\n".join(failures[:15])

@@ -82,14 +82,16 @@ def one_rank_moe(corpus, tmp_path_factory):  # noqa: F811
     return losses(out)
 
 
-@pytest.mark.parametrize("world, overlap", [(2, "domino"), (4, "none")])
+@pytest.mark.parametrize("world, overlap, balance", [(2, "domino", "none"), (4, "none", "none"),
+                                                     (2, "domino", "pro-prophet")])
 def test_tensor_parallel_moe_training_has_the_losses_of_one_rank(corpus, one_rank_moe, tmp_path, world,  # noqa: F811
-                                                                 overlap):
+                                                                 overlap, balance):
     """`weft train --tp N` on an MoE model: attention and dense MLP split, experts over the world,
-    each TP rank routing its share of the tokens: the losses of the unsplit model on one rank."""
+    each TP rank routing its share of the tokens: the losses of the unsplit model on one rank; with
+    `--balance pro-prophet` too (the copies change where experts run, not what they compute)."""
     out = tmp_path / "run"
     summary = run(train_config(corpus, out, model=dict(MOE), steps=12, tp=world, tp_overlap=overlap,
-                               sample_tokens=5), world, tmp_path / "cache")
+                               sample_tokens=5, balance=balance), world, tmp_path / "cache")
     split = losses(out)
     assert [split[s] for s in range(1, 13)] == pytest.approx([one_rank_moe[s] for s in range(1, 13)], abs=2e-4)
     assert summary["sample"].startswith("def ")  # one sequence of odd lengths: every rank routes it all
@@ -97,6 +99,8 @@ def test_tensor_parallel_moe_training_has_the_losses_of_one_rank(corpus, one_ran
     loads = [r["expert_load"] for r in rows if "expert_load" in r]
     tokens = 8 * 32 * 2  # batch x block x top-k: every rank's share counted once
     assert all(sum(layer) == tokens for step in loads for layer in step), loads[:2]
+    copies = [r["copied_experts"] for r in rows if "copied_experts" in r]
+    assert (len(copies) == 12) == (balance == "pro-prophet"), copies
 
 
 def test_a_tensor_parallel_moe_checkpoint_resumes_on_one_rank(corpus, one_rank_moe, tmp_path):  # noqa: F811
@@ -108,8 +112,6 @@ def test_a_tensor_parallel_moe_checkpoint_resumes_on_one_rank(corpus, one_rank_m
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(tp=2, model={"moe_every": 2, "capacity_factor": None}, balance="pro-prophet"),
-     "does not run with tensor parallelism yet"),
     (dict(tp=4, model={"moe_every": 2, "block_size": 15}, batch_size=2), "do not divide evenly"),
     (dict(tp=1, tp_overlap="domino"), "set --tp > 1"),
     (dict(tp=2, tp_overlap="fast"), "train.tp_overlap must be 'none', 'domino' or 'auto'"),

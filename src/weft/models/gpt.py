@@ -311,7 +311,9 @@ class GPT(nn.Module):
     all-reduces); every rank of the group gets the same tokens. The weights are those of the
     unsplit model (the same seed gives the same model for any TP size). With MoE layers, the aux
     and z losses are the mean over the TP group of each rank's share's, as in data parallelism
-    over the shares."""
+    over the shares. Balanced layers of a tensor-parallel model plan and copy their experts in
+    each call (inline: the block-wise schedule runs over sub-layer units, which TP blocks run as
+    one stack)."""
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto",
                  balance: str | None = None, tp_group: dist.ProcessGroup | None = None, tp_schedule=None,
@@ -336,8 +338,6 @@ class GPT(nn.Module):
         # Tensor parallelism: each block cut from its initialised dense self (so any TP size starts
         # from the same weights), run as one stack by the schedule.
         if group_size(tp_group) > 1:
-            if self.balanced:
-                raise ValueError("balance='pro-prophet' does not run with tensor parallelism yet")
             self.blocks = nn.ModuleList(TPBlock.from_dense(block, config.n_head, tp_group, kernels)
                                         for block in self.blocks)
             self.tp = (tp_group, tp_schedule if tp_schedule is not None else Sequential())
@@ -391,7 +391,8 @@ class GPT(nn.Module):
         e.g. `{"capacity_factor": None}` to run dropless for this call only). `tp_schedule` runs a
         tensor-parallel model's blocks by another weft.tp schedule for this call.
         `balance_schedule` (balanced models): when Pro-Prophet's copies move ("blockwise",
-        "inline" or "off"; see `run_units`); Lancet's pipeline (`unit_runner`) copies inline."""
+        "inline" or "off"; see `run_units`); Lancet's pipeline (`unit_runner`) and tensor-parallel
+        blocks copy inline."""
         self._check_input(idx, targets)
         with stage("embedding"):
             x = self.tok_emb(idx)

@@ -161,8 +161,6 @@ class TrainConfig:
             if self.tp_overlap != "none":
                 raise ValueError(f"train.tp_overlap {self.tp_overlap!r} overlaps tensor parallelism; set --tp > 1")
             return
-        if model.moe_every and self.balance != "none":
-            raise ValueError(f"--tp {self.tp}: --balance {self.balance} does not run with tensor parallelism yet")
         if model.moe_every and (self.batch_size * model.block_size) % self.tp:
             raise ValueError(f"--tp {self.tp}: each rank of a TP group routes 1/{self.tp} of the tokens; "
                              f"{self.batch_size} x {model.block_size} tokens per micro-step do not divide evenly")

@@ -340,6 +340,11 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
     step."""
     if not model.balanced or cfg.balance_model != "measured" or ep_size == 1:
         return
+    if model.tp is not None:  # the measured model times sub-layer units, which TP blocks do not have
+        if rank == 0:
+            print("weft train: --balance-model measured needs the model's sub-layer profile, which tensor-parallel "
+                  "blocks (run as one stack) do not give: Pro-Prophet plans with the nominal model", flush=True)
+        return
     x, _ = batches.get(start + 1, 0)
     fitted = fit_balance_models(model, x.to(device), autocast=functools.partial(training_autocast, device))
     if rank == 0 and fitted:
