@@ -19,7 +19,7 @@ from test_moe_exchange import exchange_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
 from test_tp import tp_worker
-from test_tp_moe import tp_moe_worker
+from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
 from weft.bench.peers import build_tp_peer
 from weft.testing import run_checks
@@ -317,3 +317,12 @@ def test_tensor_parallel_peers_run_on_every_gpu():
         pytest.skip("no TP peer installed (bash scripts/peer_wheels.sh, then carry .whl)")
     flat = run_checks(tp_peers_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=300)
     assert not flat, "\n".join(flat)
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_tensor_parallel_moe_with_pro_prophet_computes_plain_parallelism_on_nccl():
+    flat = run_checks(tp_balance_worker, torch.cuda.device_count(), args=(2, "domino", "cuda"), backend="nccl",
+                      timeout=600)
+    assert not flat, "\n".join(flat[:15])
+

@@ -94,7 +94,7 @@ def test_tensor_parallel_moe_model_computes_expert_and_data_parallelism(world, t
     assert not failures, "\n".join(failures[:15])
 
 
-def tp_balance_worker(tp: int, schedule: str) -> list[str]:
+def tp_balance_worker(tp: int, schedule: str, device: str = "cpu") -> list[str]:
     """Pro-Prophet in a tensor-parallel MoE model: each TP rank's share of the tokens routed by a
     balanced dropless layer that copies its hot experts (inline, each call) computes what plain
     expert and data parallelism without copies computes: losses and every gradient, over steps
@@ -102,6 +102,8 @@ def tp_balance_worker(tp: int, schedule: str) -> list[str]:
     from weft.balance import LayerCostModel
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
     checks = Checks(f"rank {rank}, tp {tp} {schedule}, pro-prophet")
     cfg = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, dim=32, moe_every=1, num_experts=2 * world,
                     top_k=2, capacity_factor=None, activation="swiglu", expert_bias_rate=1e-3)
@@ -110,10 +112,10 @@ def tp_balance_worker(tp: int, schedule: str) -> list[str]:
                           expert_param_bytes=1.0, expert_grad_bytes=1.0)
     plain_groups, tp_groups = build_moe_groups(), build_moe_groups(tp_size=tp, experts=True)
     torch.manual_seed(0)
-    plain = GPT(cfg, group=plain_groups.ep, kernels="torch").double()
+    plain = GPT(cfg, group=plain_groups.ep, kernels="torch").double().to(device)
     torch.manual_seed(0)
     split = GPT(cfg, group=tp_groups.ep, kernels="torch", balance="pro-prophet", tp_group=tp_groups.tp,
-                tp_schedule=make_schedule(schedule, 2)).double()
+                tp_schedule=make_schedule(schedule, 2)).double().to(device)
     for moe in split.moe_layers():
         moe.balancer.model = cost
     sliced = sharded_entries(split)
@@ -126,7 +128,7 @@ def tp_balance_worker(tp: int, schedule: str) -> list[str]:
             for moe in model.moe_layers():
                 moe.expert_bias.zero_()[hot] = 3.0  # skew the selection towards `hot`
         tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1),
-                               generator=torch.Generator().manual_seed(step))
+                               generator=torch.Generator().manual_seed(step)).to(device)
         mine = tokens[rank * BATCH // world:(rank + 1) * BATCH // world]
         group_rows = tokens[dp_rank * per_group:(dp_rank + 1) * per_group]
         losses = []
