@@ -59,10 +59,10 @@ class CometTiles:
     """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0, chosen
     per shape among `n_comm_choices` where a tuning dictionary times them (Comet's adaptive
     workload assignment; `weft.moe.exchange.comet`), else the default. `group`: row tiles taken
-    together across every column tile (L2 reuse). The 16-bit GPU tiles, 128 x 256 x 64 with 8 warps
-    and 4 stages, were the fastest or near it of the shapes timed on one H100 for qwen2's,
-    phi35's and mixtral's expert GEMMs (docs/benchmarks.md); float32 GEMMs (IEEE products) take
-    tiles whose stages fit in shared memory."""
+    together across every column tile (L2 reuse). The 16-bit GPU tiles (128 x 256 x 64, 8 warps, 4
+    stages) are those docs/benchmarks.md ("Comet, step 2") found fastest for qwen2's, phi35's and
+    mixtral's expert GEMMs; float32 GEMMs (IEEE products) take tiles whose stages fit in shared
+    memory."""
 
     block_m: int = 128
     block_n: int = 256
@@ -114,9 +114,8 @@ class RowMap:
         """Local expert i's rows from source s are `counts_SI[s][i]` rows of s's buffer from row
         `offsets_SI[s][i]` on; gathered by expert, then by source. The counts and offsets (El * W
         numbers the caller holds on the host) go to `device` in one copy, and the per-row and
-        per-tile arrays are computed there, every size known on the host (no synchronisation, no
-        loop over rows or tiles: a dropless call builds its map every time, and host tensor ops on
-        16k rows cost milliseconds on a busy GPU host)."""
+        per-tile arrays are computed there, every size known on the host: no synchronisation, and
+        no host work that grows with the rows (a dropless call builds its map every call)."""
         world, num_local = len(counts_SI), len(counts_SI[0])
         count_IS_host = [counts_SI[s][i] for i in range(num_local) for s in range(world)]  # expert-major
         offset_IS_host = [offsets_SI[s][i] for i in range(num_local) for s in range(world)]
