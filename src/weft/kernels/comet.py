@@ -313,6 +313,10 @@ if triton is not None:
                           N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
                           EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr):
+        """Comet's layer0 (fig. 4 left, fig. 5): programs below N_COMM are the communication
+        blocks (copy whole row tiles from the source ranks' buffers, raise each tile's flag); the
+        others are the GEMM blocks (one output tile each, in the tiles' order: local rows first,
+        3.1.2), each waiting for its rows' flag. Reference: `pull_gemm_reference`."""
         pid = tl.program_id(0)
         if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order
             t = pid
@@ -336,6 +340,10 @@ if triton is not None:
                           sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           GROUP: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, A_TMA: tl.constexpr,
                           B_TMA: tl.constexpr, B_T: tl.constexpr):
+        """Comet's layer1 (fig. 4 right, fig. 7): one output tile per program, remote rows' tiles
+        first; the epilogue stores each row straight into the buffer of the rank it came from
+        (the "vertical fusion" of 3.2.1: no separate communication blocks).
+        Reference: `gemm_push_reference`."""
         t, nt = _work_item(tl.program_id(0), n_tiles, tl.cdiv(N, BN), GROUP)
         i = tl.load(tiles + t * 3)
         first = tl.load(tiles + t * 3 + 1)
