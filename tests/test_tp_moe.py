@@ -25,6 +25,42 @@ def _config(world: int, capacity_factor) -> GPTConfig:
                      top_k=2, capacity_factor=capacity_factor, aux_loss_coef=0.1, z_loss_coef=0.01)
 
 
+def step_like_plain(checks: Checks, step: int, models: tuple, groups: tuple, optimizers: list, device) -> None:
+    """One SGD step of `models` = (plain, split) on step `step`'s batch: the plain model (plain
+    expert and data parallelism) on this rank's rows, the tensor-parallel one on its TP group's
+    rows; the losses (averaged over data parallelism) and every gradient (after
+    `reduce_gradients`; split tensors made dense) must agree."""
+    plain, split = models
+    plain_groups, tp_groups = groups
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab, block = plain.config.vocab_size, plain.config.block_size
+    tokens = torch.randint(0, vocab, (BATCH, block + 1), generator=torch.Generator().manual_seed(step)).to(device)
+    per_group = BATCH // dist.get_world_size(tp_groups.dp)
+    dp_rank = group_rank(tp_groups.dp)
+    mine = tokens[rank * BATCH // world:(rank + 1) * BATCH // world]  # plain: this rank's rows
+    group_rows = tokens[dp_rank * per_group:(dp_rank + 1) * per_group]  # TP: its group's rows
+    losses = []
+    for model, model_groups, batch in ((plain, plain_groups, mine), (split, tp_groups, group_rows)):
+        _, loss = model(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        reduce_gradients(model, model_groups)
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=model_groups.dp)
+        losses.append(float(total) / dist.get_world_size(model_groups.dp))
+    # float64 weights; the loss is taken in float32 (weft.models.gpt): equal to its rounding
+    checks.expect(abs(losses[0] - losses[1]) < 1e-6 * abs(losses[0]),
+                  f"step {step}: loss {losses[1]} != plain {losses[0]}")
+    sliced, split_params = sharded_entries(split), dict(split.named_parameters())
+    for name, p in plain.named_parameters():
+        q = split_params[name]
+        grad = dense_tensor(*sliced[name], q.grad) if name in sliced else q.grad
+        error = float((grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
+        checks.expect(error < 1e-6, f"step {step}: gradient of {name} differs (relative {error:.1e})")
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
 def tp_moe_worker(tp: int, schedule: str, capacity_factor, device: str = "cpu") -> list[str]:
     """`device` "cuda": each rank on its own GPU (NCCL), float64 as on the CPU."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -43,34 +79,9 @@ def tp_moe_worker(tp: int, schedule: str, capacity_factor, device: str = "cpu") 
                   "the TP model's MoE layer is not expert-parallel over the world")
     checks.expect(any(isinstance(s, TokenSplit) for b in split.blocks for s in b.stages((None, None))),
                   "no MoE sub-layer runs on a share of the tokens")
-    sliced = sharded_entries(split)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, split)]
-    dp_rank, per_group = group_rank(tp_groups.dp), BATCH // (world // tp)
     for step in range(2):
-        tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1),
-                               generator=torch.Generator().manual_seed(step)).to(device)
-        mine = tokens[rank * BATCH // world:(rank + 1) * BATCH // world]  # plain: this rank's rows
-        group_rows = tokens[dp_rank * per_group:(dp_rank + 1) * per_group]  # TP: its group's rows
-        losses = []
-        for model, groups, batch in ((plain, plain_groups, mine), (split, tp_groups, group_rows)):
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            reduce_gradients(model, groups)
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=groups.dp)
-            losses.append(float(total) / dist.get_world_size(groups.dp))
-        # float64 weights; the loss is taken in float32 (weft.models.gpt): equal to its rounding
-        checks.expect(abs(losses[0] - losses[1]) < 1e-6 * abs(losses[0]),
-                      f"step {step}: loss {losses[1]} != plain {losses[0]}")
-        split_params = dict(split.named_parameters())
-        for name, p in plain.named_parameters():
-            q = split_params[name]
-            grad = dense_tensor(*sliced[name], q.grad) if name in sliced else q.grad
-            error = float((grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
-            checks.expect(error < 1e-6, f"step {step}: gradient of {name} differs (relative {error:.1e})")
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+        step_like_plain(checks, step, (plain, split), (plain_groups, tp_groups), optimizers, device)
     # Training on a token count the group cannot share evenly: refused on every rank, before any
     # collective of the MoE sub-layer (domino needs 2 sequences, whose tokens always share by 2).
     try:
@@ -118,39 +129,15 @@ def tp_balance_worker(tp: int, schedule: str, device: str = "cpu") -> list[str]:
                 tp_schedule=make_schedule(schedule, 2)).double().to(device)
     for moe in split.moe_layers():
         moe.balancer.model = cost
-    sliced = sharded_entries(split)
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, split)]
-    dp_rank, per_group = group_rank(tp_groups.dp), BATCH // (world // tp)
     copied = []
     for step in range(4):
         hot = (step // 2) % cfg.num_experts  # the hot expert moves: the plans differ over the steps
         for model in (plain, split):
             for moe in model.moe_layers():
                 moe.expert_bias.zero_()[hot] = 3.0  # skew the selection towards `hot`
-        tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.block_size + 1),
-                               generator=torch.Generator().manual_seed(step)).to(device)
-        mine = tokens[rank * BATCH // world:(rank + 1) * BATCH // world]
-        group_rows = tokens[dp_rank * per_group:(dp_rank + 1) * per_group]
-        losses = []
-        for model, groups, batch in ((plain, plain_groups, mine), (split, tp_groups, group_rows)):
-            _, loss = model(batch[:, :-1], batch[:, 1:])
-            loss.backward()
-            reduce_gradients(model, groups)
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=groups.dp)
-            losses.append(float(total) / dist.get_world_size(groups.dp))
+        step_like_plain(checks, step, (plain, split), (plain_groups, tp_groups), optimizers, device)
         copied.append([c for moe in split.moe_layers() for c in moe.balancer.last_copied])
-        checks.expect(abs(losses[0] - losses[1]) < 1e-6 * abs(losses[0]),
-                      f"step {step}: loss {losses[1]} != plain {losses[0]}")
-        split_params = dict(split.named_parameters())
-        for name, p in plain.named_parameters():
-            q = split_params[name]
-            grad = dense_tensor(*sliced[name], q.grad) if name in sliced else q.grad
-            error = float((grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-30))
-            checks.expect(error < 1e-6, f"step {step}: gradient of {name} differs (relative {error:.1e})")
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
     checks.expect(any(copied), f"no expert was copied over the steps ({copied}): nothing was tested")
     checks.expect(len({tuple(c) for c in copied if c}) > 1, f"the placement never changed: {copied}")
     return checks.failures

@@ -246,15 +246,21 @@ class MoE(nn.Module):
     def candidates(self, call: MoECall | None = None) -> list[Setting]:
         """The settings the tuning dictionary may choose from for `call` (default: the layer's)."""
         call = call or self.default_call()
-        groups = self.placement.groups_2dh
-        return candidates(call, self.parallel, self.ep_size, self.expert_shards,
-                          groups.num_nodes if groups is not None else 1, comet=self._offers_comet(call))
+        return self._candidates(call, self._offers_comet(call))
 
     def tuning_key(self, call: MoECall | None = None) -> str:
         call = call or self.default_call()
+        return self._tuning_key(call, self._offers_comet(call))
+
+    def _candidates(self, call: MoECall, comet: bool) -> list[Setting]:
+        groups = self.placement.groups_2dh
+        return candidates(call, self.parallel, self.ep_size, self.expert_shards,
+                          groups.num_nodes if groups is not None else 1, comet=comet)
+
+    def _tuning_key(self, call: MoECall, comet: bool) -> str:
         shape = (f"E{self.num_experts}-k{call.top_k}-dim{self.dim}-h{self.hidden_dim}"
                  f"-{self.experts.activation}-W{self.ep_size}-{str(self.experts.w1.dtype).replace('torch.', '')}")
-        return tuning_key(shape, call, self.parallel, comet=self._offers_comet(call))
+        return tuning_key(shape, call, self.parallel, comet=comet)
 
     def _offers_comet(self, call: MoECall) -> bool:
         """Whether a tuned call of this layer times Comet's exchange as a candidate (`offers_comet`,
@@ -333,24 +339,26 @@ class MoE(nn.Module):
     def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
                   transfer: Transfer | None) -> torch.Tensor:
         tuned = is_tuned(call, self.parallel, self.ep_size)
+        comet = tuned and self._offers_comet(call)  # Comet's exchange among the tuned candidates
         ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler,
-                              self._comet_peers(call, rows.device, tuned), self.tuning)
+                              self._comet_peers(call, rows.device, comet), self.tuning)
         dropless = isinstance(layout, Grouped)
         run = lambda setting, rows: select(ctx, setting, dropless, transfer)(rows, layout)  # noqa: E731
         if not tuned:
             return run(untuned_setting(call), rows)
-        found = self.candidates(call)
+        found = self._candidates(call, comet)
         if len(found) == 1:  # nothing to tune: no bucket (a dropless bucket costs an all-reduce)
             return run(found[0], rows)
         if dropless:
             capacity = self._dropless_capacity(capacity, rows.device)
-        return self.tuning.run(self.tuning_key(call), capacity, found, self.group, run, rows, caller=id(self))
+        return self.tuning.run(self._tuning_key(call, comet), capacity, found, self.group, run, rows,
+                               caller=id(self))
 
-    def _comet_peers(self, call: MoECall, device: torch.device, tuned: bool) -> PeerBuffers | None:
+    def _comet_peers(self, call: MoECall, device: torch.device, offered: bool) -> PeerBuffers | None:
         """The group's peer buffers when this call may run Comet's kernels: `kernels="comet"`, or a
-        tuned call that offers Comet as a candidate (else None; for "comet", said once per reason
-        when the ranks cannot address each other's memory)."""
-        if tuned and self._offers_comet(call):
+        tuned call that `offered` Comet as a candidate (else None; for "comet", said once per
+        reason when the ranks cannot address each other's memory)."""
+        if offered:
             return peer_buffers(self.group, device)
         if call.kernels != "comet" or not call.communicate or self.expert_shards > 1:
             return None
