@@ -4,7 +4,8 @@
 #   PARTS="tests balance" OUT=$OUT bash scripts/x2_pending.sh
 # The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
-#   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule and of TP for MoE models
+#   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models and
+#            of bf16 master weights with expert parallelism
 #   balance  Pro-Prophet: the layer at skew 1.2 and 0 (plain vs balance, the plan's predicted time),
 #            and whole iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline:
 #            the share of Trans and Agg under computation)
@@ -30,7 +31,7 @@ QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
 part_tests() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers" > "$1/tests.log" 2>&1
+    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights" > "$1/tests.log" 2>&1
   tail -n 15 "$1/tests.log"
 }
 

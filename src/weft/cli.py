@@ -34,6 +34,7 @@ from weft.train.config import (
     BALANCE_MODELS,
     CUDA_GRAPHS,
     FREE_ON_RESUME,
+    MASTER_WEIGHTS,
     TP_OVERLAPS,
     TrainConfig,
     config_changes,
@@ -87,8 +88,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "balance",
-                "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "master_weights",
+                "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -230,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPUs: replay each micro-step's forward and backward as one CUDA graph (no launch cost); "
                          "auto (default): where the shapes are static (padded capacity, no overlap engine), "
                          "on: an error where they are not, off: eager")
+    tr.add_argument("--master-weights", default=None, choices=list(MASTER_WEIGHTS),
+                    help="GPUs: store the blocks' matmul weights in bf16 with float32 masters in the optimizer "
+                         "(the same training, less memory traffic); auto (default): those whose gradients no rank "
+                         "sums (experts of expert parallelism; everything on one GPU), with one micro-batch per "
+                         "step; on: an error if none; off: float32")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

@@ -39,7 +39,11 @@ def token_split_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
-    """Sum `grads` over `group` in one flat bucket per dtype, then divide by `divisor`."""
+    """Sum `grads` over `group` in one flat bucket per dtype, then divide by `divisor` (a group of
+    one rank: divided in place, without the bucket's copies)."""
+    if group_size(group) == 1:
+        torch._foreach_div_(grads, divisor)
+        return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for g in grads:
         by_dtype.setdefault(g.dtype, []).append(g)

@@ -24,6 +24,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 TP_OVERLAPS = ("none", "domino", "auto")
 CUDA_GRAPHS = ("auto", "on", "off")
+MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
 
@@ -68,6 +69,11 @@ class TrainConfig:
     balance_n: int = 1
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
+    # GPUs: the blocks' matmul weights stored in bf16 with float32 masters in the optimizer
+    # (weft.train.optim): "auto" those whose arithmetic that does not change (one micro-batch per
+    # step, no overlap engine, TP or replication; gradients no rank sums with another's: the
+    # experts of expert parallelism, the linears on one rank), "on" (an error if none), "off": float32
+    master_weights: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"
@@ -133,6 +139,11 @@ class TrainConfig:
             raise ValueError(f"train.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
         if self.cuda_graphs == "on" and self.device == "cpu":
             raise ValueError("train.cuda_graphs 'on' needs GPUs (device is cpu); use 'auto' or 'off'")
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"train.master_weights must be 'auto', 'on' or 'off', got {self.master_weights!r}")
+        if self.master_weights == "on" and self.device == "cpu":
+            raise ValueError("train.master_weights 'on' needs GPUs (device is cpu: it trains in float32); use 'auto' "
+                             "or 'off'")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -217,8 +228,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer", "keep_last", "cuda_graphs", "balance", "balance_model",
-                            "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
+                            "kernels", "fused_optimizer", "master_weights", "keep_last", "cuda_graphs", "balance",
+                            "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ the ranks of a tensor-parallel group read the same batches and hold slices of ev
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -33,6 +34,14 @@ from weft.train.checkpoint import latest_checkpoint, load_checkpoint, prune_chec
 from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
+from weft.train.optim import (
+    ClippedAdamW,
+    MasterAdamW,
+    MasterWeights,
+    decay_groups,
+    low_precision_parameters,
+    master_weights_blocker,
+)
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
 from weft.train.step import MicroSteps, build_micro_step
 
@@ -67,19 +76,56 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
-def build_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; matrices (and expert weight stacks) decay, vectors (norms) do not. On GPUs the fused
-    implementation (one kernel per step and dtype; `train.fused_optimizer = false` switches to
-    torch's multi-tensor one): the same update up to float rounding."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def build_optimizer(model: GPT, cfg: TrainConfig, masters: MasterWeights | None = None) -> torch.optim.AdamW:
+    """AdamW; matrices (and expert weight stacks) decay, vectors (norms) do not. With `masters`
+    (bf16 parameters, weft.train.optim) `MasterAdamW`, one Triton pass per tensor. Otherwise on GPUs
+    torch's fused implementation (one kernel per step and dtype; `train.fused_optimizer = false`
+    switches to its multi-tensor one): the same update up to float rounding."""
+    groups = decay_groups(model, cfg.weight_decay)
+    if masters is not None:
+        return MasterAdamW(groups, masters, lr=cfg.lr, betas=cfg.betas)
     fused = cfg.fused_optimizer and all(p.is_cuda for p in model.parameters())
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
+    return ClippedAdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
 
 
-def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
-    """Clip by the global norm: replicated gradients once, each expert shard once (sum over EP),
+def build_master_weights(model: GPT, cfg: TrainConfig, device: torch.device, groups: MoEGroups,
+                         log) -> MasterWeights | None:
+    """`cfg.master_weights`: "auto" stores the weights `low_precision_parameters` picks in bf16
+    with float32 masters where that changes no arithmetic (`master_weights_blocker`), "on" also,
+    or stops naming why not, "off" never."""
+    if cfg.master_weights == "off":
+        return None
+    blocker = master_weights_blocker(model, device, cfg.grad_accum, cfg.overlap)
+    params = low_precision_parameters(model, groups) if blocker is None else []
+    if blocker is None and not params:
+        blocker = (f"every matmul weight's gradient is summed over ranks ({group_size(groups.dp)} data-parallel, "
+                   f"{group_size(groups.edp)} expert-data-parallel)")
+    if blocker is not None:
+        if cfg.master_weights == "on":
+            raise TrainingStopped(f"--master-weights on: {blocker} (run with --master-weights auto or off)")
+        if device.type == "cuda":
+            log(f"weft train: float32 parameters (no bf16 master weights: {blocker})")
+        return None
+    masters = MasterWeights(params)
+    log(f"weft train: {len(masters)} weight tensors ({sum(p.numel() for p in params) / 1e6:.1f}M values) stored "
+        "in bf16 with float32 masters (--master-weights off: float32)")
+    return masters
+
+
+def _load(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, groups: MoEGroups, full_precision) -> dict:
+    """Load a checkpoint (float32 weights, with master weights put in the parameters for the
+    time). The optimizer keeps the implementation this run chose (fused, foreach): a checkpoint's
+    param groups carry those of the run that wrote it."""
+    chosen = [{k: group[k] for k in ("fused", "foreach")} for group in optimizer.param_groups]
+    with full_precision():
+        extra = load_checkpoint(ckpt, model, optimizer, groups)
+    for group, flags in zip(optimizer.param_groups, chosen):
+        group.update(flags)
+    return extra
+
+
+def gradient_norm(model: GPT, groups: MoEGroups) -> float:
+    """The global gradient norm: replicated gradients once, each expert shard once (sum over EP),
     each tensor-parallel slice once (sum over TP). Multi-tensor kernels (torch._foreach_*): a few
     launches for the whole model, one host sync."""
     experts = {id(p) for p in expert_parameters(model)}
@@ -95,10 +141,12 @@ def clip_gradients(model: GPT, max_norm: float, groups: MoEGroups) -> float:
         dist.all_reduce(expert_sq, group=groups.ep)
     if group_size(groups.tp) > 1:
         dist.all_reduce(sliced_sq, group=groups.tp)
-    norm = float((dense_sq + expert_sq + sliced_sq).sqrt())
-    if max_norm > 0 and norm > max_norm:
-        torch._foreach_mul_([p.grad for p in params], max_norm / (norm + 1e-6))
-    return norm
+    return float((dense_sq + expert_sq + sliced_sq).sqrt())
+
+
+def clip_scale(norm: float, max_norm: float) -> float:
+    """The factor clipping by the global norm multiplies every gradient by (1: no clipping)."""
+    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
 
 
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -233,7 +281,10 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
                 balance=None if cfg.balance == "none" else cfg.balance, balance_n=cfg.balance_n, tp_group=groups.tp,
                 tp_schedule=make_schedule("none" if cfg.tp_overlap == "auto" else cfg.tp_overlap, cfg.domino_p1,
                                           cfg.domino_p2)).to(device)
-    optimizer = build_optimizer(model, cfg)
+    log0 = (lambda line: print(line, flush=True)) if ctx.rank == 0 else (lambda line: None)
+    masters = build_master_weights(model, cfg, device, groups, log0)
+    full_precision = masters.full_precision if masters is not None else contextlib.nullcontext
+    optimizer = build_optimizer(model, cfg, masters)
     try:
         data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction,
                             vocab_size=model_cfg.vocab_size)
@@ -248,7 +299,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     start = 0
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
-        start = int(load_checkpoint(ckpt, model, optimizer, groups)["step"])
+        start = int(_load(ckpt, model, optimizer, groups, full_precision)["step"])
     elif cfg.resume and ctx.rank == 0:
         print(f"weft train: --resume but no complete checkpoint in {run_dir / 'checkpoints'}; starting at step 0",
               flush=True)
@@ -299,7 +350,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
                 print(line, flush=True)
         if step % cfg.ckpt_interval == 0 or step == cfg.steps:
             extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
-            save_checkpoint(run_dir, step, model, optimizer, groups, extra)
+            with full_precision():
+                save_checkpoint(run_dir, step, model, optimizer, groups, extra)
             if ctx.rank == 0:
                 prune_checkpoints(run_dir, cfg.keep_last)
 
@@ -406,7 +458,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         loss_sum += losses  # read now: a graphed step's outputs are overwritten by its next replay
         counts = layer_counts.clone() if counts is None else counts + layer_counts
     reduce_gradients(model, groups)
-    grad_norm = clip_gradients(model, cfg.grad_clip, groups)
+    grad_norm = gradient_norm(model, groups)
     # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
     # the same decision; a NaN/inf loss on any rank makes it non-finite too.
     finite = math.isfinite(grad_norm)
@@ -415,7 +467,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
             f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped before the optimizer "
             f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
     if finite:
-        optimizer.step()
+        optimizer.step(grad_scale=clip_scale(grad_norm, cfg.grad_clip))
     micro_steps.clear_grads(optimizer)
 
     world = group_size(groups.dp)

@@ -1,0 +1,293 @@
+"""weft train's optimizer (weft.train.optim, weft.kernels.adamw): the AdamW pass against torch's
+AdamW, its Triton kernel in the interpreter against the reference, bf16 weights with float32
+masters against float32 weights under the same bf16 autocast, and checkpoints across both."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from weft.distributed import build_moe_groups
+from weft.kernels.adamw import AdamWHyper, adamw_step, adamw_step_reference
+from weft.models import GPT, get_preset
+from weft.testing import run_distributed
+from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from weft.train.optim import (
+    ClippedAdamW,
+    MasterAdamW,
+    MasterWeights,
+    decay_groups,
+    low_precision_parameters,
+    master_weights_blocker,
+)
+
+CONFIG = dataclasses.replace(get_preset("tiny"), block_size=32, n_layer=2, dim=64, n_head=2, moe_every=2,
+                             num_experts=4, moe_hidden_dim=96, capacity_factor=2.0)
+LR, BETAS, WD = 3e-3, (0.9, 0.95), 0.1
+
+
+def test_the_reference_update_is_torch_adamw():
+    gen = torch.Generator().manual_seed(0)
+    ours = torch.randn(37, 5, generator=gen)
+    start = ours.clone()
+    theirs = torch.nn.Parameter(ours.clone())
+    torch_opt = torch.optim.AdamW([theirs], lr=LR, betas=BETAS, weight_decay=WD, eps=1e-8, foreach=False)
+    m, v = torch.zeros_like(ours), torch.zeros_like(ours)
+    for step in range(1, 6):
+        grad = torch.randn(37, 5, generator=gen)
+        scale = 0.5 if step % 2 else 1.0  # clipping's coefficient, applied inside the pass
+        theirs.grad = grad * scale
+        torch_opt.step()
+        adamw_step_reference(ours, grad, m, v, AdamWHyper(LR, *BETAS, 1e-8, WD, step), grad_scale=scale)
+        assert torch.allclose(ours, theirs.detach(), rtol=0, atol=1e-6), step
+        assert torch.allclose(m, torch_opt.state[theirs]["exp_avg"], rtol=1e-6, atol=1e-7)
+    assert (ours - start).abs().min() > 1e-6  # every element moved
+
+
+def test_the_pass_checks_its_tensors():
+    master = torch.zeros(4)
+    with pytest.raises(TypeError, match="exp_avg must be float32"):
+        adamw_step(master, torch.zeros(4), torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4),
+                   AdamWHyper(LR, *BETAS, 1e-8, WD, 1))
+    with pytest.raises(ValueError, match=r"grad has shape \(5,\), the master \(4,\)"):
+        adamw_step(master, torch.zeros(5), torch.zeros(4), torch.zeros(4), AdamWHyper(LR, *BETAS, 1e-8, WD, 1))
+
+
+def kernel_worker() -> list[str]:
+    failures = []
+    gen = torch.Generator().manual_seed(1)
+    for n, grad_dtype, with_copy in ((2500, torch.bfloat16, True), (1024, torch.float32, False), (3, torch.bfloat16,
+                                                                                                     True)):
+        master = torch.randn(n, generator=gen)
+        m, v = torch.randn(n, generator=gen) * 0.1, torch.rand(n, generator=gen) * 0.01
+        grad = torch.randn(n, generator=gen).to(grad_dtype)
+        hyper = AdamWHyper(LR, *BETAS, 1e-8, WD, 7)
+        results = []
+        for fn in (adamw_step, adamw_step_reference):
+            state = [master.clone(), m.clone(), v.clone(), torch.zeros(n, dtype=torch.bfloat16) if with_copy else None]
+            fn(state[0], grad, state[1], state[2], hyper, grad_scale=0.7, copy=state[3])
+            results.append(state)
+        for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), *results):
+            if not torch.allclose(a, b, rtol=1e-6, atol=1e-7):
+                failures.append(f"n={n} {grad_dtype}: {name} differs by {(a - b).abs().max():.2e}")
+        if torch.equal(results[0][0], master):
+            failures.append(f"n={n}: the kernel did not update the master")
+        if with_copy:  # the new master in bf16: within one bf16 ulp, as Triton's interpreter truncates
+            # where a GPU rounds to nearest (tests/test_gpu.py checks the GPU's copy bitwise)
+            new_master, copy = results[0][0], results[0][3].float()
+            if not torch.all((copy - new_master).abs() <= new_master.abs() * 2.0**-7):
+                failures.append(f"n={n}: the copy is more than one bf16 ulp from the new master")
+    return failures
+
+
+def test_the_triton_pass_matches_the_reference(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(kernel_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures)
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 256, (4, 32), generator=gen), torch.randint(0, 256, (4, 32), generator=gen)
+
+
+def step_under_autocast(model: GPT, optimizer, step: int, max_norm: float) -> float:
+    """One training step as weft train takes it, with bf16 autocast on the CPU."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(*batch(step))
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = float(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum().sqrt())
+    optimizer.step(grad_scale=max_norm / (norm + 1e-6) if norm > max_norm else 1.0)
+    optimizer.zero_grad(set_to_none=True)
+    return float(loss.detach())
+
+
+def twin_runs(seed: int = 0):
+    torch.manual_seed(seed)
+    plain = GPT(CONFIG)
+    mixed = GPT(CONFIG)
+    mixed.load_state_dict(plain.state_dict())
+    masters = MasterWeights(low_precision_parameters(mixed, build_moe_groups()))
+    return (plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False),
+            mixed, MasterAdamW(decay_groups(mixed, WD), masters, lr=LR, betas=BETAS), masters)
+
+
+def test_master_weights_store_the_matmul_weights_in_bf16():
+    plain, _, mixed, _, masters = twin_runs()
+    low = {n for n, p in mixed.named_parameters() if p.dtype == torch.bfloat16}
+    assert len(masters) == len(low) > 0
+    assert {n.rsplit(".", 1)[-1] for n in low} == {"weight", "w1", "w2"}
+    assert all(".attn." in n or ".ffn.experts." in n or ".ffn.fc" in n or ".ffn.out_proj" in n for n in low), low
+    fp32 = {n for n, p in mixed.named_parameters() if p.dtype == torch.float32}
+    assert "tok_emb.weight" in fp32 and any("router" in n or "gate" in n for n in fp32), fp32
+    for (name, p), q in zip(mixed.named_parameters(), plain.parameters()):
+        master = masters.master(p)
+        if name in low:
+            assert torch.equal(master, q.detach()) and torch.equal(p.detach(), q.detach().to(torch.bfloat16))
+        else:
+            assert master is None
+
+
+def test_bf16_weights_with_masters_train_as_float32_weights_under_autocast():
+    """The equivalence, with clipping active at every other step (see check_the_same_training)."""
+    plain, plain_opt, mixed, mixed_opt, masters = twin_runs()
+    losses, drift = [], []
+    for step in range(6):
+        max_norm = 100.0 if step % 2 else 0.5
+        losses.append((step_under_autocast(plain, plain_opt, step, max_norm),
+                       step_under_autocast(mixed, mixed_opt, step, max_norm)))
+        drift.append(max(float((_value(p, masters) - q.detach()).abs().max())
+                         for p, q in zip(mixed.parameters(), plain.parameters())))
+    check_the_same_training(losses, drift)
+    for p in mixed.parameters():
+        if masters.master(p) is not None:
+            assert torch.equal(p.detach(), masters.master(p).to(torch.bfloat16))  # the bf16 weight: master rounded
+    torch.manual_seed(0)  # the run moved: its start, rebuilt from the seed
+    initial = GPT(CONFIG)
+    moved = max(float((q.detach() - r.detach()).abs().max()) for q, r in zip(plain.parameters(), initial.parameters()))
+    assert moved > 3 * LR, moved  # several steps of the learning rate, far above drift[0]
+
+
+def test_checkpoints_hold_the_masters_and_load_into_either_kind_of_run(tmp_path):
+    plain, plain_opt, mixed, mixed_opt, masters = twin_runs()
+    for step in range(2):
+        step_under_autocast(mixed, mixed_opt, step, 100.0)
+    groups = build_moe_groups()
+    with masters.full_precision():
+        save_checkpoint(tmp_path, 2, mixed, mixed_opt, groups, {})
+        saved = {n: p.detach().clone() for n, p in mixed.named_parameters()}
+        state = {n: {k: v.clone() for k, v in mixed_opt.state[p].items()} for n, p in mixed.named_parameters()}
+    assert all(v.dtype == torch.float32 for v in saved.values())
+    path = latest_checkpoint(tmp_path)
+
+    # into a float32 run: the masters, exactly, and AdamW's state
+    load_checkpoint(path, plain, plain_opt, groups)
+    for n, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[n]), n
+        for key, value in state[n].items():
+            assert torch.equal(plain_opt.state[p][key].cpu(), value.cpu()), (n, key)
+
+    # into a run with master weights: the masters exactly, the bf16 weights their rounding
+    torch.manual_seed(5)
+    fresh = GPT(CONFIG)
+    fresh_masters = MasterWeights(low_precision_parameters(fresh, groups))
+    fresh_opt = MasterAdamW(decay_groups(fresh, WD), fresh_masters, lr=LR, betas=BETAS)
+    with fresh_masters.full_precision():
+        load_checkpoint(path, fresh, fresh_opt, groups)
+    for n, p in fresh.named_parameters():
+        master = fresh_masters.master(p)
+        assert torch.equal(master if master is not None else p.detach(), saved[n]), n
+        if master is not None:
+            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), saved[n].to(torch.bfloat16))
+    # and both continue alike
+    a = step_under_autocast(plain, plain_opt, 2, 100.0)
+    b = step_under_autocast(fresh, fresh_opt, 2, 100.0)
+    assert a == b
+
+
+def test_master_weights_are_used_only_where_they_change_no_arithmetic():
+    cuda = torch.device("cuda")
+    model = GPT(CONFIG)
+    assert master_weights_blocker(model, cuda, 1, "none") is None
+    assert "CPU" in master_weights_blocker(model, torch.device("cpu"), 1, "none")
+    assert "--grad-accum 4" in master_weights_blocker(model, cuda, 4, "none")
+    assert "--overlap lancet" in master_weights_blocker(model, cuda, 1, "lancet")
+    balanced = GPT(dataclasses.replace(CONFIG, capacity_factor=None), balance="pro-prophet")
+    assert "Pro-Prophet" in master_weights_blocker(balanced, cuda, 1, "none")
+
+
+def test_master_weights_refuse_non_float32_parameters():
+    with pytest.raises(TypeError, match="float32 parameters, got torch.bfloat16"):
+        MasterWeights([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+
+
+def ranks_worker(ep_size: int) -> dict:
+    """On each rank: which weights go to bf16, and bf16 weights with masters against float32
+    weights over steps of expert-parallel training under bf16 autocast (gradients reduced and
+    clipped as weft train does)."""
+    from weft.moe.grads import reduce_gradients
+    from weft.train.loop import clip_scale, gradient_norm
+
+    groups = build_moe_groups(ep_size)
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    plain = GPT(CONFIG, group=groups.ep)
+    mixed = GPT(CONFIG, group=groups.ep)
+    mixed.load_state_dict(plain.state_dict())
+    masters = MasterWeights(low_precision_parameters(mixed, groups))
+    low = sorted(n for n, p in mixed.named_parameters() if masters.master(p) is not None)
+    runs = [(plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False)),
+            (mixed, MasterAdamW(decay_groups(mixed, WD), masters, lr=LR, betas=BETAS))]
+    losses, drift = [], []
+    for step in range(4):
+        row = []
+        for model, optimizer in runs:
+            x, y = batch(10 * step + rank)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                _, loss = model(x, y)
+            loss.backward()
+            reduce_gradients(model, groups)
+            norm = gradient_norm(model, groups)
+            optimizer.step(grad_scale=clip_scale(norm, 100.0 if step % 2 else 0.5))  # clipping at steps 0, 2
+            optimizer.zero_grad(set_to_none=True)
+            row.append(float(loss.detach()))
+        losses.append(row)
+        drift.append(max(float((_value(p, masters) - q.detach()).abs().max())
+                         for p, q in zip(mixed.parameters(), plain.parameters())))
+    return {"low": low, "losses": losses, "drift": drift}
+
+
+def _value(p: torch.nn.Parameter, masters: MasterWeights) -> torch.Tensor:
+    """A parameter's float32 value: its master, or itself."""
+    master = masters.master(p)
+    return p.detach() if master is None else master
+
+
+@pytest.mark.parametrize("world, ep_size", [(1, None), (2, None), (2, 1), (4, None), (4, 2)])
+def test_master_weights_on_several_ranks_keep_float32_where_ranks_sum_gradients(world, ep_size):
+    results = run_distributed(ranks_worker, world, args=(ep_size,), timeout=300)
+    ep = world if ep_size is None else ep_size
+    for result in results:
+        kinds = {n.rsplit(".", 1)[-1] for n in result["low"]}
+        if world == 1:  # everything of the blocks: the linears and the experts
+            assert kinds == {"weight", "w1", "w2"}, result["low"]
+        elif ep == world:  # expert parallel over all ranks: each rank's own experts only
+            assert result["low"] and all(".ffn.experts." in n for n in result["low"]), result["low"]
+        else:  # replicated experts (expert-data-parallel ranks sum their gradients): nothing
+            assert result["low"] == []
+        check_the_same_training(result["losses"], result["drift"])
+
+
+def check_the_same_training(losses: list[tuple[float, float]], drift: list[float]) -> None:
+    """The first step's loss bitwise (the same bf16 weights), its update to float32 rounding (two
+    AdamW kernels); later, where the last bit of a master flips a bf16 weight, the two runs part
+    by amounts Adam's normalisation scales to the learning rate: losses close, weights within a
+    few steps' worth of it."""
+    assert losses[0][0] == losses[0][1]
+    assert drift[0] < 1e-6, drift
+    for plain_loss, mixed_loss in losses:
+        assert abs(plain_loss - mixed_loss) < 2e-3 * abs(plain_loss)
+    assert max(drift) < LR * len(drift), drift
+
+
+def test_a_resumed_run_keeps_its_own_optimizer_implementation(tmp_path):
+    """A checkpoint's param groups carry the writer's `fused` / `foreach`; the loading run keeps
+    the ones it chose (e.g. float32 parameters after a run with master weights)."""
+    import contextlib
+
+    from weft.train.loop import _load
+
+    groups = build_moe_groups()
+    torch.manual_seed(0)
+    writer = GPT(CONFIG)
+    writer_opt = ClippedAdamW(decay_groups(writer, WD), lr=LR, foreach=False)
+    step_under_autocast(writer, writer_opt, 0, 100.0)
+    save_checkpoint(tmp_path, 1, writer, writer_opt, groups, {"step": 1})
+    reader = GPT(CONFIG)
+    reader_opt = ClippedAdamW(decay_groups(reader, WD), lr=LR, foreach=True)
+    assert _load(latest_checkpoint(tmp_path), reader, reader_opt, groups, contextlib.nullcontext)["step"] == 1
+    assert all(group["foreach"] is True for group in reader_opt.param_groups)
+    assert all(torch.equal(a, b) for a, b in zip(reader.parameters(), writer.parameters()))
