@@ -17,6 +17,10 @@
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
 #            with --kernels comet against auto (losses step by step, tokens/s)
+#   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 8 and gpt2-s-moe batch 16,
+#            bf16 master weights on and off
+#   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch (issue:
+#            training quality): drops after step 200 and validation losses, overlay plot
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
@@ -89,7 +93,17 @@ part_comet() {
   done
 }
 
-for part in ${PARTS:-tests balance domino tpmoe comet}; do
+part_mfu() {
+  RUNS="qwen2-moe-2l:8 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
+    bash scripts/train_mfu.sh
+}
+
+part_quality() {
+  RUNS="gpt2-s-moe=gpt2-s-moe gpt2-s=gpt2-s" STEPS=600 DROPS_AFTER=200 TRAIN_ARGS="--batch-size 8" OUT="$1" \
+    bash scripts/quality_runs.sh | tail -n 8
+}
+
+for part in ${PARTS:-tests balance domino tpmoe comet mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

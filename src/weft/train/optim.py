@@ -7,8 +7,9 @@ bf16 parameters with float32 master weights are the storage of mixed-precision t
 Float16OptimizerWithFloat16Params), where it changes no arithmetic.
 
 Under bf16 autocast a float32 matmul weight is cast to bf16 in every forward, its bf16 gradient
-cast to float32 in every backward, and clipping and AdamW then read and write it in float32:
-~55 of gpt2-l-moe's 108 ms per step on one H200 touch every parameter (docs/benchmarks.md). Here
+cast to float32 in every backward, and clipping and AdamW then read and write it in float32
+(for MoE models, with many parameters per active one, a large share of the step: docs/benchmarks.md,
+"Hardware speed, step 5"). Here
 such a weight is stored in bf16 (the values autocast would have cast it to), its float32 value
 kept as a master copy, and one pass (`weft.kernels.adamw`) reads the bf16 gradient, applies the
 clipping coefficient, updates master and moments and writes the new bf16 weight.
@@ -75,7 +76,8 @@ def master_weights_blocker(model: GPT, device: torch.device, grad_accum: int, ov
     if overlap != "none":
         return f"--overlap {overlap} defers weight gradients and accumulates them"
     if model.tp is not None:
-        return "tensor parallelism accumulates weight gradients over Domino's micro-batches"
+        return "tensor parallelism: Domino accumulates weight gradients over its micro-batches (weft.tp keeps " \
+               "float32 parameters)"
     if model.balanced:
         return "expert replication (Pro-Prophet) sums the replicas' gradients"
     return None
