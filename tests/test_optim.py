@@ -291,3 +291,61 @@ def test_a_resumed_run_keeps_its_own_optimizer_implementation(tmp_path):
     assert _load(latest_checkpoint(tmp_path), reader, reader_opt, groups, contextlib.nullcontext)["step"] == 1
     assert all(group["foreach"] is True for group in reader_opt.param_groups)
     assert all(torch.equal(a, b) for a, b in zip(reader.parameters(), writer.parameters()))
+
+
+# -- weft train itself, as it runs on GPUs: bf16 autocast (here on the CPU), master weights allowed --
+SMALL_MODEL = {"dim": 32, "n_layer": 2, "n_head": 2, "block_size": 32, "num_experts": 4, "moe_hidden_dim": 64,
+               "top_k": 2}
+
+
+def train_like_on_gpus(cfg):
+    """`weft.train.loop.train` with the GPU's bf16 autocast on the CPU (which weft trains in
+    float32) and the master-weights rule told it runs on a GPU: the loop's own wiring (which
+    weights, checkpoints with masters, resume) on gloo ranks."""
+    import weft.train.loop as loop
+    import weft.train.step as step
+
+    def bf16(device):
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    loop.training_autocast = step.training_autocast = bf16
+    blocker = loop.master_weights_blocker
+    loop.master_weights_blocker = lambda model, device, *rest: blocker(model, torch.device("cuda"), *rest)
+    return loop.train(cfg)
+
+
+def losses_of(run_dir) -> dict[int, float]:
+    import json
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def code_corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "code.txt"
+    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(3000)))
+    return path
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exactly(code_corpus, tmp_path, world):
+    from weft.train.config import TrainConfig
+
+    def cfg(out: str, master: str, **kw) -> TrainConfig:
+        values = dict(data=str(code_corpus), out=str(tmp_path / out), model=dict(SMALL_MODEL), steps=30,
+                      batch_size=8, warmup_steps=5, eval_interval=10, eval_batches=2, ckpt_interval=10,
+                      log_interval=10, sample_tokens=0, lr=3e-3, master_weights=master)
+        return TrainConfig(**{**values, **kw})
+
+    env = {"WEFT_CACHE": str(tmp_path / "cache")}
+    for name, master, kw in (("on", "on", {}), ("off", "off", {}),
+                             ("split", "on", {"steps": 20, "lr_decay_steps": 30}),
+                             ("split", "on", {"resume": True})):
+        run_distributed(train_like_on_gpus, world, args=(cfg(name, master, **kw),), timeout=300, env=env)
+    on, off, split = (losses_of(tmp_path / name) for name in ("on", "off", "split"))
+    assert sorted(on) == list(range(1, 31))
+    assert on[1] == off[1]  # the same bf16 weights at the first step
+    assert all(abs(on[s] - off[s]) < 0.02 * off[s] for s in on), (on, off)
+    assert sum(on[s] for s in range(26, 31)) < sum(on[s] for s in range(1, 6)) - 2.0  # it learns
+    assert [split[s] for s in range(21, 31)] == [on[s] for s in range(21, 31)]  # resumed exactly
