@@ -349,11 +349,13 @@ def test_the_adamw_pass_on_cuda_matches_the_reference_and_rounds_its_copy_to_nea
 
 
 @needs_cuda
-@pytest.mark.parametrize("graphs, gpus", [("on", "0"), ("off", "0"), ("on", "all")])
-def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, graphs, gpus):
+@pytest.mark.parametrize("graphs, gpus, accum", [("on", "0", 1), ("off", "0", 1), ("on", "all", 1), ("on", "0", 2)])
+def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, graphs, gpus, accum):
     """`weft train --master-weights on` logs the losses of `off` to bf16 rounding, the first
     step's exactly; a run resumed from its checkpoint continues with the same losses. On one GPU
-    every matmul weight is bf16; on all GPUs (expert parallel) each rank's experts."""
+    with one micro-batch every weight's gradient goes to the optimizer directly; on all GPUs
+    (expert parallel) the attention's are summed over the ranks, with --grad-accum 2 every one
+    over micro-batches, in float32 accumulators."""
     if gpus == "all" and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     import json
@@ -366,8 +368,8 @@ def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, 
     def train(name: str, master: str, steps: int, *extra: str) -> list[float]:
         out = tmp_path / name
         done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", str(steps),
-                               "--batch-size", "8", "--device", "cuda", "--cuda-graphs", graphs,
-                               "--master-weights", master, "--sample-tokens", "0", "--config",
+                               "--batch-size", "8", "--grad-accum", str(accum), "--device", "cuda",
+                               "--cuda-graphs", graphs, "--master-weights", master, "--sample-tokens", "0", "--config",
                                str(tmp_path / "run.toml"), "--out", str(out), *extra],
                               capture_output=True, text=True, timeout=600,
                               env={**os.environ, "WEFT_CACHE": str(tmp_path),

@@ -16,6 +16,7 @@ from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_check
 from weft.train.optim import (
     ClippedAdamW,
     MasterAdamW,
+    MasterPlan,
     MasterWeights,
     decay_groups,
     low_precision_parameters,
@@ -191,12 +192,33 @@ def test_checkpoints_hold_the_masters_and_load_into_either_kind_of_run(tmp_path)
 def test_master_weights_are_used_only_where_they_change_no_arithmetic():
     cuda = torch.device("cuda")
     model = GPT(CONFIG)
-    assert master_weights_blocker(model, cuda, 1, "none") is None
-    assert "CPU" in master_weights_blocker(model, torch.device("cpu"), 1, "none")
-    assert "--grad-accum 4" in master_weights_blocker(model, cuda, 4, "none")
-    assert "--overlap lancet" in master_weights_blocker(model, cuda, 1, "lancet")
+    assert master_weights_blocker(model, cuda, "none") is None
+    assert "CPU" in master_weights_blocker(model, torch.device("cpu"), "none")
+    assert "--overlap lancet" in master_weights_blocker(model, cuda, "lancet")
     balanced = GPT(dataclasses.replace(CONFIG, capacity_factor=None), balance="pro-prophet")
-    assert "Pro-Prophet" in master_weights_blocker(balanced, cuda, 1, "none")
+    assert "Pro-Prophet" in master_weights_blocker(balanced, cuda, "none")
+    plan = low_precision_parameters(model, build_moe_groups(), grad_accum=2)  # micro-batches sum the gradients
+    assert plan.direct == [] and len(plan.staged) == len(low_precision_parameters(model, build_moe_groups()).direct)
+
+
+def test_staged_gradients_accumulate_in_float32_and_look_like_float32_parameters():
+    """stage_gradients moves bf16 gradients into float32 sums (the first micro-step's copied);
+    inside float32_gradients a staged weight is its master with that sum as its gradient."""
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    masters = MasterWeights(MasterPlan([], [weight]))
+    grads = [torch.randn(3, 4).bfloat16() for _ in range(3)]
+    for _ in range(2):  # the sum restarts at each step
+        for g in grads:
+            weight.grad = g.clone()
+            masters.stage_gradients()
+            assert torch.equal(weight.grad, torch.zeros_like(g))  # zeroed in place for the next backward
+        bf16_grad = weight.grad
+        with masters.float32_gradients():
+            assert weight.dtype == torch.float32 and weight.grad.dtype == torch.float32
+            assert torch.equal(weight.detach(), masters.master(weight))
+            expected = grads[0].float() + grads[1].float() + grads[2].float()
+            assert torch.equal(weight.grad, expected)
+        assert weight.dtype == torch.bfloat16 and weight.grad is bf16_grad
 
 
 def test_master_weights_refuse_non_float32_parameters():
@@ -205,9 +227,9 @@ def test_master_weights_refuse_non_float32_parameters():
 
 
 def ranks_worker(ep_size: int) -> dict:
-    """On each rank: which weights go to bf16, and bf16 weights with masters against float32
-    weights over steps of expert-parallel training under bf16 autocast (gradients reduced and
-    clipped as weft train does)."""
+    """On each rank: which weights go to bf16 (directly or through float32 accumulators), and bf16
+    weights with masters against float32 weights over steps of expert-parallel training under bf16
+    autocast, gradients reduced and clipped as weft train does."""
     from weft.moe.grads import reduce_gradients
     from weft.train.loop import clip_scale, gradient_norm
 
@@ -217,27 +239,32 @@ def ranks_worker(ep_size: int) -> dict:
     plain = GPT(CONFIG, group=groups.ep)
     mixed = GPT(CONFIG, group=groups.ep)
     mixed.load_state_dict(plain.state_dict())
-    masters = MasterWeights(low_precision_parameters(mixed, groups))
-    low = sorted(n for n, p in mixed.named_parameters() if masters.master(p) is not None)
-    runs = [(plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False)),
-            (mixed, MasterAdamW(decay_groups(mixed, WD), masters, lr=LR, betas=BETAS))]
+    plan = low_precision_parameters(mixed, groups)
+    names = {id(p): n for n, p in mixed.named_parameters()}
+    masters = MasterWeights(plan)
+    runs = [(plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False),
+             MasterWeights(MasterPlan([], []))),
+            (mixed, MasterAdamW(decay_groups(mixed, WD), masters, lr=LR, betas=BETAS), masters)]
     losses, drift = [], []
     for step in range(4):
         row = []
-        for model, optimizer in runs:
+        for model, optimizer, staging in runs:
             x, y = batch(10 * step + rank)
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 _, loss = model(x, y)
             loss.backward()
-            reduce_gradients(model, groups)
-            norm = gradient_norm(model, groups)
-            optimizer.step(grad_scale=clip_scale(norm, 100.0 if step % 2 else 0.5))  # clipping at steps 0, 2
+            staging.stage_gradients()
+            with staging.float32_gradients():
+                reduce_gradients(model, groups)
+                norm = gradient_norm(model, groups)
+                optimizer.step(grad_scale=clip_scale(norm, 100.0 if step % 2 else 0.5))  # clipping at steps 0, 2
             optimizer.zero_grad(set_to_none=True)
             row.append(float(loss.detach()))
         losses.append(row)
         drift.append(max(float((_value(p, masters) - q.detach()).abs().max())
                          for p, q in zip(mixed.parameters(), plain.parameters())))
-    return {"low": low, "losses": losses, "drift": drift}
+    return {"direct": sorted(names[id(p)] for p in plan.direct), "staged": sorted(names[id(p)] for p in plan.staged),
+            "losses": losses, "drift": drift}
 
 
 def _value(p: torch.nn.Parameter, masters: MasterWeights) -> torch.Tensor:
@@ -247,17 +274,20 @@ def _value(p: torch.nn.Parameter, masters: MasterWeights) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("world, ep_size", [(1, None), (2, None), (2, 1), (4, None), (4, 2)])
-def test_master_weights_on_several_ranks_keep_float32_where_ranks_sum_gradients(world, ep_size):
+def test_master_weights_on_several_ranks_stage_the_gradients_ranks_sum(world, ep_size):
     results = run_distributed(ranks_worker, world, args=(ep_size,), timeout=300)
     ep = world if ep_size is None else ep_size
     for result in results:
-        kinds = {n.rsplit(".", 1)[-1] for n in result["low"]}
-        if world == 1:  # everything of the blocks: the linears and the experts
-            assert kinds == {"weight", "w1", "w2"}, result["low"]
-        elif ep == world:  # expert parallel over all ranks: each rank's own experts only
-            assert result["low"] and all(".ffn.experts." in n for n in result["low"]), result["low"]
-        else:  # replicated experts (expert-data-parallel ranks sum their gradients): nothing
-            assert result["low"] == []
+        direct, staged = result["direct"], result["staged"]
+        experts = {n for n in direct + staged if ".ffn.experts." in n}
+        linears = {n for n in direct + staged if ".ffn.experts." not in n}
+        assert {n.rsplit(".", 1)[-1] for n in experts} == {"w1", "w2"} and linears, (direct, staged)
+        if world == 1:  # nothing summed: every weight direct
+            assert staged == []
+        elif ep == world:  # each rank's own experts direct; the linears' gradients summed over ranks
+            assert set(direct) == experts and set(staged) == linears
+        else:  # expert-data-parallel ranks sum the experts' gradients too
+            assert direct == [] and set(staged) == experts | linears
         check_the_same_training(result["losses"], result["drift"])
 
 
@@ -314,11 +344,11 @@ def train_like_on_gpus(cfg):
     return loop.train(cfg)
 
 
-def losses_of(run_dir) -> dict[int, float]:
+def losses_of(run_dir, key: str = "loss") -> dict[int, float]:
     import json
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r[key] for r in rows if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -328,14 +358,15 @@ def code_corpus(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exactly(code_corpus, tmp_path, world):
+@pytest.mark.parametrize("world, grad_accum", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exactly(code_corpus, tmp_path, world,
+                                                                                    grad_accum):
     from weft.train.config import TrainConfig
 
     def cfg(out: str, master: str, **kw) -> TrainConfig:
         values = dict(data=str(code_corpus), out=str(tmp_path / out), model=dict(SMALL_MODEL), steps=30,
                       batch_size=8, warmup_steps=5, eval_interval=10, eval_batches=2, ckpt_interval=10,
-                      log_interval=10, sample_tokens=0, lr=3e-3, master_weights=master)
+                      log_interval=10, sample_tokens=0, lr=3e-3, master_weights=master, grad_accum=grad_accum)
         return TrainConfig(**{**values, **kw})
 
     env = {"WEFT_CACHE": str(tmp_path / "cache")}
@@ -346,6 +377,9 @@ def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exact
     on, off, split = (losses_of(tmp_path / name) for name in ("on", "off", "split"))
     assert sorted(on) == list(range(1, 31))
     assert on[1] == off[1]  # the same bf16 weights at the first step
+    # ... and the same gradients, summed over micro-batches and ranks in float32 (to summation order)
+    assert losses_of(tmp_path / "on", "grad_norm")[1] == pytest.approx(losses_of(tmp_path / "off", "grad_norm")[1],
+                                                                      rel=1e-5)
     assert all(abs(on[s] - off[s]) < 0.02 * off[s] for s in on), (on, off)
     assert sum(on[s] for s in range(26, 31)) < sum(on[s] for s in range(1, 6)) - 2.0  # it learns
     assert [split[s] for s in range(21, 31)] == [on[s] for s in range(21, 31)]  # resumed exactly

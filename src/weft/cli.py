@@ -232,10 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "auto (default): where the shapes are static (padded capacity, no overlap engine), "
                          "on: an error where they are not, off: eager")
     tr.add_argument("--master-weights", default=None, choices=list(MASTER_WEIGHTS),
-                    help="GPUs: store the blocks' matmul weights in bf16 with float32 masters in the optimizer "
-                         "(the same training, less memory traffic); auto (default): those whose gradients no rank "
-                         "sums (experts of expert parallelism; everything on one GPU), with one micro-batch per "
-                         "step; on: an error if none; off: float32")
+                    help="GPUs: store the blocks' matmul weights in bf16 with float32 masters in the optimizer, "
+                         "gradients summed in float32 (the same training, less memory traffic); auto (default): "
+                         "without --overlap, --tp or --balance; on: an error where not; off: float32")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

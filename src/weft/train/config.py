@@ -70,9 +70,8 @@ class TrainConfig:
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     # GPUs: the blocks' matmul weights stored in bf16 with float32 masters in the optimizer
-    # (weft.train.optim): "auto" those whose arithmetic that does not change (one micro-batch per
-    # step, no overlap engine, TP or replication; gradients no rank sums with another's: the
-    # experts of expert parallelism, the linears on one rank), "on" (an error if none), "off": float32
+    # (weft.train.optim), their gradients summed in float32 where anything sums them: "auto" (no
+    # overlap engine, TP or expert replication), "on" (an error where not), "off": float32
     master_weights: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where

@@ -8,7 +8,6 @@ the ranks of a tensor-parallel group read the same batches and hold slices of ev
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -37,6 +36,7 @@ from weft.train.metrics import MetricsLog, Progress, peak_flops
 from weft.train.optim import (
     ClippedAdamW,
     MasterAdamW,
+    MasterPlan,
     MasterWeights,
     decay_groups,
     low_precision_parameters,
@@ -82,34 +82,36 @@ def build_optimizer(model: GPT, cfg: TrainConfig, masters: MasterWeights | None 
     torch's fused implementation (one kernel per step and dtype; `train.fused_optimizer = false`
     switches to its multi-tensor one): the same update up to float rounding."""
     groups = decay_groups(model, cfg.weight_decay)
-    if masters is not None:
+    if masters is not None and len(masters):
         return MasterAdamW(groups, masters, lr=cfg.lr, betas=cfg.betas)
     fused = cfg.fused_optimizer and all(p.is_cuda for p in model.parameters())
     return ClippedAdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
 
 
 def build_master_weights(model: GPT, cfg: TrainConfig, device: torch.device, groups: MoEGroups,
-                         log) -> MasterWeights | None:
+                         log) -> MasterWeights:
     """`cfg.master_weights`: "auto" stores the weights `low_precision_parameters` picks in bf16
     with float32 masters where that changes no arithmetic (`master_weights_blocker`), "on" also,
-    or stops naming why not, "off" never."""
+    or stops naming why not, "off" never (an empty `MasterWeights`: every step of it does
+    nothing)."""
+    none = MasterWeights(MasterPlan([], []))
     if cfg.master_weights == "off":
-        return None
-    blocker = master_weights_blocker(model, device, cfg.grad_accum, cfg.overlap)
-    params = low_precision_parameters(model, groups) if blocker is None else []
-    if blocker is None and not params:
-        blocker = (f"every matmul weight's gradient is summed over ranks ({group_size(groups.dp)} data-parallel, "
-                   f"{group_size(groups.edp)} expert-data-parallel)")
+        return none
+    blocker = master_weights_blocker(model, device, cfg.overlap)
+    plan = low_precision_parameters(model, groups, cfg.grad_accum) if blocker is None else MasterPlan([], [])
+    if blocker is None and not len(plan):
+        blocker = "no weight of this model is read only through autocast's casts (or every one is gathered " \
+                  "across ranks)"
     if blocker is not None:
         if cfg.master_weights == "on":
             raise TrainingStopped(f"--master-weights on: {blocker} (run with --master-weights auto or off)")
         if device.type == "cuda":
             log(f"weft train: float32 parameters (no bf16 master weights: {blocker})")
-        return None
-    masters = MasterWeights(params)
-    log(f"weft train: {len(masters)} weight tensors ({sum(p.numel() for p in params) / 1e6:.1f}M values) stored "
-        "in bf16 with float32 masters (--master-weights off: float32)")
-    return masters
+        return none
+    values = sum(p.numel() for p in [*plan.direct, *plan.staged]) / 1e6
+    log(f"weft train: {len(plan)} weight tensors ({values:.1f}M values) stored in bf16 with float32 masters, "
+        f"{len(plan.staged)} of them with float32 gradient accumulators (--master-weights off: float32)")
+    return MasterWeights(plan)
 
 
 def _load(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, groups: MoEGroups, full_precision) -> dict:
@@ -283,7 +285,6 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
                                           cfg.domino_p2)).to(device)
     log0 = (lambda line: print(line, flush=True)) if ctx.rank == 0 else (lambda line: None)
     masters = build_master_weights(model, cfg, device, groups, log0)
-    full_precision = masters.full_precision if masters is not None else contextlib.nullcontext
     optimizer = build_optimizer(model, cfg, masters)
     try:
         data = prepare_data(cfg.data, token_cache_dir(), val_fraction=cfg.val_fraction,
@@ -299,7 +300,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     start = 0
     ckpt = latest_checkpoint(run_dir) if cfg.resume else None
     if ckpt is not None:
-        start = int(_load(ckpt, model, optimizer, groups, full_precision)["step"])
+        start = int(_load(ckpt, model, optimizer, groups, masters.full_precision)["step"])
     elif cfg.resume and ctx.rank == 0:
         print(f"weft train: --resume but no complete checkpoint in {run_dir / 'checkpoints'}; starting at step 0",
               flush=True)
@@ -331,7 +332,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             group["lr"] = lr
         if micro_steps is None:  # built at the first step: a graph captures the step as it runs
             micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
-        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps)
+        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps, masters)
         elapsed = time.perf_counter() - t0
         # tokens: read by the end of this step (steps times this run's batch shape)
         row.update(step=step, tokens=step * tokens_per_step, lr=lr, tokens_per_s=tokens_per_step / elapsed,
@@ -350,7 +351,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
                 print(line, flush=True)
         if step % cfg.ckpt_interval == 0 or step == cfg.steps:
             extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
-            with full_precision():
+            with masters.full_precision():
                 save_checkpoint(run_dir, step, model, optimizer, groups, extra)
             if ctx.rank == 0:
                 prune_checkpoints(run_dir, cfg.keep_last)
@@ -449,25 +450,27 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
 
 
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
-                groups: MoEGroups, device: torch.device, micro_steps: MicroSteps) -> dict:
+                groups: MoEGroups, device: torch.device, micro_steps: MicroSteps, masters: MasterWeights) -> dict:
     loss_sum = torch.zeros(4, device=device)  # total, ce, aux, dropped slots
     counts = None
     for micro in range(cfg.grad_accum):
         x, y = batches.get(step, micro)
         losses, layer_counts = micro_steps.run(x.to(device), y.to(device))
+        masters.stage_gradients()
         loss_sum += losses  # read now: a graphed step's outputs are overwritten by its next replay
         counts = layer_counts.clone() if counts is None else counts + layer_counts
-    reduce_gradients(model, groups)
-    grad_norm = gradient_norm(model, groups)
-    # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
-    # the same decision; a NaN/inf loss on any rank makes it non-finite too.
-    finite = math.isfinite(grad_norm)
-    if not finite and cfg.on_nonfinite == "stop":
-        raise TrainingStopped(
-            f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped before the optimizer "
-            f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
-    if finite:
-        optimizer.step(grad_scale=clip_scale(grad_norm, cfg.grad_clip))
+    with masters.float32_gradients():
+        reduce_gradients(model, groups)
+        grad_norm = gradient_norm(model, groups)
+        # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
+        # the same decision; a NaN/inf loss on any rank makes it non-finite too.
+        finite = math.isfinite(grad_norm)
+        if not finite and cfg.on_nonfinite == "stop":
+            raise TrainingStopped(
+                f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped before the optimizer "
+                f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
+        if finite:
+            optimizer.step(grad_scale=clip_scale(grad_norm, cfg.grad_clip))
     micro_steps.clear_grads(optimizer)
 
     world = group_size(groups.dp)

@@ -15,18 +15,19 @@ kept as a master copy, and one pass (`weft.kernels.adamw`) reads the bf16 gradie
 clipping coefficient, updates master and moments and writes the new bf16 weight.
 
 Invariant, what makes it an equivalent transform: the forward sees the same bf16 weights, the
-backward computes the same bf16 gradients, the update is AdamW's in float32 on the master from
-those gradients (the float32 parameter's update, to rounding). That holds for a weight whose
-gradient is used as the backward wrote it. A gradient summed with another in bf16 would round
-where the float32 one did not: accumulated over micro-batches, all-reduced over data-parallel
-ranks, accumulated by a deferred or queued weight-gradient scheduler. `master_weights_blocker`
-says which runs have none of those for any weight (one micro-batch per step, no overlap engine,
-no tensor parallelism, no expert replication), `low_precision_parameters` which weights then
-qualify: those consumed only through autocast's casts to bf16 (the linears of attention and
-dense MLPs, the expert weight stacks) whose gradients no rank sums with another's (the linears
-on one data-parallel rank; the experts of expert parallelism, each rank's own). Embeddings
-(looked up in float32), the tied head, norms and routers (float32 by design) stay float32,
-updated by the same optimizer.
+backward computes the same bf16 gradients, and every sum of gradients and the update run in
+float32 as they did: AdamW's update on the master (the float32 parameter's, to rounding). A weight
+whose gradient nothing sums (one micro-batch per step, its gradient on no other rank) is `direct`:
+the optimizer reads its bf16 gradient as the backward wrote it. Otherwise it is `staged`: after
+each micro-step its bf16 gradient goes into a float32 accumulator (what autograd's accumulation
+into a float32 `.grad` did), and the reduction over ranks, the norm and the update see that
+accumulator. Which weights qualify (`low_precision_parameters`): those consumed only through
+autocast's casts to bf16 (the linears of attention and dense MLPs, the expert weight stacks) and
+whose gradients the backward itself does not sum across ranks (so not experts whose weights are
+gathered from other ranks). Embeddings (looked up in float32), the tied head, norms and routers
+(float32 by design) stay float32, updated by the same optimizer. `master_weights_blocker` names
+the runs that keep float32 parameters throughout (CPU, an overlap engine's deferred weight
+gradients, tensor parallelism, expert replication).
 
 Checkpoints hold float32 weights and AdamW's state, as without master weights (so either kind of
 run loads them): `MasterWeights.full_precision()` puts the masters in the parameters for the
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -47,32 +49,49 @@ from weft.moe import MoE
 from weft.ops.wgrad import Linear
 
 
-def low_precision_parameters(model: GPT, groups: MoEGroups) -> list[nn.Parameter]:
-    """The weights that every forward reads only through autocast's bf16 casts and whose bf16
-    gradient no step sums with another rank's: the linears of the blocks (attention, dense MLP)
-    on one data-parallel rank; the experts' weight stacks where each rank holds whole experts of
-    its own (`parallel="ep"`, one expert-data-parallel rank) and the division of their gradients by
-    the data-parallel size (`reduce_gradients`) is exact, a power of two."""
+@dataclass(frozen=True)
+class MasterPlan:
+    """Which weights go to bf16: `direct` ones whose bf16 gradient the optimizer reads as the
+    backward wrote it, `staged` ones whose bf16 gradient is moved into a float32 accumulator
+    after every micro-step, before anything sums it (micro-batches, ranks)."""
+
+    direct: list[nn.Parameter]
+    staged: list[nn.Parameter]
+
+    def __len__(self) -> int:
+        return len(self.direct) + len(self.staged)
+
+
+def low_precision_parameters(model: GPT, groups: MoEGroups, grad_accum: int = 1) -> MasterPlan:
+    """The weights that every forward reads only through autocast's bf16 casts and whose
+    gradients nothing inside the backward sums: the linears of the blocks (attention, dense MLP)
+    and the experts' weight stacks where each rank holds whole experts of its own
+    (`parallel="ep"`; weights gathered across ranks would have their gradients reduce-scattered
+    in bf16 by the backward itself). Direct where no step sums a gradient afterwards either: one
+    micro-batch per step, and the linears on one data-parallel rank, the experts on one
+    expert-data-parallel rank with an exact division by the data-parallel size (a power of two,
+    `reduce_gradients`); staged otherwise."""
     dp, edp = group_size(groups.dp), group_size(groups.edp)
-    params: list[nn.Parameter] = []
+    direct: list[nn.Parameter] = []
+    staged: list[nn.Parameter] = []
     for block in model.blocks:
         for module in block.modules():
-            if isinstance(module, Linear) and dp == 1:
-                params.extend(p for p in module.parameters(recurse=False) if p.requires_grad)
+            if isinstance(module, Linear):
+                weights = [p for p in module.parameters(recurse=False) if p.requires_grad]
+                (direct if dp == 1 and grad_accum == 1 else staged).extend(weights)
         moe = block.ffn if isinstance(block.ffn, MoE) else None
-        if moe is not None and moe.parallel == "ep" and moe.expert_shards == 1 and edp == 1 and dp & (dp - 1) == 0:
-            params.extend(p for p in moe.experts.parameters() if p.requires_grad)
-    return params
+        if moe is not None and moe.parallel == "ep" and moe.expert_shards == 1:
+            weights = [p for p in moe.experts.parameters() if p.requires_grad]
+            unsummed = edp == 1 and dp & (dp - 1) == 0 and grad_accum == 1
+            (direct if unsummed else staged).extend(weights)
+    return MasterPlan(direct, staged)
 
 
-def master_weights_blocker(model: GPT, device: torch.device, grad_accum: int, overlap: str) -> str | None:
+def master_weights_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     """Why a run keeps float32 parameters (None: bf16 with masters changes no arithmetic for the
     weights `low_precision_parameters` picks)."""
     if device.type != "cuda":
         return "the CPU trains in float32 (no autocast)"
-    if grad_accum > 1:
-        return f"--grad-accum {grad_accum} accumulates gradients over micro-batches, in float32 only with float32 " \
-               "parameters"
     if overlap != "none":
         return f"--overlap {overlap} defers weight gradients and accumulates them"
     if model.tp is not None:
@@ -83,44 +102,104 @@ def master_weights_blocker(model: GPT, device: torch.device, grad_accum: int, ov
     return None
 
 
+@dataclass
+class _Master:
+    param: nn.Parameter
+    master: torch.Tensor  # float32
+    low: torch.Tensor  # bf16, the parameter's data outside `full_precision` / `float32_gradients`
+    accumulator: torch.Tensor | None  # float32, staged weights only
+
+
 class MasterWeights:
-    """Stores `params` in `dtype` (each parameter's `.data`), their float32 values kept as masters.
+    """Stores the plan's weights in `dtype` (each parameter's `.data`), their float32 values kept
+    as masters; staged weights also get a float32 gradient accumulator.
 
     The parameters keep their identity (optimizers, checkpoints and parameter sets by id see the
     same objects); only their storage changes. The low-precision tensors are never replaced, only
-    written in place, so a CUDA graph that captured them replays on current weights."""
+    written in place, so a CUDA graph that captured them replays on current weights.
 
-    def __init__(self, params: Iterable[nn.Parameter], dtype: torch.dtype = torch.bfloat16):
-        self._masters: dict[int, torch.Tensor] = {}
-        self._pairs: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
-        for p in params:
+    A step with staged weights: `stage_gradients()` after every micro-step (the bf16 gradients
+    added into the accumulators, then zeroed in place: the next backward, eager or graphed,
+    accumulates onto zero, which is exact), then `float32_gradients()` around everything that
+    reads gradients (reduction over ranks, the norm, the optimizer): inside it a staged weight's
+    `.data` is its master and its `.grad` its accumulator, as if it were a float32 parameter."""
+
+    def __init__(self, plan: MasterPlan | Iterable[nn.Parameter], dtype: torch.dtype = torch.bfloat16):
+        if not isinstance(plan, MasterPlan):
+            plan = MasterPlan(list(plan), [])
+        self._entries: dict[int, _Master] = {}
+        for p, staged in [*((p, False) for p in plan.direct), *((p, True) for p in plan.staged)]:
             if p.dtype != torch.float32:
                 raise TypeError(f"master weights start from float32 parameters, got {p.dtype}")
             master, low = p.data, p.data.to(dtype)
             p.data = low
-            self._masters[id(p)] = master
-            self._pairs.append((p, master, low))
+            self._entries[id(p)] = _Master(p, master, low, torch.zeros_like(master) if staged else None)
+        self._staged = [e for e in self._entries.values() if e.accumulator is not None]
+        self._micro_steps = 0
 
     def __len__(self) -> int:
-        return len(self._pairs)
+        return len(self._entries)
 
     def master(self, p: nn.Parameter) -> torch.Tensor | None:
         """The float32 master of `p`, None for a parameter stored in float32 itself."""
-        return self._masters.get(id(p))
+        entry = self._entries.get(id(p))
+        return None if entry is None else entry.master
+
+    def low(self, p: nn.Parameter) -> torch.Tensor:
+        """The low-precision storage of a parameter this object holds."""
+        return self._entries[id(p)].low
+
+    @torch.no_grad()
+    def stage_gradients(self) -> None:
+        """After a micro-step: each staged weight's bf16 gradient into its float32 accumulator
+        (copied at the step's first micro-step, added at the others), then zeroed in place."""
+        with_grad = [e for e in self._staged if e.param.grad is not None]
+        if not with_grad:
+            return
+        grads = [e.param.grad for e in with_grad]
+        accumulators = [e.accumulator for e in with_grad]
+        if self._micro_steps == 0:
+            torch._foreach_copy_(accumulators, grads)
+        else:
+            torch._foreach_add_(accumulators, grads)
+        torch._foreach_zero_(grads)
+        self._micro_steps += 1
+
+    @contextlib.contextmanager
+    def float32_gradients(self) -> Iterator[None]:
+        """Staged weights as float32 parameters (master data, accumulated gradient) for the time
+        of the block; afterwards their bf16 storage and gradient tensors are back, and the next
+        `stage_gradients` starts a new step."""
+        if not self._staged:
+            yield
+            return
+        kept = [(e, e.param.grad) for e in self._staged]
+        staged = self._micro_steps > 0
+        for e, _ in kept:
+            e.param.data = e.master
+            e.param.grad = e.accumulator if staged else None
+        try:
+            yield
+        finally:
+            for e, grad in kept:
+                e.param.grad = None
+                e.param.data = e.low
+                e.param.grad = grad
+            self._micro_steps = 0
 
     @contextlib.contextmanager
     def full_precision(self) -> Iterator[None]:
         """The masters in the parameters for the time of the block (to write or read checkpoints);
         afterwards the low-precision weights are the (possibly loaded) masters rounded."""
-        for p, master, _ in self._pairs:
-            p.data = master
+        for e in self._entries.values():
+            e.param.data = e.master
         try:
             yield
         finally:
             with torch.no_grad():
-                for p, master, low in self._pairs:
-                    low.copy_(master)
-                    p.data = low
+                for e in self._entries.values():
+                    e.low.copy_(e.master)
+                    e.param.data = e.low
 
 
 class ClippedAdamW(torch.optim.AdamW):
@@ -176,5 +255,5 @@ class MasterAdamW(torch.optim.AdamW):
             hyper = AdamWHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                int(state["step"]))
             adamw_step(target, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper, grad_scale,
-                       copy=None if master is None else p.data)
+                       copy=None if master is None else self.masters.low(p))
         return None
