@@ -383,3 +383,22 @@ def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exact
     assert all(abs(on[s] - off[s]) < 0.02 * off[s] for s in on), (on, off)
     assert sum(on[s] for s in range(26, 31)) < sum(on[s] for s in range(1, 6)) - 2.0  # it learns
     assert [split[s] for s in range(21, 31)] == [on[s] for s in range(21, 31)]  # resumed exactly
+
+
+def test_a_weight_without_a_gradient_in_the_first_micro_step_is_staged_from_zero():
+    """A weight that no micro-step of a step touched has no gradient; one first touched at a later
+    micro-step starts its sum there (nothing left from the step before)."""
+    a, b = torch.nn.Parameter(torch.randn(2, 2)), torch.nn.Parameter(torch.randn(2, 2))
+    masters = MasterWeights(MasterPlan([], [a, b]))
+    ga, gb = torch.ones(2, 2, dtype=torch.bfloat16), torch.full((2, 2), 3.0, dtype=torch.bfloat16)
+    a.grad, b.grad = ga.clone(), gb.clone()
+    masters.stage_gradients()
+    with masters.float32_gradients():
+        assert torch.equal(b.grad, gb.float())
+    a.grad, b.grad = None, None  # the next step: b untouched at first, then touched; a untouched
+    masters.stage_gradients()
+    b.grad = gb.clone()
+    masters.stage_gradients()
+    with masters.float32_gradients():
+        assert a.grad is None
+        assert torch.equal(b.grad, gb.float())  # not 2 x gb: the old sum is gone

@@ -108,6 +108,7 @@ class _Master:
     master: torch.Tensor  # float32
     low: torch.Tensor  # bf16, the parameter's data outside `full_precision` / `float32_gradients`
     accumulator: torch.Tensor | None  # float32, staged weights only
+    filled: bool = False  # the accumulator holds this step's gradient (staged weights)
 
 
 class MasterWeights:
@@ -135,7 +136,6 @@ class MasterWeights:
             p.data = low
             self._entries[id(p)] = _Master(p, master, low, torch.zeros_like(master) if staged else None)
         self._staged = [e for e in self._entries.values() if e.accumulator is not None]
-        self._micro_steps = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -152,32 +152,30 @@ class MasterWeights:
     @torch.no_grad()
     def stage_gradients(self) -> None:
         """After a micro-step: each staged weight's bf16 gradient into its float32 accumulator
-        (copied at the step's first micro-step, added at the others), then zeroed in place."""
+        (copied the first time in the step, added after), then zeroed in place."""
         with_grad = [e for e in self._staged if e.param.grad is not None]
-        if not with_grad:
-            return
-        grads = [e.param.grad for e in with_grad]
-        accumulators = [e.accumulator for e in with_grad]
-        if self._micro_steps == 0:
-            torch._foreach_copy_(accumulators, grads)
-        else:
-            torch._foreach_add_(accumulators, grads)
-        torch._foreach_zero_(grads)
-        self._micro_steps += 1
+        for fill in (True, False):
+            entries = [e for e in with_grad if e.filled != fill]
+            if not entries:
+                continue
+            grads, accumulators = [e.param.grad for e in entries], [e.accumulator for e in entries]
+            (torch._foreach_copy_ if fill else torch._foreach_add_)(accumulators, grads)
+            torch._foreach_zero_(grads)
+            for e in entries:
+                e.filled = True
 
     @contextlib.contextmanager
     def float32_gradients(self) -> Iterator[None]:
-        """Staged weights as float32 parameters (master data, accumulated gradient) for the time
-        of the block; afterwards their bf16 storage and gradient tensors are back, and the next
-        `stage_gradients` starts a new step."""
+        """Staged weights as float32 parameters (master data, accumulated gradient: None if no
+        micro-step gave one) for the time of the block; afterwards their bf16 storage and gradient
+        tensors are back, and the next `stage_gradients` starts a new step."""
         if not self._staged:
             yield
             return
         kept = [(e, e.param.grad) for e in self._staged]
-        staged = self._micro_steps > 0
         for e, _ in kept:
             e.param.data = e.master
-            e.param.grad = e.accumulator if staged else None
+            e.param.grad = e.accumulator if e.filled else None
         try:
             yield
         finally:
@@ -185,7 +183,7 @@ class MasterWeights:
                 e.param.grad = None
                 e.param.data = e.low
                 e.param.grad = grad
-            self._micro_steps = 0
+                e.filled = False
 
     @contextlib.contextmanager
     def full_precision(self) -> Iterator[None]:
