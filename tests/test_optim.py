@@ -8,11 +8,14 @@ import dataclasses
 import pytest
 import torch
 
+from test_train import config, losses, write_corpus
 from weft.distributed import build_moe_groups
 from weft.kernels.adamw import AdamWHyper, adamw_step, adamw_step_reference
 from weft.models import GPT, get_preset
+from weft.moe.grads import reduce_gradients
 from weft.testing import run_distributed
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from weft.train.loop import clip_scale, gradient_norm
 from weft.train.optim import (
     ClippedAdamW,
     MasterAdamW,
@@ -94,24 +97,38 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 256, (4, 32), generator=gen), torch.randint(0, 256, (4, 32), generator=gen)
 
 
-def step_under_autocast(model: GPT, optimizer, step: int, max_norm: float) -> float:
-    """One training step as weft train takes it, with bf16 autocast on the CPU."""
+NO_STAGING = MasterWeights(MasterPlan([], []))
+
+
+def step_under_autocast(model: GPT, optimizer, tokens, max_norm: float, groups=None,
+                        staging: MasterWeights = NO_STAGING) -> float:
+    """One training step as weft train takes it (staged gradients, reduction, norm, clipping in
+    the optimizer), with bf16 autocast on the CPU."""
+    groups = groups or build_moe_groups()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, loss = model(*batch(step))
+        _, loss = model(*tokens)
     loss.backward()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    norm = float(torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum().sqrt())
-    optimizer.step(grad_scale=max_norm / (norm + 1e-6) if norm > max_norm else 1.0)
+    staging.stage_gradients()
+    with staging.float32_gradients():
+        reduce_gradients(model, groups)
+        optimizer.step(grad_scale=clip_scale(gradient_norm(model, groups), max_norm))
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())
 
 
-def twin_runs(seed: int = 0):
-    torch.manual_seed(seed)
-    plain = GPT(CONFIG)
-    mixed = GPT(CONFIG)
+def twins(groups) -> tuple[GPT, GPT, MasterPlan]:
+    """A float32 model, a copy of it with the same weights, and the plan of the copy's master
+    weights for `groups`."""
+    torch.manual_seed(0)
+    plain = GPT(CONFIG, group=groups.ep)
+    mixed = GPT(CONFIG, group=groups.ep)
     mixed.load_state_dict(plain.state_dict())
-    masters = MasterWeights(low_precision_parameters(mixed, build_moe_groups()))
+    return plain, mixed, low_precision_parameters(mixed, groups)
+
+
+def twin_runs():
+    plain, mixed, plan = twins(build_moe_groups())
+    masters = MasterWeights(plan)
     return (plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False),
             mixed, MasterAdamW(decay_groups(mixed, WD), masters, lr=LR, betas=BETAS), masters)
 
@@ -138,8 +155,8 @@ def test_bf16_weights_with_masters_train_as_float32_weights_under_autocast():
     losses, drift = [], []
     for step in range(6):
         max_norm = 100.0 if step % 2 else 0.5
-        losses.append((step_under_autocast(plain, plain_opt, step, max_norm),
-                       step_under_autocast(mixed, mixed_opt, step, max_norm)))
+        losses.append((step_under_autocast(plain, plain_opt, batch(step), max_norm),
+                       step_under_autocast(mixed, mixed_opt, batch(step), max_norm)))
         drift.append(max(float((_value(p, masters) - q.detach()).abs().max())
                          for p, q in zip(mixed.parameters(), plain.parameters())))
     check_the_same_training(losses, drift)
@@ -155,7 +172,7 @@ def test_bf16_weights_with_masters_train_as_float32_weights_under_autocast():
 def test_checkpoints_hold_the_masters_and_load_into_either_kind_of_run(tmp_path):
     plain, plain_opt, mixed, mixed_opt, masters = twin_runs()
     for step in range(2):
-        step_under_autocast(mixed, mixed_opt, step, 100.0)
+        step_under_autocast(mixed, mixed_opt, batch(step), 100.0)
     groups = build_moe_groups()
     with masters.full_precision():
         save_checkpoint(tmp_path, 2, mixed, mixed_opt, groups, {})
@@ -184,8 +201,8 @@ def test_checkpoints_hold_the_masters_and_load_into_either_kind_of_run(tmp_path)
         if master is not None:
             assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), saved[n].to(torch.bfloat16))
     # and both continue alike
-    a = step_under_autocast(plain, plain_opt, 2, 100.0)
-    b = step_under_autocast(fresh, fresh_opt, 2, 100.0)
+    a = step_under_autocast(plain, plain_opt, batch(2), 100.0)
+    b = step_under_autocast(fresh, fresh_opt, batch(2), 100.0)
     assert a == b
 
 
@@ -223,44 +240,25 @@ def test_staged_gradients_accumulate_in_float32_and_look_like_float32_parameters
 
 def test_master_weights_refuse_non_float32_parameters():
     with pytest.raises(TypeError, match="float32 parameters, got torch.bfloat16"):
-        MasterWeights([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))])
+        MasterWeights(MasterPlan([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], []))
 
 
 def ranks_worker(ep_size: int) -> dict:
     """On each rank: which weights go to bf16 (directly or through float32 accumulators), and bf16
     weights with masters against float32 weights over steps of expert-parallel training under bf16
     autocast, gradients reduced and clipped as weft train does."""
-    from weft.moe.grads import reduce_gradients
-    from weft.train.loop import clip_scale, gradient_norm
-
     groups = build_moe_groups(ep_size)
     rank = torch.distributed.get_rank()
-    torch.manual_seed(0)
-    plain = GPT(CONFIG, group=groups.ep)
-    mixed = GPT(CONFIG, group=groups.ep)
-    mixed.load_state_dict(plain.state_dict())
-    plan = low_precision_parameters(mixed, groups)
+    plain, mixed, plan = twins(groups)
     names = {id(p): n for n, p in mixed.named_parameters()}
     masters = MasterWeights(plan)
-    runs = [(plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False),
-             MasterWeights(MasterPlan([], []))),
+    runs = [(plain, ClippedAdamW(decay_groups(plain, WD), lr=LR, betas=BETAS, foreach=False), NO_STAGING),
             (mixed, MasterAdamW(decay_groups(mixed, WD), masters, lr=LR, betas=BETAS), masters)]
     losses, drift = [], []
     for step in range(4):
-        row = []
-        for model, optimizer, staging in runs:
-            x, y = batch(10 * step + rank)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                _, loss = model(x, y)
-            loss.backward()
-            staging.stage_gradients()
-            with staging.float32_gradients():
-                reduce_gradients(model, groups)
-                norm = gradient_norm(model, groups)
-                optimizer.step(grad_scale=clip_scale(norm, 100.0 if step % 2 else 0.5))  # clipping at steps 0, 2
-            optimizer.zero_grad(set_to_none=True)
-            row.append(float(loss.detach()))
-        losses.append(row)
+        max_norm = 100.0 if step % 2 else 0.5  # clipping at steps 0, 2
+        losses.append([step_under_autocast(model, optimizer, batch(10 * step + rank), max_norm, groups, staging)
+                       for model, optimizer, staging in runs])
         drift.append(max(float((_value(p, masters) - q.detach()).abs().max())
                          for p, q in zip(mixed.parameters(), plain.parameters())))
     return {"direct": sorted(names[id(p)] for p in plan.direct), "staged": sorted(names[id(p)] for p in plan.staged),
@@ -314,7 +312,7 @@ def test_a_resumed_run_keeps_its_own_optimizer_implementation(tmp_path):
     torch.manual_seed(0)
     writer = GPT(CONFIG)
     writer_opt = ClippedAdamW(decay_groups(writer, WD), lr=LR, foreach=False)
-    step_under_autocast(writer, writer_opt, 0, 100.0)
+    step_under_autocast(writer, writer_opt, batch(0), 100.0)
     save_checkpoint(tmp_path, 1, writer, writer_opt, groups, {"step": 1})
     reader = GPT(CONFIG)
     reader_opt = ClippedAdamW(decay_groups(reader, WD), lr=LR, foreach=True)
@@ -324,10 +322,6 @@ def test_a_resumed_run_keeps_its_own_optimizer_implementation(tmp_path):
 
 
 # -- weft train itself, as it runs on GPUs: bf16 autocast (here on the CPU), master weights allowed --
-SMALL_MODEL = {"dim": 32, "n_layer": 2, "n_head": 2, "block_size": 32, "num_experts": 4, "moe_hidden_dim": 64,
-               "top_k": 2}
-
-
 def train_like_on_gpus(cfg):
     """`weft.train.loop.train` with the GPU's bf16 autocast on the CPU (which weft trains in
     float32) and the master-weights rule told it runs on a GPU: the loop's own wiring (which
@@ -344,42 +338,26 @@ def train_like_on_gpus(cfg):
     return loop.train(cfg)
 
 
-def losses_of(run_dir, key: str = "loss") -> dict[int, float]:
-    import json
-
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r[key] for r in rows if "loss" in r}
-
-
 @pytest.fixture(scope="module")
-def code_corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "code.txt"
-    path.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(3000)))
-    return path
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 @pytest.mark.parametrize("world, grad_accum", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
-def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exactly(code_corpus, tmp_path, world,
+def test_weft_train_with_master_weights_has_the_float32_losses_and_resumes_exactly(corpus, tmp_path, world,
                                                                                     grad_accum):
-    from weft.train.config import TrainConfig
-
-    def cfg(out: str, master: str, **kw) -> TrainConfig:
-        values = dict(data=str(code_corpus), out=str(tmp_path / out), model=dict(SMALL_MODEL), steps=30,
-                      batch_size=8, warmup_steps=5, eval_interval=10, eval_batches=2, ckpt_interval=10,
-                      log_interval=10, sample_tokens=0, lr=3e-3, master_weights=master, grad_accum=grad_accum)
-        return TrainConfig(**{**values, **kw})
-
     env = {"WEFT_CACHE": str(tmp_path / "cache")}
     for name, master, kw in (("on", "on", {}), ("off", "off", {}),
                              ("split", "on", {"steps": 20, "lr_decay_steps": 30}),
                              ("split", "on", {"resume": True})):
-        run_distributed(train_like_on_gpus, world, args=(cfg(name, master, **kw),), timeout=300, env=env)
-    on, off, split = (losses_of(tmp_path / name) for name in ("on", "off", "split"))
+        cfg = config(corpus, tmp_path / name, master_weights=master, grad_accum=grad_accum, **kw)
+        run_distributed(train_like_on_gpus, world, args=(cfg,), timeout=300, env=env)
+    on, off, split = (losses(tmp_path / name) for name in ("on", "off", "split"))
     assert sorted(on) == list(range(1, 31))
     assert on[1] == off[1]  # the same bf16 weights at the first step
     # ... and the same gradients, summed over micro-batches and ranks in float32 (to summation order)
-    assert losses_of(tmp_path / "on", "grad_norm")[1] == pytest.approx(losses_of(tmp_path / "off", "grad_norm")[1],
-                                                                      rel=1e-5)
+    assert losses(tmp_path / "on", "grad_norm")[1] == pytest.approx(losses(tmp_path / "off", "grad_norm")[1],
+                                                                    rel=1e-5)
     assert all(abs(on[s] - off[s]) < 0.02 * off[s] for s in on), (on, off)
     assert sum(on[s] for s in range(26, 31)) < sum(on[s] for s in range(1, 6)) - 2.0  # it learns
     assert [split[s] for s in range(21, 31)] == [on[s] for s in range(21, 31)]  # resumed exactly

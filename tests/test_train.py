@@ -24,12 +24,17 @@ SMALL_MODEL = {"dim": 32, "n_layer": 2, "n_head": 2, "block_size": 32, "num_expe
                "moe_hidden_dim": 64, "top_k": 2}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
+def write_corpus(folder: Path) -> Path:
+    """A small corpus of Python-like lines, as a text file in `folder`."""
     lines = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(3000)]
-    path = tmp_path_factory.mktemp("corpus") / "code.txt"
+    path = folder / "code.txt"
     path.write_text("".join(lines))
     return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def config(corpus: Path, out: Path, **kw) -> TrainConfig:
@@ -40,9 +45,10 @@ def config(corpus: Path, out: Path, **kw) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """Per step, the training metric `key` (default the loss)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r[key] for r in rows if "loss" in r}
 
 
 def run(cfg: TrainConfig, world: int, cache: Path) -> dict:

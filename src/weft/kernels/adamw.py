@@ -74,6 +74,10 @@ def adamw_step_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torc
                          hyper: AdamWHyper, grad_scale: float = 1.0, copy: torch.Tensor | None = None) -> None:
     """The update in PyTorch ops, in place (see the module docstring)."""
     _check(master, grad, exp_avg, exp_avg_sq, copy)
+    _update(master, grad, exp_avg, exp_avg_sq, hyper, grad_scale, copy)
+
+
+def _update(master, grad, exp_avg, exp_avg_sq, hyper: AdamWHyper, grad_scale: float, copy) -> None:
     g = grad.float() * grad_scale
     master.mul_(1 - hyper.lr * hyper.weight_decay)
     exp_avg.mul_(hyper.beta1).add_(g, alpha=1 - hyper.beta1)
@@ -91,7 +95,7 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     _check(master, grad, exp_avg, exp_avg_sq, copy)
     tensors = [master, grad, exp_avg, exp_avg_sq] + ([copy] if copy is not None else [])
     if not triton_usable(master) or not all(t.is_contiguous() for t in tensors) or master.numel() == 0:
-        adamw_step_reference(master, grad, exp_avg, exp_avg_sq, hyper, grad_scale, copy)
+        _update(master, grad, exp_avg, exp_avg_sq, hyper, grad_scale, copy)
         return
     n = master.numel()
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](

@@ -36,7 +36,7 @@ time a checkpoint is written or read, then refreshes the bf16 weights from them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -125,9 +125,7 @@ class MasterWeights:
     reads gradients (reduction over ranks, the norm, the optimizer): inside it a staged weight's
     `.data` is its master and its `.grad` its accumulator, as if it were a float32 parameter."""
 
-    def __init__(self, plan: MasterPlan | Iterable[nn.Parameter], dtype: torch.dtype = torch.bfloat16):
-        if not isinstance(plan, MasterPlan):
-            plan = MasterPlan(list(plan), [])
+    def __init__(self, plan: MasterPlan, dtype: torch.dtype = torch.bfloat16):
         self._entries: dict[int, _Master] = {}
         for p, staged in [*((p, False) for p in plan.direct), *((p, True) for p in plan.staged)]:
             if p.dtype != torch.float32:
