@@ -126,8 +126,8 @@ class WeightGradQueue:
             if buf is None and rows is None:
                 self.buffers[id(weight)] = dy2.t().mm(x2)
                 continue
-            if buf is None:
-                buf = self.buffers[id(weight)] = torch.zeros_like(weight)
+            if buf is None:  # in the matmul's dtype (bf16 under autocast, as autocast's linear sums it)
+                buf = self.buffers[id(weight)] = torch.zeros_like(weight, dtype=dy2.dtype)
             (buf if rows is None else buf[rows]).addmm_(dy2.t(), x2)
         self.items.clear()
 
@@ -136,18 +136,31 @@ class WeightGradQueue:
         return self.buffers
 
 
+def autocast_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` and `weight` as autocast hands them to a matmul where it is on for `x`'s device: both
+    in its dtype. A custom autograd function's backward runs outside autocast, so it must keep
+    these operands (the input gradient is `dy @ weight` in that dtype, as autocast's own linear
+    computes it)."""
+    kind = x.device.type
+    if not torch.is_autocast_enabled(kind):
+        return x, weight
+    dtype = torch.get_autocast_dtype(kind)
+    return x.to(dtype), weight.to(dtype)
+
+
 class _QueuedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, queue: WeightGradQueue, rows: slice | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.queue, ctx.rows = queue, rows
-        return F.linear(x, weight if rows is None else weight[rows])
+        x, operand = autocast_operands(x, weight)
+        ctx.save_for_backward(x, operand)
+        ctx.queue, ctx.rows, ctx.weight = queue, rows, weight
+        return F.linear(x, operand if rows is None else operand[rows])
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        x, weight = ctx.saved_tensors
-        ctx.queue.items.append((weight, x, dy, ctx.rows))
-        return dy.matmul(weight if ctx.rows is None else weight[ctx.rows]), None, None, None
+        x, operand = ctx.saved_tensors
+        ctx.queue.items.append((ctx.weight, x, dy, ctx.rows))
+        return dy.matmul(operand if ctx.rows is None else operand[ctx.rows]), None, None, None
 
 
 def linear(x: torch.Tensor, layer: nn.Linear, queue: WeightGradQueue | None, rows: slice | None = None
