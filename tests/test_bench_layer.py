@@ -116,8 +116,10 @@ def test_skew_makes_the_expert_load_uneven(tmp_path):
         assert report["meta"]["skew"] == skew
         plain = next(r for r in report["results"] if r["mode"] == "plain")
         assert plain["max_abs_error"] == 0.0
-        loads[skew] = plain["expert_load_max_over_mean"]
-    assert loads[0.0] < 1.5 < 2.5 < loads[1.5]  # 8 experts, top-2: Zipf(1.5) puts ~3x the mean on the hottest
+        loads[skew] = plain["expert_load_max_over_mean"], plain["rank_load_max_over_mean"]
+    assert loads[0.0][0] < 1.5 < 2.5 < loads[1.5][0]  # 8 experts, top-2: Zipf(1.5) puts ~3x the mean on the hottest
+    # the ranks' loads are sums of 4 experts' each: less uneven than the experts', more than without skew
+    assert 1.0 <= loads[0.0][1] < loads[1.5][1] < loads[1.5][0]
 
 
 def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):

@@ -220,7 +220,8 @@ def run(bench: ModelBenchConfig) -> dict:
 
     loss = reference_grads()
     loss.backward()
-    imbalance = [load_imbalance(moe.stats.expert_counts) for moe in model.moe_layers()]
+    imbalance, rank_imbalance = zip(*[load_imbalance(moe.stats.expert_counts, moe.ep_size)
+                                      for moe in model.moe_layers()]) if model.moe_layers() else ((), ())
     ref_loss, ref_grads = loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                         if p.grad is not None}
     # Configure each distinct mode once, checked on the starting weights; a repeated mode reuses
@@ -288,7 +289,7 @@ def run(bench: ModelBenchConfig) -> dict:
     report = {"meta": {"preset": preset, "gate": cfg.gate, "capacity_factor": cfg.capacity_factor, "top_k": cfg.top_k,
                        "batch_size": batch_size, "seq_len": cfg.block_size, "world_size": ctx.world_size,
                        "tp": bench.tp, "p1": bench.p1, "p2": bench.p2, "skew": bench.skew,
-                       "expert_load_max_over_mean": imbalance,
+                       "expert_load_max_over_mean": list(imbalance), "rank_load_max_over_mean": list(rank_imbalance),
                        "device": name, "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
                        "timing": "interleaved", "rounds": steps, "warmup_rounds": warmup,
@@ -324,7 +325,8 @@ def print_table(report: dict) -> None:
     if meta.get("expert_load_max_over_mean"):
         skew = f"skew {meta['skew']:g}, " if meta.get("skew") else ""
         print(f"routing: {skew}expert load max/mean per MoE layer "
-              + ", ".join(f"{v:.2f}" for v in meta["expert_load_max_over_mean"]))
+              + ", ".join(f"{v:.2f}" for v in meta["expert_load_max_over_mean"])
+              + "; per expert-parallel rank " + ", ".join(f"{v:.2f}" for v in meta["rank_load_max_over_mean"]))
     for r in report["results"]:
         transfer = r.get("transfer_decomposition")
         if transfer or "copied_experts" in r:
