@@ -390,3 +390,18 @@ def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, 
     train("resumed", "on", 4)
     resumed = train("resumed", "on", 8, "--resume")
     assert resumed[-4:] == pytest.approx(on[-4:], abs=2e-4), (resumed, on)
+
+
+@needs_cuda
+def test_host_values_reach_the_gpu_without_waiting_for_queued_kernels():
+    """`weft.hostcopy.device_tensor` (the grouped GEMM's offsets, Pro-Prophet's indices) returns
+    while a long kernel is still running, where `torch.tensor(..., device="cuda")` waits for it."""
+    from weft.hostcopy import device_tensor, offsets
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time at ~2 GHz
+    got = device_tensor([5, 1, 2], "cuda")
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running, "device_tensor waited for the queued kernel"
+    assert torch.equal(got.cpu(), torch.tensor([5, 1, 2]))
+    assert torch.equal(offsets([5, 1, 2], "cuda").cpu(), torch.tensor([5, 6, 8], dtype=torch.int32))

@@ -13,7 +13,8 @@ import weft
 SRC = Path(weft.__file__).parent
 # Lowest first. A unit is a subpackage of weft or one of its top-level modules.
 LAYERS = [
-    {"distributed", "launch", "jsonfile", "precision", "profiling", "graphs", "testing", "cliargs"},  # base
+    {"distributed", "launch", "jsonfile", "precision", "profiling", "graphs", "testing", "cliargs",
+     "hostcopy"},  # base
     # primitives: collectives, kernels, deferred-dW ops, tuning dictionary, Pro-Prophet's planner
     {"comm", "kernels", "ops", "tune", "balance"},
     {"moe", "tp"},  # the MoE layer, tensor-parallel dense blocks

@@ -22,7 +22,9 @@ from weft.moe.exchange import (
     Grouped,
     Padded,
     Pipelined,
+    ReplicatedExperts,
     SlicedExperts,
+    Transfer,
 )
 from weft.testing import run_checks
 
@@ -137,6 +139,15 @@ def exchange_worker(num_experts: int, activation: str, device: str = "cpu") -> l
         rows, expert_of_row, layout = (_padded_rows if layout_name == "padded" else _grouped_rows)(moe, gen, device)
         dy = torch.randn(rows.shape, generator=gen).to(device)
         failures += _compare(moe, strategy, rows, layout, expert_of_row, dy, f"{name} {layout_name}")
+    if moe.expert_shards == 1 and world > 1:  # Pro-Prophet's copies (dropless only), built where used
+        others = lambda e: frozenset(range(world)) - {e // moe.num_local_experts}  # noqa: E731
+        every = {e: others(e) for e in range(num_experts)}
+        for name, copies in (("replicated, expert 1 copied", {1: others(1)}),
+                             ("replicated, every expert copied (no row sent)", every)):
+            rows, expert_of_row, layout = _grouped_rows(moe, gen, device)
+            dy = torch.randn(rows.shape, generator=gen).to(device)
+            strategy = ReplicatedExperts(ctx, Transfer(moe.experts, moe.placement, copies, moe.group))
+            failures += _compare(moe, strategy, rows, layout, expert_of_row, dy, f"{name} grouped")
     return failures
 
 

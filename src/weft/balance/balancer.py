@@ -72,7 +72,7 @@ class ExpertBalancer:
                 ready.synchronize()  # long done: the copy was queued a whole call ago
             self.history.record(host)
             self._pending = None
-            self.last_plan = greedy_placement(self.history.predict(), self.owner_E, self.model, n=self.n,
+            self.last_plan = greedy_placement(self.history.predict_counts(), self.owner_E, self.model, n=self.n,
                                               alpha=self.alpha)
         if self.last_plan is None:
             return {}

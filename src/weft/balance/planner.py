@@ -7,13 +7,22 @@ holding a copy computes its own tokens for that expert locally instead of sendin
 owner, and the copies' gradients are summed back into the owner's (Agg) before the optimizer
 step. The load is described by `tokens_DE`: how many routed slots device d sends to expert e in an
 iteration (the gate's output, "gating" in Alg. 1). Everything here is host arithmetic on that
-(D, E) matrix; the placement it returns is what an exchange strategy then carries out.
+(D, E) matrix, done in plain Python floats (`host_counts`): a plan is made in the middle of a
+layer's call, where every microsecond of host time is GPU time lost, and torch's CPU ops cost a
+dispatch each. The tensor-valued functions (`loads`, `computing_device`) are for callers and tests.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from weft.balance.load import Counts, host_counts
+
+
+def _floats(values: torch.Tensor | Sequence[float]) -> list[float]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
 @dataclass(frozen=True)
@@ -35,25 +44,37 @@ class Placement:
         """The experts with at least one copy, in ascending id order."""
         return sorted(e for e, devices in self.copies.items() if devices)
 
-    def computing_device(self, num_devices: int) -> torch.Tensor:
+    def where(self, num_devices: int) -> list[list[int]]:
         """(D, E) the device that computes device d's tokens for expert e: d itself where it
         holds e (as owner or copy), e's owner otherwise."""
-        where_DE = torch.tensor(self.owner_E).expand(num_devices, -1).clone()
+        where_DE = [list(self.owner_E) for _ in range(num_devices)]
         for e, devices in self.copies.items():
             for d in devices:
-                where_DE[d, e] = d
+                where_DE[d][e] = d
         return where_DE
+
+    def computing_device(self, num_devices: int) -> torch.Tensor:
+        """`where` as a tensor."""
+        return torch.tensor(self.where(num_devices))
+
+
+def host_loads(tokens: Counts, placement: Placement) -> tuple[list[float], list[float]]:
+    """`loads` on host counts, as lists."""
+    num_devices = len(tokens)
+    h_D, local_D = [0.0] * num_devices, [0.0] * num_devices
+    for d, (row, where) in enumerate(zip(tokens, placement.where(num_devices))):
+        for count, device in zip(row, where):
+            h_D[device] += count
+            if device == d:
+                local_D[d] += count
+    return h_D, [h - local for h, local in zip(h_D, local_D)]
 
 
 def loads(tokens_DE: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, R) of Pro-Prophet's Table II under `placement`: H[d] the inputs device d computes, R[d]
     the inputs it receives from the other devices."""
-    num_devices = tokens_DE.shape[0]
-    where_DE = placement.computing_device(num_devices)
-    tokens = tokens_DE.to(torch.float64)
-    h_D = torch.zeros(num_devices, dtype=torch.float64).index_add_(0, where_DE.reshape(-1), tokens.reshape(-1))
-    local_D = torch.stack([tokens[d][where_DE[d] == d].sum() for d in range(num_devices)])
-    return h_D, h_D - local_D
+    h_D, r_D = host_loads(host_counts(tokens_DE), placement)
+    return torch.tensor(h_D, dtype=torch.float64), torch.tensor(r_D, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -73,15 +94,15 @@ class LayerCostModel:
     forward_non_moe_s: float = 0.0
     backward_non_moe_s: float = 0.0
 
-    def all_to_all_s(self, r_D: torch.Tensor) -> float:
+    def all_to_all_s(self, r_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 1: the slowest device's receive time."""
-        return float(r_D.max()) * self.row_bytes / self.bandwidth
+        return max(_floats(r_D)) * self.row_bytes / self.bandwidth
 
-    def forward_experts_s(self, h_D: torch.Tensor) -> float:
+    def forward_experts_s(self, h_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 2: the most loaded device's forward expert computation."""
-        return float(h_D.max()) / self.throughput
+        return max(_floats(h_D)) / self.throughput
 
-    def backward_experts_s(self, h_D: torch.Tensor) -> float:
+    def backward_experts_s(self, h_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 3: twice the forward."""
         return 2 * self.forward_experts_s(h_D)
 
@@ -93,7 +114,8 @@ class LayerCostModel:
         """Eq. 5: their gradients back."""
         return s * (self.num_devices - n) * self.expert_grad_bytes / (self.num_devices * self.bandwidth)
 
-    def layer_s(self, r_D: torch.Tensor, h_D: torch.Tensor, s: int, n: int, scheduled: bool = True) -> float:
+    def layer_s(self, r_D: torch.Tensor | Sequence[float], h_D: torch.Tensor | Sequence[float], s: int, n: int,
+                scheduled: bool = True) -> float:
         """The MoE layer's forward and backward time: eq. 8 with `scheduled` (Trans hidden behind the
         forward experts and the block's non-MoE forward, Agg behind the backward ones, Alg. 2), eq. 6
         without."""
@@ -114,12 +136,13 @@ class Plan:
     plain_s: float
 
 
-def is_balanced(h_D: torch.Tensor, total_inputs: float, num_experts: int, alpha: float) -> bool:
+def is_balanced(h_D: torch.Tensor | Sequence[float], total_inputs: float, num_experts: int, alpha: float) -> bool:
     """Eq. 7: max(H) - min(H) < alpha * I / E."""
-    return float(h_D.max() - h_D.min()) < alpha * total_inputs / num_experts
+    h = _floats(h_D)
+    return max(h) - min(h) < alpha * total_inputs / num_experts
 
 
-def greedy_placement(tokens_DE: torch.Tensor, owner_E: tuple[int, ...], model: LayerCostModel, n: int = 1,
+def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...], model: LayerCostModel, n: int = 1,
                      alpha: float = 1.0, scheduled: bool = True) -> Plan:
     """Alg. 1: while the load is not balanced (eq. 7), take the most loaded device, copy its
     heaviest expert (most routed inputs) to the D - n devices that send it the most inputs (the
@@ -129,21 +152,22 @@ def greedy_placement(tokens_DE: torch.Tensor, owner_E: tuple[int, ...], model: L
 
     `n` is the paper's "devices a selected expert is not transferred to", counting the owner
     (which has it): 1 <= n <= D - 1."""
-    num_devices, num_experts = tokens_DE.shape
+    tokens = host_counts(tokens_DE)
+    num_devices, num_experts = len(tokens), len(tokens[0])
     if len(owner_E) != num_experts or not all(0 <= o < num_devices for o in owner_E):
         raise ValueError(f"owner_E must give one device in [0, {num_devices}) per expert ({num_experts})")
     if not 1 <= n <= num_devices - 1:
         raise ValueError(f"n must be in [1, {num_devices - 1}] for {num_devices} devices, got {n}")
-    tokens = tokens_DE.to(torch.float64)
-    per_expert_E = tokens.sum(0)
+    per_expert_E = [sum(column) for column in zip(*tokens)]
+    total = sum(per_expert_E)
     plain = Placement(tuple(owner_E))
-    h_D, r_D = loads(tokens, plain)
+    h_D, r_D = host_loads(tokens, plain)
     plain_s = best_s = model.layer_s(r_D, h_D, 0, n, scheduled)
     chosen: list[tuple[int, frozenset[int]]] = []
     best_count = 0
     used: set[int] = set()
-    while not is_balanced(h_D, float(per_expert_E.sum()), num_experts, alpha):
-        device = int(h_D.argmax())
+    while not is_balanced(h_D, total, num_experts, alpha):
+        device = max(range(num_devices), key=lambda d: (h_D[d], -d))  # the first of the most loaded
         if device in used:
             break
         used.add(device)
@@ -151,11 +175,11 @@ def greedy_placement(tokens_DE: torch.Tensor, owner_E: tuple[int, ...], model: L
         candidates = [e for e in range(num_experts) if owner_E[e] == device and e not in taken]
         if not candidates:
             break
-        expert = max(candidates, key=lambda e: (float(per_expert_E[e]), -e))
+        expert = max(candidates, key=lambda e: (per_expert_E[e], -e))
         others = sorted((d for d in range(num_devices) if d != owner_E[expert]),
-                        key=lambda d: (-float(tokens[d, expert]), d))
+                        key=lambda d: (-tokens[d][expert], d))
         chosen.append((expert, frozenset(others[: num_devices - n])))
-        h_D, r_D = loads(tokens, Placement(plain.owner_E, dict(chosen)))
+        h_D, r_D = host_loads(tokens, Placement(plain.owner_E, dict(chosen)))
         changed_s = model.layer_s(r_D, h_D, len(chosen), n, scheduled)
         if changed_s < best_s:
             best_s, best_count = changed_s, len(chosen)

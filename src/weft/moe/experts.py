@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.hostcopy import offsets
 from weft.kernels.grouped_mm import use_grouped_mm
 from weft.ops import wgrad
 from weft.profiling import stage
@@ -122,7 +123,7 @@ class Experts(nn.Module):
             h3 = mm(x, w3) if w3 is not None else None
             return mm(self._hidden(mm(x, w1), h3), w2)
         if use_grouped_mm(x, w1, w2):
-            offs = torch.cumsum(torch.tensor(counts, device=x.device), 0).to(torch.int32)
+            offs = offsets(counts, x.device)
             h1 = torch._grouped_mm(x, w1, offs=offs)
             h3 = torch._grouped_mm(x, w3, offs=offs) if w3 is not None else None
             return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs)

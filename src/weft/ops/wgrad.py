@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.hostcopy import offsets
 from weft.kernels.grouped_mm import use_grouped_mm
 
 __all__ = ["Linear", "WGradScheduler", "WGradStats", "best_fit", "bmm", "grouped_mm", "linear", "plan_in_place"]
@@ -455,13 +456,9 @@ def bmm(x: torch.Tensor, weight: torch.Tensor, scheduler: WGradScheduler | None)
     return _on_grad(y, functools.partial(_queue_bmm, scheduler, weight, x)) if deferring else y
 
 
-def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
-    return torch.cumsum(torch.tensor(counts, device=device), 0).to(torch.int32)
-
-
 def _grouped_forward(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     if use_grouped_mm(x, w, w):
-        return torch._grouped_mm(x, w, offs=_offsets(counts, x.device))
+        return torch._grouped_mm(x, w, offs=offsets(counts, x.device))
     return torch.cat([rows @ w[g] for g, rows in enumerate(torch.split(x, counts))])
 
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from weft.comm import start_all_gather, wait_all_gather
 from weft.comm.split import SplitCollective, start, wait
 from weft.distributed import group_rank
+from weft.hostcopy import device_tensor
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement
 from weft.moe.experts import Experts
@@ -81,7 +82,7 @@ class _PendingCopies(SplitCollective):
         for row, slot in self.keeps:
             grad_stack[row].copy_(grad[slot])
         received = grad.new_empty(len(self.sends), grad.shape[1])
-        rows = torch.tensor([row for row, _ in self.sends], dtype=torch.long, device=grad.device)
+        rows = device_tensor([row for row, _ in self.sends], grad.device)
         return grad_stack, self._exchange([(grad[slot], src) for slot, src in self.recvs],
                                           [(received[i], dst) for i, (_, dst) in enumerate(self.sends)],
                                           after=lambda: grad_stack.index_add_(0, rows, received))
@@ -122,7 +123,7 @@ class Transfer:
         weights = experts.weights()
         present = [w for w in weights if w is not None]
         owned = [e for e in self.copied if owner[e] == rank]
-        mine = torch.tensor([e - rank * local for e in owned], dtype=torch.long, device=present[0].device)
+        mine = device_tensor([e - rank * local for e in owned], present[0].device)
         stack = torch.cat([w.index_select(0, mine).flatten(1).to(dtype or w.dtype) for w in present], dim=1)
         self._shapes = [None if w is None else tuple(w.shape[1:]) for w in weights]
         if all(devices == set(range(ep_size)) - {owner[e]} for e, devices in self.holders.items()):
@@ -131,8 +132,8 @@ class Transfer:
             most = max(len(es) for es in per_rank)
             if stack.shape[0] < most:
                 stack = torch.cat([stack, stack.new_zeros(most - stack.shape[0], stack.shape[1])])
-            self._rows = torch.tensor([owner[e] * most + per_rank[owner[e]].index(e) for e in self.here],
-                                      dtype=torch.long, device=stack.device)
+            self._rows = device_tensor([owner[e] * most + per_rank[owner[e]].index(e) for e in self.here],
+                                       stack.device)
             self._out, self._pending = start_all_gather(stack, group)
             return
         sends = [(owned.index(e), d) for e in owned for d in sorted(self.holders[e])]
@@ -186,21 +187,28 @@ class ReplicatedExperts(Exchange):
                          "every expert's full capacity")
 
     def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+        """Rows arrive grouped by expert in id order (`counts_E[e]` rows each): the copied experts'
+        rows are contiguous runs, cut out with one split and joined back with one cat (both
+        differentiable as a whole), on the host's copy of the counts: one synchronisation for this
+        split besides the all-to-all's own."""
         ctx, placement = self.ctx, self.ctx.placement
-        device = rows_ND.device
         here = list(self.transfer.here)
         if not here:  # no copy on this rank (and none of its experts copied): the plain exchange
             return AllToAll(ctx).grouped(rows_ND, counts_E)
-        copied_E = torch.zeros(placement.num_experts, dtype=torch.bool, device=device)
-        copied_E[here] = True
-        expert_of_row = torch.repeat_interleave(torch.arange(placement.num_experts, device=device), counts_E,
-                                                output_size=rows_ND.shape[0])
-        local_N = copied_E[expert_of_row]
-        local_rows, sent_rows = local_N.nonzero().squeeze(1), (~local_N).nonzero().squeeze(1)
-        sent_out = AllToAll(ctx).grouped(rows_ND.index_select(0, sent_rows), torch.where(copied_E, 0, counts_E))
-        local_out = ctx.experts.forward_grouped(rows_ND.index_select(0, local_rows),
-                                                counts_E[here].tolist(),
-                                                self.transfer.copies())
-        out = sent_out.new_empty(rows_ND.shape[0], sent_out.shape[1])
-        return out.index_copy(0, sent_rows, sent_out).index_copy(0, local_rows, local_out.to(sent_out.dtype))
-
+        local = set(here)
+        counts = counts_E.tolist()
+        runs: list[tuple[bool, int]] = []  # (computed here?, rows) of consecutive experts
+        for e, count in enumerate(counts):
+            if runs and runs[-1][0] == (e in local):
+                runs[-1] = (runs[-1][0], runs[-1][1] + count)
+            else:
+                runs.append((e in local, count))
+        pieces = rows_ND.split([size for _, size in runs])
+        mask_E = device_tensor([e in local for e in range(placement.num_experts)], counts_E.device, torch.bool)
+        sent = [p for p, (mine, _) in zip(pieces, runs) if not mine]  # none where every expert is here
+        sent_out = AllToAll(ctx).grouped(torch.cat(sent) if sent else rows_ND[:0], torch.where(mask_E, 0, counts_E))
+        local_out = ctx.experts.forward_grouped(torch.cat([p for p, (mine, _) in zip(pieces, runs) if mine]),
+                                                [counts[e] for e in here], self.transfer.copies())
+        sent_parts = iter(sent_out.split([size for mine, size in runs if not mine]))
+        local_parts = iter(local_out.to(sent_out.dtype).split([size for mine, size in runs if mine]))
+        return torch.cat([next(local_parts) if mine else next(sent_parts) for mine, _ in runs])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from weft.hostcopy import device_tensor
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.exchange.data_parallel import gathered_weights
 from weft.moe.pipeline import pipelined_exchange
@@ -55,7 +56,7 @@ class SlicedExperts(Exchange):
         index = torch.sort(expert_of_row.repeat(r), stable=True).indices % max(rows, 1)
         send_splits = [b - a for n in counts_E.tolist() for _ in range(r)
                        for a, b in ((n * i // peers, n * (i + 1) // peers) for i in range(peers))]
-        splits = torch.tensor(send_splits, device=counts_E.device)
+        splits = device_tensor(send_splits, counts_E.device)
         recv_splits = ctx.counts_from_peers(splits).tolist()
         received = ctx.all_to_all(rows_ND.index_select(0, index), recv_splits, send_splits)
         out = ctx.experts(received.unsqueeze(0), self.slice_weights()).squeeze(0)

@@ -1,0 +1,36 @@
+"""Small host values (counts, offsets, row ids) onto the GPU without waiting for it.
+
+`torch.tensor(values, device="cuda")` copies from pageable host memory, which PyTorch does with a
+copy followed by a synchronisation of the current stream: the host stops until every kernel queued
+before it has run, and the GPU then idles while the host launches what comes next. The dropless
+layer builds such tensors in the middle of its call (the grouped GEMM's offsets after the
+all-to-all of the rows, Pro-Prophet's copy indices), so each one exposed the launch latency of the
+rest of the call. `device_tensor` stages the values in pinned memory and copies asynchronously on
+the current stream instead; PyTorch's caching host allocator keeps the pinned block until that copy
+has run.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def device_tensor(values: Sequence[int] | Sequence[float], device: torch.device | str,
+                  dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """`torch.tensor(values, dtype=dtype, device=device)`, asynchronous on CUDA (see the module
+    docstring); on other devices the same as that call."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def offsets(counts: Sequence[int], device: torch.device | str) -> torch.Tensor:
+    """The int32 end offsets of consecutive groups of `counts` rows (cumulative sums, computed on
+    the host), as `torch._grouped_mm` takes them."""
+    total, ends = 0, []
+    for count in counts:
+        total += count
+        ends.append(total)
+    return device_tensor(ends, device, torch.int32)

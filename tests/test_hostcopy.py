@@ -1,0 +1,22 @@
+"""weft.hostcopy: host values on a device, as `torch.tensor` gives them (the GPU test in
+test_gpu.py checks that the copy does not wait for queued kernels)."""
+from __future__ import annotations
+
+import torch
+
+from weft.hostcopy import device_tensor, offsets
+
+
+def test_device_tensor_is_torch_tensor_of_the_values():
+    cases = (([3, 0, 7], torch.int64), ([True, False], torch.bool), ([0.5, 2.0], torch.float64), ([], torch.int64))
+    for values, dtype in cases:
+        got = device_tensor(values, "cpu", dtype)
+        assert got.dtype == dtype and torch.equal(got, torch.tensor(values, dtype=dtype))
+
+
+def test_offsets_are_the_int32_cumulative_sums():
+    counts = [4, 0, 3, 9, 0]
+    got = offsets(counts, torch.device("cpu"))
+    assert got.dtype == torch.int32
+    assert torch.equal(got, torch.cumsum(torch.tensor(counts), 0).to(torch.int32))
+    assert offsets([], "cpu").numel() == 0
