@@ -4,19 +4,24 @@
 #   PARTS="tests balance" OUT=$OUT bash scripts/x2_pending.sh
 # The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
-#   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models and
-#            of bf16 master weights with expert parallelism
-#   balance  Pro-Prophet: the layer at skew 1.2 and 0 (plain vs balance, the plan's predicted time),
-#            and whole iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline:
-#            the share of Trans and Agg under computation)
+#   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models, of
+#            bf16 master weights with expert parallelism and of asynchronous host copies (~6 minutes)
+#   balance  Pro-Prophet: the qwen2 layer at skew 1.2 and 0, phi35 and mixtral at skew 1.2 (plain vs
+#            balance, the plan's predicted time, the load max/mean per expert and per rank), and whole
+#            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
+#            of Trans and Agg under computation)
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
-#            Megatron-Core's block and DeepSpeed's Domino (bench tp; wheels carried in .whl/), NVLink and
-#            NCCL_P2P_DISABLE=1, and `--tp-overlap auto`'s choice in a short run
+#            Megatron-Core's block and DeepSpeed's Domino (bench tp; wheels carried in .whl/), and the
+#            blocks' steps as CUDA graphs (none+graph / domino+graph), NVLink and NCCL_P2P_DISABLE=1,
+#            and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
 #            with --kernels comet against auto (losses step by step, tokens/s)
+#   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
+#            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
+#            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 8 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch (issue:
@@ -35,16 +40,17 @@ QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
 part_tests() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights" > "$1/tests.log" 2>&1
+    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights or host_values" > "$1/tests.log" 2>&1
   tail -n 15 "$1/tests.log"
 }
 
 part_balance() {
-  for skew in 1.2 0; do
-    $RUN bench layer --config qwen2 --capacity dropless --skew "$skew" --modes plain,balance,plain,balance \
-      --dtype bf16 --activation relu --optimizer sgd --steps 20 --json "$1/layer_skew$skew.json" \
-      > "$1/layer_skew$skew.log" 2>&1
-    grep -v "$QUIET" "$1/layer_skew$skew.log" | tail -n 12
+  for layer in qwen2:1.2 qwen2:0 phi35:1.2 mixtral:1.2; do
+    config=${layer%%:*}; skew=${layer##*:}
+    $RUN bench layer --config "$config" --capacity dropless --skew "$skew" --modes plain,balance,plain,balance \
+      --dtype bf16 --activation relu --optimizer sgd --steps 20 --json "$1/layer_${config}_skew$skew.json" \
+      > "$1/layer_${config}_skew$skew.log" 2>&1
+    grep -v "$QUIET" "$1/layer_${config}_skew$skew.log" | tail -n 7
   done
   $RUN bench model --preset qwen2-moe-2l --capacity dropless --skew 1 --batch-size 2 \
     --modes none,balance,balance-inline,balance --steps 10 --warmup 3 --json "$1/model.json" > "$1/model.log" 2>&1
@@ -60,6 +66,11 @@ part_domino() {
     $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 --modes none,domino,no-comm,megatron,deepspeed,none \
       --steps 10 --warmup 3 --json "$1/blocks_$regime.json" > "$1/blocks_$regime.log" 2>&1
     grep -v "$QUIET" "$1/blocks_$regime.log" | tail -n 8
+    # the steps captured as CUDA graphs with their NCCL all-reduces (apart: a failed capture stops the run)
+    timeout 240 $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 \
+      --modes none,none+graph,domino+graph,domino,none+graph --steps 10 --warmup 3 \
+      --json "$1/graphs_$regime.json" > "$1/graphs_$regime.log" 2>&1
+    grep -v "$QUIET" "$1/graphs_$regime.log" | tail -n 7
   done
   unset NCCL_P2P_DISABLE
   $RUN train --preset gpt3-2.7b --tp 2 --tp-overlap auto --batch-size 4 --steps 6 \
@@ -93,6 +104,22 @@ part_comet() {
   done
 }
 
+part_overlap() {
+  for regime in p2p_disabled nvlink; do
+    [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
+    for config in qwen2 phi35 mixtral; do
+      $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+        --modes plain,auto,d2,no-comm,plain --steps 20 --warmup 5 --json "$1/layer_${config}_$regime.json" \
+        > "$1/layer_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 7
+    done
+    $RUN bench model --preset gpt2-s-moe --batch-size 8 --modes none,tutel,lancet,none --steps 10 --warmup 3 \
+      --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1
+    grep -v "$QUIET" "$1/model_$regime.log" | tail -n 8
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_mfu() {
   RUNS="qwen2-moe-2l:8 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
     bash scripts/train_mfu.sh
@@ -103,7 +130,7 @@ part_quality() {
     bash scripts/quality_runs.sh | tail -n 8
 }
 
-for part in ${PARTS:-tests balance domino tpmoe comet mfu quality}; do
+for part in ${PARTS:-tests balance domino tpmoe comet overlap mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
