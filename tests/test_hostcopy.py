@@ -2,6 +2,7 @@
 test_gpu.py checks that the copy does not wait for queued kernels)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from weft.hostcopy import device_tensor, offsets
@@ -20,3 +21,11 @@ def test_offsets_are_the_int32_cumulative_sums():
     assert got.dtype == torch.int32
     assert torch.equal(got, torch.cumsum(torch.tensor(counts), 0).to(torch.int32))
     assert offsets([], "cpu").numel() == 0
+
+
+def test_a_copy_inside_a_graph_capture_is_refused(monkeypatch):
+    """A captured copy would replay from a pinned buffer freed after the capture: refused before
+    any copy (checked without a GPU by saying the stream is capturing)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
+        device_tensor([1, 2], "cuda")

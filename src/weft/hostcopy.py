@@ -23,6 +23,10 @@ def device_tensor(values: Sequence[int] | Sequence[float], device: torch.device 
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)
+    if torch.cuda.is_current_stream_capturing():
+        # a captured copy would read this pinned buffer again at every replay, long after it is reused
+        raise RuntimeError("device_tensor: host values cannot be copied inside a CUDA graph capture "
+                           "(their sizes and contents change per call)")
     return host.pin_memory().to(device, non_blocking=True)
 
 
