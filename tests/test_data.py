@@ -215,29 +215,41 @@ def test_sampler_is_pure_function_of_seed_step_micro_step_rank():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_ranks_sample_disjoint_shards(world_size):
+def test_ranks_split_one_global_batch_drawn_from_all_the_data(world_size):
+    """W ranks of batch B read the windows of one rank of batch W * B, each rank its own slice, and
+    every rank draws from the whole data (not a shard of it)."""
     data = np.arange(1003, dtype=np.int64)
-    shard = len(data) // world_size
-    for rank in range(world_size):
-        s = BatchSampler(data, 16, 8, rank, world_size)
-        for step in range(20):
-            x, y = s.get(step)
-            assert x.min() >= rank * shard and y.max() < (rank + 1) * shard
+    whole = BatchSampler(data, 4 * world_size, 8, seed=5)
+    ranks = [BatchSampler(data, 4, 8, rank, world_size, seed=5) for rank in range(world_size)]
+    lows, highs = [], []
+    for step, micro in [(0, 0), (3, 1), (40, 0)]:
+        parts = [r.get(step, micro) for r in ranks]
+        want_x, want_y = whole.get(step, micro)
+        assert torch.equal(torch.cat([x for x, _ in parts]), want_x)
+        assert torch.equal(torch.cat([y for _, y in parts]), want_y)
+    for r in ranks:
+        xs = torch.cat([r.get(step)[0] for step in range(50)])
+        lows.append(int(xs.min()))
+        highs.append(int(xs.max()))
+    assert max(lows) < 100 and min(highs) > 900  # every rank reaches both ends of the data
 
 
 def test_sampler_too_small_data():
-    with pytest.raises(ValueError, match="too small.*world_size 4"):
-        BatchSampler(np.arange(100), 2, 32, rank=0, world_size=4)
-    BatchSampler(np.arange(33), 2, 32)  # exactly block_size + 1 tokens is enough
+    with pytest.raises(ValueError, match="too small: 32 tokens"):
+        BatchSampler(np.arange(32), 2, 32, rank=0, world_size=4)
+    BatchSampler(np.arange(33), 2, 32, rank=3, world_size=4)  # exactly block_size + 1 tokens is enough
 
 
-def test_eval_batches_fixed_and_cover_shard():
+def test_eval_batches_fixed_and_split_like_training():
     data = np.arange(5000, dtype=np.uint16)
-    s = BatchSampler(data, 4, 10, rank=1, world_size=2)
-    first, second = list(s.eval_batches(3)), list(s.eval_batches(3))
+    ranks = [BatchSampler(data, 4, 10, rank=r, world_size=2) for r in range(2)]
+    first, second = list(ranks[1].eval_batches(3)), list(ranks[1].eval_batches(3))
     assert len(first) == 3 and all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(first, second))
-    xs = torch.cat([x for x, _ in first])
-    assert xs.min() == 2500 and xs.max() + 1 == 4999  # evenly spread from the shard's start to its end
+    whole = list(BatchSampler(data, 8, 10).eval_batches(3))
+    for i, (x, _) in enumerate(whole):  # the ranks' parts of each global batch, in rank order
+        assert torch.equal(torch.cat([list(r.eval_batches(3))[i][0] for r in ranks]), x)
+    xs = torch.cat([x for x, _ in whole])
+    assert xs.min() == 0 and xs.max() + 1 == 4999  # evenly spread from the data's start to its end
 
 
 def test_sampler_on_prepared_data(tmp_path):

@@ -75,6 +75,33 @@ def test_loss_falls_and_run_folder_is_complete(corpus, tmp_path):
     assert {p.name for p in plot_run(out)} == {"loss.png", "throughput.png", "expert_load.png"}
 
 
+# Models whose function does not depend on how a batch is shared out over ranks: dense, and an MoE
+# routed by argmax, dropless, without aux loss (a mean over each rank's tokens).
+WORLD_INVARIANT = {"dense": {**SMALL_MODEL, "moe_every": 0},
+                   "moe": {**SMALL_MODEL, "capacity_factor": None, "aux_loss_coef": 0.0}}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", list(WORLD_INVARIANT))
+def test_data_parallel_ranks_train_like_one_rank_with_their_global_batch(corpus, tmp_path, world, model):
+    """W ranks of batch 8 / W read the windows of one rank of batch 8 (the sampler splits one global
+    batch) and reduce their gradients to that rank's: the same losses, gradient norms and
+    validation losses step by step (expert parallelism included)."""
+    runs = {}
+    for ranks in (1, world):
+        out = tmp_path / f"w{ranks}"
+        run(config(corpus, out, model=dict(WORLD_INVARIANT[model]), steps=10, batch_size=8 // ranks,
+                   eval_interval=5, log_interval=1), ranks, tmp_path / "cache")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        val = {r["step"]: r["val_loss"] for r in rows if "val_loss" in r}
+        runs[ranks] = (losses(out), losses(out, "grad_norm"), val)
+    one, split = runs[1], runs[world]
+    assert sorted(split[0]) == list(range(1, 11)) and sorted(split[2]) == [5, 10]
+    assert [split[0][s] for s in range(1, 11)] == pytest.approx([one[0][s] for s in range(1, 11)], abs=2e-4)
+    assert [split[1][s] for s in range(1, 11)] == pytest.approx([one[1][s] for s in range(1, 11)], rel=1e-3)
+    assert [split[2][s] for s in (5, 10)] == pytest.approx([one[2][s] for s in (5, 10)], abs=2e-4)
+
+
 def test_resume_is_exact(corpus, tmp_path):
     cache = tmp_path / "cache"
     run(config(corpus, tmp_path / "full"), 2, cache)

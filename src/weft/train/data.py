@@ -2,8 +2,9 @@
 
 Text is tokenized once into a uint16 file in a cache folder and then read through a numpy memmap,
 so every data-parallel rank shares one copy through the page cache. Batches are a pure function of
-(seed, step, micro_step, rank): a run resumed at step N sees exactly the batches of a run that
-never stopped, with no sampler state to checkpoint.
+(seed, step, micro_step, rank, the global batch size): a run resumed at step N sees exactly the
+batches of a run that never stopped, with no sampler state to checkpoint, and the ranks split one
+global batch, so the data does not depend on how many GPUs share it.
 """
 from __future__ import annotations
 
@@ -322,10 +323,15 @@ def _atomic_write(final: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 class BatchSampler:
-    """Random (x, y) windows from this rank's contiguous shard of ``data``; y is x shifted by one.
+    """Random (x, y) windows of ``data``; y is x shifted by one. Each (step, micro-step) draws one
+    global batch of ``batch_size * world_size`` windows from the whole of ``data``, and rank r
+    takes windows ``[r * batch_size, (r + 1) * batch_size)`` of it (Megatron's global batch split
+    over the data-parallel ranks).
 
-    ``get(step, micro_step)`` depends only on (seed, step, micro_step, rank), so resuming needs
-    no sampler state. Ranks read disjoint shards: ``data`` is cut into ``world_size`` equal parts.
+    ``get(step, micro_step)`` depends only on (seed, step, micro_step) and the global batch size,
+    so resuming needs no sampler state, and W ranks of batch B read exactly the windows one rank
+    of batch W * B reads: a run's data does not change with the number of GPUs, and every rank
+    samples the whole corpus.
     """
 
     def __init__(
@@ -335,33 +341,37 @@ class BatchSampler:
             raise ValueError(f"batch_size ({batch_size}) and block_size ({block_size}) must be positive")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank ({rank}) must be in [0, world_size={world_size})")
-        shard_len = len(data) // world_size
-        if shard_len < block_size + 1:
+        if len(data) < block_size + 1:
             raise ValueError(
-                f"dataset too small: {len(data)} tokens over world_size {world_size} gives {shard_len} tokens "
-                f"per rank, fewer than block_size + 1 = {block_size + 1}; use more data (or a larger "
-                f"val_fraction for validation), a smaller block_size or fewer ranks"
+                f"dataset too small: {len(data)} tokens, fewer than block_size + 1 = {block_size + 1}; use more "
+                f"data (or a larger val_fraction for validation) or a smaller block_size"
             )
         self.batch_size, self.block_size = batch_size, block_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.shard = data[rank * shard_len : (rank + 1) * shard_len]
+        self.data = data
+
+    def _mine(self, global_starts: np.ndarray) -> np.ndarray:
+        """This rank's part of a global batch's window starts."""
+        return global_starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
 
     def get(self, step: int, micro_step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The (batch_size, block_size) int64 batch for this step and micro-step."""
         if step < 0 or micro_step < 0:
             raise ValueError(f"step ({step}) and micro_step ({micro_step}) must be non-negative")
-        rng = np.random.default_rng([self.seed, step, micro_step, self.rank])
-        starts = rng.integers(0, len(self.shard) - self.block_size, size=self.batch_size)
-        return self._windows(starts)
+        rng = np.random.default_rng([self.seed, step, micro_step])
+        starts = rng.integers(0, len(self.data) - self.block_size, size=self.batch_size * self.world_size)
+        return self._windows(self._mine(starts))
 
     def eval_batches(self, n: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """``n`` fixed batches, the same every call, spread evenly over the shard."""
-        last_start = len(self.shard) - self.block_size - 1
-        starts = np.linspace(0, last_start, n * self.batch_size).round().astype(np.int64)
+        """``n`` fixed batches, the same every call: ``n`` global batches spread evenly over the
+        data, this rank's part of each."""
+        last_start = len(self.data) - self.block_size - 1
+        per_batch = self.batch_size * self.world_size
+        starts = np.linspace(0, last_start, n * per_batch).round().astype(np.int64)
         for i in range(n):
-            yield self._windows(starts[i * self.batch_size : (i + 1) * self.batch_size])
+            yield self._windows(self._mine(starts[i * per_batch : (i + 1) * per_batch]))
 
     def _windows(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = np.arange(self.block_size + 1)
-        windows = torch.from_numpy(self.shard[starts[:, None] + offsets].astype(np.int64))
+        windows = torch.from_numpy(self.data[starts[:, None] + offsets].astype(np.int64))
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
