@@ -22,6 +22,7 @@ from test_tp import tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
 from weft.bench.peers import build_tp_peer
+from weft.hostcopy import device_tensor, offsets
 from weft.testing import run_checks
 
 pytestmark = pytest.mark.gpu
@@ -396,7 +397,6 @@ def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, 
 def test_host_values_reach_the_gpu_without_waiting_for_queued_kernels():
     """`weft.hostcopy.device_tensor` (the grouped GEMM's offsets, Pro-Prophet's indices) returns
     while a long kernel is still running, where `torch.tensor(..., device="cuda")` waits for it."""
-    from weft.hostcopy import device_tensor, offsets
     torch.cuda.synchronize()
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time at ~2 GHz
     got = device_tensor([5, 1, 2], "cuda")

@@ -11,6 +11,7 @@ has run.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -33,8 +34,4 @@ def device_tensor(values: Sequence[int] | Sequence[float], device: torch.device 
 def offsets(counts: Sequence[int], device: torch.device | str) -> torch.Tensor:
     """The int32 end offsets of consecutive groups of `counts` rows (cumulative sums, computed on
     the host), as `torch._grouped_mm` takes them."""
-    total, ends = 0, []
-    for count in counts:
-        total += count
-        ends.append(total)
-    return device_tensor(ends, device, torch.int32)
+    return device_tensor(list(itertools.accumulate(counts)), device, torch.int32)

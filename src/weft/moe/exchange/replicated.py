@@ -204,11 +204,11 @@ class ReplicatedExperts(Exchange):
             else:
                 runs.append((e in local, count))
         pieces = rows_ND.split([size for _, size in runs])
-        mask_E = device_tensor([e in local for e in range(placement.num_experts)], counts_E.device, torch.bool)
         sent = [p for p, (mine, _) in zip(pieces, runs) if not mine]  # none where every expert is here
+        kept = [p for p, (mine, _) in zip(pieces, runs) if mine]
+        mask_E = device_tensor([e in local for e in range(placement.num_experts)], counts_E.device, torch.bool)
         sent_out = AllToAll(ctx).grouped(torch.cat(sent) if sent else rows_ND[:0], torch.where(mask_E, 0, counts_E))
-        local_out = ctx.experts.forward_grouped(torch.cat([p for p, (mine, _) in zip(pieces, runs) if mine]),
-                                                [counts[e] for e in here], self.transfer.copies())
-        sent_parts = iter(sent_out.split([size for mine, size in runs if not mine]))
-        local_parts = iter(local_out.to(sent_out.dtype).split([size for mine, size in runs if mine]))
+        local_out = ctx.experts.forward_grouped(torch.cat(kept), [counts[e] for e in here], self.transfer.copies())
+        sent_parts = iter(sent_out.split([len(p) for p in sent]))
+        local_parts = iter(local_out.to(sent_out.dtype).split([len(p) for p in kept]))
         return torch.cat([next(local_parts) if mine else next(sent_parts) for mine, _ in runs])
