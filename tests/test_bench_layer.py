@@ -106,6 +106,14 @@ def test_zipf_shift_is_the_logit_bias_of_a_fixed_random_ranking():
     assert torch.count_nonzero(layer.zipf_shift(weight, 0.0)) == 0
 
 
+def test_load_imbalance_per_expert_and_per_rank():
+    counts = torch.tensor([6, 2, 0, 0])  # one process, no group: the counts are the totals
+    assert layer.load_imbalance(counts, 2) == (3.0, 2.0)  # the ranks hold 8 and 0 rows: max 8, mean 4
+    assert layer.load_imbalance(counts, 1) == (3.0, 1.0)
+    # 2 experts over 4 ranks: each of an expert's ranks computes all its rows
+    assert layer.load_imbalance(torch.tensor([3, 1]), 4) == (1.5, 1.5)
+
+
 def test_skew_makes_the_expert_load_uneven(tmp_path):
     loads = {}
     for skew in (0.0, 1.5):

@@ -263,7 +263,9 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
     total = counts_E.detach().to(torch.float64).clone()
     if dist.is_initialized():
         dist.all_reduce(total)
-    per_rank = total.view(ep_size, -1).sum(1) if total.numel() % ep_size == 0 else total.sum().view(1)
+    # fewer experts than ranks: each rank of an expert's group computes all its rows (a hidden-dim
+    # slice of each), so the ranks' loads are the experts'
+    per_rank = total.view(ep_size, -1).sum(1) if total.numel() >= ep_size else total
     return (float(total.max() / total.mean().clamp_min(1e-9)),
             float(per_rank.max() / per_rank.mean().clamp_min(1e-9)))
 
