@@ -5,7 +5,8 @@
 # The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
 #   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models, of
-#            bf16 master weights with expert parallelism and of asynchronous host copies (~6 minutes)
+#            bf16 master weights with expert parallelism and of asynchronous host copies (several minutes:
+#            each master-weights test trains four short runs)
 #   balance  Pro-Prophet: the qwen2 layer at skew 1.2 and 0, phi35 and mixtral at skew 1.2 (plain vs
 #            balance, the plan's predicted time, the load max/mean per expert and per rank), and whole
 #            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
