@@ -22,7 +22,7 @@
 #            with --kernels comet against auto (losses step by step, tokens/s)
 #   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
 #            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
-#            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink
+#            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 8 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch (issue:
@@ -106,7 +106,7 @@ part_comet() {
 }
 
 part_overlap() {
-  for regime in p2p_disabled nvlink; do
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
     [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
     for config in qwen2 phi35 mixtral; do
       $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
