@@ -5,7 +5,8 @@
 # The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
 #   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models, of
-#            bf16 master weights with expert parallelism and of asynchronous host copies (several minutes:
+#            bf16 master weights with expert parallelism, of asynchronous host copies and of the one
+#            synchronisation of a dropless call (several minutes:
 #            each master-weights test trains four short runs)
 #   balance  Pro-Prophet: the qwen2 layer at skew 1.2 and 0, phi35 and mixtral at skew 1.2 (plain vs
 #            balance, the plan's predicted time, the load max/mean per expert and per rank), and whole
@@ -42,7 +43,7 @@ QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
 part_tests() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights or host_values" > "$1/tests.log" 2>&1
+    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights or host_values or synchronises_once" > "$1/tests.log" 2>&1
   tail -n 15 "$1/tests.log"
 }
 

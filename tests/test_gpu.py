@@ -15,7 +15,7 @@ from test_balance_schedule import schedule_worker
 from test_comet import kernels_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import GATES, equivalence_worker
-from test_moe_exchange import exchange_worker
+from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
 from test_tp import tp_worker
@@ -405,3 +405,12 @@ def test_host_values_reach_the_gpu_without_waiting_for_queued_kernels():
     assert still_running, "device_tensor waited for the queued kernel"
     assert torch.equal(got.cpu(), torch.tensor([5, 1, 2]))
     assert torch.equal(offsets([5, 1, 2], "cuda").cpu(), torch.tensor([5, 6, 8], dtype=torch.int32))
+
+
+@needs_cuda
+def test_a_dropless_call_synchronises_once_on_nccl():
+    """Plain, tuned ("auto") and Pro-Prophet's balanced dropless calls, forward and backward, on
+    every GPU: one synchronisation each (every rank's counts to the host), by PyTorch's sync debug
+    mode."""
+    failures = run_checks(reads_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=600)
+    assert not failures, "\n".join(failures[:10])

@@ -8,6 +8,7 @@ with plain torch.distributed and runs the FFN per row."""
 from __future__ import annotations
 
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -15,16 +16,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from weft import MoE
+from weft.balance import LayerCostModel
 from weft.moe.exchange import (
     AllToAll,
     DataParallelExperts,
     ExchangeContext,
-    Grouped,
     Padded,
     Pipelined,
     ReplicatedExperts,
     SlicedExperts,
     Transfer,
+    gather_counts,
 )
 from weft.testing import run_checks
 
@@ -106,7 +108,7 @@ def _padded_rows(moe: MoE, gen: torch.Generator, device: str):
 def _grouped_rows(moe: MoE, gen: torch.Generator, device: str):
     counts = torch.randint(0, 5, (moe.num_experts,), generator=gen)  # uneven, zeros included
     rows = torch.randn(int(counts.sum()), DIM, generator=gen).to(device)
-    return rows, torch.arange(moe.num_experts).repeat_interleave(counts), Grouped(counts.to(device))
+    return rows, torch.arange(moe.num_experts).repeat_interleave(counts), gather_counts(counts.to(device), moe.group)
 
 
 def exchange_worker(num_experts: int, activation: str, device: str = "cpu") -> list[str]:
@@ -142,8 +144,11 @@ def exchange_worker(num_experts: int, activation: str, device: str = "cpu") -> l
     if moe.expert_shards == 1 and world > 1:  # Pro-Prophet's copies (dropless only), built where used
         others = lambda e: frozenset(range(world)) - {e // moe.num_local_experts}  # noqa: E731
         every = {e: others(e) for e in range(num_experts)}
-        for name, copies in (("replicated, expert 1 copied", {1: others(1)}),
-                             ("replicated, every expert copied (no row sent)", every)):
+        cases = [("replicated, expert 1 copied", {1: others(1)}),
+                 ("replicated, every expert copied (no row sent)", every)]
+        if world > 2:  # ranks with no copy (and none of their experts copied) send all their rows
+            cases.append(("replicated, expert 1 copied to rank 2 only", {1: frozenset({2})}))
+        for name, copies in cases:
             rows, expert_of_row, layout = _grouped_rows(moe, gen, device)
             dy = torch.randn(rows.shape, generator=gen).to(device)
             strategy = ReplicatedExperts(ctx, Transfer(moe.experts, moe.placement, copies, moe.group))
@@ -156,4 +161,86 @@ def exchange_worker(num_experts: int, activation: str, device: str = "cpu") -> l
 def test_every_exchange_computes_the_expert_function(world_size, num_experts, activation):
     failures = run_checks(exchange_worker, world_size, args=(num_experts, activation), timeout=300,
                           env={"LOCAL_WORLD_SIZE": 2})
+    assert not failures, "\n".join(failures[:10])
+
+
+_READS = ("tolist", "item", "__int__", "__float__", "__bool__", "__index__")
+
+
+def _count_reads(run) -> list[str]:
+    """The tensor-to-host reads (`tolist`, `item`, `int(t)`, ...) made while `run()` runs: on a GPU
+    each waits for every kernel queued before it."""
+    seen, saved = [], {name: getattr(torch.Tensor, name) for name in _READS}
+
+    def counting(name):
+        def read(self, *args, **kwargs):
+            seen.append(name)
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    for name in _READS:
+        setattr(torch.Tensor, name, counting(name))
+    try:
+        run()
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+    return seen
+
+
+def _count_syncs(run) -> list[str]:
+    """The synchronisations of the CUDA stream with the host while `run()` runs (PyTorch's sync
+    debug mode warns at each)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+
+
+def reads_worker(device: str = "cpu") -> list[str]:
+    """On the CPU the reads of tensor values counted; on a GPU the stream's synchronisations."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    count = _count_syncs if device.startswith("cuda") else _count_reads
+    # Slow experts, cheap weights: copying the hot expert pays in this model (a copy every call).
+    cost = LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=4 * DIM,
+                          expert_param_bytes=1.0, expert_grad_bytes=1.0)
+    settings = {"plain": {}, "auto (tuned)": {"overlap_degree": "auto"},
+                "pro-prophet": {"balance": "pro-prophet", "balance_model": cost}}
+    failures = []
+    for name, options in settings.items():
+        torch.manual_seed(0)
+        moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, device=device, **options)
+        with torch.no_grad():
+            moe.router.weight[:2, 0] += 10.0  # experts 0 and 1 (rank 0's) hot through x[:, 0]
+        gen = torch.Generator().manual_seed(rank)
+
+        def call():
+            x = torch.randn(16 + 3 * rank, DIM, generator=gen)  # uneven counts: dropless takes them
+            x[:, 0] += 2.0
+            moe(x.to(device).requires_grad_()).sum().backward()
+
+        for _ in range(40):  # the first call checks the ranks agree, "auto" tunes, Pro-Prophet plans
+            call()
+        reads = count(call)
+        if len(reads) != 1:
+            failures.append(f"rank {rank} {name}: a dropless call (forward and backward) read the device "
+                            f"{len(reads)} times ({reads}), not once")
+        if name == "pro-prophet" and world > 1 and not moe.balancer.last_copied:
+            failures.append(f"rank {rank}: the balanced layer copied no expert, so its copying path went uncounted")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_dropless_call_reads_the_device_once(world_size):
+    """A dropless call needs every rank's counts on the host (the all-to-allv's splits); it reads
+    them once, and the tuner's bucket, the splits of every strategy and Pro-Prophet's load history
+    come from that copy."""
+    failures = run_checks(reads_worker, world_size, timeout=300)
     assert not failures, "\n".join(failures[:10])

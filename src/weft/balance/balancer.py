@@ -1,16 +1,14 @@
 """One MoE layer's Pro-Prophet planning across calls: the loads of the earlier calls predict the
 next (locality, sec. II), the greedy search (Alg. 1) turns the prediction into the experts to
-copy for this call, and this call's load, gathered from the expert-parallel group, joins the
-history. Every rank gathers the same counts and plans on the host from them, so every rank
-copies the same experts."""
+copy for this call, and this call's load, every rank's counts as the dropless call read them to
+the host for its all-to-allv, joins the history. Every rank records the same counts and plans on
+the host from them, so every rank copies the same experts."""
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from collections.abc import Sequence
 
 from weft.balance.load import LoadHistory
 from weft.balance.planner import LayerCostModel, Plan, greedy_placement
-from weft.distributed import group_size
 
 # Nominal constants for the default cost model, H200-class, until they are fitted on the machine
 # (`weft bench comm`, the layer profile): all-to-all bandwidth per rank over NVLink and a bf16
@@ -49,8 +47,7 @@ class ExpertBalancer:
         self.model, self.alpha = model, alpha
         self.history = LoadHistory(window)
         self.last_plan: Plan | None = None  # the plan of the latest call (None before the second)
-        # The latest call's (W, E) counts on their way to the host, and the event that says they arrived.
-        self._pending: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._stale = False  # a load was recorded since `last_plan` was made
 
     @property
     def last_copied(self) -> list[int]:
@@ -62,37 +59,24 @@ class ExpertBalancer:
         """The next call's copies, expert -> the ranks that get one, planned from the loads of the
         earlier calls (none before the first load arrives); the same until the next `record`, so
         the plan can be made ahead of the call (Alg. 2: under the preceding block) and the call
-        still agree with it. Host arithmetic only: the recorded counts were copied to the host a
-        whole call ago."""
+        still agree with it. Host arithmetic only (the recorded counts are on the host)."""
         if self.ep_size == 1:  # one rank holds every expert: nothing to move
             return {}
-        if self._pending is not None:
-            host, ready = self._pending
-            if ready is not None:
-                ready.synchronize()  # long done: the copy was queued a whole call ago
-            self.history.record(host)
-            self._pending = None
+        if self._stale:
+            self._stale = False
             self.last_plan = greedy_placement(self.history.predict_counts(), self.owner_E, self.model, n=self.n,
                                               alpha=self.alpha)
         if self.last_plan is None:
             return {}
         return {e: devices for e, devices in self.last_plan.placement.copies.items() if devices}
 
-    def record(self, counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> None:
-        """This call's (E,) slot counts, gathered over `group` into (W, E), start their way to the
-        host to join the history at the next plan. One small all-gather per call; the host copy
-        runs in the background (the paper's Plan under the previous iteration)."""
+    def record(self, counts_WE: Sequence[Sequence[int]]) -> None:
+        """This call's slot counts, `counts_WE[r][e]` of every rank r of the expert-parallel group
+        (on the host: what the dropless call read for its all-to-allv), join the history that the
+        next plan predicts from."""
         if self.ep_size == 1:
             return
-        counts = counts_E.detach().reshape(1, -1)
-        if group_size(group) > 1:
-            gathered = [torch.empty_like(counts) for _ in range(group_size(group))]
-            dist.all_gather(gathered, counts, group=group)
-            counts = torch.cat(gathered)
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=counts.is_cuda)
-        host.copy_(counts, non_blocking=counts.is_cuda)
-        ready = None
-        if counts.is_cuda:
-            ready = torch.cuda.Event()
-            ready.record()
-        self._pending = (host, ready)
+        if len(counts_WE) != self.ep_size:
+            raise ValueError(f"expected the counts of all {self.ep_size} expert-parallel ranks, got {len(counts_WE)}")
+        self.history.record(counts_WE)
+        self._stale = True

@@ -42,6 +42,7 @@ from weft.moe.exchange import (
     Padded,
     Transfer,
     candidates,
+    gather_counts,
     offers_comet,
     select,
     tuning_key,
@@ -349,8 +350,8 @@ class MoE(nn.Module):
         found = self._candidates(call, comet)
         if len(found) == 1:  # nothing to tune: no bucket (a dropless bucket costs an all-reduce)
             return run(found[0], rows)
-        if dropless:
-            capacity = self._dropless_capacity(capacity, rows.device)
+        if dropless:  # the bucket of the most rows any rank dispatches, so that every rank keys the same entry
+            capacity = -(-layout.most_slots() // self.num_experts)
         return self.tuning.run(self._tuning_key(call, comet), capacity, found, self.group, run, rows,
                                caller=id(self))
 
@@ -400,24 +401,20 @@ class MoE(nn.Module):
             else:
                 token_ids_S = routing.token_ids_S.index_select(0, order_S)
                 rows_SD = tokens_TD.index_select(0, token_ids_S)
-        if self.balancer is not None:
-            if transfer is None and call.communicate:  # not launched ahead: plan and copy now, on the EP group
-                transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(), self.group,
-                                    self.experts.compute_dtype(tokens_TD))
-            self.balancer.record(routing.counts_E, self.group)
-        out_SD = self.exchange(rows_SD, Grouped(routing.counts_E), call, tokens_TD.shape[0] * call.top_k, transfer)
+        if self.balancer is not None and transfer is None and call.communicate:
+            # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
+            transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(), self.group,
+                                self.experts.compute_dtype(tokens_TD))
+        # Every rank's counts on the host: the call's one read of the device (the splits, the
+        # tuning bucket and Pro-Prophet's history all come from it).
+        layout = gather_counts(routing.counts_E, self.group if call.communicate else None)
+        if self.balancer is not None and call.communicate:
+            self.balancer.record(layout.counts_WE)
+        out_SD = self.exchange(rows_SD, layout, call, tokens_TD.shape[0] * call.top_k, transfer)
         with stage("combine"):
             if fused:
                 return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
             return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S), tokens_TD.shape[0])
-
-    def _dropless_capacity(self, slots: int, device: torch.device) -> int:
-        """The tuning bucket's capacity for a dropless call: ceil(T_max * k / E), T_max * k the most
-        slots of any rank of the EP group, so that every rank keys the same entry. One
-        one-element all-reduce per call, in tuned ("auto") dropless calls only."""
-        most = torch.tensor([slots], device=device)
-        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-        return -(-int(most.item()) // self.num_experts)
 
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it

@@ -12,7 +12,7 @@
 `select` picks one per call from a `Setting`; see docs/architecture.md for adding one.
 """
 from weft.moe.exchange.all_to_all import AllToAll
-from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped, Layout, Padded
+from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped, Layout, Padded, gather_counts
 from weft.moe.exchange.comet import Comet
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
@@ -22,4 +22,4 @@ from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "Comet", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped",
            "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer", "candidates",
-           "offers_comet", "select", "tuning_key", "untuned_setting"]
+           "gather_counts", "offers_comet", "select", "tuning_key", "untuned_setting"]

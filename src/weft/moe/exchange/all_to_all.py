@@ -2,14 +2,15 @@
 
 Padded: a fixed-size all-to-all (linear, or Tutel's 2DH over nodes, appendix A); the received
 rows are viewed in Tutel's Flexible layout (El, W * C, dim) so each local expert runs one batched
-matmul over the rows of every source. Grouped (dropless): the counts are exchanged first, then
-exactly the routed rows (all-to-allv), and the local experts run one grouped GEMM.
+matmul over the rows of every source. Grouped (dropless): the splits come from every rank's
+counts, which the layout holds on the host, then exactly the routed rows go (all-to-allv), and
+the local experts run one grouped GEMM.
 """
 from __future__ import annotations
 
 import torch
 
-from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped
 
 
 class AllToAll(Exchange):
@@ -28,11 +29,11 @@ class AllToAll(Exchange):
         out = out.view(local, ep, capacity, dim).transpose(0, 1).reshape(ep * local * capacity, dim)
         return self.ctx.all_to_all(out, algo=self.algo)
 
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         ctx, placement = self.ctx, self.ctx.placement
         if placement.ep_size == 1:
-            return ctx.experts.forward_grouped(rows_ND, counts_E.tolist())
-        recv_counts, sent, received = ctx.expert_counts(counts_E)
+            return ctx.experts.forward_grouped(rows_ND, list(layout.mine))
+        recv_counts, sent, received = ctx.expert_counts(layout)
         send_splits = [sum(r) for r in sent]
         recv_splits = [sum(r) for r in received]
         recv = ctx.all_to_all(rows_ND, recv_splits, send_splits)  # rows by [source][local expert]

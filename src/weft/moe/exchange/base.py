@@ -5,7 +5,7 @@ outputs for exactly those rows, in the same order:
 
 - `Padded(capacity)`: (E * C, dim) rows, slot c of expert e at row e * C + c (zeros where unused);
   every rank sends the same amount (Tutel's fixed-size all-to-all);
-- `Grouped(counts_E)`: the routed rows sorted by expert, `counts_E[e]` of them for expert e
+- `Grouped(counts_E, counts_WE)`: the routed rows sorted by expert, `counts_E[e]` of them for expert e
   (dropless: all-to-allv, grouped GEMM).
 
 Every strategy computes the same function as the plain layer (same outputs and gradients); they
@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weft.comm import all_to_all, all_to_all_counts
-from weft.distributed import HierarchicalGroups
+from weft.comm import all_to_all
+from weft.comm.all_to_all import ALL_GATHER
+from weft.distributed import HierarchicalGroups, group_rank, group_size
+from weft.hostcopy import device_tensor
 from weft.moe.experts import Experts
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
@@ -35,9 +37,39 @@ class Padded:
 
 @dataclass(frozen=True)
 class Grouped:
-    """Rows sorted by expert: `counts_E[e]` rows for expert e."""
+    """Rows sorted by expert: `counts_E[e]` rows for expert e (on the device), and `counts_WE`,
+    the same counts of every rank of the exchange's group on the host (`counts_WE[r][e]`; this
+    rank's row is `counts_WE[rank]`). The host matrix is what a dropless call needs the host to
+    know (the all-to-allv's splits, a tuned call's bucket, Pro-Prophet's load history): it is read
+    once per call (`gather_counts`), and every strategy computes from it instead of reading the
+    device again."""
 
     counts_E: torch.Tensor
+    counts_WE: tuple[tuple[int, ...], ...]
+    rank: int = 0
+
+    @property
+    def mine(self) -> tuple[int, ...]:
+        """This rank's rows per expert."""
+        return self.counts_WE[self.rank]
+
+    def most_slots(self) -> int:
+        """The most rows any rank of the group dispatches."""
+        return max(sum(row) for row in self.counts_WE)
+
+
+def gather_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> Grouped:
+    """The layout of a dropless call: `counts_E` and every rank's counts on the host, by one
+    all-gather over `group` (None or one rank: none) and one device-to-host copy, the call's one
+    synchronisation."""
+    world = group_size(group)
+    if world == 1:
+        return Grouped(counts_E, (tuple(counts_E.tolist()),))
+    gathered = counts_E.new_empty(world * counts_E.numel())
+    with stage("all_to_all"):
+        ALL_GATHER(gathered, counts_E.contiguous(), group=group)
+        counts_WE = tuple(map(tuple, gathered.view(world, -1).tolist()))
+    return Grouped(counts_E, counts_WE, group_rank(group))
 
 
 Layout = Padded | Grouped
@@ -87,19 +119,21 @@ class ExchangeContext:
                 return all_to_all(x, placement.group, algo="2dh", groups_2dh=placement.groups_2dh)
             return all_to_all(x, placement.group, output_splits, input_splits, scheduler=self.scheduler)
 
-    def counts_from_peers(self, counts: torch.Tensor) -> torch.Tensor:
-        """(W * n,) counts per destination -> the (W * n,) counts each source sends here."""
-        return all_to_all_counts(counts, self.placement.group) if self.communicate else counts
-
-    def expert_counts(self, counts_E: torch.Tensor) -> tuple[torch.Tensor, list, list]:
-        """The dropless exchange's counts: the rows this rank receives per (source, local expert)
-        as a flat tensor, and both directions as nested lists, `sent[r][i]` rows to rank r's local
-        expert i and `received[s][i]` rows from rank s for local expert i."""
-        placement = self.placement
-        with stage("all_to_all"):
-            recv_counts = self.counts_from_peers(counts_E)
-            sent, received = torch.stack([counts_E, recv_counts]).view(2, placement.ep_size,
-                                                                       placement.num_local).tolist()
+    def expert_counts(self, layout: Grouped) -> tuple[torch.Tensor, list, list]:
+        """The dropless exchange's counts, from the layout's host matrix (nothing read from the
+        device): the rows this rank receives per (source, local expert) as a flat device tensor,
+        and both directions as nested lists, `sent[r][i]` rows to rank r's local expert i and
+        `received[s][i]` rows from rank s for local expert i. Not communicating, every row stays:
+        a rank receives what it sends."""
+        local = self.placement.num_local
+        mine = layout.mine
+        sent = [list(mine[r * local:(r + 1) * local]) for r in range(self.placement.ep_size)]
+        if not self.communicate:
+            return layout.counts_E, sent, [list(row) for row in sent]
+        cut = slice(layout.rank * local, (layout.rank + 1) * local)
+        received = [list(row[cut]) for row in layout.counts_WE]
+        recv_counts = device_tensor([n for row in received for n in row], layout.counts_E.device,
+                                    layout.counts_E.dtype)
         return recv_counts, sent, received
 
 
@@ -113,12 +147,12 @@ class Exchange(ABC):
     def __call__(self, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
         if isinstance(layout, Padded):
             return self.padded(rows, layout.capacity)
-        return self.grouped(rows, layout.counts_E)
+        return self.grouped(rows, layout)
 
     @abstractmethod
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
         """(E * C, dim) rows in the padded layout -> expert outputs in the same layout."""
 
     @abstractmethod
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert (`counts_E` per expert) -> their expert outputs."""
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
+        """Rows sorted by expert (`layout.counts_E` per expert) -> their expert outputs."""

@@ -23,13 +23,12 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
 from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
-from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped
 from weft.moe.experts import activate
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
@@ -150,10 +149,13 @@ class Comet(Exchange):
                                                           rows_RD.device))
         return self._run(rows_RD, rows_RD.shape[0], rows, tiles)
 
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
         rank, local = self.peers.rank, self.ctx.placement.num_local
-        counts_WE = self._all_counts(counts_E)  # every rank's rows per expert, on the host
+        counts_WE = layout.counts_WE  # every rank's rows per expert, on the host
+        if len(counts_WE) != self.peers.world:
+            raise ValueError(f"Comet's dropless exchange needs the counts of all {self.peers.world} ranks, "
+                             f"got {len(counts_WE)}")
         offsets_WE = [[0, *itertools.accumulate(row[:-1])] for row in counts_WE]
         mine = slice(rank * local, (rank + 1) * local)
         rows = RowMap.build([row[mine] for row in counts_WE], [row[mine] for row in offsets_WE], rank, tiles.block_m,
@@ -161,14 +163,6 @@ class Comet(Exchange):
         most = max(sum(row) for row in counts_WE)
         buffer_rows = 1 << max(0, (most - 1).bit_length())  # a power of two: few sizes, few allocations
         return self._run(rows_ND, buffer_rows, rows, tiles)
-
-    def _all_counts(self, counts_E: torch.Tensor) -> list[list[int]]:
-        if self.peers.world == 1:
-            return [counts_E.tolist()]
-        gathered = [torch.empty_like(counts_E) for _ in range(self.peers.world)]
-        with stage("all_to_all"):
-            dist.all_gather(gathered, counts_E.contiguous(), group=self.peers.group)
-        return torch.stack(gathered).tolist()
 
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles) -> torch.Tensor:
         experts = self.ctx.experts

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from weft.comm import all_gather
-from weft.moe.exchange.base import Exchange
+from weft.moe.exchange.base import Exchange, Grouped
 
 
 class DataParallelExperts(Exchange):
@@ -16,8 +16,8 @@ class DataParallelExperts(Exchange):
         by_expert = rows_RD.view(placement.num_experts, capacity, dim)
         return self.ctx.experts(by_expert, self.all_weights()).reshape(-1, dim)
 
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        return self.ctx.experts.forward_grouped(rows_ND, counts_E.tolist(), self.all_weights())
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
+        return self.ctx.experts.forward_grouped(rows_ND, list(layout.mine), self.all_weights())
 
     def all_weights(self) -> tuple:
         """Every expert's weights on every rank, gathered from their owners (joined from their

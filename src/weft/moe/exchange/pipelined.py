@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped
 from weft.moe.pipeline import dropless_pipelined_exchange, pipelined_exchange
 
 
@@ -24,7 +24,7 @@ class Pipelined(Exchange):
         return pipelined_exchange(rows_RD, self.ctx.experts, placement.group, placement.ep_size, placement.num_local,
                                   capacity, self.degree, algo=self.algo, groups_2dh=placement.groups_2dh)
 
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         placement = self.ctx.placement
-        _, sent, received = self.ctx.expert_counts(counts_E)
+        _, sent, received = self.ctx.expert_counts(layout)
         return dropless_pipelined_exchange(rows_ND, self.ctx.experts, placement.group, sent, received, self.degree)

@@ -28,7 +28,7 @@ from weft.comm.split import SplitCollective, start, wait
 from weft.distributed import group_rank
 from weft.hostcopy import device_tensor
 from weft.moe.exchange.all_to_all import AllToAll
-from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement
+from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped
 from weft.moe.experts import Experts
 
 
@@ -105,6 +105,7 @@ class Transfer:
         self.holders = {e: frozenset(devices) for e, devices in sorted(copies.items()) if devices}
         self.copied = tuple(self.holders)
         self.here: tuple[int, ...] = ()
+        self._owner: dict[int, int] = {}
         self._copies: tuple | None = None
         if not self.copied:
             return
@@ -113,13 +114,13 @@ class Transfer:
             raise ValueError(f"copied experts must be ids in [0, {placement.num_experts}), got {self.copied}")
         if placement.expert_shards > 1:
             raise ValueError("replicated experts need whole experts on each rank (E >= W)")
-        owner = {e: e // local for e in self.copied}
+        owner = self._owner = {e: e // local for e in self.copied}
         for e, devices in self.holders.items():
             if owner[e] in devices or not all(0 <= d < ep_size for d in devices):
                 raise ValueError(f"expert {e}: copies must go to ranks in [0, {ep_size}) other than its owner "
                                  f"{owner[e]}, got {sorted(devices)}")
         rank = group_rank(placement.group)
-        self.here = tuple(e for e in self.copied if rank in self.holders[e] or owner[e] == rank)
+        self.here = tuple(sorted(self.computed_at(rank)))
         weights = experts.weights()
         present = [w for w in weights if w is not None]
         owned = [e for e in self.copied if owner[e] == rank]
@@ -142,6 +143,11 @@ class Transfer:
         self._rows = None
         self._pending = _PendingCopies(group, sends, recvs, keeps, len(self.here))
         self._out = start(stack, self._pending)
+
+    def computed_at(self, rank: int) -> frozenset[int]:
+        """The copied experts whose rows group rank `rank` computes itself (that rank's `here`):
+        those it holds a copy of or owns."""
+        return frozenset(e for e in self.copied if rank in self.holders[e] or self._owner[e] == rank)
 
     @classmethod
     def none(cls) -> Transfer:
@@ -186,17 +192,21 @@ class ReplicatedExperts(Exchange):
         raise ValueError("replicated experts balance dropless layers only: a padded layout already computes "
                          "every expert's full capacity")
 
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """Rows arrive grouped by expert in id order (`counts_E[e]` rows each): the copied experts'
-        rows are contiguous runs, cut out with one split and joined back with one cat (both
-        differentiable as a whole), on the host's copy of the counts: one synchronisation for this
-        split besides the all-to-all's own."""
-        ctx, placement = self.ctx, self.ctx.placement
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
+        """Rows arrive grouped by expert in id order (`layout.counts_E[e]` rows each): the copied
+        experts' rows are contiguous runs, cut out with one split and joined back with one cat
+        (both differentiable as a whole), by the layout's host counts. The all-to-all carries the
+        rest: every rank's counts without the experts that rank computes itself, which every rank
+        knows from the transfer, so nothing more is read from the device."""
+        ctx = self.ctx
+        computed_at = [self.transfer.computed_at(r) for r in range(len(layout.counts_WE))]
+        travelling = tuple(tuple(0 if e in at else n for e, n in enumerate(row))
+                           for row, at in zip(layout.counts_WE, computed_at))
         here = list(self.transfer.here)
-        if not here:  # no copy on this rank (and none of its experts copied): the plain exchange
-            return AllToAll(ctx).grouped(rows_ND, counts_E)
+        if not here:  # no copy on this rank (and none of its experts copied): all its rows travel
+            return AllToAll(ctx).grouped(rows_ND, Grouped(layout.counts_E, travelling, layout.rank))
         local = set(here)
-        counts = counts_E.tolist()
+        counts = layout.mine
         runs: list[tuple[bool, int]] = []  # (computed here?, rows) of consecutive experts
         for e, count in enumerate(counts):
             if runs and runs[-1][0] == (e in local):
@@ -206,8 +216,9 @@ class ReplicatedExperts(Exchange):
         pieces = rows_ND.split([size for _, size in runs])
         sent = [p for p, (mine, _) in zip(pieces, runs) if not mine]  # none where every expert is here
         kept = [p for p, (mine, _) in zip(pieces, runs) if mine]
-        mask_E = device_tensor([e in local for e in range(placement.num_experts)], counts_E.device, torch.bool)
-        sent_out = AllToAll(ctx).grouped(torch.cat(sent) if sent else rows_ND[:0], torch.where(mask_E, 0, counts_E))
+        sent_counts_E = device_tensor(travelling[layout.rank], layout.counts_E.device, layout.counts_E.dtype)
+        sent_out = AllToAll(ctx).grouped(torch.cat(sent) if sent else rows_ND[:0],
+                                         Grouped(sent_counts_E, travelling, layout.rank))
         local_out = ctx.experts.forward_grouped(torch.cat(kept), [counts[e] for e in here], self.transfer.copies())
         sent_parts = iter(sent_out.split([len(p) for p in sent]))
         local_parts = iter(local_out.to(sent_out.dtype).split([len(p) for p in kept]))

@@ -7,8 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from weft.hostcopy import device_tensor
-from weft.moe.exchange.base import Exchange, ExchangeContext
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped
 from weft.moe.exchange.data_parallel import gathered_weights
 from weft.moe.pipeline import pipelined_exchange
 
@@ -43,26 +42,31 @@ class SlicedExperts(Exchange):
         summed = back.view(experts, r, part * peers, dim).float().sum(1).to(back.dtype)
         return summed[:, :capacity].reshape(experts * capacity, dim)
 
-    def grouped(self, rows_ND: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         """Expert e's rows are cut into g near-equal parts, part i going to every slice's replica i
         (all-to-allv)."""
-        ctx, r, peers = self.ctx, self.r, self.peers
+        ctx, counts_E = self.ctx, layout.counts_E
         # The g parts of expert e's segment, in order, are the segment itself: destinations
         # (e, s, i) in rank order get the segment r times. A stable sort of r copies of the rows by
         # expert gives that order (copy 0 of e, then copy 1 of e, ...).
         rows = rows_ND.shape[0]
         expert_of_row = torch.repeat_interleave(torch.arange(ctx.placement.num_experts, device=counts_E.device),
                                                 counts_E, output_size=rows)
-        index = torch.sort(expert_of_row.repeat(r), stable=True).indices % max(rows, 1)
-        send_splits = [b - a for n in counts_E.tolist() for _ in range(r)
-                       for a, b in ((n * i // peers, n * (i + 1) // peers) for i in range(peers))]
-        splits = device_tensor(send_splits, counts_E.device)
-        recv_splits = ctx.counts_from_peers(splits).tolist()
+        index = torch.sort(expert_of_row.repeat(self.r), stable=True).indices % max(rows, 1)
+        send_splits = self._splits(layout.mine)
+        # What each source sends here: its own splits (from its counts, on the host) at this rank.
+        recv_splits = [self._splits(row)[layout.rank] for row in layout.counts_WE] if ctx.communicate else send_splits
         received = ctx.all_to_all(rows_ND.index_select(0, index), recv_splits, send_splits)
         out = ctx.experts(received.unsqueeze(0), self.slice_weights()).squeeze(0)
         back = ctx.all_to_all(out, send_splits, recv_splits)
         summed = back.new_zeros(rows, back.shape[-1], dtype=torch.float32).index_add_(0, index, back.float())
         return summed.to(back.dtype)
+
+    def _splits(self, counts_E) -> list[int]:
+        """A source's rows per destination rank (e, s, i), from its rows per expert."""
+        peers = self.peers
+        return [b - a for n in counts_E for _ in range(self.r)
+                for a, b in ((n * i // peers, n * (i + 1) // peers) for i in range(peers))]
 
     def slice_weights(self) -> tuple:
         """Slice s = (rank % m) // g of this rank's expert (hidden / r wide), all-gathered over the
