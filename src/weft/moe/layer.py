@@ -348,7 +348,7 @@ class MoE(nn.Module):
         if not tuned:
             return run(untuned_setting(call), rows)
         found = self._candidates(call, comet)
-        if len(found) == 1:  # nothing to tune: no bucket (a dropless bucket costs an all-reduce)
+        if len(found) == 1:  # nothing to tune
             return run(found[0], rows)
         if dropless:  # the bucket of the most rows any rank dispatches, so that every rank keys the same entry
             capacity = -(-layout.most_slots() // self.num_experts)
