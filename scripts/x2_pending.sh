@@ -41,6 +41,12 @@ export WEFT_CACHE=${WEFT_CACHE:-/tmp/weft_cache}
 RUN="torchrun --standalone --nproc_per_node=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))') -m weft"
 QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
+keep_metrics() {  # RUN_DIR DEST: a training run's metrics and config, not its checkpoints (GBs: they
+  # would not come back from the device, and nor would a tarball holding them)
+  mkdir -p "$2" && cp "$1/metrics.jsonl" "$1/config.json" "$2/" 2>/dev/null
+  rm -rf "$1"
+}
+
 part_tests() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
     -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights or host_values or synchronises_once" > "$1/tests.log" 2>&1
@@ -77,7 +83,8 @@ part_domino() {
   done
   unset NCCL_P2P_DISABLE
   $RUN train --preset gpt3-2.7b --tp 2 --tp-overlap auto --batch-size 4 --steps 6 \
-    --sample-tokens 0 --out "$1/train_auto" > "$1/train_auto.log" 2>&1
+    --sample-tokens 0 --out /tmp/weft_x2/train_auto > "$1/train_auto.log" 2>&1
+  keep_metrics /tmp/weft_x2/train_auto "$1/train_auto"
   grep "tp-overlap auto\|step 6" "$1/train_auto.log"
 }
 
@@ -102,7 +109,8 @@ part_comet() {
   grep -v "$QUIET" "$1/layer_qwen2_dropless.log" | tail -n 6
   for kernels in auto comet; do
     $RUN train --preset qwen2-moe-2l --kernels "$kernels" --batch-size 2 --steps 16 --sample-tokens 0 \
-      --out "$1/train_$kernels" > "$1/train_$kernels.log" 2>&1
+      --out "/tmp/weft_x2/train_$kernels" > "$1/train_$kernels.log" 2>&1
+    keep_metrics "/tmp/weft_x2/train_$kernels" "$1/train_$kernels"
     grep "step 16" "$1/train_$kernels.log"
   done
 }
