@@ -11,9 +11,9 @@ import torch.distributed as dist
 from weft.cli import main
 from weft.models import GPT, GPTConfig
 from weft.moe.grads import reduce_gradients
-from weft.overlap import WGradScheduler, optimize
+from weft.overlap import WGradScheduler, optimize, passes
 from weft.overlap.forward import Range
-from weft.overlap.passes import apply, predict_backward
+from weft.overlap.passes import apply, choose_passes, predict_backward
 from weft.testing import run_checks
 
 CASES = {  # gate, top_k, capacity factor -> forward ranges (pre ranges only where the gate allows)
@@ -126,7 +126,7 @@ def optimize_worker() -> list[str]:
     model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
     idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
     _, before = model(idx[:, :-1], idx[:, 1:])
-    plan = optimize(model, idx[:, :-1], max_partitions=4, repeats=1)
+    plan = optimize(model, idx[:, :-1], max_partitions=4, repeats=1, measure=0)  # applied as planned
     _, after = model(idx[:, :-1], idx[:, 1:])
     plan.backward(after)
     failures = []
@@ -153,6 +153,67 @@ def test_optimize_applies_a_plan_that_keeps_the_loss(world_size):
     assert not failures, "\n".join(failures)
 
 
+def measured_plan_worker(fake_ms: dict[str, float]) -> list[str]:
+    """optimize with its measurement: every combination runs (and computes the plain loss), and
+    the one `choose_passes` keeps from the (here given) times is the one applied on every rank."""
+    failures, ran = [], []
+
+    def fake_time_candidates(step, names, device, trials, warmup):
+        for name in names:  # each combination runs a real forward + backward on the model
+            step(name)
+            ran.append(name)
+        return [fake_ms[name] * 1e-3 for name in names]
+
+    passes.time_candidates = fake_time_candidates  # this spawned process's module only
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
+    idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    _, before = model(idx[:, :-1], idx[:, 1:])
+    plan = optimize(model, idx[:, :-1], max_partitions=4, repeats=1, forward=False)
+    if ran != ["none", "backward"] or set(plan.measured) != {"none", "backward"}:
+        failures.append(f"measured {ran}, reported {plan.measured}: expected none and backward")
+    expected = choose_passes({k: fake_ms[k] for k in ("none", "backward")})
+    if plan.chosen != expected:
+        failures.append(f"kept {plan.chosen}, expected {expected} from {fake_ms}")
+    scheduling = expected == "backward"
+    applied = model.blocks[0].attn.qkv.wgrad_scheduler is not None
+    if (plan.scheduler is not None) != scheduling or applied != scheduling:
+        failures.append(f"dW scheduling applied: {plan.scheduler is not None}, expected {scheduling}")
+    if any(p.grad is not None for p in model.parameters()):
+        failures.append("measuring left gradients on the model")
+    if f"kept: {expected}" not in plan.summary():
+        failures.append(f"the summary does not say what was kept:\n{plan.summary()}")
+    _, after = model(idx[:, :-1], idx[:, 1:])
+    plan.backward(after)
+    if abs(before.item() - after.item()) > 1e-5:
+        failures.append(f"optimize changed the loss: {before.item()} -> {after.item()}")
+    kept = [None] * dist.get_world_size()
+    dist.all_gather_object(kept, plan.chosen)
+    if len(set(kept)) != 1:
+        failures.append(f"the ranks kept different passes: {kept}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("fake_ms", [{"none": 10.0, "backward": 9.0}, {"none": 10.0, "backward": 9.95},
+                                     {"none": 10.0, "backward": 12.0}])
+def test_optimize_keeps_dw_scheduling_only_where_it_measured_faster(world_size, fake_ms):
+    failures = run_checks(measured_plan_worker, world_size, args=(fake_ms,), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def test_measured_choice_needs_a_gain_over_every_simpler_combination():
+    assert choose_passes({"none": 10.0}) == "none"
+    assert choose_passes({"none": 10.0, "backward": 9.0}) == "backward"
+    assert choose_passes({"none": 10.0, "backward": 9.95}) == "none"  # within the 1% margin
+    assert choose_passes({"none": 10.0, "backward": 9.95}, min_gain=0.0) == "backward"
+    assert choose_passes({"none": 10.0, "forward": 11.0}) == "none"
+    # both must beat each pass alone, not only none
+    assert choose_passes({"none": 10.0, "backward": 8.0, "forward": 9.0, "both": 7.99}) == "backward"
+    assert choose_passes({"none": 10.0, "backward": 8.0, "forward": 9.0, "both": 7.0}) == "both"
+    assert choose_passes({"none": 10.0, "backward": 12.0, "forward": 8.0, "both": 7.95}) == "forward"
+
+
 def test_backward_prediction_hides_at_most_the_pool():
     from weft.overlap import planner
     from weft.overlap.profile import ModelProfile
@@ -171,7 +232,10 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     main(["plan", "--preset", "tiny", "--batch-size", "2", "--nproc", "2", "--json", "plan.json"])
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["world_size"] == 2 and plan["wgrad_scheduling"] and plan["predicted_s"] > 0
+    assert plan["world_size"] == 2 and plan["predicted_s"] > 0
+    # the plan was measured against no plan, and what it kept is what it reports
+    assert set(plan["measured_s"]) == {"none", "backward"} and min(plan["measured_s"].values()) > 0
+    assert plan["wgrad_scheduling"] == (plan["chosen"] == "backward")
     main(["bench", "model", "--preset", "tiny", "--batch-size", "2", "--steps", "3", "--warmup", "1",
           "--nproc", "2", "--modes", "none,tutel,lancet,defer-dw,dw-in-place,none", "--json", "model.json"])
     report = json.loads((tmp_path / "model.json").read_text())

@@ -1,6 +1,7 @@
 """Named stages for the torch profiler: `with stage("dispatch"): ...` marks a region as a
-`weft.dispatch` range while a profiler is recording, and costs one C call otherwise; and
-`seconds(fn, device)`, the one timer of a call that measuring code shares.
+`weft.dispatch` range while a profiler is recording, and costs one C call otherwise;
+`seconds(fn, device)`, the one timer of a call that measuring code shares; and
+`time_candidates`, the interleaved timing of equivalent settings that measured choices share.
 
 `weft.bench.breakdown` attributes every GPU kernel to the innermost stage that launched it,
 forward and backward (a backward op inherits the stage of the forward op it differentiates).
@@ -8,10 +9,12 @@ forward and backward (a backward op inherits the stage of the forward op it diff
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 PREFIX = "weft."
 
@@ -35,3 +38,35 @@ def seconds(fn: Callable[[], object], device: torch.device) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e-3
+
+
+def _wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one fn() call with the device idle before and after: host time included,
+    which is what a step that the host may not keep ahead of costs."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    begin = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - begin
+
+
+def time_candidates(step: Callable[[object], None], candidates: Sequence, device: torch.device, trials: int = 3,
+                    warmup: int = 1) -> list[float]:
+    """Median wall seconds of `step(candidate)` per candidate, timed round by round with the
+    candidates interleaved (drifts of clocks and allocator spread over all of them), after `warmup`
+    untimed rounds; the slowest rank's median (a collective over the default group when there is
+    one), so every rank that compares them picks the same."""
+    if trials < 1 or warmup < 0:
+        raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
+    samples: list[list[float]] = [[] for _ in candidates]
+    for round_ in range(warmup + trials):
+        for i, candidate in enumerate(candidates):
+            elapsed = _wall_seconds(lambda c=candidate: step(c), device)
+            if round_ >= warmup:
+                samples[i].append(elapsed)
+    medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+    return medians.tolist()

@@ -2,7 +2,8 @@
 per overlap mode, side by side (Lancet fig. 11-14, 16).
 
 Modes: `none` (the plain model), `tutel` (every MoE layer's overlap degree tuned, Tutel 3.2-3.3),
-`lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both), and
+`lancet-bw` (dW scheduling only), `lancet-fw` (partitioned forward only), `lancet` (both, each
+kept only where measuring it on the batch showed a gain: `weft.overlap.optimize`), and
 two measurement devices with the dW scheduler on even where nothing communicates: `dw-in-place`
 (its default: with no collective to fill, dW runs in place: the wrappers' own cost) and
 `defer-dw` (`in_place=False`: every dW deferred to the end of backward, what deferral costs
@@ -100,8 +101,9 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
         return _Setting([], None, moe_overrides, None, balance_schedule=BALANCE_MODES[mode])
     plan, scheduler = None, None
     if mode.startswith("lancet"):
+        # lancet-bw / lancet-fw are ablations of one pass: applied as planned, not measured away
         plan = passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
-                               max_partitions=max_partitions)
+                               max_partitions=max_partitions, measure=5 if mode == "lancet" else 0)
         scheduler = plan.scheduler
     elif mode in ("dw-in-place", "defer-dw"):
         scheduler = WGradScheduler(in_place=mode == "dw-in-place")

@@ -1,7 +1,7 @@
 """`weft.overlap.optimize`: profile a model, plan Lancet's two passes and apply them.
 
     plan = weft.overlap.optimize(model, idx)      # every rank of the EP group, same batch shape
-    print(plan.summary())
+    print(plan.summary())                         # the plan, and what measuring it kept
     loss = model(idx, targets)[1]
     plan.backward(loss)                           # loss.backward() with dW scheduling
 
@@ -34,10 +34,14 @@ from weft.overlap import planner
 from weft.overlap.forward import PartitionedRunner, Range
 from weft.overlap.profile import ModelProfile, profile_model
 from weft.precision import training_autocast
+from weft.profiling import time_candidates
 
 DEFAULT_PARTITIONS = (1, 2, 4, 8)
 # Share of a layer's backward that is the weight gradient (dX and dW are matmuls of equal size).
 DW_SHARE = 0.5
+# A pass is kept only if the measured iteration with it is this much faster than without it: a
+# smaller difference is within the noise of a few timed iterations, and plain costs nothing.
+MIN_MEASURED_GAIN = 0.01
 
 
 @dataclass
@@ -51,6 +55,10 @@ class OverlapPlan:
     predicted: float  # iteration (forward + backward) with the plan
     baseline: float  # the same without Lancet: unpartitioned forward, every all-to-all exposed
     parts: dict[str, float] = field(default_factory=dict)  # predicted forward, backward, rest
+    # Measured forward + backward seconds of each combination of the passes on the sample batch
+    # ("none", "backward", "forward", "both"; empty when not measured), and the one applied.
+    measured: dict[str, float] = field(default_factory=dict)
+    chosen: str = "none"
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with deferred weight gradients scheduled under the all-to-alls."""
@@ -68,6 +76,9 @@ class OverlapPlan:
         gain = 1 - self.predicted / self.baseline if self.baseline > 0 else 0.0
         lines.append(f"predicted forward+backward: {self.predicted * 1e3:.3f} ms vs {self.baseline * 1e3:.3f} ms "
                      f"without Lancet ({gain:+.1%})")
+        if self.measured:
+            times = ", ".join(f"{name} {t * 1e3:.3f}" for name, t in self.measured.items())
+            lines.append(f"measured forward+backward ms: {times}; kept: {self.chosen}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
@@ -78,6 +89,8 @@ class OverlapPlan:
             "predicted_s": self.predicted,
             "baseline_s": self.baseline,
             "predicted_parts_s": dict(self.parts),
+            "measured_s": dict(self.measured),
+            "chosen": self.chosen,
             "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from
                 "names": list(self.profile.names),
                 "forward": [planner.serial_time(u) for u in self.profile.units],
@@ -100,6 +113,7 @@ def optimize(
     partitions: tuple[int, ...] | None = None,
     cost_model: CommCostModel | None = None,
     repeats: int = 5,
+    measure: int = 5,
 ) -> OverlapPlan:
     """Profile `model` on `sample_batch` (token ids (batch, seq), or (ids, targets)), plan the
     forward ranges by Lancet's DP and turn on dW scheduling; applies the plan to the model and
@@ -107,7 +121,16 @@ def optimize(
     `backward=False` leave that pass off (ablations); dW scheduling is also left off when no MoE
     layer communicates (expert-parallel size 1). `partitions`: the counts k to consider
     (default 1, 2, 4, 8 up to `max_partitions`); `cost_model`: all-to-all costs from
-    `weft bench comm` (default: measured here at the sizes the plan needs)."""
+    `weft bench comm` (default: measured here at the sizes the plan needs).
+
+    `measure` (default 5; 0: off): the plan is then timed against the model without it, and with
+    each pass alone, on the sample batch (`measure` forward + backward iterations each,
+    interleaved, the slowest rank's median; `keep_what_pays`). A pass is kept only where an
+    iteration with it measured at least `MIN_MEASURED_GAIN` faster than the best without it: the
+    planner's model does not price what its passes cost the host (deferring dW runs each weight
+    gradient through a hook and a queue; a partitioned forward launches every op once per
+    partition), and where that cost exceeds what they hide, plain is faster. Every combination
+    computes the same losses and gradients, so measuring picks speed only."""
     idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
     if not isinstance(max_partitions, int) or max_partitions < 1:
         raise ValueError(f"max_partitions must be a positive integer, got {max_partitions!r}")
@@ -130,14 +153,70 @@ def optimize(
     if backward and communicating:
         comm_time = None if cost_model is None else functools.partial(cost_model.predict, "all_to_all")
         scheduler = WGradScheduler(comm_time=comm_time)
+    measured = {}
+    if measure and (ranges or scheduler is not None):
+        model.train()
+        measured, _, (ranges, scheduler) = keep_what_pays(model, sample_batch, ranges, scheduler, autocast, measure)
+        model.train(was_training)
     apply(model, ranges, scheduler)
     serial_forward = sum(planner.serial_time(u) for u in profile.units)
-    forward_time = serial_forward if forward_plan is None else forward_plan.predicted
+    forward_time = forward_plan.predicted if ranges else serial_forward
     backward_time = predict_backward(profile, scheduler is not None)
     predicted = forward_time + backward_time + profile.rest
     baseline = serial_forward + predict_backward(profile, False) + profile.rest
     parts = {"forward": forward_time, "backward": backward_time, "rest": profile.rest}
-    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline, parts)
+    chosen = {(False, False): "none", (False, True): "backward", (True, False): "forward", (True, True): "both"}[
+        (bool(ranges), scheduler is not None)]
+    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline, parts, measured, chosen)
+
+
+def keep_what_pays(model: nn.Module, sample_batch: torch.Tensor | tuple[torch.Tensor, ...], ranges: list[Range],
+                   scheduler: WGradScheduler | None, autocast, trials: int
+                   ) -> tuple[dict[str, float], str, tuple[list[Range], WGradScheduler | None]]:
+    """Time forward + backward of `model` on the sample batch with each combination of the planned
+    passes (forward `ranges`, dW scheduling like `scheduler`): "none", "backward", "forward",
+    "both" (those the plan has), interleaved, `trials` timed iterations after two untimed ones (a
+    scheduler plans from its previous backward), the slowest rank's median. Returns the times, the
+    kept combination (`choose_passes`) and its (ranges, scheduler). Leaves the model plain; the
+    caller applies the choice."""
+    idx, targets = (sample_batch[0], sample_batch[1]) if isinstance(sample_batch, (tuple, list)) else (
+        sample_batch, sample_batch)
+    scheduling = scheduler is not None
+    names = ["none"] + (["backward"] if scheduling else []) + (["forward"] if ranges else []) + (
+        ["both"] if scheduling and ranges else [])
+    # One scheduler per combination: each follows the trace of its own previous backward.
+    settings = {name: (ranges if name in ("forward", "both") else [],
+                       WGradScheduler(scheduler.comm_time, scheduler.in_place) if name in ("backward", "both")
+                       else None) for name in names}
+
+    def step(name: str) -> None:
+        step_ranges, step_scheduler = settings[name]
+        apply(model, step_ranges, step_scheduler)
+        with autocast():
+            loss = model(idx, targets)[1]
+        with step_scheduler.backward() if step_scheduler is not None else contextlib.nullcontext():
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    times = dict(zip(names, time_candidates(step, names, idx.device, trials, warmup=2)))
+    apply(model, [], None)
+    chosen = choose_passes(times)
+    return times, chosen, settings[chosen]
+
+
+def choose_passes(times: dict[str, float], min_gain: float = MIN_MEASURED_GAIN) -> str:
+    """The combination of passes to keep from measured times: more passes only where they pay.
+    A combination is kept over every one it extends ("both" extends "forward" and "backward",
+    each of those extends "none") only if it is faster than the best of them by `min_gain`."""
+    extends = {"none": (), "backward": ("none",), "forward": ("none",), "both": ("none", "backward", "forward")}
+    best = "none"
+    for name in ("backward", "forward", "both"):
+        if name not in times:
+            continue
+        simpler = min(times[s] for s in extends[name] if s in times)
+        if times[name] < simpler * (1 - min_gain) and times[name] < times[best]:
+            best = name
+    return best
 
 
 def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | None) -> None:

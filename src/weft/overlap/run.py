@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weft.cliargs import arg, positive_int
+from weft.cliargs import arg, non_negative_int, positive_int
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import init_distributed
 from weft.jsonfile import write_json
@@ -22,6 +22,8 @@ class PlanConfig(PresetChoice):
     max_partitions: int = arg(8, "Lancet's K: the most batch partitions of a pipeline", parse=positive_int)
     max_range: int | None = arg(None, "most sub-layers one pipeline spans", parse=positive_int)
     comm_model: str | None = arg(None, "cost model JSON from `weft bench comm` (default: measure)")
+    measure: int = arg(5, "iterations each combination of the passes is timed to keep only what pays (0: keep "
+                          "the plan as planned)", parse=non_negative_int)
     json: str | None = arg(None, "write the plan here")
 
     def validate(self) -> None:
@@ -43,7 +45,7 @@ def plan_preset(plan_cfg: PlanConfig) -> dict:
     gen = torch.Generator().manual_seed(ctx.rank)
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=gen).to(ctx.device)
     plan = optimize(model, idx, max_partitions=plan_cfg.max_partitions, max_range=plan_cfg.max_range,
-                    cost_model=cost_model)
+                    cost_model=cost_model, measure=plan_cfg.measure)
     report = {"preset": preset, "gate": cfg.gate, "capacity_factor": cfg.capacity_factor, "batch_size": batch_size,
               "world_size": ctx.world_size, **plan.to_dict()}
     if ctx.rank == 0:

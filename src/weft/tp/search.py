@@ -12,15 +12,14 @@ changes the answer (model shape, batch, TP and world size, device, torch version
 """
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from weft.jsonfile import read_json, write_json
+from weft.profiling import time_candidates
 from weft.tp.schedule import Domino, Sequential
 
 # (p1, p2) of the Domino candidates, beside Megatron's schedule.
@@ -37,34 +36,6 @@ def candidate_schedules(batch: int, dim: int) -> list:
     return [Sequential()] + [Domino(p1, p2) for p1, p2 in DOMINO_SPLITS if p1 <= batch and p2 <= dim]
 
 
-def _seconds(fn: Callable[[], None], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    begin = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - begin
-
-
-def time_schedules(step: Callable[[object], None], schedules: Sequence, device: torch.device, trials: int = 3,
-                   warmup: int = 1) -> list[float]:
-    """Median seconds of `step(schedule)` per schedule, interleaved, the slowest rank's (a
-    collective over the default group when there is one)."""
-    if trials < 1 or warmup < 0:
-        raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
-    samples: list[list[float]] = [[] for _ in schedules]
-    for round_ in range(warmup + trials):
-        for i, schedule in enumerate(schedules):
-            seconds = _seconds(lambda s=schedule: step(s), device)
-            if round_ >= warmup:
-                samples[i].append(seconds)
-    medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return medians.tolist()
-
-
 def choose_schedule(step: Callable[[object], None], batch: int, dim: int, device: torch.device, key: str,
                     cache: str | Path | None = None, trials: int = 3, warmup: int = 1) -> tuple[object, dict]:
     """The fastest of `candidate_schedules(batch, dim)` for `step` (a training step's forward and
@@ -76,7 +47,7 @@ def choose_schedule(step: Callable[[object], None], batch: int, dim: int, device
     stored = _cached(cache, key)
     if stored is not None and stored.get("chosen") in names:
         return schedules[names.index(stored["chosen"])], {**stored, "from_cache": True}
-    times = time_schedules(step, schedules, device, trials, warmup)
+    times = time_candidates(step, schedules, device, trials, warmup)
     best = min(range(len(schedules)), key=lambda i: (times[i], i))
     report = {"chosen": names[best], "times_ms": {n: t * 1e3 for n, t in zip(names, times)}}
     if cache is not None and (not dist.is_initialized() or dist.get_rank() == 0):
