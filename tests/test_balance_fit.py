@@ -1,7 +1,7 @@
 """Pro-Prophet's performance model measured on the machine (weft.overlap.balance_model): its
 constants follow from the measured numbers as eqs. 1-5 define them, a profiled GPT's balanced
-layers get a model each (installed in their planners), and `weft train --balance-model` is
-checked."""
+layers get a model each (installed in their planners), with the overhead of a copy measured
+on the layer's call, and `weft train --balance-model` is checked."""
 from __future__ import annotations
 
 import pytest
@@ -9,9 +9,10 @@ import torch
 import torch.distributed as dist
 
 from weft import MoE
+from weft.balance.planner import Placement, host_loads
 from weft.comm.cost_model import CommCostModel
 from weft.models import GPT, GPTConfig
-from weft.overlap import fit_balance_models, layer_cost_model, measure_layer_cost_model
+from weft.overlap import balance_model, fit_balance_models, layer_cost_model, measure_layer_cost_model
 from weft.testing import Checks, run_checks
 from weft.train.config import TrainConfig
 
@@ -58,7 +59,51 @@ def fit_worker() -> list[str]:
     checks.expect(all(m.forward_non_moe_s > 0 for m in fitted), f"non-MoE forward of {fitted}")
     checks.expect(all(m.backward_non_moe_s > 0 and m.throughput > 0 for m in fitted), f"{fitted}")
     checks.expect(gpt.training, "the model left out of training mode")
+    overheads = [None] * world
+    dist.all_gather_object(overheads, [m.copy_overhead_s for m in fitted])
+    checks.expect(all(o >= 0 for o in overheads[0]) and len({tuple(o) for o in overheads}) == 1,
+                  f"copy overheads {overheads}: negative, or different on the ranks")
     return checks.failures
+
+
+def copy_overhead_worker(plain_s: float, copy_s: float) -> list[str]:
+    """`measure_copy_overhead` on given timings: the measured difference of the two calls less the
+    paper model's own difference between the placements, never below 0."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    ran = []
+
+    def fake_time_candidates(step, candidates, device, trials, warmup):
+        for copies in candidates:  # each call runs for real: plain, then with expert 0 copied
+            step(copies)
+            ran.append(copies)
+        return [plain_s, copy_s]
+
+    balance_model.time_candidates = fake_time_candidates  # this spawned process's module only
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet")
+    x = torch.randn(40, DIM, generator=torch.Generator().manual_seed(rank))
+    overhead = balance_model.measure_copy_overhead(moe, x)
+    checks.expect(ran == [{}, {0: frozenset(range(1, world))}], f"timed placements {ran}")
+    checks.expect(all(p.grad is None for p in moe.parameters()), "gradients left on the layer")
+    cost, tokens, owners = moe.balancer.model, moe.balancer.history.predict_counts(), moe.balancer.owner_E
+    h, r = host_loads(tokens, Placement(owners))
+    plain_model = cost.layer_s(r, h, 0, 1, scheduled=False)
+    h, r = host_loads(tokens, Placement(owners, {0: frozenset(range(1, world))}))
+    copy_model = cost.layer_s(r, h, 1, 1, scheduled=False)
+    expected = max(0.0, (copy_s - plain_s) - (copy_model - plain_model))
+    checks.expect(abs(overhead - expected) <= 1e-12 * max(1.0, expected), f"overhead {overhead}, expected {expected}")
+    installed = balance_model.with_copy_overhead(moe, x)
+    checks.expect(installed is moe.balancer.model and installed.copy_overhead_s == overhead,
+                  f"installed model {installed}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("plain_s, copy_s", [(1.0, 3.0), (1.0, 1.0)])
+def test_copy_overhead_is_what_the_model_does_not_price(world_size, plain_s, copy_s):
+    failures = run_checks(copy_overhead_worker, world_size, args=(plain_s, copy_s), timeout=300)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.balance import LayerCostModel, LoadHistory, Placement, greedy_placement, is_balanced, loads
+from weft.balance import (
+    ExpertBalancer,
+    LayerCostModel,
+    LoadHistory,
+    Placement,
+    greedy_placement,
+    is_balanced,
+    loads,
+)
 
 # 4 devices, 8 experts, two per device: expert e lives on device e // 2.
 OWNERS = (0, 0, 1, 1, 2, 2, 3, 3)
@@ -59,6 +67,11 @@ def test_the_performance_model_is_eqs_1_to_8():
     assert m.layer_s(r, h, 2, 1) == pytest.approx(4 * 0.03 + 12.0)  # eq. 8: both hidden
     slow = model(expert_param_bytes=1e5, expert_grad_bytes=1e5)  # Trans 150 s: 146 of it exposed
     assert slow.layer_s(r, h, 2, 1) == pytest.approx(4 * 0.03 + 12.0 + (150 - 4.0) + (150 - 8.0))
+    # the measured overhead per copied expert (beyond the paper's model) is paid in both forms
+    dear = model(forward_non_moe_s=0.5, backward_non_moe_s=0.5, copy_overhead_s=0.25)
+    assert dear.layer_s(r, h, 2, 1, scheduled=False) == pytest.approx(unscheduled + 0.5)
+    assert dear.layer_s(r, h, 2, 1) == pytest.approx(4 * 0.03 + 12.0 + 0.5)
+    assert dear.layer_s(r, h, 0, 1) == m.layer_s(r, h, 0, 1)  # nothing copied: nothing added
 
 
 def test_balance_condition_is_eq_7():
@@ -87,6 +100,29 @@ def test_greedy_keeps_the_plain_placement_when_moving_weights_costs_more():
     assert plan.placement.replicated == [] and plan.predicted_s == plan.plain_s
     balanced = torch.full((4, 8), 10.0)
     assert greedy_placement(balanced, OWNERS, model(), n=1).placement.replicated == []
+
+
+def test_greedy_copies_only_where_the_gain_beats_the_measured_overhead():
+    # the hot expert's copy cuts the busiest device from 440 to 180 rows: 78 s of expert time
+    assert greedy_placement(skewed_tokens(), OWNERS, model(copy_overhead_s=1.0), n=1, alpha=0.5
+                            ).placement.replicated == [0]
+    plan = greedy_placement(skewed_tokens(), OWNERS, model(copy_overhead_s=100.0), n=1, alpha=0.5)
+    assert plan.placement.replicated == [] and plan.predicted_s == plan.plain_s
+
+
+def test_a_call_that_copies_its_experts_itself_is_planned_with_trans_and_agg_exposed():
+    # Trans and Agg 75 s each: hidden behind 100 s of non-MoE work when launched ahead (eq. 8),
+    # more than the copy saves (78 s) when the call waits for them (eq. 6)
+    cost = model(expert_param_bytes=1e5, expert_grad_bytes=1e5, forward_non_moe_s=100.0, backward_non_moe_s=100.0)
+    balancer = ExpertBalancer(8, 4, cost, alpha=0.5)
+    assert balancer.next_copies() == {} and balancer.last_plan is None  # no load recorded yet
+    balancer.record(skewed_tokens().long().tolist())
+    assert balancer.next_copies(scheduled=False) == {}
+    assert balancer.last_plan.predicted_s == balancer.last_plan.plain_s
+    assert balancer.next_copies() == {0: frozenset({1, 2, 3})}
+    assert balancer.last_copied == [0]
+    balancer.record(torch.full((4, 8), 10).tolist())  # a balanced load: both plans made again
+    assert balancer.next_copies() == {} and balancer.next_copies(scheduled=False) == {}
 
 
 def test_greedy_keeps_only_the_best_prefix_of_copies():

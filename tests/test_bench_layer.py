@@ -132,15 +132,30 @@ def test_skew_makes_the_expert_load_uneven(tmp_path):
 
 def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
     out = tmp_path / "balance.json"
-    # 4 experts, top-1, Zipf(2): the hottest expert takes ~3x its share and its rank ~all the rows
+    # 4 experts, top-1, Zipf(2): the hottest expert takes ~3x its share and its rank ~all the rows.
+    # Planned with the paper's model alone: on the CPU a copy of these tiny experts costs more than it
+    # saves, and the measured overhead (the default) rightly keeps them home (the next test).
     cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(1.0, None), steps=2, warmup=1,
-                           json=str(out), skew=2.0, modes=("plain", "balance"))
+                           json=str(out), skew=2.0, modes=("plain", "balance"), copy_overhead="none")
     run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     rows = {(r["capacity_factor"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
     assert "dropless layers only" in rows[1.0, "balance"]["error"]
     balanced = rows[None, "balance"]
     assert balanced["median_ms"] > 0 and balanced["max_abs_error"] < 1e-5
     assert balanced["copied_experts"], "the skewed check call copied no expert"
+
+
+def test_balance_mode_measures_what_a_copy_costs_and_plans_with_it(tmp_path):
+    out = tmp_path / "balance.json"
+    cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(None,), steps=2, warmup=1,
+                           json=str(out), skew=2.0, modes=("plain", "balance"))
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+    balanced = next(r for r in json.loads(out.read_text())["results"] if r["mode"] == "balance")
+    assert balanced["max_abs_error"] < 1e-5
+    overhead = balanced["cost_model"]["copy_overhead_s"]
+    assert overhead > 0, "a copy measured no cost beyond the model's on the CPU"
+    # the plan was made with it: a copy only where the model, overhead included, predicts a gain
+    assert bool(balanced["copied_experts"]) == (balanced["predicted_ms"] < balanced["plain_predicted_ms"])
 
 
 def comet_bench_worker(cfg: LayerBenchConfig) -> dict:

@@ -47,7 +47,8 @@ class ExpertBalancer:
         self.model, self.alpha = model, alpha
         self.history = LoadHistory(window)
         self.last_plan: Plan | None = None  # the plan of the latest call (None before the second)
-        self._stale = False  # a load was recorded since `last_plan` was made
+        # The plans made from the loads recorded so far, by `scheduled` (a new load clears them).
+        self._plans: dict[bool, Plan] = {}
 
     @property
     def last_copied(self) -> list[int]:
@@ -55,19 +56,19 @@ class ExpertBalancer:
         placement was best)."""
         return [] if self.last_plan is None else self.last_plan.placement.replicated
 
-    def next_copies(self) -> dict[int, frozenset[int]]:
+    def next_copies(self, scheduled: bool = True) -> dict[int, frozenset[int]]:
         """The next call's copies, expert -> the ranks that get one, planned from the loads of the
         earlier calls (none before the first load arrives); the same until the next `record`, so
         the plan can be made ahead of the call (Alg. 2: under the preceding block) and the call
-        still agree with it. Host arithmetic only (the recorded counts are on the host)."""
-        if self.ep_size == 1:  # one rank holds every expert: nothing to move
+        still agree with it. `scheduled`: the copies are launched ahead (Alg. 2, eq. 8), or the call
+        copies them itself and waits (eq. 6). Host arithmetic only (the recorded counts are on the
+        host)."""
+        if self.ep_size == 1 or not len(self.history):  # one rank holds every expert; no load yet
             return {}
-        if self._stale:
-            self._stale = False
-            self.last_plan = greedy_placement(self.history.predict_counts(), self.owner_E, self.model, n=self.n,
-                                              alpha=self.alpha)
-        if self.last_plan is None:
-            return {}
+        if scheduled not in self._plans:
+            self._plans[scheduled] = greedy_placement(self.history.predict_counts(), self.owner_E, self.model,
+                                                      n=self.n, alpha=self.alpha, scheduled=scheduled)
+        self.last_plan = self._plans[scheduled]
         return {e: devices for e, devices in self.last_plan.placement.copies.items() if devices}
 
     def record(self, counts_WE: Sequence[Sequence[int]]) -> None:
@@ -79,4 +80,4 @@ class ExpertBalancer:
         if len(counts_WE) != self.ep_size:
             raise ValueError(f"expected the counts of all {self.ep_size} expert-parallel ranks, got {len(counts_WE)}")
         self.history.record(counts_WE)
-        self._stale = True
+        self._plans.clear()

@@ -38,7 +38,7 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
 from weft.jsonfile import write_json
 from weft.moe import MoE
-from weft.overlap import measure_layer_cost_model
+from weft.overlap import measure_layer_cost_model, with_copy_overhead
 from weft.profiling import stage
 
 
@@ -169,6 +169,9 @@ class LayerBenchConfig:
     skew: float = arg(0.0, "route with a Zipf(S) skew: every input carries one shift that the router maps to the "
                       "logit bias -S ln(rank) over a fixed random ranking of the experts (0: no skew)",
                       parse=non_negative_float)
+    copy_overhead: str = arg("measured", "balance mode: Pro-Prophet's planner adds each copy's overhead measured on "
+                             "the layer ('measured') or plans with the paper's model alone, eqs. 1-8 ('none')",
+                             choices=("measured", "none"))
 
     def validate(self) -> None:
         """ValueError naming the flag of the first bad setting."""
@@ -208,7 +211,8 @@ def run(bench: LayerBenchConfig) -> dict:
     results = []
     for cf in bench.capacity:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
-                                   bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx)
+                                   bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx,
+                                   copy_overhead=bench.copy_overhead == "measured")
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
@@ -271,7 +275,7 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
 
 
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
-                    profile_steps, with_breakdown, skew, ctx) -> list[dict]:
+                    profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True) -> list[dict]:
     device = ctx.device
     torch.manual_seed(0)
     moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
@@ -300,7 +304,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         rows.append(row)
         try:
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
-                                                         ctx.world_size, x0)
+                                                         ctx.world_size, x0, copy_overhead)
             fwd_bwd = _eager(forward)
             if is_graphed(mode):
                 moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
@@ -353,11 +357,11 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     return rows
 
 
-def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor) -> MoE:
+def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_overhead: bool = True) -> MoE:
     """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
-    its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`; the nominal
-    one on a single rank), after one untimed call on `warm_input` so that the next call has a
-    load to plan from."""
+    its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`, and with
+    `copy_overhead` `with_copy_overhead`; the nominal one on a single rank), after an untimed
+    call on `warm_input` so that the next call has a load to plan from."""
     if cf is not None:
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
     measured = measure_layer_cost_model(moe, warm_input)[0] if moe.ep_size > 1 else None
@@ -367,6 +371,10 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor) -> MoE:
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
         twin(warm_input)
+    if copy_overhead and moe.ep_size > 1:  # what a copy costs beyond its bytes, measured on this call
+        with_copy_overhead(twin, warm_input)
+        with torch.no_grad():
+            twin(warm_input)  # the history the next plan starts from: the plain input's load
     return twin
 
 
@@ -395,11 +403,11 @@ def _peak_mib(run: Run, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0):
+def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0, copy_overhead: bool):
     if mode in MODES:
         return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
     if mode == BALANCE_MODE:
-        twin = balanced_twin(moe, cf, x0)
+        twin = balanced_twin(moe, cf, x0, copy_overhead)
         return twin, list(twin.parameters()), "weft plain + Pro-Prophet's replicated experts"
     peer = build_peer(mode, cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cf, activation, dtype, device,
                       world_size)

@@ -14,8 +14,10 @@ preset's experts are then expert-parallel over the whole world, each TP rank rou
 the tokens (weft.tp.TokenSplit; `no-comm` keeps those exchanges).
 Pro-Prophet (dropless presets, `--capacity dropless`): `balance` (every MoE layer copies its
 planned heavy experts, Trans and Agg moved a layer early: the block-wise schedule, Alg. 2) and
-`balance-inline` (the copies moved inside each layer's call); the model is then built balanced
-and `none` runs it without copies. `--skew S` biases every layer's expert selection by a Zipf(S)
+`balance-inline` (the copies moved inside each layer's call); the model is then built balanced,
+its planner's model measured here as `weft train` measures it (`--balance-model measured`:
+`weft.overlap.fit_balance_models`, with each layer's copy overhead; `nominal`: H200-class
+constants), and `none` runs it without copies. `--skew S` biases every layer's expert selection by a Zipf(S)
 ranking of the experts (the selection bias of weft.MoE's expert_bias, fixed), in every mode.
 
 Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
@@ -49,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 
@@ -64,11 +67,12 @@ from weft.models import GPT, GPTConfig
 from weft.models.presets import PresetChoice
 from weft.moe.gates import EXPERT_BIAS_GATES
 from weft.ops.wgrad import WGradScheduler
-from weft.overlap import passes
+from weft.overlap import fit_balance_models, passes
 from weft.overlap.forward import Range
 from weft.precision import training_autocast
 from weft.profiling import stage
 from weft.tp import make_schedule
+from weft.train.config import BALANCE_MODELS
 
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
 BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}
@@ -148,6 +152,9 @@ class ModelBenchConfig(PresetChoice):
     p2: int = arg(1, "with --tp, mode domino: column slices of each sub-layer's last linear", parse=positive_int)
     skew: float = arg(0.0, "bias every MoE layer's expert selection by -S ln(rank) over a fixed random ranking of "
                       "the experts (Zipf(S)-skewed load; 0: none)", parse=float)
+    balance_model: str = arg("measured", "balance modes: Pro-Prophet's performance model measured here (with each "
+                             "copy's overhead) or 'nominal' (H200-class constants, the paper's eqs. 1-8)",
+                             choices=BALANCE_MODELS)
 
     def validate(self) -> None:
         super().validate()
@@ -203,6 +210,8 @@ def run(bench: ModelBenchConfig) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(100 + (group_rank(groups.dp) if groups else ctx.rank))
     batches = [torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size + 1), generator=gen).to(device)
                for _ in range(3)]
+    if model.balanced and ctx.world_size > 1 and bench.balance_model == "measured":  # as `weft train` does
+        fit_balance_models(model, batches[0][:, :-1], autocast=functools.partial(training_autocast, device))
 
     def loss_of(tokens, setting: _Setting | None = None):
         setting = setting or _Setting([], None, {}, None, balance_schedule="off")

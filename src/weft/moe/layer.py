@@ -403,7 +403,7 @@ class MoE(nn.Module):
                 rows_SD = tokens_TD.index_select(0, token_ids_S)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
-            transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(), self.group,
+            transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
                                 self.experts.compute_dtype(tokens_TD))
         # Every rank's counts on the host: the call's one read of the device (the splits, the
         # tuning bucket and Pro-Prophet's history all come from it).

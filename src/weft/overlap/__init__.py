@@ -7,7 +7,8 @@
 - `optimize(model, sample_batch)` profiles a weft GPT, plans and applies both passes.
 
 Pro-Prophet's performance model is measured from the same profile (`balance_model`:
-`fit_balance_models(model, sample_batch)`, `measure_layer_cost_model(moe, x)`).
+`fit_balance_models(model, sample_batch)`, `measure_layer_cost_model(moe, x)`, and what a copy
+costs beyond its bytes: `measure_copy_overhead(moe, x)`).
 """
 from weft.ops.wgrad import (
     WGradScheduler,
@@ -17,11 +18,18 @@ from weft.ops.wgrad import (
     grouped_mm,
     linear,
 )
-from weft.overlap.balance_model import fit_balance_models, layer_cost_model, measure_layer_cost_model
+from weft.overlap.balance_model import (
+    fit_balance_models,
+    layer_cost_model,
+    measure_copy_overhead,
+    measure_layer_cost_model,
+    with_copy_overhead,
+)
 from weft.overlap.forward import PartitionedRunner, Range
 from weft.overlap.passes import OverlapPlan, optimize
 from weft.overlap.planner import Plan, Segment, plan, simulate
 
 __all__ = ["OverlapPlan", "PartitionedRunner", "Plan", "Range", "Segment", "WGradScheduler", "WGradStats", "best_fit",
-           "bmm", "fit_balance_models", "grouped_mm", "layer_cost_model", "linear", "measure_layer_cost_model",
+           "bmm", "fit_balance_models", "grouped_mm", "layer_cost_model", "linear", "measure_copy_overhead",
+           "measure_layer_cost_model", "with_copy_overhead",
            "optimize", "plan", "simulate"]

@@ -8,18 +8,25 @@ The paper fits one bandwidth B for the all-to-all, Trans and Agg; so does weft (
 run on a side communicator over the same links). Eq. 1 prices the rows a rank receives from the
 others, so B is the effective rate of the all-to-all at the layer's own size: the (W - 1) / W of
 the rows that cross the wire over the all-to-all's measured time.
+
+Beyond the paper: what a copy costs besides its bytes (`measure_copy_overhead`), timed on the
+layer itself, since on 2 x H100 every copy measured slower than the model priced it
+(docs/balance.md).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
 from weft.balance import LayerCostModel
+from weft.balance.planner import Placement, host_loads
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
 from weft.models.gpt import MoEUnit
+from weft.moe.exchange import Transfer
 from weft.moe.layer import MoE
 from weft.overlap import planner
 from weft.overlap.profile import (
@@ -30,6 +37,7 @@ from weft.overlap.profile import (
     routed_rows,
     time_call,
 )
+from weft.profiling import time_candidates
 
 
 def layer_cost_model(moe: MoE, tokens: int, all_to_all: CommCostModel, expert_s: float, dtype: torch.dtype,
@@ -81,7 +89,8 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
     sub-layers since the preceding balanced layer (where the block-wise schedule launches it),
     less that layer's experts (eq. 8 adds the experts' time itself); its Agg's, the backward of
     the sub-layers between that are not MoE layers. A collective: every rank, the same batch
-    shape."""
+    shape. Each layer's `copy_overhead_s` is then measured on its own call
+    (`measure_copy_overhead`)."""
     if not model.balanced:
         raise ValueError("fit_balance_models: the model does not balance (build it with balance='pro-prophet')")
     was_training = model.training
@@ -105,9 +114,58 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
             else:
                 forward, backward = forward + profiled.time[1], backward + profile.backward[i]
         expert_s = profile.units[u].experts[1]
-        cost = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
-        unit.moe.balancer.model = cost
-        fitted.append(cost)
+        unit.moe.balancer.model = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
+        # what a copy costs beyond its bytes, on the layer's own call (random rows of the batch's size)
+        rows = torch.randn(tokens, unit.moe.dim, device=idx.device)
+        fitted.append(with_copy_overhead(unit.moe, rows, autocast))
         since = u
     return fitted
 
+
+
+def measure_copy_overhead(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
+                          trials: int = 5) -> float:
+    """Seconds per copied expert that a balanced call of `moe` (built with balance="pro-prophet",
+    its planner's model already fitted) spends beyond what that model prices: the layer's forward
+    and backward on `x` (..., dim), timed with no copy and with expert 0 copied to every other
+    rank (the call copying it itself, as a call not launched ahead does), interleaved, wall time,
+    the slowest rank's median; less the model's difference between those two placements on the
+    input's own load (eqs. 1-6: the moved rows, Trans and Agg unhidden). Never below 0. A
+    collective over every rank (the timing agrees over the default group)."""
+    if moe.balancer is None:
+        raise ValueError("measure_copy_overhead: the layer does not balance (build it with balance='pro-prophet')")
+    world, model = moe.ep_size, moe.balancer.model
+    if world < 2:
+        return 0.0
+    ctx = autocast or contextlib.nullcontext
+    with ctx():
+        dtype = moe.experts.compute_dtype(x)
+    copies = {0: frozenset(range(1, world))}
+    grad = torch.randn_like(x)
+
+    def call(copied: dict) -> None:
+        transfer = Transfer(moe.experts, moe.placement, copied, moe.group, dtype) if copied else Transfer.none()
+        with ctx():
+            y = moe(x.detach().requires_grad_(), transfer=transfer)
+        y.backward(grad)
+        moe.zero_grad(set_to_none=True)
+
+    plain_s, copy_s = time_candidates(call, [{}, copies], x.device, trials, warmup=2)
+    # the model's own difference between the two placements, on this input's load (every rank's
+    # counts, recorded by the calls just timed), without any overhead term
+    tokens, owner_E, n = moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.n
+    paper = dataclasses.replace(model, copy_overhead_s=0.0)
+    h_D, r_D = host_loads(tokens, Placement(owner_E))
+    plain_model_s = paper.layer_s(r_D, h_D, 0, n, scheduled=False)
+    h_D, r_D = host_loads(tokens, Placement(owner_E, copies))
+    copy_model_s = paper.layer_s(r_D, h_D, 1, n, scheduled=False)
+    return max(0.0, (copy_s - plain_s) - (copy_model_s - plain_model_s))
+
+
+def with_copy_overhead(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
+                       trials: int = 5) -> LayerCostModel:
+    """Give the balanced layer `moe`'s planner its measured `copy_overhead_s`
+    (`measure_copy_overhead` on `x`); returns the model."""
+    overhead = measure_copy_overhead(moe, x, autocast, trials)
+    moe.balancer.model = dataclasses.replace(moe.balancer.model, copy_overhead_s=overhead)
+    return moe.balancer.model
