@@ -17,6 +17,9 @@
 #            blocks' steps as CUDA graphs (none+graph / domino+graph), NVLink and NCCL_P2P_DISABLE=1,
 #            and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
+#   tpgraph  TP training steps as CUDA graphs: their GPU test (graphed losses = eager losses), then
+#            `weft train --preset gpt3-2.7b --tp 2` graphed with --tp-overlap none and domino, NVLink
+#            and NCCL_P2P_DISABLE=1 (tokens/s and MFU, medians after step 4)
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
@@ -94,6 +97,31 @@ part_tpmoe() {
   grep -v "$QUIET" "$1/model.log" | tail -n 10
 }
 
+part_tpgraph() {
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "tensor_parallel_training_replays" \
+    > "$1/tests.log" 2>&1
+  tail -n 3 "$1/tests.log"
+  for regime in p2p_disabled nvlink; do
+    [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
+    for overlap in none domino; do
+      timeout 110 python3 -m weft train --preset gpt3-2.7b --tp 2 --tp-overlap "$overlap" --batch-size 4 --steps 10 \
+        --sample-tokens 0 --out "/tmp/weft_x2/tp_${regime}_$overlap" > "$1/train_${regime}_$overlap.log" 2>&1
+      keep_metrics "/tmp/weft_x2/tp_${regime}_$overlap" "$1/train_${regime}_$overlap"
+      python3 - "$1/train_${regime}_$overlap/metrics.jsonl" "$regime $overlap" <<'PY'
+import json, os, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+steps = [r for r in rows if "tokens_per_s" in r and r["step"] > 4]
+print(f"{sys.argv[2]:<22}", "no metrics" if not steps else
+      f"tokens/s {statistics.median(r['tokens_per_s'] for r in steps):>9,.0f}  MFU "
+      f"{100 * statistics.median(r['mfu'] for r in steps):5.1f}%  losses "
+      + " ".join(f"{r['loss']:.4f}" for r in rows if "loss" in r))
+PY
+      grep -h "CUDA graph\|eager steps" "$1/train_${regime}_$overlap.log" | head -1
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_comet() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "comet" > "$1/tests.log" 2>&1
   tail -n 5 "$1/tests.log"
@@ -141,7 +169,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino tpmoe comet overlap mfu quality}; do
+for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

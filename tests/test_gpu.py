@@ -394,6 +394,40 @@ def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, 
 
 
 @needs_cuda
+@pytest.mark.parametrize("preset, tp_overlap", [("tiny-dense", "domino"), ("tiny-dense", "none"), ("tiny", "domino")])
+def test_tensor_parallel_training_replays_as_cuda_graphs_with_the_eager_losses(tmp_path, preset, tp_overlap):
+    """`weft train --tp 2 --cuda-graphs on` captures the TP micro-step with its all-reduces
+    (Domino's asynchronous ones on their side streams included; an MoE preset's experts expert-
+    parallel beside it) and logs the losses of the same run with eager steps; `--tp-overlap auto`
+    times its candidates as CUDA graphs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def train(name: str, graphs: str, overlap: str = tp_overlap) -> tuple[list[float], str]:
+        out = tmp_path / name
+        done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", preset, "--steps", "6",
+                               "--batch-size", "4", "--device", "cuda", "--tp", "2", "--tp-overlap", overlap,
+                               "--cuda-graphs", graphs, "--sample-tokens", "0", "--out", str(out)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "WEFT_CACHE": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "loss" in r], done.stdout
+
+    graphed, log = train("graphed", "on")
+    assert "replays as one CUDA graph" in log, log
+    eager, _ = train("eager", "off")
+    assert len(graphed) == 6 and graphed == pytest.approx(eager, rel=2e-3), (graphed, eager)
+    if tp_overlap == "domino" and preset == "tiny-dense":
+        _, log = train("auto", "auto", "auto")
+        assert "--tp-overlap auto runs" in log and "measured as CUDA graphs" in log, log
+
+
+@needs_cuda
 def test_host_values_reach_the_gpu_without_waiting_for_queued_kernels():
     """`weft.hostcopy.device_tensor` (the grouped GEMM's offsets, Pro-Prophet's indices) returns
     while a long kernel is still running, where `torch.tensor(..., device="cuda")` waits for it."""

@@ -120,7 +120,6 @@ def test_a_tensor_parallel_moe_checkpoint_resumes_on_one_rank(corpus, one_rank_m
     (dict(tp=2, tp_overlap="domino", domino_p1=32, batch_size=8), "exceeds the batch size 8"),
     (dict(tp=2, tp_overlap="domino", domino_p2=64), "exceeds the model width 32"),
     (dict(tp=2, domino_p2=0), "train.domino_p2 must be a positive integer"),
-    (dict(tp=2, cuda_graphs="on", device="cuda"), "CUDA graphs do not capture"),
 ])
 def test_settings_tensor_parallelism_cannot_run_are_refused(kw, message):
     model = {**DENSE, **kw.pop("model", {})}

@@ -36,10 +36,14 @@ tensors and replays. Invariants the caller relies on:
 """
 from __future__ import annotations
 
+import math
+import statistics
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class CaptureError(RuntimeError):
@@ -123,3 +127,40 @@ class GraphedStep:
                 t.grad = grad
         return self.static_out
 
+
+
+def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Sequence, args: Sequence[torch.Tensor],
+                 grads_of: Iterable[torch.Tensor], trials: int = 3, warmup: int = 1) -> list[float]:
+    """Median wall seconds of one replay of each candidate's step (`step_of(candidate)`, a forward
+    and backward on `args`) captured as a CUDA graph: what a graphed training step with that
+    candidate costs, host launches gone. One candidate at a time, its graph freed before the next
+    is captured (each holds a memory pool of its activations: all of them at once may not fit);
+    gradients accumulate into the same `.grad` tensors, zeroed, and are set to None at the end. A
+    candidate that cannot be captured is timed as infinite. The slowest rank's medians (a
+    collective over the default group when there is one), so every rank picks the same."""
+    if trials < 1 or warmup < 0:
+        raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
+    grads_of = list(grads_of)
+    medians = []
+    for candidate in candidates:
+        try:
+            graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=True)
+        except CaptureError:
+            medians.append(math.inf)
+            continue
+        samples = []
+        for i in range(warmup + trials):
+            torch.cuda.synchronize()
+            begin = time.perf_counter()
+            graph(*args)
+            torch.cuda.synchronize()
+            if i >= warmup:
+                samples.append(time.perf_counter() - begin)
+        del graph
+        medians.append(statistics.median(samples))
+    for t in grads_of:
+        t.grad = None
+    agreed = torch.tensor(medians, dtype=torch.float64, device=args[0].device)
+    if dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed.tolist()

@@ -37,17 +37,20 @@ def candidate_schedules(batch: int, dim: int) -> list:
 
 
 def choose_schedule(step: Callable[[object], None], batch: int, dim: int, device: torch.device, key: str,
-                    cache: str | Path | None = None, trials: int = 3, warmup: int = 1) -> tuple[object, dict]:
+                    cache: str | Path | None = None, trials: int = 3, warmup: int = 1,
+                    timer: Callable[[list], list[float]] | None = None) -> tuple[object, dict]:
     """The fastest of `candidate_schedules(batch, dim)` for `step` (a training step's forward and
     backward under the given schedule), and a report {"chosen", "times_ms", "from_cache"}. With a
     `cache` file, a decision stored under `key` is reused without timing, and a new one is
-    stored (rank 0 writes, atomically). Every rank returns the same schedule."""
+    stored (rank 0 writes, atomically). Every rank returns the same schedule. `timer`: seconds per
+    schedule by another measurement (e.g. `weft.graphs.time_graphed`, for steps that will run as
+    CUDA graphs), in place of timing `step` eagerly."""
     schedules = candidate_schedules(batch, dim)
     names = [schedule_name(s) for s in schedules]
     stored = _cached(cache, key)
     if stored is not None and stored.get("chosen") in names:
         return schedules[names.index(stored["chosen"])], {**stored, "from_cache": True}
-    times = time_candidates(step, schedules, device, trials, warmup)
+    times = timer(schedules) if timer is not None else time_candidates(step, schedules, device, trials, warmup)
     best = min(range(len(schedules)), key=lambda i: (times[i], i))
     report = {"chosen": names[best], "times_ms": {n: t * 1e3 for n, t in zip(names, times)}}
     if cache is not None and (not dist.is_initialized() or dist.get_rank() == 0):

@@ -177,9 +177,6 @@ class TrainConfig:
         if self.overlap != "none":
             raise ValueError(f"--tp {self.tp}: --overlap {self.overlap} does not run with tensor parallelism; use "
                              "--tp-overlap domino")
-        if self.cuda_graphs == "on":
-            raise ValueError(f"--tp {self.tp}: CUDA graphs do not capture the tensor-parallel step yet; use "
-                             "--cuda-graphs auto or off")
         if self.tp_overlap == "domino" and self.domino_p2 > model.dim:
             raise ValueError(f"train.domino_p2 {self.domino_p2} exceeds the model width {model.dim}: Domino cuts each "
                              "sub-layer's output features into that many slices")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import MoEGroups, build_moe_groups, group_rank, group_size, init_distributed
-from weft.graphs import CaptureError
+from weft.graphs import CaptureError, time_graphed
 from weft.jsonfile import write_json
 from weft.launch import ReportedError
 from weft.models import GPT
@@ -43,7 +43,7 @@ from weft.train.optim import (
     master_weights_blocker,
 )
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
-from weft.train.step import MicroSteps, build_micro_step
+from weft.train.step import MicroSteps, build_micro_step, graph_blocker
 
 
 class DataError(ReportedError):
@@ -411,26 +411,36 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
 def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
                         rank: int, world: int) -> None:
     """--tp-overlap auto: time Megatron's schedule and Domino's splits on a training batch and run
-    the fastest (weft.tp.search), the decision cached in $WEFT_CACHE/tp_schedules.json."""
+    the fastest (weft.tp.search), the decision cached in $WEFT_CACHE/tp_schedules.json. Where the
+    micro-step will replay as a CUDA graph each candidate is timed as one (`time_graphed`): eagerly
+    Domino's split step is host-bound and would lose to a schedule it beats once graphed."""
     if cfg.tp_overlap != "auto":
         return
     x, y = (t.to(device) for t in batches.get(start + 1, 0))
 
+    def fwd_bwd(schedule):
+        def run(x_in: torch.Tensor, y_in: torch.Tensor) -> None:
+            with training_autocast(device):
+                _, loss = model(x_in, y_in, tp_schedule=schedule)
+            loss.backward()
+        return run
+
     def step(schedule) -> None:
-        with training_autocast(device):
-            _, loss = model(x, y, tp_schedule=schedule)
-        loss.backward()
+        fwd_bwd(schedule)(x, y)
         model.zero_grad(set_to_none=True)
 
+    graphed = cfg.cuda_graphs != "off" and graph_blocker(model, device, cfg.overlap) is None
+    timer = (lambda schedules: time_graphed(fwd_bwd, schedules, (x, y), model.parameters())) if graphed else None
     shape = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     key = (f"model-{shape}-batch{x.shape[0]}x{x.shape[1]}-tp{cfg.tp}-world{world}-{name}-torch{torch.__version__}"
-           f"-kernels-{cfg.kernels}")
+           f"-kernels-{cfg.kernels}{'-graphed' if graphed else ''}")
     schedule, report = choose_schedule(step, x.shape[0], model.config.dim, device, key,
-                                       token_cache_dir().parent / "tp_schedules.json")
+                                       token_cache_dir().parent / "tp_schedules.json", timer=timer)
     model.use_tp_schedule(schedule)
     if rank == 0:
-        how = "from the cache" if report["from_cache"] else "measured: " + ", ".join(
+        measured = "measured as CUDA graphs" if graphed else "measured"
+        how = "from the cache" if report["from_cache"] else f"{measured}: " + ", ".join(
             f"{n} {t:.1f} ms" for n, t in report["times_ms"].items())
         print(f"weft train: --tp-overlap auto runs {report['chosen']} ({how})", flush=True)
 

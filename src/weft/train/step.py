@@ -42,13 +42,13 @@ def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tens
 def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
     no host synchronisation, so padded capacity (cf > 0) or expert choice, and no overlap engine
-    (their tuning and planning measure on the host)."""
+    (their tuning and planning measure on the host). A tensor-parallel step is captured with its
+    all-reduces, Domino's asynchronous ones and their side streams included (`weft bench tp
+    --modes domino+graph` on 2 GPUs: docs/tp.md)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
     if overlap != "none":
         return f"--overlap {overlap} tunes or plans on the host"
-    if model.tp is not None:
-        return "the tensor-parallel step is not captured yet (its collectives run on their own streams)"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
         if moe.gate != "expert_choice" and (cf is None or cf <= 0):
