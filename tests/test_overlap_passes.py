@@ -233,9 +233,14 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     main(["plan", "--preset", "tiny", "--batch-size", "2", "--nproc", "2", "--json", "plan.json"])
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["predicted_s"] > 0
-    # the plan was measured against no plan, and what it kept is what it reports
-    assert set(plan["measured_s"]) == {"none", "backward"} and min(plan["measured_s"].values()) > 0
-    assert plan["wgrad_scheduling"] == (plan["chosen"] == "backward")
+    # the plan was measured against no plan (and its forward ranges, where the planner cut any,
+    # alone and with dW scheduling), and what it kept is what it reports
+    measured, partitioned = plan["measured_s"], bool(plan["forward_plan"]) and any(
+        s["partitions"] > 1 for s in plan["forward_plan"]["segments"])
+    expected = {"none", "backward"} | ({"forward", "both"} if partitioned else set())
+    assert set(measured) == expected and min(measured.values()) > 0, (measured, plan["forward_plan"])
+    assert plan["wgrad_scheduling"] == (plan["chosen"] in ("backward", "both"))
+    assert bool(plan["ranges"]) == (plan["chosen"] in ("forward", "both"))
     main(["bench", "model", "--preset", "tiny", "--batch-size", "2", "--steps", "3", "--warmup", "1",
           "--nproc", "2", "--modes", "none,tutel,lancet,defer-dw,dw-in-place,none", "--json", "model.json"])
     report = json.loads((tmp_path / "model.json").read_text())

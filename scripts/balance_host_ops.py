@@ -1,0 +1,50 @@
+"""The host's share of a balanced dropless call, on the CPU: aten ops per forward + backward of one
+MoE layer on 2 gloo ranks, plain against the same call with one expert copied (Pro-Prophet's
+replicated exchange, the call copying it itself), and the ops the copy adds, by name. On GPUs a
+dropless call waits for its counts mid-call, so every op after that read is host time the GPU
+waits for, and the rank holding a copy reaches the next collective late.
+
+    python scripts/balance_host_ops.py
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from weft import MoE
+from weft.moe.exchange import Transfer
+from weft.testing import run_distributed
+
+
+def count_ops() -> None:
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    moe = MoE(64, 128, 8, top_k=2, capacity_factor=None, activation="relu", balance="pro-prophet")
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(rank))
+
+    def call(copies: dict) -> None:
+        transfer = Transfer(moe.experts, moe.placement, copies, moe.group) if copies else Transfer.none()
+        moe(x.detach().requires_grad_(), transfer=transfer).sum().backward()
+        moe.zero_grad(set_to_none=True)
+
+    ops = {}
+    for name, copies in (("plain", {}), ("expert 0 copied to rank 1", {0: frozenset({1})})):
+        for _ in range(3):
+            call(copies)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            call(copies)
+        ops[name] = Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "c10d")))
+    if rank == 1:  # the rank that holds the copy
+        (plain_name, plain), (copy_name, copied) = ops.items()
+        print(f"rank 1, aten ops per call (forward + backward): {plain_name} {sum(plain.values())}, "
+              f"{copy_name} {sum(copied.values())}")
+        print("added by the copy: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
+                                                for n, c in (copied - plain).most_common(20)))
+
+
+if __name__ == "__main__":
+    run_distributed(count_ops, 2, timeout=300)
