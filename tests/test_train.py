@@ -439,11 +439,16 @@ def test_pro_prophet_balancing_trains_with_the_plain_losses(corpus, tmp_path):
     dropless = {**SMALL_MODEL, "capacity_factor": "dropless", "moe_every": 1}
     cache = tmp_path / "cache"
     run(config(corpus, tmp_path / "plain", steps=12, model=dropless, ckpt_interval=6), 2, cache)
-    run(config(corpus, tmp_path / "balanced", steps=12, model=dropless, ckpt_interval=6, balance="pro-prophet"),
-        2, cache)
+    # the paper's model on nominal constants: the model measured on these CPU processes (with each
+    # copy's overhead) rightly keeps such tiny experts home, and the copies are what is tested here
+    run(config(corpus, tmp_path / "balanced", steps=12, model=dropless, ckpt_interval=6, balance="pro-prophet",
+               balance_model="nominal"), 2, cache)
+    # and the default: the model measured here before the first step, copy overhead included
+    run(config(corpus, tmp_path / "measured", steps=12, model=dropless, balance="pro-prophet"), 2, cache)
     plain, balanced = losses(tmp_path / "plain"), losses(tmp_path / "balanced")
     assert sorted(balanced) == list(range(1, 13))
-    assert all(abs(plain[s] - balanced[s]) <= 1e-4 * abs(plain[s]) for s in plain), (plain, balanced)
+    for other in (balanced, losses(tmp_path / "measured")):
+        assert all(abs(plain[s] - other[s]) <= 1e-4 * abs(plain[s]) for s in plain), (plain, other)
     rows = [json.loads(line) for line in (tmp_path / "balanced" / "metrics.jsonl").read_text().splitlines()]
     copied = [r["copied_experts"] for r in rows if "loss" in r]
     assert all(len(layers) == 2 for layers in copied)  # one list per MoE layer
