@@ -38,12 +38,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from weft.profiling import slowest_rank, wall_seconds
 
 
 class CaptureError(RuntimeError):
@@ -136,11 +136,12 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
     candidate costs, host launches gone. One candidate at a time, its graph freed before the next
     is captured (each holds a memory pool of its activations: all of them at once may not fit);
     gradients accumulate into the same `.grad` tensors, zeroed, and are set to None at the end. A
-    candidate that cannot be captured is timed as infinite. The slowest rank's medians (a
-    collective over the default group when there is one), so every rank picks the same."""
+    candidate that cannot be captured is timed as infinite. The slowest rank's medians
+    (`weft.profiling.slowest_rank`), so every rank picks the same."""
     if trials < 1 or warmup < 0:
         raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
     grads_of = list(grads_of)
+    device = args[0].device
     medians = []
     for candidate in candidates:
         try:
@@ -148,19 +149,12 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
         except CaptureError:
             medians.append(math.inf)
             continue
-        samples = []
-        for i in range(warmup + trials):
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            graph(*args)
-            torch.cuda.synchronize()
-            if i >= warmup:
-                samples.append(time.perf_counter() - begin)
-        del graph
-        medians.append(statistics.median(samples))
+        medians.append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))
+        del graph  # its memory pool, before the next candidate's capture
     for t in grads_of:
         t.grad = None
-    agreed = torch.tensor(medians, dtype=torch.float64, device=args[0].device)
-    if dist.is_initialized():
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-    return agreed.tolist()
+    return slowest_rank(medians, device)
+
+
+def _replay_seconds(graph: GraphedStep, args: Sequence[torch.Tensor], device: torch.device, times: int) -> list[float]:
+    return [wall_seconds(lambda: graph(*args), device) for _ in range(times)]

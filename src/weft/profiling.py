@@ -40,7 +40,7 @@ def seconds(fn: Callable[[], object], device: torch.device) -> float:
     return start.elapsed_time(end) * 1e-3
 
 
-def _wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
+def wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Wall seconds of one fn() call with the device idle before and after: host time included,
     which is what a step that the host may not keep ahead of costs."""
     if device.type == "cuda":
@@ -52,21 +52,26 @@ def _wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - begin
 
 
+def slowest_rank(values: Sequence[float], device: torch.device) -> list[float]:
+    """Each value's maximum over the ranks (a collective over the default group when there is
+    one): what every rank compares, so every rank makes the same measured choice."""
+    agreed = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return agreed.tolist()
+
+
 def time_candidates(step: Callable[[object], None], candidates: Sequence, device: torch.device, trials: int = 3,
                     warmup: int = 1) -> list[float]:
     """Median wall seconds of `step(candidate)` per candidate, timed round by round with the
     candidates interleaved (drifts of clocks and allocator spread over all of them), after `warmup`
-    untimed rounds; the slowest rank's median (a collective over the default group when there is
-    one), so every rank that compares them picks the same."""
+    untimed rounds; the slowest rank's median (`slowest_rank`)."""
     if trials < 1 or warmup < 0:
         raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
     samples: list[list[float]] = [[] for _ in candidates]
     for round_ in range(warmup + trials):
         for i, candidate in enumerate(candidates):
-            elapsed = _wall_seconds(lambda c=candidate: step(c), device)
+            elapsed = wall_seconds(lambda c=candidate: step(c), device)
             if round_ >= warmup:
                 samples[i].append(elapsed)
-    medians = torch.tensor([statistics.median(s) for s in samples], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
-    return medians.tolist()
+    return slowest_rank([statistics.median(s) for s in samples], device)

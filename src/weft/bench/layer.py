@@ -371,10 +371,8 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
         twin(warm_input)
-    if copy_overhead and moe.ep_size > 1:  # what a copy costs beyond its bytes, measured on this call
-        with_copy_overhead(twin, warm_input)
-        with torch.no_grad():
-            twin(warm_input)  # the history the next plan starts from: the plain input's load
+    if copy_overhead and moe.ep_size > 1:  # what a copy costs beyond its bytes, measured on this
+        with_copy_overhead(twin, warm_input)  # input, whose load its calls leave in the history
     return twin
 
 

@@ -156,7 +156,7 @@ def optimize(
     measured = {}
     if measure and (ranges or scheduler is not None):
         model.train()
-        measured, _, (ranges, scheduler) = keep_what_pays(model, sample_batch, ranges, scheduler, autocast, measure)
+        measured, (ranges, scheduler) = keep_what_pays(model, sample_batch, ranges, scheduler, autocast, measure)
         model.train(was_training)
     apply(model, ranges, scheduler)
     serial_forward = sum(planner.serial_time(u) for u in profile.units)
@@ -165,19 +165,18 @@ def optimize(
     predicted = forward_time + backward_time + profile.rest
     baseline = serial_forward + predict_backward(profile, False) + profile.rest
     parts = {"forward": forward_time, "backward": backward_time, "rest": profile.rest}
-    chosen = {(False, False): "none", (False, True): "backward", (True, False): "forward", (True, True): "both"}[
-        (bool(ranges), scheduler is not None)]
-    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline, parts, measured, chosen)
+    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline, parts, measured,
+                       combination(ranges, scheduler))
 
 
 def keep_what_pays(model: nn.Module, sample_batch: torch.Tensor | tuple[torch.Tensor, ...], ranges: list[Range],
                    scheduler: WGradScheduler | None, autocast, trials: int
-                   ) -> tuple[dict[str, float], str, tuple[list[Range], WGradScheduler | None]]:
+                   ) -> tuple[dict[str, float], tuple[list[Range], WGradScheduler | None]]:
     """Time forward + backward of `model` on the sample batch with each combination of the planned
     passes (forward `ranges`, dW scheduling like `scheduler`): "none", "backward", "forward",
     "both" (those the plan has), interleaved, `trials` timed iterations after two untimed ones (a
-    scheduler plans from its previous backward), the slowest rank's median. Returns the times, the
-    kept combination (`choose_passes`) and its (ranges, scheduler). Leaves the model plain; the
+    scheduler plans from its previous backward), the slowest rank's median. Returns the times and
+    the (ranges, scheduler) of the kept combination (`choose_passes`). Leaves the model plain; the
     caller applies the choice."""
     idx, targets = (sample_batch[0], sample_batch[1]) if isinstance(sample_batch, (tuple, list)) else (
         sample_batch, sample_batch)
@@ -200,8 +199,13 @@ def keep_what_pays(model: nn.Module, sample_batch: torch.Tensor | tuple[torch.Te
 
     times = dict(zip(names, time_candidates(step, names, idx.device, trials, warmup=2)))
     apply(model, [], None)
-    chosen = choose_passes(times)
-    return times, chosen, settings[chosen]
+    return times, settings[choose_passes(times)]
+
+
+def combination(ranges: list[Range], scheduler: WGradScheduler | None) -> str:
+    """The name of the passes applied: "none", "backward" (dW scheduling), "forward" (ranges), "both"."""
+    return ("both" if scheduler is not None else "forward") if ranges else (
+        "backward" if scheduler is not None else "none")
 
 
 def choose_passes(times: dict[str, float], min_gain: float = MIN_MEASURED_GAIN) -> str:
