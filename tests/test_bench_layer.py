@@ -11,6 +11,7 @@ import torch
 from weft.bench import layer, timing
 from weft.bench.layer import LayerBenchConfig
 from weft.testing import DistributedTestError, run_distributed
+from weft.tune import run_until_tuned
 
 
 def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
@@ -88,10 +89,10 @@ def test_run_until_tuned_stops_when_nothing_is_measured_and_refuses_endless_tuni
         calls.append(i)
         count[0] += 1 if len(calls) < 4 else 0
 
-    timing.run_until_tuned(step, lambda: count[0], torch.device("cpu"))
+    assert run_until_tuned(step, lambda: count[0], torch.device("cpu")) == 4
     assert calls == [0, 1, 2, 3]
     with pytest.raises(RuntimeError, match="still measuring after 5 steps"):
-        timing.run_until_tuned(lambda i: count.__setitem__(0, count[0] + 1), lambda: count[0], torch.device("cpu"),
+        run_until_tuned(lambda i: count.__setitem__(0, count[0] + 1), lambda: count[0], torch.device("cpu"),
                                max_steps=5)
 
 

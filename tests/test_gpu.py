@@ -269,6 +269,34 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
 
 
 @needs_cuda
+def test_tutel_training_tunes_then_replays_as_cuda_graphs_with_the_plain_losses(tmp_path):
+    """`weft train --overlap tutel --cuda-graphs on` (every GPU): the layers' pipelining degrees
+    are tuned in eager micro-steps, then the step is captured with them; the losses are those of
+    `--overlap none` run eagerly (the chunked exchange computes the same function: to bf16
+    rounding)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    losses, logs = {}, {}
+    for overlap, graphs in (("tutel", "on"), ("none", "off")):
+        out = tmp_path / overlap
+        done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", "8",
+                               "--batch-size", "8", "--device", "cuda", "--overlap", overlap,
+                               "--cuda-graphs", graphs, "--sample-tokens", "0", "--out", str(out)],
+                              capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "WEFT_CACHE": str(tmp_path)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        logs[overlap] = done.stdout
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        losses[overlap] = [r["loss"] for r in rows if "loss" in r]
+    assert "tuned in" in logs["tutel"] and "replays as one CUDA graph" in logs["tutel"], logs["tutel"]
+    assert len(losses["tutel"]) == 8
+    assert losses["tutel"] == pytest.approx(losses["none"], abs=2e-3), losses
+
+
+@needs_cuda
 @pytest.mark.parametrize("schedule, p1, p2", [("none", 1, 1), ("domino", 2, 1), ("domino", 3, 1), ("domino", 2, 3)])
 def test_tensor_parallel_blocks_compute_the_dense_blocks_on_nccl(schedule, p1, p2):
     """weft.tp on every GPU with NCCL (float64): Megatron's and Domino's schedules (row split,

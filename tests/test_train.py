@@ -380,14 +380,15 @@ def test_a_run_that_repeats_its_data_is_warned_with_the_sizes():
     ({}, "none", "CUDA graphs need a GPU"),
     ({"capacity_factor": None}, "none", "MoE layer 0 runs capacity_factor=None (dropless)"),
     ({"capacity_factor": 0}, "none", "MoE layer 0 runs capacity_factor=0 (no-drop)"),
-    ({}, "lancet", "--overlap lancet tunes or plans on the host"),
+    ({}, "lancet", "--overlap lancet schedules its backward on the host"),
+    ({}, "tutel", None),  # tuned eagerly first, then captured
 ])
 def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
     from weft.train.step import graph_blocker
 
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, **model}))
-    device = torch.device("cpu" if reason.startswith("CUDA") else "cuda")  # the checks before the device's
-    assert graph_blocker(gpt, device, overlap) == (reason if reason.startswith(("CUDA", "--")) else
+    device = torch.device("cpu" if reason and reason.startswith("CUDA") else "cuda")  # the checks before the device's
+    assert graph_blocker(gpt, device, overlap) == (reason if reason is None or reason.startswith(("CUDA", "--")) else
                                                    reason + ": its sizes are read on the host every step")
 
 
@@ -411,6 +412,27 @@ def test_an_eager_micro_step_returns_the_logged_values(corpus):
     gpt.zero_grad()
     (loss / 2).backward()  # the micro-step divided its loss by grad_accum
     assert all(torch.allclose(a, p.grad) for a, p in zip(grads, gpt.parameters()))
+
+
+def test_tutel_tunes_before_the_capture_and_leaves_no_gradients():
+    """`--overlap tutel` with CUDA graphs: eager micro-steps until every layer's degree is chosen
+    (a capture cannot time), then nothing left measuring and no gradients left behind."""
+    from weft.train.step import eager_micro_step, tune_before_capture
+
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}))
+    for moe in gpt.moe_layers():
+        moe.overlap_degree = "auto"
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    eager = eager_micro_step(gpt, 1)
+    steps = tune_before_capture(gpt, lambda: eager(x, y))
+    tuning = gpt.moe_layers()[0].tuning
+    assert steps > 2 and tuning.measurements >= 2 * len(gpt.moe_layers())  # every degree timed, twice
+    assert len(tuning.chosen()) == len(tuning.table) >= 1  # each layer key decided
+    assert all(p.grad is None for p in gpt.parameters())
+    before = tuning.measurements
+    eager(x, y)
+    assert tuning.measurements == before
 
 
 def test_the_expert_bias_trains_changes_routing_and_resumes_exactly(corpus, tmp_path):

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
-from weft.bench.timing import Run, interleaved_ms, quartiles, run_until_tuned, slowest
+from weft.bench.timing import Run, interleaved_ms, quartiles, slowest
 from weft.cliargs import (
     ACTIVATION_CHOICES,
     DTYPES,
@@ -40,6 +40,7 @@ from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.overlap import measure_layer_cost_model, with_copy_overhead
 from weft.profiling import stage
+from weft.tune import run_until_tuned
 
 
 @dataclass(frozen=True)

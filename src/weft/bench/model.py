@@ -60,7 +60,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.layer import load_imbalance, write_report, zipf_bias
-from weft.bench.timing import Run, Timer, interleaved_ms, quartiles, run_until_tuned
+from weft.bench.timing import Run, Timer, interleaved_ms, quartiles
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import build_moe_groups, group_rank, init_distributed
 from weft.models import GPT, GPTConfig
@@ -73,6 +73,7 @@ from weft.precision import training_autocast
 from weft.profiling import stage
 from weft.tp import make_schedule
 from weft.train.config import BALANCE_MODELS
+from weft.tune import run_until_tuned
 
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
 BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}

@@ -115,16 +115,3 @@ def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
     """(q1, median, q3) of a 1-D sample."""
     q1, median, q3 = torch.quantile(sample.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
     return q1, median, q3
-
-
-def run_until_tuned(step: Callable[[int], None], measurements: Callable[[], int], device: torch.device,
-                    max_steps: int = 100) -> None:
-    """Run `step` until one adds no tuning measurement on any rank (all ranks stop together, as
-    every step is a collective). Tuning calls synchronise and try slow settings, so they must not
-    fall into timed steps."""
-    for i in range(max_steps):
-        before = measurements()
-        step(i)
-        if slowest(float(measurements() - before), device) == 0:
-            return
-    raise RuntimeError(f"the tuning dictionaries were still measuring after {max_steps} steps")

@@ -3,8 +3,10 @@
 Weights are stacked per local expert: w1 (El, dim, hidden), w2 (El, hidden, dim) and, for
 swiglu, w3 (El, dim, hidden). With fewer experts than ranks (Tutel's switchable parallelism),
 a rank holds one shard of one expert: the hidden columns [j * h, (j + 1) * h), h = hidden / m.
-Padded layouts compute with one batched matmul; dropless (variable rows per expert) with
-grouped GEMM on GPUs that have it, a per-expert loop elsewhere.
+Padded layouts compute with one batched matmul, or, on the rows as an all-to-all delivers them
+(by source rank, then expert), with one batched matmul per source into one buffer
+(`forward_by_source`: no layout copies); dropless (variable rows per expert) with grouped GEMM on
+GPUs that have it, a per-expert loop elsewhere.
 """
 from __future__ import annotations
 
@@ -110,6 +112,30 @@ class Experts(nn.Module):
             h3 = mm(x, w3) if w3 is not None else None
             return mm(self._hidden(mm(x, w1), h3), w2)
 
+    def forward_by_source(self, x_WGCD: torch.Tensor) -> torch.Tensor:
+        """Padded rows as the exchange's all-to-all delivers them: (W, G, C, dim), source rank w's
+        C slots of local expert g at [w, g] -> the outputs in the same layout (contiguous, ready to
+        go back). The same function as `forward` on Tutel's Flexible layout (G, W * C, dim): where
+        `by_source_pays`, without the layout copies into it and out of it (two in forward, two
+        more in backward, each of the whole (W * G * C, dim) rows): each weight's matmul runs once
+        per source into one buffer, `source_major_bmm`. Otherwise, and where Lancet defers the
+        weight gradients (`wgrad_scheduler`, which schedules the Flexible layout's matmuls), the
+        rows are copied into the Flexible layout and back."""
+        W, G, C, D = x_WGCD.shape
+        if W == 1:  # one source: its rows are already expert-major
+            return self(x_WGCD.view(G, C, D)).view(W, G, C, D)
+        num_weights = sum(w is not None for w in self.weights())
+        if self.wgrad_scheduler is not None or not by_source_pays(W, C, self.w1.shape[-1], num_weights):
+            flexible = x_WGCD.transpose(0, 1).reshape(G, W * C, D)
+            return self(flexible).view(G, W, C, D).transpose(0, 1).contiguous()
+        with stage("experts"):
+            dtype = self.compute_dtype(x_WGCD)
+            w1, w2, w3 = (None if w is None else w.to(dtype) for w in self.weights())
+            with torch.autocast(x_WGCD.device.type, enabled=False):
+                x = x_WGCD.to(dtype)
+                h3 = source_major_bmm(x, w3) if w3 is not None else None
+                return source_major_bmm(self._hidden(source_major_bmm(x, w1), h3), w2)
+
     def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None) -> torch.Tensor:
         """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each."""
         with stage("experts"):
@@ -133,6 +159,55 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return self.w1.dtype
+
+
+def by_source_pays(sources: int, slots: int, hidden: int, num_weights: int) -> bool:
+    """Whether the experts' per-source matmuls (`Experts.forward_by_source`) move fewer bytes than
+    Tutel's Flexible layout. The layout's four copies read and write the W * G * C rows of `dim`
+    values: 8 W G C dim elements; the per-source weight gradient reads and writes each of the
+    `num_weights` (G, dim, hidden) gradients W - 1 more times (`baddbmm_`): 2 (W - 1) G dim hidden
+    each. The per-source path pays when 4 W C > (W - 1) hidden num_weights: with many slots per
+    expert (a training batch: qwen2-moe-2l's 2,560; the qwen2 layer at 16,384 tokens), not where
+    the experts' weights outweigh the rows (the layer benchmark's qwen2 / phi35 / mixtral at 4,096
+    tokens: 256 / 512 / 1,024 slots, where it measured 1-5% slower; docs/benchmarks.md)."""
+    return 4 * sources * slots > (sources - 1) * hidden * num_weights
+
+
+class _SourceMajorBmm(torch.autograd.Function):
+    """y[w] = x[w] @ b for every source w: x (W, G, M, K), b (G, K, N) -> y (W, G, M, N).
+
+    One `torch.bmm` per source, each writing its slice of one contiguous output; backward the
+    same for dx (dy[w] @ b^T), and db = sum over w of x[w]^T @ dy[w] (the first product, then
+    `baddbmm_` of the others: the sum over a Flexible layout's W * M rows in W pieces, the same to
+    the rounding of W - 1 partial sums)."""
+
+    @staticmethod
+    def forward(ctx, x_WGMK, b_GKN):
+        y_WGMN = x_WGMK.new_empty(x_WGMK.shape[:-1] + (b_GKN.shape[-1],))
+        for w in range(x_WGMK.shape[0]):
+            torch.bmm(x_WGMK[w], b_GKN, out=y_WGMN[w])
+        ctx.save_for_backward(x_WGMK, b_GKN)
+        return y_WGMN
+
+    @staticmethod
+    def backward(ctx, dy_WGMN):
+        x_WGMK, b_GKN = ctx.saved_tensors
+        dy_WGMN = dy_WGMN.contiguous()
+        dx = db = None
+        if ctx.needs_input_grad[0]:
+            dx = torch.empty_like(x_WGMK)
+            for w in range(x_WGMK.shape[0]):
+                torch.bmm(dy_WGMN[w], b_GKN.transpose(1, 2), out=dx[w])
+        if ctx.needs_input_grad[1]:
+            db = torch.bmm(x_WGMK[0].transpose(1, 2), dy_WGMN[0])
+            for w in range(1, x_WGMK.shape[0]):
+                db.baddbmm_(x_WGMK[w].transpose(1, 2), dy_WGMN[w])
+        return dx, db
+
+
+def source_major_bmm(x_WGMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:
+    """Differentiable x[w] @ b for every w (see `_SourceMajorBmm`); x contiguous, same dtype as b."""
+    return _SourceMajorBmm.apply(x_WGMK.contiguous(), b_GKN)
 
 
 def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts,

@@ -15,6 +15,7 @@ import torch
 from weft.graphs import CaptureError, GraphedStep
 from weft.models import GPT
 from weft.precision import training_autocast
+from weft.tune import run_until_tuned
 
 # (x, y) -> (losses (4,): total, ce, aux, dropped slots; expert counts (layers, E))
 MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -41,20 +42,36 @@ def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tens
 
 def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
-    no host synchronisation, so padded capacity (cf > 0) or expert choice, and no overlap engine
-    (their tuning and planning measure on the host). A tensor-parallel step is captured with its
-    all-reduces, Domino's asynchronous ones and their side streams included (`weft bench tp
-    --modes domino+graph` on 2 GPUs: docs/tp.md)."""
+    no host synchronisation, so padded capacity (cf > 0) or expert choice, and not Lancet (its
+    backward schedules weight gradients from the host as all-to-alls complete). Tutel's adaptive
+    pipelining is captured once its tuning is done (`tune_before_capture`), its chunks'
+    all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
+    asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
+    GPUs: docs/tp.md)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
-    if overlap != "none":
-        return f"--overlap {overlap} tunes or plans on the host"
+    if overlap == "lancet":
+        return "--overlap lancet schedules its backward on the host"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
         if moe.gate != "expert_choice" and (cf is None or cf <= 0):
             return (f"MoE layer {i} runs capacity_factor={cf} ({'dropless' if cf is None else 'no-drop'}): its "
                     "sizes are read on the host every step")
     return None
+
+
+def tune_before_capture(model: GPT, run_once: Callable[[], object]) -> int:
+    """Run the eager micro-step (`run_once`) until the MoE layers' tuning dictionaries time nothing
+    new (Tutel 3.3's adaptive choice, made before the capture: a replayed graph runs the settings
+    captured in it, and a capture cannot time anything); returns the steps run. Eager timing
+    carries the host's launch costs, which the graph does not, so it may choose a lower
+    pipelining degree than the graph would run fastest. The gradients these steps leave are
+    cleared: the training steps start from none, as without tuning."""
+    dictionaries = list({id(moe.tuning): moe.tuning for moe in model.moe_layers()}.values())
+    device = next(model.parameters()).device
+    steps = run_until_tuned(lambda _: run_once(), lambda: sum(d.measurements for d in dictionaries), device)
+    model.zero_grad(set_to_none=True)
+    return steps
 
 
 @dataclass(frozen=True)
@@ -91,8 +108,15 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     blocker = graph_blocker(model, example[0].device, overlap)
     if blocker is None:
         accumulate = grad_accum > 1
+        tuned = []  # Tutel's degrees are tuned eagerly first, on the capture's stream
+        settle = (lambda run_once: tuned.append(tune_before_capture(model, run_once))) if overlap == "tutel" else None
         try:
-            graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
+            graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate,
+                                settle=settle)
+            if tuned:
+                chosen = sorted({name for moe in model.moe_layers() for name in moe.tuning.chosen()})
+                log(f"weft train: --overlap tutel tuned in {tuned[0]} eager micro-steps before the capture, chose "
+                    f"{', '.join(chosen) or 'nothing (no exchange to tune)'}")
             return MicroSteps(graph, graphed=True, owns_grads=not accumulate)
         except CaptureError as e:
             if mode == "on":

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import group_rank, group_size
-from weft.profiling import seconds
+from weft.profiling import seconds, slowest_rank
 
 DEGREES = (1, 2, 4, 8)
 
@@ -299,3 +299,17 @@ def _load(path: Path) -> tuple[dict, dict]:
     if not isinstance(kernels, dict) or not all(isinstance(e, dict) and "best" in e for e in kernels.values()):
         raise ValueError(f"tuning dictionary {path}: its 'kernels' section is not a table of choices")
     return doc["table"], kernels
+
+
+def run_until_tuned(step: Callable[[int], None], measurements: Callable[[], int], device: torch.device,
+                    max_steps: int = 100) -> int:
+    """Run `step(i)` until one adds no tuning measurement on any rank (all ranks stop together, as
+    every step is a collective); returns the steps run. Tuning calls synchronise and try slow
+    settings, so they must not fall into timed steps, nor into a CUDA graph's capture (which
+    cannot time anything)."""
+    for i in range(max_steps):
+        before = measurements()
+        step(i)
+        if slowest_rank([float(measurements() - before)], device)[0] == 0:
+            return i + 1
+    raise RuntimeError(f"the tuning dictionaries were still measuring after {max_steps} steps")

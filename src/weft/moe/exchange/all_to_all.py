@@ -1,8 +1,9 @@
 """Expert parallelism by one all-to-all each way (GShard / Tutel): the plain exchange.
 
-Padded: a fixed-size all-to-all (linear, or Tutel's 2DH over nodes, appendix A); the received
-rows are viewed in Tutel's Flexible layout (El, W * C, dim) so each local expert runs one batched
-matmul over the rows of every source. Grouped (dropless): the splits come from every rank's
+Padded: a fixed-size all-to-all (linear, or Tutel's 2DH over nodes, appendix A); the local
+experts compute on the received rows where they lie, by source rank then expert (W, El, C, dim),
+one batched matmul per source (`Experts.forward_by_source`), the function of Tutel's Flexible
+layout (El, W * C, dim) without copying the rows into it and back. Grouped (dropless): the splits come from every rank's
 counts, which the layout holds on the host, then exactly the routed rows go (all-to-allv), and
 the local experts run one grouped GEMM.
 """
@@ -24,10 +25,8 @@ class AllToAll(Exchange):
         placement, dim = self.ctx.placement, rows_RD.shape[-1]
         ep, local = placement.ep_size, placement.num_local
         received = self.ctx.all_to_all(rows_RD, algo=self.algo)  # (W * El * C, dim), source-major
-        flexible = received.view(ep, local, capacity, dim).transpose(0, 1).reshape(local, ep * capacity, dim)
-        out = self.ctx.experts(flexible)
-        out = out.view(local, ep, capacity, dim).transpose(0, 1).reshape(ep * local * capacity, dim)
-        return self.ctx.all_to_all(out, algo=self.algo)
+        out = self.ctx.experts.forward_by_source(received.view(ep, local, capacity, dim))
+        return self.ctx.all_to_all(out.view(ep * local * capacity, dim), algo=self.algo)
 
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         ctx, placement = self.ctx, self.ctx.placement
