@@ -212,6 +212,9 @@ def test_master_weights_are_used_only_where_they_change_no_arithmetic():
     assert master_weights_blocker(model, cuda, "none") is None
     assert "CPU" in master_weights_blocker(model, torch.device("cpu"), "none")
     assert "--overlap lancet" in master_weights_blocker(model, cuda, "lancet")
+    assert master_weights_blocker(model, cuda, "tutel") is None  # padded: one weight-gradient matmul per chunked call
+    dropless = GPT(dataclasses.replace(CONFIG, capacity_factor=None))
+    assert "dropless" in master_weights_blocker(dropless, cuda, "tutel")
     balanced = GPT(dataclasses.replace(CONFIG, capacity_factor=None), balance="pro-prophet")
     assert "Pro-Prophet" in master_weights_blocker(balanced, cuda, "none")
     plan = low_precision_parameters(model, build_moe_groups(), grad_accum=2)  # micro-batches sum the gradients

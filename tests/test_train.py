@@ -414,25 +414,33 @@ def test_an_eager_micro_step_returns_the_logged_values(corpus):
     assert all(torch.allclose(a, p.grad) for a, p in zip(grads, gpt.parameters()))
 
 
-def test_tutel_tunes_before_the_capture_and_leaves_no_gradients():
-    """`--overlap tutel` with CUDA graphs: eager micro-steps until every layer's degree is chosen
-    (a capture cannot time), then nothing left measuring and no gradients left behind."""
-    from weft.train.step import eager_micro_step, tune_before_capture
+def test_tutel_in_a_graphed_step_runs_the_degree_whose_step_is_fastest():
+    """`--overlap tutel` with CUDA graphs: every candidate degree's micro-step is timed (here by a
+    timer that runs it eagerly, as `time_graphed` replays its capture), each with every MoE layer
+    at that degree and computing the same losses; the fastest degree is set on every layer."""
+    from weft.train.step import _at_degree, choose_tutel_degree, eager_micro_step
+    from weft.tune.dictionary import DEGREES
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}))
-    for moe in gpt.moe_layers():
-        moe.overlap_degree = "auto"
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
-    eager = eager_micro_step(gpt, 1)
-    steps = tune_before_capture(gpt, lambda: eager(x, y))
-    tuning = gpt.moe_layers()[0].tuning
-    assert steps > 2 and tuning.measurements >= 2 * len(gpt.moe_layers())  # every degree timed, twice
-    assert len(tuning.chosen()) == len(tuning.table) >= 1  # each layer key decided
-    assert all(p.grad is None for p in gpt.parameters())
-    before = tuning.measurements
-    eager(x, y)
-    assert tuning.measurements == before
+    seen, losses = [], []
+
+    def timer(step_of, candidates):
+        times = []
+        for degree in candidates:
+            gpt.zero_grad(set_to_none=True)
+            losses.append(float(step_of(degree)(x, y)[0][0]))
+            seen.append([moe.overlap_degree for moe in gpt.moe_layers()])
+            times.append(1.0 if degree != 4 else 0.5)
+        return times
+
+    degree, seconds = choose_tutel_degree(gpt, _at_degree(gpt, eager_micro_step(gpt, 1)), timer)
+    assert degree == 4 and seconds == [0.5 if d == 4 else 1.0 for d in DEGREES]
+    assert seen == [[d] * len(gpt.moe_layers()) for d in DEGREES]
+    assert losses == pytest.approx([losses[0]] * len(DEGREES), abs=1e-6)  # chunking changes nothing
+    assert [moe.overlap_degree for moe in gpt.moe_layers()] == [4] * len(gpt.moe_layers())
+    assert all(moe.last_routing is None for moe in gpt.moe_layers())  # no autograd graph of a candidate kept
 
 
 def test_the_expert_bias_trains_changes_routing_and_resumes_exactly(corpus, tmp_path):

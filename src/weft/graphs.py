@@ -62,15 +62,10 @@ class GraphedStep:
             its own gradients (False); see the module docstring.
         warmup: eager calls before the capture (CUDA needs a few for lazy initialisation: cuBLAS
             workspaces, NCCL communicators, autotuned kernels).
-        settle: called first, on the warm-up stream, with a function that runs `fn` once eagerly
-            on the example arguments: for decisions the step must make before it can be captured
-            (e.g. Tutel's tuning, which times eager calls). On that stream, because autograd binds
-            a parameter's gradient accumulator to the stream of the backward that created it,
-            and an accumulator kept alive from another stream would make the capture fail.
     """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[torch.Tensor], grads_of: Iterable[torch.Tensor] = (),
-                 accumulate: bool = True, warmup: int = 3, settle: Callable[[Callable[[], Any]], Any] | None = None):
+                 accumulate: bool = True, warmup: int = 3):
         if not args or any(not isinstance(a, torch.Tensor) or not a.is_cuda for a in args):
             raise CaptureError("a CUDA graph step needs CUDA tensor arguments")
         self.fn = fn
@@ -79,8 +74,6 @@ class GraphedStep:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            if settle is not None:
-                settle(lambda: fn(*self.static_args))
             for _ in range(warmup):
                 self._clear_grads()
                 fn(*self.static_args)

@@ -26,8 +26,10 @@ autocast's casts to bf16 (the linears of attention and dense MLPs, the expert we
 whose gradients the backward itself does not sum across ranks (so not experts whose weights are
 gathered from other ranks). Embeddings (looked up in float32), the tied head, norms and routers
 (float32 by design) stay float32, updated by the same optimizer. `master_weights_blocker` names
-the runs that keep float32 parameters throughout (CPU, an overlap engine's deferred weight
-gradients, tensor parallelism, expert replication).
+the runs that keep float32 parameters throughout (CPU, Lancet's deferred weight gradients, tensor
+parallelism, expert replication). Tutel's pipelining of padded layers keeps master weights: its
+weight gradients are one batched matmul over every chunk's rows, as without chunks; a dropless
+layer's chunks each give a weight gradient, which float32 parameters sum in float32.
 
 Checkpoints hold float32 weights and AdamW's state, as without master weights (so either kind of
 run loads them): `MasterWeights.full_precision()` puts the masters in the parameters for the
@@ -92,8 +94,10 @@ def master_weights_blocker(model: GPT, device: torch.device, overlap: str) -> st
     weights `low_precision_parameters` picks)."""
     if device.type != "cuda":
         return "the CPU trains in float32 (no autocast)"
-    if overlap != "none":
-        return f"--overlap {overlap} defers weight gradients and accumulates them"
+    if overlap == "lancet":
+        return "--overlap lancet defers weight gradients and accumulates them"
+    if overlap == "tutel" and any(moe.capacity_factor is None for moe in model.moe_layers()):
+        return "--overlap tutel sums a dropless layer's weight gradients over its chunks"
     if model.tp is not None:
         return "tensor parallelism: Domino accumulates weight gradients over its micro-batches (weft.tp keeps " \
                "float32 parameters)"

@@ -7,15 +7,16 @@ capture (module attributes such as `MoE.stats` are assigned once, at capture).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from weft.graphs import CaptureError, GraphedStep
+from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
 from weft.precision import training_autocast
-from weft.tune import run_until_tuned
+from weft.tune.dictionary import DEGREES
 
 # (x, y) -> (losses (4,): total, ce, aux, dropped slots; expert counts (layers, E))
 MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -43,8 +44,8 @@ def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tens
 def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
     no host synchronisation, so padded capacity (cf > 0) or expert choice, and not Lancet (its
-    backward schedules weight gradients from the host as all-to-alls complete). Tutel's adaptive
-    pipelining is captured once its tuning is done (`tune_before_capture`), its chunks'
+    backward schedules weight gradients from the host as all-to-alls complete). Tutel's pipelining
+    is captured at the degree whose graph replays fastest (`choose_tutel_degree`), its chunks'
     all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
     GPUs: docs/tp.md)."""
@@ -60,18 +61,37 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     return None
 
 
-def tune_before_capture(model: GPT, run_once: Callable[[], object]) -> int:
-    """Run the eager micro-step (`run_once`) until the MoE layers' tuning dictionaries time nothing
-    new (Tutel 3.3's adaptive choice, made before the capture: a replayed graph runs the settings
-    captured in it, and a capture cannot time anything); returns the steps run. Eager timing
-    carries the host's launch costs, which the graph does not, so it may choose a lower
-    pipelining degree than the graph would run fastest. The gradients these steps leave are
-    cleared: the training steps start from none, as without tuning."""
-    dictionaries = list({id(moe.tuning): moe.tuning for moe in model.moe_layers()}.values())
-    device = next(model.parameters()).device
-    steps = run_until_tuned(lambda _: run_once(), lambda: sum(d.measurements for d in dictionaries), device)
-    model.zero_grad(set_to_none=True)
-    return steps
+StepTimer = Callable[[Callable[[int], MicroStep], Sequence[int]], list[float]]  # (step_of, candidates) -> seconds
+
+
+def choose_tutel_degree(model: GPT, step_of: Callable[[int], MicroStep], timer: StepTimer) -> tuple[int, list[float]]:
+    """`--overlap tutel` with a graphed micro-step: Tutel's pipelining degree (sec. 3.2), one for
+    every MoE layer, the candidate (`DEGREES`) whose step replays fastest as a CUDA graph
+    (`timer`, e.g. `weft.graphs.time_graphed`). The layers' own tuning times eager calls, whose
+    launch costs a replay does not pay (and a capture cannot time anything), so it would choose
+    for another step than the one that runs. Sets the degree on every layer; returns it and the
+    seconds per candidate."""
+    seconds = timer(step_of, DEGREES)
+    best = DEGREES[seconds.index(min(seconds))]
+    for moe in model.moe_layers():
+        moe.overlap_degree = best
+        moe.record(None)  # the last candidate's routing losses: see `_at_degree`
+    return best, seconds
+
+
+def _at_degree(model: GPT, step: MicroStep) -> Callable[[int], MicroStep]:
+    """Candidate degree -> the micro-step with every MoE layer pipelined at that degree. Each call
+    first forgets the layers' last routing summaries: their losses keep the autograd graph of the
+    call that made them alive, with its parameters' gradient accumulators bound to the stream that
+    call ran on (another candidate's capture), which autograd warns may break the next capture."""
+    def step_of(degree: int) -> MicroStep:
+        def run(x: torch.Tensor, y: torch.Tensor):
+            for moe in model.moe_layers():
+                moe.overlap_degree = degree
+                moe.record(None)
+            return step(x, y)
+        return run
+    return step_of
 
 
 @dataclass(frozen=True)
@@ -108,15 +128,13 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     blocker = graph_blocker(model, example[0].device, overlap)
     if blocker is None:
         accumulate = grad_accum > 1
-        tuned = []  # Tutel's degrees are tuned eagerly first, on the capture's stream
-        settle = (lambda run_once: tuned.append(tune_before_capture(model, run_once))) if overlap == "tutel" else None
         try:
-            graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate,
-                                settle=settle)
-            if tuned:
-                chosen = sorted({name for moe in model.moe_layers() for name in moe.tuning.chosen()})
-                log(f"weft train: --overlap tutel tuned in {tuned[0]} eager micro-steps before the capture, chose "
-                    f"{', '.join(chosen) or 'nothing (no exchange to tune)'}")
+            if overlap == "tutel":
+                timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
+                degree, seconds = choose_tutel_degree(model, _at_degree(model, eager), timer)
+                log(f"weft train: --overlap tutel pipelines every MoE layer at degree {degree} (measured as CUDA "
+                    "graphs: " + ", ".join(f"d{d} {t * 1e3:.1f} ms" for d, t in zip(DEGREES, seconds)) + ")")
+            graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
             return MicroSteps(graph, graphed=True, owns_grads=not accumulate)
         except CaptureError as e:
             if mode == "on":
