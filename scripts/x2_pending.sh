@@ -27,6 +27,9 @@
 #   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
 #            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
+#   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
+#            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
+#            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 8 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
@@ -52,7 +55,7 @@ keep_metrics() {  # RUN_DIR DEST: a training run's metrics and config, not its c
 
 part_tests() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights or host_values or synchronises_once" > "$1/tests.log" 2>&1
+    -k "replicated or blockwise or tensor_parallel_moe or tensor_parallel_peers or master_weights or host_values or synchronises_once or every_exchange_computes" > "$1/tests.log" 2>&1
   tail -n 15 "$1/tests.log"
 }
 
@@ -159,6 +162,24 @@ part_overlap() {
   unset NCCL_P2P_DISABLE
 }
 
+part_tutel() {
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "tutel_training_replays" > "$1/tests.log" 2>&1
+  tail -n 2 "$1/tests.log"
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
+    [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
+    for overlap in none tutel none; do
+      echo "-- $regime --overlap $overlap"
+      RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
+        TRAIN_ARGS="--overlap $overlap" bash scripts/train_mfu.sh | tail -n 1
+      grep -h "pipelines every MoE layer" "$1/$regime"/*.log | tail -n 1
+      python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
+print('losses', ' '.join(f\"{r['loss']:.4f}\" for r in rows if 'loss' in r and r['step'] % 5 in (0, 1)))" \
+        /tmp/weft_mfu/qwen2-moe-2l_b8_auto_graphs-auto_master-auto/metrics.jsonl
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_mfu() {
   RUNS="qwen2-moe-2l:8 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
     bash scripts/train_mfu.sh
@@ -169,7 +190,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap mfu quality}; do
+for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap tutel mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
