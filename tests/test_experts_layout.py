@@ -99,3 +99,29 @@ def test_by_source_copies_no_rows():
     with flexible:
         _flexible(experts, x).backward(dy)
     assert flexible.names  # the layout the rows are copied into (the check above can fail)
+
+
+def _layer_path_worker(hidden: int) -> int:
+    """How many per-source matmuls one forward + backward of a padded expert-parallel layer ran."""
+    import weft.moe.experts as experts_module
+    from weft import MoE
+
+    calls = []
+    real = experts_module.source_major_bmm
+    experts_module.source_major_bmm = lambda *args: calls.append(1) or real(*args)
+    torch.manual_seed(0)
+    moe = MoE(DIM, hidden, 4, top_k=1, capacity_factor=1.0, activation="relu")
+    x = torch.randn(64, DIM, requires_grad=True)
+    moe(x).sum().backward()
+    return len(calls)
+
+
+@pytest.mark.parametrize("hidden, per_source", [(HIDDEN, True), (4096, False)])
+def test_the_padded_exchange_computes_per_source_where_it_pays(hidden, per_source):
+    """2 gloo ranks, 4 experts, 64 tokens, top-1 at cf 1.0: 16 slots per expert and source; with
+    12 hidden the rows outweigh the weight gradients (per source: the two matmuls' calls), with
+    4,096 they do not (the Flexible layout: none)."""
+    from weft.testing import run_distributed
+
+    assert by_source_pays(2, 16, hidden, 2) == per_source
+    assert run_distributed(_layer_path_worker, 2, args=(hidden,), timeout=120) == [2 if per_source else 0] * 2
