@@ -82,6 +82,17 @@ def kernel_worker() -> list[str]:
             new_master, copy = results[0][0], results[0][3].float()
             if not torch.all((copy - new_master).abs() <= new_master.abs() * 2.0**-7):
                 failures.append(f"n={n}: the copy is more than one bf16 ulp from the new master")
+        # the scale read from memory, and a skip flag read there too: false updates, true writes nothing
+        for skip in (False, True):
+            state = [master.clone(), m.clone(), v.clone(), torch.zeros(n, dtype=torch.bfloat16) if with_copy else None]
+            adamw_step(state[0], grad, state[1], state[2], hyper, grad_scale=torch.tensor(0.7), copy=state[3],
+                       skip=torch.tensor(skip))
+            want = [master, m, v] if skip else results[1][:3]
+            for name, a, b in zip(("master", "exp_avg", "exp_avg_sq"), state, want):
+                if not (torch.equal(a, b) if skip else torch.allclose(a, b, rtol=1e-6, atol=1e-7)):
+                    failures.append(f"n={n} skip={skip}, scale in memory: {name} differs")
+            if skip and with_copy and state[3].abs().max() != 0:
+                failures.append(f"n={n}: a skipped pass wrote the copy")
     return failures
 
 
@@ -90,6 +101,54 @@ def test_the_triton_pass_matches_the_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(kernel_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_skipped_step_changes_nothing_and_a_taken_one_clips(fused):
+    """`ClippedAdamW.step(grad_scale=c, skip=s)` with device tensors: s true leaves parameters,
+    moments and step counts as they were (the fused kernel decides it itself, as GradScaler's
+    found_inf; the others read s); s false updates as AdamW on the gradients times c."""
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(6, 5, generator=gen)
+    grad = torch.randn(6, 5, generator=gen)
+    p = torch.nn.Parameter(start.clone())
+    opt = ClippedAdamW([p], lr=LR, betas=BETAS, weight_decay=WD, fused=fused or None, foreach=not fused)
+    p.grad = grad.clone()
+    opt.step(grad_scale=torch.tensor(0.25), skip=torch.tensor(True))
+    opt.skipped()
+    assert torch.equal(p.detach(), start) and int(opt.state[p].get("step", torch.tensor(0))) == 0
+    p.grad = grad.clone()
+    opt.step(grad_scale=torch.tensor(0.25), skip=torch.tensor(False))
+    ref = torch.nn.Parameter(start.clone())
+    ref.grad = grad * 0.25
+    torch.optim.AdamW([ref], lr=LR, betas=BETAS, weight_decay=WD, foreach=False).step()
+    assert torch.allclose(p.detach(), ref.detach(), rtol=0, atol=1e-6) and int(opt.state[p]["step"]) == 1
+
+
+def test_master_adamw_takes_a_skipped_step_back():
+    """`MasterAdamW`: a step whose skip flag is true writes no master, moment or bf16 weight, and
+    `skipped()` returns its step counts, so the next step's bias corrections are those of a run
+    that never tried it."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 4, bias=False)
+    twin = torch.nn.Linear(8, 4, bias=False)
+    twin.weight.data = layer.weight.data.clone()
+    masters = MasterWeights(MasterPlan([layer.weight], []))
+    opt = MasterAdamW(layer.parameters(), masters, lr=LR, betas=BETAS, weight_decay=WD)
+    twin_masters = MasterWeights(MasterPlan([twin.weight], []))
+    twin_opt = MasterAdamW(twin.parameters(), twin_masters, lr=LR, betas=BETAS, weight_decay=WD)
+    grad = torch.randn(4, 8).to(torch.bfloat16)
+    before = (layer.weight.detach().clone(), masters.master(layer.weight).clone())
+    layer.weight.grad = grad.clone()
+    opt.step(grad_scale=torch.tensor(0.5), skip=torch.tensor(True))
+    assert torch.equal(layer.weight.detach(), before[0]) and torch.equal(masters.master(layer.weight), before[1])
+    opt.skipped()
+    for o, w in ((opt, layer.weight), (twin_opt, twin.weight)):
+        w.grad = grad.clone()
+        o.step(grad_scale=torch.tensor(0.5), skip=torch.tensor(False))
+    assert int(opt.state[layer.weight]["step"]) == 1
+    assert torch.equal(masters.master(layer.weight), twin_masters.master(twin.weight))
+    assert torch.equal(layer.weight.detach(), twin.weight.detach())
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

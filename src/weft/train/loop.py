@@ -126,15 +126,16 @@ def _load(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, groups: MoEG
     return extra
 
 
-def gradient_norm(model: GPT, groups: MoEGroups) -> float:
-    """The global gradient norm: replicated gradients once, each expert shard once (sum over EP),
-    each tensor-parallel slice once (sum over TP). Multi-tensor kernels (torch._foreach_*): a few
-    launches for the whole model, one host sync."""
+def gradient_norm(model: GPT, groups: MoEGroups) -> torch.Tensor:
+    """The global gradient norm (a float32 scalar on the device: nothing waits for it):
+    replicated gradients once, each expert shard once (sum over EP), each tensor-parallel slice
+    once (sum over TP). Multi-tensor kernels (torch._foreach_*): a few launches for the whole
+    model."""
     experts = {id(p) for p in expert_parameters(model)}
     sliced = {id(p) for p in sharded_parameters(model)}
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
-        return 0.0
+        return torch.zeros((), dtype=torch.float32, device=next(model.parameters()).device)
     device = params[0].grad.device
     dense_sq = _squared_norm([p.grad for p in params if id(p) not in experts and id(p) not in sliced], device)
     expert_sq = _squared_norm([p.grad for p in params if id(p) in experts], device)
@@ -143,12 +144,15 @@ def gradient_norm(model: GPT, groups: MoEGroups) -> float:
         dist.all_reduce(expert_sq, group=groups.ep)
     if group_size(groups.tp) > 1:
         dist.all_reduce(sliced_sq, group=groups.tp)
-    return float((dense_sq + expert_sq + sliced_sq).sqrt())
+    return (dense_sq + expert_sq + sliced_sq).sqrt()
 
 
-def clip_scale(norm: float, max_norm: float) -> float:
-    """The factor clipping by the global norm multiplies every gradient by (1: no clipping)."""
-    return max_norm / (norm + 1e-6) if max_norm > 0 and norm > max_norm else 1.0
+def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | float:
+    """The factor clipping by the global norm multiplies every gradient by (1: no clipping),
+    computed where the norm is (on the device: the optimizer reads it there)."""
+    if max_norm <= 0:
+        return 1.0
+    return torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
 
 
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -471,21 +475,26 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         counts = layer_counts.clone() if counts is None else counts + layer_counts
     with masters.float32_gradients():
         reduce_gradients(model, groups)
-        grad_norm = gradient_norm(model, groups)
         # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
-        # the same decision; a NaN/inf loss on any rank makes it non-finite too.
-        finite = math.isfinite(grad_norm)
-        if not finite and cfg.on_nonfinite == "stop":
-            raise TrainingStopped(
-                f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped before the optimizer "
-                f"step, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite skip)")
-        if finite:
-            optimizer.step(grad_scale=clip_scale(grad_norm, cfg.grad_clip))
+        # the same decision; a NaN/inf loss on any rank makes it non-finite too. The clipping
+        # coefficient and the skip of a non-finite step are decided on the device: the host
+        # launches the update without waiting for the norm, and reads it with the step's metrics.
+        norm = gradient_norm(model, groups)
+        optimizer.step(grad_scale=clip_scale(norm, cfg.grad_clip), skip=~torch.isfinite(norm))
     micro_steps.clear_grads(optimizer)
 
     world = group_size(groups.dp)
     loss_sum[:3] /= cfg.grad_accum * world
     stats = _all_reduce(torch.cat([loss_sum, counts.flatten()]), groups.dp)
+    grad_norm = float(norm)  # the step's first wait for the device
+    finite = math.isfinite(grad_norm)
+    if not finite:
+        optimizer.skipped()
+        if cfg.on_nonfinite == "stop":
+            raise TrainingStopped(
+                f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped with the optimizer "
+                f"step skipped, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite "
+                f"skip)")
     num_moes = counts.shape[0]
     if num_moes and groups.tp_size > 1:  # each TP rank routed its own share: drops and loads over all ranks
         stats[3:] = _all_reduce(stats[3:].contiguous(), groups.tp)

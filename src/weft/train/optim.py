@@ -1,6 +1,7 @@
 """The optimizer of `weft train`: AdamW that applies gradient clipping's coefficient itself
-(`step(grad_scale=c)`), over float32 parameters (`ClippedAdamW`, torch's fused kernel) or over
-bf16 parameters with float32 master weights (`MasterAdamW`).
+(`step(grad_scale=c, skip=s)`, both device tensors where the step runs on a GPU, so nothing waits
+for the norm they come from), over float32 parameters (`ClippedAdamW`, torch's fused kernel) or
+over bf16 parameters with float32 master weights (`MasterAdamW`).
 
 bf16 parameters with float32 master weights are the storage of mixed-precision training
 (Micikevicius et al., "Mixed Precision Training", sec. 3.1; Megatron-LM's
@@ -203,15 +204,37 @@ class MasterWeights:
 
 
 class ClippedAdamW(torch.optim.AdamW):
-    """`torch.optim.AdamW` with `step(grad_scale=c)`: the gradients multiplied by c in place (one
-    multi-tensor pass) before the update."""
+    """`torch.optim.AdamW` with `step(grad_scale=c, skip=s)`: the update of the gradients times c,
+    none where s. c and s may be device tensors (clipping's coefficient and "the norm is not
+    finite", computed on the GPU): the fused implementation takes both into its kernel, as it
+    takes GradScaler's (its `grad_scale` divides, so it gets 1 / c; its `found_inf` skips the
+    update and the step count), and the host never waits for them. The multi-tensor and
+    per-tensor implementations scale in one pass first and read `skip` on the host."""
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
-        if grad_scale != 1.0:
+    def step(self, closure=None, grad_scale: float | torch.Tensor = 1.0, skip: torch.Tensor | None = None):
+        if closure is not None:
+            raise ValueError("ClippedAdamW.step takes no closure")
+        if all(group["fused"] for group in self.param_groups):
+            # torch reads these two as attributes (GradScaler's protocol), hence set for the call only
+            device = self.param_groups[0]["params"][0].device
+            self.grad_scale = None if isinstance(grad_scale, float) and grad_scale == 1.0 else \
+                torch.as_tensor(grad_scale, dtype=torch.float32, device=device).reciprocal()
+            self.found_inf = None if skip is None else skip.float()
+            try:
+                return super().step()
+            finally:
+                del self.grad_scale, self.found_inf
+        if skip is not None and bool(skip):
+            return None
+        if not (isinstance(grad_scale, float) and grad_scale == 1.0):
             torch._foreach_mul_([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
                                 grad_scale)
-        return super().step(closure)
+        return super().step()
+
+    def skipped(self) -> None:
+        """The last step's `skip` was true: nothing to undo (the fused kernel kept the step counts,
+        the others did not step)."""
 
 
 def decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -225,18 +248,22 @@ class MasterAdamW(torch.optim.AdamW):
     """AdamW whose update of a parameter held by `masters` runs on its float32 master and writes the
     parameter from it; other parameters (float32) are updated in place. Same hyperparameters,
     param groups and state (`step`, `exp_avg`, `exp_avg_sq`, float32) as `torch.optim.AdamW`, so
-    their state dicts load into each other. `step(grad_scale=c)` multiplies the gradients by c
-    inside the update (clipping without a pass of its own)."""
+    their state dicts load into each other. `step(grad_scale=c, skip=s)` multiplies the gradients
+    by c inside the update (clipping without a pass of its own) and writes nothing where s; both
+    may be device tensors the kernel reads (no host synchronisation). The step counts, which the
+    bias corrections need at launch, advance on the host: `skipped()` takes them back."""
 
     def __init__(self, params, masters: MasterWeights, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self.masters = masters
+        self._stepped: list[torch.Tensor] = []  # the step counts the last step advanced (`skipped`)
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
+    def step(self, closure=None, grad_scale: float | torch.Tensor = 1.0, skip: torch.Tensor | None = None):
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
+        self._stepped = []
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("MasterAdamW runs plain AdamW (amsgrad and maximize off)")
@@ -252,8 +279,15 @@ class MasterAdamW(torch.optim.AdamW):
             elif state["step"].device.type != "cpu":  # loaded from fused AdamW's state (a device tensor)
                 state["step"] = state["step"].cpu()
             state["step"] += 1
+            self._stepped.append(state["step"])
             hyper = AdamWHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                int(state["step"]))
             adamw_step(target, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper, grad_scale,
-                       copy=None if master is None else self.masters.low(p))
+                       copy=None if master is None else self.masters.low(p), skip=skip)
         return None
+
+    def skipped(self) -> None:
+        """The last step's `skip` was true (the kernels wrote nothing): its step counts go back."""
+        for count in self._stepped:
+            count.sub_(1)
+        self._stepped = []
