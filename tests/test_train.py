@@ -381,7 +381,7 @@ def test_a_run_that_repeats_its_data_is_warned_with_the_sizes():
     ({"capacity_factor": None}, "none", "MoE layer 0 runs capacity_factor=None (dropless)"),
     ({"capacity_factor": 0}, "none", "MoE layer 0 runs capacity_factor=0 (no-drop)"),
     ({}, "lancet", "--overlap lancet schedules its backward on the host"),
-    ({}, "tutel", None),  # tuned eagerly first, then captured
+    ({}, "tutel", None),  # its degree timed as CUDA graphs, then captured
 ])
 def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
     from weft.train.step import graph_blocker

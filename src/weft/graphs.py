@@ -128,7 +128,6 @@ class GraphedStep:
         return self.static_out
 
 
-
 def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Sequence, args: Sequence[torch.Tensor],
                  grads_of: Iterable[torch.Tensor], trials: int = 3, warmup: int = 1) -> list[float]:
     """Median wall seconds of one replay of each candidate's step (`step_of(candidate)`, a forward

@@ -122,7 +122,6 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
     return fitted
 
 
-
 def measure_copy_overhead(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
                           trials: int = 5) -> float:
     """Seconds per copied expert that a balanced call of `moe` (built with balance="pro-prophet",

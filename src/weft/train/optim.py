@@ -215,10 +215,11 @@ class ClippedAdamW(torch.optim.AdamW):
     def step(self, closure=None, grad_scale: float | torch.Tensor = 1.0, skip: torch.Tensor | None = None):
         if closure is not None:
             raise ValueError("ClippedAdamW.step takes no closure")
+        unscaled = isinstance(grad_scale, float) and grad_scale == 1.0
         if all(group["fused"] for group in self.param_groups):
             # torch reads these two as attributes (GradScaler's protocol), hence set for the call only
             device = self.param_groups[0]["params"][0].device
-            self.grad_scale = None if isinstance(grad_scale, float) and grad_scale == 1.0 else \
+            self.grad_scale = None if unscaled else \
                 torch.as_tensor(grad_scale, dtype=torch.float32, device=device).reciprocal()
             self.found_inf = None if skip is None else skip.float()
             try:
@@ -227,7 +228,7 @@ class ClippedAdamW(torch.optim.AdamW):
                 del self.grad_scale, self.found_inf
         if skip is not None and bool(skip):
             return None
-        if not (isinstance(grad_scale, float) and grad_scale == 1.0):
+        if not unscaled:
             torch._foreach_mul_([p.grad for g in self.param_groups for p in g["params"] if p.grad is not None],
                                 grad_scale)
         return super().step()
