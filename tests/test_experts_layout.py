@@ -101,27 +101,53 @@ def test_by_source_copies_no_rows():
     assert flexible.names  # the layout the rows are copied into (the check above can fail)
 
 
-def _layer_path_worker(hidden: int) -> int:
-    """How many per-source matmuls one forward + backward of a padded expert-parallel layer ran."""
+def _layer_path_worker(hidden: int) -> tuple[int, list[str]]:
+    """One forward + backward of a padded expert-parallel layer: how many per-source matmuls it
+    ran, and where its outputs and gradients differ from the same call with the rows copied into
+    the Flexible layout (the rule forced off)."""
+    import torch.distributed as dist
+
     import weft.moe.experts as experts_module
     from weft import MoE
 
     calls = []
-    real = experts_module.source_major_bmm
-    experts_module.source_major_bmm = lambda *args: calls.append(1) or real(*args)
+    real_bmm, real_rule = experts_module.source_major_bmm, experts_module.by_source_pays
+    experts_module.source_major_bmm = lambda *args: calls.append(1) or real_bmm(*args)
     torch.manual_seed(0)
     moe = MoE(DIM, hidden, 4, top_k=1, capacity_factor=1.0, activation="relu")
-    x = torch.randn(64, DIM, requires_grad=True)
-    moe(x).sum().backward()
-    return len(calls)
+    x = torch.randn(64, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def run():
+        moe.zero_grad(set_to_none=True)
+        x_in = x.clone().requires_grad_()
+        out = moe(x_in)
+        out.backward(torch.ones_like(out))
+        return [out.detach(), x_in.grad] + [p.grad.clone() for p in moe.parameters() if p.grad is not None]
+
+    got = run()
+    made = len(calls)
+    experts_module.by_source_pays = lambda *args: False
+    try:
+        want = run()
+    finally:
+        experts_module.by_source_pays = real_rule
+    differ = [f"rank {dist.get_rank()} tensor {i}" for i, (a, b) in enumerate(zip(got, want))
+              if not torch.allclose(a, b, rtol=1e-5, atol=1e-6)]
+    return made, differ + ([] if len(got) == len(want) else ["a different set of gradients"])
 
 
-@pytest.mark.parametrize("hidden, per_source", [(HIDDEN, True), (4096, False)])
-def test_the_padded_exchange_computes_per_source_where_it_pays(hidden, per_source):
-    """2 gloo ranks, 4 experts, 64 tokens, top-1 at cf 1.0: 16 slots per expert and source; with
-    12 hidden the rows outweigh the weight gradients (per source: the two matmuls' calls), with
-    4,096 they do not (the Flexible layout: none)."""
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("hidden", [HIDDEN, 4096])
+def test_the_padded_exchange_computes_per_source_where_it_pays(world, hidden):
+    """World sizes 1, 2 and 4 (gloo), 4 experts, 64 tokens per rank, top-1 at cf 1.0: 64 / 4 = 16
+    slots per expert and source. With 12 hidden the rows outweigh the weight gradients and every
+    rank of 2 or 4 computes per source (the two matmuls' calls; one rank has a single source, its
+    rows already by expert); with 4,096 they do not (the Flexible layout: none). Either way the
+    outputs and every gradient are those of the Flexible layout."""
     from weft.testing import run_distributed
 
-    assert by_source_pays(2, 16, hidden, 2) == per_source
-    assert run_distributed(_layer_path_worker, 2, args=(hidden,), timeout=120) == [2 if per_source else 0] * 2
+    per_source = world > 1 and by_source_pays(world, 16, hidden, 2)
+    assert per_source == (world > 1 and hidden == HIDDEN)
+    results = run_distributed(_layer_path_worker, world, args=(hidden,), timeout=180)
+    assert [made for made, _ in results] == [2 if per_source else 0] * world
+    assert not [d for _, differ in results for d in differ], results
