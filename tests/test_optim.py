@@ -26,6 +26,10 @@ from weft.train.optim import (
     master_weights_blocker,
 )
 
+# the step's device tensors on the CPU here, on a GPU where one is (`pytest -m gpu tests/test_optim.py`)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
+
 CONFIG = dataclasses.replace(get_preset("tiny"), block_size=32, n_layer=2, dim=64, n_head=2, moe_every=2,
                              num_experts=4, moe_hidden_dim=96, capacity_factor=2.0)
 LR, BETAS, WD = 3e-3, (0.9, 0.95), 0.1
@@ -103,49 +107,51 @@ def test_the_triton_pass_matches_the_reference(monkeypatch):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [True, False])
-def test_a_skipped_step_changes_nothing_and_a_taken_one_clips(fused):
+def test_a_skipped_step_changes_nothing_and_a_taken_one_clips(fused, device):
     """`ClippedAdamW.step(grad_scale=c, skip=s)` with device tensors: s true leaves parameters,
     moments and step counts as they were (the fused kernel decides it itself, as GradScaler's
     found_inf; the others read s); s false updates as AdamW on the gradients times c."""
     gen = torch.Generator().manual_seed(3)
-    start = torch.randn(6, 5, generator=gen)
-    grad = torch.randn(6, 5, generator=gen)
+    start = torch.randn(6, 5, generator=gen).to(device)
+    grad = torch.randn(6, 5, generator=gen).to(device)
     p = torch.nn.Parameter(start.clone())
     opt = ClippedAdamW([p], lr=LR, betas=BETAS, weight_decay=WD, fused=fused or None, foreach=not fused)
     p.grad = grad.clone()
-    opt.step(grad_scale=torch.tensor(0.25), skip=torch.tensor(True))
+    opt.step(grad_scale=torch.tensor(0.25, device=device), skip=torch.tensor(True, device=device))
     opt.skipped()
     assert torch.equal(p.detach(), start) and int(opt.state[p].get("step", torch.tensor(0))) == 0
     p.grad = grad.clone()
-    opt.step(grad_scale=torch.tensor(0.25), skip=torch.tensor(False))
+    opt.step(grad_scale=torch.tensor(0.25, device=device), skip=torch.tensor(False, device=device))
     ref = torch.nn.Parameter(start.clone())
     ref.grad = grad * 0.25
     torch.optim.AdamW([ref], lr=LR, betas=BETAS, weight_decay=WD, foreach=False).step()
     assert torch.allclose(p.detach(), ref.detach(), rtol=0, atol=1e-6) and int(opt.state[p]["step"]) == 1
 
 
-def test_master_adamw_takes_a_skipped_step_back():
+@pytest.mark.parametrize("device", DEVICES)
+def test_master_adamw_takes_a_skipped_step_back(device):
     """`MasterAdamW`: a step whose skip flag is true writes no master, moment or bf16 weight, and
     `skipped()` returns its step counts, so the next step's bias corrections are those of a run
-    that never tried it."""
+    that never tried it (on a GPU: the Triton pass reads the scale and the flag from memory)."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(8, 4, bias=False)
-    twin = torch.nn.Linear(8, 4, bias=False)
+    layer = torch.nn.Linear(8, 4, bias=False, device=device)
+    twin = torch.nn.Linear(8, 4, bias=False, device=device)
     twin.weight.data = layer.weight.data.clone()
     masters = MasterWeights(MasterPlan([layer.weight], []))
     opt = MasterAdamW(layer.parameters(), masters, lr=LR, betas=BETAS, weight_decay=WD)
     twin_masters = MasterWeights(MasterPlan([twin.weight], []))
     twin_opt = MasterAdamW(twin.parameters(), twin_masters, lr=LR, betas=BETAS, weight_decay=WD)
-    grad = torch.randn(4, 8).to(torch.bfloat16)
+    grad = torch.randn(4, 8, device=device).to(torch.bfloat16)
     before = (layer.weight.detach().clone(), masters.master(layer.weight).clone())
     layer.weight.grad = grad.clone()
-    opt.step(grad_scale=torch.tensor(0.5), skip=torch.tensor(True))
+    opt.step(grad_scale=torch.tensor(0.5, device=device), skip=torch.tensor(True, device=device))
     assert torch.equal(layer.weight.detach(), before[0]) and torch.equal(masters.master(layer.weight), before[1])
     opt.skipped()
     for o, w in ((opt, layer.weight), (twin_opt, twin.weight)):
         w.grad = grad.clone()
-        o.step(grad_scale=torch.tensor(0.5), skip=torch.tensor(False))
+        o.step(grad_scale=torch.tensor(0.5, device=device), skip=torch.tensor(False, device=device))
     assert int(opt.state[layer.weight]["step"]) == 1
     assert torch.equal(masters.master(layer.weight), twin_masters.master(twin.weight))
     assert torch.equal(layer.weight.detach(), twin.weight.detach())
