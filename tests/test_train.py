@@ -235,6 +235,66 @@ def test_on_nonfinite_skip_skips_the_step_and_trains_on(corpus, tmp_path):
     assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
 
 
+def traced_train(cfg: TrainConfig) -> list[tuple[str, int]]:
+    """`train` recording, in order, each step's launch and each read of a step's metrics."""
+    from weft.train import loop
+
+    events, real_step, real_read = [], loop._train_step, loop._read_step
+
+    def train_step(model, optimizer, batches, step, *args, **kwargs):
+        events.append(("launch", step))
+        return real_step(model, optimizer, batches, step, *args, **kwargs)
+
+    def read_step(pending, *args, **kwargs):
+        events.append(("read", pending.step))
+        return real_read(pending, *args, **kwargs)
+
+    loop._train_step, loop._read_step = train_step, read_step
+    loop.train(cfg)
+    return events
+
+
+def test_the_host_reads_each_step_while_the_next_one_runs(corpus, tmp_path):
+    """A step's metrics (the host's first wait for the device since the step was launched) are
+    read after the next step's micro-batches are launched, except where an evaluation or a
+    checkpoint needs the step first; every step is read once and logged in order."""
+    out = tmp_path / "run"
+    cfg = config(corpus, out, steps=7, ckpt_interval=3, eval_interval=100)
+    events = run_distributed(traced_train, 1, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(tmp_path / "c")})[0]
+    assert events == [("launch", 1), ("launch", 2), ("read", 1), ("launch", 3), ("read", 2), ("read", 3),
+                      ("launch", 4), ("launch", 5), ("read", 4), ("launch", 6), ("read", 5), ("read", 6),
+                      ("launch", 7), ("read", 7)]
+    assert [r["step"] for r in _rows(out)] == list(range(1, 8))
+
+
+def biased_poisoned_train(cfg: TrainConfig, bad_step: int) -> list[bool]:
+    """`poisoned_train` returning, per step, whether the step moved the layers' selection bias."""
+    from weft.train import loop
+
+    moved, real_step = [], loop._train_step
+
+    def train_step(model, *args, **kwargs):
+        before = [moe.expert_bias.clone() for moe in model.moe_layers()]
+        result = real_step(model, *args, **kwargs)
+        moved.append(any(not torch.equal(b, moe.expert_bias) for b, moe in zip(before, model.moe_layers())))
+        return result
+
+    loop._train_step = train_step
+    poisoned_train(cfg, bad_step)
+    return moved
+
+
+def test_a_skipped_step_leaves_the_expert_bias_where_it_was(corpus, tmp_path):
+    """--on-nonfinite skip with a selection bias: the bias follows every step's loads but the
+    skipped one's (decided on the device, like the optimizer's skip)."""
+    cfg = config(corpus, tmp_path / "run", steps=5, ckpt_interval=5, eval_interval=100, on_nonfinite="skip",
+                 model={**SMALL_MODEL, "expert_bias_rate": 0.01})
+    moved = run_distributed(biased_poisoned_train, 2, args=(cfg, 3), timeout=300,
+                            env={"WEFT_CACHE": str(tmp_path / "cache")})[0]
+    assert moved == [True, True, False, True, True]
+    assert [r["skipped"] for r in _rows(tmp_path / "run")] == [False, False, True, False, False]
+
+
 @pytest.mark.parametrize("field, value", [("lr", float("inf")), ("lr", float("nan")), ("grad_clip", float("inf"))])
 def test_non_finite_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"train.{field} must be finite"):

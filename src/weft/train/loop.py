@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -328,37 +329,54 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     flops_per_token = model.flops_per_token(block)
     progress = Progress(start, cfg.steps, cfg.log_interval)
-    val_loss, micro_steps = None, None
+    val_loss, micro_steps, pending = None, None, None
+    since = time.perf_counter()  # when the last logged step was read (or the loop, an evaluation, a checkpoint ended)
+
+    def timed(row: dict) -> dict:
+        """A step just read on the host, with its time: the host's since the step before was read
+        (in steady state one step: the host reads each step while the next one's micro-batches run)."""
+        nonlocal since
+        now = time.perf_counter()
+        elapsed, since = now - since, now
+        # tokens: read by the end of this step (steps times this run's batch shape)
+        row.update(tokens=row["step"] * tokens_per_step, tokens_per_s=tokens_per_step / elapsed, elapsed_s=elapsed,
+                   mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None,
+                   peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
+        return row
+
+    def record(row: dict, val_loss: float | None) -> None:
+        if log is not None:
+            log.write(row)
+            if val_loss is not None:
+                log.write({"step": row["step"], "tokens": row["tokens"], "val_loss": val_loss})
+            line = progress.line(row["step"], row["loss"], row["tokens_per_s"], row["lr"], val_loss)
+            if line:
+                print(line, flush=True)
+
     for step in range(start + 1, cfg.steps + 1):
-        t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         if micro_steps is None:  # built at the first step: a graph captures the step as it runs
             micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
-        row = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps, masters)
-        elapsed = time.perf_counter() - t0
-        # tokens: read by the end of this step (steps times this run's batch shape)
-        row.update(step=step, tokens=step * tokens_per_step, lr=lr, tokens_per_s=tokens_per_step / elapsed,
-                   elapsed_s=elapsed,
-                   mfu=(flops_per_token * tokens_per_step / ctx.world_size / elapsed / peak) if peak else None,
-                   peak_mem_gib=torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None)
-        val_loss = None
-        if step % cfg.eval_interval == 0 or step == cfg.steps:
-            val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups)
-        if log is not None:
-            log.write(row)
-            if val_loss is not None:
-                log.write({"step": step, "tokens": row["tokens"], "val_loss": val_loss})
-            line = progress.line(step, row["loss"], row["tokens_per_s"], lr, val_loss)
-            if line:
-                print(line, flush=True)
+        finished, pending = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps,
+                                        masters, lr, pending)
+        if finished is not None:
+            record(timed(finished), None)
+        evaluates = step % cfg.eval_interval == 0 or step == cfg.steps
+        if not (evaluates or step % cfg.ckpt_interval == 0):
+            continue  # read while the next step runs
+        # an evaluation or a checkpoint needs the step read (skipped or not) first
+        finished, pending = timed(_read_step(pending, model, optimizer, cfg)), None
+        val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups) if evaluates else None
+        record(finished, val_loss)
         if step % cfg.ckpt_interval == 0 or step == cfg.steps:
             extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
             with masters.full_precision():
                 save_checkpoint(run_dir, step, model, optimizer, groups, extra)
             if ctx.rank == 0:
                 prune_checkpoints(run_dir, cfg.keep_last)
+        since = time.perf_counter()
 
     text = ""
     if cfg.sample_tokens:
@@ -463,16 +481,46 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
     return steps
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch on `device`. On CUDA through pinned memory with a non-blocking copy: a copy from
+    pageable memory waits for every kernel queued before it, which would stop the host from
+    launching a step while the GPU runs the last one."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class PendingStep:
+    """A training step launched on the device whose metrics the host has not read yet (reading
+    waits for the step to finish). `stats`: losses (total, ce, aux: means over the step's
+    micro-batches and data-parallel ranks), dropped slots, then slots per expert of every MoE layer
+    (summed over all ranks); `norm`: the global gradient norm."""
+
+    step: int
+    lr: float
+    stats: torch.Tensor
+    norm: torch.Tensor
+    num_moes: int
+    copied_experts: list | None  # Pro-Prophet: per layer, the experts its last call copied
+
+
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
-                groups: MoEGroups, device: torch.device, micro_steps: MicroSteps, masters: MasterWeights) -> dict:
+                groups: MoEGroups, device: torch.device, micro_steps: MicroSteps, masters: MasterWeights,
+                lr: float = 0.0, previous: PendingStep | None = None) -> tuple[dict | None, PendingStep]:
+    """Launch one training step and read the `previous` one's metrics while its micro-batches run
+    on the device: returns (the previous step's metrics, or None; this step, pending). The host
+    reads the previous step before this step's optimizer update, whose launch depends on it (a
+    skipped step's optimizer step counts go back; --on-nonfinite stop stops before it)."""
     loss_sum = torch.zeros(4, device=device)  # total, ce, aux, dropped slots
     counts = None
     for micro in range(cfg.grad_accum):
         x, y = batches.get(step, micro)
-        losses, layer_counts = micro_steps.run(x.to(device), y.to(device))
+        losses, layer_counts = micro_steps.run(to_device(x, device), to_device(y, device))
         masters.stage_gradients()
-        loss_sum += losses  # read now: a graphed step's outputs are overwritten by its next replay
+        loss_sum += losses  # added now: a graphed step's outputs are overwritten by its next replay
         counts = layer_counts.clone() if counts is None else counts + layer_counts
+    finished = None if previous is None else _read_step(previous, model, optimizer, cfg)
     with masters.float32_gradients():
         reduce_gradients(model, groups)
         # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
@@ -480,13 +528,27 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         # coefficient and the skip of a non-finite step are decided on the device: the host
         # launches the update without waiting for the norm, and reads it with the step's metrics.
         norm = gradient_norm(model, groups)
-        optimizer.step(grad_scale=clip_scale(norm, cfg.grad_clip), skip=~torch.isfinite(norm))
+        finite = torch.isfinite(norm)
+        optimizer.step(grad_scale=clip_scale(norm, cfg.grad_clip), skip=~finite)
     micro_steps.clear_grads(optimizer)
 
-    world = group_size(groups.dp)
-    loss_sum[:3] /= cfg.grad_accum * world
+    loss_sum[:3] /= cfg.grad_accum * group_size(groups.dp)
     stats = _all_reduce(torch.cat([loss_sum, counts.flatten()]), groups.dp)
-    grad_norm = float(norm)  # the step's first wait for the device
+    num_moes = counts.shape[0]
+    if num_moes and groups.tp_size > 1:  # each TP rank routed its own share: drops and loads over all ranks
+        stats[3:] = _all_reduce(stats[3:].contiguous(), groups.tp)
+    if model.config.expert_bias_rate:  # the step's global loads: the same bias on every rank; none if skipped
+        for moe, counts_E in zip(model.moe_layers(), stats[4:].view(num_moes, model.config.num_experts)):
+            moe.update_expert_bias(counts_E * finite, model.config.expert_bias_rate)
+    copied = [list(moe.balancer.last_copied) for moe in model.moe_layers()] if model.balanced else None
+    return finished, PendingStep(step, lr, stats, norm, num_moes, copied)
+
+
+def _read_step(pending: PendingStep, model: GPT, optimizer, cfg: TrainConfig) -> dict:
+    """The step's metrics on the host (the first wait for the device since it was launched); a
+    non-finite gradient norm takes the skipped step's optimizer counts back, or stops the run."""
+    step, stats = pending.step, pending.stats.cpu()
+    grad_norm = float(pending.norm)
     finite = math.isfinite(grad_norm)
     if not finite:
         optimizer.skipped()
@@ -495,23 +557,18 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
                 f"step {step}: the gradient norm is {grad_norm} (the loss diverged); stopped with the optimizer "
                 f"step skipped, so the latest checkpoint is the last good state (lower train.lr, or --on-nonfinite "
                 f"skip)")
-    num_moes = counts.shape[0]
-    if num_moes and groups.tp_size > 1:  # each TP rank routed its own share: drops and loads over all ranks
-        stats[3:] = _all_reduce(stats[3:].contiguous(), groups.tp)
-    slots = stats[4:].sum().clamp_min(1)
-    counts = stats[4:].view(num_moes, model.config.num_experts)  # (0, E) for a dense model
-    mean = counts.mean(1).clamp_min(1e-9)
-    if model.config.expert_bias_rate and finite:  # the step's global loads: the same bias on every rank
-        for moe, counts_E in zip(model.moe_layers(), counts):
-            moe.update_expert_bias(counts_E, model.config.expert_bias_rate)
     if finite and not math.isfinite(float(stats[0])) and cfg.on_nonfinite == "stop":
         raise TrainingStopped(f"step {step}: the loss is {float(stats[0])}; stopped (the optimizer step was taken: "
                               "resume from the latest checkpoint with a lower train.lr)")
+    num_moes = pending.num_moes
+    slots = stats[4:].sum().clamp_min(1)
+    counts = stats[4:].view(num_moes, model.config.num_experts)  # (0, E) for a dense model
+    mean = counts.mean(1).clamp_min(1e-9)
     return {
+        "step": step, "lr": pending.lr,
         "loss": float(stats[0]), "ce_loss": float(stats[1]), "aux_loss": float(stats[2]),
         "grad_norm": grad_norm, "skipped": not finite, "dropped_share": float(stats[3] / slots),
         "expert_load": counts.long().tolist(),
         "imbalance": (counts.amax(1) / mean).tolist() if num_moes else [],
-        # Pro-Prophet: the experts each MoE layer copied in its last call (per layer, global ids)
-        **({"copied_experts": [moe.balancer.last_copied for moe in model.moe_layers()]} if model.balanced else {}),
+        **({"copied_experts": pending.copied_experts} if pending.copied_experts is not None else {}),
     }
