@@ -51,8 +51,8 @@ def test_model_benchmark_times_the_tensor_parallel_schedules(tmp_path):
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(tp=2, modes=("none",)), "choose from tp, domino, no-comm (with --tp 2)"),
-    (dict(modes=("domino",)), "tp, domino, no-comm need --tp"),
+    (dict(tp=2, modes=("none",)), "choose from tp, domino, domino-copy, no-comm (with --tp 2)"),
+    (dict(modes=("domino",)), "tp, domino, domino-copy, no-comm need --tp"),
     (dict(tp=3, preset="tiny", modes=("tp",), batch_size=1), "do not divide evenly"),
     (dict(tp=2, modes=("domino",), p1=16, batch_size=8), "--p1 16 exceeds --batch-size 8"),
 ])
@@ -94,7 +94,7 @@ def test_peer_rows_say_why_they_cannot_run_here(tmp_path, capsys):
 
 
 def test_graphs_of_peers_and_unknown_peers_are_refused():
-    with pytest.raises(ValueError, match="choose from none, domino, no-comm, megatron, deepspeed"):
+    with pytest.raises(ValueError, match="choose from none, domino, domino-copy, no-comm, megatron, deepspeed"):
         TPBenchConfig("tiny", modes=("megatron+graph",)).validate()
     with pytest.raises(ValueError, match="unknown tensor-parallel peer 'apex'"):
         build_tp_peer("apex", 64, 4, 256, 1, 32, 1e-5, 1e4, torch.float32, "cpu", 1)

@@ -41,3 +41,6 @@ def test_kernel_classification_from_a_chrome_trace():
     comm, compute = kernel_intervals(trace)
     assert comm == [(0.0, 50.0)] and compute == [(10.0, 110.0), (200.0, 205.0)]
     assert is_comm_kernel("ncclKernel_AllToAll_RING") and not is_comm_kernel("vectorized_elementwise_kernel")
+    # the copy all-reduce's parts (names as torch.profiler shows them on 2 H100s)
+    assert is_comm_kernel("Memcpy PtoP (Device -> Device)") and not is_comm_kernel("Memcpy DtoD (Device -> Device)")
+    assert is_comm_kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int)")

@@ -18,7 +18,7 @@ from test_moe_equivalence import GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
-from test_tp import tp_worker
+from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
 from weft.bench.peers import build_tp_peer
@@ -296,12 +296,23 @@ def test_tutel_training_replays_its_fastest_degree_as_cuda_graphs_with_the_plain
 
 
 @needs_cuda
-@pytest.mark.parametrize("schedule, p1, p2", [("none", 1, 1), ("domino", 2, 1), ("domino", 3, 1), ("domino", 2, 3)])
+@pytest.mark.parametrize("schedule, p1, p2", [("none", 1, 1), ("domino", 2, 1), ("domino", 3, 1), ("domino", 2, 3),
+                                              ("domino-copy", 2, 1), ("domino-copy", 2, 3)])
 def test_tensor_parallel_blocks_compute_the_dense_blocks_on_nccl(schedule, p1, p2):
     """weft.tp on every GPU with NCCL (float64): Megatron's and Domino's schedules (row split,
-    hybrid) against the dense blocks, outputs and every gradient, over two SGD steps."""
+    hybrid; domino-copy with its all-reduces copied through symmetric memory on a side stream)
+    against the dense blocks, outputs and every gradient, over two SGD steps."""
     flat = run_checks(tp_worker, torch.cuda.device_count(), args=(schedule, p1, "cuda", p2), backend="nccl",
                       timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_the_copy_all_reduce_sums_like_nccl_on_every_gpu():
+    """copy_all_reduce_ through symmetric memory on its side stream: the rank-order sum, the bits
+    of NCCL's all-reduce on 2 GPUs, the same on every rank, blocking and through the handle."""
+    flat = run_checks(copy_reduce_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=120)
     assert not flat, "\n".join(flat[:15])
 
 
@@ -421,7 +432,8 @@ def test_master_weights_train_like_float32_weights_and_resume_exactly(tmp_path, 
 
 
 @needs_cuda
-@pytest.mark.parametrize("preset, tp_overlap", [("tiny-dense", "domino"), ("tiny-dense", "none"), ("tiny", "domino")])
+@pytest.mark.parametrize("preset, tp_overlap", [("tiny-dense", "domino"), ("tiny-dense", "none"), ("tiny", "domino"),
+                                                ("tiny-dense", "domino-copy")])
 def test_tensor_parallel_training_replays_as_cuda_graphs_with_the_eager_losses(tmp_path, preset, tp_overlap):
     """`weft train --tp 2 --cuda-graphs on` captures the TP micro-step with its all-reduces
     (Domino's asynchronous ones on their side streams included; an MoE preset's experts expert-

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from weft.models.gpt import Block, GPTConfig, rotary_tables
 from weft.testing import Checks, run_checks
 from weft.tp import Domino, NoComm, Sequential, TPBlock, TPStack, make_schedule
+from weft.tp.collectives import copy_all_reduce_
 
 CONFIG = GPTConfig(n_layer=2, n_head=4, dim=32, moe_every=0, block_size=16)
 BATCH, SEQ = 5, 8
@@ -77,9 +78,11 @@ def tp_worker(schedule_name: str, p1: int, device: str = "cpu", p2: int = 1) -> 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("schedule, p1, p2", [("none", 1, 1), ("domino", 2, 1), ("domino", 3, 1), ("domino", 5, 1),
-                                              ("domino", 1, 2), ("domino", 2, 3)])
+                                              ("domino", 1, 2), ("domino", 2, 3), ("domino-copy", 2, 1),
+                                              ("domino-copy", 2, 3)])
 def test_tensor_parallel_blocks_compute_the_dense_blocks(world, schedule, p1, p2):
-    """p2 > 1: the column split alone (p1 = 1) and the hybrid (3 uneven slices of 32 features)."""
+    """p2 > 1: the column split alone (p1 = 1) and the hybrid (3 uneven slices of 32 features);
+    domino-copy: Domino's all-reduces through peer memory (shared files between these processes)."""
     failures = run_checks(tp_worker, world, args=(schedule, p1, "cpu", p2), timeout=180)
     assert not failures, "\n".join(failures[:10])
 
@@ -159,11 +162,68 @@ def test_no_comm_leaves_the_partial_sums_unreduced():
     assert not run_checks(no_comm_worker, 2, timeout=120)
 
 
+def copy_reduce_worker(device: str = "cpu") -> list[str]:
+    """copy_all_reduce_ against the group's all-reduce: every rank gets the same bits, the rank-order
+    sum (with two ranks exactly the collective's one add), for several sizes and dtypes, blocking
+    and through the handle, with buffers reused call after call."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    checks = Checks(f"rank {rank} of {world}")
+    for call, (numel, dtype) in enumerate([(7, torch.float64), (1000, torch.float32), (7, torch.float64),
+                                           (513, torch.bfloat16), (1000, torch.float32)]):
+        parts = [torch.randn(numel, generator=torch.Generator().manual_seed(100 * call + r)).to(device, dtype)
+                 for r in range(world)]
+        ordered = parts[0] + parts[1]
+        for part in parts[2:]:
+            ordered += part
+        mine = parts[rank].clone()
+        handle = copy_all_reduce_(mine, dist.group.WORLD, async_op=call % 2 == 1)
+        if handle is not None:
+            handle.wait()
+        checks.expect(torch.equal(mine, ordered), f"call {call} ({numel} x {dtype}): not the rank-order sum")
+        if world == 2:
+            collective = parts[rank].clone()
+            dist.all_reduce(collective)
+            checks.expect(torch.equal(mine, collective), f"call {call}: differs from the group's all-reduce")
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        checks.expect(all(torch.equal(e, mine) for e in everyone), f"call {call}: the ranks hold different sums")
+    try:
+        copy_all_reduce_(torch.ones(4, 2, device=device).t(), dist.group.WORLD)
+        checks.expect(False, "a non-contiguous tensor was not refused")
+    except ValueError as error:
+        checks.expect("contiguous" in str(error), f"unclear error: {error}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_copy_all_reduce_sums_like_the_collective_on_every_rank(world):
+    assert not run_checks(copy_reduce_worker, world, timeout=120)
+
+
+def test_the_copy_all_reduce_needs_ranks_that_reach_each_other():
+    """Ranks on several nodes (fewer local ranks than the group has) cannot copy into each other."""
+    failures = run_checks(refused_copy_worker, 2, timeout=60, env={"LOCAL_WORLD_SIZE": "1"})
+    assert not failures, failures
+
+
+def refused_copy_worker() -> list[str]:
+    try:
+        copy_all_reduce_(torch.ones(3), dist.group.WORLD)
+    except ValueError as error:
+        return [] if "several nodes" in str(error) else [f"unclear error: {error}"]
+    return ["the copy all-reduce ran across nodes"]
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="p1"):
         Domino(0)
     with pytest.raises(ValueError, match="p2"):
         Domino(2, 0)
+    with pytest.raises(ValueError, match="reduce must be one of group, copy"):
+        Domino(2, 1, "nccl")
+    assert make_schedule("domino-copy", 2, 1).reduce == "copy" and make_schedule("domino").reduce == "group"
     with pytest.raises(ValueError, match="unknown tensor-parallel overlap"):
         make_schedule("pipelined")
     stack = TPStack([TPBlock.from_dense(b, CONFIG.n_head, None, "torch") for b in dense_blocks()], None, Domino(8))

@@ -33,7 +33,8 @@ def one_rank(corpus, tmp_path_factory):  # noqa: F811
     return {**losses(out), "grad_norms": grad_norms(out)}
 
 
-@pytest.mark.parametrize("world, overlap, p2", [(2, "none", 1), (2, "domino", 1), (2, "domino", 2), (4, "domino", 1)])
+@pytest.mark.parametrize("world, overlap, p2", [(2, "none", 1), (2, "domino", 1), (2, "domino", 2), (4, "domino", 1),
+                                               (2, "domino-copy", 1), (4, "domino-copy", 2)])
 def test_tensor_parallel_training_has_the_losses_of_one_rank(corpus, one_rank, tmp_path, world, overlap, p2):  # noqa: F811
     out = tmp_path / "run"
     run(config(corpus, out, steps=12, tp=world, tp_overlap=overlap, domino_p2=p2), world, tmp_path / "cache")
@@ -114,7 +115,7 @@ def test_a_tensor_parallel_moe_checkpoint_resumes_on_one_rank(corpus, one_rank_m
 @pytest.mark.parametrize("kw, message", [
     (dict(tp=4, model={"moe_every": 2, "block_size": 15}, batch_size=2), "do not divide evenly"),
     (dict(tp=1, tp_overlap="domino"), "set --tp > 1"),
-    (dict(tp=2, tp_overlap="fast"), "train.tp_overlap must be 'none', 'domino' or 'auto'"),
+    (dict(tp=2, tp_overlap="fast"), "train.tp_overlap must be one of none, domino, domino-copy, auto"),
     (dict(tp=0), "train.tp must be a positive integer"),
     (dict(tp=2, overlap="lancet"), "use --tp-overlap domino"),
     (dict(tp=2, tp_overlap="domino", domino_p1=32, batch_size=8), "exceeds the batch size 8"),
@@ -125,3 +126,21 @@ def test_settings_tensor_parallelism_cannot_run_are_refused(kw, message):
     model = {**DENSE, **kw.pop("model", {})}
     with pytest.raises(ValueError, match=message):
         TrainConfig(model=model, **kw).validate()
+
+
+def test_domino_copy_is_refused_where_the_ranks_cannot_reach_each_other(corpus, tmp_path):  # noqa: F811
+    """--tp-overlap domino-copy on ranks that span nodes (fewer local ranks than the group): one
+    line naming why and what to run instead, before any step."""
+    from weft.launch import WorkerError
+    from weft.testing import run_distributed
+    from weft.train.loop import train
+
+    cfg = config(corpus, tmp_path / "run", steps=2, tp=2, tp_overlap="domino-copy")
+    with pytest.raises(WorkerError) as failure:
+        run_distributed(train, 2, args=(cfg,), timeout=120,
+                        env={"WEFT_CACHE": str(tmp_path / "cache"), "LOCAL_WORLD_SIZE": "1"})
+    assert failure.value.report == ("--tp-overlap domino-copy copies through the peers' memory, which these ranks "
+                                    "cannot reach (the group's 2 ranks span several nodes (1 per node)); use "
+                                    "--tp-overlap domino")
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or "loss" not in metrics.read_text()

@@ -240,8 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "(Megatron's split; default 1); the other ranks are data parallel")
     tr.add_argument("--tp-overlap", default=None, choices=list(TP_OVERLAPS),
                     help="with --tp: none (default: each all-reduce waited where issued), domino (each "
-                         "micro-step's batch cut into --domino-p1 micro-batches whose all-reduces overlap compute) "
-                         "or auto (none and Domino's splits timed at the start, the fastest run; cached)")
+                         "micro-step's batch cut into --domino-p1 micro-batches whose all-reduces overlap compute), "
+                         "domino-copy (the same, its all-reduces copied through the GPUs' peer memory instead of "
+                         "NCCL's kernels, which slow the GEMMs beside them; one node with NVLink/P2P) or auto "
+                         "(none and Domino's splits timed at the start, the fastest run; cached)")
     tr.add_argument("--domino-p1", type=positive_int, default=None, help="Domino's micro-batches (default 2)")
     tr.add_argument("--domino-p2", type=positive_int, default=None,
                     help="Domino's column slices of each sub-layer's last linear (default 1: none)")

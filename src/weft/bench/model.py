@@ -8,7 +8,8 @@ two measurement devices with the dW scheduler on even where nothing communicates
 (its default: with no collective to fill, dW runs in place: the wrappers' own cost) and
 `defer-dw` (`in_place=False`: every dW deferred to the end of backward, what deferral costs
 with nothing to hide it under). With `--tp N` (dense presets: the blocks split over groups of N
-ranks, weft.tp) the modes are `tp` (Megatron's schedule), `domino` (Domino's, `--p1`/`--p2`) and
+ranks, weft.tp) the modes are `tp` (Megatron's schedule), `domino` (Domino's, `--p1`/`--p2`),
+`domino-copy` (Domino's with its all-reduces copied through peer memory: GPUs of one node) and
 `no-comm` (the TP all-reduces left out: not the model's function, so no `max_error`); an MoE
 preset's experts are then expert-parallel over the whole world, each TP rank routing its share of
 the tokens (weft.tp.TokenSplit; `no-comm` keeps those exchanges).
@@ -78,7 +79,7 @@ from weft.tune import run_until_tuned
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
 BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}
 MODES = ("none", "tutel", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw", *BALANCE_MODES)
-TP_MODES = ("tp", "domino", "no-comm")
+TP_MODES = ("tp", "domino", "domino-copy", "no-comm")
 
 
 @dataclass
@@ -148,7 +149,7 @@ class ModelBenchConfig(PresetChoice):
                           "mlp, router ... combine, head, loss, optimizer; forward and backward), from the "
                           "profiled iterations")
     tp: int = arg(1, "tensor parallelism (dense presets): split the blocks over groups of N ranks; modes tp, "
-                  "domino, no-comm", parse=positive_int)
+                  "domino, domino-copy, no-comm", parse=positive_int)
     p1: int = arg(2, "with --tp, mode domino: micro-batches", parse=positive_int)
     p2: int = arg(1, "with --tp, mode domino: column slices of each sub-layer's last linear", parse=positive_int)
     skew: float = arg(0.0, "bias every MoE layer's expert selection by -S ln(rank) over a fixed random ranking of "
@@ -162,12 +163,13 @@ class ModelBenchConfig(PresetChoice):
         known = TP_MODES if self.tp > 1 else MODES
         if not self.modes or any(m not in known for m in self.modes):
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}"
-                             + (f" (with --tp {self.tp})" if self.tp > 1 else " (tp, domino, no-comm need --tp)"))
+                             + (f" (with --tp {self.tp})" if self.tp > 1 else
+                                " (tp, domino, domino-copy, no-comm need --tp)"))
         cfg = self.model_config()
         if self.tp > 1 and cfg.moe_every and (self.batch_size * cfg.block_size) % self.tp:
             raise ValueError(f"--tp {self.tp}: each TP rank routes 1/{self.tp} of the tokens; {self.batch_size} x "
                              f"{cfg.block_size} do not divide evenly")
-        if self.tp > 1 and "domino" in self.modes and self.p1 > self.batch_size:
+        if self.tp > 1 and any(m.startswith("domino") for m in self.modes) and self.p1 > self.batch_size:
             raise ValueError(f"--p1 {self.p1} exceeds --batch-size {self.batch_size}: domino splits the batch")
         balancing = [m for m in self.modes if m in BALANCE_MODES]
         if balancing and not (cfg.moe_every and cfg.capacity_factor is None):

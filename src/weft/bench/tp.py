@@ -1,7 +1,8 @@
 """`weft bench tp`: forward + backward of a stack of tensor-parallel dense blocks (weft.tp) per
 schedule, side by side: `none` (Megatron: every all-reduce waited where it is issued), `domino`
 (Domino's row split into --p1 micro-batches and column split into --p2 slices, the all-reduces
-overlapped) and `no-comm` (the
+overlapped), `domino-copy` (the same with its all-reduces copied through the GPUs' peer memory,
+weft.tp.collectives.copy_all_reduce_) and `no-comm` (the
 all-reduces left out: the time an overlap can reach at best; not the model's function). A mode
 with `+graph` (GPUs) replays its forward and backward as one CUDA graph (weft.graphs), without the
 host's launch work (Domino sec. 4.3). The peers `megatron` (Megatron-Core's tensor-parallel
@@ -10,7 +11,7 @@ host's launch work (Domino sec. 4.3). The peers `megatron` (Megatron-Core's tens
 are installed and run; elsewhere their rows say why not.
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
-same batch. `domino` is checked against `none` on the first batch (`max_abs_error`: outputs and
+same batch. `domino` and `domino-copy` are checked against `none` on the first batch (`max_abs_error`: outputs and
 input gradients); the modes are then timed interleaved (weft.bench.timing), median per mode, and
 on GPUs a profiled run of each gives the communication hidden behind compute.
 """
@@ -46,7 +47,7 @@ class TPShape:
 # GPT-3 2.7B (Brown et al., table 2.1: 32 layers x 2560, 32 heads; MLP 4x), Domino's dense
 # model; `tiny` for the CPU.
 SHAPES = {"gpt3-2.7b": TPShape(2560, 32, 10240, 1024), "tiny": TPShape(64, 4, 256, 32)}
-MODES = ("none", "domino", "no-comm")
+MODES = ("none", "domino", "domino-copy", "no-comm")
 GRAPH_SUFFIX = "+graph"
 
 
@@ -61,7 +62,8 @@ class TPBenchConfig:
     p1: int = arg(2, "domino: micro-batches the batch is split into", parse=positive_int)
     p2: int = arg(1, "domino: column slices of each sub-layer's last linear (1: none; with p1 > 1 the hybrid)",
                   parse=positive_int)
-    modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, no-comm, each "
+    modes: tuple[str, ...] = arg(("none", "domino", "no-comm"), "comma-separated: none, domino, domino-copy (its "
+                                 "all-reduces copied through peer memory: GPUs of one node), no-comm, each "
                                  "optionally with +graph (one CUDA graph per step, GPUs), and the peers megatron "
                                  "(Megatron-Core's tensor-parallel block) and deepspeed (DeepSpeed's Domino), if "
                                  "installed; a mode listed twice is timed twice (the noise)", parse=names)

@@ -76,8 +76,9 @@ class PeerBuffers(ABC):
         """A new buffer on every rank (collective)."""
 
     @abstractmethod
-    def barrier(self) -> None:
-        """Every rank's earlier writes to any buffer are visible to every rank after this."""
+    def barrier(self, channel: int = 0) -> None:
+        """Every rank's earlier writes to any buffer are visible to every rank after this. Users
+        that may run at once on different streams take different channels."""
 
 
 class LocalPeers(PeerBuffers):
@@ -87,7 +88,7 @@ class LocalPeers(PeerBuffers):
         local = torch.zeros(shape, dtype=dtype, device=self.device)
         return PeerBuffer(local, [local], self._table([local]))
 
-    def barrier(self) -> None:
+    def barrier(self, channel: int = 0) -> None:
         pass
 
 
@@ -109,9 +110,9 @@ class SymmetricMemoryPeers(PeerBuffers):
         self._handle = handle
         return PeerBuffer(local, peers, self._table(peers))
 
-    def barrier(self) -> None:
+    def barrier(self, channel: int = 0) -> None:
         if self._handle is not None:
-            self._handle.barrier(channel=0)
+            self._handle.barrier(channel=channel)
 
 
 class SharedFilePeers(PeerBuffers):
@@ -136,7 +137,7 @@ class SharedFilePeers(PeerBuffers):
         peers = [p.view(shape) for p in peers]
         return PeerBuffer(peers[self.rank], peers, self._table(peers))
 
-    def barrier(self) -> None:
+    def barrier(self, channel: int = 0) -> None:
         dist.barrier(group=self.group)
 
 

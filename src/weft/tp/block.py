@@ -24,15 +24,17 @@ from weft.tp.collectives import gather_from_tp, split_to_tp
 from weft.tp.layers import TPMLP, TPAttention, load_shards
 from weft.tp.schedule import Domino, NoComm, Sequential, Stage
 
-SCHEDULES = {"none": Sequential, "domino": Domino, "no-comm": NoComm}
+SCHEDULES = ("none", "domino", "domino-copy", "no-comm")
 
 
 def make_schedule(name: str, p1: int = 2, p2: int = 1):
     """The schedule called `name` ('none', 'domino' with p1 micro-batches and p2 column slices,
-    'no-comm')."""
+    'domino-copy' the same with its all-reduces copied through peer memory, 'no-comm')."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown tensor-parallel overlap {name!r}; choose from {', '.join(SCHEDULES)}")
-    return Domino(p1, p2) if name == "domino" else SCHEDULES[name]()
+    if name.startswith("domino"):
+        return Domino(p1, p2, reduce="copy" if name == "domino-copy" else "group")
+    return Sequential() if name == "none" else NoComm()
 
 
 @dataclass(frozen=True)

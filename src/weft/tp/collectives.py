@@ -16,6 +16,14 @@ each rank of the group (Megatron-Core's sequence-parallel split around its MoE l
   in backward (the gradient of the gathered tensor is the same on every rank).
 
 A group of size 1 (or None with no process group) makes both the identity.
+
+`copy_all_reduce_` is the in-place sum of `all_reduce_` done through peer memory instead of the
+group's collective: Domino's asynchronous all-reduces (`weft.tp.schedule.Domino`, reduce="copy")
+run beside the GEMMs they hide behind, and NCCL's kernels there share the GEMMs' SMs: on 2 H100s
+with NVLink the GEMMs of Domino's graphed step took 6.9 ms of kernel time against 5.4 with the
+all-reduces left out (docs/benchmarks.md, "Why Domino's graphed step loses with NVLink"). A copy
+into the peer's memory is a memcpy over NVLink; what is left on the SMs is one add and two
+barriers.
 """
 from __future__ import annotations
 
@@ -23,7 +31,11 @@ import torch
 import torch.distributed as dist
 
 from weft.comm.all_to_all import ALL_GATHER
+from weft.comm.peers import PeerBuffers, peer_buffers, peers_unavailable
 from weft.distributed import group_rank, group_size
+
+# the peers' barrier channel of the copy all-reduce (Comet's kernels keep channel 0 of a group)
+COPY_REDUCE_CHANNEL = 1
 
 
 def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
@@ -31,6 +43,85 @@ def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
     if group_size(group) == 1:
         return None
     return dist.all_reduce(x, group=group, async_op=async_op)
+
+
+class CopyReduced:
+    """The handle of a `copy_all_reduce_` with async_op: `wait()` makes the current stream wait for
+    the sum (the work itself runs on the copy all-reduce's side stream; on the CPU it is done)."""
+
+    def __init__(self, done: torch.cuda.Event | None):
+        self.done = done
+
+    def wait(self) -> None:
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+
+
+class PeerCopyAllReduce:
+    """In-place sums over the ranks of `peers`' group by copies into peer memory
+    (`weft.comm.peers`: symmetric memory on GPUs that reach each other's, shared files on the CPU).
+
+    For a tensor of n elements every rank keeps a buffer of (world, n) that every rank can write;
+    rank r copies its tensor into row r of every peer's buffer, a barrier, each rank sums the
+    world's tensors in rank order (its own from the tensor, the others from its buffer: the same
+    operations in the same order on every rank, so every rank gets the same bits; with two ranks the
+    one add NCCL's sum does), and a second barrier keeps a buffer from being written again before
+    every rank has read it. On CUDA this runs on one side stream, like a collective's own stream:
+    the caller's stream waits for it through the handle. One buffer per size and dtype, allocated
+    at its first call (a collective: warm up before capturing a CUDA graph)."""
+
+    def __init__(self, peers: PeerBuffers):
+        self.peers = peers
+        self.side = torch.cuda.Stream(peers.device) if peers.device.type == "cuda" else None
+
+    def __call__(self, x: torch.Tensor, async_op: bool = False) -> CopyReduced | None:
+        if not x.is_contiguous():
+            raise ValueError("copy_all_reduce_ sums a contiguous tensor in place")
+        flat = x.view(-1)
+        buffer = self.peers.get("tp_copy_all_reduce", (self.peers.world, flat.numel()), flat.dtype)
+        if self.side is None:
+            self._reduce(flat, buffer)
+            return CopyReduced(None) if async_op else None
+        self.side.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(self.side):
+            self._reduce(flat, buffer)
+        x.record_stream(self.side)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        handle = CopyReduced(done)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def _reduce(self, flat: torch.Tensor, buffer) -> None:
+        rank, world = self.peers.rank, self.peers.world
+        for r in range(world):
+            if r != rank:
+                buffer.peers[r][rank].copy_(flat)
+        self.peers.barrier(COPY_REDUCE_CHANNEL)
+        parts = [flat if r == rank else buffer.local[r] for r in range(world)]
+        if world == 2:
+            torch.add(parts[0], parts[1], out=flat)
+        else:
+            total = parts[0] + parts[1]
+            for part in parts[2:]:
+                total += part
+            flat.copy_(total)
+        self.peers.barrier(COPY_REDUCE_CHANNEL)
+
+
+def copy_all_reduce_(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """`all_reduce_` through peer memory (`PeerCopyAllReduce`, one per group and device); the
+    handle when `async_op` (None for one rank). The ranks must reach each other's memory
+    (`weft.comm.peers.peers_unavailable`)."""
+    if group_size(group) == 1:
+        return None
+    why = peers_unavailable(group, x.device)
+    if why is not None:
+        raise ValueError(f"the copy all-reduce needs ranks that reach each other's memory: {why}")
+    peers = peer_buffers(group, x.device)
+    return peers.memo(("tp_copy_all_reduce",), lambda: PeerCopyAllReduce(peers))(x, async_op)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -22,7 +22,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 
-TP_OVERLAPS = ("none", "domino", "auto")
+TP_OVERLAPS = ("none", "domino", "domino-copy", "auto")
 CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
@@ -166,7 +166,7 @@ class TrainConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"train.{name} must be a positive integer, got {value!r}")
         if self.tp_overlap not in TP_OVERLAPS:
-            raise ValueError(f"train.tp_overlap must be 'none', 'domino' or 'auto', got {self.tp_overlap!r}")
+            raise ValueError(f"train.tp_overlap must be one of {', '.join(TP_OVERLAPS)}, got {self.tp_overlap!r}")
         if self.tp == 1:
             if self.tp_overlap != "none":
                 raise ValueError(f"train.tp_overlap {self.tp_overlap!r} overlaps tensor parallelism; set --tp > 1")
@@ -177,10 +177,10 @@ class TrainConfig:
         if self.overlap != "none":
             raise ValueError(f"--tp {self.tp}: --overlap {self.overlap} does not run with tensor parallelism; use "
                              "--tp-overlap domino")
-        if self.tp_overlap == "domino" and self.domino_p2 > model.dim:
+        if self.tp_overlap.startswith("domino") and self.domino_p2 > model.dim:
             raise ValueError(f"train.domino_p2 {self.domino_p2} exceeds the model width {model.dim}: Domino cuts each "
                              "sub-layer's output features into that many slices")
-        if self.tp_overlap == "domino" and self.domino_p1 > self.batch_size:
+        if self.tp_overlap.startswith("domino") and self.domino_p1 > self.batch_size:
             raise ValueError(f"train.domino_p1 {self.domino_p1} exceeds the batch size {self.batch_size}: Domino "
                              "cuts each micro-step's batch into that many micro-batches")
 

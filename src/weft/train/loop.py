@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from weft.comm.peers import peers_unavailable
 from weft.distributed import MoEGroups, build_moe_groups, group_rank, group_size, init_distributed
 from weft.graphs import CaptureError, time_graphed
 from weft.jsonfile import write_json
@@ -49,6 +50,10 @@ from weft.train.step import MicroSteps, build_micro_step, graph_blocker
 
 class DataError(ReportedError):
     """The training data cannot be used (missing, no text, a damaged cache, ...)."""
+
+
+class UnrunnableSetting(ReportedError):
+    """A setting these ranks cannot run (e.g. copies through peer memory the GPUs do not reach)."""
 
 
 class TrainingStopped(ReportedError):
@@ -282,6 +287,9 @@ def _lock_run_dir(run_dir: Path, rank: int, device: torch.device) -> RunLock | N
 
 def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     device, run_dir = ctx.device, cfg.run_dir
+    if cfg.tp_overlap == "domino-copy" and (why := peers_unavailable(groups.tp, device)) is not None:
+        raise UnrunnableSetting(f"--tp-overlap domino-copy copies through the peers' memory, which these ranks cannot "
+                                f"reach ({why}); use --tp-overlap domino")
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels,
@@ -455,10 +463,12 @@ def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, sta
     timer = (lambda schedules: time_graphed(fwd_bwd, schedules, (x, y), model.parameters())) if graphed else None
     shape = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # Domino's all-reduces copied through peer memory: a candidate where the GPUs reach each other's
+    copy = device.type == "cuda" and peers_unavailable(model.tp[0], device) is None
     key = (f"model-{shape}-batch{x.shape[0]}x{x.shape[1]}-tp{cfg.tp}-world{world}-{name}-torch{torch.__version__}"
-           f"-kernels-{cfg.kernels}{'-graphed' if graphed else ''}")
+           f"-kernels-{cfg.kernels}{'-graphed' if graphed else ''}{'-copy' if copy else ''}")
     schedule, report = choose_schedule(step, x.shape[0], model.config.dim, device, key,
-                                       token_cache_dir().parent / "tp_schedules.json", timer=timer)
+                                       token_cache_dir().parent / "tp_schedules.json", timer=timer, copy=copy)
     model.use_tp_schedule(schedule)
     if rank == 0:
         measured = "measured as CUDA graphs" if graphed else "measured"
