@@ -6,6 +6,8 @@ replay, so an overlapped GEMM that runs slower beside an all-reduce shows up her
 per GPU under torchrun, or one GPU alone:
 
     torchrun --nproc_per_node=2 scripts/tp_profile.py --config gpt3-2.7b --modes none+graph,domino+graph,no-comm+graph
+
+(`domino-copy` is Domino with its all-reduces copied through peer memory: kind `peer`.)
 """
 from __future__ import annotations
 
@@ -18,61 +20,20 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from weft.bench.tp import GRAPH_SUFFIX, SHAPES
-from weft.comm.peers import peer_buffers
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
 from weft.models.gpt import Block, GPTConfig, rotary_tables
 from weft.tp import TPBlock, TPStack, make_schedule
 from weft.tp import schedule as schedule_module
 
-KINDS = (("nccl", re.compile(r"nccl", re.I)), ("attention", re.compile(r"flash|fmha|attention", re.I)),
+KINDS = (("nccl", re.compile(r"nccl", re.I)), ("peer", re.compile(r"memcpy ptop|symmetric_memory", re.I)),
+         ("attention", re.compile(r"flash|fmha|attention", re.I)),
          ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|sm90_|sm80_", re.I)),
          ("copy", re.compile(r"copy|cat|memcpy|memset", re.I)))
 
 
 def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
-
-
-class _Done:
-    """An all-reduce on the side stream: `wait()` makes the current stream wait for it."""
-
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
-
-
-def copy_all_reduce(group, numel: int, device: torch.device):
-    """An in-place sum over 2 ranks: each copies its tensor into the peer's slot (symmetric
-    memory), a device barrier, then each adds the peer's copy to its own (p0 + p1 == p1 + p0:
-    the same bits on both). Two slots alternate: a slot is written again only after the barrier
-    that follows the peer's add of its last use."""
-    peers = peer_buffers(group, device)
-    if peers.world != 2:
-        raise SystemExit("--copy-reduce runs on 2 ranks")
-    slots = [peers.get(f"copy_reduce{k}", (numel,), torch.bfloat16) for k in range(2)]
-    side, calls = torch.cuda.Stream(), [0]
-
-    def all_reduce_(t: torch.Tensor, group, async_op: bool = False):
-        slot = slots[calls[0] % 2]
-        calls[0] += 1
-        flat = t.view(-1)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            slot.peers[1 - peers.rank][:flat.numel()].copy_(flat)
-            peers.barrier()
-            flat.add_(slot.local[:flat.numel()])
-        t.record_stream(side)
-        done = torch.cuda.Event()
-        done.record(side)
-        if not async_op:
-            _Done(done).wait()
-            return None
-        return _Done(done)
-
-    return all_reduce_
 
 
 def main() -> None:
@@ -93,10 +54,6 @@ def main() -> None:
     parser.add_argument("--split-only", action="store_true",
                         help="Domino's schedule with its all-reduces left out: what the split costs without the "
                              "communication beside it (not the model's function)")
-    parser.add_argument("--copy-reduce", action="store_true",
-                        help="Domino's all-reduces (2 ranks) as a copy of the partial sum into the peer's symmetric "
-                             "memory, a device barrier and a local add, on a side stream (no NCCL kernel beside "
-                             "the GEMMs; the copy is cudaMemcpy over NVLink)")
     args = parser.parse_args()
     if args.split_only:
         schedule_module.all_reduce_ = lambda t, group, async_op=False: None
@@ -115,8 +72,6 @@ def main() -> None:
                                         shape.n_head, group) for _ in range(args.layers)], group)
     rope = rotary_tables(seq, config.head_dim, config.rope_theta, ctx.device)
     x = torch.randn(args.batch_size, seq, shape.dim, device=ctx.device, dtype=torch.bfloat16)
-    if args.copy_reduce:
-        schedule_module.all_reduce_ = copy_all_reduce(group, x.numel(), ctx.device)
     reference = None  # the first mode's input gradient
     for mode in args.modes.split(","):
         schedule = make_schedule(mode.removesuffix(GRAPH_SUFFIX), args.p1, args.p2)
@@ -162,7 +117,7 @@ def main() -> None:
                 by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total / 3 / 1e3
             gpu_ms = sum(by_kind.values())
             print(f"\n== {mode} (p1 {args.p1}, p2 {args.p2}, carveout {args.carveout}, blas {args.blas}"
-                  f"{', split only' if args.split_only else ''}{', copy-reduce' if args.copy_reduce else ''}): "
+                  f"{', split only' if args.split_only else ''}): "
                   f"{timed_ms:.3f} ms per step ({args.timed} steps), max error vs the first mode {error:.1e}, "
                   f"profiled {wall_ms:.2f} ms, GPU kernel time "
                   f"{gpu_ms:.2f} ms (" + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_kind.items())) + ")")
