@@ -18,8 +18,9 @@
 #            and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
 #   tpgraph  TP training steps as CUDA graphs: their GPU test (graphed losses = eager losses), then
-#            `weft train --preset gpt3-2.7b --tp 2` graphed with --tp-overlap none and domino, NVLink
-#            and NCCL_P2P_DISABLE=1 (tokens/s and MFU, medians after step 4)
+#            `weft train --preset gpt3-2.7b --tp 2` graphed with --tp-overlap none and domino (and
+#            domino-copy with NVLink), NVLink and NCCL_P2P_DISABLE=1 (tokens/s and MFU, medians after step 4;
+#            one regime per call: REGIMES=nvlink)
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
@@ -83,7 +84,8 @@ part_domino() {
     grep -v "$QUIET" "$1/blocks_$regime.log" | tail -n 8
     # the steps captured as CUDA graphs with their NCCL all-reduces (apart: a failed capture stops the run)
     timeout 240 $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 \
-      --modes none,none+graph,domino+graph,domino,none+graph --steps 10 --warmup 3 \
+      --modes none,none+graph,domino+graph,domino,none+graph$([ "$regime" = nvlink ] && echo ,domino-copy+graph) \
+      --steps 10 --warmup 3 \
       --json "$1/graphs_$regime.json" > "$1/graphs_$regime.log" 2>&1
     grep -v "$QUIET" "$1/graphs_$regime.log" | tail -n 7
   done
@@ -104,9 +106,9 @@ part_tpgraph() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "tensor_parallel_training_replays" \
     > "$1/tests.log" 2>&1
   tail -n 3 "$1/tests.log"
-  for regime in p2p_disabled nvlink; do
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
     [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
-    for overlap in none domino; do
+    for overlap in none domino $([ "$regime" = nvlink ] && echo domino-copy); do
       timeout 110 python3 -m weft train --preset gpt3-2.7b --tp 2 --tp-overlap "$overlap" --batch-size 4 --steps 10 \
         --sample-tokens 0 --out "/tmp/weft_x2/tp_${regime}_$overlap" > "$1/train_${regime}_$overlap.log" 2>&1
       keep_metrics "/tmp/weft_x2/tp_${regime}_$overlap" "$1/train_${regime}_$overlap"
