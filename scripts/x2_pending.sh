@@ -13,7 +13,8 @@
 #            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
 #            of Trans and Agg under computation)
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
-#            Megatron-Core's block and DeepSpeed's Domino (bench tp; wheels carried in .whl/), and the
+#            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
+#            graphed, domino-copy with NVLink; wheels carried in .whl/), and the
 #            blocks' steps as CUDA graphs (none+graph / domino+graph), NVLink and NCCL_P2P_DISABLE=1,
 #            and `--tp-overlap auto`'s choice in a short run
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
@@ -79,9 +80,11 @@ part_domino() {
     $RUN bench model --preset gpt3-2.7b --tp 2 --batch-size 4 --modes tp,domino,no-comm,tp --steps 10 \
       --warmup 3 --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1
     grep -v "$QUIET" "$1/model_$regime.log" | tail -n 10
-    $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 --modes none,domino,no-comm,megatron,deepspeed,none \
+    # the peers (eager) in the same run as weft's graphed schedules (domino-copy where the GPUs reach each other)
+    $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 8 \
+      --modes none,domino,no-comm,megatron,deepspeed,none+graph,domino+graph$([ "$regime" = nvlink ] && echo ,domino-copy+graph),no-comm+graph \
       --steps 10 --warmup 3 --json "$1/blocks_$regime.json" > "$1/blocks_$regime.log" 2>&1
-    grep -v "$QUIET" "$1/blocks_$regime.log" | tail -n 8
+    grep -v "$QUIET" "$1/blocks_$regime.log" | tail -n 11
     # the steps captured as CUDA graphs with their NCCL all-reduces (apart: a failed capture stops the run)
     timeout 240 $RUN bench tp --config gpt3-2.7b --layers 4 --batch-size 4 \
       --modes none,none+graph,domino+graph,domino,none+graph$([ "$regime" = nvlink ] && echo ,domino-copy+graph) \
