@@ -185,11 +185,13 @@ def test_cli_refuses_to_overwrite_a_run(corpus, tmp_path, capsys):
     assert "already holds a run; pass --resume" in capsys.readouterr().err
 
 
-def poisoned_train(cfg: TrainConfig, bad_step: int) -> dict:
-    """`train` whose loss is NaN at `bad_step` only (a diverged step), on every rank."""
+def poisoned_train(cfg: TrainConfig, bad_step: int, late: bool = False) -> dict:
+    """`train` whose loss is NaN at `bad_step` only (a diverged step), on every rank; `late`: each
+    step's metrics read after the next step's micro-batches, as on GPUs."""
     from weft.train import loop
 
     real_step = loop._train_step
+    loop.reads_late = lambda device: late
 
     def train_step(model, optimizer, batches, step, *args, **kwargs):
         if step != bad_step:
@@ -213,33 +215,37 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-def test_a_diverged_step_stops_the_run_before_the_optimizer_step(corpus, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("late", [False, True])
+def test_a_diverged_step_stops_the_run_before_the_optimizer_step(corpus, tmp_path, monkeypatch, capsys, late):
     out = tmp_path / "run"
     cfg = config(corpus, out, steps=6, ckpt_interval=2, eval_interval=100)
     monkeypatch.setenv("WEFT_CACHE", str(tmp_path / "cache"))
     with pytest.raises(SystemExit) as stop:
-        launch(poisoned_train, (cfg, 3), nproc=2, device="cpu")
+        launch(poisoned_train, (cfg, 3, late), nproc=2, device="cpu")
     assert str(stop.value).startswith("weft: error: step 3: the gradient norm is nan")
     assert "\n" not in str(stop.value)  # one line, not a worker's traceback
     assert [r["step"] for r in _rows(out)] == [1, 2]  # nothing logged for the bad step
     assert latest_checkpoint(out).name == "step_2"  # the last good state stays the latest
 
 
-def test_on_nonfinite_skip_skips_the_step_and_trains_on(corpus, tmp_path):
+@pytest.mark.parametrize("late", [False, True])
+def test_on_nonfinite_skip_skips_the_step_and_trains_on(corpus, tmp_path, late):
     out = tmp_path / "run"
     cfg = config(corpus, out, steps=5, ckpt_interval=5, eval_interval=100, on_nonfinite="skip")
-    run_distributed(poisoned_train, 2, args=(cfg, 3), timeout=300, env={"WEFT_CACHE": str(tmp_path / "cache")})
+    run_distributed(poisoned_train, 2, args=(cfg, 3, late), timeout=300, env={"WEFT_CACHE": str(tmp_path / "cache")})
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert [r["skipped"] for r in rows] == [False, False, True, False, False]
     assert all(math.isfinite(r["loss"]) for r in rows if not r["skipped"])
 
 
-def traced_train(cfg: TrainConfig) -> list[tuple[str, int]]:
-    """`train` recording, in order, each step's launch and each read of a step's metrics."""
+def traced_train(cfg: TrainConfig, late: bool) -> list[tuple[str, int]]:
+    """`train` recording, in order, each step's launch and each read of a step's metrics, with the
+    reads late (as on GPUs) or not (the CPU's default)."""
     from weft.train import loop
 
     events, real_step, real_read = [], loop._train_step, loop._read_step
+    loop.reads_late = lambda device: late
 
     def train_step(model, optimizer, batches, step, *args, **kwargs):
         events.append(("launch", step))
@@ -255,19 +261,26 @@ def traced_train(cfg: TrainConfig) -> list[tuple[str, int]]:
 
 
 def test_the_host_reads_each_step_while_the_next_one_runs(corpus, tmp_path):
-    """A step's metrics (the host's first wait for the device since the step was launched) are
-    read after the next step's micro-batches are launched, except where an evaluation or a
-    checkpoint needs the step first; every step is read once and logged in order."""
-    out = tmp_path / "run"
-    cfg = config(corpus, out, steps=7, ckpt_interval=3, eval_interval=100)
-    events = run_distributed(traced_train, 1, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(tmp_path / "c")})[0]
-    assert events == [("launch", 1), ("launch", 2), ("read", 1), ("launch", 3), ("read", 2), ("read", 3),
-                      ("launch", 4), ("launch", 5), ("read", 4), ("launch", 6), ("read", 5), ("read", 6),
-                      ("launch", 7), ("read", 7)]
-    assert [r["step"] for r in _rows(out)] == list(range(1, 8))
+    """On GPUs a step's metrics (the host's first wait for the device since the step was launched)
+    are read after the next step's micro-batches are launched, except where an evaluation or a
+    checkpoint needs the step first; every step is read once and logged in order, with the losses
+    of a run that reads each step at once (the CPU's way: its ops have finished when they return)."""
+    runs = {}
+    for late in (True, False):
+        out = tmp_path / f"late-{late}"
+        cfg = config(corpus, out, steps=7, ckpt_interval=3, eval_interval=100)
+        events = run_distributed(traced_train, 1, args=(cfg, late), timeout=300,
+                                 env={"WEFT_CACHE": str(tmp_path / "c")})[0]
+        runs[late] = _rows(out)
+        assert [r["step"] for r in runs[late]] == list(range(1, 8))
+        assert events == ([("launch", 1), ("launch", 2), ("read", 1), ("launch", 3), ("read", 2), ("read", 3),
+                           ("launch", 4), ("launch", 5), ("read", 4), ("launch", 6), ("read", 5), ("read", 6),
+                           ("launch", 7), ("read", 7)] if late else
+                          [(what, s) for s in range(1, 8) for what in ("launch", "read")])
+    assert [r["loss"] for r in runs[True]] == [r["loss"] for r in runs[False]]
 
 
-def biased_poisoned_train(cfg: TrainConfig, bad_step: int) -> list[bool]:
+def biased_poisoned_train(cfg: TrainConfig, bad_step: int, late: bool) -> list[bool]:
     """`poisoned_train` returning, per step, whether the step moved the layers' selection bias."""
     from weft.train import loop
 
@@ -280,16 +293,17 @@ def biased_poisoned_train(cfg: TrainConfig, bad_step: int) -> list[bool]:
         return result
 
     loop._train_step = train_step
-    poisoned_train(cfg, bad_step)
+    poisoned_train(cfg, bad_step, late)
     return moved
 
 
-def test_a_skipped_step_leaves_the_expert_bias_where_it_was(corpus, tmp_path):
+@pytest.mark.parametrize("late", [False, True])
+def test_a_skipped_step_leaves_the_expert_bias_where_it_was(corpus, tmp_path, late):
     """--on-nonfinite skip with a selection bias: the bias follows every step's loads but the
     skipped one's (decided on the device, like the optimizer's skip)."""
     cfg = config(corpus, tmp_path / "run", steps=5, ckpt_interval=5, eval_interval=100, on_nonfinite="skip",
                  model={**SMALL_MODEL, "expert_bias_rate": 0.01})
-    moved = run_distributed(biased_poisoned_train, 2, args=(cfg, 3), timeout=300,
+    moved = run_distributed(biased_poisoned_train, 2, args=(cfg, 3, late), timeout=300,
                             env={"WEFT_CACHE": str(tmp_path / "cache")})[0]
     assert moved == [True, True, False, True, True]
     assert [r["skipped"] for r in _rows(tmp_path / "run")] == [False, False, True, False, False]

@@ -338,6 +338,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
     flops_per_token = model.flops_per_token(block)
     progress = Progress(start, cfg.steps, cfg.log_interval)
     val_loss, micro_steps, pending = None, None, None
+    late = reads_late(device)
     since = time.perf_counter()  # when the last logged step was read (or the loop, an evaluation, a checkpoint ended)
 
     def timed(row: dict) -> dict:
@@ -372,9 +373,9 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         if finished is not None:
             record(timed(finished), None)
         evaluates = step % cfg.eval_interval == 0 or step == cfg.steps
-        if not (evaluates or step % cfg.ckpt_interval == 0):
+        if late and not (evaluates or step % cfg.ckpt_interval == 0):
             continue  # read while the next step runs
-        # an evaluation or a checkpoint needs the step read (skipped or not) first
+        # read now: on the CPU, or where an evaluation or a checkpoint needs the step (skipped or not)
         finished, pending = timed(_read_step(pending, model, optimizer, cfg)), None
         val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups) if evaluates else None
         record(finished, val_loss)
@@ -489,6 +490,14 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
     if steps.graphed:
         log("weft train: each micro-step replays as one CUDA graph (--cuda-graphs off: eager)")
     return steps
+
+
+def reads_late(device: torch.device) -> bool:
+    """Whether the loop reads a step's metrics only after launching the next step's micro-batches:
+    on GPUs, whose kernels run behind the host. On the CPU every op has finished when it returns,
+    so there is nothing to overlap, and a late read would time each step from the middle of the
+    next one."""
+    return device.type == "cuda"
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
