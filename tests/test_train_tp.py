@@ -84,7 +84,7 @@ def one_rank_moe(corpus, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.parametrize("world, overlap, balance", [(2, "domino", "none"), (4, "none", "none"),
-                                                     (2, "domino", "pro-prophet")])
+                                                     (2, "domino", "pro-prophet"), (2, "domino-copy", "none")])
 def test_tensor_parallel_moe_training_has_the_losses_of_one_rank(corpus, one_rank_moe, tmp_path, world,  # noqa: F811
                                                                  overlap, balance):
     """`weft train --tp N` on an MoE model: attention and dense MLP split, experts over the world,
