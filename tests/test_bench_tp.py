@@ -28,6 +28,8 @@ def test_tiny_tp_benchmark_writes_well_formed_json(tmp_path):
         assert "decomposition" not in r  # GPU only
     assert rows[0]["max_abs_error"] == 0.0 and rows[1]["max_abs_error"] < 1e-5  # domino computes Megatron's function
     assert rows[2]["max_abs_error"] is None  # no-comm is not the model's function
+    for r in rows:  # the share of the no-communication time each schedule reaches
+        assert r["of_no_comm"] == pytest.approx(rows[2]["median_ms"] / r["median_ms"])
     shape = tp.SHAPES["tiny"]
     assert rows[0]["tflops_per_rank"] == pytest.approx(
         flops_per_step(shape, 2, 4, shape.seq_len) / 2 / (rows[0]["median_ms"] * 1e-3) / 1e12)

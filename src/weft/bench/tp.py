@@ -12,7 +12,8 @@ are installed and run; elsewhere their rows say why not.
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
 same batch. `domino` and `domino-copy` are checked against `none` on the first batch (`max_abs_error`: outputs and
-input gradients); the modes are then timed interleaved (weft.bench.timing), median per mode, and
+input gradients); the modes are then timed interleaved (weft.bench.timing), median per mode (with
+`speedup` over `none` and `of_no_comm`: no-comm's median over the mode's, graphed against graphed), and
 on GPUs a profiled run of each gives the communication hidden behind compute.
 """
 from __future__ import annotations
@@ -188,6 +189,7 @@ def run(bench: TPBenchConfig) -> dict:
         (r for r in rows if r["median_ms"] is not None), None)
     for row in rows:
         row["speedup"] = base["median_ms"] / row["median_ms"] if base and row["median_ms"] is not None else None
+        row["of_no_comm"] = _of_no_comm(row, rows)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report = {"meta": {"config": bench.config, **vars(shape), "seq_len": seq, "layers": bench.layers,
                        "batch_size": bench.batch_size, "p1": bench.p1, "p2": bench.p2, "tp": world, "device": name,
@@ -218,20 +220,34 @@ def _peer_step(name: str, shape: TPShape, config: GPTConfig, layers: int, seq: i
     return step, description
 
 
+def _of_no_comm(row: dict, rows: list[dict]) -> float | None:
+    """`no-comm`'s median over the row's: the share of the time with no communication at all that
+    the row reaches (1.0: all of it hidden at no cost); graphed rows against `no-comm+graph`,
+    eager ones against `no-comm`; None without that row or a time."""
+    ref_mode = "no-comm" + (GRAPH_SUFFIX if row["mode"].endswith(GRAPH_SUFFIX) else "")
+    ref = next((r for r in rows if r["mode"] == ref_mode and r["median_ms"] is not None), None)
+    if ref is None or row["median_ms"] is None or row["mode"] in TP_PEERS:
+        return None
+    return ref["median_ms"] / row["median_ms"]
+
+
 def print_table(report: dict) -> None:
     meta = report["meta"]
     print(f"\nweft bench tp: {meta['config']} ({meta['layers']} blocks of {meta['dim']} x {meta['hidden_dim']}, "
           f"{meta['n_head']} heads), batch {meta['batch_size']} x {meta['seq_len']}, TP {meta['tp']} x "
           f"{meta['device']}, {meta['dtype']}, domino p1 {meta['p1']} p2 {meta['p2']}, fwd+bwd"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
-    print(f"{'mode':>10} {'median ms':>10} {'iqr':>6} {'min':>8} {'speedup':>8} {'max err':>9} {'comm ms':>8} "
-          f"{'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
-    for r in report["results"]:
-        label = r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "")
+    labels = [r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "") for r in report["results"]]
+    width = max([10, *map(len, labels)])
+    print(f"{'mode':>{width}} {'median ms':>10} {'iqr':>6} {'min':>8} {'speedup':>8} {'no-comm':>8} {'max err':>9} "
+          f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8}")
+    for label, r in zip(labels, report["results"]):
         if r["median_ms"] is None:
-            print(f"{label:>10}  unavailable: {r['error'][:150]}")
+            print(f"{label:>{width}}  unavailable: {r['error'][:150]}")
             continue
         err = "n/a" if r["max_abs_error"] is None else f"{r['max_abs_error']:.1e}"
+        share = "" if r.get("of_no_comm") is None else f"{r['of_no_comm']:.0%}"
         comm, exposed, hidden = comm_cells(r)
-        print(f"{label:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {r['min_ms']:>8.3f} {r['speedup']:>7.2f}x "
-              f"{err:>9} {comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f}")
+        print(f"{label:>{width}} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {r['min_ms']:>8.3f} "
+              f"{r['speedup']:>7.2f}x {share:>8} {err:>9} {comm:>8} {exposed:>8} {hidden:>7} "
+              f"{r['tflops_per_rank']:>8.1f}")
