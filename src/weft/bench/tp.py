@@ -11,10 +11,11 @@ host's launch work (Domino sec. 4.3). The peers `megatron` (Megatron-Core's tens
 are installed and run; elsewhere their rows say why not.
 
 Every rank of the tensor-parallel group (the whole world) holds 1/tp of each block and gets the
-same batch. `domino` and `domino-copy` are checked against `none` on the first batch (`max_abs_error`: outputs and
-input gradients); the modes are then timed interleaved (weft.bench.timing), median per mode (with
-`speedup` over `none` and `of_no_comm`: no-comm's median over the mode's, graphed against graphed), and
-on GPUs a profiled run of each gives the communication hidden behind compute.
+same batch. `domino` and `domino-copy` are checked against `none` on the first batch
+(`max_abs_error`: outputs and input gradients); the modes are then timed interleaved
+(weft.bench.timing), median per mode (with `speedup` over `none` and `of_no_comm`: no-comm's
+median over the mode's, graphed against graphed), and on GPUs a profiled run of each gives the
+communication hidden behind compute.
 """
 from __future__ import annotations
 
