@@ -32,7 +32,7 @@
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
-#   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 8 and gpt2-s-moe batch 16,
+#   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
@@ -186,7 +186,7 @@ print('losses', ' '.join(f\"{r['loss']:.4f}\" for r in rows if 'loss' in r and r
 }
 
 part_mfu() {
-  RUNS="qwen2-moe-2l:8 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
+  RUNS="qwen2-moe-2l:12 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
     bash scripts/train_mfu.sh
 }
 
