@@ -22,9 +22,9 @@ from torch import nn
 from weft.distributed import group_size
 from weft.tp.collectives import gather_from_tp, split_to_tp
 from weft.tp.layers import TPMLP, TPAttention, load_shards
-from weft.tp.schedule import Domino, NoComm, Sequential, Stage
+from weft.tp.schedule import DOMINO_SCHEDULES, Domino, NoComm, Sequential, Stage
 
-SCHEDULES = ("none", "domino", "domino-copy", "no-comm")
+SCHEDULES = ("none", *DOMINO_SCHEDULES, "no-comm")
 
 
 def make_schedule(name: str, p1: int = 2, p2: int = 1):
@@ -32,8 +32,8 @@ def make_schedule(name: str, p1: int = 2, p2: int = 1):
     'domino-copy' the same with its all-reduces copied through peer memory, 'no-comm')."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown tensor-parallel overlap {name!r}; choose from {', '.join(SCHEDULES)}")
-    if name.startswith("domino"):
-        return Domino(p1, p2, reduce="copy" if name == "domino-copy" else "group")
+    if name in DOMINO_SCHEDULES:
+        return Domino(p1, p2, reduce=DOMINO_SCHEDULES[name])
     return Sequential() if name == "none" else NoComm()
 
 

@@ -117,11 +117,16 @@ def copy_all_reduce_(x: torch.Tensor, group: dist.ProcessGroup | None, async_op:
     (`weft.comm.peers.peers_unavailable`)."""
     if group_size(group) == 1:
         return None
-    why = peers_unavailable(group, x.device)
+    peers = peer_buffers(group, x.device)
+    return peers.memo(("tp_copy_all_reduce",), lambda: _copy_all_reduce(peers))(x, async_op)
+
+
+def _copy_all_reduce(peers: PeerBuffers) -> PeerCopyAllReduce:
+    """The group's copy all-reduce, built once (the check with it: not on every call)."""
+    why = peers_unavailable(peers.group, peers.device)
     if why is not None:
         raise ValueError(f"the copy all-reduce needs ranks that reach each other's memory: {why}")
-    peers = peer_buffers(group, x.device)
-    return peers.memo(("tp_copy_all_reduce",), lambda: PeerCopyAllReduce(peers))(x, async_op)
+    return PeerCopyAllReduce(peers)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -78,6 +78,8 @@ class NoComm:
 
 # how Domino's asynchronous all-reduces are done: the group's collective, or copies into peer memory
 REDUCES = {"group": all_reduce_, "copy": copy_all_reduce_}
+# Domino's schedule names (`weft.tp.make_schedule`, `--tp-overlap`) and the reduce each runs
+DOMINO_SCHEDULES = {"domino": "group", "domino-copy": "copy"}
 
 
 class Domino:
@@ -95,7 +97,7 @@ class Domino:
 
     @property
     def name(self) -> str:
-        return "domino" if self.reduce == "group" else "domino-copy"
+        return next(name for name, reduce in DOMINO_SCHEDULES.items() if reduce == self.reduce)
 
     def run(self, stages: Sequence[Stage], x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
         if not torch.is_grad_enabled():  # evaluation, sampling: no graphs to keep (and no overlap)

@@ -526,7 +526,7 @@ class PendingStep:
 
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
                 groups: MoEGroups, device: torch.device, micro_steps: MicroSteps, masters: MasterWeights,
-                lr: float = 0.0, previous: PendingStep | None = None) -> tuple[dict | None, PendingStep]:
+                lr: float, previous: PendingStep | None = None) -> tuple[dict | None, PendingStep]:
     """Launch one training step and read the `previous` one's metrics while its micro-batches run
     on the device: returns (the previous step's metrics, or None; this step, pending). The host
     reads the previous step before this step's optimizer update, whose launch depends on it (a
