@@ -29,6 +29,11 @@
 #   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
 #            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
+#   dedup    each token to a rank once (a2a_algo="dedup"; issues: Overlap that pays, Hardware speed): its
+#            GPU test (reference, graph replay, bitwise runs), the layer (plain / dedup / no-comm, eager
+#            at cf 1.0 and dropless, and as CUDA graphs at cf 1.0) for qwen2, phi35 and mixtral, and
+#            qwen2-moe-2l training with --a2a-algo linear / dedup, NCCL_P2P_DISABLE=1 and NVLink
+#            (REGIMES="p2p_disabled nvlink"; one regime per call fits)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
@@ -167,11 +172,42 @@ part_overlap() {
   unset NCCL_P2P_DISABLE
 }
 
-part_tutel() {
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "tutel_training_replays" > "$1/tests.log" 2>&1
+gpu_tests() {  # DIR PATTERN: the GPU tests matching PATTERN, their summary line
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "$2" > "$1/tests.log" 2>&1
   tail -n 2 "$1/tests.log"
+}
+
+set_regime() {  # nvlink | p2p_disabled (NCCL_P2P_DISABLE=1, the multi-node stand-in)
+  if [ "$1" = p2p_disabled ]; then export NCCL_P2P_DISABLE=1; else unset NCCL_P2P_DISABLE; fi
+}
+
+part_dedup() {
+  gpu_tests "$1" dedup
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
-    [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
+    set_regime "$regime"
+    for config in qwen2 phi35 mixtral; do
+      $RUN bench layer --config "$config" --capacity 1.0,dropless --dtype bf16 --activation relu --optimizer sgd \
+        --modes plain,dedup,no-comm,plain,dedup --steps 20 --warmup 5 --json "$1/layer_${config}_$regime.json" \
+        > "$1/layer_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 12
+      $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+        --modes plain+graph,dedup+graph,no-comm+graph,plain+graph,dedup+graph --steps 20 --warmup 5 \
+        --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 7
+    done
+    for algo in linear dedup linear dedup; do
+      echo "-- $regime --a2a-algo $algo"
+      RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
+        TRAIN_ARGS="--a2a-algo $algo" bash scripts/train_mfu.sh | tail -n 1
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
+part_tutel() {
+  gpu_tests "$1" tutel_training_replays
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
+    set_regime "$regime"
     for overlap in none tutel none; do
       echo "-- $regime --overlap $overlap"
       RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
@@ -195,7 +231,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap tutel mfu quality}; do
+for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap dedup tutel mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

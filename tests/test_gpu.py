@@ -14,7 +14,7 @@ from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
 from test_comet import kernels_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
-from test_moe_equivalence import GATES, equivalence_worker
+from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker
@@ -112,7 +112,7 @@ def test_blockwise_balance_schedule_computes_the_plain_model_on_nccl():
     assert not flat, "\n".join(flat[:15])
 
 
-def determinism_worker(dtypes, device, kernels: str = "auto") -> list[str]:
+def determinism_worker(dtypes, device, kernels: str = "auto", a2a_algo: str = "linear") -> list[str]:
     """Two forward+backward runs of the layer (kernels "auto": Triton on CUDA) on the same input give
     bitwise equal outputs and gradients, padded and dropless; the torch path's atomics do not promise it."""
     failures = []
@@ -120,7 +120,7 @@ def determinism_worker(dtypes, device, kernels: str = "auto") -> list[str]:
     for cap in (1.0, None):
         torch.manual_seed(0)
         moe = MoE(256, 512, 16, top_k=4, capacity_factor=cap, activation="gelu", dtype=dtypes[0], device=device,
-                  kernels=kernels)
+                  kernels=kernels, a2a_algo=a2a_algo)
         gen = torch.Generator(device=device).manual_seed(10 + rank)
         x = torch.randn(2048, 256, device=device, dtype=dtypes[0], generator=gen)
         dy = torch.randn(2048, 256, device=device, dtype=dtypes[0], generator=gen)
@@ -175,7 +175,7 @@ def test_comet_two_runs_are_bitwise_equal():
     assert not flat, "\n".join(flat[:15])
 
 
-def graph_worker(dtypes, device) -> list[str]:
+def graph_worker(dtypes, device, a2a_algo: str = "linear") -> list[str]:
     """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
     the eager step's outputs, input gradients and parameter gradients on new inputs (padded
     capacity, token and expert choice; bitwise with the Triton kernels, whose results are
@@ -186,11 +186,13 @@ def graph_worker(dtypes, device) -> list[str]:
 
     failures, rank = [], torch.distributed.get_rank()
     cases = (("topk", 1, "auto"), ("topk", 4, "auto"), ("bpr", 2, "torch"), ("expert_choice", 2, "auto"))
+    if a2a_algo == "dedup":  # token choice only
+        cases = cases[:3]
     for (gate, k, kernels), accumulate in itertools.product(cases, (True, False)):
         exact = kernels == "auto" and gate != "expert_choice"  # expert choice combines with torch's index_add
         torch.manual_seed(0)
         moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=1.0, activation="gelu", dtype=dtypes[0],
-                  device=device, kernels=kernels)
+                  device=device, kernels=kernels, a2a_algo=a2a_algo)
         params = list(moe.parameters())
         gen = torch.Generator(device=device).manual_seed(10 + rank)
         xs = [torch.randn(1024, 256, device=device, dtype=dtypes[0], generator=gen) for _ in range(3)]
@@ -239,6 +241,19 @@ def graph_worker(dtypes, device) -> list[str]:
 @needs_cuda
 def test_a_graphed_layer_step_equals_the_eager_one_on_nccl():
     flat = _check_on_every_gpu(graph_worker)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_dedup_exchange_on_nccl_matches_the_reference_replays_as_a_graph_and_is_bitwise_reproducible():
+    """a2a_algo="dedup" on every GPU: the dense reference (topk, every capacity mode, k 1/2/4, every
+    activation, bf16), a CUDA graph of its padded step equal to the eager one, two runs bitwise equal."""
+    world = torch.cuda.device_count()
+    flat = run_checks(equivalence_worker, world, args=("topk", (torch.bfloat16,), "cuda", "auto", ACTIVATIONS, "dedup"),
+                      backend="nccl", timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup"), backend="nccl", timeout=600)
+    flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup"), backend="nccl",
+                       timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

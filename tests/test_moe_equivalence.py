@@ -60,14 +60,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto",
-               bias=None, temperature=0.0) -> list[str]:
+               bias=None, temperature=0.0, a2a_algo="linear") -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     label = (f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
+             f" {a2a_algo}"
              f"{'' if bias is None else ' expert bias'}{f' temperature {temperature}' if temperature else ''}")
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
               normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels,
-              expert_bias=bias is not None, routing_temperature=temperature)
+              expert_bias=bias is not None, routing_temperature=temperature, a2a_algo=a2a_algo)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
     num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
     gen = torch.Generator().manual_seed(100 + rank)
@@ -145,21 +146,22 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
 
 
 def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: str = "auto",
-                       activations=ACTIVATIONS) -> list[str]:
+                       activations=ACTIVATIONS, a2a_algo: str = "linear") -> list[str]:
     caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
     failures = []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
+    case = dict(device=device, kernels=kernels, a2a_algo=a2a_algo)
     for cap, k, activation, dtype in itertools.product(caps, TOP_KS, activations, dtypes):
-        failures += check_case(gate, cap, k, activation, dtype, device=device, kernels=kernels)
+        failures += check_case(gate, cap, k, activation, dtype, **case)
     if gate in ("topk", "bpr"):
         for cap in TOKEN_CHOICE_CAPACITIES:
-            failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, device=device, kernels=kernels)
+            failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, **case)
     if gate in ("topk", "bpr", "cosine"):  # DeepSeek-V3's selection bias, against expert 0 the router favours
         for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):
-            failures += check_case(gate, cap, k, "gelu", dtypes[0], device=device, kernels=kernels, bias=EXPERT_BIAS)
+            failures += check_case(gate, cap, k, "gelu", dtypes[0], bias=EXPERT_BIAS, **case)
         for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):  # experts sampled in training
-            failures += check_case(gate, cap, k, "gelu", dtypes[0], device=device, kernels=kernels, temperature=0.7)
+            failures += check_case(gate, cap, k, "gelu", dtypes[0], temperature=0.7, **case)
     return failures
 
 
@@ -190,6 +192,26 @@ def test_triton_kernels_match_dense_reference(world_size, gate, monkeypatch):
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, world_size, args=(gate, DTYPES, "cpu", "triton", ("swiglu",)),
+                      timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size, gate, activations", [
+    (1, "topk", ACTIVATIONS), (2, "topk", ACTIVATIONS), (4, "topk", ACTIVATIONS),
+    (2, "bpr", ("gelu", "swiglu")), (2, "cosine", ("gelu", "swiglu")), (4, "random", ("gelu", "swiglu"))])
+def test_dedup_exchange_matches_dense_reference(world_size, gate, activations):
+    """a2a_algo="dedup" (each token sent to a rank once, its outputs summed there) against the
+    dense reference: every token-choice capacity mode, k 1, 2 and 4, float32 and bfloat16."""
+    flat = run_checks(equivalence_worker, world_size, args=(gate, DTYPES, "cpu", "auto", activations, "dedup"),
+                      timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+def test_dedup_exchange_with_triton_kernels_matches_dense_reference(monkeypatch):
+    """The same through the row kernels in Triton's CPU interpreter, on 2 ranks."""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup"),
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 

@@ -36,6 +36,7 @@ from weft.train.config import (
     FREE_ON_RESUME,
     MASTER_WEIGHTS,
     TP_OVERLAPS,
+    TRAIN_A2A_ALGOS,
     TrainConfig,
     config_changes,
     read_run_config,
@@ -88,8 +89,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "keep_last", "cuda_graphs", "master_weights",
-                "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "keep_last", "cuda_graphs",
+                "master_weights", "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -218,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs; comet: as auto, and Comet's fused expert GEMMs that "
                          "communicate tile by tile where the GPUs reach each other's memory")
+    tr.add_argument("--a2a-algo", default=None, choices=list(TRAIN_A2A_ALGOS),
+                    help="the MoE layers' all-to-all: linear (default: a row per routed slot) or dedup (a row per "
+                         "token and destination rank, the expert outputs summed there; same losses, fewer bytes)")
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")

@@ -67,7 +67,8 @@ PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 # benchmark's layer is built "adaptive" with a2a_algo "auto" so every mode can run on the same
 # weights. Modes compute the plain layer's function, except `no-comm`, which is a measurement
 # device. `dN`: Tutel's pipelining with degree N; `2dh`: Tutel's two-level all-to-all (nodes of
-# LOCAL_WORLD_SIZE ranks); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
+# LOCAL_WORLD_SIZE ranks); `dedup`: each token sent to a rank once, its outputs summed there
+# (weft.moe.dedup); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
 # experts than ranks): N model-parallel slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
 # dictionary picks among them. `torch`: plain with PyTorch's index ops for dispatch and combine (the
 # path before the Triton kernels; `plain` takes the layer's default, "auto"). `comet`: Comet's fused
@@ -82,6 +83,7 @@ MODES: dict[str, dict] = {
     "d4": {**PLAIN, "overlap_degree": 4},
     "d8": {**PLAIN, "overlap_degree": 8},
     "2dh": {**PLAIN, "a2a_algo": "2dh"},
+    "dedup": {**PLAIN, "a2a_algo": "dedup"},
     "r0": {**PLAIN, "parallel": 0},
     "r1": PLAIN,
     "r2": {**PLAIN, "parallel": 2},

@@ -17,7 +17,7 @@ from weft.moe.gates import GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
 
-A2A_ALGOS = ("linear", "2dh", "auto")
+A2A_ALGOS = ("linear", "2dh", "dedup", "auto")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class MoECall:
     top_k: experts per token (expert choice: the capacity multiplier).
     capacity_factor: > 0 fixed, 0 no-drop, < 0 bounded no-drop, None dropless (docs/moe.md).
     overlap_degree: Tutel's pipelining degree d, or "auto" (the tuning dictionary decides).
-    a2a_algo: "linear", "2dh" or "auto".
+    a2a_algo: "linear", "2dh", "dedup" (each token sent to a rank once: `weft.moe.dedup`) or "auto".
     parallel_r: Tutel's r fixed by the call; None lets an "adaptive" layer tune it (r = 1 otherwise).
     communicate: False keeps every row on its rank while the local experts do the same work (the
         no-communication bound benchmarks measure); the output is then NOT the layer's function.
@@ -107,9 +107,11 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
     if call.kernels not in KERNELS:
         raise ValueError(f"unknown kernels {call.kernels!r}; choose one of {', '.join(KERNELS)}")
     if call.a2a_algo not in A2A_ALGOS:
-        raise ValueError(f"unknown a2a_algo {call.a2a_algo!r}; choose 'linear', '2dh' or 'auto'")
+        raise ValueError(f"unknown a2a_algo {call.a2a_algo!r}; choose one of {', '.join(A2A_ALGOS)}")
     if call.a2a_algo == "2dh" and cf is None:
         raise ValueError("a2a_algo='2dh' needs a padded capacity mode: dropless exchanges uneven splits")
+    if call.a2a_algo == "dedup":
+        check_dedup(call, gate, expert_shards)
     if expert_shards > 1:
         ep_size = expert_shards * num_experts
         if parallel != "adaptive":
@@ -120,6 +122,22 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
         if degree not in (1, "auto") and cf is None:
             raise ValueError(f"overlap_degree > 1 with fewer experts ({num_experts}) than ranks ({ep_size}) needs a "
                              f"padded capacity mode (capacity_factor not None); dropless runs degree 1 there")
+
+
+def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
+    """ValueError naming what a2a_algo='dedup' (`weft.moe.dedup`) cannot run with."""
+    if gate == "expert_choice":
+        raise ValueError("a2a_algo='dedup' needs a token-choice gate: with expert choice a token takes a varying "
+                         "number of slots")
+    if expert_shards > 1:
+        raise ValueError("a2a_algo='dedup' needs whole experts on each rank (num_experts >= the expert-parallel size)")
+    if call.overlap_degree != 1:
+        raise ValueError(f"a2a_algo='dedup' runs one exchange each way: overlap_degree must be 1, "
+                         f"got {call.overlap_degree!r}")
+    if call.kernels == "comet":
+        raise ValueError("a2a_algo='dedup' and kernels='comet' are two exchanges; choose one")
+    if call.parallel_r not in (None, 1):
+        raise ValueError(f"a2a_algo='dedup' is expert parallelism (r = 1), got parallel={call.parallel_r!r}")
 
 
 def check_parallel_r(r, parallel: str, choices: list[int], num_experts: int, ep_size: int, shards: int) -> None:

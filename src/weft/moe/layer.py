@@ -24,6 +24,7 @@ from weft.balance import ExpertBalancer, LayerCostModel, nominal_cost_model
 from weft.comm.peers import PeerBuffers, peer_buffers, peers_unavailable
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group, side_group
 from weft.kernels.rows import use_triton
+from weft.moe import dedup
 from weft.moe.config import (
     BALANCE_CHOICES,
     MoECall,
@@ -230,7 +231,7 @@ class MoE(nn.Module):
 
     def _usable(self, call: MoECall) -> MoECall:
         """`call`, unless it needs 2DH groups this layer did not build (at construction: a collective)."""
-        if call.a2a_algo != "linear" and self.placement.groups_2dh is None:
+        if call.a2a_algo in ("2dh", "auto") and self.placement.groups_2dh is None:
             raise ValueError(f"a2a_algo={call.a2a_algo!r} needs a layer built with a2a_algo '2dh' or 'auto'")
         return call
 
@@ -239,6 +240,9 @@ class MoE(nn.Module):
 
     def _check(self, call: MoECall) -> None:
         check_settings(call, *self._shape())
+        if call.a2a_algo == "dedup" and self.balancer is not None:
+            raise ValueError("a2a_algo='dedup' does not run Pro-Prophet's copied experts; use a2a_algo='linear' "
+                             "with balance='pro-prophet'")
 
     def parallel_choices(self) -> list[int]:
         """The r this layer can run: 0 (data parallel) and the divisors of W / E (1 when E >= W)."""
@@ -287,7 +291,9 @@ class MoE(nn.Module):
         self.record(routing.summary)
         # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
         tokens_TD = tokens_TD.to(self.experts.compute_dtype(tokens_TD))
-        if routing.capacity is None:
+        if call.a2a_algo == "dedup" and call.communicate and self.ep_size > 1:
+            y_TD = self._deduplicated(tokens_TD, routing, call, x.dtype, transfer)
+        elif routing.capacity is None:
             y_TD = self._dropless(tokens_TD, routing, call, x.dtype, transfer)
         else:
             y_TD = self._padded(tokens_TD, routing, call, x.dtype)
@@ -389,6 +395,17 @@ class MoE(nn.Module):
                 return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
             return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
                            tokens_TD.shape[0], routing.kept_S)
+
+    def _deduplicated(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype,
+                      transfer: Transfer | None) -> torch.Tensor:
+        """Dispatch, exchange and combine with each token sent to a rank once (`weft.moe.dedup`)."""
+        if transfer is not None and transfer.copied:
+            raise ValueError("a2a_algo='dedup' does not run Pro-Prophet's copied experts (a transfer was given)")
+        fused = use_triton(call.kernels, tokens_TD)
+        if routing.capacity is not None:
+            return dedup.padded(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
+                                same_tokens=call.capacity_factor > 0)
+        return dedup.dropless(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused)[0]
 
     def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall,
                   out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:

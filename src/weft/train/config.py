@@ -27,6 +27,7 @@ CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
+TRAIN_A2A_ALGOS = ("linear", "dedup")
 
 
 @dataclass
@@ -60,6 +61,9 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "def "
     kernels: str = "auto"  # weft.MoE's kernels: "auto", "torch", "triton" or "comet" (fused expert GEMMs)
+    # the MoE layers' all-to-all: "linear" (a row per routed slot) or "dedup" (a row per token and
+    # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes)
+    a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"
     # Pro-Prophet's performance model: "measured" (the model profiled on this machine at the start,
@@ -128,6 +132,15 @@ class TrainConfig:
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"train.kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
+        if self.a2a_algo not in TRAIN_A2A_ALGOS:
+            raise ValueError(f"train.a2a_algo must be one of {', '.join(TRAIN_A2A_ALGOS)}, got {self.a2a_algo!r}")
+        if self.a2a_algo == "dedup":
+            for name, value, plain in (("overlap", self.overlap, "none"), ("balance", self.balance, "none")):
+                if value != plain:
+                    raise ValueError(f"train.a2a_algo 'dedup' runs one exchange each way; it does not combine "
+                                     f"with {name} {value!r} (use {name} {plain!r} or a2a_algo 'linear')")
+            if self.kernels == "comet":
+                raise ValueError("train.a2a_algo 'dedup' and kernels 'comet' are two exchanges; choose one")
         if self.balance not in BALANCE:
             raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
         if isinstance(self.balance_n, bool) or not isinstance(self.balance_n, int) or self.balance_n < 1:
@@ -224,8 +237,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "fused_optimizer", "master_weights", "keep_last", "cuda_graphs", "balance",
-                            "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
+                            "kernels", "a2a_algo", "fused_optimizer", "master_weights", "keep_last", "cuda_graphs",
+                            "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

@@ -1,0 +1,227 @@
+"""Each token crosses to a rank once: the all-to-alls of expert parallelism without repeated rows.
+
+With top-k routing a token's k slots often land on experts of the same rank (qwen2-like E64 k4 on
+2 ranks: 4 slots, on average 1.9 ranks), and the plain exchange sends its row once per slot, there
+and back. This exchange (`a2a_algo="dedup"`) sends it once per destination rank, as DeepEP's
+dispatch does (its `is_token_in_rank`), and sums a token's outputs on each rank before they
+return:
+
+- dispatch: the source sends each (token, rank) pair once (rows grouped by destination, then
+  token), and beside them one small record per routed slot: which of those rows it reads and
+  where the gate of that slot is (`pair * K + j`, K = min(k, local experts), j counting the
+  token's earlier slots on that rank), with the slot's gate;
+- the rank expands the received rows into the layout its experts compute (padded: Tutel's
+  Flexible layout (El, W * C, dim) straight away, so no layout copies either; dropless: grouped
+  by local expert) with the row kernels of `weft.moe.dispatch` (deterministic on GPUs);
+- combine: the rank multiplies each output by its gate and sums a token's outputs (float32, then
+  the compute dtype), returning one row per pair; the source sums the ranks' rows in rank order.
+
+Same routing, same drops, same function as the plain layer: the expert outputs are those of the
+plain exchange; the gate-weighted sum is associated by rank (the plain combine sums the k slots in
+slot order), and each rank's partial sum travels in the compute dtype: fp32 layers agree with the
+plain one to float rounding, bf16 ones to bf16 rounding. Gradients follow by autograd through the
+same differentiable pieces (row kernels, all-to-alls, the gates' scatter).
+
+Bytes: fewer whenever some token has two slots on one rank. Padded modes send a fixed
+min(T, El * C) rows per destination (no host synchronisation: T tokens can need at most T
+pairs, and C slots per expert at most El * C): fewer than the plain El * C when k * cf > W
+(qwen2-like on 2 ranks: half). Dropless sends exactly the pairs.
+
+Not with: expert choice (a token takes a varying number of slots), fewer experts than ranks,
+pipelining (d > 1), Comet's kernels, Pro-Prophet's copies (`weft.moe.config.check_call`).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from weft.comm import all_to_all
+from weft.distributed import group_rank
+from weft.hostcopy import device_tensor
+from weft.kernels import rows as row_kernels
+from weft.moe.dispatch import SlotRows, combine_rows, dispatch_rows
+from weft.moe.exchange.base import ExpertPlacement, Grouped, gather_counts
+from weft.moe.experts import Experts
+from weft.moe.routing import Routing
+from weft.profiling import stage
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The (token, rank) pairs of this rank's tokens: `need_TW[t, r]`, whether token t has a kept
+    slot on rank r; `offset_TW[t, r]`, its pair's place among this rank's pairs for rank r (token
+    order); `rank_TK[t, j]`, the rank of slot j's expert (W where the slot is dropped);
+    `earlier_TK[t, j]`, the token's earlier kept slots on that rank; `K`, the most slots a token
+    has on one rank, min(k, local experts)."""
+
+    need_TW: torch.Tensor
+    offset_TW: torch.Tensor
+    rank_TK: torch.Tensor
+    earlier_TK: torch.Tensor
+    K: int
+
+    @classmethod
+    def of(cls, routing: Routing, num_tokens: int, top_k: int, local: int, world: int) -> Pairs:
+        rank_TK = (routing.experts_S // local).view(num_tokens, top_k)
+        if routing.kept_S is not None:  # a dropped slot: a rank past the last, cut off below
+            rank_TK = torch.where(routing.kept_S.view(num_tokens, top_k), rank_TK, world)
+        need_TW = rank_TK.new_zeros(num_tokens, world + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :world]
+        earlier_TK = (rank_TK.unsqueeze(2) == rank_TK.unsqueeze(1)).tril(-1).sum(2)
+        return cls(need_TW, need_TW.long().cumsum(0) - 1, rank_TK, earlier_TK, min(top_k, local))
+
+    def counts(self) -> torch.Tensor:
+        """(W,) the pairs this rank sends each rank."""
+        return self.need_TW.sum(0)
+
+    def records(self, start_W: torch.Tensor | int) -> torch.Tensor:
+        """(T * k,) each slot's record on its expert's rank, `unit * K + j'` with unit the pair's
+        row among the rows that rank receives (this rank's pairs for rank r from `start_W[r]`);
+        -1 for a dropped slot."""
+        world = self.need_TW.shape[1]
+        unit_TK = (self.offset_TW + start_W).gather(1, self.rank_TK.clamp(max=world - 1))
+        return torch.where(self.rank_TK < world, unit_TK * self.K + self.earlier_TK, -1).view(-1)
+
+    def send_rows(self, start_W: torch.Tensor, size: int) -> SlotRows:
+        """The send buffer of `size` rows, rank r's pairs from row `start_W[r]`: for each token its
+        row on each rank (-1: none) and for each row its pair's id, token * W + rank."""
+        T, world = self.need_TW.shape
+        rows_TW = torch.where(self.need_TW, self.offset_TW + start_W, -1)
+        ids_TW = torch.arange(T * world, device=rows_TW.device).view(T, world)
+        slot_of_row = torch.full((size + 1,), -1, dtype=torch.long, device=rows_TW.device)
+        slot_of_row.scatter_(0, torch.where(rows_TW >= 0, rows_TW, size).view(-1), ids_TW.view(-1))
+        return SlotRows(rows_TW, slot_of_row[:size])
+
+
+def gather_slots(x_TD: torch.Tensor, slot_rows: SlotRows, fused: bool) -> torch.Tensor:
+    """Row r of the result is x[slot_of_row[r] // k], 0 where unused (`dispatch_rows`; the
+    reference, differentiated by autograd, where not `fused`)."""
+    if fused:
+        return dispatch_rows(x_TD, slot_rows)
+    return row_kernels.gather_rows_reference(x_TD, slot_rows.slot_of_row_R, divisor=slot_rows.top_k)
+
+
+def sum_slots(src_RD: torch.Tensor, weights_TK: torch.Tensor, slot_rows: SlotRows, out_dtype: torch.dtype,
+              fused: bool) -> torch.Tensor:
+    """Row t of the result is sum_j weights[t, j] * src[rows[t, j]] in float32, cast to
+    `out_dtype` (`combine_rows`; the reference, differentiated by autograd, where not `fused`)."""
+    if fused:
+        return combine_rows(src_RD, weights_TK, slot_rows, out_dtype)
+    return row_kernels.weighted_row_sum_reference(src_RD, slot_rows.rows_TK, weights_TK, out_dtype)
+
+
+def slot_map(slot_R: torch.Tensor, units: int, per_unit: int) -> SlotRows:
+    """The SlotRows of rows holding the slots `slot_R` (-1: an unused row) of `units` units with
+    `per_unit` slots each (each slot in at most one row)."""
+    size = units * per_unit
+    rows = torch.full((size + 1,), -1, dtype=torch.long, device=slot_R.device)
+    rows.scatter_(0, torch.where(slot_R >= 0, slot_R, size), torch.arange(slot_R.shape[0], device=slot_R.device))
+    return SlotRows(rows[:size].view(units, per_unit), slot_R)
+
+
+def scatter_slots(values_R: torch.Tensor, slot_R: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
+    """(size,) with values[r] at slot[r] and `fill` elsewhere (-1 slots left out), float32 for
+    floating values (differentiable), else their dtype."""
+    dtype = torch.float32 if values_R.is_floating_point() else values_R.dtype
+    out = torch.full((size + 1,), fill, dtype=dtype, device=values_R.device)
+    return out.scatter(0, torch.where(slot_R >= 0, slot_R, size), values_R.to(dtype))[:size]
+
+
+def combine_ranks(back_PD: torch.Tensor, send_rows: SlotRows, out_dtype: torch.dtype, fused: bool) -> torch.Tensor:
+    """Each token's output: the sum of its ranks' returned rows, in rank order (float32)."""
+    ones_TW = torch.ones(send_rows.rows_TK.shape, dtype=torch.float32, device=back_PD.device)
+    return sum_slots(back_PD, ones_TW, send_rows, out_dtype, fused)
+
+
+def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement, top_k: int,
+           out_dtype: torch.dtype, fused: bool, same_tokens: bool) -> torch.Tensor:
+    """The padded layer's dispatch, exchange and combine, each token sent to a rank once (module
+    docstring): fixed-size all-to-alls, no host synchronisation. `same_tokens`: every rank of the
+    group routes the same number of tokens (cf > 0, checked by `MoE` at its first call); else
+    (cf <= 0 agrees on C, not on T) each source's block is El * C rows."""
+    W, El, E, C = placement.ep_size, placement.num_local, placement.num_experts, routing.capacity
+    T, D = tokens_TD.shape
+    block = min(T, El * C) if same_tokens else El * C  # a token needs a rank once; a rank takes El * C slots
+    device, me = tokens_TD.device, group_rank(placement.group)
+    with stage("dispatch"):
+        pairs = Pairs.of(routing, T, top_k, El, W)
+        send_rows = pairs.send_rows(block * torch.arange(W, device=device), W * block)
+        sent_PD = gather_slots(tokens_TD, send_rows, fused)
+        # each kept slot's record and gate at its padded row e * C + position (-1 / 0: unused)
+        slot_S = pairs.records(me * block)
+        row_S = torch.where(slot_S >= 0, routing.experts_S * C + routing.positions_S, -1)
+        record_R = scatter_slots(slot_S, row_S, E * C, fill=-1)
+        gate_R = scatter_slots(routing.gates_S, row_S, E * C)
+    with stage("exchange"):
+        group = placement.group
+        with stage("all_to_all"):
+            received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * block
+            record_R = all_to_all(record_R, group)
+            gate_R = all_to_all(gate_R, group)
+        # the experts' rows straight in Tutel's Flexible layout (El, W * C), from (W, El, C) records
+        slot_R = record_R.view(W, El, C).transpose(0, 1).reshape(-1)
+        gate_R = gate_R.view(W, El, C).transpose(0, 1).reshape(-1)
+        partial_PD = experts_on_pairs(received_PD, slot_R, gate_R, W * block, pairs.K,
+                                      lambda rows_RD: experts(rows_RD.view(El, W * C, D)).view(-1, D), fused)
+        with stage("all_to_all"):
+            back_PD = all_to_all(partial_PD, group)
+    with stage("combine"):
+        return combine_ranks(back_PD, send_rows, out_dtype, fused)
+
+
+def experts_on_pairs(received_PD: torch.Tensor, slot_R: torch.Tensor, gate_R: torch.Tensor, units: int, K: int,
+                     compute: Callable[[torch.Tensor], torch.Tensor], fused: bool) -> torch.Tensor:
+    """On the experts' rank: the received pair rows expanded to one row per record (`slot_R`, in
+    the order the experts compute; -1: an unused row), `compute` (the experts on those rows), and
+    each pair's gate-weighted sum of its outputs (`gate_R`), in the compute dtype: (units, D)."""
+    expert_rows = slot_map(slot_R, units, K)
+    out_RD = compute(gather_slots(received_PD, expert_rows, fused))
+    gates_UK = scatter_slots(gate_R, slot_R, units * K).view(units, K)
+    return sum_slots(out_RD, gates_UK, expert_rows, out_RD.dtype, fused)
+
+
+def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement, top_k: int,
+             out_dtype: torch.dtype, fused: bool) -> tuple[torch.Tensor, Grouped]:
+    """The dropless layer's dispatch, exchange and combine with each token sent to a rank once
+    (module docstring): all-to-allv of exactly the pairs; every rank's expert counts and pair
+    counts read to the host in one all-gather (the call's one synchronisation). Returns the
+    output and the layout (every rank's expert counts)."""
+    W, El, E = placement.ep_size, placement.num_local, placement.num_experts
+    T = tokens_TD.shape[0]
+    group, device = placement.group, tokens_TD.device
+    pairs = Pairs.of(routing, T, top_k, El, W)
+    counted = gather_counts(torch.cat([routing.counts_E, pairs.counts().to(routing.counts_E.dtype)]), group)
+    counts_WE = tuple(row[:E] for row in counted.counts_WE)
+    pairs_WW = tuple(row[E:] for row in counted.counts_WE)  # pairs_WW[s][r]: pairs source s sends rank r
+    layout, me = Grouped(routing.counts_E, counts_WE, counted.rank), counted.rank
+    send_pairs, recv_pairs = list(pairs_WW[me]), [row[me] for row in pairs_WW]
+    with stage("dispatch"):
+        send_rows = pairs.send_rows(device_tensor([sum(send_pairs[:r]) for r in range(W)], device), sum(send_pairs))
+        sent_PD = gather_slots(tokens_TD, send_rows, fused)
+        # records by expert (grouped by rank, then local expert); this rank's pairs for rank r
+        # follow those of the ranks before it there
+        start_W = device_tensor([sum(row[r] for row in pairs_WW[:me]) for r in range(W)], device)
+        record_S = pairs.records(start_W).index_select(0, routing.order_S)
+        gate_S = routing.gates_S.index_select(0, routing.order_S)
+    send_slots = [sum(layout.mine[r * El:(r + 1) * El]) for r in range(W)]
+    received = [list(row[me * El:(me + 1) * El]) for row in counts_WE]  # [source][local expert]
+    recv_slots = [sum(r) for r in received]
+    with stage("exchange"):
+        with stage("all_to_all"):
+            received_PD = all_to_all(sent_PD, group, recv_pairs, send_pairs)
+            record_R = all_to_all(record_S, group, recv_slots, send_slots)
+            gate_R = all_to_all(gate_S, group, recv_slots, send_slots)
+        # records arrive [source][local expert]; the experts take them grouped by local expert
+        recv_counts = device_tensor([n for row in received for n in row], device)
+        expert_of_row = torch.arange(El, device=device).repeat(W).repeat_interleave(
+            recv_counts, output_size=sum(recv_slots))
+        by_expert = torch.sort(expert_of_row, stable=True).indices
+        per_expert = [sum(r[i] for r in received) for i in range(El)]
+        partial_PD = experts_on_pairs(received_PD, record_R.index_select(0, by_expert),
+                                  gate_R.index_select(0, by_expert), sum(recv_pairs), pairs.K,
+                                  lambda rows_RD: experts.forward_grouped(rows_RD, per_expert), fused)
+        with stage("all_to_all"):
+            back_PD = all_to_all(partial_PD, group, send_pairs, recv_pairs)
+    with stage("combine"):
+        return combine_ranks(back_PD, send_rows, out_dtype, fused), layout

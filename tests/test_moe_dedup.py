@@ -1,0 +1,154 @@
+"""a2a_algo="dedup" (weft.moe.dedup): each token crosses to a rank once. Its function is proven
+against the dense reference in tests/test_moe_equivalence.py; here: the bytes it sends, the
+plain layer's outputs and gradients over training steps, what it refuses, and `weft train`."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_train import SMALL_MODEL, config, losses, write_corpus
+from weft import MoE
+from weft.testing import Checks, run_checks, run_distributed
+from weft.train.config import TrainConfig
+from weft.train.loop import train
+
+DIM, HIDDEN, EXPERTS, TOKENS = 16, 24, 8, 32
+
+
+def recorded_rows(moe: MoE, x: torch.Tensor) -> list[int]:
+    """Forward and backward of `moe` on x, returning the rows each DIM-wide float all-to-all sent."""
+    sent, exchange = [], dist.all_to_all_single
+
+    def recording(out, inp, *args, **kwargs):
+        if inp.is_floating_point() and inp.dim() == 2 and inp.shape[1] == DIM:
+            sent.append(inp.shape[0])
+        return exchange(out, inp, *args, **kwargs)
+
+    dist.all_to_all_single = recording
+    try:
+        moe(x.requires_grad_()).sum().backward()
+    finally:
+        dist.all_to_all_single = exchange
+    return sent
+
+
+def bytes_worker(top_k: int) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank} k={top_k}")
+    local = EXPERTS // world
+    for cf in (None, 1.0):
+        torch.manual_seed(0)
+        plain = MoE(DIM, HIDDEN, EXPERTS, top_k=top_k, capacity_factor=cf)
+        dedup = MoE(DIM, HIDDEN, EXPERTS, top_k=top_k, capacity_factor=cf, a2a_algo="dedup")
+        dedup.load_state_dict(plain.state_dict())
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(rank))
+        plain_rows, dedup_rows = recorded_rows(plain, x.clone()), recorded_rows(dedup, x.clone())
+        experts_TK = torch.topk(plain.router(x), top_k).indices
+        pairs = len({(t, int(e) // local) for t in range(TOKENS) for e in experts_TK[t]})
+        capacity = plain.stats.capacity
+        if cf is None:  # exactly the pairs: this rank's out (forward dispatch, backward of the return),
+            # and the others' pairs for it back (forward return, backward of the dispatch)
+            totals = torch.tensor([pairs, dedup_rows[1], dedup_rows[3]])
+            dist.all_reduce(totals)
+            checks.expect(plain_rows[0::2] == [TOKENS * top_k] * 2, f"dropless plain rows {plain_rows}")
+            checks.expect(dedup_rows[0::2] == [pairs] * 2, f"dropless dedup rows {dedup_rows}, {pairs} pairs")
+            checks.expect(totals.tolist() == [int(totals[0])] * 3, f"pairs sent vs received over the ranks {totals}")
+            checks.expect(pairs < TOKENS * top_k, f"the case has no repeated rank: {pairs} pairs")
+        else:  # a fixed block per destination: min(T, local experts * C)
+            block = min(TOKENS, local * capacity)
+            checks.expect(plain_rows == [EXPERTS * capacity] * 4, f"padded plain rows {plain_rows}")
+            checks.expect(dedup_rows == [world * block] * 4, f"padded dedup rows {dedup_rows}, block {block}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dedup_sends_each_token_to_a_rank_once(world_size):
+    failures = run_checks(bytes_worker, world_size, args=(4,), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def training_worker(cf) -> list[str]:
+    """Three SGD steps of a plain layer and a dedup twin: the same outputs, gradients, drops."""
+    rank = dist.get_rank()
+    checks = Checks(f"rank {rank} cf={cf}")
+    torch.manual_seed(0)
+    plain = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cf, activation="swiglu")
+    dedup = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cf, activation="swiglu", a2a_algo="dedup")
+    dedup.load_state_dict(plain.state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, dedup)]
+    for step in range(3):
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
+        outs = []
+        for moe, opt in zip((plain, dedup), optimizers):
+            opt.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = moe(xi)
+            (y.square().sum() + moe.aux_loss).backward()
+            outs.append((y.detach(), xi.grad, {n: p.grad.clone() for n, p in moe.named_parameters()},
+                         int(moe.stats.dropped)))
+            opt.step()
+        (y0, dx0, g0, d0), (y1, dx1, g1, d1) = outs
+        checks.expect(d0 == d1, f"step {step}: dropped {d0} vs {d1}")
+        checks.expect(torch.allclose(y0, y1, rtol=1e-5, atol=1e-6), f"step {step}: outputs differ")
+        checks.expect(torch.allclose(dx0, dx1, rtol=1e-5, atol=1e-6), f"step {step}: input gradients differ")
+        for name in g0:
+            checks.expect(torch.allclose(g0[name], g1[name], rtol=1e-4, atol=1e-6), f"step {step}: grad {name}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("cf", [1.0, None])
+def test_dedup_trains_like_the_plain_layer(world_size, cf):
+    failures = run_checks(training_worker, world_size, args=(cf,), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"gate": "expert_choice"}, "token-choice gate"),
+    ({"overlap_degree": 2}, "overlap_degree must be 1"),
+    ({"kernels": "comet"}, "two exchanges"),
+    ({"balance": "pro-prophet", "capacity_factor": None}, "Pro-Prophet"),
+])
+def test_dedup_refuses_what_it_cannot_run(settings, message):
+    with pytest.raises(ValueError, match=message):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, a2a_algo="dedup", **settings)
+
+
+def refusals_worker() -> bool:
+    moe = MoE(DIM, HIDDEN, 2, top_k=1, parallel="adaptive")
+    with pytest.raises(ValueError, match="whole experts"):
+        moe(torch.randn(4, DIM), a2a_algo="dedup")
+    moe = MoE(DIM, HIDDEN, 4, top_k=1, parallel="adaptive")
+    with pytest.raises(ValueError, match="r = 1"):
+        moe(torch.randn(4, DIM), a2a_algo="dedup", parallel=0)
+    return True
+
+
+def test_dedup_refuses_fewer_experts_than_ranks_and_other_r():
+    assert all(run_distributed(refusals_worker, 4, timeout=120))
+
+
+def test_weft_train_with_dedup_has_the_linear_losses(tmp_path):
+    corpus = write_corpus(tmp_path)
+    cache = tmp_path / "cache"
+    results = {}
+    for algo, model in (("linear", {}), ("dedup", {}), ("linear", {"capacity_factor": None}),
+                        ("dedup", {"capacity_factor": None})):
+        out = tmp_path / f"{algo}-{len(model)}"
+        cfg = config(corpus, out, steps=6, log_interval=1, a2a_algo=algo, model={**SMALL_MODEL, **model})
+        run_distributed(train, 2, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(cache)})
+        results[algo, len(model)] = losses(out)
+    for dropless in (0, 1):
+        linear, dedup = results["linear", dropless], results["dedup", dropless]
+        assert sorted(dedup) == list(range(1, 7))
+        assert all(abs(linear[s] - dedup[s]) <= 1e-5 * abs(linear[s]) for s in linear), (linear, dedup)
+
+
+def test_train_config_refuses_dedup_with_overlap_or_balance():
+    with pytest.raises(ValueError, match="overlap 'tutel'"):
+        TrainConfig(a2a_algo="dedup", overlap="tutel").validate()
+    with pytest.raises(ValueError, match="balance 'pro-prophet'"):
+        TrainConfig(a2a_algo="dedup", balance="pro-prophet").validate()
+    with pytest.raises(ValueError, match="a2a_algo must be one of"):
+        TrainConfig(a2a_algo="2dh").validate()
