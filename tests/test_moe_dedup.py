@@ -12,6 +12,7 @@ from weft import MoE
 from weft.testing import Checks, run_checks, run_distributed
 from weft.train.config import TrainConfig
 from weft.train.loop import train
+from weft.tune import TuningDictionary
 
 DIM, HIDDEN, EXPERTS, TOKENS = 16, 24, 8, 32
 
@@ -152,3 +153,38 @@ def test_train_config_refuses_dedup_with_overlap_or_balance():
         TrainConfig(a2a_algo="dedup", balance="pro-prophet").validate()
     with pytest.raises(ValueError, match="a2a_algo must be one of"):
         TrainConfig(a2a_algo="2dh").validate()
+
+
+def auto_worker(cf) -> list[str]:
+    """a2a_algo="auto" times the deduplicating all-to-all beside the linear one (every call, while
+    tuning and after, equal to the plain layer) and the ranks keep the same winner."""
+    rank = dist.get_rank()
+    checks = Checks(f"rank {rank} cf={cf}")
+    tuning = TuningDictionary(bucket_size=1 << 20, trials=2)
+    torch.manual_seed(0)
+    plain = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=cf)
+    auto = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=cf, a2a_algo="auto", tuning=tuning)
+    auto.load_state_dict(plain.state_dict())
+    names = [c.name for c in auto.candidates()]
+    checks.expect(names == ["d1-linear", "d1-dedup"], f"candidates {names}")
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x = torch.randn(TOKENS, DIM, generator=gen)
+        xa, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yp = auto(xa), plain(xp)
+        ya.square().sum().backward()
+        yp.square().sum().backward()
+        checks.expect(torch.allclose(ya, yp, rtol=1e-5, atol=1e-6), f"call {step}: outputs differ")
+        checks.expect(torch.allclose(xa.grad, xp.grad, rtol=1e-5, atol=1e-6), f"call {step}: input gradients differ")
+    entry = next(iter(next(iter(tuning.table.values())).values()))
+    checks.expect(len(entry["times_ms"].get("d1-dedup", [])) == 2, f"dedup timed {entry['times_ms']}")
+    best = [None] * dist.get_world_size()
+    dist.all_gather_object(best, entry["best"])
+    checks.expect(best[0] is not None and len({tuple(b) for b in best}) == 1, f"winners {best}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("cf", [1.0, None])
+def test_auto_times_dedup_as_a_candidate(cf):
+    failures = run_checks(auto_worker, 2, args=(cf,), timeout=300)
+    assert not failures, "\n".join(failures)

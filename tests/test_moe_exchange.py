@@ -222,6 +222,8 @@ def reads_worker(device: str = "cpu") -> list[str]:
     cost = LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=4 * DIM,
                           expert_param_bytes=1.0, expert_grad_bytes=1.0)
     settings = {"plain": {}, "auto (tuned)": {"overlap_degree": "auto"},
+                "dedup": {"a2a_algo": "dedup"},
+                "auto with dedup (tuned)": {"overlap_degree": "auto", "a2a_algo": "auto"},
                 "pro-prophet": {"balance": "pro-prophet", "balance_model": cost}}
     failures = []
     for name, options in settings.items():

@@ -181,20 +181,26 @@ def experts_on_pairs(received_PD: torch.Tensor, slot_R: torch.Tensor, gate_R: to
     return sum_slots(out_RD, gates_UK, expert_rows, out_RD.dtype, fused)
 
 
-def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement, top_k: int,
-             out_dtype: torch.dtype, fused: bool) -> tuple[torch.Tensor, Grouped]:
-    """The dropless layer's dispatch, exchange and combine with each token sent to a rank once
-    (module docstring): all-to-allv of exactly the pairs; every rank's expert counts and pair
-    counts read to the host in one all-gather (the call's one synchronisation). Returns the
-    output and the layout (every rank's expert counts)."""
-    W, El, E = placement.ep_size, placement.num_local, placement.num_experts
-    T = tokens_TD.shape[0]
-    group, device = placement.group, tokens_TD.device
-    pairs = Pairs.of(routing, T, top_k, El, W)
+def gather_layout(routing: Routing, pairs: Pairs | None, group, num_experts: int) -> tuple[Grouped, tuple | None]:
+    """A dropless call's layout (`gather_counts`): every rank's expert counts on the host by one
+    all-gather and one read, and with `pairs` every rank's pair counts in the same read
+    (`pairs_WW[s][r]`: the pairs rank s sends rank r; None without `pairs`)."""
+    if pairs is None:
+        return gather_counts(routing.counts_E, group), None
     counted = gather_counts(torch.cat([routing.counts_E, pairs.counts().to(routing.counts_E.dtype)]), group)
-    counts_WE = tuple(row[:E] for row in counted.counts_WE)
-    pairs_WW = tuple(row[E:] for row in counted.counts_WE)  # pairs_WW[s][r]: pairs source s sends rank r
-    layout, me = Grouped(routing.counts_E, counts_WE, counted.rank), counted.rank
+    counts_WE = tuple(row[:num_experts] for row in counted.counts_WE)
+    pairs_WW = tuple(row[num_experts:] for row in counted.counts_WE)
+    return Grouped(routing.counts_E, counts_WE, counted.rank), pairs_WW
+
+
+def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement,
+             out_dtype: torch.dtype, fused: bool, pairs: Pairs, layout: Grouped, pairs_WW: tuple) -> torch.Tensor:
+    """The dropless layer's dispatch, exchange and combine with each token sent to a rank once
+    (module docstring): all-to-allv of exactly the pairs, by the host counts of `gather_layout`
+    (the call's one read of the device)."""
+    W, El = placement.ep_size, placement.num_local
+    group, device = placement.group, tokens_TD.device
+    me = layout.rank
     send_pairs, recv_pairs = list(pairs_WW[me]), [row[me] for row in pairs_WW]
     with stage("dispatch"):
         send_rows = pairs.send_rows(device_tensor([sum(send_pairs[:r]) for r in range(W)], device), sum(send_pairs))
@@ -205,7 +211,7 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
         record_S = pairs.records(start_W).index_select(0, routing.order_S)
         gate_S = routing.gates_S.index_select(0, routing.order_S)
     send_slots = [sum(layout.mine[r * El:(r + 1) * El]) for r in range(W)]
-    received = [list(row[me * El:(me + 1) * El]) for row in counts_WE]  # [source][local expert]
+    received = [list(row[me * El:(me + 1) * El]) for row in layout.counts_WE]  # [source][local expert]
     recv_slots = [sum(r) for r in received]
     with stage("exchange"):
         with stage("all_to_all"):
@@ -224,4 +230,4 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
         with stage("all_to_all"):
             back_PD = all_to_all(partial_PD, group, send_pairs, recv_pairs)
     with stage("combine"):
-        return combine_ranks(back_PD, send_rows, out_dtype, fused), layout
+        return combine_ranks(back_PD, send_rows, out_dtype, fused)

@@ -43,13 +43,13 @@ from weft.moe.exchange import (
     Padded,
     Transfer,
     candidates,
-    gather_counts,
     offers_comet,
+    offers_dedup,
     select,
     tuning_key,
     untuned_setting,
 )
-from weft.moe.exchange.select import is_tuned
+from weft.moe.exchange.select import is_tuned, plain_algo
 from weft.moe.experts import Experts
 from weft.moe.gates import EXPERT_BIAS_GATES, CosineRouter, LinearRouter, expert_bias_step
 from weft.moe.routing import MoEStats, Router, Routing, RoutingSummary
@@ -260,12 +260,21 @@ class MoE(nn.Module):
     def _candidates(self, call: MoECall, comet: bool) -> list[Setting]:
         groups = self.placement.groups_2dh
         return candidates(call, self.parallel, self.ep_size, self.expert_shards,
-                          groups.num_nodes if groups is not None else 1, comet=comet)
+                          groups.num_nodes if groups is not None else 1, comet=comet, dedup=self._offers_dedup(call))
 
     def _tuning_key(self, call: MoECall, comet: bool) -> str:
         shape = (f"E{self.num_experts}-k{call.top_k}-dim{self.dim}-h{self.hidden_dim}"
                  f"-{self.experts.activation}-W{self.ep_size}-{str(self.experts.w1.dtype).replace('torch.', '')}")
-        return tuning_key(shape, call, self.parallel, comet=comet)
+        return tuning_key(shape, call, self.parallel, comet=comet, dedup=self._offers_dedup(call))
+
+    def _offers_dedup(self, call: MoECall) -> bool:
+        """Whether a tuned call of this layer times the deduplicating all-to-all (`offers_dedup`)."""
+        return offers_dedup(call, self.gate != "expert_choice", self.ep_size, self.expert_shards,
+                            self.balancer is not None)
+
+    def _dedups(self, call: MoECall) -> bool:
+        """Whether this call may run the deduplicating all-to-all: asked for, or a tuned candidate."""
+        return (call.a2a_algo == "dedup" or self._offers_dedup(call)) and call.communicate and self.ep_size > 1
 
     def _offers_comet(self, call: MoECall) -> bool:
         """Whether a tuned call of this layer times Comet's exchange as a candidate (`offers_comet`,
@@ -291,9 +300,7 @@ class MoE(nn.Module):
         self.record(routing.summary)
         # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
         tokens_TD = tokens_TD.to(self.experts.compute_dtype(tokens_TD))
-        if call.a2a_algo == "dedup" and call.communicate and self.ep_size > 1:
-            y_TD = self._deduplicated(tokens_TD, routing, call, x.dtype, transfer)
-        elif routing.capacity is None:
+        if routing.capacity is None:
             y_TD = self._dropless(tokens_TD, routing, call, x.dtype, transfer)
         else:
             y_TD = self._padded(tokens_TD, routing, call, x.dtype)
@@ -335,30 +342,31 @@ class MoE(nn.Module):
         forget the last one, and the autograd graph its losses keep alive)."""
         self.last_routing = summary
 
-    def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
+    def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, setting: Setting,
                  transfer: Transfer | None = None) -> torch.Tensor:
-        """The dispatched rows -> their experts' outputs, by the call's setting (tuned when "auto";
-        `capacity` is the tuning bucket's, agreed by every rank of the group; `transfer`: the
-        copies of Pro-Prophet's experts for a dropless call)."""
+        """The dispatched rows -> their experts' outputs, by `setting` (a call's own,
+        `untuned_setting(call)`, or the tuning dictionary's choice; `transfer`: the copies of
+        Pro-Prophet's experts for a dropless call)."""
         with stage("exchange"):
-            return self._exchange(rows, layout, call, capacity, transfer)
+            offered = setting.comet and is_tuned(call, self.parallel, self.ep_size)
+            peers = self._comet_peers(call, rows.device, offered) if setting.comet else None
+            ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler, peers,
+                                  self.tuning)
+            return select(ctx, setting, isinstance(layout, Grouped), transfer)(rows, layout)
 
-    def _exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, capacity: int,
-                  transfer: Transfer | None) -> torch.Tensor:
-        tuned = is_tuned(call, self.parallel, self.ep_size)
-        comet = tuned and self._offers_comet(call)  # Comet's exchange among the tuned candidates
-        ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler,
-                              self._comet_peers(call, rows.device, comet), self.tuning)
-        dropless = isinstance(layout, Grouped)
-        run = lambda setting, rows: select(ctx, setting, dropless, transfer)(rows, layout)  # noqa: E731
-        if not tuned:
-            return run(untuned_setting(call), rows)
+    def _run_tuned(self, call: MoECall, run, tokens_TD: torch.Tensor, capacity: int) -> torch.Tensor:
+        """`run(setting, tokens)` (dispatch, exchange and combine by one setting) with the call's
+        setting, or, when something is "auto", the tuning dictionary's: every candidate runs the
+        whole route from tokens to outputs, so a candidate that moves rows differently (the
+        deduplicating all-to-all) is timed like the others. `capacity` is the tuning bucket's,
+        agreed by every rank of the group."""
+        if not is_tuned(call, self.parallel, self.ep_size):
+            return run(untuned_setting(call), tokens_TD)
+        comet = self._offers_comet(call)  # Comet's exchange among the tuned candidates
         found = self._candidates(call, comet)
         if len(found) == 1:  # nothing to tune
-            return run(found[0], rows)
-        if dropless:  # the bucket of the most rows any rank dispatches, so that every rank keys the same entry
-            capacity = -(-layout.most_slots() // self.num_experts)
-        return self.tuning.run(self._tuning_key(call, comet), capacity, found, self.group, run, rows,
+            return run(found[0], tokens_TD)
+        return self.tuning.run(self._tuning_key(call, comet), capacity, found, self.group, run, tokens_TD,
                                caller=id(self))
 
     def _comet_peers(self, call: MoECall, device: torch.device, offered: bool) -> PeerBuffers | None:
@@ -396,42 +404,71 @@ class MoE(nn.Module):
             return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
                            tokens_TD.shape[0], routing.kept_S)
 
-    def _deduplicated(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype,
-                      transfer: Transfer | None) -> torch.Tensor:
-        """Dispatch, exchange and combine with each token sent to a rank once (`weft.moe.dedup`)."""
-        if transfer is not None and transfer.copied:
-            raise ValueError("a2a_algo='dedup' does not run Pro-Prophet's copied experts (a transfer was given)")
-        fused = use_triton(call.kernels, tokens_TD)
-        if routing.capacity is not None:
-            return dedup.padded(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
-                                same_tokens=call.capacity_factor > 0)
-        return dedup.dropless(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused)[0]
+    def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype) -> torch.Tensor:
+        cap = routing.capacity
+        num_rows = self.num_experts * cap
+        fused = self.gate != "expert_choice" and use_triton(call.kernels, tokens_TD)  # token choice: k slots a token
+
+        def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
+            if setting.a2a_algo == "dedup" and self._dedups(call):
+                return dedup.padded(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
+                                    same_tokens=call.capacity_factor > 0)
+            with stage("dispatch"):
+                rows_S = routing.experts_S * cap + routing.positions_S
+                if fused:
+                    slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k)
+                    buffer_RD = dispatch_rows(tokens_TD, slot_rows)
+                else:
+                    if routing.kept_S is not None:
+                        rows_S = torch.where(routing.kept_S, rows_S, num_rows)
+                    buffer_RD = dispatch_padded(tokens_TD, routing.token_ids_S, rows_S, num_rows)
+            out_RD = self.exchange(buffer_RD, Padded(cap), call, plain_algo(setting))
+            with stage("combine"):
+                if fused:
+                    return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
+                return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
+                               tokens_TD.shape[0], routing.kept_S)
+
+        return self._run_tuned(call, run, tokens_TD, cap)
 
     def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall,
                   out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
-        with stage("dispatch"):
-            if fused:
-                slot_rows = SlotRows.grouped(order_S, call.top_k)
-                rows_SD = dispatch_rows(tokens_TD, slot_rows)
-            else:
-                token_ids_S = routing.token_ids_S.index_select(0, order_S)
-                rows_SD = tokens_TD.index_select(0, token_ids_S)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
                                 self.experts.compute_dtype(tokens_TD))
-        # Every rank's counts on the host: the call's one read of the device (the splits, the
-        # tuning bucket and Pro-Prophet's history all come from it).
-        layout = gather_counts(routing.counts_E, self.group if call.communicate else None)
+        # Every rank's counts on the host (with each rank's token-rank pairs where the call may
+        # deduplicate): the call's one read of the device (the splits, the tuning bucket and
+        # Pro-Prophet's history all come from it).
+        pairs = dedup.Pairs.of(routing, tokens_TD.shape[0], call.top_k, self.num_local_experts, self.ep_size) \
+            if self._dedups(call) else None
+        layout, pairs_WW = dedup.gather_layout(routing, pairs, self.group if call.communicate else None,
+                                               self.num_experts)
         if self.balancer is not None and call.communicate:
             self.balancer.record(layout.counts_WE)
-        out_SD = self.exchange(rows_SD, layout, call, tokens_TD.shape[0] * call.top_k, transfer)
-        with stage("combine"):
-            if fused:
-                return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
-            return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S), tokens_TD.shape[0])
+
+        def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
+            if setting.a2a_algo == "dedup" and pairs is not None:
+                return dedup.dropless(tokens_TD, routing, self.experts, self.placement, out_dtype, fused, pairs,
+                                      layout, pairs_WW)
+            with stage("dispatch"):
+                if fused:
+                    slot_rows = SlotRows.grouped(order_S, call.top_k)
+                    rows_SD = dispatch_rows(tokens_TD, slot_rows)
+                else:
+                    token_ids_S = routing.token_ids_S.index_select(0, order_S)
+                    rows_SD = tokens_TD.index_select(0, token_ids_S)
+            out_SD = self.exchange(rows_SD, layout, call, plain_algo(setting), transfer)
+            with stage("combine"):
+                if fused:
+                    return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
+                return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S),
+                               tokens_TD.shape[0])
+
+        # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
+        return self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
 
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it

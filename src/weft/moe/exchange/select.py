@@ -2,6 +2,8 @@
 r) to a strategy, and the settings a tuned ("auto") call may choose from (Tutel 3.3)."""
 from __future__ import annotations
 
+import dataclasses
+
 from weft.moe.config import MoECall, parallel_choices
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext
@@ -33,6 +35,13 @@ def select(ctx: ExchangeContext, setting: Setting, dropless: bool, transfer: Tra
     return AllToAll(ctx, setting.a2a_algo)
 
 
+def plain_algo(setting: Setting) -> Setting:
+    """`setting` for an exchange of dispatched rows: the deduplicating all-to-all's setting runs
+    the linear one there (a call that cannot deduplicate: one rank, or not communicating, where
+    nothing crosses a rank)."""
+    return dataclasses.replace(setting, a2a_algo="linear") if setting.a2a_algo == "dedup" else setting
+
+
 def untuned_setting(call: MoECall) -> Setting:
     """The setting of a call the tuning dictionary does not decide: "auto" parts at their plain
     values (d = 1, linear), r = 1 unless the call fixed it; `kernels="comet"` makes its plain
@@ -56,8 +65,17 @@ def offers_comet(call: MoECall, on_gpu: bool, ep_size: int, expert_shards: int) 
     return call.kernels == "auto" and on_gpu and call.communicate and ep_size > 1 and expert_shards == 1
 
 
+def offers_dedup(call: MoECall, token_choice: bool, ep_size: int, expert_shards: int, balanced: bool) -> bool:
+    """Whether a tuned call times `a2a_algo="dedup"` (each token sent to a rank once,
+    `weft.moe.dedup`) beside the linear all-to-all: `a2a_algo="auto"`, a token-choice gate, several
+    ranks, whole experts per rank, no Comet kernels asked for and no Pro-Prophet copies. It computes
+    the same function, so the tuner keeps it only where it measured it faster."""
+    return (call.a2a_algo == "auto" and token_choice and call.communicate and ep_size > 1 and expert_shards == 1
+            and call.kernels != "comet" and not balanced and call.parallel_r in (None, 1))
+
+
 def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, num_nodes: int,
-               comet: bool = False) -> list[Setting]:
+               comet: bool = False, dedup: bool = False) -> list[Setting]:
     """The settings a call may run: every degree if `overlap_degree="auto"` (dropless: only with
     E >= W, the sliced dropless exchange has no pipelined form), both all-to-all algorithms if
     `a2a_algo="auto"` and the group spans several nodes (padded modes only), and for
@@ -65,10 +83,13 @@ def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, n
     r = 1 when E >= W), each r with every degree and algorithm. The tuner does not time all of
     them: it ternary-searches r over the divisors. A one-rank dropless call has nothing to tune.
     `comet` (see `offers_comet`): Comet's exchange as one more candidate beside the plain setting;
-    with `kernels="comet"` the plain setting is Comet's."""
+    with `kernels="comet"` the plain setting is Comet's. `dedup` (see `offers_dedup`): the
+    deduplicating all-to-all (d = 1) as one more candidate after the plain setting."""
     found = [_comet_if_asked(call, s) for s in _exchange_candidates(call, parallel, ep_size, expert_shards, num_nodes)]
     if comet and Setting(1, "linear") in found:
         found.insert(found.index(Setting(1, "linear")) + 1, Setting(1, "linear", 1, comet=True))
+    if dedup and Setting(1, "linear") in found:
+        found.insert(found.index(Setting(1, "linear")) + 1 + comet, Setting(1, "dedup"))
     return found
 
 
@@ -104,11 +125,12 @@ def is_tuned(call: MoECall, parallel: str, ep_size: int) -> bool:
     return call.communicate and ("auto" in (call.overlap_degree, call.a2a_algo) or free_r)
 
 
-def tuning_key(shape: str, call: MoECall, parallel: str, comet: bool = False) -> str:
+def tuning_key(shape: str, call: MoECall, parallel: str, comet: bool = False, dedup: bool = False) -> str:
     """Everything but the capacity that changes which setting is fastest, or which are candidates:
     the layer's `shape` (experts, k, sizes, activation, W, dtype), the call's fixed parts, and
-    whether Comet's exchange is among them (`comet`, or `kernels="comet"`)."""
-    key = shape + ("-comet" if comet or call.kernels == "comet" else "")
+    whether Comet's exchange is among them (`comet`, or `kernels="comet"`) and the deduplicating
+    all-to-all (`dedup`)."""
+    key = shape + ("-comet" if comet or call.kernels == "comet" else "") + ("-dedup" if dedup else "")
     # Layers (or calls) with other candidate sets must not share a choice: a fixed degree or
     # algorithm must not run another one, and only "adaptive" layers may run r = 0.
     if call.overlap_degree != "auto":
