@@ -388,26 +388,6 @@ class MoE(nn.Module):
         cap = routing.capacity
         num_rows = self.num_experts * cap
         fused = self.gate != "expert_choice" and use_triton(call.kernels, tokens_TD)  # token choice: k slots a token
-        with stage("dispatch"):
-            rows_S = routing.experts_S * cap + routing.positions_S
-            if fused:
-                slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k)
-                buffer_RD = dispatch_rows(tokens_TD, slot_rows)
-            else:
-                if routing.kept_S is not None:
-                    rows_S = torch.where(routing.kept_S, rows_S, num_rows)
-                buffer_RD = dispatch_padded(tokens_TD, routing.token_ids_S, rows_S, num_rows)
-        out_RD = self.exchange(buffer_RD, Padded(cap), call, cap)
-        with stage("combine"):
-            if fused:
-                return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
-            return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
-                           tokens_TD.shape[0], routing.kept_S)
-
-    def _padded(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall, out_dtype: torch.dtype) -> torch.Tensor:
-        cap = routing.capacity
-        num_rows = self.num_experts * cap
-        fused = self.gate != "expert_choice" and use_triton(call.kernels, tokens_TD)  # token choice: k slots a token
 
         def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
             if setting.a2a_algo == "dedup" and self._dedups(call):

@@ -17,14 +17,7 @@ from weft.moe.exchange.comet import Comet
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
 from weft.moe.exchange.replicated import ReplicatedExperts, Transfer
-from weft.moe.exchange.select import (
-    candidates,
-    offers_comet,
-    offers_dedup,
-    select,
-    tuning_key,
-    untuned_setting,
-)
+from weft.moe.exchange.select import candidates, offers_comet, offers_dedup, select, tuning_key, untuned_setting
 from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "Comet", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped",
