@@ -31,8 +31,9 @@
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
 #   dedup    each token to a rank once (a2a_algo="dedup"; issues: Overlap that pays, Hardware speed): its
 #            GPU test (reference, graph replay, bitwise runs), the layer (plain / dedup / no-comm, eager
-#            at cf 1.0 and dropless, and as CUDA graphs at cf 1.0) for qwen2, phi35 and mixtral, and
-#            qwen2-moe-2l training with --a2a-algo linear / dedup, NCCL_P2P_DISABLE=1 and NVLink
+#            at cf 1.0 and dropless, and as CUDA graphs at cf 1.0) for qwen2, phi35 and mixtral, gpt2-s-moe
+#            iterations (none / dedup), and qwen2-moe-2l training with --a2a-algo linear / dedup,
+#            NCCL_P2P_DISABLE=1 and NVLink
 #            (REGIMES="p2p_disabled nvlink"; one regime per call fits)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
@@ -195,6 +196,9 @@ part_dedup() {
         --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 7
     done
+    $RUN bench model --preset gpt2-s-moe --batch-size 8 --modes none,dedup,none,dedup --steps 10 --warmup 3 \
+      --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1
+    grep -v "$QUIET" "$1/model_$regime.log" | tail -n 8
     for algo in linear dedup linear dedup; do
       echo "-- $regime --a2a-algo $algo"
       RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \

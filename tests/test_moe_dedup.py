@@ -3,12 +3,16 @@ against the dense reference in tests/test_moe_equivalence.py; here: the bytes it
 plain layer's outputs and gradients over training steps, what it refuses, and `weft train`."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from test_train import SMALL_MODEL, config, losses, write_corpus
 from weft import MoE
+from weft.bench import model
+from weft.bench.model import ModelBenchConfig
 from weft.testing import Checks, run_checks, run_distributed
 from weft.train.config import TrainConfig
 from weft.train.loop import train
@@ -134,12 +138,12 @@ def test_weft_train_with_dedup_has_the_linear_losses(tmp_path):
     corpus = write_corpus(tmp_path)
     cache = tmp_path / "cache"
     results = {}
-    for algo, model in (("linear", {}), ("dedup", {}), ("linear", {"capacity_factor": None}),
+    for algo, shape in (("linear", {}), ("dedup", {}), ("linear", {"capacity_factor": None}),
                         ("dedup", {"capacity_factor": None})):
-        out = tmp_path / f"{algo}-{len(model)}"
-        cfg = config(corpus, out, steps=6, log_interval=1, a2a_algo=algo, model={**SMALL_MODEL, **model})
+        out = tmp_path / f"{algo}-{len(shape)}"
+        cfg = config(corpus, out, steps=6, log_interval=1, a2a_algo=algo, model={**SMALL_MODEL, **shape})
         run_distributed(train, 2, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(cache)})
-        results[algo, len(model)] = losses(out)
+        results[algo, len(shape)] = losses(out)
     for dropless in (0, 1):
         linear, dedup = results["linear", dropless], results["dedup", dropless]
         assert sorted(dedup) == list(range(1, 7))
@@ -188,3 +192,17 @@ def auto_worker(cf) -> list[str]:
 def test_auto_times_dedup_as_a_candidate(cf):
     failures = run_checks(auto_worker, 2, args=(cf,), timeout=300)
     assert not failures, "\n".join(failures)
+
+
+def test_model_benchmark_times_dedup_beside_none(tmp_path):
+    """`weft bench model --modes none,dedup`: whole training iterations with every MoE layer
+    deduplicating, checked against `none` on the same weights and batch, then timed."""
+    out = tmp_path / "model.json"
+    cfg = ModelBenchConfig(preset="tiny", batch_size=2, modes=("none", "dedup"), steps=2, warmup=1, json=str(out),
+                           profile_steps=0)
+    run_distributed(model.run, 2, args=(cfg,), timeout=300)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["none"]["max_error"] == 0.0 and rows["dedup"]["max_error"] < 1e-5
+    assert rows["dedup"]["iteration_ms"] > 0
+    with pytest.raises(ValueError, match="token-choice gate"):
+        ModelBenchConfig(preset="tiny", modes=("none", "dedup"), gate="expert_choice").validate()
