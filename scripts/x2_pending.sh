@@ -216,7 +216,7 @@ part_tutel() {
       echo "-- $regime --overlap $overlap"
       RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
         TRAIN_ARGS="--overlap $overlap" bash scripts/train_mfu.sh | tail -n 1
-      grep -h "pipelines every MoE layer" "$1/$regime"/*.log | tail -n 1
+      grep -h "every MoE layer runs" "$1/$regime"/*.log | tail -n 1
       python3 -c "import json, sys; rows = [json.loads(l) for l in open(sys.argv[1])]; \
 print('losses', ' '.join(f\"{r['loss']:.4f}\" for r in rows if 'loss' in r and r['step'] % 5 in (0, 1)))" \
         /tmp/weft_mfu/qwen2-moe-2l_b8_auto_graphs-auto_master-auto/metrics.jsonl

@@ -3,6 +3,7 @@ against the dense reference in tests/test_moe_equivalence.py; here: the bytes it
 plain layer's outputs and gradients over training steps, what it refuses, and `weft train`."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -134,20 +135,21 @@ def test_dedup_refuses_fewer_experts_than_ranks_and_other_r():
     assert all(run_distributed(refusals_worker, 4, timeout=120))
 
 
-def test_weft_train_with_dedup_has_the_linear_losses(tmp_path):
+def test_weft_train_with_dedup_or_auto_has_the_linear_losses(tmp_path):
+    """`weft train --a2a-algo dedup|auto` (auto on the CPU: each layer's tuning dictionary times
+    linear and dedup, eagerly) on 2 gloo ranks: the losses of linear, padded and dropless."""
     corpus = write_corpus(tmp_path)
     cache = tmp_path / "cache"
     results = {}
-    for algo, shape in (("linear", {}), ("dedup", {}), ("linear", {"capacity_factor": None}),
-                        ("dedup", {"capacity_factor": None})):
+    for algo, shape in itertools.product(("linear", "dedup", "auto"), ({}, {"capacity_factor": None})):
         out = tmp_path / f"{algo}-{len(shape)}"
         cfg = config(corpus, out, steps=6, log_interval=1, a2a_algo=algo, model={**SMALL_MODEL, **shape})
         run_distributed(train, 2, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(cache)})
         results[algo, len(shape)] = losses(out)
-    for dropless in (0, 1):
-        linear, dedup = results["linear", dropless], results["dedup", dropless]
-        assert sorted(dedup) == list(range(1, 7))
-        assert all(abs(linear[s] - dedup[s]) <= 1e-5 * abs(linear[s]) for s in linear), (linear, dedup)
+    for algo, dropless in itertools.product(("dedup", "auto"), (0, 1)):
+        linear, other = results["linear", dropless], results[algo, dropless]
+        assert sorted(other) == list(range(1, 7))
+        assert all(abs(linear[s] - other[s]) <= 1e-5 * abs(linear[s]) for s in linear), (algo, linear, other)
 
 
 def test_train_config_refuses_dedup_with_overlap_or_balance():
@@ -206,3 +208,42 @@ def test_model_benchmark_times_dedup_beside_none(tmp_path):
     assert rows["dedup"]["iteration_ms"] > 0
     with pytest.raises(ValueError, match="token-choice gate"):
         ModelBenchConfig(preset="tiny", modes=("none", "dedup"), gate="expert_choice").validate()
+
+
+def graph_choice_worker() -> list[str]:
+    """`--a2a-algo auto` with a graphed micro-step: linear and dedup timed (here by a timer that runs
+    each step eagerly, as `time_graphed` replays its capture) with every layer at that algorithm,
+    the same losses, and the faster one set on every layer."""
+    from weft.models import GPT, GPTConfig
+    from weft.train.step import GRAPH_TUNED, choose_fastest, eager_micro_step, with_layers_at
+
+    checks = Checks(f"rank {dist.get_rank()}")
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1, "top_k": 2}))
+    for moe in gpt.moe_layers():
+        moe.a2a_algo = "auto"  # what weft train sets; a layer built "linear" tunes linear and dedup
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    seen, losses = [], []
+
+    def timer(step_of, candidates):
+        times = []
+        for algo in candidates:
+            gpt.zero_grad(set_to_none=True)
+            losses.append(float(step_of(algo)(x, y)[0][0]))
+            seen.append({moe.a2a_algo for moe in gpt.moe_layers()})
+            times.append(0.5 if algo == "dedup" else 1.0)
+        return times
+
+    candidates = GRAPH_TUNED["a2a_algo"]
+    best, _ = choose_fastest(gpt, with_layers_at(gpt, eager_micro_step(gpt, 1), "a2a_algo"), timer, "a2a_algo",
+                             candidates)
+    checks.expect(candidates == ("linear", "dedup") and best == "dedup", f"{candidates}: chose {best}")
+    checks.expect(seen == [{"linear"}, {"dedup"}], f"layers ran {seen}")
+    checks.expect(abs(losses[0] - losses[1]) < 1e-5, f"losses {losses}")
+    checks.expect(all(moe.a2a_algo == "dedup" for moe in gpt.moe_layers()), "the choice was not set on every layer")
+    return checks.failures
+
+
+def test_a_graphed_step_chooses_the_faster_all_to_all():
+    failures = run_checks(graph_choice_worker, 2, timeout=300)
+    assert not failures, "\n".join(failures)

@@ -492,7 +492,7 @@ def test_tutel_in_a_graphed_step_runs_the_degree_whose_step_is_fastest():
     """`--overlap tutel` with CUDA graphs: every candidate degree's micro-step is timed (here by a
     timer that runs it eagerly, as `time_graphed` replays its capture), each with every MoE layer
     at that degree and computing the same losses; the fastest degree is set on every layer."""
-    from weft.train.step import _at_degree, choose_tutel_degree, eager_micro_step
+    from weft.train.step import GRAPH_TUNED, choose_fastest, eager_micro_step, with_layers_at
     from weft.tune.dictionary import DEGREES
 
     torch.manual_seed(0)
@@ -509,7 +509,9 @@ def test_tutel_in_a_graphed_step_runs_the_degree_whose_step_is_fastest():
             times.append(1.0 if degree != 4 else 0.5)
         return times
 
-    degree, seconds = choose_tutel_degree(gpt, _at_degree(gpt, eager_micro_step(gpt, 1)), timer)
+    assert GRAPH_TUNED["overlap_degree"] == DEGREES
+    step_of = with_layers_at(gpt, eager_micro_step(gpt, 1), "overlap_degree")
+    degree, seconds = choose_fastest(gpt, step_of, timer, "overlap_degree", DEGREES)
     assert degree == 4 and seconds == [0.5 if d == 4 else 1.0 for d in DEGREES]
     assert seen == [[d] * len(gpt.moe_layers()) for d in DEGREES]
     assert losses == pytest.approx([losses[0]] * len(DEGREES), abs=1e-6)  # chunking changes nothing

@@ -68,7 +68,8 @@ class Pairs:
         if routing.kept_S is not None:  # a dropped slot: a rank past the last, cut off below
             rank_TK = torch.where(routing.kept_S.view(num_tokens, top_k), rank_TK, world)
         need_TW = rank_TK.new_zeros(num_tokens, world + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :world]
-        earlier_TK = (rank_TK.unsqueeze(2) == rank_TK.unsqueeze(1)).tril(-1).sum(2)
+        before_KK = torch.ones(top_k, top_k, dtype=torch.long, device=rank_TK.device).tril(-1)  # j2 < j
+        earlier_TK = ((rank_TK.unsqueeze(2) == rank_TK.unsqueeze(1)).long() * before_KK).sum(2)
         return cls(need_TW, need_TW.long().cumsum(0) - 1, rank_TK, earlier_TK, min(top_k, local))
 
     def counts(self) -> torch.Tensor:

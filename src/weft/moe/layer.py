@@ -75,7 +75,10 @@ class MoE(nn.Module):
         overlap_degree: d > 1 pipelines d chunks, the all-to-all of one under the experts of
             another (Tutel 3.2); "auto": tuned per capacity bucket (Tutel 3.3). Same result as 1.
         a2a_algo: "linear", "2dh" (two-level all-to-all over nodes of LOCAL_WORLD_SIZE ranks,
-            Tutel app. A; padded modes) or "auto"; these two build process groups here (collective).
+            Tutel app. A; padded modes), "dedup" (each token sent to a rank once, its outputs summed
+            there: `weft.moe.dedup`) or "auto" (tuned among them); "2dh" and "auto" build process
+            groups here (collective; a layer built otherwise and switched to "auto" later tunes
+            linear and dedup only).
         tuning: the `weft.tune.TuningDictionary` of "auto" settings (shared between layers,
             persisted if it has a path); default: a fresh in-memory one.
         parallel: "ep" (expert parallel) or "adaptive" (Tutel 3.1's switchable parallelism: r = 0
@@ -230,9 +233,10 @@ class MoE(nn.Module):
         return self._usable(resolve_call(self._defaults, overrides, self._shape()))
 
     def _usable(self, call: MoECall) -> MoECall:
-        """`call`, unless it needs 2DH groups this layer did not build (at construction: a collective)."""
-        if call.a2a_algo in ("2dh", "auto") and self.placement.groups_2dh is None:
-            raise ValueError(f"a2a_algo={call.a2a_algo!r} needs a layer built with a2a_algo '2dh' or 'auto'")
+        """`call`, unless it needs 2DH groups this layer did not build (at construction: a collective;
+        a layer without them tunes "auto" among the one-level all-to-alls, linear and dedup)."""
+        if call.a2a_algo == "2dh" and self.placement.groups_2dh is None:
+            raise ValueError("a2a_algo='2dh' needs a layer built with a2a_algo '2dh' or 'auto'")
         return call
 
     def _shape(self) -> tuple:

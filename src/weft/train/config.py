@@ -27,7 +27,7 @@ CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
-TRAIN_A2A_ALGOS = ("linear", "dedup")
+TRAIN_A2A_ALGOS = ("linear", "dedup", "auto")
 
 
 @dataclass
@@ -61,8 +61,10 @@ class TrainConfig:
     sample_tokens: int = 200
     sample_prompt: str = "def "
     kernels: str = "auto"  # weft.MoE's kernels: "auto", "torch", "triton" or "comet" (fused expert GEMMs)
-    # the MoE layers' all-to-all: "linear" (a row per routed slot) or "dedup" (a row per token and
-    # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes)
+    # the MoE layers' all-to-all: "linear" (a row per routed slot), "dedup" (a row per token and
+    # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes) or
+    # "auto" (the faster of the two, timed as CUDA graphs where the step is graphed, else by each
+    # layer's tuning dictionary)
     a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"
@@ -134,13 +136,13 @@ class TrainConfig:
             raise ValueError(f"train.kernels must be one of {', '.join(KERNELS)}, got {self.kernels!r}")
         if self.a2a_algo not in TRAIN_A2A_ALGOS:
             raise ValueError(f"train.a2a_algo must be one of {', '.join(TRAIN_A2A_ALGOS)}, got {self.a2a_algo!r}")
-        if self.a2a_algo == "dedup":
+        if self.a2a_algo != "linear":
             for name, value, plain in (("overlap", self.overlap, "none"), ("balance", self.balance, "none")):
                 if value != plain:
-                    raise ValueError(f"train.a2a_algo 'dedup' runs one exchange each way; it does not combine "
-                                     f"with {name} {value!r} (use {name} {plain!r} or a2a_algo 'linear')")
+                    raise ValueError(f"train.a2a_algo {self.a2a_algo!r} runs one exchange each way; it does not "
+                                     f"combine with {name} {value!r} (use {name} {plain!r} or a2a_algo 'linear')")
             if self.kernels == "comet":
-                raise ValueError("train.a2a_algo 'dedup' and kernels 'comet' are two exchanges; choose one")
+                raise ValueError(f"train.a2a_algo {self.a2a_algo!r} and kernels 'comet' are two exchanges; choose one")
         if self.balance not in BALANCE:
             raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
         if isinstance(self.balance_n, bool) or not isinstance(self.balance_n, int) or self.balance_n < 1:

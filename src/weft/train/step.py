@@ -45,10 +45,11 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
     no host synchronisation, so padded capacity (cf > 0) or expert choice, and not Lancet (its
     backward schedules weight gradients from the host as all-to-alls complete). Tutel's pipelining
-    is captured at the degree whose graph replays fastest (`choose_tutel_degree`), its chunks'
+    is captured at the degree whose graph replays fastest (`choose_fastest`), its chunks'
     all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
-    GPUs: docs/tp.md)."""
+    GPUs: docs/tp.md). `--a2a-algo auto` is captured with the all-to-all whose graph replays
+    fastest (linear or dedup)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
     if overlap == "lancet":
@@ -64,34 +65,40 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
 StepTimer = Callable[[Callable[[int], MicroStep], Sequence[int]], list[float]]  # (step_of, candidates) -> seconds
 
 
-def choose_tutel_degree(model: GPT, step_of: Callable[[int], MicroStep], timer: StepTimer) -> tuple[int, list[float]]:
-    """`--overlap tutel` with a graphed micro-step: Tutel's pipelining degree (sec. 3.2), one for
-    every MoE layer, the candidate (`DEGREES`) whose step replays fastest as a CUDA graph
-    (`timer`, e.g. `weft.graphs.time_graphed`). The layers' own tuning times eager calls, whose
-    launch costs a replay does not pay (and a capture cannot time anything), so it would choose
-    for another step than the one that runs. Sets the degree on every layer; returns it and the
-    seconds per candidate."""
-    seconds = timer(step_of, DEGREES)
-    best = DEGREES[seconds.index(min(seconds))]
+def choose_fastest(model: GPT, step_of: Callable[[object], MicroStep], timer: StepTimer, setting: str,
+                   candidates: Sequence) -> tuple[object, list[float]]:
+    """The value of the MoE layers' `setting` (e.g. "overlap_degree", "a2a_algo") among
+    `candidates` whose micro-step replays fastest as a CUDA graph (`timer`, e.g.
+    `weft.graphs.time_graphed`, over `step_of(value)`: the step with every layer at that value).
+    The layers' own tuning times eager calls, whose launch costs a replay does not pay (and a
+    capture cannot time anything), so it would choose for another step than the one that runs.
+    Sets the value on every layer; returns it and the seconds per candidate."""
+    seconds = timer(step_of, candidates)
+    best = candidates[seconds.index(min(seconds))]
     for moe in model.moe_layers():
-        moe.overlap_degree = best
-        moe.record(None)  # the last candidate's routing losses: see `_at_degree`
+        setattr(moe, setting, best)
+        moe.record(None)  # the last candidate's routing losses: see `with_layers_at`
     return best, seconds
 
 
-def _at_degree(model: GPT, step: MicroStep) -> Callable[[int], MicroStep]:
-    """Candidate degree -> the micro-step with every MoE layer pipelined at that degree. Each call
+def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[object], MicroStep]:
+    """Candidate value -> the micro-step with every MoE layer's `setting` at that value. Each call
     first forgets the layers' last routing summaries: their losses keep the autograd graph of the
     call that made them alive, with its parameters' gradient accumulators bound to the stream that
     call ran on (another candidate's capture), which autograd warns may break the next capture."""
-    def step_of(degree: int) -> MicroStep:
+    def step_of(value) -> MicroStep:
         def run(x: torch.Tensor, y: torch.Tensor):
             for moe in model.moe_layers():
-                moe.overlap_degree = degree
+                setattr(moe, setting, value)
                 moe.record(None)
             return step(x, y)
         return run
     return step_of
+
+
+# The per-layer settings a graphed micro-step chooses by timing graphs, and their candidates:
+# `--overlap tutel`'s pipelining degree (Tutel 3.2) and `--a2a-algo auto`'s all-to-all.
+GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup")}
 
 
 @dataclass(frozen=True)
@@ -129,11 +136,14 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     if blocker is None:
         accumulate = grad_accum > 1
         try:
-            if overlap == "tutel":
+            for setting, candidates in GRAPH_TUNED.items():
+                if not any(getattr(moe, setting) == "auto" for moe in model.moe_layers()):
+                    continue
                 timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
-                degree, seconds = choose_tutel_degree(model, _at_degree(model, eager), timer)
-                log(f"weft train: --overlap tutel pipelines every MoE layer at degree {degree} (measured as CUDA "
-                    "graphs: " + ", ".join(f"d{d} {t * 1e3:.1f} ms" for d, t in zip(DEGREES, seconds)) + ")")
+                best, seconds = choose_fastest(model, with_layers_at(model, eager, setting), timer, setting,
+                                               candidates)
+                log(f"weft train: every MoE layer runs {setting}={best} (measured as CUDA graphs: "
+                    + ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in zip(candidates, seconds)) + ")")
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
             return MicroSteps(graph, graphed=True, owns_grads=not accumulate)
         except CaptureError as e:
