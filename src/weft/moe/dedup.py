@@ -7,9 +7,10 @@ dispatch does (its `is_token_in_rank`), and sums a token's outputs on each rank 
 return:
 
 - dispatch: the source sends each (token, rank) pair once (rows grouped by destination, then
-  token), and beside them one small record per routed slot: which of those rows it reads and
-  where the gate of that slot is (`pair * K + j`, K = min(k, local experts), j counting the
-  token's earlier slots on that rank), with the slot's gate;
+  token), and beside them one small record per routed slot, at the slot's place in the layout
+  the experts compute: which of those rows it reads and which of the pair's slots it is
+  (`pair * K + j`, K = min(k, local experts), j counting the token's earlier kept slots on that
+  rank), with the slot's gate;
 - the rank expands the received rows into the layout its experts compute (padded: Tutel's
   Flexible layout (El, W * C, dim) straight away, so no layout copies either; dropless: grouped
   by local expert) with the row kernels of `weft.moe.dispatch` (deterministic on GPUs);
