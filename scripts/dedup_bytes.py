@@ -49,10 +49,10 @@ def count_rows(name: str, capacity: float | None, algo: str, skew: float) -> tup
     return sum(sent), sum(away)
 
 
-def worker(configs: list[str], skew: float) -> list[dict]:
+def worker(configs: list[str], skew: float, capacities: list[float | None]) -> list[dict]:
     rows = []
     for name in configs:
-        for capacity in (1.0, None):
+        for capacity in capacities:
             counts = [n for algo in ("linear", "dedup") for n in count_rows(name, capacity, algo, skew)]
             total = torch.tensor(counts, dtype=torch.float64)
             dist.all_reduce(total)
@@ -68,9 +68,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--configs", default="qwen2,phi35,mixtral")
     parser.add_argument("--skew", type=float, default=0.0, help="Zipf skew of the routing (0: a fresh router)")
+    parser.add_argument("--capacity", default="1.0,dropless", help="comma-separated capacity factors, 'dropless'")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = run_distributed(worker, args.ranks, args=(args.configs.split(","), args.skew), timeout=1800)[0]
+    capacities = [None if c == "dropless" else float(c) for c in args.capacity.split(",")]
+    rows = run_distributed(worker, args.ranks, args=(args.configs.split(","), args.skew, capacities), timeout=1800)[0]
     print(f"all-to-all MiB per rank, one forward + backward, bf16 rows, {args.ranks} ranks, skew {args.skew}")
     print("(all: every row of the all-to-alls; wire: those that leave the rank)")
     print(f"{'config':>8} {'capacity':>9} {'linear':>9} {'dedup':>9} {'fewer':>6} {'wire lin':>9} {'wire dd':>9} "
