@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_train import SMALL_MODEL, config, losses, write_corpus
+from test_train import SMALL_MODEL, config, eager_timer, losses, write_corpus
 from weft import MoE
 from weft.bench import model
 from weft.bench.model import ModelBenchConfig
@@ -222,18 +222,8 @@ def graph_choice_worker() -> list[str]:
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1, "top_k": 2}))
     for moe in gpt.moe_layers():
         moe.a2a_algo = "auto"  # what weft train sets; a layer built "linear" tunes linear and dedup
-    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     seen, losses = [], []
-
-    def timer(step_of, candidates):
-        times = []
-        for algo in candidates:
-            gpt.zero_grad(set_to_none=True)
-            losses.append(float(step_of(algo)(x, y)[0][0]))
-            seen.append({moe.a2a_algo for moe in gpt.moe_layers()})
-            times.append(0.5 if algo == "dedup" else 1.0)
-        return times
-
+    timer = eager_timer(gpt, "a2a_algo", "dedup", seen, losses)
     candidates = GRAPH_TUNED["a2a_algo"]
     best, _ = choose_fastest(gpt, with_layers_at(gpt, eager_micro_step(gpt, 1), "a2a_algo"), timer, "a2a_algo",
                              candidates)

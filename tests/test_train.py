@@ -488,6 +488,25 @@ def test_an_eager_micro_step_returns_the_logged_values(corpus):
     assert all(torch.allclose(a, p.grad) for a, p in zip(grads, gpt.parameters()))
 
 
+def eager_timer(gpt: GPT, setting: str, fastest, seen: list, losses: list):
+    """A stand-in for `weft.graphs.time_graphed` in `choose_fastest`: it runs each candidate's
+    micro-step once eagerly (a replay runs the captured step), noting the values the MoE layers ran
+    with (`seen`) and the loss (`losses`), and reports `fastest` as the fastest."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
+
+    def timer(step_of, candidates):
+        times = []
+        for value in candidates:
+            gpt.zero_grad(set_to_none=True)
+            losses.append(float(step_of(value)(x, y)[0][0]))
+            seen.append({getattr(moe, setting) for moe in gpt.moe_layers()})
+            times.append(0.5 if value == fastest else 1.0)
+        return times
+
+    return timer
+
+
 def test_tutel_in_a_graphed_step_runs_the_degree_whose_step_is_fastest():
     """`--overlap tutel` with CUDA graphs: every candidate degree's micro-step is timed (here by a
     timer that runs it eagerly, as `time_graphed` replays its capture), each with every MoE layer
@@ -497,23 +516,13 @@ def test_tutel_in_a_graphed_step_runs_the_degree_whose_step_is_fastest():
 
     torch.manual_seed(0)
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}))
-    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
     seen, losses = [], []
-
-    def timer(step_of, candidates):
-        times = []
-        for degree in candidates:
-            gpt.zero_grad(set_to_none=True)
-            losses.append(float(step_of(degree)(x, y)[0][0]))
-            seen.append([moe.overlap_degree for moe in gpt.moe_layers()])
-            times.append(1.0 if degree != 4 else 0.5)
-        return times
-
+    timer = eager_timer(gpt, "overlap_degree", 4, seen, losses)
     assert GRAPH_TUNED["overlap_degree"] == DEGREES
     step_of = with_layers_at(gpt, eager_micro_step(gpt, 1), "overlap_degree")
     degree, seconds = choose_fastest(gpt, step_of, timer, "overlap_degree", DEGREES)
     assert degree == 4 and seconds == [0.5 if d == 4 else 1.0 for d in DEGREES]
-    assert seen == [[d] * len(gpt.moe_layers()) for d in DEGREES]
+    assert seen == [{d} for d in DEGREES]
     assert losses == pytest.approx([losses[0]] * len(DEGREES), abs=1e-6)  # chunking changes nothing
     assert [moe.overlap_degree for moe in gpt.moe_layers()] == [4] * len(gpt.moe_layers())
     assert all(moe.last_routing is None for moe in gpt.moe_layers())  # no autograd graph of a candidate kept

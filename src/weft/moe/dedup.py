@@ -43,6 +43,7 @@ from weft.distributed import group_rank
 from weft.hostcopy import device_tensor
 from weft.kernels import rows as row_kernels
 from weft.moe.dispatch import SlotRows, combine_rows, dispatch_rows
+from weft.moe.exchange.all_to_all import by_local_expert
 from weft.moe.exchange.base import ExpertPlacement, Grouped, gather_counts
 from weft.moe.experts import Experts
 from weft.moe.routing import Routing
@@ -90,10 +91,8 @@ class Pairs:
         row on each rank (-1: none) and for each row its pair's id, token * W + rank."""
         T, world = self.need_TW.shape
         rows_TW = torch.where(self.need_TW, self.offset_TW + start_W, -1)
-        ids_TW = torch.arange(T * world, device=rows_TW.device).view(T, world)
-        slot_of_row = torch.full((size + 1,), -1, dtype=torch.long, device=rows_TW.device)
-        slot_of_row.scatter_(0, torch.where(rows_TW >= 0, rows_TW, size).view(-1), ids_TW.view(-1))
-        return SlotRows(rows_TW, slot_of_row[:size])
+        ids = torch.arange(T * world, device=rows_TW.device)
+        return SlotRows(rows_TW, scatter_slots(ids, rows_TW.view(-1), size, fill=-1))
 
 
 def gather_slots(x_TD: torch.Tensor, slot_rows: SlotRows, fused: bool) -> torch.Tensor:
@@ -116,10 +115,8 @@ def sum_slots(src_RD: torch.Tensor, weights_TK: torch.Tensor, slot_rows: SlotRow
 def slot_map(slot_R: torch.Tensor, units: int, per_unit: int) -> SlotRows:
     """The SlotRows of rows holding the slots `slot_R` (-1: an unused row) of `units` units with
     `per_unit` slots each (each slot in at most one row)."""
-    size = units * per_unit
-    rows = torch.full((size + 1,), -1, dtype=torch.long, device=slot_R.device)
-    rows.scatter_(0, torch.where(slot_R >= 0, slot_R, size), torch.arange(slot_R.shape[0], device=slot_R.device))
-    return SlotRows(rows[:size].view(units, per_unit), slot_R)
+    rows = scatter_slots(torch.arange(slot_R.shape[0], device=slot_R.device), slot_R, units * per_unit, fill=-1)
+    return SlotRows(rows.view(units, per_unit), slot_R)
 
 
 def scatter_slots(values_R: torch.Tensor, slot_R: torch.Tensor, size: int, fill: int = 0) -> torch.Tensor:
@@ -222,13 +219,10 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
             gate_R = all_to_all(gate_S, group, recv_slots, send_slots)
         # records arrive [source][local expert]; the experts take them grouped by local expert
         recv_counts = device_tensor([n for row in received for n in row], device)
-        expert_of_row = torch.arange(El, device=device).repeat(W).repeat_interleave(
-            recv_counts, output_size=sum(recv_slots))
-        by_expert = torch.sort(expert_of_row, stable=True).indices
-        per_expert = [sum(r[i] for r in received) for i in range(El)]
+        by_expert, per_expert = by_local_expert(recv_counts, received, sum(recv_slots))
         partial_PD = experts_on_pairs(received_PD, record_R.index_select(0, by_expert),
-                                  gate_R.index_select(0, by_expert), sum(recv_pairs), pairs.K,
-                                  lambda rows_RD: experts.forward_grouped(rows_RD, per_expert), fused)
+                                      gate_R.index_select(0, by_expert), sum(recv_pairs), pairs.K,
+                                      lambda rows_RD: experts.forward_grouped(rows_RD, per_expert), fused)
         with stage("all_to_all"):
             back_PD = all_to_all(partial_PD, group, send_pairs, recv_pairs)
     with stage("combine"):

@@ -45,11 +45,17 @@ def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
     """Run the local experts on rows that arrived grouped [source rank][local expert]
     (`received[s][i]` rows from source s for local expert i; `recv_counts` the same as a flat
     tensor); the output rows come back in the same order."""
-    ep, local = len(received), len(received[0])
-    per_expert = [sum(r[i] for r in received) for i in range(local)]
-    # Rows arrive grouped by source rank; the experts want them grouped by local expert.
-    expert_of_row = torch.arange(local, device=recv.device).repeat(ep)
-    expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=recv.shape[0])
-    by_expert = torch.sort(expert_of_row, stable=True).indices
+    by_expert, per_expert = by_local_expert(recv_counts, received, recv.shape[0])
     out = experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
     return torch.zeros_like(out).index_copy(0, by_expert, out)
+
+
+def by_local_expert(recv_counts: torch.Tensor, received: list[list[int]], total: int) -> tuple[torch.Tensor, list[int]]:
+    """Rows that arrived grouped [source rank][local expert] (`received[s][i]` rows, `recv_counts`
+    the same as a flat device tensor, `total` rows in all): the permutation that groups them by
+    local expert instead (stable: sources in order within an expert), and the rows per local
+    expert."""
+    ep, local = len(received), len(received[0])
+    expert_of_row = torch.arange(local, device=recv_counts.device).repeat(ep)
+    expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=total)
+    return torch.sort(expert_of_row, stable=True).indices, [sum(r[i] for r in received) for i in range(local)]
