@@ -112,9 +112,7 @@ part_tpmoe() {
 }
 
 part_tpgraph() {
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "tensor_parallel_training_replays" \
-    > "$1/tests.log" 2>&1
-  tail -n 3 "$1/tests.log"
+  gpu_tests "$1" tensor_parallel_training_replays
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
     for overlap in none domino $([ "$regime" = nvlink ] && echo domino-copy); do
@@ -173,7 +171,8 @@ part_overlap() {
   unset NCCL_P2P_DISABLE
 }
 
-gpu_tests() {  # DIR PATTERN: the GPU tests matching PATTERN, their summary line
+gpu_tests() {  # DIR PATTERN: the GPU tests matching PATTERN, their summary line (GPU_TESTS=0: none, run already)
+  [ "${GPU_TESTS:-1}" = 0 ] && return 0
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "$2" > "$1/tests.log" 2>&1
   tail -n 2 "$1/tests.log"
 }
@@ -192,7 +191,7 @@ part_dedup() {
         > "$1/layer_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 12
       $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain+graph,dedup+graph,no-comm+graph,plain+graph,dedup+graph --steps 20 --warmup 5 \
+        --modes plain+graph,dedup+graph,no-comm+graph,plain+graph,dedup+graph --baseline plain+graph --steps 20 --warmup 5 \
         --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 7
     done
