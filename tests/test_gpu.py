@@ -22,7 +22,7 @@ from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
 from weft.bench.peers import build_tp_peer
-from weft.hostcopy import device_tensor, offsets
+from weft.hostcopy import device_tensor, host_tensor_async, offsets
 from weft.testing import run_checks
 
 pytestmark = pytest.mark.gpu
@@ -493,6 +493,22 @@ def test_host_values_reach_the_gpu_without_waiting_for_queued_kernels():
     assert still_running, "device_tensor waited for the queued kernel"
     assert torch.equal(got.cpu(), torch.tensor([5, 1, 2]))
     assert torch.equal(offsets([5, 1, 2], "cuda").cpu(), torch.tensor([5, 6, 8], dtype=torch.int32))
+
+
+@needs_cuda
+def test_a_step_s_metrics_are_read_without_waiting_for_the_next_step():
+    """`host_tensor_async` (the training loop's metrics of step N, read after step N + 1 is
+    launched) is ready once the work before it has run, while a long kernel queued after it is
+    still running; a `.cpu()` at read time would have waited for that kernel."""
+    values = torch.arange(6, dtype=torch.float32, device="cuda") * 2
+    torch.cuda.synchronize()
+    host, ready = host_tensor_async(values)
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: the next step
+    ready.synchronize()
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running, "the read waited for the kernel queued after the copy"
+    assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, values.cpu())
 
 
 @needs_cuda

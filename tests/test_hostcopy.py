@@ -1,11 +1,11 @@
-"""weft.hostcopy: host values on a device, as `torch.tensor` gives them (the GPU test in
-test_gpu.py checks that the copy does not wait for queued kernels)."""
+"""weft.hostcopy: host values on a device, as `torch.tensor` gives them, and device values on the
+host (the GPU tests in test_gpu.py check that neither copy waits for kernels queued after it)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from weft.hostcopy import device_tensor, offsets
+from weft.hostcopy import device_tensor, host_tensor_async, offsets
 
 
 def test_device_tensor_is_torch_tensor_of_the_values():
@@ -29,3 +29,9 @@ def test_a_copy_inside_a_graph_capture_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="inside a CUDA graph capture"):
         device_tensor([1, 2], "cuda")
+
+
+def test_a_host_tensor_is_ready_at_once():
+    values = torch.tensor([1.5, 2.0, 4.0])
+    host, ready = host_tensor_async(values)
+    assert host is values and ready is None  # nothing queued: the training loop reads it as it is

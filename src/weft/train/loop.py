@@ -23,6 +23,7 @@ import torch.distributed as dist
 from weft.comm.peers import peers_unavailable
 from weft.distributed import MoEGroups, build_moe_groups, group_rank, group_size, init_distributed
 from weft.graphs import CaptureError, time_graphed
+from weft.hostcopy import host_tensor_async
 from weft.jsonfile import write_json
 from weft.launch import ReportedError
 from weft.models import GPT
@@ -513,15 +514,15 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class PendingStep:
-    """A training step launched on the device whose metrics the host has not read yet (reading
-    waits for the step to finish). `stats`: losses (total, ce, aux: means over the step's
-    micro-batches and data-parallel ranks), dropped slots, then slots per expert of every MoE layer
-    (summed over all ranks); `norm`: the global gradient norm."""
+    """A training step launched on the device whose metrics the host has not read yet. `values`
+    (on the host once `ready` has completed; None: at once): losses (total, ce, aux: means over
+    the step's micro-batches and data-parallel ranks), dropped slots, slots per expert of every
+    MoE layer (summed over all ranks), then the global gradient norm."""
 
     step: int
     lr: float
-    stats: torch.Tensor
-    norm: torch.Tensor
+    values: torch.Tensor
+    ready: torch.cuda.Event | None
     num_moes: int
     copied_experts: list | None  # Pro-Prophet: per layer, the experts its last call copied
 
@@ -562,14 +563,17 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         for moe, counts_E in zip(model.moe_layers(), stats[4:].view(num_moes, model.config.num_experts)):
             moe.update_expert_bias(counts_E * finite, model.config.expert_bias_rate)
     copied = [list(moe.balancer.last_copied) for moe in model.moe_layers()] if model.balanced else None
-    return finished, PendingStep(step, lr, stats, norm, num_moes, copied)
+    values, ready = host_tensor_async(torch.cat([stats, norm.view(1).to(stats.dtype)]))
+    return finished, PendingStep(step, lr, values, ready, num_moes, copied)
 
 
 def _read_step(pending: PendingStep, model: GPT, optimizer, cfg: TrainConfig) -> dict:
     """The step's metrics on the host (the first wait for the device since it was launched); a
     non-finite gradient norm takes the skipped step's optimizer counts back, or stops the run."""
-    step, stats = pending.step, pending.stats.cpu()
-    grad_norm = float(pending.norm)
+    if pending.ready is not None:
+        pending.ready.synchronize()
+    step, stats = pending.step, pending.values[:-1]
+    grad_norm = float(pending.values[-1])
     finite = math.isfinite(grad_norm)
     if not finite:
         optimizer.skipped()
