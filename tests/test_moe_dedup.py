@@ -14,6 +14,9 @@ from test_train import SMALL_MODEL, config, eager_timer, losses, write_corpus
 from weft import MoE
 from weft.bench import model
 from weft.bench.model import ModelBenchConfig
+from weft.moe.config import MoECall
+from weft.moe.exchange import offers_dedup
+from weft.moe.exchange.select import dedup_sends_fewer
 from weft.testing import Checks, run_checks, run_distributed
 from weft.train.config import TrainConfig
 from weft.train.loop import train
@@ -190,6 +193,18 @@ def auto_worker(cf) -> list[str]:
     return checks.failures
 
 
+@pytest.mark.parametrize("top_k, cf, ranks, fewer", [
+    (1, 1.25, 2, False), (1, None, 2, False),  # one expert per token: nothing to deduplicate
+    (2, 1.0, 2, False), (2, 1.25, 2, True),  # padded: El * C rows per rank against min(T, El * C)
+    (4, 1.0, 2, True), (4, 1.0, 4, False), (2, None, 4, True), (2, 0.0, 8, True), (2, -2.0, 8, True)])
+def test_auto_times_dedup_only_where_it_could_send_fewer_rows(top_k, cf, ranks, fewer):
+    """Where dedup moves as many rows as the linear all-to-all (e.g. phi35 and mixtral, top_k 2,
+    at cf 1.0 on 2 ranks) it only adds work, so auto does not spend tuning runs on it."""
+    call = MoECall(top_k, cf, a2a_algo="auto")
+    assert dedup_sends_fewer(call, ranks) == fewer
+    assert offers_dedup(call, True, ranks, 1, False) == fewer
+
+
 @pytest.mark.parametrize("cf", [1.0, None])
 def test_auto_times_dedup_as_a_candidate(cf):
     failures = run_checks(auto_worker, 2, args=(cf,), timeout=300)
@@ -215,7 +230,7 @@ def graph_choice_worker() -> list[str]:
     each step eagerly, as `time_graphed` replays its capture) with every layer at that algorithm,
     the same losses, and the faster one set on every layer."""
     from weft.models import GPT, GPTConfig
-    from weft.train.step import GRAPH_TUNED, choose_fastest, eager_micro_step, with_layers_at
+    from weft.train.step import GRAPH_TUNED, choose_fastest, eager_micro_step, graph_candidates, with_layers_at
 
     checks = Checks(f"rank {dist.get_rank()}")
     torch.manual_seed(0)
@@ -225,12 +240,17 @@ def graph_choice_worker() -> list[str]:
     seen, losses = [], []
     timer = eager_timer(gpt, "a2a_algo", "dedup", seen, losses)
     candidates = GRAPH_TUNED["a2a_algo"]
+    checks.expect(graph_candidates(gpt, "a2a_algo") == candidates, "dedup not offered at top_k 2, cf 1.25")
     best, _ = choose_fastest(gpt, with_layers_at(gpt, eager_micro_step(gpt, 1), "a2a_algo"), timer, "a2a_algo",
                              candidates)
     checks.expect(candidates == ("linear", "dedup") and best == "dedup", f"{candidates}: chose {best}")
     checks.expect(seen == [{"linear"}, {"dedup"}], f"layers ran {seen}")
     checks.expect(abs(losses[0] - losses[1]) < 1e-5, f"losses {losses}")
     checks.expect(all(moe.a2a_algo == "dedup" for moe in gpt.moe_layers()), "the choice was not set on every layer")
+    top1 = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1, "top_k": 1}))
+    for moe in top1.moe_layers():
+        moe.a2a_algo = "auto"
+    checks.expect(graph_candidates(top1, "a2a_algo") == ("linear",), "dedup offered at top_k 1")
     return checks.failures
 
 

@@ -271,6 +271,10 @@ class MoE(nn.Module):
                  f"-{self.experts.activation}-W{self.ep_size}-{str(self.experts.w1.dtype).replace('torch.', '')}")
         return tuning_key(shape, call, self.parallel, comet=comet, dedup=self._offers_dedup(call))
 
+    def tunes_dedup(self) -> bool:
+        """Whether this layer's own calls time the deduplicating all-to-all (`offers_dedup`)."""
+        return self._offers_dedup(self.default_call())
+
     def _offers_dedup(self, call: MoECall) -> bool:
         """Whether a tuned call of this layer times the deduplicating all-to-all (`offers_dedup`)."""
         return offers_dedup(call, self.gate != "expert_choice", self.ep_size, self.expert_shards,

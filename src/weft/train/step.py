@@ -101,6 +101,15 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
 GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup")}
 
 
+def graph_candidates(model: GPT, setting: str) -> tuple:
+    """`GRAPH_TUNED[setting]` worth a capture: "dedup" only where some MoE layer would time it
+    itself (`MoE.tunes_dedup`: it could send fewer rows, e.g. not with top_k 1)."""
+    found = GRAPH_TUNED[setting]
+    if setting == "a2a_algo" and not any(moe.tunes_dedup() for moe in model.moe_layers()):
+        found = tuple(c for c in found if c != "dedup")
+    return found
+
+
 @dataclass(frozen=True)
 class MicroSteps:
     """How a training step runs its micro-batches: `run` (eager or a graph replay) and who owns the
@@ -136,8 +145,14 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     if blocker is None:
         accumulate = grad_accum > 1
         try:
-            for setting, candidates in GRAPH_TUNED.items():
+            for setting in GRAPH_TUNED:
                 if not any(getattr(moe, setting) == "auto" for moe in model.moe_layers()):
+                    continue
+                candidates = graph_candidates(model, setting)
+                if len(candidates) == 1:
+                    for moe in model.moe_layers():
+                        setattr(moe, setting, candidates[0])
+                    log(f"weft train: every MoE layer runs {setting}={candidates[0]} (dedup would send no fewer rows)")
                     continue
                 timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
                 best, seconds = choose_fastest(model, with_layers_at(model, eager, setting), timer, setting,

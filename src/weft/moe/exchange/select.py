@@ -65,13 +65,25 @@ def offers_comet(call: MoECall, on_gpu: bool, ep_size: int, expert_shards: int) 
     return call.kernels == "auto" and on_gpu and call.communicate and ep_size > 1 and expert_shards == 1
 
 
+def dedup_sends_fewer(call: MoECall, ep_size: int) -> bool:
+    """Whether the deduplicating all-to-all can move fewer rows than the linear one. A token must be
+    able to pick several experts of one rank (top_k > 1). A padded call with cf > 0 sends El * C
+    (about top_k * cf * T / W) rows per destination where dedup sends min(T, El * C): fewer only
+    if top_k * cf > W. A no-drop call (cf <= 0) sizes C from the heaviest expert, and a dropless
+    one sends exact counts, so both may send fewer."""
+    cf = call.capacity_factor
+    return call.top_k > 1 and (cf is None or cf <= 0 or call.top_k * cf > ep_size)
+
+
 def offers_dedup(call: MoECall, token_choice: bool, ep_size: int, expert_shards: int, balanced: bool) -> bool:
     """Whether a tuned call times `a2a_algo="dedup"` (each token sent to a rank once,
     `weft.moe.dedup`) beside the linear all-to-all: `a2a_algo="auto"`, a token-choice gate, several
-    ranks, whole experts per rank, no Comet kernels asked for and no Pro-Prophet copies. It computes
-    the same function, so the tuner keeps it only where it measured it faster."""
+    ranks, whole experts per rank, no Comet kernels asked for, no Pro-Prophet copies, and fewer rows
+    to send (`dedup_sends_fewer`; otherwise it only adds its records and row expansion). It
+    computes the same function, so the tuner keeps it only where it measured it faster."""
     return (call.a2a_algo == "auto" and token_choice and call.communicate and ep_size > 1 and expert_shards == 1
-            and call.kernels != "comet" and not balanced and call.parallel_r in (None, 1))
+            and call.kernels != "comet" and not balanced and call.parallel_r in (None, 1)
+            and dedup_sends_fewer(call, ep_size))
 
 
 def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, num_nodes: int,
