@@ -30,8 +30,9 @@
 #            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
 #   dedup    each token to a rank once (a2a_algo="dedup"; issues: Overlap that pays, Hardware speed): its
-#            GPU test (reference, graph replay, bitwise runs), the layer (plain / dedup / no-comm, eager
-#            at cf 1.0 and dropless, and as CUDA graphs at cf 1.0) for qwen2, phi35 and mixtral, gpt2-s-moe
+#            GPU test (reference, graph replay, bitwise runs; with those of auto+graph and of the metrics'
+#            read), the layer (plain / dedup / auto / no-comm, eager at cf 1.0 and dropless, and as CUDA graphs
+#            at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral, gpt2-s-moe
 #            iterations (none / dedup), and qwen2-moe-2l training with --a2a-algo linear / dedup,
 #            NCCL_P2P_DISABLE=1 and NVLink
 #            (REGIMES="p2p_disabled nvlink"; one regime per call fits)
@@ -182,18 +183,19 @@ set_regime() {  # nvlink | p2p_disabled (NCCL_P2P_DISABLE=1, the multi-node stan
 }
 
 part_dedup() {
-  gpu_tests "$1" dedup
+  gpu_tests "$1" "dedup or captures_auto or step_s_metrics"
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for config in qwen2 phi35 mixtral; do
       $RUN bench layer --config "$config" --capacity 1.0,dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain,dedup,no-comm,plain,dedup --steps 20 --warmup 5 --json "$1/layer_${config}_$regime.json" \
+        --modes plain,dedup,auto,no-comm,plain,dedup --steps 20 --warmup 5 --json "$1/layer_${config}_$regime.json" \
         > "$1/layer_${config}_$regime.log" 2>&1
-      grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 12
+      grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 14
       $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain+graph,dedup+graph,no-comm+graph,plain+graph,dedup+graph --baseline plain+graph --steps 20 --warmup 5 \
+        --modes plain+graph,dedup+graph,auto+graph,no-comm+graph,plain+graph,dedup+graph --baseline plain+graph \
+        --steps 20 --warmup 5 \
         --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
-      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 7
+      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 8
     done
     $RUN bench model --preset gpt2-s-moe --batch-size 8 --modes none,dedup,none,dedup --steps 10 --warmup 3 \
       --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1

@@ -8,9 +8,10 @@ import re
 import pytest
 import torch
 
+from weft import MoE
 from weft.bench import layer, timing
 from weft.bench.layer import LayerBenchConfig
-from weft.testing import DistributedTestError, run_distributed
+from weft.testing import Checks, DistributedTestError, run_checks, run_distributed
 from weft.tune import run_until_tuned
 
 
@@ -199,3 +200,47 @@ def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, c
     capsys.readouterr()
     layer.print_table(report)
     assert re.search(r"comet .* copy programs [12]", capsys.readouterr().out)
+
+
+def graphed_auto_worker() -> list[str]:
+    """`auto+graph` (`layer.graphed_auto`): every candidate of the layer's auto call run as the
+    graph would capture it, here by a stand-in timer that runs each step eagerly (a capture needs
+    CUDA) and calls dedup fastest; each candidate computes the plain layer, and the forward it
+    returns runs the fastest setting."""
+    rank = torch.distributed.get_rank()
+    checks = Checks(f"rank {rank}")
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 8, top_k=4, capacity_factor=1.0, parallel="adaptive", a2a_algo="auto")
+    gen = torch.Generator().manual_seed(rank)
+    x, grad = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    y_plain = moe(x, **layer.MODES["plain"]).detach()
+    ran = []
+
+    def timer(step_of, candidates, args, grads_of):
+        for setting in candidates:
+            y, x_grad = step_of(setting)(args[0].detach().requires_grad_(), args[1])
+            ran.append(setting.name)
+            checks.expect(torch.allclose(y, y_plain, rtol=1e-5, atol=1e-6), f"{setting.name}: not the plain output")
+            checks.expect(x_grad is not None, f"{setting.name}: no input gradient")
+        return [0.5 if s.a2a_algo == "dedup" else 1.0 for s in candidates]
+
+    forward, candidates_ms = layer.graphed_auto(moe, x, grad, timer)
+    names = [s.name for s in moe.candidates(moe.call_with(**layer.MODES["auto"]))]
+    checks.expect(ran == names == list(candidates_ms) and "d1-dedup" in names and "d2-linear" in names,
+                  f"ran {ran}, candidates {names}, reported {list(candidates_ms)}")
+    checks.expect(min(candidates_ms, key=candidates_ms.get) == "d1-dedup", f"times {candidates_ms}")
+    calls, real_forward = [], moe.forward
+
+    def recording(x, **overrides):
+        calls.append(overrides.get("a2a_algo"))
+        return real_forward(x, **overrides)
+
+    moe.forward = recording
+    checks.expect(torch.allclose(forward(x), y_plain, rtol=1e-5, atol=1e-6) and calls == ["dedup"],
+                  f"the chosen forward ran {calls}")
+    return checks.failures
+
+
+def test_auto_as_graphs_captures_the_candidate_whose_graph_is_fastest():
+    failures = run_checks(graphed_auto_worker, 2, timeout=300)
+    assert not failures, "\n".join(failures)

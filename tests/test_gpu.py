@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
+import math
 
 import pytest
 import torch
@@ -21,9 +23,10 @@ from test_overlap_passes import both_passes_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
+from weft.bench import layer
 from weft.bench.peers import build_tp_peer
 from weft.hostcopy import device_tensor, host_tensor_async, offsets
-from weft.testing import run_checks
+from weft.testing import run_checks, run_distributed
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
@@ -255,6 +258,23 @@ def test_dedup_exchange_on_nccl_matches_the_reference_replays_as_a_graph_and_is_
     flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup"), backend="nccl",
                        timeout=600)
     assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_the_layer_benchmark_captures_auto_at_the_candidate_whose_graph_is_fastest(tmp_path):
+    """`weft bench layer --modes plain+graph,auto+graph` on every GPU: each of auto's candidates
+    (degrees, dedup) captured and timed, the fastest captured again, and checked against plain."""
+    out = tmp_path / "auto.json"
+    cfg = layer.LayerBenchConfig("qwen2", 1024, capacity=(1.0,), modes=("plain+graph", "auto+graph"),
+                                 baseline="plain+graph", steps=3, warmup=1, json=str(out), profile_steps=0)
+    run_distributed(layer.run, torch.cuda.device_count(), args=(cfg,), backend="nccl", timeout=600)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    auto = rows["auto+graph"]
+    assert auto["median_ms"] > 0 and auto["max_abs_error"] < 3e-2, auto
+    assert auto["tuned"] == [min(auto["candidates_ms"], key=auto["candidates_ms"].get)], auto
+    assert "d2-linear" in auto["candidates_ms"] and all(map(math.isfinite, auto["candidates_ms"].values())), auto
+    if torch.cuda.device_count() == 2:  # qwen2: top_k 4 x cf 1.0 > 2 ranks, so dedup is a candidate
+        assert "d1-dedup" in auto["candidates_ms"], auto
 
 
 @needs_cuda

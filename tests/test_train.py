@@ -166,7 +166,8 @@ def test_toml_config_maps_onto_the_dataclasses(tmp_path):
         (["train", "--preset", "tiny-dense", "--nproc", "2", "--tp", "3", "--device", "cpu"],
          "--tp 3 must divide the number of processes (2)"),
         (["train", "--preset", "tiny-dense", "--tp-overlap", "domino"], "set --tp > 1"),
-        (["bench", "layer", "--modes", "plain,auto+graph", "--capacity", "1"], "--modes auto+graph: +graph applies"),
+        (["bench", "layer", "--modes", "plain,balance+graph", "--capacity", "1"],
+         "--modes balance+graph: +graph applies"),
         (["bench", "layer", "--modes", "plain,plain+graph"], "dropless capacity reads its counts on the host"),
     ],
 )

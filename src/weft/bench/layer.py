@@ -35,12 +35,12 @@ from weft.cliargs import (
     positive_int,
 )
 from weft.distributed import init_distributed
-from weft.graphs import GraphedStep
+from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.overlap import measure_layer_cost_model, with_copy_overhead
 from weft.profiling import stage
-from weft.tune import run_until_tuned
+from weft.tune import Setting, run_until_tuned
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,45 @@ NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
 # (weft.graphs); the same kernels without their host launch cost. Padded capacity only (dropless
-# reads its counts on the host), and not "auto" (its tuning synchronises).
+# reads its counts on the host). "auto+graph" times each of auto's candidate settings as a graph
+# and captures the fastest (`graphed_auto`; auto's eager tuning synchronises, so it cannot run inside
+# a capture, and it would time launch costs a replay does not pay).
 GRAPH_SUFFIX = "+graph"
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def setting_overrides(setting: Setting) -> dict:
+    """A tuned setting as the call overrides that run it."""
+    return {"overlap_degree": setting.overlap_degree, "a2a_algo": setting.a2a_algo, "parallel": setting.parallel,
+            **({"kernels": "comet"} if setting.comet else {})}
+
+
+# (step_of, candidates, args, grads_of) -> seconds per candidate: `weft.graphs.time_graphed`
+GraphTimer = Callable[..., list[float]]
+
+
+def graphed_auto(moe: MoE, x: torch.Tensor, grad: torch.Tensor,
+                 timer: GraphTimer = time_graphed) -> tuple[Callable[[torch.Tensor], torch.Tensor], dict[str, float]]:
+    """auto+graph: every candidate setting of the layer's auto call (`MoE.candidates`: degrees,
+    all-to-all algorithms, r, Comet) timed as a CUDA graph of its forward and backward on (x, grad)
+    (`timer`), as `weft train` chooses for a graphed step (`weft.train.step.choose_fastest`).
+    Returns the forward at the fastest setting and the milliseconds of each candidate by name."""
+    settings = moe.candidates(moe.call_with(**MODES["auto"]))
+
+    def step_of(setting: Setting):
+        overrides = setting_overrides(setting)
+
+        def step(x: torch.Tensor, grad: torch.Tensor):
+            moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
+            y = moe(x, **overrides)
+            y.backward(grad)
+            return y.detach(), x.grad
+        return step
+
+    seconds = timer(step_of, settings, args=[x.detach().requires_grad_(), grad], grads_of=list(moe.parameters()))
+    best = setting_overrides(settings[seconds.index(min(seconds))])
+    return (lambda x: moe(x, **best)), {s.name: t * 1e3 for s, t in zip(settings, seconds)}
 
 
 def base_mode(mode: str) -> str:
@@ -186,8 +221,8 @@ class LayerBenchConfig:
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}, each optionally "
                              f"with {GRAPH_SUFFIX} (unknown modes {unknown})")
         for mode in filter(is_graphed, self.modes):
-            if base_mode(mode) not in MODES or base_mode(mode) == "auto":
-                raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's fixed modes (not auto or a peer)")
+            if base_mode(mode) not in MODES:
+                raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes (not a peer or balance)")
             if None in self.capacity:
                 raise ValueError(f"--modes {mode}: a CUDA graph needs static shapes; dropless capacity reads its "
                                  "counts on the host (drop 'dropless' from --capacity)")
@@ -308,6 +343,11 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         try:
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
                                                          ctx.world_size, x0, copy_overhead)
+            if is_graphed(mode) and base_mode(mode) == "auto":
+                _need_cuda(device)
+                forward, row["candidates_ms"] = graphed_auto(moe, x0, grads[0])
+                row["tuned"] = [min(row["candidates_ms"], key=row["candidates_ms"].get)]
+                description = f"weft auto: {row['tuned'][0]}, the fastest of its candidates as CUDA graphs"
             fwd_bwd = _eager(forward)
             if is_graphed(mode):
                 moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
@@ -435,13 +475,17 @@ def _eager(forward: Callable[[torch.Tensor], torch.Tensor]) -> FwdBwd:
     return fwd_bwd
 
 
+def _need_cuda(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(f"{GRAPH_SUFFIX} modes need CUDA")
+
+
 def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch.device) -> tuple[FwdBwd, float]:
     """The mode's forward and backward captured as one CUDA graph that owns the gradients (each
     replay writes the step's gradients, as the eager step's backward into `.grad = None` does),
     and its peak GPU memory (MiB) above what was allocated before: the warm-up steps' and the
     capture's (the graph keeps that pool of activations and gradients between replays)."""
-    if device.type != "cuda":
-        raise ValueError(f"{GRAPH_SUFFIX} modes need CUDA")
+    _need_cuda(device)
 
     def step(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = forward(x)
@@ -498,6 +542,8 @@ def print_table(report: dict) -> None:
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
         comm, exposed, hidden = comm_cells(r)
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
+        if r.get("candidates_ms"):
+            tuned += " (" + ", ".join(f"{name} {ms:.2f}" for name, ms in r["candidates_ms"].items()) + " ms as graphs)"
         if r.get("copied_experts") is not None:
             tuned += f"  copied experts {r['copied_experts']} in the checked call"
         if r.get("comet_copy_programs"):
