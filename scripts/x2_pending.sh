@@ -31,8 +31,8 @@
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
 #   dedup    each token to a rank once (a2a_algo="dedup"; issues: Overlap that pays, Hardware speed): its
 #            GPU test (reference, graph replay, bitwise runs; with those of auto+graph and of the metrics'
-#            read), the layer (plain / dedup / auto / no-comm, eager at cf 1.0 and dropless, and as CUDA graphs
-#            at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral, gpt2-s-moe
+#            read), the layer (plain / dedup / dedup-d2 / auto / no-comm, eager at cf 1.0 and dropless,
+#            and as CUDA graphs at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral, gpt2-s-moe
 #            iterations (none / dedup), and qwen2-moe-2l training with --a2a-algo linear / dedup,
 #            NCCL_P2P_DISABLE=1 and NVLink
 #            (REGIMES="p2p_disabled nvlink"; one regime per call fits)
@@ -188,14 +188,15 @@ part_dedup() {
     set_regime "$regime"
     for config in qwen2 phi35 mixtral; do
       $RUN bench layer --config "$config" --capacity 1.0,dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain,dedup,auto,no-comm,plain,dedup --steps 20 --warmup 5 --json "$1/layer_${config}_$regime.json" \
-        > "$1/layer_${config}_$regime.log" 2>&1
-      grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 14
+        --modes plain,dedup,dedup-d2,auto,no-comm,plain,dedup --steps 20 --warmup 5 \
+        --json "$1/layer_${config}_$regime.json" > "$1/layer_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 16
       $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain+graph,dedup+graph,auto+graph,no-comm+graph,plain+graph,dedup+graph --baseline plain+graph \
+        --modes plain+graph,dedup+graph,dedup-d2+graph,auto+graph,no-comm+graph,plain+graph,dedup+graph \
+        --baseline plain+graph \
         --steps 20 --warmup 5 \
         --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
-      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 8
+      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 9
     done
     $RUN bench model --preset gpt2-s-moe --batch-size 8 --modes none,dedup,none,dedup --steps 10 --warmup 3 \
       --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1

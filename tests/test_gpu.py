@@ -178,7 +178,7 @@ def test_comet_two_runs_are_bitwise_equal():
     assert not flat, "\n".join(flat[:15])
 
 
-def graph_worker(dtypes, device, a2a_algo: str = "linear") -> list[str]:
+def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int = 1) -> list[str]:
     """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
     the eager step's outputs, input gradients and parameter gradients on new inputs (padded
     capacity, token and expert choice; bitwise with the Triton kernels, whose results are
@@ -195,7 +195,7 @@ def graph_worker(dtypes, device, a2a_algo: str = "linear") -> list[str]:
         exact = kernels == "auto" and gate != "expert_choice"  # expert choice combines with torch's index_add
         torch.manual_seed(0)
         moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=1.0, activation="gelu", dtype=dtypes[0],
-                  device=device, kernels=kernels, a2a_algo=a2a_algo)
+                  device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
         params = list(moe.parameters())
         gen = torch.Generator(device=device).manual_seed(10 + rank)
         xs = [torch.randn(1024, 256, device=device, dtype=dtypes[0], generator=gen) for _ in range(3)]
@@ -250,13 +250,19 @@ def test_a_graphed_layer_step_equals_the_eager_one_on_nccl():
 @needs_cuda
 def test_dedup_exchange_on_nccl_matches_the_reference_replays_as_a_graph_and_is_bitwise_reproducible():
     """a2a_algo="dedup" on every GPU: the dense reference (topk, every capacity mode, k 1/2/4, every
-    activation, bf16), a CUDA graph of its padded step equal to the eager one, two runs bitwise equal."""
+    activation, bf16), a CUDA graph of its padded step equal to the eager one, two runs bitwise equal;
+    with overlap_degree=2, the dense reference (padded modes) and the graph."""
     world = torch.cuda.device_count()
     flat = run_checks(equivalence_worker, world, args=("topk", (torch.bfloat16,), "cuda", "auto", ACTIVATIONS, "dedup"),
                       backend="nccl", timeout=600)
     flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup"), backend="nccl", timeout=600)
     flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup"), backend="nccl",
                        timeout=600)
+    # overlap_degree=2: the own pairs computed while the others' results travel (padded modes)
+    flat += run_checks(equivalence_worker, world,
+                       args=("topk", (torch.bfloat16,), "cuda", "auto", ("gelu",), "dedup", 2), backend="nccl",
+                       timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup", 2), backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

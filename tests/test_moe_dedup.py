@@ -12,8 +12,11 @@ import torch.distributed as dist
 
 from test_train import SMALL_MODEL, config, eager_timer, losses, write_corpus
 from weft import MoE
-from weft.bench import model
+from weft.bench import layer, model
+from weft.bench.layer import LayerBenchConfig
 from weft.bench.model import ModelBenchConfig
+from weft.comm import async_all_to_all
+from weft.moe import dedup
 from weft.moe.config import MoECall
 from weft.moe.exchange import offers_dedup
 from weft.moe.exchange.select import dedup_sends_fewer
@@ -77,13 +80,22 @@ def test_dedup_sends_each_token_to_a_rank_once(world_size):
     assert not failures, "\n".join(failures)
 
 
-def training_worker(cf) -> list[str]:
-    """Three SGD steps of a plain layer and a dedup twin: the same outputs, gradients, drops."""
+def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float) -> bool:
+    """Equal to float rounding: `rtol` per element, and 1e-6 of the tensor's largest magnitude
+    (sums associated another way, e.g. the experts' weight gradients of overlap_degree=2 in two
+    parts, round differently; three SGD steps at lr 0.5 grow some gradients to 1e9)."""
+    return torch.allclose(actual, expected, rtol=rtol, atol=1e-6 * max(1.0, float(expected.abs().max())))
+
+
+def training_worker(cf, degree: int = 1) -> list[str]:
+    """Three SGD steps of a plain layer and a dedup twin (`degree` 2: its own pairs computed
+    last): the same outputs, gradients, drops."""
     rank = dist.get_rank()
-    checks = Checks(f"rank {rank} cf={cf}")
+    checks = Checks(f"rank {rank} cf={cf} d{degree}")
     torch.manual_seed(0)
     plain = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cf, activation="swiglu")
-    dedup = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cf, activation="swiglu", a2a_algo="dedup")
+    dedup = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cf, activation="swiglu", a2a_algo="dedup",
+                overlap_degree=degree)
     dedup.load_state_dict(plain.state_dict())
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, dedup)]
     for step in range(3):
@@ -99,23 +111,74 @@ def training_worker(cf) -> list[str]:
             opt.step()
         (y0, dx0, g0, d0), (y1, dx1, g1, d1) = outs
         checks.expect(d0 == d1, f"step {step}: dropped {d0} vs {d1}")
-        checks.expect(torch.allclose(y0, y1, rtol=1e-5, atol=1e-6), f"step {step}: outputs differ")
-        checks.expect(torch.allclose(dx0, dx1, rtol=1e-5, atol=1e-6), f"step {step}: input gradients differ")
+        checks.expect(close(y1, y0, 1e-5), f"step {step}: outputs differ")
+        checks.expect(close(dx1, dx0, 1e-5), f"step {step}: input gradients differ")
         for name in g0:
-            checks.expect(torch.allclose(g0[name], g1[name], rtol=1e-4, atol=1e-6), f"step {step}: grad {name}")
+            checks.expect(close(g1[name], g0[name], 1e-4), f"step {step}: grad {name}")
     return checks.failures
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("cf", [1.0, None])
-def test_dedup_trains_like_the_plain_layer(world_size, cf):
-    failures = run_checks(training_worker, world_size, args=(cf,), timeout=300)
+@pytest.mark.parametrize("cf, degree", [(1.0, 1), (None, 1), (1.0, 2)])
+def test_dedup_trains_like_the_plain_layer(world_size, cf, degree):
+    failures = run_checks(training_worker, world_size, args=(cf, degree), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def order_worker() -> list[str]:
+    """overlap_degree=2 with dedup overlaps as it says, forward and backward: the experts compute
+    the own pairs after the others' results start back and before they are waited for, and in
+    backward the own pairs' gradient is computed between the launch of the returned rows'
+    gradient exchange and its wait (autograd's order, which the docstring relies on)."""
+    rank = dist.get_rank()
+    checks = Checks(f"rank {rank}")
+    events, real_blocks, real_launch = [], dedup._experts_on_blocks, async_all_to_all._launch
+
+    def blocks(received_PD, records, gates, *args):
+        own = "others forward" in events  # the others' pairs first, then the own ones
+        events.append("own forward" if own else "others forward")
+        if own:
+            received_PD.register_hook(lambda grad: events.append("own backward"))
+        return real_blocks(received_PD, records, gates, *args)
+
+    class Work:
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+
+        def wait(self):
+            events.append(f"wait {self.name}")
+            self.work.wait()
+
+    def launch(x, group, out_splits, in_splits):
+        name = "backward" if "launch forward" in events else "forward"
+        events.append(f"launch {name}")
+        out, work = real_launch(x, group, out_splits, in_splits)
+        return out, Work(work, name)
+
+    dedup._experts_on_blocks, async_all_to_all._launch = blocks, launch
+    try:
+        torch.manual_seed(0)
+        moe = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=1.0, a2a_algo="dedup", overlap_degree=2)
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        moe(x).square().sum().backward()
+    finally:
+        dedup._experts_on_blocks, async_all_to_all._launch = real_blocks, real_launch
+    expected = ["others forward", "launch forward", "own forward", "wait forward",
+                "launch backward", "own backward", "wait backward"]
+    checks.expect(events == expected, f"events {events}")
+    return checks.failures
+
+
+def test_dedup_computes_its_own_pairs_while_the_others_results_travel():
+    failures = run_checks(order_worker, 2, timeout=300)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("settings, message", [
     ({"gate": "expert_choice"}, "token-choice gate"),
-    ({"overlap_degree": 2}, "overlap_degree must be 1"),
+    ({"overlap_degree": 4}, "runs overlap_degree 1, or 2"),
+    ({"overlap_degree": "auto"}, "runs overlap_degree 1, or 2"),
+    ({"overlap_degree": 2, "capacity_factor": None}, "needs a padded capacity mode"),
     ({"kernels": "comet"}, "two exchanges"),
     ({"balance": "pro-prophet", "capacity_factor": None}, "Pro-Prophet"),
 ])
@@ -205,6 +268,20 @@ def test_auto_times_dedup_only_where_it_could_send_fewer_rows(top_k, cf, ranks, 
     assert offers_dedup(call, True, ranks, 1, False) == fewer
 
 
+def candidates_worker() -> dict:
+    names = {}
+    for cf in (1.0, None):
+        moe = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=cf, overlap_degree="auto", a2a_algo="auto")
+        names[cf] = [c.name for c in moe.candidates()]
+    return names
+
+
+def test_auto_degrees_time_dedup_with_its_own_pairs_last_in_padded_modes():
+    names = run_distributed(candidates_worker, 2, timeout=120)[0]
+    assert names[1.0] == ["d1-linear", "d1-dedup", "d2-linear", "d2-dedup", "d4-linear", "d8-linear"]
+    assert names[None] == ["d1-linear", "d1-dedup", "d2-linear", "d4-linear", "d8-linear"]  # dropless: d1 only
+
+
 @pytest.mark.parametrize("cf", [1.0, None])
 def test_auto_times_dedup_as_a_candidate(cf):
     failures = run_checks(auto_worker, 2, args=(cf,), timeout=300)
@@ -257,3 +334,18 @@ def graph_choice_worker() -> list[str]:
 def test_a_graphed_step_chooses_the_faster_all_to_all():
     failures = run_checks(graph_choice_worker, 2, timeout=300)
     assert not failures, "\n".join(failures)
+
+
+def test_layer_benchmark_times_dedup_and_its_own_pairs_last(tmp_path):
+    """`weft bench layer --modes plain,dedup,dedup-d2`: both checked against plain first (to float
+    rounding) and timed; dropless has no dedup-d2 and says so in its row."""
+    out = tmp_path / "layer.json"
+    cfg = LayerBenchConfig("tiny", 64, capacity=(1.0, None), modes=("plain", "dedup", "dedup-d2"), steps=2,
+                           warmup=1, json=str(out))
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+    rows = {(r["capacity_factor"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    for mode in ("dedup", "dedup-d2"):
+        assert rows[(1.0, mode)]["max_abs_error"] < 1e-5 and rows[(1.0, mode)]["median_ms"] > 0
+    assert rows[(None, "dedup")]["max_abs_error"] < 1e-5
+    assert rows[(None, "dedup-d2")]["median_ms"] is None
+    assert "needs a padded capacity mode" in rows[(None, "dedup-d2")]["error"]

@@ -60,15 +60,16 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto",
-               bias=None, temperature=0.0, a2a_algo="linear") -> list[str]:
+               bias=None, temperature=0.0, a2a_algo="linear", overlap_degree=1) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     label = (f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
-             f" {a2a_algo}"
+             f" d{overlap_degree}-{a2a_algo}"
              f"{'' if bias is None else ' expert bias'}{f' temperature {temperature}' if temperature else ''}")
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
               normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels,
-              expert_bias=bias is not None, routing_temperature=temperature, a2a_algo=a2a_algo)
+              expert_bias=bias is not None, routing_temperature=temperature, a2a_algo=a2a_algo,
+              overlap_degree=overlap_degree)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
     num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
     gen = torch.Generator().manual_seed(100 + rank)
@@ -146,21 +147,23 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
 
 
 def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: str = "auto",
-                       activations=ACTIVATIONS, a2a_algo: str = "linear") -> list[str]:
+                       activations=ACTIVATIONS, a2a_algo: str = "linear", overlap_degree: int = 1) -> list[str]:
     caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
+    if overlap_degree > 1 and a2a_algo == "dedup":  # dedup's own pairs computed last: padded modes
+        caps = tuple(cap for cap in caps if cap is not None)
     failures = []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
-    case = dict(device=device, kernels=kernels, a2a_algo=a2a_algo)
+    case = dict(device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
     for cap, k, activation, dtype in itertools.product(caps, TOP_KS, activations, dtypes):
         failures += check_case(gate, cap, k, activation, dtype, **case)
     if gate in ("topk", "bpr"):
-        for cap in TOKEN_CHOICE_CAPACITIES:
+        for cap in caps:
             failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, **case)
     if gate in ("topk", "bpr", "cosine"):  # DeepSeek-V3's selection bias, against expert 0 the router favours
-        for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):
+        for cap, k in itertools.product(caps, (1, 2)):
             failures += check_case(gate, cap, k, "gelu", dtypes[0], bias=EXPERT_BIAS, **case)
-        for cap, k in itertools.product(TOKEN_CHOICE_CAPACITIES, (1, 2)):  # experts sampled in training
+        for cap, k in itertools.product(caps, (1, 2)):  # experts sampled in training
             failures += check_case(gate, cap, k, "gelu", dtypes[0], temperature=0.7, **case)
     return failures
 
@@ -207,11 +210,22 @@ def test_dedup_exchange_matches_dense_reference(world_size, gate, activations):
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
-def test_dedup_exchange_with_triton_kernels_matches_dense_reference(monkeypatch):
-    """The same through the row kernels in Triton's CPU interpreter, on 2 ranks."""
+@pytest.mark.parametrize("world_size, gate", [(1, "topk"), (2, "topk"), (4, "topk"), (2, "bpr"), (4, "cosine")])
+def test_dedup_with_its_own_pairs_last_matches_dense_reference(world_size, gate):
+    """a2a_algo="dedup", overlap_degree=2 (a rank's own pairs computed while the others' results
+    travel back): the padded capacity modes, k 1, 2 and 4, float32 and bfloat16."""
+    flat = run_checks(equivalence_worker, world_size,
+                      args=(gate, DTYPES, "cpu", "auto", ("gelu", "swiglu"), "dedup", 2), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("degree", [1, 2])
+def test_dedup_exchange_with_triton_kernels_matches_dense_reference(monkeypatch, degree):
+    """The same through the row kernels in Triton's CPU interpreter, on 2 ranks (degree 2: the
+    own pairs computed last, padded modes)."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup"),
+    flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup", degree),
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 

@@ -84,6 +84,7 @@ MODES: dict[str, dict] = {
     "d8": {**PLAIN, "overlap_degree": 8},
     "2dh": {**PLAIN, "a2a_algo": "2dh"},
     "dedup": {**PLAIN, "a2a_algo": "dedup"},
+    "dedup-d2": {**PLAIN, "a2a_algo": "dedup", "overlap_degree": 2},
     "r0": {**PLAIN, "parallel": 0},
     "r1": PLAIN,
     "r2": {**PLAIN, "parallel": 2},
@@ -184,7 +185,9 @@ class LayerBenchConfig:
     top_k: int | None = arg(None, "override the config's top-k", parse=positive_int)
     modes: tuple[str, ...] = arg(("plain", "no-comm"), "comma-separated: plain, torch (plain with torch "
                                  "dispatch/combine), no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
-                                 "all-to-all), r0 (data-parallel experts), r1/r2/r4/r8 "
+                                 "all-to-all), dedup (each token sent to a rank once), dedup-d2 (dedup with a "
+                                 "rank's own pairs computed while the others' results travel back; padded), "
+                                 "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "

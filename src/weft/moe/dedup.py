@@ -29,7 +29,14 @@ pairs, and C slots per expert at most El * C): fewer than the plain El * C when 
 (qwen2-like on 2 ranks: half). Dropless sends exactly the pairs.
 
 Not with: expert choice (a token takes a varying number of slots), fewer experts than ranks,
-pipelining (d > 1), Comet's kernels, Pro-Prophet's copies (`weft.moe.config.check_call`).
+Tutel's capacity chunks (d > 2; d = 2 is the overlap below), Comet's kernels, Pro-Prophet's
+copies (`weft.moe.config.check_call`).
+
+Overlap (`overlap_degree=2`, padded modes): the rank computes the other ranks' pairs first and
+starts their results back, then computes its own pairs, which never leave it, while those results
+travel; backward mirrors it. Cutting the capacity into chunks as Tutel does would undo the
+deduplication (each chunk's block would be bounded by T again), so the overlap here is by source:
+it hides up to the own share (1 / W) of the experts' time under one exchange each way.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from weft.comm import all_to_all
+from weft.comm.async_all_to_all import start_all_to_all, wait_all_to_all
 from weft.distributed import group_rank
 from weft.hostcopy import device_tensor
 from weft.kernels import rows as row_kernels
@@ -134,11 +142,13 @@ def combine_ranks(back_PD: torch.Tensor, send_rows: SlotRows, out_dtype: torch.d
 
 
 def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement, top_k: int,
-           out_dtype: torch.dtype, fused: bool, same_tokens: bool) -> torch.Tensor:
+           out_dtype: torch.dtype, fused: bool, same_tokens: bool, local_first: bool = False) -> torch.Tensor:
     """The padded layer's dispatch, exchange and combine, each token sent to a rank once (module
     docstring): fixed-size all-to-alls, no host synchronisation. `same_tokens`: every rank of the
     group routes the same number of tokens (cf > 0, checked by `MoE` at its first call); else
-    (cf <= 0 agrees on C, not on T) each source's block is El * C rows."""
+    (cf <= 0 agrees on C, not on T) each source's block is El * C rows. `local_first`
+    (`overlap_degree=2`): the rank's own pairs stay home and are computed while the other ranks'
+    results travel back (`_exchange_local_first`)."""
     W, El, E, C = placement.ep_size, placement.num_local, placement.num_experts, routing.capacity
     T, D = tokens_TD.shape
     block = min(T, El * C) if same_tokens else El * C  # a token needs a rank once; a rank takes El * C slots
@@ -155,18 +165,55 @@ def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placemen
     with stage("exchange"):
         group = placement.group
         with stage("all_to_all"):
-            received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * block
-            record_R = all_to_all(record_R, group)
-            gate_R = all_to_all(gate_R, group)
-        # the experts' rows straight in Tutel's Flexible layout (El, W * C), from (W, El, C) records
-        slot_R = record_R.view(W, El, C).transpose(0, 1).reshape(-1)
-        gate_R = gate_R.view(W, El, C).transpose(0, 1).reshape(-1)
-        partial_PD = experts_on_pairs(received_PD, slot_R, gate_R, W * block, pairs.K,
-                                      lambda rows_RD: experts(rows_RD.view(El, W * C, D)).view(-1, D), fused)
-        with stage("all_to_all"):
-            back_PD = all_to_all(partial_PD, group)
+            record_WGC = all_to_all(record_R, group).view(W, El, C)  # source s's records for my experts at [s]
+            gate_WGC = all_to_all(gate_R, group).view(W, El, C)
+        if local_first and W > 1:
+            back_PD = _exchange_local_first(sent_PD, record_WGC, gate_WGC, experts, group, me, block, pairs.K, fused)
+        else:
+            with stage("all_to_all"):
+                received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * block
+            back_PD = all_to_all(_experts_on_blocks(received_PD, record_WGC, gate_WGC, experts, pairs.K, fused), group)
     with stage("combine"):
         return combine_ranks(back_PD, send_rows, out_dtype, fused)
+
+
+def _experts_on_blocks(received_PD: torch.Tensor, record_SGC: torch.Tensor, gate_SGC: torch.Tensor, experts: Experts,
+                       K: int, fused: bool) -> torch.Tensor:
+    """The experts on S sources' blocks of pair rows (`received_PD`, `block` rows per source, its
+    records (S, El, C) pointing into them): the rows expanded straight into Tutel's Flexible layout
+    (El, S * C), computed, and each pair's gate-weighted sum returned, (S * block, D)."""
+    S, El, C = record_SGC.shape
+    D = received_PD.shape[1]
+    slot_R = record_SGC.transpose(0, 1).reshape(-1)
+    gate_R = gate_SGC.transpose(0, 1).reshape(-1)
+    return experts_on_pairs(received_PD, slot_R, gate_R, received_PD.shape[0], K,
+                            lambda rows_RD: experts(rows_RD.view(El, S * C, D)).view(-1, D), fused)
+
+
+def _exchange_local_first(sent_PD: torch.Tensor, record_WGC: torch.Tensor, gate_WGC: torch.Tensor, experts: Experts,
+                          group, me: int, block: int, K: int, fused: bool) -> torch.Tensor:
+    """The exchange with the rank's own pairs computed last (`overlap_degree=2` with dedup): the
+    experts first compute the other ranks' pairs and their results start back; then the experts
+    compute this rank's own pairs, from the rows it sent itself, while those results travel.
+    Backward mirrors it (`weft.comm.split`: autograd reaches the own pairs' backward after
+    launching the results' gradient exchange and before waiting for it), so each direction hides
+    one exchange behind the own pairs' share of the experts (1 / W of the rows). Returns the W
+    blocks of returned rows as the one-exchange path has them (the own block, which the returned
+    exchange carries empty, replaced)."""
+    with stage("all_to_all"):
+        received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * block
+    # the other sources' records and gates (slices and a kernel: no host values, so graphs capture it)
+    others = torch.cat([record_WGC[:me], record_WGC[me + 1:]]), torch.cat([gate_WGC[:me], gate_WGC[me + 1:]])
+    partial_PD = _experts_on_blocks(received_PD, *others, experts, K, fused)  # the own block's rows: none
+    with stage("all_to_all"):
+        back_PD, pending = start_all_to_all(partial_PD, group)
+    own_WGC = record_WGC[me:me + 1]
+    own_PD = _experts_on_blocks(sent_PD[me * block:(me + 1) * block],
+                                torch.where(own_WGC >= 0, own_WGC - me * block * K, -1), gate_WGC[me:me + 1],
+                                experts, K, fused)
+    with stage("all_to_all"):
+        back_PD = wait_all_to_all(back_PD, pending)
+    return torch.cat([back_PD[:me * block], own_PD, back_PD[(me + 1) * block:]])
 
 
 def experts_on_pairs(received_PD: torch.Tensor, slot_R: torch.Tensor, gate_R: torch.Tensor, units: int, K: int,

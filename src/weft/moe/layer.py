@@ -73,7 +73,9 @@ class MoE(nn.Module):
         normalize_gates: divide the k gates of a token by their sum (k > 1).
         group: expert-parallel process group; None = the default group if initialised.
         overlap_degree: d > 1 pipelines d chunks, the all-to-all of one under the experts of
-            another (Tutel 3.2); "auto": tuned per capacity bucket (Tutel 3.3). Same result as 1.
+            another (Tutel 3.2); with a2a_algo "dedup" (padded) d = 2 computes a rank's own pairs
+            while the others' results travel; "auto": tuned per capacity bucket (Tutel 3.3). Same
+            result as 1.
         a2a_algo: "linear", "2dh" (two-level all-to-all over nodes of LOCAL_WORLD_SIZE ranks,
             Tutel app. A; padded modes), "dedup" (each token sent to a rank once, its outputs summed
             there: `weft.moe.dedup`) or "auto" (tuned among them); "2dh" and "auto" build process
@@ -400,7 +402,7 @@ class MoE(nn.Module):
         def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
             if setting.a2a_algo == "dedup" and self._dedups(call):
                 return dedup.padded(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
-                                    same_tokens=call.capacity_factor > 0)
+                                    same_tokens=call.capacity_factor > 0, local_first=setting.overlap_degree == 2)
             with stage("dispatch"):
                 rows_S = routing.experts_S * cap + routing.positions_S
                 if fused:
