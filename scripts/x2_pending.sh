@@ -32,10 +32,10 @@
 #   dedup    each token to a rank once (a2a_algo="dedup"; issues: Overlap that pays, Hardware speed): its
 #            GPU test (reference, graph replay, bitwise runs; with those of auto+graph and of the metrics'
 #            read), the layer (plain / dedup / dedup-d2 / auto / no-comm, eager at cf 1.0 and dropless,
-#            and as CUDA graphs at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral, gpt2-s-moe
-#            iterations (none / dedup), and qwen2-moe-2l training with --a2a-algo linear / dedup,
-#            NCCL_P2P_DISABLE=1 and NVLink
-#            (REGIMES="p2p_disabled nvlink"; one regime per call fits)
+#            and as CUDA graphs at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral,
+#            NCCL_P2P_DISABLE=1 and NVLink (REGIMES="p2p_disabled nvlink"; one regime per call fits)
+#   deduptrain  qwen2-moe-2l training, batch 8, graphed, with --a2a-algo in ALGOS (default linear, dedup,
+#            dedup-d2, auto, then linear and dedup-d2 again), P2P disabled and NVLink (one regime per call)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
@@ -198,13 +198,18 @@ part_dedup() {
         --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/graph_${config}_$regime.log" | tail -n 9
     done
-    $RUN bench model --preset gpt2-s-moe --batch-size 8 --modes none,dedup,none,dedup --steps 10 --warmup 3 \
-      --json "$1/model_$regime.json" > "$1/model_$regime.log" 2>&1
-    grep -v "$QUIET" "$1/model_$regime.log" | tail -n 8
-    for algo in linear dedup linear dedup; do
+  done
+  unset NCCL_P2P_DISABLE
+}
+
+part_deduptrain() {
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
+    set_regime "$regime"
+    for algo in ${ALGOS:-linear dedup dedup-d2 auto linear dedup-d2}; do
       echo "-- $regime --a2a-algo $algo"
       RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
         TRAIN_ARGS="--a2a-algo $algo" bash scripts/train_mfu.sh | tail -n 1
+      grep -h "runs a2a_algo" "$1/$regime"/*.log | tail -n 1
     done
   done
   unset NCCL_P2P_DISABLE
@@ -237,7 +242,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap dedup tutel mfu quality}; do
+for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap dedup deduptrain tutel mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

@@ -202,20 +202,28 @@ def test_dedup_refuses_fewer_experts_than_ranks_and_other_r():
 
 
 def test_weft_train_with_dedup_or_auto_has_the_linear_losses(tmp_path):
-    """`weft train --a2a-algo dedup|auto` (auto on the CPU: each layer's tuning dictionary times
-    linear and dedup, eagerly) on 2 gloo ranks: the losses of linear, padded and dropless."""
+    """`weft train --a2a-algo dedup|dedup-d2|auto` (auto on the CPU: each layer's tuning dictionary
+    times linear and dedup, eagerly) on 2 gloo ranks: the losses of linear, padded and dropless
+    (dedup-d2: padded only, and a one-line refusal dropless)."""
     corpus = write_corpus(tmp_path)
     cache = tmp_path / "cache"
     results = {}
-    for algo, shape in itertools.product(("linear", "dedup", "auto"), ({}, {"capacity_factor": None})):
+    runs = [(algo, shape) for algo, shape in itertools.product(("linear", "dedup", "dedup-d2", "auto"),
+                                                                ({}, {"capacity_factor": None}))]
+    for algo, shape in runs:
         out = tmp_path / f"{algo}-{len(shape)}"
         cfg = config(corpus, out, steps=6, log_interval=1, a2a_algo=algo, model={**SMALL_MODEL, **shape})
+        if algo == "dedup-d2" and shape:
+            with pytest.raises(ValueError, match="'dedup-d2' needs a padded capacity mode"):
+                cfg.validate()
+            continue
         run_distributed(train, 2, args=(cfg,), timeout=300, env={"WEFT_CACHE": str(cache)})
         results[algo, len(shape)] = losses(out)
-    for algo, dropless in itertools.product(("dedup", "auto"), (0, 1)):
+    for algo, dropless in results:
         linear, other = results["linear", dropless], results[algo, dropless]
         assert sorted(other) == list(range(1, 7))
         assert all(abs(linear[s] - other[s]) <= 1e-5 * abs(linear[s]) for s in linear), (algo, linear, other)
+    assert ("dedup-d2", 0) in results
 
 
 def test_train_config_refuses_dedup_with_overlap_or_balance():
@@ -302,10 +310,10 @@ def test_model_benchmark_times_dedup_beside_none(tmp_path):
         ModelBenchConfig(preset="tiny", modes=("none", "dedup"), gate="expert_choice").validate()
 
 
-def graph_choice_worker() -> list[str]:
-    """`--a2a-algo auto` with a graphed micro-step: linear and dedup timed (here by a timer that runs
-    each step eagerly, as `time_graphed` replays its capture) with every layer at that algorithm,
-    the same losses, and the faster one set on every layer."""
+def graph_choice_worker(fastest: str) -> list[str]:
+    """`--a2a-algo auto` with a graphed micro-step: linear, dedup and dedup-d2 timed (here by a
+    timer that runs each step eagerly, as `time_graphed` replays its capture) with every layer at
+    that all-to-all (dedup-d2: degree 2 too), the same losses, and the `fastest` set on every layer."""
     from weft.models import GPT, GPTConfig
     from weft.train.step import GRAPH_TUNED, choose_fastest, eager_micro_step, graph_candidates, with_layers_at
 
@@ -315,15 +323,16 @@ def graph_choice_worker() -> list[str]:
     for moe in gpt.moe_layers():
         moe.a2a_algo = "auto"  # what weft train sets; a layer built "linear" tunes linear and dedup
     seen, losses = [], []
-    timer = eager_timer(gpt, "a2a_algo", "dedup", seen, losses)
+    timer = eager_timer(gpt, ("overlap_degree", "a2a_algo"), fastest, seen, losses)
     candidates = GRAPH_TUNED["a2a_algo"]
     checks.expect(graph_candidates(gpt, "a2a_algo") == candidates, "dedup not offered at top_k 2, cf 1.25")
     best, _ = choose_fastest(gpt, with_layers_at(gpt, eager_micro_step(gpt, 1), "a2a_algo"), timer, "a2a_algo",
                              candidates)
-    checks.expect(candidates == ("linear", "dedup") and best == "dedup", f"{candidates}: chose {best}")
-    checks.expect(seen == [{"linear"}, {"dedup"}], f"layers ran {seen}")
-    checks.expect(abs(losses[0] - losses[1]) < 1e-5, f"losses {losses}")
-    checks.expect(all(moe.a2a_algo == "dedup" for moe in gpt.moe_layers()), "the choice was not set on every layer")
+    checks.expect(candidates == ("linear", "dedup", "dedup-d2") and best == fastest, f"{candidates}: chose {best}")
+    checks.expect(seen == [{(1, "linear")}, {(1, "dedup")}, {(2, "dedup")}], f"layers ran {seen}")
+    checks.expect(max(losses) - min(losses) < 1e-5, f"losses {losses}")
+    chosen = {(moe.overlap_degree, moe.a2a_algo) for moe in gpt.moe_layers()}
+    checks.expect(chosen == {(2 if fastest == "dedup-d2" else 1, "dedup")}, f"the layers run {chosen}")
     top1 = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1, "top_k": 1}))
     for moe in top1.moe_layers():
         moe.a2a_algo = "auto"
@@ -331,8 +340,9 @@ def graph_choice_worker() -> list[str]:
     return checks.failures
 
 
-def test_a_graphed_step_chooses_the_faster_all_to_all():
-    failures = run_checks(graph_choice_worker, 2, timeout=300)
+@pytest.mark.parametrize("fastest", ["dedup", "dedup-d2"])
+def test_a_graphed_step_chooses_the_faster_all_to_all(fastest):
+    failures = run_checks(graph_choice_worker, 2, args=(fastest,), timeout=300)
     assert not failures, "\n".join(failures)
 
 

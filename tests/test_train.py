@@ -489,10 +489,14 @@ def test_an_eager_micro_step_returns_the_logged_values(corpus):
     assert all(torch.allclose(a, p.grad) for a, p in zip(grads, gpt.parameters()))
 
 
-def eager_timer(gpt: GPT, setting: str, fastest, seen: list, losses: list):
+def eager_timer(gpt: GPT, setting: str | tuple[str, ...], fastest, seen: list, losses: list):
     """A stand-in for `weft.graphs.time_graphed` in `choose_fastest`: it runs each candidate's
     micro-step once eagerly (a replay runs the captured step), noting the values the MoE layers ran
-    with (`seen`) and the loss (`losses`), and reports `fastest` as the fastest."""
+    with (`seen`: of `setting`, or a tuple of several settings) and the loss (`losses`), and reports
+    `fastest` as the fastest."""
+    def values(moe):
+        return getattr(moe, setting) if isinstance(setting, str) else tuple(getattr(moe, s) for s in setting)
+
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
 
@@ -501,7 +505,7 @@ def eager_timer(gpt: GPT, setting: str, fastest, seen: list, losses: list):
         for value in candidates:
             gpt.zero_grad(set_to_none=True)
             losses.append(float(step_of(value)(x, y)[0][0]))
-            seen.append({getattr(moe, setting) for moe in gpt.moe_layers()})
+            seen.append({values(moe) for moe in gpt.moe_layers()})
             times.append(0.5 if value == fastest else 1.0)
         return times
 

@@ -27,7 +27,7 @@ CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
-TRAIN_A2A_ALGOS = ("linear", "dedup", "auto")
+TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "auto")
 
 
 @dataclass
@@ -62,9 +62,10 @@ class TrainConfig:
     sample_prompt: str = "def "
     kernels: str = "auto"  # weft.MoE's kernels: "auto", "torch", "triton" or "comet" (fused expert GEMMs)
     # the MoE layers' all-to-all: "linear" (a row per routed slot), "dedup" (a row per token and
-    # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes) or
-    # "auto" (the faster of the two, timed as CUDA graphs where the step is graphed, else by each
-    # layer's tuning dictionary)
+    # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes),
+    # "dedup-d2" (dedup with each rank's own pairs computed while the others' results travel;
+    # padded capacity) or "auto" (the fastest, timed as CUDA graphs where the step is graphed,
+    # else linear or dedup by each layer's tuning dictionary)
     a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"
@@ -174,6 +175,9 @@ class TrainConfig:
             raise ValueError(f"train.balance {self.balance!r} balances dropless MoE layers; the model's "
                              f"capacity_factor is {model.capacity_factor} (set capacity_factor = \"dropless\" in "
                              "the [model] table)")
+        if self.a2a_algo == "dedup-d2" and model.moe_every and model.capacity_factor is None:
+            raise ValueError("train.a2a_algo 'dedup-d2' needs a padded capacity mode; the model's MoE layers are "
+                             "dropless (use a2a_algo 'dedup')")
 
     def _validate_tp(self, model: GPTConfig) -> None:
         for name in ("tp", "domino_p1", "domino_p2"):

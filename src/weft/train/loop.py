@@ -46,7 +46,7 @@ from weft.train.optim import (
     master_weights_blocker,
 )
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
-from weft.train.step import MicroSteps, build_micro_step, graph_blocker
+from weft.train.step import MicroSteps, build_micro_step, graph_blocker, set_layers
 
 
 class DataError(ReportedError):
@@ -297,8 +297,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
                 balance=None if cfg.balance == "none" else cfg.balance, balance_n=cfg.balance_n, tp_group=groups.tp,
                 tp_schedule=make_schedule("none" if cfg.tp_overlap == "auto" else cfg.tp_overlap, cfg.domino_p1,
                                           cfg.domino_p2)).to(device)
-    for moe in model.moe_layers():
-        moe.a2a_algo = cfg.a2a_algo
+    set_layers(model, "a2a_algo", cfg.a2a_algo)
     log0 = (lambda line: print(line, flush=True)) if ctx.rank == 0 else (lambda line: None)
     masters = build_master_weights(model, cfg, device, groups, log0)
     optimizer = build_optimizer(model, cfg, masters)

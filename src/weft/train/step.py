@@ -75,8 +75,8 @@ def choose_fastest(model: GPT, step_of: Callable[[object], MicroStep], timer: St
     Sets the value on every layer; returns it and the seconds per candidate."""
     seconds = timer(step_of, candidates)
     best = candidates[seconds.index(min(seconds))]
+    set_layers(model, setting, best)
     for moe in model.moe_layers():
-        setattr(moe, setting, best)
         moe.record(None)  # the last candidate's routing losses: see `with_layers_at`
     return best, seconds
 
@@ -88,8 +88,8 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
     call ran on (another candidate's capture), which autograd warns may break the next capture."""
     def step_of(value) -> MicroStep:
         def run(x: torch.Tensor, y: torch.Tensor):
+            set_layers(model, setting, value)
             for moe in model.moe_layers():
-                setattr(moe, setting, value)
                 moe.record(None)
             return step(x, y)
         return run
@@ -98,15 +98,28 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
 
 # The per-layer settings a graphed micro-step chooses by timing graphs, and their candidates:
 # `--overlap tutel`'s pipelining degree (Tutel 3.2) and `--a2a-algo auto`'s all-to-all.
-GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup")}
+GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup", "dedup-d2")}
+# The layer attributes of a value that is more than the attribute it tunes: "dedup-d2" is dedup with
+# overlap_degree=2 (a rank's own pairs computed while the others' results travel: weft.moe.dedup).
+# Each all-to-all sets the degree first, so every step between two of them is a valid layer.
+LAYER_VALUES = {("a2a_algo", "linear"): {"overlap_degree": 1, "a2a_algo": "linear"},
+                ("a2a_algo", "dedup"): {"overlap_degree": 1, "a2a_algo": "dedup"},
+                ("a2a_algo", "dedup-d2"): {"overlap_degree": 2, "a2a_algo": "dedup"}}
+
+
+def set_layers(model: GPT, setting: str, value) -> None:
+    """Every MoE layer's `setting` at `value` (with the attributes `LAYER_VALUES` adds)."""
+    for moe in model.moe_layers():
+        for name, layer_value in LAYER_VALUES.get((setting, value), {setting: value}).items():
+            setattr(moe, name, layer_value)
 
 
 def graph_candidates(model: GPT, setting: str) -> tuple:
-    """`GRAPH_TUNED[setting]` worth a capture: "dedup" only where some MoE layer would time it
-    itself (`MoE.tunes_dedup`: it could send fewer rows, e.g. not with top_k 1)."""
+    """`GRAPH_TUNED[setting]` worth a capture: the dedup all-to-alls only where some MoE layer would
+    time dedup itself (`MoE.tunes_dedup`: it could send fewer rows, e.g. not with top_k 1)."""
     found = GRAPH_TUNED[setting]
     if setting == "a2a_algo" and not any(moe.tunes_dedup() for moe in model.moe_layers()):
-        found = tuple(c for c in found if c != "dedup")
+        found = tuple(c for c in found if not c.startswith("dedup"))
     return found
 
 
@@ -150,8 +163,7 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                     continue
                 candidates = graph_candidates(model, setting)
                 if len(candidates) == 1:
-                    for moe in model.moe_layers():
-                        setattr(moe, setting, candidates[0])
+                    set_layers(model, setting, candidates[0])
                     log(f"weft train: every MoE layer runs {setting}={candidates[0]} (dedup would send no fewer rows)")
                     continue
                 timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
