@@ -359,3 +359,41 @@ def test_layer_benchmark_times_dedup_and_its_own_pairs_last(tmp_path):
     assert rows[(None, "dedup")]["max_abs_error"] < 1e-5
     assert rows[(None, "dedup-d2")]["median_ms"] is None
     assert "needs a padded capacity mode" in rows[(None, "dedup-d2")]["error"]
+
+
+def records_worker() -> list[str]:
+    """`dedup.exchange_records`: one exchange of (record, gate) pairs as float32 where the bound
+    keeps the records exact, two exchanges above it; the same records, gates and gate gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    gen = torch.Generator().manual_seed(rank)
+    records = torch.randint(-1, dedup.FLOAT32_INTEGERS, (6 * world,), generator=gen)
+    gates = torch.rand(6 * world, generator=gen)
+    splits = [6] * world
+    results, calls, real = [], [], dedup.all_to_all
+
+    def counting(*args, **kwargs):
+        calls[-1] += 1
+        return real(*args, **kwargs)
+
+    dedup.all_to_all = counting
+    try:
+        for bound in (dedup.FLOAT32_INTEGERS, dedup.FLOAT32_INTEGERS + 1):
+            calls.append(0)
+            g = gates.clone().requires_grad_()
+            got_records, got_gates = dedup.exchange_records(records, g, dist.group.WORLD, bound, splits, splits)
+            (got_gates * torch.arange(got_gates.numel())).sum().backward()
+            results.append((got_records, got_gates.detach(), g.grad))
+    finally:
+        dedup.all_to_all = real
+    checks.expect(calls == [1, 2], f"exchanges {calls}")
+    (r1, g1, d1), (r2, g2, d2) = results
+    checks.expect(r1.dtype == torch.int64 and torch.equal(r1, r2), "records differ")
+    checks.expect(torch.equal(g1, g2) and torch.equal(d1, d2), "gates or their gradients differ")
+    checks.expect(int(r1.max()) >= 2 ** 23, "the case has no record near the bound")
+    return checks.failures
+
+
+def test_records_and_gates_cross_in_one_exchange_while_exact():
+    failures = run_checks(records_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)

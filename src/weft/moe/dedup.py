@@ -164,9 +164,9 @@ def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placemen
         gate_R = scatter_slots(routing.gates_S, row_S, E * C)
     with stage("exchange"):
         group = placement.group
-        with stage("all_to_all"):
-            record_WGC = all_to_all(record_R, group).view(W, El, C)  # source s's records for my experts at [s]
-            gate_WGC = all_to_all(gate_R, group).view(W, El, C)
+        with stage("all_to_all"):  # source s's records and gates for my experts at [s]
+            record_R, gate_R = exchange_records(record_R, gate_R, group, W * block * pairs.K)
+        record_WGC, gate_WGC = record_R.view(W, El, C), gate_R.view(W, El, C)
         if local_first and W > 1:
             back_PD = _exchange_local_first(sent_PD, record_WGC, gate_WGC, experts, group, me, block, pairs.K, fused)
         else:
@@ -175,6 +175,22 @@ def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placemen
             back_PD = all_to_all(_experts_on_blocks(received_PD, record_WGC, gate_WGC, experts, pairs.K, fused), group)
     with stage("combine"):
         return combine_ranks(back_PD, send_rows, out_dtype, fused)
+
+
+FLOAT32_INTEGERS = 2 ** 24  # every integer below it is exact in float32
+
+
+def exchange_records(record_R: torch.Tensor, gate_R: torch.Tensor, group, bound: int,
+                     output_splits: list[int] | None = None, input_splits: list[int] | None = None):
+    """The records (int64, -1 unused) and gates (float32, differentiable) to the experts' ranks
+    (all-to-all, or all-to-allv by the splits): one exchange of (record, gate) pairs as float32
+    where every record is below `bound` (the rows the receiver gets times K, the slots of a pair:
+    `unit * K + j`) and so exact in float32; else two exchanges."""
+    if bound <= FLOAT32_INTEGERS:
+        packed = all_to_all(torch.stack([record_R.float(), gate_R], 1), group, output_splits, input_splits)
+        return packed[:, 0].long(), packed[:, 1]
+    return (all_to_all(record_R, group, output_splits, input_splits),
+            all_to_all(gate_R, group, output_splits, input_splits))
 
 
 def _experts_on_blocks(received_PD: torch.Tensor, record_SGC: torch.Tensor, gate_SGC: torch.Tensor, experts: Experts,
@@ -262,8 +278,8 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
     with stage("exchange"):
         with stage("all_to_all"):
             received_PD = all_to_all(sent_PD, group, recv_pairs, send_pairs)
-            record_R = all_to_all(record_S, group, recv_slots, send_slots)
-            gate_R = all_to_all(gate_S, group, recv_slots, send_slots)
+            record_R, gate_R = exchange_records(record_S, gate_S, group, sum(recv_pairs) * pairs.K, recv_slots,
+                                              send_slots)
         # records arrive [source][local expert]; the experts take them grouped by local expert
         recv_counts = device_tensor([n for row in received for n in row], device)
         by_expert, per_expert = by_local_expert(recv_counts, received, sum(recv_slots))
