@@ -297,17 +297,20 @@ def test_auto_times_dedup_as_a_candidate(cf):
 
 
 def test_model_benchmark_times_dedup_beside_none(tmp_path):
-    """`weft bench model --modes none,dedup`: whole training iterations with every MoE layer
-    deduplicating, checked against `none` on the same weights and batch, then timed."""
+    """`weft bench model --modes none,dedup,dedup-d2`: whole training iterations with every MoE
+    layer deduplicating, checked against `none` on the same weights and batch, then timed."""
     out = tmp_path / "model.json"
-    cfg = ModelBenchConfig(preset="tiny", batch_size=2, modes=("none", "dedup"), steps=2, warmup=1, json=str(out),
-                           profile_steps=0)
+    cfg = ModelBenchConfig(preset="tiny", batch_size=2, modes=("none", "dedup", "dedup-d2"), steps=2, warmup=1,
+                           json=str(out), profile_steps=0)
     run_distributed(model.run, 2, args=(cfg,), timeout=300)
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
-    assert rows["none"]["max_error"] == 0.0 and rows["dedup"]["max_error"] < 1e-5
-    assert rows["dedup"]["iteration_ms"] > 0
+    assert rows["none"]["max_error"] == 0.0
+    for mode in ("dedup", "dedup-d2"):
+        assert rows[mode]["max_error"] < 1e-5 and rows[mode]["iteration_ms"] > 0
     with pytest.raises(ValueError, match="token-choice gate"):
         ModelBenchConfig(preset="tiny", modes=("none", "dedup"), gate="expert_choice").validate()
+    with pytest.raises(ValueError, match="dedup-d2: needs a padded capacity mode"):
+        ModelBenchConfig(preset="tiny", modes=("none", "dedup-d2"), capacity=None).validate()
 
 
 def graph_choice_worker(fastest: str) -> list[str]:

@@ -78,7 +78,8 @@ from weft.tune import run_until_tuned
 
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
 BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}
-MODES = ("none", "tutel", "dedup", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw", *BALANCE_MODES)
+MODES = ("none", "tutel", "dedup", "dedup-d2", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw",
+         *BALANCE_MODES)
 TP_MODES = ("tp", "domino", "domino-copy", "no-comm")
 
 
@@ -100,9 +101,9 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     if mode in TP_MODES:  # a schedule passed to each forward; nothing to set up
         return _Setting([], None, {}, None, make_schedule("none" if mode == "tp" else mode, p1, p2))
     passes.apply(model, [], None)
-    moe_overrides = {"overlap_degree": "auto" if mode == "tutel" else 1}
-    if mode == "dedup":  # every MoE layer sends each token to a rank once (weft.moe.dedup)
-        moe_overrides["a2a_algo"] = "dedup"
+    moe_overrides = {"overlap_degree": {"tutel": "auto", "dedup-d2": 2}.get(mode, 1)}
+    if mode.startswith("dedup"):  # every MoE layer sends each token to a rank once (weft.moe.dedup); d2:
+        moe_overrides["a2a_algo"] = "dedup"  # its own pairs computed while the others' results travel
     if model.balanced and mode not in BALANCE_MODES:  # the balanced model without copies
         return _Setting([], None, moe_overrides, None, balance_schedule="off")
     if mode in BALANCE_MODES:
@@ -137,7 +138,8 @@ class ModelBenchConfig(PresetChoice):
     """`weft bench model`: training iterations of a preset per overlap mode, interleaved."""
 
     modes: tuple[str, ...] = arg(("none", "tutel", "lancet-bw", "lancet-fw", "lancet"),
-                                 "comma-separated: none, tutel, dedup (each token to a rank once), lancet-bw, "
+                                 "comma-separated: none, tutel, dedup (each token to a rank once), dedup-d2 (dedup "
+                                 "with each rank's own pairs computed while the others' results travel), lancet-bw, "
                                  "lancet-fw, lancet, and with the dW "
                                  "scheduler on even without all-to-alls dw-in-place (its default) or defer-dw "
                                  "(every dW deferred to the end of backward); a mode listed twice is timed twice "
@@ -181,9 +183,12 @@ class ModelBenchConfig(PresetChoice):
         if balancing and any(m.startswith("lancet") or m in ("dw-in-place", "defer-dw") for m in self.modes):
             raise ValueError("--modes: the balance modes run beside none and tutel only (Lancet's pipeline and the "
                              "dW scheduler copy inline)")
-        if "dedup" in self.modes and (balancing or cfg.gate == "expert_choice"):
-            raise ValueError("--modes dedup: the deduplicating all-to-all needs a token-choice gate and runs beside "
-                             "the modes without Pro-Prophet's copies")
+        dedups = [m for m in self.modes if m.startswith("dedup")]
+        if dedups and (balancing or cfg.gate == "expert_choice"):
+            raise ValueError(f"--modes {dedups[0]}: the deduplicating all-to-all needs a token-choice gate and runs "
+                             "beside the modes without Pro-Prophet's copies")
+        if "dedup-d2" in self.modes and cfg.capacity_factor is None:
+            raise ValueError("--modes dedup-d2: needs a padded capacity mode (not --capacity dropless)")
         if self.skew < 0 or (self.skew and not cfg.moe_every):
             raise ValueError(f"--skew {self.skew:g}: needs an MoE preset and a value >= 0")
         if self.skew and cfg.gate not in EXPERT_BIAS_GATES:
