@@ -172,7 +172,9 @@ def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placemen
         else:
             with stage("all_to_all"):
                 received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * block
-            back_PD = all_to_all(_experts_on_blocks(received_PD, record_WGC, gate_WGC, experts, pairs.K, fused), group)
+            partial_PD = _experts_on_blocks(received_PD, record_WGC, gate_WGC, experts, pairs.K, fused)
+            with stage("all_to_all"):
+                back_PD = all_to_all(partial_PD, group)
     with stage("combine"):
         return combine_ranks(back_PD, send_rows, out_dtype, fused)
 
@@ -184,8 +186,9 @@ def exchange_records(record_R: torch.Tensor, gate_R: torch.Tensor, group, bound:
                      output_splits: list[int] | None = None, input_splits: list[int] | None = None):
     """The records (int64, -1 unused) and gates (float32, differentiable) to the experts' ranks
     (all-to-all, or all-to-allv by the splits): one exchange of (record, gate) pairs as float32
-    where every record is below `bound` (the rows the receiver gets times K, the slots of a pair:
-    `unit * K + j`) and so exact in float32; else two exchanges."""
+    where every record is below `bound` (the most rows a rank receives times K, the slots of a
+    pair: `unit * K + j`) and so exact in float32; else two exchanges. `bound` must be the same
+    on every rank of the group: it decides how many collectives they make."""
     if bound <= FLOAT32_INTEGERS:
         packed = all_to_all(torch.stack([record_R.float(), gate_R], 1), group, output_splits, input_splits)
         return packed[:, 0].long(), packed[:, 1]
@@ -195,9 +198,9 @@ def exchange_records(record_R: torch.Tensor, gate_R: torch.Tensor, group, bound:
 
 def _experts_on_blocks(received_PD: torch.Tensor, record_SGC: torch.Tensor, gate_SGC: torch.Tensor, experts: Experts,
                        K: int, fused: bool) -> torch.Tensor:
-    """The experts on S sources' blocks of pair rows (`received_PD`, `block` rows per source, its
-    records (S, El, C) pointing into them): the rows expanded straight into Tutel's Flexible layout
-    (El, S * C), computed, and each pair's gate-weighted sum returned, (S * block, D)."""
+    """The experts on S sources' pair rows, in `received_PD`, which their records (S, El, C) point
+    into: the rows expanded straight into Tutel's Flexible layout (El, S * C), computed, and each
+    pair's gate-weighted sum returned, one row per row of `received_PD` (0 where none points)."""
     S, El, C = record_SGC.shape
     D = received_PD.shape[1]
     slot_R = record_SGC.transpose(0, 1).reshape(-1)
@@ -278,8 +281,10 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
     with stage("exchange"):
         with stage("all_to_all"):
             received_PD = all_to_all(sent_PD, group, recv_pairs, send_pairs)
-            record_R, gate_R = exchange_records(record_S, gate_S, group, sum(recv_pairs) * pairs.K, recv_slots,
-                                              send_slots)
+            # the bound of every rank's records (the most pairs a rank receives, times K): the
+            # same choice of one exchange or two on every rank
+            bound = max(sum(row[r] for row in pairs_WW) for r in range(W)) * pairs.K
+            record_R, gate_R = exchange_records(record_S, gate_S, group, bound, recv_slots, send_slots)
         # records arrive [source][local expert]; the experts take them grouped by local expert
         recv_counts = device_tensor([n for row in received for n in row], device)
         by_expert, per_expert = by_local_expert(recv_counts, received, sum(recv_slots))
