@@ -74,6 +74,7 @@ from weft.precision import training_autocast
 from weft.profiling import stage
 from weft.tp import make_schedule
 from weft.train.config import BALANCE_MODELS
+from weft.train.step import LAYER_VALUES
 from weft.tune import run_until_tuned
 
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
@@ -101,9 +102,8 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     if mode in TP_MODES:  # a schedule passed to each forward; nothing to set up
         return _Setting([], None, {}, None, make_schedule("none" if mode == "tp" else mode, p1, p2))
     passes.apply(model, [], None)
-    moe_overrides = {"overlap_degree": {"tutel": "auto", "dedup-d2": 2}.get(mode, 1)}
-    if mode.startswith("dedup"):  # every MoE layer sends each token to a rank once (weft.moe.dedup); d2:
-        moe_overrides["a2a_algo"] = "dedup"  # its own pairs computed while the others' results travel
+    # dedup / dedup-d2: every MoE layer at `weft train --a2a-algo`'s settings of that name
+    moe_overrides = {"overlap_degree": "auto" if mode == "tutel" else 1, **LAYER_VALUES.get(("a2a_algo", mode), {})}
     if model.balanced and mode not in BALANCE_MODES:  # the balanced model without copies
         return _Setting([], None, moe_overrides, None, balance_schedule="off")
     if mode in BALANCE_MODES:
