@@ -258,7 +258,7 @@ def test_dedup_exchange_on_nccl_matches_the_reference_replays_as_a_graph_and_is_
     flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup"), backend="nccl", timeout=600)
     flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup"), backend="nccl",
                        timeout=600)
-    # overlap_degree=2: the own pairs computed while the others' results travel (padded modes)
+    # overlap_degree=2: the own pairs computed while the others' rows travel in (padded modes)
     flat += run_checks(equivalence_worker, world,
                        args=("topk", (torch.bfloat16,), "cuda", "auto", ("gelu",), "dedup", 2), backend="nccl",
                        timeout=600)

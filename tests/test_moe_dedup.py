@@ -128,15 +128,16 @@ def test_dedup_trains_like_the_plain_layer(world_size, cf, degree):
 
 def order_worker() -> list[str]:
     """overlap_degree=2 with dedup overlaps as it says, forward and backward: the experts compute
-    the own pairs after the others' results start back and before they are waited for, and in
-    backward the own pairs' gradient is computed between the launch of the returned rows'
-    gradient exchange and its wait (autograd's order, which the docstring relies on)."""
+    the own pairs after the dispatch exchange starts and before it is waited for, the others'
+    pairs after it, and in backward the own pairs' gradient is computed between the launch of
+    the received rows' gradient exchange and its wait (autograd's order, which the docstring
+    relies on)."""
     rank = dist.get_rank()
     checks = Checks(f"rank {rank}")
     events, real_blocks, real_launch = [], dedup._experts_on_blocks, async_all_to_all._launch
 
     def blocks(received_PD, records, gates, *args):
-        own = "others forward" in events  # the others' pairs first, then the own ones
+        own = "wait forward" not in events  # the own pairs while the others' rows travel, then theirs
         events.append("own forward" if own else "others forward")
         if own:
             received_PD.register_hook(lambda grad: events.append("own backward"))
@@ -164,13 +165,13 @@ def order_worker() -> list[str]:
         moe(x).square().sum().backward()
     finally:
         dedup._experts_on_blocks, async_all_to_all._launch = real_blocks, real_launch
-    expected = ["others forward", "launch forward", "own forward", "wait forward",
+    expected = ["launch forward", "own forward", "wait forward", "others forward",
                 "launch backward", "own backward", "wait backward"]
     checks.expect(events == expected, f"events {events}")
     return checks.failures
 
 
-def test_dedup_computes_its_own_pairs_while_the_others_results_travel():
+def test_dedup_computes_its_own_pairs_while_the_others_rows_travel():
     failures = run_checks(order_worker, 2, timeout=300)
     assert not failures, "\n".join(failures)
 

@@ -212,8 +212,8 @@ def test_dedup_exchange_matches_dense_reference(world_size, gate, activations):
 
 @pytest.mark.parametrize("world_size, gate", [(1, "topk"), (2, "topk"), (4, "topk"), (2, "bpr"), (4, "cosine")])
 def test_dedup_with_its_own_pairs_last_matches_dense_reference(world_size, gate):
-    """a2a_algo="dedup", overlap_degree=2 (a rank's own pairs computed while the others' results
-    travel back): the padded capacity modes, k 1, 2 and 4, float32 and bfloat16."""
+    """a2a_algo="dedup", overlap_degree=2 (a rank's own pairs computed while the others' rows
+    travel in): the padded capacity modes, k 1, 2 and 4, float32 and bfloat16."""
     flat = run_checks(equivalence_worker, world_size,
                       args=(gate, DTYPES, "cpu", "auto", ("gelu", "swiglu"), "dedup", 2), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])

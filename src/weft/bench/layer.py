@@ -186,7 +186,7 @@ class LayerBenchConfig:
     modes: tuple[str, ...] = arg(("plain", "no-comm"), "comma-separated: plain, torch (plain with torch "
                                  "dispatch/combine), no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
                                  "all-to-all), dedup (each token sent to a rank once), dedup-d2 (dedup with a "
-                                 "rank's own pairs computed while the others' results travel back; padded), "
+                                 "rank's own pairs computed while the others' rows travel in; padded), "
                                  "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "

@@ -139,7 +139,7 @@ class ModelBenchConfig(PresetChoice):
 
     modes: tuple[str, ...] = arg(("none", "tutel", "lancet-bw", "lancet-fw", "lancet"),
                                  "comma-separated: none, tutel, dedup (each token to a rank once), dedup-d2 (dedup "
-                                 "with each rank's own pairs computed while the others' results travel), lancet-bw, "
+                                 "with each rank's own pairs computed while the others' rows travel in), lancet-bw, "
                                  "lancet-fw, lancet, and with the dW "
                                  "scheduler on even without all-to-alls dw-in-place (its default) or defer-dw "
                                  "(every dW deferred to the end of backward); a mode listed twice is timed twice "

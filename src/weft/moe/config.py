@@ -133,7 +133,7 @@ def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
         raise ValueError("a2a_algo='dedup' needs whole experts on each rank (num_experts >= the expert-parallel size)")
     if call.overlap_degree not in (1, 2):
         raise ValueError(f"a2a_algo='dedup' runs overlap_degree 1, or 2 (a rank's own pairs computed while the "
-                         f"others' results travel back), got {call.overlap_degree!r}")
+                         f"others' rows travel in), got {call.overlap_degree!r}")
     if call.overlap_degree == 2 and call.dropless:
         raise ValueError("a2a_algo='dedup' with overlap_degree=2 needs a padded capacity mode (capacity_factor "
                          "not None)")

@@ -32,14 +32,17 @@ Not with: expert choice (a token takes a varying number of slots), fewer experts
 Tutel's capacity chunks (d > 2; d = 2 is the overlap below), Comet's kernels, Pro-Prophet's
 copies (`weft.moe.config.check_call`).
 
-Overlap (`overlap_degree=2`, padded modes): the rank computes the other ranks' pairs first and
-starts their results back, then computes its own pairs, which never leave it, while those results
-travel; backward mirrors it. Cutting the capacity into chunks as Tutel does would undo the
-deduplication (each chunk's block would be bounded by T again), so the overlap here is by source:
-it hides up to the own share (1 / W) of the experts' time under one exchange each way.
+Overlap (`overlap_degree=2`, padded modes): the rank computes its own pairs, which never leave
+it, while the other ranks' rows travel to it, then theirs; backward mirrors it, with the weight
+gradients of all pairs (computed once, `WeightGradParts`) under the same exchange. Cutting the
+capacity into chunks as Tutel does would undo the deduplication (each chunk's block would be
+bounded by T again), so the overlap here is by source: it hides up to the own share (1 / W) of
+the experts' forward and input-gradient time, and their weight gradients, under one exchange
+each way.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +56,7 @@ from weft.kernels import rows as row_kernels
 from weft.moe.dispatch import SlotRows, combine_rows, dispatch_rows
 from weft.moe.exchange.all_to_all import by_local_expert
 from weft.moe.exchange.base import ExpertPlacement, Grouped, gather_counts
-from weft.moe.experts import Experts
+from weft.moe.experts import Experts, WeightGradParts
 from weft.moe.routing import Routing
 from weft.profiling import stage
 
@@ -80,7 +83,10 @@ class Pairs:
         need_TW = rank_TK.new_zeros(num_tokens, world + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :world]
         before_KK = torch.ones(top_k, top_k, dtype=torch.long, device=rank_TK.device).tril(-1)  # j2 < j
         earlier_TK = ((rank_TK.unsqueeze(2) == rank_TK.unsqueeze(1)).long() * before_KK).sum(2)
-        return cls(need_TW, need_TW.long().cumsum(0) - 1, rank_TK, earlier_TK, min(top_k, local))
+        # down the tokens, scanned as rows of (W, T): a scan over the outer dim of a narrow (T, W)
+        # tensor ran at 385 us on an H100 (qwen2's 4,096 tokens), this at a few
+        offset_TW = need_TW.t().long().cumsum(1).t().contiguous() - 1
+        return cls(need_TW, offset_TW, rank_TK, earlier_TK, min(top_k, local))
 
     def counts(self) -> torch.Tensor:
         """(W,) the pairs this rank sends each rank."""
@@ -148,7 +154,7 @@ def padded(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placemen
     group routes the same number of tokens (cf > 0, checked by `MoE` at its first call); else
     (cf <= 0 agrees on C, not on T) each source's block is El * C rows. `local_first`
     (`overlap_degree=2`): the rank's own pairs stay home and are computed while the other ranks'
-    results travel back (`_exchange_local_first`)."""
+    rows travel in (`_exchange_local_first`)."""
     W, El, E, C = placement.ep_size, placement.num_local, placement.num_experts, routing.capacity
     T, D = tokens_TD.shape
     block = min(T, El * C) if same_tokens else El * C  # a token needs a rank once; a rank takes El * C slots
@@ -197,41 +203,47 @@ def exchange_records(record_R: torch.Tensor, gate_R: torch.Tensor, group, bound:
 
 
 def _experts_on_blocks(received_PD: torch.Tensor, record_SGC: torch.Tensor, gate_SGC: torch.Tensor, experts: Experts,
-                       K: int, fused: bool) -> torch.Tensor:
+                       K: int, fused: bool, parts: WeightGradParts | None = None) -> torch.Tensor:
     """The experts on S sources' pair rows, in `received_PD`, which their records (S, El, C) point
     into: the rows expanded straight into Tutel's Flexible layout (El, S * C), computed, and each
-    pair's gate-weighted sum returned, one row per row of `received_PD` (0 where none points)."""
+    pair's gate-weighted sum returned, one row per row of `received_PD` (0 where none points).
+    `parts`: this is one of several calls whose weight gradients are summed once
+    (`Experts.forward_part`)."""
     S, El, C = record_SGC.shape
     D = received_PD.shape[1]
     slot_R = record_SGC.transpose(0, 1).reshape(-1)
     gate_R = gate_SGC.transpose(0, 1).reshape(-1)
+    compute = experts if parts is None else functools.partial(experts.forward_part, parts=parts)
     return experts_on_pairs(received_PD, slot_R, gate_R, received_PD.shape[0], K,
-                            lambda rows_RD: experts(rows_RD.view(El, S * C, D)).view(-1, D), fused)
+                            lambda rows_RD: compute(rows_RD.view(El, S * C, D)).view(-1, D), fused)
 
 
 def _exchange_local_first(sent_PD: torch.Tensor, record_WGC: torch.Tensor, gate_WGC: torch.Tensor, experts: Experts,
                           group, me: int, block: int, K: int, fused: bool) -> torch.Tensor:
-    """The exchange with the rank's own pairs computed last (`overlap_degree=2` with dedup): the
-    experts first compute the other ranks' pairs and their results start back; then the experts
-    compute this rank's own pairs, from the rows it sent itself, while those results travel.
-    Backward mirrors it (`weft.comm.split`: autograd reaches the own pairs' backward after
-    launching the results' gradient exchange and before waiting for it), so each direction hides
-    one exchange behind the own pairs' share of the experts (1 / W of the rows). Returns the W
-    blocks of returned rows as the one-exchange path has them (the own block, which the returned
-    exchange carries empty, replaced)."""
+    """The exchange with the rank's own pairs computed while the other ranks' rows travel
+    (`overlap_degree=2` with dedup): the dispatch all-to-all starts, the experts compute this
+    rank's own pairs from the rows it sent itself (they never leave it), then, once the exchange
+    is done, the other ranks' pairs, whose results go back by one all-to-all. Backward mirrors it
+    (`weft.comm.split`: autograd reaches the own pairs' backward after launching the exchange of
+    the other pairs' input gradients and before waiting for it): there the own pairs' input
+    gradients and the weight gradients of all pairs, which `WeightGradParts` computes once in
+    the last backward to run, the own pairs', overlap that exchange. Returns the W blocks of
+    returned rows as the one-exchange path has them (the own block, which the returned exchange
+    carries empty, replaced)."""
+    parts = WeightGradParts(experts, 2, experts.compute_dtype(sent_PD))
     with stage("all_to_all"):
-        received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * block
-    # the other sources' records and gates (slices and a kernel: no host values, so graphs capture it)
-    others = torch.cat([record_WGC[:me], record_WGC[me + 1:]]), torch.cat([gate_WGC[:me], gate_WGC[me + 1:]])
-    partial_PD = _experts_on_blocks(received_PD, *others, experts, K, fused)  # the own block's rows: none
-    with stage("all_to_all"):
-        back_PD, pending = start_all_to_all(partial_PD, group)
+        received_PD, pending = start_all_to_all(sent_PD, group)  # source s's pairs from row s * block
     own_WGC = record_WGC[me:me + 1]
     own_PD = _experts_on_blocks(sent_PD[me * block:(me + 1) * block],
                                 torch.where(own_WGC >= 0, own_WGC - me * block * K, -1), gate_WGC[me:me + 1],
-                                experts, K, fused)
+                                experts, K, fused, parts)
     with stage("all_to_all"):
-        back_PD = wait_all_to_all(back_PD, pending)
+        received_PD = wait_all_to_all(received_PD, pending)
+    # the other sources' records and gates (slices and a kernel: no host values, so graphs capture it)
+    others = torch.cat([record_WGC[:me], record_WGC[me + 1:]]), torch.cat([gate_WGC[:me], gate_WGC[me + 1:]])
+    partial_PD = _experts_on_blocks(received_PD, *others, experts, K, fused, parts)  # the own block's rows: none
+    with stage("all_to_all"):
+        back_PD = all_to_all(partial_PD, group)
     return torch.cat([back_PD[:me * block], own_PD, back_PD[(me + 1) * block:]])
 
 

@@ -136,6 +136,17 @@ class Experts(nn.Module):
                 h3 = source_major_bmm(x, w3) if w3 is not None else None
                 return source_major_bmm(self._hidden(source_major_bmm(x, w1), h3), w2)
 
+    def forward_part(self, x: torch.Tensor, parts: WeightGradParts) -> torch.Tensor:
+        """Padded layout like `forward`, as one of `parts.count` calls on different rows in one
+        backward: each call's backward computes its input gradient, and the last to run computes
+        each weight's gradient once for all of them (`WeightGradParts`)."""
+        with stage("experts"):
+            with torch.autocast(x.device.type, enabled=False):
+                x = x.to(parts.dtype)
+                w1, w2, w3 = parts.weights
+                h3 = parts.bmm(x, w3) if w3 is not None else None
+                return parts.bmm(self._hidden(parts.bmm(x, w1), h3), w2)
+
     def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None) -> torch.Tensor:
         """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each."""
         with stage("experts"):
@@ -203,6 +214,60 @@ class _SourceMajorBmm(torch.autograd.Function):
             for w in range(1, x_WGMK.shape[0]):
                 db.baddbmm_(x_WGMK[w].transpose(1, 2), dy_WGMN[w])
         return dx, db
+
+
+class WeightGradParts:
+    """The weight gradients of `count` calls of the same experts on different rows, summed in
+    their matmuls instead of after them.
+
+    Autograd gives a weight used by two calls two full-size gradients and adds them: for the
+    qwen2-like layer's (32, 2048, 1408) bf16 weights two adds of 177 us each on an H100, more than
+    the matmuls of one call (docs/benchmarks.md). Here each call's backward computes only its
+    input gradient and keeps its (x, dy); the last of the `count` calls to run backward computes
+    dW = x^T dy in one matmul over all the calls' rows (their copies into one buffer cost less
+    than the matmuls' in-place sum, `baddbmm_`, which ran at twice a matmul's time on the
+    qwen2-like layer), returned as that call's gradient and none from the others.
+
+    Invariants: all `count` calls run backward in the same backward pass (each call's output
+    feeds the loss), else the gradient is not produced; the weights are cast once to the compute
+    `dtype`, shared by the calls."""
+
+    def __init__(self, experts: Experts, count: int, dtype: torch.dtype):
+        self.count, self.dtype = count, dtype
+        self.weights = tuple(None if w is None else w.to(dtype) for w in experts.weights())
+        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def bmm(self, x_GMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:
+        return _PartBmm.apply(x_GMK, b_GKN, self)
+
+    def weight_grad(self, x_GMK: torch.Tensor, b_GKN: torch.Tensor, dy_GMN: torch.Tensor) -> torch.Tensor | None:
+        """Keeps this call's (x, dy) for `b`; the sum over all calls once the last has come."""
+        kept = self._kept.setdefault(id(b_GKN), [])
+        kept.append((x_GMK, dy_GMN))
+        if len(kept) < self.count:
+            return None
+        del self._kept[id(b_GKN)]
+        x_GMK = torch.cat([x for x, _ in kept], dim=1)
+        dy_GMN = torch.cat([dy for _, dy in kept], dim=1)
+        return torch.bmm(x_GMK.transpose(1, 2), dy_GMN)
+
+
+class _PartBmm(torch.autograd.Function):
+    """y = x @ b (bmm) whose weight gradient `WeightGradParts` sums over the calls."""
+
+    @staticmethod
+    def forward(ctx, x_GMK, b_GKN, parts):
+        ctx.save_for_backward(x_GMK, b_GKN)
+        ctx.parts = parts
+        return torch.bmm(x_GMK, b_GKN)
+
+    @staticmethod
+    def backward(ctx, dy_GMN):
+        x_GMK, b_GKN = ctx.saved_tensors
+        dy_GMN = dy_GMN.contiguous()
+        dx = torch.bmm(dy_GMN, b_GKN.transpose(1, 2)) if ctx.needs_input_grad[0] else None
+        db = ctx.parts.weight_grad(x_GMK, b_GKN, dy_GMN) if ctx.needs_input_grad[1] else None
+        return dx, db, None
 
 
 def source_major_bmm(x_WGMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:

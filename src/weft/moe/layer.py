@@ -74,7 +74,7 @@ class MoE(nn.Module):
         group: expert-parallel process group; None = the default group if initialised.
         overlap_degree: d > 1 pipelines d chunks, the all-to-all of one under the experts of
             another (Tutel 3.2); with a2a_algo "dedup" (padded) d = 2 computes a rank's own pairs
-            while the others' results travel; "auto": tuned per capacity bucket (Tutel 3.3). Same
+            while the others' rows travel in; "auto": tuned per capacity bucket (Tutel 3.3). Same
             result as 1.
         a2a_algo: "linear", "2dh" (two-level all-to-all over nodes of LOCAL_WORLD_SIZE ranks,
             Tutel app. A; padded modes), "dedup" (each token sent to a rank once, its outputs summed

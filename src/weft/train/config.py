@@ -63,7 +63,7 @@ class TrainConfig:
     kernels: str = "auto"  # weft.MoE's kernels: "auto", "torch", "triton" or "comet" (fused expert GEMMs)
     # the MoE layers' all-to-all: "linear" (a row per routed slot), "dedup" (a row per token and
     # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes),
-    # "dedup-d2" (dedup with each rank's own pairs computed while the others' results travel;
+    # "dedup-d2" (dedup with each rank's own pairs computed while the others' rows travel in;
     # padded capacity) or "auto" (the fastest, timed as CUDA graphs where the step is graphed,
     # else linear or dedup by each layer's tuning dictionary)
     a2a_algo: str = "linear"

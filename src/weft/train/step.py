@@ -100,7 +100,7 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
 # `--overlap tutel`'s pipelining degree (Tutel 3.2) and `--a2a-algo auto`'s all-to-all.
 GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup", "dedup-d2")}
 # The layer attributes of a value that is more than the attribute it tunes: "dedup-d2" is dedup with
-# overlap_degree=2 (a rank's own pairs computed while the others' results travel: weft.moe.dedup).
+# overlap_degree=2 (a rank's own pairs computed while the others' rows travel in: weft.moe.dedup).
 # Each all-to-all sets the degree first, so every step between two of them is a valid layer.
 LAYER_VALUES = {("a2a_algo", "linear"): {"overlap_degree": 1, "a2a_algo": "linear"},
                 ("a2a_algo", "dedup"): {"overlap_degree": 1, "a2a_algo": "dedup"},

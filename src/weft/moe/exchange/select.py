@@ -97,7 +97,7 @@ def candidates(call: MoECall, parallel: str, ep_size: int, expert_shards: int, n
     `comet` (see `offers_comet`): Comet's exchange as one more candidate beside the plain setting;
     with `kernels="comet"` the plain setting is Comet's. `dedup` (see `offers_dedup`): the
     deduplicating all-to-all after the linear one of the same degree: d = 1, and (padded) d = 2,
-    its own pairs computed while the others' results travel back."""
+    its own pairs computed while the others' rows travel in."""
     found = [_comet_if_asked(call, s) for s in _exchange_candidates(call, parallel, ep_size, expert_shards, num_nodes)]
     if comet and Setting(1, "linear") in found:
         found.insert(found.index(Setting(1, "linear")) + 1, Setting(1, "linear", 1, comet=True))
