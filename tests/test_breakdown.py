@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from weft import MoE
-from weft.bench.breakdown import _op_contexts, breakdown, format_breakdown, print_breakdowns
+from weft.bench.breakdown import Breakdown, _op_contexts, breakdown, format_breakdown, kernel_label, print_breakdowns
 from weft.bench.trace import profile_trace
 
 
@@ -59,6 +59,34 @@ def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
     assert b.idle_ms == pytest.approx(0.180 / 2)
     table = format_breakdown(b, "t")
     assert table.index("dispatch") < table.index("experts") < table.index("comm") < table.index("other")
+
+
+def test_kernels_are_summed_by_name_which_is_all_a_graph_replay_leaves():
+    """A CUDA graph's kernels have no launching op: they all land in "other", and the time per
+    kernel name is what tells them apart (summed per step, ranked, kept through the JSON)."""
+    scan = "void at::native::tensor_kernel_scan_outer_dim<long, unsigned int, std::plus<long> >(long*, long const*)"
+    events = [_op(name, ts, dur, 7, None, cat="kernel") for name, ts, dur in
+              [(scan, 0, 385), ("nvjet_gemm", 400, 150), (scan, 600, 383), ("nvjet_gemm", 1000, 140),
+               ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 1200, 700)]]
+    b = Breakdown.from_dict(breakdown({"traceEvents": events}, steps=2).to_dict())
+    assert set(b.stages) == {"other", "comm"}
+    top = b.top_kernels(2)
+    assert [name for name, _, _ in top] == ["tensor_kernel_scan_outer_dim<long, unsigned int, std::plus<long> >",
+                                           "ncclDevKernel_SendRecv"]
+    assert top[0][1:] == pytest.approx((0.384, 1.0))
+    table = format_breakdown(b, "graph", top=3)
+    assert table.index("tensor_kernel_scan") < table.index("ncclDevKernel_SendRecv") < table.index("nvjet_gemm")
+
+
+@pytest.mark.parametrize("name, label", [
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+     "TensorListMetadata<2> >(T1, T2)", "multi_tensor_apply_kernel<TensorListMetadata<2> >"),
+    ("_gather_rows_kernel", "_gather_rows_kernel"),
+    ("memcpy128", "memcpy128"),
+    ("x" * 100, "x" * 69 + "..."),
+])
+def test_kernel_labels_drop_namespaces_and_arguments(name, label):
+    assert kernel_label(name) == label
 
 
 def test_benchmark_rows_print_their_breakdown(capsys):

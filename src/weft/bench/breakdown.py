@@ -11,8 +11,10 @@ kernels (NCCL) form their own row, `comm`, whatever launched them.
 Host (CPU) time per stage: in forward the time inside the stage's ranges without the stage
 ranges nested in them; in backward the time of the autograd nodes that differentiate its ops.
 Besides the per-stage kernel time: the GPU window (first kernel start to last kernel end), the
-time some kernel ran in it (busy), the rest (idle: host launch gaps and synchronisations), and
-the host synchronisations (cudaStreamSynchronize & co) per step.
+time some kernel ran in it (busy), the rest (idle: host launch gaps and synchronisations), the
+host synchronisations (cudaStreamSynchronize & co) per step, and the time per kernel name (the
+only split a CUDA graph's replay leaves: its kernels have no launching op, so all land in
+"other"; a 385 us scan in the dedup layer's graph was found this way, docs/moe.md).
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ class Breakdown:
     busy_ms: float = 0.0
     kernel_ms: float = 0.0  # sum over kernels (above busy where streams overlap)
     steps: int = 1
+    by_kernel: dict[str, list[float]] = field(default_factory=dict)  # `kernel_label` -> [ms, count] per step
 
     @property
     def idle_ms(self) -> float:
@@ -66,12 +69,18 @@ class Breakdown:
 
     def to_dict(self) -> dict:
         return {"stages": {name: asdict(s) for name, s in self.ordered()}, "window_ms": self.window_ms,
-                "busy_ms": self.busy_ms, "idle_ms": self.idle_ms, "kernel_ms": self.kernel_ms, "steps": self.steps}
+                "busy_ms": self.busy_ms, "idle_ms": self.idle_ms, "kernel_ms": self.kernel_ms, "steps": self.steps,
+                "by_kernel": self.by_kernel}
 
     @classmethod
     def from_dict(cls, d: dict) -> Breakdown:
         stages = {name: StageTime(**s) for name, s in d["stages"].items()}
-        return cls(stages, d["window_ms"], d["busy_ms"], d["kernel_ms"], d["steps"])
+        return cls(stages, d["window_ms"], d["busy_ms"], d["kernel_ms"], d["steps"], dict(d.get("by_kernel", {})))
+
+    def top_kernels(self, n: int) -> list[tuple[str, float, float]]:
+        """The n kernel names with the most time: (name, ms per step, launches per step)."""
+        ranked = sorted(self.by_kernel.items(), key=lambda item: -item[1][0])[:n]
+        return [(name, ms, count) for name, (ms, count) in ranked]
 
     def ordered(self) -> list[tuple[str, StageTime]]:
         rank = {name: i for i, name in enumerate(STAGE_ORDER)}
@@ -138,6 +147,19 @@ def _innermost(stack: list[_Range], seq_stage: dict[int, str]) -> str | None:
     return None
 
 
+def kernel_label(name: str, width: int = 72) -> str:
+    """A GPU kernel's name for a table: its C++ namespaces and argument list dropped, template
+    arguments kept (they tell scans over long from int), cut to `width` characters."""
+    label = name.removeprefix("void ").replace("at::native::", "").replace("(anonymous namespace)::", "")
+    depth = 0
+    for i, ch in enumerate(label):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == "(" and depth == 0 and i > 0:
+            label = label[:i]
+            break
+    return label if len(label) <= width else label[:width - 3] + "..."
+
+
 def breakdown(trace: dict, steps: int = 1) -> Breakdown:
     """Per-step stage times of a Chrome trace exported by torch.profiler (`steps` steps in it)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
@@ -169,6 +191,9 @@ def breakdown(trace: dict, steps: int = 1) -> Breakdown:
             row.forward_ms += dur * scale
         row.kernels += 1 / max(steps, 1)
         result.kernel_ms += dur * scale
+        per_name = result.by_kernel.setdefault(kernel_label(e.get("name", "")), [0.0, 0.0])
+        per_name[0] += dur * scale
+        per_name[1] += 1 / max(steps, 1)
     if intervals:
         busy = merge(intervals)
         result.busy_ms = length(busy) * scale
@@ -176,8 +201,8 @@ def breakdown(trace: dict, steps: int = 1) -> Breakdown:
     return result
 
 
-def format_breakdown(b: Breakdown, title: str) -> str:
-    """The table `weft bench layer --breakdown` prints."""
+def format_breakdown(b: Breakdown, title: str, top: int = 8) -> str:
+    """The table `weft bench layer --breakdown` prints, then the `top` kernels by time."""
     lines = [f"{title}: GPU window {b.window_ms:.3f} ms/step, busy {b.busy_ms:.3f}, idle {b.idle_ms:.3f} "
              f"(host gaps and syncs), kernels {b.kernel_ms:.3f} ms summed",
              f"  {'stage':<12} {'fwd ms':>8} {'bwd ms':>8} {'share':>6} {'kernels':>8} {'syncs':>6} "
@@ -187,6 +212,10 @@ def format_breakdown(b: Breakdown, title: str) -> str:
         share = (s.forward_ms + s.backward_ms) / total
         lines.append(f"  {name:<12} {s.forward_ms:>8.3f} {s.backward_ms:>8.3f} {share:>6.1%} {s.kernels:>8.1f} "
                      f"{s.syncs:>6.1f} {s.host_forward_ms:>9.3f} {s.host_backward_ms:>9.3f}")
+    if top and b.by_kernel:
+        lines.append(f"  {'kernel':<72} {'ms':>8} {'count':>6} {'share':>6}")
+        for name, ms, count in b.top_kernels(top):
+            lines.append(f"  {name:<72} {ms:>8.3f} {count:>6.1f} {ms / total:>6.1%}")
     return "\n".join(lines)
 
 
