@@ -34,6 +34,9 @@
 #            read), the layer (plain / dedup / dedup-d2 / auto / no-comm, eager at cf 1.0 and dropless,
 #            and as CUDA graphs at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral,
 #            NCCL_P2P_DISABLE=1 and NVLink (REGIMES="p2p_disabled nvlink"; one regime per call fits)
+#   kernels  where the graphed layer's time goes (issue: Hardware speed): qwen2, phi35 and mixtral at cf 1.0,
+#            plain+graph / no-comm+graph / dedup+graph with --breakdown (the top kernels by name per mode),
+#            NVLink (REGIMES to change it)
 #   deduptrain  qwen2-moe-2l training, batch 8, graphed, with --a2a-algo in ALGOS (default linear, dedup,
 #            dedup-d2, auto, then linear and dedup-d2 again), P2P disabled and NVLink (one regime per call)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
@@ -202,6 +205,19 @@ part_dedup() {
   unset NCCL_P2P_DISABLE
 }
 
+part_kernels() {
+  for regime in ${REGIMES:-nvlink}; do
+    set_regime "$regime"
+    for config in qwen2 phi35 mixtral; do
+      $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+        --modes plain+graph,no-comm+graph,dedup+graph --baseline plain+graph --steps 10 --warmup 3 \
+        --profile-steps 2 --breakdown --json "$1/kernels_${config}_$regime.json" > "$1/kernels_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/kernels_${config}_$regime.log" | grep -A 14 "^ capacity\|(rank 0)"
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_deduptrain() {
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
@@ -242,7 +258,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap dedup deduptrain tutel mfu quality}; do
+for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap dedup kernels deduptrain tutel mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
