@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_train import SMALL_MODEL, config, eager_timer, losses, write_corpus
 from weft import MoE
@@ -43,6 +44,43 @@ def recorded_rows(moe: MoE, x: torch.Tensor) -> list[int]:
     finally:
         dist.all_to_all_single = exchange
     return sent
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("cf", [None, 0.5])
+def test_pairs_compute_offsets_and_earlier_slots_only_when_read(cf):
+    """A dropless call tuned to the linear exchange reads only the pair counts: no scan, no slot
+    comparison; the offsets and earlier-slot counts, read later, are those the rule defines."""
+    torch.manual_seed(0)
+    world, top_k = 2, 3
+    moe = MoE(DIM, HIDDEN, EXPERTS, top_k=top_k, capacity_factor=cf)
+    routing = moe.route(torch.randn(TOKENS, DIM))
+    with _Ops() as ops:
+        pairs = dedup.Pairs.of(routing, TOKENS, top_k, EXPERTS // world, world)
+        counts = pairs.counts()
+    assert "cumsum" not in ops.names and "eq" not in ops.names, ops.names
+    need = [[bool(pairs.need_TW[t, r]) for r in range(world)] for t in range(TOKENS)]
+    assert counts.tolist() == [sum(row[r] for row in need) for r in range(world)]
+    for r in range(world):
+        seen = 0
+        for t in range(TOKENS):
+            if need[t][r]:
+                assert int(pairs.offset_TW[t, r]) == seen
+                seen += 1
+    ranks = pairs.rank_TK.tolist()
+    want = [[sum(ranks[t][i] == ranks[t][j] for i in range(j)) for j in range(top_k)] for t in range(TOKENS)]
+    assert pairs.earlier_TK.tolist() == want
 
 
 def bytes_worker(top_k: int) -> list[str]:

@@ -64,15 +64,14 @@ from weft.profiling import stage
 @dataclass(frozen=True)
 class Pairs:
     """The (token, rank) pairs of this rank's tokens: `need_TW[t, r]`, whether token t has a kept
-    slot on rank r; `offset_TW[t, r]`, its pair's place among this rank's pairs for rank r (token
-    order); `rank_TK[t, j]`, the rank of slot j's expert (W where the slot is dropped);
-    `earlier_TK[t, j]`, the token's earlier kept slots on that rank; `K`, the most slots a token
-    has on one rank, min(k, local experts)."""
+    slot on rank r; `rank_TK[t, j]`, the rank of slot j's expert (W where the slot is dropped);
+    `K`, the most slots a token has on one rank, min(k, local experts); and, computed when first
+    read (a dropless call tuned to the linear exchange reads only `counts()`), `offset_TW[t, r]`,
+    its pair's place among this rank's pairs for rank r (token order), and `earlier_TK[t, j]`, the
+    token's earlier kept slots on that rank."""
 
     need_TW: torch.Tensor
-    offset_TW: torch.Tensor
     rank_TK: torch.Tensor
-    earlier_TK: torch.Tensor
     K: int
 
     @classmethod
@@ -81,12 +80,19 @@ class Pairs:
         if routing.kept_S is not None:  # a dropped slot: a rank past the last, cut off below
             rank_TK = torch.where(routing.kept_S.view(num_tokens, top_k), rank_TK, world)
         need_TW = rank_TK.new_zeros(num_tokens, world + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :world]
-        before_KK = torch.ones(top_k, top_k, dtype=torch.long, device=rank_TK.device).tril(-1)  # j2 < j
-        earlier_TK = ((rank_TK.unsqueeze(2) == rank_TK.unsqueeze(1)).long() * before_KK).sum(2)
+        return cls(need_TW, rank_TK, min(top_k, local))
+
+    @functools.cached_property
+    def offset_TW(self) -> torch.Tensor:
         # down the tokens, scanned as rows of (W, T): a scan over the outer dim of a narrow (T, W)
         # tensor ran at 385 us on an H100 (qwen2's 4,096 tokens), this at a few
-        offset_TW = need_TW.t().long().cumsum(1).t().contiguous() - 1
-        return cls(need_TW, offset_TW, rank_TK, earlier_TK, min(top_k, local))
+        return self.need_TW.t().long().cumsum(1).t().contiguous() - 1
+
+    @functools.cached_property
+    def earlier_TK(self) -> torch.Tensor:
+        top_k = self.rank_TK.shape[1]
+        before_KK = torch.ones(top_k, top_k, dtype=torch.long, device=self.rank_TK.device).tril(-1)  # j2 < j
+        return ((self.rank_TK.unsqueeze(2) == self.rank_TK.unsqueeze(1)).long() * before_KK).sum(2)
 
     def counts(self) -> torch.Tensor:
         """(W,) the pairs this rank sends each rank."""
