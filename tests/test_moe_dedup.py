@@ -17,6 +17,7 @@ from weft.bench import layer, model
 from weft.bench.layer import LayerBenchConfig
 from weft.bench.model import ModelBenchConfig
 from weft.comm import async_all_to_all
+from weft.kernels.scan import cumsum_down
 from weft.moe import dedup
 from weft.moe.config import MoECall
 from weft.moe.exchange import offers_dedup
@@ -56,6 +57,14 @@ class _Ops(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int32, torch.int64])
+def test_cumsum_down_is_the_scan_down_dim_0(dtype):
+    """The pair offsets' (and the routing histogram's) scan, run along the transpose's rows."""
+    x = torch.randint(0, 2 if dtype == torch.bool else 9, (37, 3)).to(dtype)
+    got = cumsum_down(x, torch.int64)
+    assert got.is_contiguous() and torch.equal(got, x.cumsum(0, dtype=torch.int64))
 
 
 @pytest.mark.parametrize("cf", [None, 0.5])

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from weft.kernels.scan import cumsum_down
+
 try:
     import triton
     import triton.language as tl
@@ -78,10 +80,8 @@ def topk_positions(scores_TE: torch.Tensor, k: int, order_T: torch.Tensor | None
     hist = torch.empty(k * num_blocks, num_experts, dtype=torch.int32, device=device)
     _topk_histogram_kernel[(num_blocks,)](scores_TE, experts_TK, hist, num_tokens, num_experts, num_blocks,
                                           K=k, BLOCK_T=block_t, BLOCK_E=block_e)
-    # inclusive over (j, block), per expert; scanned along rows of the transpose (an outer-dim
-    # scan of this narrow tensor is several times slower on GPUs)
-    seen = hist.t().cumsum(1, dtype=torch.int32).t()
-    starts = (seen - hist).contiguous()
+    seen = cumsum_down(hist, torch.int32)  # inclusive over (j, block), per expert
+    starts = seen - hist
     positions_TK = torch.empty_like(experts_TK)
     _positions_kernel[(num_blocks,)](experts_TK, starts, positions_TK, num_tokens, num_experts, num_blocks,
                                      K=k, BLOCK_T=block_t, BLOCK_E=block_e)
