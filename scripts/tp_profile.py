@@ -33,60 +33,6 @@ KINDS = (("nccl", re.compile(r"nccl", re.I)), ("peer", re.compile(r"memcpy ptop|
          ("copy", re.compile(r"copy|cat|memcpy|memset", re.I)))
 
 
-try:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _narrow_add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        for start in range(tl.program_id(0) * BLOCK, n, PROGRAMS * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            m = offs < n
-            x = tl.load(a_ptr + offs, mask=m).to(tl.float32) + tl.load(b_ptr + offs, mask=m).to(tl.float32)
-            tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=m)
-except ImportError:  # the CPU: no prototype sums
-    triton = None
-
-
-def narrow_add(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, programs: int) -> None:
-    """out = a + b (flat, same dtype) by a Triton kernel of `programs` blocks (prototype)."""
-    _narrow_add_kernel[(programs,)](a, b, out, a.numel(), BLOCK=4096, PROGRAMS=programs, num_warps=8)
-
-
-def copy_variant(variant: str, programs: int):
-    """A `PeerCopyAllReduce._reduce` for two ranks (prototype): 'noadd' (copies and barriers only,
-    not a sum), 'rsag' (reduce-scatter by copies, half the add, all-gather by copies), 'narrow'
-    (the add on `programs` SMs), 'rsag-narrow'."""
-    from weft.tp.collectives import COPY_REDUCE_CHANNEL
-
-    def add(a, b, out):
-        if variant.endswith("narrow"):
-            narrow_add(a, b, out, programs)
-        else:
-            torch.add(a, b, out=out)
-
-    def reduce(self, flat, buffer):
-        rank, peer = self.peers.rank, 1 - self.peers.rank
-        if variant.startswith("rsag"):  # each half at its own offset in the row this rank writes
-            cut = flat.numel() // 2
-            spans = [(0, cut), (cut, flat.numel())]
-            (m0, m1), (p0, p1) = spans[rank], spans[peer]
-            buffer.peers[peer][rank][p0:p1].copy_(flat[p0:p1])  # reduce-scatter: the peer's half
-            self.peers.barrier(COPY_REDUCE_CHANNEL)
-            add(flat[m0:m1], buffer.local[peer][m0:m1], flat[m0:m1])
-            buffer.peers[peer][rank][m0:m1].copy_(flat[m0:m1])  # all-gather: this rank's summed half
-            self.peers.barrier(COPY_REDUCE_CHANNEL)
-            flat[p0:p1].copy_(buffer.local[peer][p0:p1])
-            return
-        buffer.peers[peer][rank].copy_(flat)
-        self.peers.barrier(COPY_REDUCE_CHANNEL)
-        if variant != "noadd":
-            add(flat, buffer.local[peer], flat)
-        self.peers.barrier(COPY_REDUCE_CHANNEL)
-
-    return reduce
-
-
 def kind_of(name: str) -> str:
     return next((kind for kind, pattern in KINDS if pattern.search(name)), "other")
 
@@ -111,14 +57,7 @@ def main() -> None:
                              "communication beside it (not the model's function)")
     parser.add_argument("--trace", default=None,
                         help="a folder for rank 0's chrome trace of each mode's profiled steps")
-    parser.add_argument("--copy-variant", default=None, choices=["noadd", "rsag", "narrow", "rsag-narrow"],
-                        help="prototype sums of domino-copy on 2 ranks (noadd: copies and barriers only)")
-    parser.add_argument("--programs", type=int, default=16, help="the narrow add's blocks")
     args = parser.parse_args()
-    if args.copy_variant:
-        from weft.tp.collectives import PeerCopyAllReduce
-
-        PeerCopyAllReduce._reduce = copy_variant(args.copy_variant, args.programs)
     if args.split_only:  # every Domino reduce (NCCL's or the copies) made a no-op
         for name in schedule_module.REDUCES:
             schedule_module.REDUCES[name] = lambda t, group, async_op=False: None
@@ -185,8 +124,7 @@ def main() -> None:
                 by_kind[kind_of(e.key)] = by_kind.get(kind_of(e.key), 0.0) + e.self_device_time_total / 3 / 1e3
             gpu_ms = sum(by_kind.values())
             print(f"\n== {mode} (p1 {args.p1}, p2 {args.p2}, carveout {args.carveout}, blas {args.blas}"
-                  f"{', split only' if args.split_only else ''}"
-                  f"{', copy ' + args.copy_variant if args.copy_variant else ''}): "
+                  f"{', split only' if args.split_only else ''}): "
                   f"{timed_ms:.3f} ms per step ({args.timed} steps), max error vs the first mode {error:.1e}, "
                   f"profiled {wall_ms:.2f} ms, GPU kernel time "
                   f"{gpu_ms:.2f} ms (" + ", ".join(f"{k} {v:.2f}" for k, v in sorted(by_kind.items())) + ")")

@@ -164,14 +164,15 @@ def test_no_comm_leaves_the_partial_sums_unreduced():
 
 def copy_reduce_worker(device: str = "cpu") -> list[str]:
     """copy_all_reduce_ against the group's all-reduce: every rank gets the same bits, the rank-order
-    sum (with two ranks exactly the collective's one add), for several sizes and dtypes, blocking
-    and through the handle, with buffers reused call after call."""
+    sum (with two ranks exactly the collective's one add), for several sizes (uneven chunks, and
+    fewer elements than ranks) and dtypes, blocking and through the handle, with buffers reused
+    call after call."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     checks = Checks(f"rank {rank} of {world}")
     for call, (numel, dtype) in enumerate([(7, torch.float64), (1000, torch.float32), (7, torch.float64),
-                                           (513, torch.bfloat16), (1000, torch.float32)]):
+                                           (513, torch.bfloat16), (1000, torch.float32), (3, torch.float32)]):
         parts = [torch.randn(numel, generator=torch.Generator().manual_seed(100 * call + r)).to(device, dtype)
                  for r in range(world)]
         ordered = parts[0] + parts[1]

@@ -22,8 +22,10 @@ group's collective: Domino's asynchronous all-reduces (`weft.tp.schedule.Domino`
 run beside the GEMMs they hide behind, and NCCL's kernels there share the GEMMs' SMs: on 2 H100s
 with NVLink the GEMMs of Domino's graphed step took 6.9 ms of kernel time against 5.4 with the
 all-reduces left out (docs/benchmarks.md, "Why Domino's graphed step loses with NVLink"). A copy
-into the peer's memory is a memcpy over NVLink; what is left on the SMs is one add and two
-barriers.
+into the peer's memory is a memcpy over NVLink; what is left on the SMs is the add of this
+rank's chunk and two barriers. It runs as a reduce-scatter and an all-gather of copies, so each
+rank sends what a ring all-reduce sends ((world - 1) / world of the tensor per phase) and adds
+only its 1 / world of the sum.
 """
 from __future__ import annotations
 
@@ -59,16 +61,23 @@ class CopyReduced:
 
 class PeerCopyAllReduce:
     """In-place sums over the ranks of `peers`' group by copies into peer memory
-    (`weft.comm.peers`: symmetric memory on GPUs that reach each other's, shared files on the CPU).
+    (`weft.comm.peers`: symmetric memory on GPUs that reach each other's, shared files on the CPU),
+    as a reduce-scatter then an all-gather, both done by copies.
 
-    For a tensor of n elements every rank keeps a buffer of (world, n) that every rank can write;
-    rank r copies its tensor into row r of every peer's buffer, a barrier, each rank sums the
-    world's tensors in rank order (its own from the tensor, the others from its buffer: the same
-    operations in the same order on every rank, so every rank gets the same bits; with two ranks the
-    one add NCCL's sum does), and a second barrier keeps a buffer from being written again before
-    every rank has read it. On CUDA this runs on one side stream, like a collective's own stream:
-    the caller's stream waits for it through the handle. One buffer per size and dtype, allocated
-    at its first call (a collective: warm up before capturing a CUDA graph)."""
+    For a tensor of n elements cut into `world` contiguous chunks, every rank keeps a buffer of
+    (world, n) that every rank can write; rank r writes row r of every peer's buffer only, each
+    chunk at its own offset. Reduce-scatter: rank r copies chunk q of its tensor into rank q's
+    buffer (q != r); a barrier; rank r sums chunk r over the ranks in rank order (its own from the
+    tensor, the others from its buffer). All-gather: rank r copies its summed chunk r into every
+    peer's buffer; a barrier; rank r copies the other chunks from its buffer into the tensor. Each
+    chunk is summed by one rank and copied as is, so every rank ends with the same bits, the
+    rank-order sum (with two ranks the one add NCCL's sum does). Each rank sends (world - 1) / world
+    of the tensor per phase, as a ring all-reduce does, and adds only its own chunk. The two
+    barriers keep every buffer region from being written again before its reader is done: the
+    reduce-scatter's regions are read before the second barrier, the all-gather's before the
+    next call's first. On CUDA this runs on one side stream, like a collective's own stream: the
+    caller's stream waits for it through the handle. One buffer per size and dtype, allocated at
+    its first call (a collective: warm up before capturing a CUDA graph)."""
 
     def __init__(self, peers: PeerBuffers):
         self.peers = peers
@@ -96,19 +105,28 @@ class PeerCopyAllReduce:
 
     def _reduce(self, flat: torch.Tensor, buffer) -> None:
         rank, world = self.peers.rank, self.peers.world
-        for r in range(world):
-            if r != rank:
-                buffer.peers[r][rank].copy_(flat)
+        bounds = [flat.numel() * q // world for q in range(world + 1)]
+        chunk = [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+        others = [q for q in range(world) if q != rank and bounds[q] < bounds[q + 1]]
+        for q in others:  # reduce-scatter: chunk q to rank q
+            buffer.peers[q][rank][chunk[q]].copy_(flat[chunk[q]])
         self.peers.barrier(COPY_REDUCE_CHANNEL)
-        parts = [flat if r == rank else buffer.local[r] for r in range(world)]
+        mine = chunk[rank]
+        parts = [flat[mine] if q == rank else buffer.local[q][mine] for q in range(world)]
         if world == 2:
-            torch.add(parts[0], parts[1], out=flat)
+            torch.add(parts[0], parts[1], out=flat[mine])
         else:
             total = parts[0] + parts[1]
             for part in parts[2:]:
                 total += part
-            flat.copy_(total)
+            flat[mine].copy_(total)
+        if bounds[rank] < bounds[rank + 1]:
+            for q in range(world):  # all-gather: the summed chunk to every peer
+                if q != rank:
+                    buffer.peers[q][rank][mine].copy_(flat[mine])
         self.peers.barrier(COPY_REDUCE_CHANNEL)
+        for q in others:
+            flat[chunk[q]].copy_(buffer.local[q][chunk[q]])
 
 
 def copy_all_reduce_(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
