@@ -178,23 +178,25 @@ def test_comet_two_runs_are_bitwise_equal():
     assert not flat, "\n".join(flat[:15])
 
 
-def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int = 1) -> list[str]:
+def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int = 1,
+                 capacity_factor: float | None = 1.0) -> list[str]:
     """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
     the eager step's outputs, input gradients and parameter gradients on new inputs (padded
-    capacity, token and expert choice; bitwise with the Triton kernels, whose results are
-    deterministic; the torch path's atomics only promise rounding). A graph that accumulates adds
-    two replays' gradients as two eager backwards do; one that owns its gradients holds the last
-    replay's only, as an eager backward into `.grad = None` does, even after `.grad` was freed."""
+    capacity, or dropless with `capacity_factor` None and a2a_algo "dedup-fixed"; token and expert
+    choice; bitwise with the Triton kernels, whose results are deterministic; the torch path's
+    atomics only promise rounding). A graph that accumulates adds two replays' gradients as two
+    eager backwards do; one that owns its gradients holds the last replay's only, as an eager
+    backward into `.grad = None` does, even after `.grad` was freed."""
     from weft.graphs import GraphedStep
 
     failures, rank = [], torch.distributed.get_rank()
     cases = (("topk", 1, "auto"), ("topk", 4, "auto"), ("bpr", 2, "torch"), ("expert_choice", 2, "auto"))
-    if a2a_algo == "dedup":  # token choice only
+    if a2a_algo.startswith("dedup"):  # token choice only
         cases = cases[:3]
     for (gate, k, kernels), accumulate in itertools.product(cases, (True, False)):
         exact = kernels == "auto" and gate != "expert_choice"  # expert choice combines with torch's index_add
         torch.manual_seed(0)
-        moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=1.0, activation="gelu", dtype=dtypes[0],
+        moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=capacity_factor, activation="gelu", dtype=dtypes[0],
                   device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
         params = list(moe.parameters())
         gen = torch.Generator(device=device).manual_seed(10 + rank)
@@ -244,6 +246,23 @@ def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int =
 @needs_cuda
 def test_a_graphed_layer_step_equals_the_eager_one_on_nccl():
     flat = _check_on_every_gpu(graph_worker)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_dropless_dedup_in_fixed_size_exchanges_on_nccl_matches_the_reference_and_replays_as_a_graph():
+    """a2a_algo="dedup-fixed" on every GPU: the dense reference (topk, dropless and cf 1.0, k
+    1/2/4, every activation, bf16: torch._grouped_mm over a buffer longer than its groups), its
+    dropless step captured as one CUDA graph (nothing read on the host) and equal to the eager
+    step, two runs bitwise equal."""
+    world = torch.cuda.device_count()
+    flat = run_checks(equivalence_worker, world,
+                      args=("topk", (torch.bfloat16,), "cuda", "auto", ACTIVATIONS, "dedup-fixed"), backend="nccl",
+                      timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup-fixed", 1, None), backend="nccl",
+                       timeout=600)
+    flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup-fixed"),
+                       backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

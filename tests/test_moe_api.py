@@ -165,8 +165,10 @@ def _mismatch_worker(case: str) -> str:
     import torch.distributed as dist
     rank = dist.get_rank()
     experts = 8 if case == "num_experts" and rank == 1 else 4
-    moe = MoE(8, 16, experts, top_k=2, capacity_factor=1.0)
-    tokens = 12 if case == "tokens" and rank == 1 else 16
+    settings = {"capacity_factor": None, "a2a_algo": "dedup-fixed"} if case == "tokens dedup-fixed" else \
+        {"capacity_factor": 1.0}
+    moe = MoE(8, 16, experts, top_k=2, **settings)
+    tokens = 12 if case.startswith("tokens") and rank == 1 else 16
     kwargs = {"top_k": 1} if case == "top_k" and rank == 1 else {}
     try:
         moe(torch.randn(tokens, 8), **kwargs)
@@ -176,7 +178,8 @@ def _mismatch_worker(case: str) -> str:
 
 
 @pytest.mark.parametrize("case, field", [("num_experts", "num_experts is"), ("top_k", "top_k is"),
-                                         ("tokens", "tokens per rank (padded capacity) is")])
+                                         ("tokens", "tokens per rank (fixed-size all-to-all) is"),
+                                         ("tokens dedup-fixed", "tokens per rank (fixed-size all-to-all) is")])
 def test_ranks_with_different_layers_or_calls_are_told_at_the_first_forward(case, field):
     messages = run_distributed(_mismatch_worker, 2, args=(case,), timeout=120)
     for rank, message in enumerate(messages):

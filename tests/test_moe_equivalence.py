@@ -71,7 +71,8 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
               expert_bias=bias is not None, routing_temperature=temperature, a2a_algo=a2a_algo,
               overlap_degree=overlap_degree)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
-    num_tokens = 12 + 4 * rank if cap is None else 16  # dropless allows uneven token counts
+    # dropless allows uneven token counts (not in fixed-size exchanges)
+    num_tokens = 12 + 4 * rank if cap is None and a2a_algo != "dedup-fixed" else 16
     gen = torch.Generator().manual_seed(100 + rank)
     x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype).requires_grad_()
     dy = torch.randn(num_tokens, DIM, generator=gen)
@@ -151,6 +152,8 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
     if overlap_degree > 1 and a2a_algo == "dedup":  # dedup's own pairs computed last: padded modes
         caps = tuple(cap for cap in caps if cap is not None)
+    if a2a_algo == "dedup-fixed":  # its own path dropless; padded it is dedup (one padded mode checks that)
+        caps = (None, 1.0)
     failures = []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
@@ -226,6 +229,25 @@ def test_dedup_exchange_with_triton_kernels_matches_dense_reference(monkeypatch,
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup", degree),
+                      timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size, gate", [(1, "topk"), (2, "topk"), (4, "topk"), (2, "bpr"), (4, "random")])
+def test_dedup_in_fixed_size_exchanges_matches_dense_reference(world_size, gate):
+    """a2a_algo="dedup-fixed" (dropless: each token to a rank once in exchanges of T rows per rank,
+    the records sorted by expert on the device, grouped GEMM over a fixed buffer): dropless and
+    capacity 1.0, k 1, 2 and 4, float32 and bfloat16."""
+    flat = run_checks(equivalence_worker, world_size,
+                      args=(gate, DTYPES, "cpu", "auto", ("gelu", "swiglu"), "dedup-fixed"), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+def test_dedup_in_fixed_size_exchanges_with_triton_kernels_matches_dense_reference(monkeypatch):
+    """The same through the row kernels in Triton's CPU interpreter, on 2 ranks."""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup-fixed"),
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 

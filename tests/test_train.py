@@ -454,17 +454,21 @@ def test_a_run_that_repeats_its_data_is_warned_with_the_sizes():
 @pytest.mark.parametrize("model, overlap, reason", [
     ({}, "none", "CUDA graphs need a GPU"),
     ({"capacity_factor": None}, "none", "MoE layer 0 runs capacity_factor=None (dropless)"),
+    ({"capacity_factor": None, "a2a_algo": "dedup-fixed"}, "none", None),  # dropless, nothing read on the host
     ({"capacity_factor": 0}, "none", "MoE layer 0 runs capacity_factor=0 (no-drop)"),
     ({}, "lancet", "--overlap lancet schedules its backward on the host"),
     ({}, "tutel", None),  # its degree timed as CUDA graphs, then captured
 ])
 def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
-    from weft.train.step import graph_blocker
+    from weft.train.step import graph_blocker, set_layers
 
+    algo = model.pop("a2a_algo", "linear")
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, **model}))
+    set_layers(gpt, "a2a_algo", algo)
     device = torch.device("cpu" if reason and reason.startswith("CUDA") else "cuda")  # the checks before the device's
+    hint = " (--a2a-algo dedup-fixed reads none)" if "dropless" in (reason or "") else ""
     assert graph_blocker(gpt, device, overlap) == (reason if reason is None or reason.startswith(("CUDA", "--")) else
-                                                   reason + ": its sizes are read on the host every step")
+                                                   reason + ": its sizes are read on the host every step" + hint)
 
 
 def test_an_eager_micro_step_returns_the_logged_values(corpus):

@@ -223,7 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the MoE layers' all-to-all: linear (default: a row per routed slot), dedup (a row per "
                          "token and destination rank, the expert outputs summed there; same losses, fewer bytes), "
                          "dedup-d2 (dedup with each rank's own pairs computed while the others' rows travel in; "
-                         "padded capacity) or auto (the fastest, timed as CUDA graphs where the step is graphed)")
+                         "padded capacity), dedup-fixed (dedup; dropless layers in fixed-size exchanges, nothing "
+                         "read on the host, so CUDA graphs capture the step) or auto (the fastest, timed as CUDA "
+                         "graphs where the step is graphed)")
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")

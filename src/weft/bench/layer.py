@@ -68,7 +68,8 @@ PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 # weights. Modes compute the plain layer's function, except `no-comm`, which is a measurement
 # device. `dN`: Tutel's pipelining with degree N; `2dh`: Tutel's two-level all-to-all (nodes of
 # LOCAL_WORLD_SIZE ranks); `dedup`: each token sent to a rank once, its outputs summed there
-# (weft.moe.dedup); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
+# (weft.moe.dedup; `dedup-fixed`: dropless in fixed-size exchanges, nothing read on the host, so
+# its dropless step graphs too); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
 # experts than ranks): N model-parallel slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
 # dictionary picks among them. `torch`: plain with PyTorch's index ops for dispatch and combine (the
 # path before the Triton kernels; `plain` takes the layer's default, "auto"). `comet`: Comet's fused
@@ -85,6 +86,7 @@ MODES: dict[str, dict] = {
     "2dh": {**PLAIN, "a2a_algo": "2dh"},
     "dedup": {**PLAIN, "a2a_algo": "dedup"},
     "dedup-d2": {**PLAIN, "a2a_algo": "dedup", "overlap_degree": 2},
+    "dedup-fixed": {**PLAIN, "a2a_algo": "dedup-fixed"},
     "r0": {**PLAIN, "parallel": 0},
     "r1": PLAIN,
     "r2": {**PLAIN, "parallel": 2},
@@ -111,10 +113,12 @@ NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
 # (weft.graphs); the same kernels without their host launch cost. Padded capacity only (dropless
-# reads its counts on the host). "auto+graph" times each of auto's candidate settings as a graph
-# and captures the fastest (`graphed_auto`; auto's eager tuning synchronises, so it cannot run inside
-# a capture, and it would time launch costs a replay does not pay).
+# reads its counts on the host), except `dedup-fixed` (`GRAPHS_DROPLESS`). "auto+graph" times each
+# of auto's candidate settings as a graph and captures the fastest (`graphed_auto`; auto's eager
+# tuning synchronises, so it cannot run inside a capture, and it would time launch costs a replay
+# does not pay).
 GRAPH_SUFFIX = "+graph"
+GRAPHS_DROPLESS = ("dedup-fixed",)  # the modes whose dropless calls read nothing on the host
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -187,11 +191,12 @@ class LayerBenchConfig:
                                  "dispatch/combine), no-comm, d2, d4, d8 (Tutel pipelining), 2dh (two-level "
                                  "all-to-all), dedup (each token sent to a rank once), dedup-d2 (dedup with a "
                                  "rank's own pairs computed while the others' rows travel in; padded), "
+                                 "dedup-fixed (dedup, dropless in fixed-size exchanges: graphs dropless), "
                                  "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
-                                 "CUDA graph; padded capacity) (default plain,no-comm)", parse=names)
+                                 "CUDA graph; padded capacity, or dedup-fixed) (default plain,no-comm)", parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
                                              "(default 1.0,dropless)", parse=capacity_list)
@@ -226,9 +231,10 @@ class LayerBenchConfig:
         for mode in filter(is_graphed, self.modes):
             if base_mode(mode) not in MODES:
                 raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes (not a peer or balance)")
-            if None in self.capacity:
+            if None in self.capacity and base_mode(mode) not in GRAPHS_DROPLESS:
                 raise ValueError(f"--modes {mode}: a CUDA graph needs static shapes; dropless capacity reads its "
-                                 "counts on the host (drop 'dropless' from --capacity)")
+                                 f"counts on the host (drop 'dropless' from --capacity; {', '.join(GRAPHS_DROPLESS)} "
+                                 "graphs dropless)")
         if self.baseline not in self.modes:
             raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
 

@@ -17,7 +17,9 @@ from weft.moe.gates import GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
 
-A2A_ALGOS = ("linear", "2dh", "dedup", "auto")
+A2A_ALGOS = ("linear", "2dh", "dedup", "dedup-fixed", "auto")
+# the deduplicating all-to-alls (weft.moe.dedup); "dedup-fixed" differs from "dedup" in dropless calls only
+DEDUP_ALGOS = ("dedup", "dedup-fixed")
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class MoECall:
     top_k: experts per token (expert choice: the capacity multiplier).
     capacity_factor: > 0 fixed, 0 no-drop, < 0 bounded no-drop, None dropless (docs/moe.md).
     overlap_degree: Tutel's pipelining degree d, or "auto" (the tuning dictionary decides).
-    a2a_algo: "linear", "2dh", "dedup" (each token sent to a rank once: `weft.moe.dedup`) or "auto".
+    a2a_algo: "linear", "2dh", "dedup" (each token sent to a rank once: `weft.moe.dedup`),
+        "dedup-fixed" (dedup; dropless calls in fixed-size exchanges, nothing read on the host) or "auto".
     parallel_r: Tutel's r fixed by the call; None lets an "adaptive" layer tune it (r = 1 otherwise).
     communicate: False keeps every row on its rank while the local experts do the same work (the
         no-communication bound benchmarks measure); the output is then NOT the layer's function.
@@ -110,7 +113,7 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
         raise ValueError(f"unknown a2a_algo {call.a2a_algo!r}; choose one of {', '.join(A2A_ALGOS)}")
     if call.a2a_algo == "2dh" and cf is None:
         raise ValueError("a2a_algo='2dh' needs a padded capacity mode: dropless exchanges uneven splits")
-    if call.a2a_algo == "dedup":
+    if call.a2a_algo in DEDUP_ALGOS:
         check_dedup(call, gate, expert_shards)
     if expert_shards > 1:
         ep_size = expert_shards * num_experts
@@ -125,22 +128,23 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
 
 
 def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
-    """ValueError naming what a2a_algo='dedup' (`weft.moe.dedup`) cannot run with."""
+    """ValueError naming what a2a_algo='dedup' or 'dedup-fixed' (`weft.moe.dedup`) cannot run with."""
+    name = f"a2a_algo={call.a2a_algo!r}"
     if gate == "expert_choice":
-        raise ValueError("a2a_algo='dedup' needs a token-choice gate: with expert choice a token takes a varying "
+        raise ValueError(f"{name} needs a token-choice gate: with expert choice a token takes a varying "
                          "number of slots")
     if expert_shards > 1:
-        raise ValueError("a2a_algo='dedup' needs whole experts on each rank (num_experts >= the expert-parallel size)")
+        raise ValueError(f"{name} needs whole experts on each rank (num_experts >= the expert-parallel size)")
     if call.overlap_degree not in (1, 2):
-        raise ValueError(f"a2a_algo='dedup' runs overlap_degree 1, or 2 (a rank's own pairs computed while the "
+        raise ValueError(f"{name} runs overlap_degree 1, or 2 (a rank's own pairs computed while the "
                          f"others' rows travel in), got {call.overlap_degree!r}")
     if call.overlap_degree == 2 and call.dropless:
-        raise ValueError("a2a_algo='dedup' with overlap_degree=2 needs a padded capacity mode (capacity_factor "
+        raise ValueError(f"{name} with overlap_degree=2 needs a padded capacity mode (capacity_factor "
                          "not None)")
     if call.kernels == "comet":
-        raise ValueError("a2a_algo='dedup' and kernels='comet' are two exchanges; choose one")
+        raise ValueError(f"{name} and kernels='comet' are two exchanges; choose one")
     if call.parallel_r not in (None, 1):
-        raise ValueError(f"a2a_algo='dedup' is expert parallelism (r = 1), got parallel={call.parallel_r!r}")
+        raise ValueError(f"{name} is expert parallelism (r = 1), got parallel={call.parallel_r!r}")
 
 
 def check_parallel_r(r, parallel: str, choices: list[int], num_experts: int, ep_size: int, shards: int) -> None:

@@ -166,6 +166,25 @@ class Experts(nn.Module):
             return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs)
         return grouped_mm_reference(x, counts, self, (w1, w2, w3))
 
+    def forward_offsets(self, x: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        """Dropless rows grouped by local expert in a buffer of fixed size, the groups' ends on the
+        device: expert e's rows are x[offs_E[e - 1]:offs_E[e]] (int32, offs_E[-1] <= rows). Rows
+        from offs_E[-1] on are padding: their outputs are undefined (grouped GEMM leaves them
+        unwritten) and no caller may read them. With grouped GEMM on the GPU nothing is read on
+        the host, so a CUDA graph captures the call; elsewhere (the CPU reference, fp32, Lancet's
+        deferred weight gradients) the counts are read from `offs_E` and the padding is zeros."""
+        with stage("experts"):
+            w1, w2, w3 = self.weights()
+            x = x.to(self.compute_dtype(x))
+            if self.wgrad_scheduler is None and use_grouped_mm(x, w1, w2):
+                h1 = torch._grouped_mm(x, w1, offs=offs_E)
+                h3 = torch._grouped_mm(x, w3, offs=offs_E) if w3 is not None else None
+                return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
+            ends = offs_E.tolist()
+            counts = [b - a for a, b in zip([0] + ends, ends)]
+            out = self._forward_grouped(x[:ends[-1]], counts, None)
+            return torch.cat([out, out.new_zeros(x.shape[0] - ends[-1], out.shape[1])])
+
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)

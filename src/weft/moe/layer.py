@@ -27,6 +27,7 @@ from weft.kernels.rows import use_triton
 from weft.moe import dedup
 from weft.moe.config import (
     BALANCE_CHOICES,
+    DEDUP_ALGOS,
     MoECall,
     check_layer,
     check_router_settings,
@@ -78,7 +79,10 @@ class MoE(nn.Module):
             result as 1.
         a2a_algo: "linear", "2dh" (two-level all-to-all over nodes of LOCAL_WORLD_SIZE ranks,
             Tutel app. A; padded modes), "dedup" (each token sent to a rank once, its outputs summed
-            there: `weft.moe.dedup`) or "auto" (tuned among them); "2dh" and "auto" build process
+            there: `weft.moe.dedup`), "dedup-fixed" (dedup; a dropless call's exchanges then have a
+            fixed size, T rows per rank, and nothing is read on the host, so CUDA graphs capture
+            it; every rank must route the same number of tokens) or "auto" (tuned among linear, 2dh
+            and dedup); "2dh" and "auto" build process
             groups here (collective; a layer built otherwise and switched to "auto" later tunes
             linear and dedup only).
         tuning: the `weft.tune.TuningDictionary` of "auto" settings (shared between layers,
@@ -246,9 +250,9 @@ class MoE(nn.Module):
 
     def _check(self, call: MoECall) -> None:
         check_settings(call, *self._shape())
-        if call.a2a_algo == "dedup" and self.balancer is not None:
-            raise ValueError("a2a_algo='dedup' does not run Pro-Prophet's copied experts; use a2a_algo='linear' "
-                             "with balance='pro-prophet'")
+        if call.a2a_algo in DEDUP_ALGOS and self.balancer is not None:
+            raise ValueError(f"a2a_algo={call.a2a_algo!r} does not run Pro-Prophet's copied experts; use "
+                             "a2a_algo='linear' with balance='pro-prophet'")
 
     def parallel_choices(self) -> list[int]:
         """The r this layer can run: 0 (data parallel) and the divisors of W / E (1 when E >= W)."""
@@ -284,7 +288,7 @@ class MoE(nn.Module):
 
     def _dedups(self, call: MoECall) -> bool:
         """Whether this call may run the deduplicating all-to-all: asked for, or a tuned candidate."""
-        return (call.a2a_algo == "dedup" or self._offers_dedup(call)) and call.communicate and self.ep_size > 1
+        return (call.a2a_algo in DEDUP_ALGOS or self._offers_dedup(call)) and call.communicate and self.ep_size > 1
 
     def _offers_comet(self, call: MoECall) -> bool:
         """Whether a tuned call of this layer times Comet's exchange as a candidate (`offers_comet`,
@@ -400,7 +404,7 @@ class MoE(nn.Module):
         fused = self.gate != "expert_choice" and use_triton(call.kernels, tokens_TD)  # token choice: k slots a token
 
         def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
-            if setting.a2a_algo == "dedup" and self._dedups(call):
+            if setting.a2a_algo in DEDUP_ALGOS and self._dedups(call):  # padded: "dedup-fixed" is "dedup"
                 return dedup.padded(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
                                     same_tokens=call.capacity_factor > 0, local_first=setting.overlap_degree == 2)
             with stage("dispatch"):
@@ -425,6 +429,8 @@ class MoE(nn.Module):
                   out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
+        if call.a2a_algo == "dedup-fixed" and call.communicate:  # fixed-size exchanges: nothing read on the host
+            return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
@@ -466,7 +472,8 @@ class MoE(nn.Module):
         count, the same count). Otherwise the all-to-alls would mismatch: wrong results, or a
         failure deep inside the collective library. One small all-gather; ValueError on every
         rank naming the first field that differs."""
-        fixed_size = self.gate == "expert_choice" or (call.capacity_factor is not None and call.capacity_factor > 0)
+        fixed_size = (self.gate == "expert_choice" or (call.capacity_factor is not None and call.capacity_factor > 0)
+                      or (call.a2a_algo == "dedup-fixed" and call.dropless))
         fields = {
             "dim": self.dim, "hidden_dim": self.hidden_dim, "num_experts": self.num_experts, "top_k": call.top_k,
             "gate": self.gate, "capacity_factor": call.capacity_factor, "activation": self.experts.activation,
@@ -474,7 +481,7 @@ class MoE(nn.Module):
             "routing_temperature": self.gate_rule.temperature, "expert dtype": str(self.experts.w1.dtype),
             "overlap_degree": call.overlap_degree,
             "a2a_algo": call.a2a_algo, "kernels": call.kernels,
-            "tokens per rank (padded capacity)": tokens_TD.shape[0] if fixed_size else None,
+            "tokens per rank (fixed-size all-to-all)": tokens_TD.shape[0] if fixed_size else None,
         }
         codes = [int.from_bytes(hashlib.sha256(repr(v).encode()).digest()[:7], "little") for v in fields.values()]
         mine = torch.tensor(codes, dtype=torch.int64, device=tokens_TD.device)
@@ -485,8 +492,8 @@ class MoE(nn.Module):
             differ = (table[:, i] != codes[i]).nonzero()
             if len(differ):
                 other = int(differ[0])
-                hint = (" (padded capacity sizes the all-to-all by the local token count: give every rank the same "
-                        "number of tokens, or use capacity_factor=None or <= 0)") if name.startswith("tokens") else ""
+                hint = (" (padded capacity and dropless 'dedup-fixed' size the all-to-all by the local token count: "
+                        "give every rank the same number of tokens)") if name.startswith("tokens") else ""
                 raise ValueError(f"MoE layer differs across the expert-parallel group: {name} is {fields[name]!r} "
                                  f"here (group rank {group_rank(self.group)}) but not on group rank {other}{hint}")
         self._ranks_agree = True

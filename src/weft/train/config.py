@@ -27,7 +27,7 @@ CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
-TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "auto")
+TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "dedup-fixed", "auto")
 
 
 @dataclass
@@ -64,8 +64,9 @@ class TrainConfig:
     # the MoE layers' all-to-all: "linear" (a row per routed slot), "dedup" (a row per token and
     # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes),
     # "dedup-d2" (dedup with each rank's own pairs computed while the others' rows travel in;
-    # padded capacity) or "auto" (the fastest, timed as CUDA graphs where the step is graphed,
-    # else linear or dedup by each layer's tuning dictionary)
+    # padded capacity), "dedup-fixed" (dedup; dropless layers in fixed-size exchanges, nothing read
+    # on the host, so the step graphs) or "auto" (the fastest, timed as CUDA graphs where the step
+    # is graphed, else linear or dedup by each layer's tuning dictionary)
     a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"

@@ -49,16 +49,19 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
     GPUs: docs/tp.md). `--a2a-algo auto` is captured with the all-to-all whose graph replays
-    fastest (linear or dedup)."""
+    fastest (linear or dedup). Dropless layers with `--a2a-algo dedup-fixed` read nothing on the
+    host and are captured too."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
     if overlap == "lancet":
         return "--overlap lancet schedules its backward on the host"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
-        if moe.gate != "expert_choice" and (cf is None or cf <= 0):
+        fixed = cf is None and moe.a2a_algo == "dedup-fixed"  # dropless in fixed-size exchanges
+        if moe.gate != "expert_choice" and (cf is None or cf <= 0) and not fixed:
             return (f"MoE layer {i} runs capacity_factor={cf} ({'dropless' if cf is None else 'no-drop'}): its "
-                    "sizes are read on the host every step")
+                    "sizes are read on the host every step" + (" (--a2a-algo dedup-fixed reads none)" if cf is None
+                                                                else ""))
     return None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from weft.moe.config import MoECall, parallel_choices
+from weft.moe.config import DEDUP_ALGOS, MoECall, parallel_choices
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext
 from weft.moe.exchange.comet import Comet
@@ -39,7 +39,7 @@ def plain_algo(setting: Setting) -> Setting:
     """`setting` for an exchange of dispatched rows: the deduplicating all-to-all's setting runs
     the linear one there (a call that cannot deduplicate: one rank, or not communicating, where
     nothing crosses a rank)."""
-    return dataclasses.replace(setting, a2a_algo="linear") if setting.a2a_algo == "dedup" else setting
+    return dataclasses.replace(setting, a2a_algo="linear") if setting.a2a_algo in DEDUP_ALGOS else setting
 
 
 def untuned_setting(call: MoECall) -> Setting:
