@@ -180,6 +180,10 @@ class Experts(nn.Module):
                 h1 = torch._grouped_mm(x, w1, offs=offs_E)
                 h3 = torch._grouped_mm(x, w3, offs=offs_E) if w3 is not None else None
                 return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"a CUDA graph of fixed-size dropless experts needs torch._grouped_mm (bfloat16 on "
+                                 f"sm90+, 8-aligned widths); these run {x.dtype} on {x.device}, which reads the "
+                                 "counts on the host")
             ends = offs_E.tolist()
             counts = [b - a for a, b in zip([0] + ends, ends)]
             out = self._forward_grouped(x[:ends[-1]], counts, None)

@@ -1,0 +1,43 @@
+"""`Experts.forward_offsets`: dropless rows grouped by expert in a buffer of fixed size, the
+groups' ends on the device (`a2a_algo="dedup-fixed"`). On the CPU the reference reads the ends;
+its groups must compute what `forward_grouped` computes on the same rows, the padding rows
+none of the gradients."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weft.moe.experts import Experts
+
+LOCAL, DIM, HIDDEN = 3, 8, 12
+COUNTS, PADDING = [4, 0, 5], 6
+
+
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_the_groups_compute_as_forward_grouped_and_the_padding_adds_nothing(activation):
+    torch.manual_seed(0)
+    experts = Experts(DIM, HIDDEN, LOCAL, activation=activation, dtype=torch.float64)
+    rows = sum(COUNTS)
+    x = torch.randn(rows + PADDING, DIM, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(rows + PADDING, DIM, dtype=torch.float64)
+    params = list(experts.parameters())
+    ends = torch.tensor(COUNTS, dtype=torch.int32).cumsum(0).to(torch.int32)
+    y = experts.forward_offsets(x, ends)
+    got = torch.autograd.grad(y, [x, *params], dy)
+    want_y = experts.forward_grouped(x[:rows], COUNTS)
+    want = torch.autograd.grad(want_y, [x, *params], dy[:rows])
+    assert y.shape == x.shape and torch.equal(y[:rows], want_y)
+    assert torch.equal(y[rows:], torch.zeros(PADDING, DIM, dtype=torch.float64))
+    assert torch.equal(got[0][rows:], torch.zeros(PADDING, DIM, dtype=torch.float64))  # the padding's gradient
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-12, atol=1e-12)
+
+
+def test_a_graph_capture_of_the_read_path_is_refused_in_one_line(monkeypatch):
+    """Where grouped GEMM cannot run (fp32, the CPU, an old GPU) the ends are read on the host,
+    which a CUDA graph cannot capture: said in one line, not a CUDA error."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    experts = Experts(DIM, HIDDEN, LOCAL, dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs torch._grouped_mm"):
+        experts.forward_offsets(torch.randn(10, DIM), torch.tensor([2, 4, 9], dtype=torch.int32))
