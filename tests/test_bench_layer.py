@@ -244,3 +244,10 @@ def graphed_auto_worker() -> list[str]:
 def test_auto_as_graphs_captures_the_candidate_whose_graph_is_fastest():
     failures = run_checks(graphed_auto_worker, 2, timeout=300)
     assert not failures, "\n".join(failures)
+
+
+def test_dropless_graphs_only_for_the_fixed_size_exchange():
+    """A CUDA graph of a dropless call needs one that reads nothing on the host: `dedup-fixed`."""
+    LayerBenchConfig("tiny", 16, capacity=(None,), modes=("plain", "dedup-fixed+graph")).validate()
+    with pytest.raises(ValueError, match="a CUDA graph needs static shapes.*dedup-fixed graphs dropless"):
+        LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph")).validate()
