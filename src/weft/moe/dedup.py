@@ -321,12 +321,14 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
     layout of DeepEP's low-latency kernels: buffers sized for the most a rank can receive):
 
     - a token needs a rank at most once, so each source sends each rank a block of T rows (its
-      pairs for that rank first, zeros after) and T * K records (each kept slot's local expert and
-      gate at `pair * K + j`, -1 after): the all-to-alls have equal splits, known without counts;
-    - the experts' rank sorts the W * T * K received records by local expert on the device
-      (stable, padding last), gathers their rows into a buffer of W * T * K rows and computes them
-      by grouped GEMM with the groups' ends on the device (`Experts.forward_offsets`: the padding
-      rows are not computed), then sums each pair's outputs with their gates as `dropless` does;
+      pairs for that rank first, zeros after) and T * K records (each kept slot's local expert,
+      its position there and its gate at `pair * K + j`, -1 after): the all-to-alls have equal
+      splits, known without counts;
+    - the experts' rank sorts the W * T * K received records on the device by local expert, then
+      source, then position (the plain layer's order of rows; padding last), gathers their rows
+      into a buffer of W * T * K rows and computes them by grouped GEMM with the groups' ends on
+      the device (`Experts.forward_offsets`: the padding rows are not computed), then sums each
+      pair's outputs with their gates as `dropless` does;
     - the pair sums return by the same fixed exchange and each token sums its ranks' rows.
 
     Same function as `dropless` (same routing, nothing dropped, the same sums in the same order).
@@ -341,21 +343,26 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
         K, size = pairs.K, W * T * pairs.K
         send_rows = pairs.send_rows(T * torch.arange(W, device=device), W * T)
         sent_PD = gather_slots(tokens_TD, send_rows, fused)
-        # each kept slot's local expert and gate in its rank's block of T * K records, at pair * K + j
+        # each kept slot's record in its rank's block of T * K, at pair * K + j: its local expert and
+        # its position there (below T: a token takes an expert once), `expert * T + position`
         slot_S = pairs.records(0)
         at_S = torch.where(slot_S >= 0, pairs.rank_TK.view(-1).clamp(max=W - 1) * (T * K) + slot_S, -1)
-        expert_R = scatter_slots(routing.experts_S % El, at_S, size, fill=-1)
+        code_R = scatter_slots((routing.experts_S % El) * T + routing.positions_S, at_S, size, fill=-1)
         gate_R = scatter_slots(routing.gates_S, at_S, size)
     with stage("exchange"):
         with stage("all_to_all"):
             received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * T
-            expert_R, gate_R = exchange_records(expert_R, gate_R, group, El)
-        # record i (source s = i // (T * K)) is slot i of the received rows: pair i // K, row s * T + ...
-        key_R = torch.where(expert_R >= 0, expert_R, El)
-        order_R = torch.argsort(key_R, stable=True)
-        counts_E = torch.zeros(El + 1, dtype=torch.long, device=device).scatter_add_(0, key_R, torch.ones_like(key_R))
+            code_R, gate_R = exchange_records(code_R, gate_R, group, El * T)
+        # record i (source i // (T * K)) is slot i of the received rows (pair i // K). The experts take
+        # them by local expert, then source, then position: the plain layer's order of rows (the same
+        # rounding in the weight gradients' sums); the padding last.
+        expert_R = torch.where(code_R >= 0, code_R // T, El)
+        source_R = torch.arange(size, device=device) // (T * K)
+        order_R = torch.argsort((expert_R * W + source_R) * T + code_R % T, stable=True)
+        counts_E = torch.zeros(El + 1, dtype=torch.long, device=device).scatter_add_(0, expert_R,
+                                                                                    torch.ones_like(expert_R))
         offs_E = torch.cumsum(counts_E[:El], 0).to(torch.int32)
-        slot_R = torch.where(key_R.index_select(0, order_R) < El, order_R, -1)
+        slot_R = torch.where(expert_R.index_select(0, order_R) < El, order_R, -1)
         partial_PD = experts_on_pairs(received_PD, slot_R, gate_R.index_select(0, order_R), W * T, K,
                                       lambda rows_RD: experts.forward_offsets(rows_RD, offs_E), fused)
         with stage("all_to_all"):
