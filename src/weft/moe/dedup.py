@@ -341,12 +341,12 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
     with stage("dispatch"):
         pairs = Pairs.of(routing, T, top_k, El, W)
         K, size = pairs.K, W * T * pairs.K
-        send_rows = pairs.send_rows(T * torch.arange(W, device=device), W * T)
+        start_W = T * torch.arange(W, device=device)  # rank r's block of T rows (and T * K records)
+        send_rows = pairs.send_rows(start_W, W * T)
         sent_PD = gather_slots(tokens_TD, send_rows, fused)
-        # each kept slot's record in its rank's block of T * K, at pair * K + j: its local expert and
-        # its position there (below T: a token takes an expert once), `expert * T + position`
-        slot_S = pairs.records(0)
-        at_S = torch.where(slot_S >= 0, pairs.rank_TK.view(-1).clamp(max=W - 1) * (T * K) + slot_S, -1)
+        # each kept slot's record at pair * K + j of its rank's block: its local expert and its
+        # position there (below T: a token takes an expert once), `expert * T + position`
+        at_S = pairs.records(start_W)
         code_R = scatter_slots((routing.experts_S % El) * T + routing.positions_S, at_S, size, fill=-1)
         gate_R = scatter_slots(routing.gates_S, at_S, size)
     with stage("exchange"):

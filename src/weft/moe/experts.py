@@ -160,11 +160,16 @@ class Experts(nn.Module):
             h3 = mm(x, w3) if w3 is not None else None
             return mm(self._hidden(mm(x, w1), h3), w2)
         if use_grouped_mm(x, w1, w2):
-            offs = offsets(counts, x.device)
-            h1 = torch._grouped_mm(x, w1, offs=offs)
-            h3 = torch._grouped_mm(x, w3, offs=offs) if w3 is not None else None
-            return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs)
+            return self._grouped_gemms(x, offsets(counts, x.device), (w1, w2, w3))
         return grouped_mm_reference(x, counts, self, (w1, w2, w3))
+
+    def _grouped_gemms(self, x: torch.Tensor, offs_E: torch.Tensor, weights: tuple) -> torch.Tensor:
+        """The experts on rows grouped by expert, ending at `offs_E` (int32, on the device), by
+        torch._grouped_mm (rows past the last end are left unwritten)."""
+        w1, w2, w3 = weights
+        h1 = torch._grouped_mm(x, w1, offs=offs_E)
+        h3 = torch._grouped_mm(x, w3, offs=offs_E) if w3 is not None else None
+        return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
 
     def forward_offsets(self, x: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
         """Dropless rows grouped by local expert in a buffer of fixed size, the groups' ends on the
@@ -177,9 +182,7 @@ class Experts(nn.Module):
             w1, w2, w3 = self.weights()
             x = x.to(self.compute_dtype(x))
             if self.wgrad_scheduler is None and use_grouped_mm(x, w1, w2):
-                h1 = torch._grouped_mm(x, w1, offs=offs_E)
-                h3 = torch._grouped_mm(x, w3, offs=offs_E) if w3 is not None else None
-                return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
+                return self._grouped_gemms(x, offs_E, (w1, w2, w3))
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise ValueError(f"a CUDA graph of fixed-size dropless experts needs torch._grouped_mm (bfloat16 on "
                                  f"sm90+, 8-aligned widths); these run {x.dtype} on {x.device}, which reads the "
