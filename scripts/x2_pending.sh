@@ -39,11 +39,11 @@
 #            NVLink (REGIMES to change it)
 #   deduptrain  qwen2-moe-2l training, batch 8, graphed, with --a2a-algo in ALGOS (default linear, dedup,
 #            dedup-d2, auto, then linear and dedup-d2 again), P2P disabled and NVLink (one regime per call)
-#   fixed    dropless dedup in fixed-size exchanges (a2a_algo="dedup-fixed"; issues: Overlap that pays,
-#            Hardware speed): its GPU test, the dropless layer (plain / dedup / dedup-fixed, eager and as a
-#            CUDA graph / no-comm) for qwen2, phi35 and mixtral, and qwen2-moe-2l dropless training (batch 8,
-#            --a2a-algo in FIXED_ALGOS: default linear, dedup, dedup-fixed, then linear and dedup-fixed again),
-#            P2P disabled and NVLink (REGIMES; one regime per call fits)
+#   fixed    dropless dedup in fixed-size exchanges (a2a_algo="dedup-fixed") and auto's choice of it (issues:
+#            Overlap that pays, Hardware speed): their GPU tests, the dropless layer (FIXED_MODES, default plain /
+#            auto eager / auto+graph, the faster of the two / dedup-fixed+graph / no-comm) for qwen2, phi35 and
+#            mixtral, and qwen2-moe-2l dropless training (batch 8, --a2a-algo in FIXED_ALGOS: default auto, which
+#            says what it measured, then dedup), P2P disabled and NVLink (REGIMES; one regime per call fits)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
@@ -224,20 +224,21 @@ part_kernels() {
 }
 
 part_fixed() {
-  gpu_tests "$1" "fixed_size"
+  gpu_tests "$1" "fixed_size or dropless_auto or dropless_training_at_auto"
   printf '[model]\ncapacity_factor = "dropless"\n' > /tmp/weft_dropless.toml
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for config in qwen2 phi35 mixtral; do
       $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain,dedup,dedup-fixed,dedup-fixed+graph,no-comm,plain,dedup-fixed+graph --steps 20 --warmup 5 \
+        --modes ${FIXED_MODES:-plain,auto,auto+graph,dedup-fixed+graph,no-comm,plain,auto+graph} --steps 20 --warmup 5 \
         --json "$1/layer_${config}_$regime.json" > "$1/layer_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 9
     done
-    for algo in ${FIXED_ALGOS:-linear dedup dedup-fixed linear dedup-fixed}; do
+    for algo in ${FIXED_ALGOS:-auto dedup}; do
       echo "-- $regime dropless --a2a-algo $algo"
       RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
         TRAIN_ARGS="--config /tmp/weft_dropless.toml --a2a-algo $algo" bash scripts/train_mfu.sh | tail -n 1
+      grep -h "a2a_algo\|eager steps" "$1/$regime"/*.log | tail -n 1
     done
   done
   unset NCCL_P2P_DISABLE

@@ -246,8 +246,58 @@ def test_auto_as_graphs_captures_the_candidate_whose_graph_is_fastest():
     assert not failures, "\n".join(failures)
 
 
+def graphed_auto_dropless_worker(graph_wins: bool) -> list[str]:
+    """`auto+graph` on a dropless layer (`layer.graphed_auto_dropless`): auto's eager call against
+    dedup-fixed as a graph, timed here by stand-ins that run each step eagerly (a capture needs
+    CUDA); both compute the plain layer, and the forward returned runs the faster."""
+    rank = torch.distributed.get_rank()
+    checks = Checks(f"rank {rank}")
+    torch.manual_seed(0)
+    moe = MoE(16, 24, 8, top_k=4, capacity_factor=None, parallel="adaptive", a2a_algo="auto")
+    gen = torch.Generator().manual_seed(rank)
+    x, grad = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
+    y_plain = moe(x, **layer.MODES["plain"]).detach()
+    ran = []
+
+    def run(name, step, args):
+        y, x_grad = step(args[0].detach().requires_grad_(), args[1])
+        ran.append(name)
+        checks.expect(torch.allclose(y, y_plain, rtol=1e-5, atol=1e-6), f"{name}: not the plain output")
+        checks.expect(x_grad is not None, f"{name}: no input gradient")
+
+    def eager_timer(step, args):
+        run("auto", step, args)
+        return 1.0
+
+    def timer(step_of, candidates, args, grads_of):
+        for mode in candidates:
+            run(mode, step_of(mode), args)
+        return [0.5 if graph_wins else 2.0 for _ in candidates]
+
+    forward, graphed, candidates_ms = layer.graphed_auto_dropless(moe, x, grad, timer, eager_timer)
+    checks.expect(ran == ["auto", "dedup-fixed"] and graphed == graph_wins, f"ran {ran}, graphed {graphed}")
+    checks.expect(candidates_ms == {"auto (eager)": 1e3, "dedup-fixed (graph)": (0.5 if graph_wins else 2.0) * 1e3},
+                  f"times {candidates_ms}")
+    calls, real_forward = [], moe.forward
+
+    def recording(x, **overrides):
+        calls.append(overrides.get("a2a_algo"))
+        return real_forward(x, **overrides)
+
+    moe.forward = recording
+    checks.expect(torch.allclose(forward(x), y_plain, rtol=1e-5, atol=1e-6)
+                  and calls == ["dedup-fixed" if graph_wins else "auto"], f"the chosen forward ran {calls}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("graph_wins", [True, False])
+def test_auto_as_a_graph_on_a_dropless_layer_runs_the_faster_of_eager_auto_and_the_fixed_size_graph(graph_wins):
+    failures = run_checks(graphed_auto_dropless_worker, 2, args=(graph_wins,), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
 def test_dropless_graphs_only_for_the_fixed_size_exchange():
     """A CUDA graph of a dropless call needs one that reads nothing on the host: `dedup-fixed`."""
-    LayerBenchConfig("tiny", 16, capacity=(None,), modes=("plain", "dedup-fixed+graph")).validate()
-    with pytest.raises(ValueError, match="a CUDA graph needs static shapes.*dedup-fixed graphs dropless"):
+    LayerBenchConfig("tiny", 16, capacity=(None,), modes=("plain", "dedup-fixed+graph", "auto+graph")).validate()
+    with pytest.raises(ValueError, match="a CUDA graph needs static shapes.*dedup-fixed and auto graph dropless"):
         LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph")).validate()

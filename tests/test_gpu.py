@@ -303,27 +303,66 @@ def test_the_layer_benchmark_captures_auto_at_the_candidate_whose_graph_is_faste
 
 
 @needs_cuda
-@pytest.mark.parametrize("grad_accum", [1, 2])  # the graph owns the gradients / accumulates into them
-def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
-    """`weft train --cuda-graphs on` (every GPU) logs the losses of `--cuda-graphs off`, step by step."""
-    import json
+def test_the_layer_benchmark_runs_dropless_auto_as_the_faster_of_its_eager_call_and_the_fixed_size_graph(tmp_path):
+    """`weft bench layer --capacity dropless --modes plain,auto+graph` on every GPU: auto's eager
+    call (tuned) and dedup-fixed's graph both timed, the faster run, checked against plain."""
+    out = tmp_path / "auto.json"
+    cfg = layer.LayerBenchConfig("qwen2", 1024, capacity=(None,), modes=("plain", "auto+graph"), steps=3, warmup=1,
+                                 json=str(out), profile_steps=0)
+    run_distributed(layer.run, torch.cuda.device_count(), args=(cfg,), backend="nccl", timeout=600)
+    auto = {r["mode"]: r for r in json.loads(out.read_text())["results"]}["auto+graph"]
+    assert auto["median_ms"] > 0 and auto["max_abs_error"] < 3e-2, auto
+    times = auto["candidates_ms"]
+    assert list(times) == ["auto (eager)", "dedup-fixed (graph)"] and all(map(math.isfinite, times.values())), auto
+    assert auto["graphed"] == (times["dedup-fixed (graph)"] < times["auto (eager)"]), auto
+
+
+def train_tiny(tmp_path, name: str, *args: str) -> tuple[str, list[float]]:
+    """`weft train --preset tiny` for 8 steps of batch 8 on every GPU with `args`, run dir
+    tmp_path / name: its stdout and the losses it logged."""
     import os
     import subprocess
     import sys
 
+    out = tmp_path / name
+    done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", "8", "--batch-size",
+                           "8", "--device", "cuda", "--sample-tokens", "0", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "WEFT_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return done.stdout, [r["loss"] for r in rows if "loss" in r]
+
+
+@needs_cuda
+def test_dropless_training_at_auto_runs_the_faster_of_eager_and_the_fixed_size_graph_with_the_plain_losses(tmp_path):
+    """`weft train` of a dropless model with `--a2a-algo auto` (every GPU): `--cuda-graphs auto`
+    times the eager step (the layers' own tuning) against dedup-fixed as a CUDA graph and says what
+    it measured; `--cuda-graphs on` runs dedup-fixed as a graph; both log the losses of the linear
+    all-to-all run eagerly (to bf16 rounding: the first step's loss, from the same weights, to 2e-3;
+    the dropless steps' sums in another order drift the later ones by a few 1e-3 on H100s)."""
+    config = tmp_path / "dropless.toml"
+    config.write_text('[model]\ncapacity_factor = "dropless"\n')
+    losses, logs = {}, {}
+    for algo, graphs in (("auto", "auto"), ("auto", "on"), ("linear", "off")):
+        logs[graphs], losses[graphs] = train_tiny(tmp_path, f"{algo}-{graphs}", "--config", str(config),
+                                                  "--a2a-algo", algo, "--cuda-graphs", graphs)
+    assert "measured: eager with a2a_algo auto" in logs["auto"], logs["auto"]
+    assert ("replays as one CUDA graph" in logs["auto"]) == ("runs a2a_algo=dedup-fixed" in logs["auto"]), logs["auto"]
+    assert "runs a2a_algo=dedup-fixed" in logs["on"] and "replays as one CUDA graph" in logs["on"], logs["on"]
+    assert len(losses["on"]) == 8
+    for graphs in ("auto", "on"):
+        assert losses[graphs][0] == pytest.approx(losses["off"][0], abs=2e-3), losses
+        assert losses[graphs] == pytest.approx(losses["off"], abs=1e-2), losses
+
+
+@needs_cuda
+@pytest.mark.parametrize("grad_accum", [1, 2])  # the graph owns the gradients / accumulates into them
+def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
+    """`weft train --cuda-graphs on` (every GPU) logs the losses of `--cuda-graphs off`, step by step."""
     losses = {}
     for mode in ("on", "off"):
-        out = tmp_path / mode
-        done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", "8",
-                               "--batch-size", "8", "--grad-accum", str(grad_accum), "--device", "cuda",
-                               "--cuda-graphs", mode, "--sample-tokens", "0",
-                               "--out", str(out)],
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "WEFT_CACHE": str(tmp_path)})
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert ("replays as one CUDA graph" in done.stdout) == (mode == "on"), done.stdout
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[mode] = [r["loss"] for r in rows if "loss" in r]
+        stdout, losses[mode] = train_tiny(tmp_path, mode, "--grad-accum", str(grad_accum), "--cuda-graphs", mode)
+        assert ("replays as one CUDA graph" in stdout) == (mode == "on"), stdout
     assert len(losses["on"]) == 8
     assert losses["on"] == pytest.approx(losses["off"], abs=2e-3), losses
 
@@ -333,23 +372,9 @@ def test_tutel_training_replays_its_fastest_degree_as_cuda_graphs_with_the_plain
     """`weft train --overlap tutel --cuda-graphs on` (every GPU): each pipelining degree's step
     is timed as a CUDA graph, the fastest captured; the losses are those of `--overlap none` run
     eagerly (the chunked exchange computes the same function: to bf16 rounding)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     losses, logs = {}, {}
     for overlap, graphs in (("tutel", "on"), ("none", "off")):
-        out = tmp_path / overlap
-        done = subprocess.run([sys.executable, "-m", "weft", "train", "--preset", "tiny", "--steps", "8",
-                               "--batch-size", "8", "--device", "cuda", "--overlap", overlap,
-                               "--cuda-graphs", graphs, "--sample-tokens", "0", "--out", str(out)],
-                              capture_output=True, text=True, timeout=600,
-                              env={**os.environ, "WEFT_CACHE": str(tmp_path)})
-        assert done.returncode == 0, done.stderr[-2000:]
-        logs[overlap] = done.stdout
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        losses[overlap] = [r["loss"] for r in rows if "loss" in r]
+        logs[overlap], losses[overlap] = train_tiny(tmp_path, overlap, "--overlap", overlap, "--cuda-graphs", graphs)
     assert "measured as CUDA graphs" in logs["tutel"] and "replays as one CUDA graph" in logs["tutel"], logs["tutel"]
     assert len(losses["tutel"]) == 8
     assert losses["tutel"] == pytest.approx(losses["none"], abs=2e-3), losses

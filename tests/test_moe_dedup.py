@@ -409,6 +409,65 @@ def test_a_graphed_step_chooses_the_faster_all_to_all(fastest):
     assert not failures, "\n".join(failures)
 
 
+def fixed_size_choice_worker(graph_wins: bool) -> list[str]:
+    """`--a2a-algo auto` on a dropless model with CUDA graphs allowed (`choose_fixed_size`): the
+    eager step with the layers' own tuning against the step in fixed-size exchanges, timed here by
+    stand-ins that run each step eagerly (a replay runs its capture); both compute the same losses,
+    the faster is set on every layer, and only the fixed-size form passes `graph_blocker`. Then
+    `time_tuned_eager` for real: the layers' tuning decides first, the gradients are left None."""
+    from weft.models import GPT, GPTConfig
+    from weft.train.step import FIXED_SIZE_ALGO, choose_fixed_size, eager_micro_step, graph_blocker, time_tuned_eager
+
+    checks = Checks(f"rank {dist.get_rank()}")
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1, "top_k": 2, "capacity_factor": None}))
+    for moe in gpt.moe_layers():
+        moe.a2a_algo = "auto"  # what weft train sets for --a2a-algo auto
+    cuda = torch.device("cuda")  # graph_blocker reads the device type only
+    checks.expect("dropless" in (graph_blocker(gpt, cuda, "none") or ""), "a dropless step at auto graphs as it is")
+    checks.expect(graph_blocker(gpt, cuda, "none", fixed_size=True) is None, "dedup-fixed would not make it graph")
+    checks.expect(graph_blocker(gpt, cuda, "lancet", fixed_size=True) is not None, "Lancet's step graphs")
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
+    seen, losses = [], []
+
+    def run(step) -> None:
+        gpt.zero_grad(set_to_none=True)
+        losses.append(float(step(x, y)[0][0]))
+        seen.append({moe.a2a_algo for moe in gpt.moe_layers()})
+
+    def eager_timer(step) -> float:
+        run(step)
+        return 1.0
+
+    def graph_timer(step_of, candidates) -> list[float]:
+        for value in candidates:
+            run(step_of(value))
+        return [0.5 if graph_wins else 2.0 for _ in candidates]
+
+    graphed, eager_s, graph_s = choose_fixed_size(gpt, eager_micro_step(gpt, 1), eager_timer, graph_timer)
+    checks.expect((graphed, eager_s, graph_s) == (graph_wins, 1.0, 0.5 if graph_wins else 2.0),
+                  f"chose graph {graphed} at {eager_s} / {graph_s}")
+    checks.expect(seen == [{"auto"}, {FIXED_SIZE_ALGO}], f"the layers ran {seen}")
+    checks.expect(abs(losses[0] - losses[1]) < 1e-5, f"losses {losses}")
+    chosen = {moe.a2a_algo for moe in gpt.moe_layers()}
+    checks.expect(chosen == {FIXED_SIZE_ALGO if graph_wins else "auto"}, f"the layers run {chosen}")
+    checks.expect((graph_blocker(gpt, cuda, "none") is None) == graph_wins, "graph_blocker disagrees with the choice")
+    checks.expect(all(moe.last_routing is None for moe in gpt.moe_layers()), "a candidate's autograd graph kept")
+    if not graph_wins:
+        seconds = time_tuned_eager(gpt, eager_micro_step(gpt, 1), (x, y))
+        decided = [moe.tuning.chosen() for moe in gpt.moe_layers()]
+        checks.expect(seconds > 0 and all(decided), f"{seconds} s, the layers' tuning decided {decided}")
+        checks.expect(all(p.grad is None for p in gpt.parameters()), "gradients left behind")
+    return checks.failures
+
+
+@pytest.mark.parametrize("graph_wins", [True, False])
+def test_auto_on_a_dropless_model_keeps_the_faster_of_the_eager_step_and_the_fixed_size_graph(graph_wins):
+    failures = run_checks(fixed_size_choice_worker, 2, args=(graph_wins,), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
 def test_layer_benchmark_times_dedup_and_its_own_pairs_last(tmp_path):
     """`weft bench layer --modes plain,dedup,dedup-d2`: both checked against plain first (to float
     rounding) and timed; dropless has no dedup-d2 and says so in its row."""

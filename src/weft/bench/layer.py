@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,8 +39,9 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
+from weft.moe.config import FIXED_SIZE_ALGO
 from weft.overlap import measure_layer_cost_model, with_copy_overhead
-from weft.profiling import stage
+from weft.profiling import stage, time_candidates
 from weft.tune import Setting, run_until_tuned
 
 
@@ -118,7 +120,9 @@ PEER_MODES = ("torchtitan", "megatron")
 # tuning synchronises, so it cannot run inside a capture, and it would time launch costs a replay
 # does not pay).
 GRAPH_SUFFIX = "+graph"
-GRAPHS_DROPLESS = ("dedup-fixed",)  # the modes whose dropless calls read nothing on the host
+# the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed where that
+# is faster than its eager call (`graphed_auto_dropless`)
+GRAPHS_DROPLESS = ("dedup-fixed", "auto")
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -154,6 +158,44 @@ def graphed_auto(moe: MoE, x: torch.Tensor, grad: torch.Tensor,
     seconds = timer(step_of, settings, args=[x.detach().requires_grad_(), grad], grads_of=list(moe.parameters()))
     best = setting_overrides(settings[seconds.index(min(seconds))])
     return (lambda x: moe(x, **best)), {s.name: t * 1e3 for s, t in zip(settings, seconds)}
+
+
+def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: GraphTimer = time_graphed,
+                          eager_timer: Callable | None = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool,
+                                                                       dict[str, float]]:
+    """auto+graph on a dropless layer: auto's eager call (sizes read on the host, linear or dedup
+    tuned per call; `eager_timer(step, args)`, default `tuned_eager_seconds`) against dedup-fixed
+    (fixed-size exchanges, nothing read on the host) timed as a CUDA graph (`timer`); the faster
+    runs, as `weft train --a2a-algo auto` chooses (weft.train.step.choose_fixed_size). Returns its
+    forward, whether it is to be captured, and the milliseconds of both."""
+    def step_of(mode: str):
+        forward = mode_forward(mode, moe)
+
+        def step(x: torch.Tensor, grad: torch.Tensor):
+            moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
+            y = forward(x)
+            y.backward(grad)
+            return y.detach(), x.grad
+        return step
+
+    args = [x.detach().requires_grad_(), grad]
+    eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)
+    graph_s = timer(step_of, [FIXED_SIZE_ALGO], args=args, grads_of=list(moe.parameters()))[0]
+    moe.record(None)
+    graphed = graph_s < eager_s
+    times_ms = {"auto (eager)": eager_s * 1e3, f"{FIXED_SIZE_ALGO} (graph)": graph_s * 1e3}
+    return mode_forward(FIXED_SIZE_ALGO if graphed else "auto", moe), graphed, times_ms
+
+
+def tuned_eager_seconds(step: Callable, args: list[torch.Tensor], moe: MoE) -> float:
+    """Wall seconds of `step(*args)` once `moe`'s tuning has decided (`run_until_tuned`), the
+    slowest rank's median of 3 after one untimed; `moe`'s gradients and the input's left None."""
+    device = args[0].device
+    run_until_tuned(lambda i: step(*args), lambda: moe.tuning.measurements, device)
+    seconds = time_candidates(lambda _: step(*args), [None], device)[0]
+    moe.zero_grad(set_to_none=True)
+    args[0].grad = None
+    return seconds
 
 
 def base_mode(mode: str) -> str:
@@ -196,7 +238,8 @@ class LayerBenchConfig:
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
-                                 "CUDA graph; padded capacity, or dedup-fixed) (default plain,no-comm)", parse=names)
+                                 "CUDA graph; padded capacity, dedup-fixed, or auto: dropless, the faster of its eager "
+                                 "call and dedup-fixed as a graph) (default plain,no-comm)", parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
                                              "(default 1.0,dropless)", parse=capacity_list)
@@ -232,9 +275,9 @@ class LayerBenchConfig:
             if base_mode(mode) not in MODES:
                 raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes (not a peer or balance)")
             if None in self.capacity and base_mode(mode) not in GRAPHS_DROPLESS:
+                allowed = " and ".join(GRAPHS_DROPLESS)
                 raise ValueError(f"--modes {mode}: a CUDA graph needs static shapes; dropless capacity reads its "
-                                 f"counts on the host (drop 'dropless' from --capacity; {', '.join(GRAPHS_DROPLESS)} "
-                                 "graphs dropless)")
+                                 f"counts on the host (drop 'dropless' from --capacity; {allowed} graph dropless)")
         if self.baseline not in self.modes:
             raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
 
@@ -352,13 +395,20 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         try:
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
                                                          ctx.world_size, x0, copy_overhead)
-            if is_graphed(mode) and base_mode(mode) == "auto":
+            graphed = is_graphed(mode)
+            if graphed and base_mode(mode) == "auto" and cf is None:
+                _need_cuda(device)
+                forward, graphed, row["candidates_ms"] = graphed_auto_dropless(moe, x0, grads[0])
+                row["tuned"] = [min(row["candidates_ms"], key=row["candidates_ms"].get)]
+                description = f"weft auto: {row['tuned'][0]}, the faster of its eager call and a graph"
+            elif graphed and base_mode(mode) == "auto":
                 _need_cuda(device)
                 forward, row["candidates_ms"] = graphed_auto(moe, x0, grads[0])
                 row["tuned"] = [min(row["candidates_ms"], key=row["candidates_ms"].get)]
                 description = f"weft auto: {row['tuned'][0]}, the fastest of its candidates as CUDA graphs"
+            row["graphed"] = graphed
             fwd_bwd = _eager(forward)
-            if is_graphed(mode):
+            if graphed:
                 moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
                 fwd_bwd, row["peak_mib"] = _graphed(forward, params, x0, grads[0], device)
                 description += " as one CUDA graph"
@@ -374,7 +424,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             if plan is not None:
                 row.update(predicted_ms=plan.predicted_s * 1e3, plain_predicted_ms=plan.plain_s * 1e3,
                            cost_model=dataclasses.asdict(forward.balancer.model))
-        if not is_graphed(mode):  # a graph keeps its gradient tensors (each replay overwrites them)
+        if not graphed:  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)
     timed = [row for row in rows if row["mode"] in built]
@@ -382,8 +432,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     for row in timed:
         fwd_bwd, params = built[row["mode"]]
         switch = lambda: None  # noqa: E731  (modes are per-call settings: nothing to switch)
-        step = _step_fn(fwd_bwd, params, inputs, grads, _optimizer(optimizer, params), is_graphed(row["mode"]))
-        if row["mode"] == "auto":  # tuning calls synchronise and try slow settings: keep them out of the timing
+        step = _step_fn(fwd_bwd, params, inputs, grads, _optimizer(optimizer, params), row["graphed"])
+        if base_mode(row["mode"]) == "auto" and not row["graphed"]:
+            # tuning calls synchronise and try slow settings: keep them out of the timing
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
             row["tuned"] = moe.tuning.chosen()
         runs.append(Run(switch, step))
@@ -392,7 +443,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
     for row, run in zip(timed, runs):
-        if not is_graphed(row["mode"]):
+        if not row["graphed"]:
             row["peak_mib"] = _peak_mib(run, device)
         runs_comet = base_mode(row["mode"]) == "comet" or any(t.endswith("-comet") for t in row.get("tuned", []))
         if runs_comet and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
@@ -552,7 +603,7 @@ def print_table(report: dict) -> None:
         comm, exposed, hidden = comm_cells(r)
         tuned = f"  chose {', '.join(r['tuned'])}" if r.get("tuned") else ""
         if r.get("candidates_ms"):
-            tuned += " (" + ", ".join(f"{name} {ms:.2f}" for name, ms in r["candidates_ms"].items()) + " ms as graphs)"
+            tuned += " (" + ", ".join(f"{name} {ms:.2f}" for name, ms in r["candidates_ms"].items()) + " ms)"
         if r.get("copied_experts") is not None:
             tuned += f"  copied experts {r['copied_experts']} in the checked call"
         if r.get("comet_copy_programs"):

@@ -15,8 +15,10 @@ import torch
 
 from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
+from weft.moe.config import FIXED_SIZE_ALGO
 from weft.precision import training_autocast
-from weft.tune.dictionary import DEGREES
+from weft.profiling import time_candidates
+from weft.tune.dictionary import DEGREES, run_until_tuned
 
 # (x, y) -> (losses (4,): total, ce, aux, dropped slots; expert counts (layers, E))
 MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -41,7 +43,7 @@ def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tens
     return step
 
 
-def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
+def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bool = False) -> str | None:
     """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
     no host synchronisation, so padded capacity (cf > 0) or expert choice, and not Lancet (its
     backward schedules weight gradients from the host as all-to-alls complete). Tutel's pipelining
@@ -50,19 +52,55 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
     GPUs: docs/tp.md). `--a2a-algo auto` is captured with the all-to-all whose graph replays
     fastest (linear or dedup). Dropless layers with `--a2a-algo dedup-fixed` read nothing on the
-    host and are captured too."""
+    host and are captured too; `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
+    would time dedup (`MoE.tunes_dedup`) ran dedup-fixed, which that setting may choose
+    (`choose_fixed_size`)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
     if overlap == "lancet":
         return "--overlap lancet schedules its backward on the host"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
-        fixed = cf is None and moe.a2a_algo == "dedup-fixed"  # dropless in fixed-size exchanges
+        fixed = cf is None and (moe.a2a_algo == FIXED_SIZE_ALGO  # dropless in fixed-size exchanges
+                                or fixed_size and moe.a2a_algo == "auto" and moe.tunes_dedup())
         if moe.gate != "expert_choice" and (cf is None or cf <= 0) and not fixed:
             return (f"MoE layer {i} runs capacity_factor={cf} ({'dropless' if cf is None else 'no-drop'}): its "
                     "sizes are read on the host every step" + (" (--a2a-algo dedup-fixed reads none)" if cf is None
                                                                 else ""))
     return None
+
+
+def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[MicroStep], float],
+                      graph_timer: StepTimer) -> tuple[bool, float, float]:
+    """`--a2a-algo auto` on dropless MoE layers with CUDA graphs allowed: the two ways the step can
+    run, each timed as it would run, and the faster kept. Eagerly, the layers read their sizes on
+    the host and tune linear against dedup per call (`eager_timer(eager)`: once that tuning has
+    decided); in fixed-size exchanges (dedup-fixed) the step is one CUDA graph
+    (`graph_timer(step_of, [FIXED_SIZE_ALGO])`, e.g. `weft.graphs.time_graphed`), with no launch cost
+    but exchanges sized for the worst case (T rows, T * k records per rank pair). Neither wins
+    everywhere: the graph halves a qwen2-like layer's step, while a qwen2-moe-2l step of 8 x 4096
+    tokens per GPU ran faster eagerly (docs/benchmarks.md). Both compute the plain layer's
+    function. Sets every layer's a2a_algo to the winner (FIXED_SIZE_ALGO, or back to "auto", whose
+    tuning is kept); returns (graph chosen, eager seconds, graph seconds)."""
+    eager_s = eager_timer(eager)
+    graph_s = graph_timer(with_layers_at(model, eager, "a2a_algo"), [FIXED_SIZE_ALGO])[0]
+    graphed = graph_s < eager_s
+    set_layers(model, "a2a_algo", FIXED_SIZE_ALGO if graphed else "auto")
+    for moe in model.moe_layers():
+        moe.record(None)  # the last candidate's routing losses: see `with_layers_at`
+    return graphed, eager_s, graph_s
+
+
+def time_tuned_eager(model: GPT, step: MicroStep, example: tuple[torch.Tensor, torch.Tensor]) -> float:
+    """Wall seconds of the eager micro-step on `example` once the MoE layers' own tuning has decided
+    (`run_until_tuned`: its measuring calls synchronise and try slow settings), the slowest rank's
+    median of 3 after one untimed; leaves every `.grad` None, as it found them."""
+    device = example[0].device
+    dictionaries = list({id(moe.tuning): moe.tuning for moe in model.moe_layers()}.values())
+    run_until_tuned(lambda i: step(*example), lambda: sum(d.measurements for d in dictionaries), device)
+    seconds = time_candidates(lambda _: step(*example), [None], device)[0]
+    model.zero_grad(set_to_none=True)
+    return seconds
 
 
 StepTimer = Callable[[Callable[[int], MicroStep], Sequence[int]], list[float]]  # (step_of, candidates) -> seconds
@@ -157,7 +195,23 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     eager = eager_micro_step(model, grad_accum, backward)
     if mode == "off":
         return MicroSteps(eager)
-    blocker = graph_blocker(model, example[0].device, overlap)
+    device = example[0].device
+    blocker = graph_blocker(model, device, overlap)
+    if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
+        if mode == "on":  # a graph asked for: the dropless layers' only graphable exchange
+            set_layers(model, "a2a_algo", FIXED_SIZE_ALGO)
+            log(f"weft train: every MoE layer runs a2a_algo={FIXED_SIZE_ALGO} (dropless; --cuda-graphs on)")
+        else:
+            graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
+            graphed, eager_s, graph_s = choose_fixed_size(
+                model, eager, lambda step: time_tuned_eager(model, step, example), graph_timer)
+            measured = (f"eager with a2a_algo auto {eager_s * 1e3:.1f} ms, {FIXED_SIZE_ALGO} as a CUDA graph "
+                        f"{graph_s * 1e3:.1f} ms")
+            if not graphed:
+                log(f"weft train: eager steps, MoE layers at a2a_algo auto (dropless; measured: {measured})")
+                return MicroSteps(eager)
+            log(f"weft train: every MoE layer runs a2a_algo={FIXED_SIZE_ALGO} (dropless; measured: {measured})")
+        blocker = graph_blocker(model, device, overlap)
     if blocker is None:
         accumulate = grad_accum > 1
         try:
@@ -182,6 +236,6 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
             blocker = str(e)
     if mode == "on":
         raise CaptureError(f"--cuda-graphs on: {blocker}")
-    if example[0].device.type == "cuda":
+    if device.type == "cuda":
         log(f"weft train: eager steps (no CUDA graph: {blocker})")
     return MicroSteps(eager)
