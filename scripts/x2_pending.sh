@@ -41,8 +41,8 @@
 #            dedup-d2, auto, then linear and dedup-d2 again), P2P disabled and NVLink (one regime per call)
 #   fixed    dropless dedup in fixed-size exchanges (a2a_algo="dedup-fixed") and auto's choice of it (issues:
 #            Overlap that pays, Hardware speed): their GPU tests, the dropless layer (FIXED_MODES, default plain /
-#            auto eager / auto+graph, the faster of the two / dedup-fixed+graph / no-comm) for qwen2, phi35 and
-#            mixtral, and qwen2-moe-2l dropless training (batch 8, --a2a-algo in FIXED_ALGOS: default auto, which
+#            auto+graph, the faster of auto's eager call and dedup-fixed as a graph / dedup-fixed+graph and its
+#            pipelined d2 and d4 graphs) for qwen2, phi35 and mixtral, and qwen2-moe-2l dropless training (batch 8, --a2a-algo in FIXED_ALGOS: default auto, which
 #            says what it measured, then dedup), P2P disabled and NVLink (REGIMES; one regime per call fits)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
@@ -224,13 +224,14 @@ part_kernels() {
 }
 
 part_fixed() {
-  gpu_tests "$1" "fixed_size or dropless_auto or dropless_training_at_auto"
+  gpu_tests "$1" "fixed_size or dropless_auto or dropless_training_at_auto or pipelined_dropless"
   printf '[model]\ncapacity_factor = "dropless"\n' > /tmp/weft_dropless.toml
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for config in qwen2 phi35 mixtral; do
       $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes ${FIXED_MODES:-plain,auto,auto+graph,dedup-fixed+graph,no-comm,plain,auto+graph} --steps 20 --warmup 5 \
+        --modes ${FIXED_MODES:-plain,auto+graph,dedup-fixed+graph,dedup-fixed-d2+graph,dedup-fixed-d4+graph,plain,auto+graph} \
+        --steps 20 --warmup 5 \
         --json "$1/layer_${config}_$regime.json" > "$1/layer_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 9
     done

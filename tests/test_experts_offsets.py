@@ -41,3 +41,41 @@ def test_a_graph_capture_of_the_read_path_is_refused_in_one_line(monkeypatch):
     experts = Experts(DIM, HIDDEN, LOCAL, dtype=torch.float32)
     with pytest.raises(ValueError, match="needs torch._grouped_mm"):
         experts.forward_offsets(torch.randn(10, DIM), torch.tensor([2, 4, 9], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("activation", ["relu", "swiglu"])
+def test_calls_sharing_grouped_weight_grad_parts_compute_each_weight_gradient_once(activation, monkeypatch):
+    """`forward_offsets_part`: three calls on buffers of their own (their own ends and padding) that
+    share `GroupedWeightGradParts` give the gradients of three `forward_offsets` calls, autograd
+    summing their weight gradients; the parts compute each weight's gradient in one grouped
+    product over every call's rows (one product per weight, its groups' ends those of all the
+    calls' rows together)."""
+    import weft.moe.experts as experts_module
+
+    torch.manual_seed(0)
+    experts = Experts(DIM, HIDDEN, LOCAL, activation=activation, dtype=torch.float64)
+    params = list(experts.parameters())
+    calls = [([4, 0, 5], 6), ([0, 3, 1], 2), ([2, 2, 2], 0)]
+    xs = [torch.randn(sum(c) + pad, DIM, dtype=torch.float64, requires_grad=True) for c, pad in calls]
+    dys = [torch.randn(x.shape, dtype=torch.float64) for x in xs]
+    ends = [torch.tensor(c).cumsum(0).to(torch.int32) for c, _ in calls]
+    want_y = [experts.forward_offsets(x, e) for x, e in zip(xs, ends)]
+    want = torch.autograd.grad(want_y, [*xs, *params], dys)
+    products, real = [], experts_module.grouped_weights_mm
+
+    def counted(x_MK, dy_MN, offs_G):
+        products.append(offs_G.clone())
+        return real(x_MK, dy_MN, offs_G)
+
+    monkeypatch.setattr(experts_module, "grouped_weights_mm", counted)
+    parts = experts_module.GroupedWeightGradParts(experts, len(calls), torch.float64)
+    got_y = [experts.forward_offsets_part(x, e, parts) for x, e in zip(xs, ends)]
+    got = torch.autograd.grad(got_y, [*xs, *params], dys)
+    for (counts, _), y, w in zip(calls, got_y, want_y):
+        assert torch.allclose(y[:sum(counts)], w[:sum(counts)], rtol=1e-12, atol=1e-12)
+    for i, (g, w) in enumerate(zip(got, want)):
+        rows = sum(calls[i][0]) if i < len(calls) else None
+        assert torch.allclose(g[:rows], w[:rows], rtol=1e-10, atol=1e-10), i
+    total = [sum(c[e] for c, _ in calls) for e in range(LOCAL)]
+    assert len(products) == len(params)  # one product per weight, over every call's rows
+    assert all(p.tolist() == torch.tensor(total).cumsum(0).tolist() for p in products)

@@ -267,6 +267,22 @@ def test_dropless_dedup_in_fixed_size_exchanges_on_nccl_matches_the_reference_an
 
 
 @needs_cuda
+def test_pipelined_dropless_dedup_in_fixed_size_exchanges_on_nccl_matches_the_reference_and_replays_as_a_graph():
+    """a2a_algo="dedup-fixed" at overlap_degree 2 and 3 on every GPU: the chunks' exchanges
+    launched asynchronously, one grouped weight-gradient product (torch._grouped_mm over x^T)
+    per weight; the dense reference (topk, dropless, k 1/2/4, every activation, bf16) and the
+    dropless step captured as one CUDA graph, equal to the eager step."""
+    world = torch.cuda.device_count()
+    flat = []
+    for degree in (2, 3):
+        flat += run_checks(equivalence_worker, world,
+                           args=("topk", (torch.bfloat16,), "cuda", "auto", ACTIVATIONS, "dedup-fixed", degree),
+                           backend="nccl", timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup-fixed", 2, None), backend="nccl",
+                       timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+@needs_cuda
 def test_dedup_exchange_on_nccl_matches_the_reference_replays_as_a_graph_and_is_bitwise_reproducible():
     """a2a_algo="dedup" on every GPU: the dense reference (topk, every capacity mode, k 1/2/4, every
     activation, bf16), a CUDA graph of its padded step equal to the eager one, two runs bitwise equal;

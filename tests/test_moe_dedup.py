@@ -234,6 +234,56 @@ def test_dedup_computes_its_own_pairs_while_the_others_rows_travel():
     assert not failures, "\n".join(failures)
 
 
+def pipelined_fixed_order_worker() -> list[str]:
+    """dedup-fixed at degree 2 on a dropless call pipelines as it says: forward, both chunks' rows
+    are launched before any expert work, each chunk's sums go back before the next chunk computes;
+    backward, both returned gradients are launched first, then chunk 1's experts (its weight
+    gradients kept), the launch of its rows' gradient, then chunk 0's experts under it, whose
+    backward computes each weight's gradient once for both chunks (relu: w2, then w1)."""
+    from weft.moe import experts as experts_module
+
+    rank = dist.get_rank()
+    checks = Checks(f"rank {rank}")
+    events, real_launch = [], async_all_to_all._launch
+    real_on, real_grad = dedup._FixedChunk.experts_on, experts_module.GroupedWeightGradParts.weight_grad
+
+    def launch(x, group, out_splits, in_splits):
+        events.append("launch")
+        return real_launch(x, group, out_splits, in_splits)
+
+    def experts_on(self, *args):
+        events.append("experts")
+        return real_on(self, *args)
+
+    def weight_grad(self, *args):
+        grad = real_grad(self, *args)
+        events.append("kept" if grad is None else "weight grad")
+        return grad
+
+    async_all_to_all._launch, dedup._FixedChunk.experts_on = launch, experts_on
+    experts_module.GroupedWeightGradParts.weight_grad = weight_grad
+    try:
+        torch.manual_seed(0)
+        moe = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree=2)
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+        y = moe(x)
+        forward = list(events)
+        y.square().sum().backward()
+    finally:
+        async_all_to_all._launch, dedup._FixedChunk.experts_on = real_launch, real_on
+        experts_module.GroupedWeightGradParts.weight_grad = real_grad
+    checks.expect(forward == ["launch", "launch", "experts", "launch", "experts", "launch"], f"forward {forward}")
+    backward = events[len(forward):]
+    expected = ["launch", "launch", "kept", "kept", "launch", "weight grad", "weight grad", "launch"]
+    checks.expect(backward == expected, f"backward {backward}")
+    return checks.failures
+
+
+def test_dedup_fixed_pipelines_its_chunks_exchanges_with_their_experts():
+    failures = run_checks(pipelined_fixed_order_worker, 2, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"gate": "expert_choice"}, "token-choice gate"),
     ({"overlap_degree": 4}, "runs overlap_degree 1, or 2"),
@@ -245,6 +295,20 @@ def test_dedup_computes_its_own_pairs_while_the_others_rows_travel():
 def test_dedup_refuses_what_it_cannot_run(settings, message):
     with pytest.raises(ValueError, match=message):
         MoE(DIM, HIDDEN, EXPERTS, top_k=2, a2a_algo="dedup", **settings)
+
+
+def test_dedup_fixed_pipelines_dropless_calls_at_any_degree_and_padded_ones_as_dedup():
+    """dedup-fixed's dropless calls take any overlap_degree (Tutel's chunks over the fixed-size
+    exchange) but not "auto"; padded it is dedup, with dedup's degrees (1, or 2: own pairs first)."""
+    for degree in (1, 2, 3, 8):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree=degree)
+    with pytest.raises(ValueError, match="on a dropless call runs a given overlap_degree"):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree="auto")
+    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed", overlap_degree=2)
+    with pytest.raises(ValueError, match="runs overlap_degree 1, or 2"):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed", overlap_degree=4)
+    with pytest.raises(ValueError, match="pipelines dropless calls"):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup", overlap_degree=2)
 
 
 def refusals_worker() -> bool:
@@ -481,6 +545,18 @@ def test_layer_benchmark_times_dedup_and_its_own_pairs_last(tmp_path):
     assert rows[(None, "dedup")]["max_abs_error"] < 1e-5
     assert rows[(None, "dedup-d2")]["median_ms"] is None
     assert "needs a padded capacity mode" in rows[(None, "dedup-d2")]["error"]
+
+
+def test_layer_benchmark_times_dedup_fixed_pipelined_against_plain(tmp_path):
+    """`weft bench layer --capacity dropless --modes plain,dedup-fixed,dedup-fixed-d2,dedup-fixed-d4`:
+    each checked against plain (to float rounding) and timed."""
+    out = tmp_path / "layer.json"
+    modes = ("plain", "dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4")
+    cfg = LayerBenchConfig("tiny", 64, capacity=(None,), modes=modes, steps=2, warmup=1, json=str(out))
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    for mode in modes[1:]:
+        assert rows[mode]["max_abs_error"] < 1e-5 and rows[mode]["median_ms"] > 0, rows[mode]
 
 
 def records_worker() -> list[str]:

@@ -153,7 +153,7 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     if overlap_degree > 1 and a2a_algo == "dedup":  # dedup's own pairs computed last: padded modes
         caps = tuple(cap for cap in caps if cap is not None)
     if a2a_algo == "dedup-fixed":  # its own path dropless; padded it is dedup (one padded mode checks that)
-        caps = (None, 1.0)
+        caps = (None, 1.0) if overlap_degree == 1 else (None,)  # pipelined: dropless
     failures = []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
@@ -240,6 +240,17 @@ def test_dedup_in_fixed_size_exchanges_matches_dense_reference(world_size, gate)
     capacity 1.0, k 1, 2 and 4, float32 and bfloat16."""
     flat = run_checks(equivalence_worker, world_size,
                       args=(gate, DTYPES, "cpu", "auto", ("gelu", "swiglu"), "dedup-fixed"), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size, degree", [(1, 3), (2, 2), (4, 3)])
+def test_pipelined_dedup_in_fixed_size_exchanges_matches_dense_reference(world_size, degree):
+    """a2a_algo="dedup-fixed" with overlap_degree > 1 on dropless calls: the tokens in `degree`
+    chunks (3: uneven), each chunk's fixed-size exchange pipelined with its experts, one weight
+    gradient per weight over all chunks (`GroupedWeightGradParts`); k 1, 2 and 4, float32 and
+    bfloat16, against the dense reference."""
+    flat = run_checks(equivalence_worker, world_size,
+                      args=("topk", DTYPES, "cpu", "auto", ("relu", "swiglu"), "dedup-fixed", degree), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 

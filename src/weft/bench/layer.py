@@ -71,8 +71,10 @@ PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 # device. `dN`: Tutel's pipelining with degree N; `2dh`: Tutel's two-level all-to-all (nodes of
 # LOCAL_WORLD_SIZE ranks); `dedup`: each token sent to a rank once, its outputs summed there
 # (weft.moe.dedup; `dedup-fixed`: dropless in fixed-size exchanges, nothing read on the host, so
-# its dropless step graphs too); `r0`: data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer
-# experts than ranks): N model-parallel slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
+# its dropless step graphs too; `dedup-fixed-dN`: those exchanges in N chunks of tokens, Tutel's
+# pipelining, dropless; padded: dedup at that degree, d2 only); `r0`: data-parallel experts (Tutel
+# 3.1, r = 0); `rN` (N > 1, fewer experts than ranks): N model-parallel slices per expert (fig. 7);
+# `auto`: Tutel 3.3's tuning
 # dictionary picks among them. `torch`: plain with PyTorch's index ops for dispatch and combine (the
 # path before the Triton kernels; `plain` takes the layer's default, "auto"). `comet`: Comet's fused
 # expert kernels (weft.moe.exchange.Comet; the NCCL path, with a warning, where the GPUs cannot
@@ -89,6 +91,8 @@ MODES: dict[str, dict] = {
     "dedup": {**PLAIN, "a2a_algo": "dedup"},
     "dedup-d2": {**PLAIN, "a2a_algo": "dedup", "overlap_degree": 2},
     "dedup-fixed": {**PLAIN, "a2a_algo": "dedup-fixed"},
+    "dedup-fixed-d2": {**PLAIN, "a2a_algo": "dedup-fixed", "overlap_degree": 2},
+    "dedup-fixed-d4": {**PLAIN, "a2a_algo": "dedup-fixed", "overlap_degree": 4},
     "r0": {**PLAIN, "parallel": 0},
     "r1": PLAIN,
     "r2": {**PLAIN, "parallel": 2},
@@ -122,7 +126,7 @@ PEER_MODES = ("torchtitan", "megatron")
 GRAPH_SUFFIX = "+graph"
 # the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed where that
 # is faster than its eager call (`graphed_auto_dropless`)
-GRAPHS_DROPLESS = ("dedup-fixed", "auto")
+GRAPHS_DROPLESS = ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "auto")
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -234,6 +238,7 @@ class LayerBenchConfig:
                                  "all-to-all), dedup (each token sent to a rank once), dedup-d2 (dedup with a "
                                  "rank's own pairs computed while the others' rows travel in; padded), "
                                  "dedup-fixed (dedup, dropless in fixed-size exchanges: graphs dropless), "
+                                 "dedup-fixed-d2/d4 (those exchanges pipelined in 2/4 chunks of tokens), "
                                  "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
@@ -275,7 +280,7 @@ class LayerBenchConfig:
             if base_mode(mode) not in MODES:
                 raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes (not a peer or balance)")
             if None in self.capacity and base_mode(mode) not in GRAPHS_DROPLESS:
-                allowed = " and ".join(GRAPHS_DROPLESS)
+                allowed = ", ".join(GRAPHS_DROPLESS)
                 raise ValueError(f"--modes {mode}: a CUDA graph needs static shapes; dropless capacity reads its "
                                  f"counts on the host (drop 'dropless' from --capacity; {allowed} graph dropless)")
         if self.baseline not in self.modes:

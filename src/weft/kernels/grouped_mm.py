@@ -17,13 +17,15 @@ def _cuda_kernel_takes(*operands: torch.Tensor) -> bool:
         return False
     return torch.cuda.get_device_capability(operands[0].device)[0] >= 9
 
+_GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's on the CPU
+
 
 def grouped_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether `torch._grouped_mm(a, b, offs=...)` runs on these operands: on CUDA, sm90+ and
-    bfloat16 (as `use_grouped_mm`); on the CPU, where PyTorch computes it group by group, any
-    floating dtype; everywhere, both operands row- or column-major with 16-byte aligned data and
-    leading strides."""
-    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or not a.dtype.is_floating_point:
+    bfloat16 (as `use_grouped_mm`); on the CPU, where PyTorch computes it group by group, float32,
+    bfloat16 or float16 (not float64); everywhere, both operands row- or column-major with 16-byte
+    aligned data and leading strides."""
+    if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or a.dtype not in _GROUPED_MM_DTYPES:
         return False
     if a.is_cuda and not _cuda_kernel_takes(a, b):
         return False
@@ -36,3 +38,40 @@ def _aligned(m: torch.Tensor) -> bool:
     rows, cols = m.stride(-2), m.stride(-1)
     lead = rows if cols == 1 else cols if rows == 1 else None
     return lead is not None and lead * m.element_size() % 16 == 0
+
+
+def grouped_rows_mm(x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """(M, N): rows [offs[g - 1], offs[g]) of x times w[g] (int32 ends on x's device). Rows from
+    offs[-1] on are padding: on GPUs (`torch._grouped_mm`) left unwritten, nothing may read them;
+    elsewhere the per-group reference, which reads the ends on the host and writes zeros there."""
+    if x_MK.is_cuda and grouped_mm_takes(x_MK, w_GKN):
+        return torch._grouped_mm(x_MK, w_GKN, offs=offs_G)
+    _no_host_read_in_capture(x_MK)
+    out = x_MK.new_zeros(x_MK.shape[0], w_GKN.shape[-1])
+    start = 0
+    for g, end in enumerate(offs_G.tolist()):
+        out[start:end] = x_MK[start:end] @ w_GKN[g]
+        start = end
+    return out
+
+
+def grouped_weights_mm(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """(G, K, N): for each group g, x^T dy over its rows [offs[g - 1], offs[g]) (the weight
+    gradient of `grouped_rows_mm`); rows from offs[-1] on are left out. `torch._grouped_mm`
+    wherever it takes the operands (the CPU included), else the per-group reference."""
+    x_KM = x_MK.t()
+    if grouped_mm_takes(x_KM, dy_MN):
+        return torch._grouped_mm(x_KM, dy_MN, offs=offs_G)
+    _no_host_read_in_capture(x_MK)
+    out = x_MK.new_empty(offs_G.shape[0], x_MK.shape[1], dy_MN.shape[1])
+    start = 0
+    for g, end in enumerate(offs_G.tolist()):
+        torch.mm(x_KM[:, start:end], dy_MN[start:end], out=out[g])
+        start = end
+    return out
+
+
+def _no_host_read_in_capture(x: torch.Tensor) -> None:
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise ValueError(f"a CUDA graph of grouped rows needs torch._grouped_mm (bfloat16 on sm90+, 16-byte "
+                         f"aligned rows); these are {x.dtype} {tuple(x.shape)}, whose groups are read on the host")

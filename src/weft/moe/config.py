@@ -138,12 +138,16 @@ def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
                          "number of slots")
     if expert_shards > 1:
         raise ValueError(f"{name} needs whole experts on each rank (num_experts >= the expert-parallel size)")
-    if call.overlap_degree not in (1, 2):
+    if call.a2a_algo == FIXED_SIZE_ALGO and call.dropless:
+        if call.overlap_degree == "auto":
+            raise ValueError(f"{name} on a dropless call runs a given overlap_degree (1, or d > 1: Tutel's "
+                             "pipelining over its fixed-size exchanges), got 'auto'")
+    elif call.overlap_degree not in (1, 2):
         raise ValueError(f"{name} runs overlap_degree 1, or 2 (a rank's own pairs computed while the "
                          f"others' rows travel in), got {call.overlap_degree!r}")
-    if call.overlap_degree == 2 and call.dropless:
+    elif call.overlap_degree == 2 and call.dropless:
         raise ValueError(f"{name} with overlap_degree=2 needs a padded capacity mode (capacity_factor "
-                         "not None)")
+                         f"not None; a2a_algo={FIXED_SIZE_ALGO!r} pipelines dropless calls)")
     if call.kernels == "comet":
         raise ValueError(f"{name} and kernels='comet' are two exchanges; choose one")
     if call.parallel_r not in (None, 1):

@@ -29,8 +29,9 @@ pairs, and C slots per expert at most El * C): fewer than the plain El * C when 
 (qwen2-like on 2 ranks: half). Dropless sends exactly the pairs.
 
 Not with: expert choice (a token takes a varying number of slots), fewer experts than ranks,
-Tutel's capacity chunks (d > 2; d = 2 is the overlap below), Comet's kernels, Pro-Prophet's
-copies (`weft.moe.config.check_call`).
+Tutel's capacity chunks in padded modes (d > 2; d = 2 is the overlap below; dropless calls in
+fixed-size exchanges take any d, `dropless_fixed`), Comet's kernels, Pro-Prophet's copies
+(`weft.moe.config.check_call`).
 
 Overlap (`overlap_degree=2`, padded modes): the rank computes its own pairs, which never leave
 it, while the other ranks' rows travel to it, then theirs; backward mirrors it, with the weight
@@ -57,7 +58,8 @@ from weft.kernels.scan import cumsum_down
 from weft.moe.dispatch import SlotRows, combine_rows, dispatch_rows
 from weft.moe.exchange.all_to_all import by_local_expert
 from weft.moe.exchange.base import ExpertPlacement, Grouped, gather_counts
-from weft.moe.experts import Experts, WeightGradParts
+from weft.moe.experts import Experts, GroupedWeightGradParts, WeightGradParts
+from weft.moe.pipeline import chunk_bounds
 from weft.moe.routing import Routing
 from weft.profiling import stage
 
@@ -77,9 +79,15 @@ class Pairs:
 
     @classmethod
     def of(cls, routing: Routing, num_tokens: int, top_k: int, local: int, world: int) -> Pairs:
-        rank_TK = (routing.experts_S // local).view(num_tokens, top_k)
-        if routing.kept_S is not None:  # a dropped slot: a rank past the last, cut off below
-            rank_TK = torch.where(routing.kept_S.view(num_tokens, top_k), rank_TK, world)
+        return cls.of_slots(routing.experts_S, routing.kept_S, num_tokens, top_k, local, world)
+
+    @classmethod
+    def of_slots(cls, experts_S: torch.Tensor, kept_S: torch.Tensor | None, num_tokens: int, top_k: int, local: int,
+                 world: int) -> Pairs:
+        """The pairs of `num_tokens` tokens whose slots (t * k + j) go to `experts_S` (global ids)."""
+        rank_TK = (experts_S // local).view(num_tokens, top_k)
+        if kept_S is not None:  # a dropped slot: a rank past the last, cut off below
+            rank_TK = torch.where(kept_S.view(num_tokens, top_k), rank_TK, world)
         need_TW = rank_TK.new_zeros(num_tokens, world + 1, dtype=torch.bool).scatter_(1, rank_TK, True)[:, :world]
         return cls(need_TW, rank_TK, min(top_k, local))
 
@@ -315,7 +323,7 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
 
 
 def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement,
-                   top_k: int, out_dtype: torch.dtype, fused: bool) -> torch.Tensor:
+                   top_k: int, out_dtype: torch.dtype, fused: bool, degree: int = 1) -> torch.Tensor:
     """The dropless layer with each token sent to a rank once in exchanges of a fixed size
     (`a2a_algo="dedup-fixed"`), with nothing read on the host, so a CUDA graph captures it (the
     layout of DeepEP's low-latency kernels: buffers sized for the most a rank can receive):
@@ -334,38 +342,114 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
     Same function as `dropless` (same routing, nothing dropped, the same sums in the same order).
     Bytes: W * T rows each way instead of the exact pairs (more than `dropless`'s dedup, fewer than
     the linear exchange's k * T where W < k); the expert buffer holds W * T * K rows, of which
-    about k * T are used."""
+    about k * T are used.
+
+    `degree` > 1 (`overlap_degree`): Tutel's pipelining (Tutel 3.2) over these exchanges. The
+    tokens are cut into `degree` contiguous chunks, each exchanged as above in blocks of its own
+    size; every chunk's rows are launched first, then each chunk's experts run as soon as its rows
+    are in while the later chunks' rows travel, and its sums go back while the next chunk
+    computes (`weft.comm.split`: backward mirrors it). The chunks' expert calls share one weight
+    gradient per weight (`GroupedWeightGradParts`). Same function as degree 1 (the weight
+    gradients sum each expert's rows chunk by chunk: the same terms in another order)."""
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
-    group, device = placement.group, tokens_TD.device
+    bounds = chunk_bounds(T, degree)
+    if len(bounds) > 1:
+        return _dropless_fixed_pipelined(tokens_TD, routing, experts, placement, top_k, out_dtype, fused, bounds)
+    group = placement.group
     with stage("dispatch"):
-        pairs = Pairs.of(routing, T, top_k, El, W)
-        K, size = pairs.K, W * T * pairs.K
-        start_W = T * torch.arange(W, device=device)  # rank r's block of T rows (and T * K records)
-        send_rows = pairs.send_rows(start_W, W * T)
-        sent_PD = gather_slots(tokens_TD, send_rows, fused)
-        # each kept slot's record at pair * K + j of its rank's block: its local expert and its
-        # position there (below T: a token takes an expert once), `expert * T + position`
-        at_S = pairs.records(start_W)
-        code_R = scatter_slots((routing.experts_S % El) * T + routing.positions_S, at_S, size, fill=-1)
-        gate_R = scatter_slots(routing.gates_S, at_S, size)
+        chunk = _FixedChunk.of(tokens_TD, routing, 0, T, top_k, El, W, fused)
     with stage("exchange"):
         with stage("all_to_all"):
-            received_PD = all_to_all(sent_PD, group)  # source s's pairs from row s * T
-            code_R, gate_R = exchange_records(code_R, gate_R, group, El * T)
-        # record i (source i // (T * K)) is slot i of the received rows (pair i // K). The experts take
-        # them by local expert, then source, then position: the plain layer's order of rows (the same
-        # rounding in the weight gradients' sums); the padding last.
-        expert_R = torch.where(code_R >= 0, code_R // T, El)
-        source_R = torch.arange(size, device=device) // (T * K)
-        order_R = torch.argsort((expert_R * W + source_R) * T + code_R % T, stable=True)
-        counts_E = torch.zeros(El + 1, dtype=torch.long, device=device).scatter_add_(0, expert_R,
-                                                                                    torch.ones_like(expert_R))
-        offs_E = torch.cumsum(counts_E[:El], 0).to(torch.int32)
-        slot_R = torch.where(expert_R.index_select(0, order_R) < El, order_R, -1)
-        partial_PD = experts_on_pairs(received_PD, slot_R, gate_R.index_select(0, order_R), W * T, K,
-                                      lambda rows_RD: experts.forward_offsets(rows_RD, offs_E), fused)
+            received_PD = all_to_all(chunk.sent_PD, group)  # source s's pairs from row s * T
+            code_R, gate_R = exchange_records(chunk.code_R, chunk.gate_R, group, El * T)
+        partial_PD = chunk.experts_on(received_PD, code_R, gate_R, experts.forward_offsets, W, T, El, fused)
         with stage("all_to_all"):
             back_PD = all_to_all(partial_PD, group)
     with stage("combine"):
-        return combine_ranks(back_PD, send_rows, out_dtype, fused)
+        return combine_ranks(back_PD, chunk.send_rows, out_dtype, fused)
+
+
+@dataclass(frozen=True)
+class _FixedChunk:
+    """Tokens [start, end) of a fixed-size dropless exchange (`dropless_fixed`) on the sending
+    rank: each rank's block of `tokens` rows, its pairs first (`sent_PD`, `send_rows`), and the
+    slots' records and gates at `pair * K + j` of that rank's block (`code_R`: `expert * T +
+    position`, T the call's tokens, so records of every chunk sort like the plain layer's rows)."""
+
+    tokens: int
+    K: int
+    send_rows: SlotRows
+    sent_PD: torch.Tensor
+    code_R: torch.Tensor
+    gate_R: torch.Tensor
+
+    @classmethod
+    def of(cls, tokens_TD: torch.Tensor, routing: Routing, start: int, end: int, top_k: int, El: int, W: int,
+           fused: bool) -> _FixedChunk:
+        T, n = tokens_TD.shape[0], end - start
+        slots = slice(start * top_k, end * top_k)
+        kept_S = routing.kept_S[slots] if routing.kept_S is not None else None
+        pairs = Pairs.of_slots(routing.experts_S[slots], kept_S, n, top_k, El, W)
+        start_W = n * torch.arange(W, device=tokens_TD.device)  # rank r's block of n rows (and n * K records)
+        send_rows = pairs.send_rows(start_W, W * n)
+        sent_PD = gather_slots(tokens_TD[start:end], send_rows, fused)
+        # each kept slot's record at pair * K + j of its rank's block: its local expert and its
+        # position there (below T: a token takes an expert once), `expert * T + position`
+        at_S = pairs.records(start_W)
+        size = W * n * pairs.K
+        code_R = scatter_slots((routing.experts_S[slots] % El) * T + routing.positions_S[slots], at_S, size, fill=-1)
+        gate_R = scatter_slots(routing.gates_S[slots], at_S, size)
+        return cls(n, pairs.K, send_rows, sent_PD, code_R, gate_R)
+
+    def experts_on(self, received_PD: torch.Tensor, code_R: torch.Tensor, gate_R: torch.Tensor,
+                   compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], W: int, T: int, El: int,
+                   fused: bool) -> torch.Tensor:
+        """On the experts' rank: this chunk's received pair rows (source s's from row s * tokens)
+        and records -> each pair's gate-weighted sum of its experts' outputs, by `compute(rows,
+        ends)` on the rows grouped by local expert."""
+        n, K = self.tokens, self.K
+        size = W * n * K
+        # record i (source i // (n * K)) is slot i of the received rows (pair i // K). The experts take
+        # them by local expert, then source, then position: the plain layer's order of rows (the same
+        # rounding in the weight gradients' sums); the padding last.
+        expert_R = torch.where(code_R >= 0, code_R // T, El)
+        source_R = torch.arange(size, device=code_R.device) // (n * K)
+        order_R = torch.argsort((expert_R * W + source_R) * T + code_R % T, stable=True)
+        counts_E = torch.zeros(El + 1, dtype=torch.long, device=code_R.device).scatter_add_(0, expert_R,
+                                                                                          torch.ones_like(expert_R))
+        offs_E = torch.cumsum(counts_E[:El], 0).to(torch.int32)
+        slot_R = torch.where(expert_R.index_select(0, order_R) < El, order_R, -1)
+        return experts_on_pairs(received_PD, slot_R, gate_R.index_select(0, order_R), W * n, K,
+                                lambda rows_RD: compute(rows_RD, offs_E), fused)
+
+
+def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts: Experts,
+                              placement: ExpertPlacement, top_k: int, out_dtype: torch.dtype, fused: bool,
+                              bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """`dropless_fixed` at degree len(bounds): the chunks' exchanges pipelined with their experts."""
+    W, El = placement.ep_size, placement.num_local
+    T = tokens_TD.shape[0]
+    group = placement.group
+    parts = GroupedWeightGradParts(experts, len(bounds), experts.compute_dtype(tokens_TD))
+
+    def compute(rows_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+        return experts.forward_offsets_part(rows_RD, offs_E, parts)
+
+    with stage("dispatch"):
+        chunks = [_FixedChunk.of(tokens_TD, routing, a, b, top_k, El, W, fused) for a, b in bounds]
+    with stage("exchange"):
+        with stage("all_to_all"):
+            records = [exchange_records(c.code_R, c.gate_R, group, El * T) for c in chunks]  # small; first
+            flying = [start_all_to_all(c.sent_PD, group) for c in chunks]
+        returning = []
+        for chunk, (code_R, gate_R), (received_PD, pending) in zip(chunks, records, flying):
+            with stage("all_to_all"):
+                received_PD = wait_all_to_all(received_PD, pending)
+            partial_PD = chunk.experts_on(received_PD, code_R, gate_R, compute, W, T, El, fused)
+            with stage("all_to_all"):
+                returning.append(start_all_to_all(partial_PD, group))
+        with stage("all_to_all"):
+            backs = [wait_all_to_all(back_PD, pending) for back_PD, pending in returning]
+    with stage("combine"):
+        return torch.cat([combine_ranks(back_PD, c.send_rows, out_dtype, fused) for c, back_PD in zip(chunks, backs)])

@@ -430,7 +430,8 @@ class MoE(nn.Module):
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
         if call.a2a_algo == "dedup-fixed" and call.communicate:  # fixed-size exchanges: nothing read on the host
-            return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused)
+            return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
+                                        degree=call.overlap_degree)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
