@@ -223,6 +223,18 @@ part_kernels() {
   unset NCCL_P2P_DISABLE
 }
 
+train_algos() {  # DIR LABEL "ALGOS" LOG_PATTERN [TRAIN ARGS...]: qwen2-moe-2l batch 8 graphed, one run per
+  # --a2a-algo in ALGOS (tokens/s, MFU), then the line of its log matching LOG_PATTERN (what it ran)
+  local dir=$1 label=$2 algos=$3 pattern=$4
+  shift 4
+  for algo in $algos; do
+    echo "-- $label --a2a-algo $algo"
+    RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$dir" \
+      TRAIN_ARGS="$* --a2a-algo $algo" bash scripts/train_mfu.sh | tail -n 1
+    grep -h "$pattern" "$dir"/*.log | tail -n 1
+  done
+}
+
 part_fixed() {
   gpu_tests "$1" "fixed_size or dropless_auto or dropless_training_at_auto or pipelined_dropless"
   printf '[model]\ncapacity_factor = "dropless"\n' > /tmp/weft_dropless.toml
@@ -235,12 +247,8 @@ part_fixed() {
         --json "$1/layer_${config}_$regime.json" > "$1/layer_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 9
     done
-    for algo in ${FIXED_ALGOS:-auto dedup}; do
-      echo "-- $regime dropless --a2a-algo $algo"
-      RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
-        TRAIN_ARGS="--config /tmp/weft_dropless.toml --a2a-algo $algo" bash scripts/train_mfu.sh | tail -n 1
-      grep -h "a2a_algo\|eager steps" "$1/$regime"/*.log | tail -n 1
-    done
+    train_algos "$1/$regime" "$regime dropless" "${FIXED_ALGOS:-auto dedup}" "a2a_algo\|eager steps" \
+      --config /tmp/weft_dropless.toml
   done
   unset NCCL_P2P_DISABLE
 }
@@ -248,12 +256,7 @@ part_fixed() {
 part_deduptrain() {
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
-    for algo in ${ALGOS:-linear dedup dedup-d2 auto linear dedup-d2}; do
-      echo "-- $regime --a2a-algo $algo"
-      RUNS="qwen2-moe-2l:8" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=18 WARM=6 OUT="$1/$regime" \
-        TRAIN_ARGS="--a2a-algo $algo" bash scripts/train_mfu.sh | tail -n 1
-      grep -h "runs a2a_algo" "$1/$regime"/*.log | tail -n 1
-    done
+    train_algos "$1/$regime" "$regime" "${ALGOS:-linear dedup dedup-d2 auto linear dedup-d2}" "runs a2a_algo"
   done
   unset NCCL_P2P_DISABLE
 }

@@ -41,8 +41,8 @@ from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.moe.config import FIXED_SIZE_ALGO
 from weft.overlap import measure_layer_cost_model, with_copy_overhead
-from weft.profiling import stage, time_candidates
-from weft.tune import Setting, run_until_tuned
+from weft.profiling import stage
+from weft.tune import Setting, run_until_tuned, tuned_seconds
 
 
 @dataclass(frozen=True)
@@ -151,13 +151,7 @@ def graphed_auto(moe: MoE, x: torch.Tensor, grad: torch.Tensor,
 
     def step_of(setting: Setting):
         overrides = setting_overrides(setting)
-
-        def step(x: torch.Tensor, grad: torch.Tensor):
-            moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
-            y = moe(x, **overrides)
-            y.backward(grad)
-            return y.detach(), x.grad
-        return step
+        return _fwd_bwd_step(moe, lambda x: moe(x, **overrides))
 
     seconds = timer(step_of, settings, args=[x.detach().requires_grad_(), grad], grads_of=list(moe.parameters()))
     best = setting_overrides(settings[seconds.index(min(seconds))])
@@ -173,14 +167,7 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
     runs, as `weft train --a2a-algo auto` chooses (weft.train.step.choose_fixed_size). Returns its
     forward, whether it is to be captured, and the milliseconds of both."""
     def step_of(mode: str):
-        forward = mode_forward(mode, moe)
-
-        def step(x: torch.Tensor, grad: torch.Tensor):
-            moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
-            y = forward(x)
-            y.backward(grad)
-            return y.detach(), x.grad
-        return step
+        return _fwd_bwd_step(moe, mode_forward(mode, moe))
 
     args = [x.detach().requires_grad_(), grad]
     eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)
@@ -192,14 +179,22 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
 
 
 def tuned_eager_seconds(step: Callable, args: list[torch.Tensor], moe: MoE) -> float:
-    """Wall seconds of `step(*args)` once `moe`'s tuning has decided (`run_until_tuned`), the
-    slowest rank's median of 3 after one untimed; `moe`'s gradients and the input's left None."""
-    device = args[0].device
-    run_until_tuned(lambda i: step(*args), lambda: moe.tuning.measurements, device)
-    seconds = time_candidates(lambda _: step(*args), [None], device)[0]
+    """Wall seconds of `step(*args)` once `moe`'s tuning has decided (`weft.tune.tuned_seconds`);
+    `moe`'s gradients and the input's left None."""
+    seconds = tuned_seconds(lambda: step(*args), lambda: moe.tuning.measurements, args[0].device)
     moe.zero_grad(set_to_none=True)
     args[0].grad = None
     return seconds
+
+
+def _fwd_bwd_step(moe: MoE, forward: Callable[[torch.Tensor], torch.Tensor]):
+    """(x, output gradient) -> (y, input gradient) of `forward`, as a graph timer captures it."""
+    def step(x: torch.Tensor, grad: torch.Tensor):
+        moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
+        y = forward(x)
+        y.backward(grad)
+        return y.detach(), x.grad
+    return step
 
 
 def base_mode(mode: str) -> str:

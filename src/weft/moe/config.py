@@ -18,10 +18,10 @@ from weft.moe.gates import GATES, SAMPLING_GATES
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
 
 A2A_ALGOS = ("linear", "2dh", "dedup", "dedup-fixed", "auto")
-# the deduplicating all-to-alls (weft.moe.dedup); "dedup-fixed" differs from "dedup" in dropless calls only
 # dropless dedup in exchanges of a fixed size (T rows, T * k records per rank pair): nothing read on
 # the host, so the call can be captured as a CUDA graph (weft.moe.dedup.dropless_fixed)
 FIXED_SIZE_ALGO = "dedup-fixed"
+# the deduplicating all-to-alls (weft.moe.dedup); "dedup-fixed" differs from "dedup" in dropless calls only
 DEDUP_ALGOS = ("dedup", FIXED_SIZE_ALGO)
 
 

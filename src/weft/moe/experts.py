@@ -274,18 +274,24 @@ class WeightGradParts:
     def __init__(self, experts: Experts, count: int, dtype: torch.dtype):
         self.count, self.dtype = count, dtype
         self.weights = tuple(None if w is None else w.to(dtype) for w in experts.weights())
-        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._kept: dict[int, list[tuple]] = {}
+
+    def _all_calls(self, weight: torch.Tensor, rows: tuple) -> list[tuple] | None:
+        """Keeps this call's `rows` for `weight`; every call's once the last has come, else None."""
+        kept = self._kept.setdefault(id(weight), [])
+        kept.append(rows)
+        if len(kept) < self.count:
+            return None
+        return self._kept.pop(id(weight))
 
     def bmm(self, x_GMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:
         return _PartBmm.apply(x_GMK, b_GKN, self)
 
     def weight_grad(self, x_GMK: torch.Tensor, b_GKN: torch.Tensor, dy_GMN: torch.Tensor) -> torch.Tensor | None:
         """Keeps this call's (x, dy) for `b`; the sum over all calls once the last has come."""
-        kept = self._kept.setdefault(id(b_GKN), [])
-        kept.append((x_GMK, dy_GMN))
-        if len(kept) < self.count:
+        kept = self._all_calls(b_GKN, (x_GMK, dy_GMN))
+        if kept is None:
             return None
-        del self._kept[id(b_GKN)]
         x_GMK = torch.cat([x for x, _ in kept], dim=1)
         dy_GMN = torch.cat([dy for _, dy in kept], dim=1)
         return torch.bmm(x_GMK.transpose(1, 2), dy_GMN)
@@ -309,7 +315,7 @@ class _PartBmm(torch.autograd.Function):
         return dx, db, None
 
 
-class GroupedWeightGradParts:
+class GroupedWeightGradParts(WeightGradParts):
     """`WeightGradParts` for calls on rows grouped by expert in buffers of a fixed size, the groups'
     ends on the device (`Experts.forward_offsets_part`): each call's backward computes its input
     gradient and keeps (x, dy, ends); the last of the `count` calls computes each weight's gradient
@@ -321,22 +327,15 @@ class GroupedWeightGradParts:
     Invariants: as `WeightGradParts` (every call runs backward in the same pass; the weights are
     cast once to the compute `dtype`)."""
 
-    def __init__(self, experts: Experts, count: int, dtype: torch.dtype):
-        self.count, self.dtype = count, dtype
-        self.weights = tuple(None if w is None else w.to(dtype) for w in experts.weights())
-        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-
     def mm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
         return _PartGroupedMM.apply(x_MK, w_GKN, offs_G, self)
 
     def weight_grad(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, dy_MN: torch.Tensor,
                     offs_G: torch.Tensor) -> torch.Tensor | None:
         """Keeps this call's rows for `w`; the gradient over all calls once the last has come."""
-        kept = self._kept.setdefault(id(w_GKN), [])
-        kept.append((x_MK, dy_MN, offs_G))
-        if len(kept) < self.count:
+        kept = self._all_calls(w_GKN, (x_MK, dy_MN, offs_G))
+        if kept is None:
             return None
-        del self._kept[id(w_GKN)]
         groups = w_GKN.shape[0]
         # each row's group (`groups` for padding), the calls' rows back to back
         group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)

@@ -28,6 +28,7 @@ from weft.moe import dedup
 from weft.moe.config import (
     BALANCE_CHOICES,
     DEDUP_ALGOS,
+    FIXED_SIZE_ALGO,
     MoECall,
     check_layer,
     check_router_settings,
@@ -429,7 +430,7 @@ class MoE(nn.Module):
                   out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
-        if call.a2a_algo == "dedup-fixed" and call.communicate:  # fixed-size exchanges: nothing read on the host
+        if call.a2a_algo == FIXED_SIZE_ALGO and call.communicate:  # fixed-size exchanges: nothing read on the host
             return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
                                         degree=call.overlap_degree)
         if self.balancer is not None and transfer is None and call.communicate:
@@ -474,7 +475,7 @@ class MoE(nn.Module):
         failure deep inside the collective library. One small all-gather; ValueError on every
         rank naming the first field that differs."""
         fixed_size = (self.gate == "expert_choice" or (call.capacity_factor is not None and call.capacity_factor > 0)
-                      or (call.a2a_algo == "dedup-fixed" and call.dropless))
+                      or (call.a2a_algo == FIXED_SIZE_ALGO and call.dropless))
         fields = {
             "dim": self.dim, "hidden_dim": self.hidden_dim, "num_experts": self.num_experts, "top_k": call.top_k,
             "gate": self.gate, "capacity_factor": call.capacity_factor, "activation": self.experts.activation,

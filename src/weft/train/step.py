@@ -17,8 +17,7 @@ from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
 from weft.moe.config import FIXED_SIZE_ALGO
 from weft.precision import training_autocast
-from weft.profiling import time_candidates
-from weft.tune.dictionary import DEGREES, run_until_tuned
+from weft.tune.dictionary import DEGREES, tuned_seconds
 
 # (x, y) -> (losses (4,): total, ce, aux, dropped slots; expert counts (layers, E))
 MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -93,12 +92,11 @@ def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[Micro
 
 def time_tuned_eager(model: GPT, step: MicroStep, example: tuple[torch.Tensor, torch.Tensor]) -> float:
     """Wall seconds of the eager micro-step on `example` once the MoE layers' own tuning has decided
-    (`run_until_tuned`: its measuring calls synchronise and try slow settings), the slowest rank's
-    median of 3 after one untimed; leaves every `.grad` None, as it found them."""
-    device = example[0].device
+    (`tuned_seconds`: its measuring calls synchronise and try slow settings); leaves every `.grad`
+    None, as it found them."""
     dictionaries = list({id(moe.tuning): moe.tuning for moe in model.moe_layers()}.values())
-    run_until_tuned(lambda i: step(*example), lambda: sum(d.measurements for d in dictionaries), device)
-    seconds = time_candidates(lambda _: step(*example), [None], device)[0]
+    seconds = tuned_seconds(lambda: step(*example), lambda: sum(d.measurements for d in dictionaries),
+                            example[0].device)
     model.zero_grad(set_to_none=True)
     return seconds
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import group_rank, group_size
-from weft.profiling import seconds, slowest_rank
+from weft.profiling import seconds, slowest_rank, time_candidates
 
 DEGREES = (1, 2, 4, 8)
 
@@ -313,3 +313,11 @@ def run_until_tuned(step: Callable[[int], None], measurements: Callable[[], int]
         if slowest_rank([float(measurements() - before)], device)[0] == 0:
             return i + 1
     raise RuntimeError(f"the tuning dictionaries were still measuring after {max_steps} steps")
+
+
+def tuned_seconds(run: Callable[[], object], measurements: Callable[[], int], device: torch.device) -> float:
+    """Wall seconds of `run()` as it runs once the tuning dictionaries have decided: run until they
+    measure nothing more (`run_until_tuned`), then the slowest rank's median of 3 after one untimed
+    (`weft.profiling.time_candidates`). What an eager step costs, to weigh against a graphed one."""
+    run_until_tuned(lambda i: run(), measurements, device)
+    return time_candidates(lambda _: run(), [None], device)[0]
