@@ -246,10 +246,10 @@ def test_auto_as_graphs_captures_the_candidate_whose_graph_is_fastest():
     assert not failures, "\n".join(failures)
 
 
-def graphed_auto_dropless_worker(graph_wins: bool) -> list[str]:
+def graphed_auto_dropless_worker(winner: str) -> list[str]:
     """`auto+graph` on a dropless layer (`layer.graphed_auto_dropless`): auto's eager call against
-    dedup-fixed as a graph, timed here by stand-ins that run each step eagerly (a capture needs
-    CUDA); both compute the plain layer, and the forward returned runs the faster."""
+    dedup-fixed at degrees 1 and 2 as graphs, timed here by stand-ins that run each step eagerly (a
+    capture needs CUDA); all compute the plain layer, and the forward returned runs the fastest."""
     rank = torch.distributed.get_rank()
     checks = Checks(f"rank {rank}")
     torch.manual_seed(0)
@@ -258,6 +258,8 @@ def graphed_auto_dropless_worker(graph_wins: bool) -> list[str]:
     x, grad = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
     y_plain = moe(x, **layer.MODES["plain"]).detach()
     ran = []
+    seconds = {"auto": 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0}
+    seconds[winner] = 0.5
 
     def run(name, step, args):
         y, x_grad = step(args[0].detach().requires_grad_(), args[1])
@@ -267,32 +269,35 @@ def graphed_auto_dropless_worker(graph_wins: bool) -> list[str]:
 
     def eager_timer(step, args):
         run("auto", step, args)
-        return 1.0
+        return seconds["auto"]
 
     def timer(step_of, candidates, args, grads_of):
         for mode in candidates:
             run(mode, step_of(mode), args)
-        return [0.5 if graph_wins else 2.0 for _ in candidates]
+        return [seconds[mode] for mode in candidates]
 
     forward, graphed, candidates_ms = layer.graphed_auto_dropless(moe, x, grad, timer, eager_timer)
-    checks.expect(ran == ["auto", "dedup-fixed"] and graphed == graph_wins, f"ran {ran}, graphed {graphed}")
-    checks.expect(candidates_ms == {"auto (eager)": 1e3, "dedup-fixed (graph)": (0.5 if graph_wins else 2.0) * 1e3},
-                  f"times {candidates_ms}")
+    checks.expect(ran == ["auto", "dedup-fixed", "dedup-fixed-d2"] and graphed == (winner != "auto"),
+                  f"ran {ran}, graphed {graphed}")
+    want_ms = {"auto (eager)": seconds["auto"] * 1e3, "dedup-fixed (graph)": seconds["dedup-fixed"] * 1e3,
+               "dedup-fixed-d2 (graph)": seconds["dedup-fixed-d2"] * 1e3}
+    checks.expect(candidates_ms == want_ms, f"times {candidates_ms}")
     calls, real_forward = [], moe.forward
 
     def recording(x, **overrides):
-        calls.append(overrides.get("a2a_algo"))
+        calls.append((overrides.get("a2a_algo"), overrides.get("overlap_degree", 1)))
         return real_forward(x, **overrides)
 
     moe.forward = recording
-    checks.expect(torch.allclose(forward(x), y_plain, rtol=1e-5, atol=1e-6)
-                  and calls == ["dedup-fixed" if graph_wins else "auto"], f"the chosen forward ran {calls}")
+    want = {"auto": ("auto", "auto"), "dedup-fixed": ("dedup-fixed", 1), "dedup-fixed-d2": ("dedup-fixed", 2)}[winner]
+    checks.expect(torch.allclose(forward(x), y_plain, rtol=1e-5, atol=1e-6) and calls == [want],
+                  f"the chosen forward ran {calls}")
     return checks.failures
 
 
-@pytest.mark.parametrize("graph_wins", [True, False])
-def test_auto_as_a_graph_on_a_dropless_layer_runs_the_faster_of_eager_auto_and_the_fixed_size_graph(graph_wins):
-    failures = run_checks(graphed_auto_dropless_worker, 2, args=(graph_wins,), timeout=300)
+@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", "auto"])
+def test_auto_as_a_graph_on_a_dropless_layer_runs_the_fastest_of_eager_auto_and_the_fixed_size_graphs(winner):
+    failures = run_checks(graphed_auto_dropless_worker, 2, args=(winner,), timeout=300)
     assert not failures, "\n".join(failures)
 
 

@@ -47,7 +47,7 @@ def test_a_graph_capture_of_the_read_path_is_refused_in_one_line(monkeypatch):
 def test_calls_sharing_grouped_weight_grad_parts_compute_each_weight_gradient_once(activation, monkeypatch):
     """`forward_offsets_part`: three calls on buffers of their own (their own ends and padding) that
     share `GroupedWeightGradParts` give the gradients of three `forward_offsets` calls, autograd
-    summing their weight gradients; the parts compute each weight's gradient in one grouped
+    summing their weight gradients; the parts' tap computes each weight's gradient in one grouped
     product over every call's rows (one product per weight, its groups' ends those of all the
     calls' rows together)."""
     import weft.moe.experts as experts_module
@@ -69,7 +69,8 @@ def test_calls_sharing_grouped_weight_grad_parts_compute_each_weight_gradient_on
 
     monkeypatch.setattr(experts_module, "grouped_weights_mm", counted)
     parts = experts_module.GroupedWeightGradParts(experts, len(calls), torch.float64)
-    got_y = [experts.forward_offsets_part(x, e, parts) for x, e in zip(xs, ends)]
+    weights = parts.tapped()
+    got_y = [experts.forward_offsets_part(x, e, parts, weights) for x, e in zip(xs, ends)]
     got = torch.autograd.grad(got_y, [*xs, *params], dys)
     for (counts, _), y, w in zip(calls, got_y, want_y):
         assert torch.allclose(y[:sum(counts)], w[:sum(counts)], rtol=1e-12, atol=1e-12)
@@ -79,3 +80,23 @@ def test_calls_sharing_grouped_weight_grad_parts_compute_each_weight_gradient_on
     total = [sum(c[e] for c, _ in calls) for e in range(LOCAL)]
     assert len(products) == len(params)  # one product per weight, over every call's rows
     assert all(p.tolist() == torch.tensor(total).cumsum(0).tolist() for p in products)
+
+
+def test_leave_sms_sets_the_matmul_sm_carveout_inside_and_restores_it_after():
+    """`leave_sms(n)`: PyTorch's SM carveout is n inside (nested: the inner value), back to what it
+    was on exit, an exception included; 0 changes nothing."""
+    from weft.kernels.grouped_mm import leave_sms
+
+    before = torch._C._get_sm_carveout_experimental()
+    with leave_sms(0):
+        assert torch._C._get_sm_carveout_experimental() == before
+    with leave_sms(16):
+        assert torch._C._get_sm_carveout_experimental() == 16
+        with leave_sms(8):
+            assert torch._C._get_sm_carveout_experimental() == 8
+        assert torch._C._get_sm_carveout_experimental() == 16
+    assert torch._C._get_sm_carveout_experimental() == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with leave_sms(4):
+            raise RuntimeError("inside")
+    assert torch._C._get_sm_carveout_experimental() == before

@@ -237,31 +237,58 @@ def test_dedup_computes_its_own_pairs_while_the_others_rows_travel():
 def pipelined_fixed_order_worker() -> list[str]:
     """dedup-fixed at degree 2 on a dropless call pipelines as it says: forward, both chunks' rows
     are launched before any expert work, each chunk's sums go back before the next chunk computes;
-    backward, both returned gradients are launched first, then chunk 1's experts (its weight
-    gradients kept), the launch of its rows' gradient, then chunk 0's experts under it, whose
-    backward computes each weight's gradient once for both chunks (relu: w2, then w1)."""
+    backward, both returned gradients are launched first, then chunk 1's experts (their rows kept
+    for the weight gradients), the launch of its rows' gradient, then chunk 0's experts under it,
+    the launch of its rows' gradient, and only then each weight's gradient, once for both chunks
+    (relu: w1 and w2), before anything waits for the rows' gradients: under those exchanges;
+    every expert matmul, the weight gradients' too, leaves `OVERLAP_SM_MARGIN` SMs to the
+    exchanges and the setting is restored after it."""
     from weft.moe import experts as experts_module
 
     rank = dist.get_rank()
     checks = Checks(f"rank {rank}")
     events, real_launch = [], async_all_to_all._launch
-    real_on, real_grad = dedup._FixedChunk.experts_on, experts_module.GroupedWeightGradParts.weight_grad
+    parts_class = experts_module.GroupedWeightGradParts
+    real_on, real_keep, real_grad = dedup._FixedChunk.experts_on, parts_class.keep, parts_class.weight_grad
+    real_rows_mm, real_weights_mm = experts_module.grouped_rows_mm, experts_module.grouped_weights_mm
+    margins = set()
+
+    class Work:  # the exchange's handle, its wait recorded
+        def __init__(self, work):
+            self.work = work
+
+        def wait(self):
+            events.append("wait")
+            return self.work.wait()
 
     def launch(x, group, out_splits, in_splits):
         events.append("launch")
-        return real_launch(x, group, out_splits, in_splits)
+        out, work = real_launch(x, group, out_splits, in_splits)
+        return out, Work(work)
 
     def experts_on(self, *args):
         events.append("experts")
         return real_on(self, *args)
 
+    def keep(self, *args):
+        events.append("kept")
+        return real_keep(self, *args)
+
     def weight_grad(self, *args):
-        grad = real_grad(self, *args)
-        events.append("kept" if grad is None else "weight grad")
-        return grad
+        events.append("weight grad")
+        return real_grad(self, *args)
+
+    def rows_mm(*args):
+        margins.add(torch._C._get_sm_carveout_experimental())
+        return real_rows_mm(*args)
+
+    def weights_mm(*args):
+        margins.add(torch._C._get_sm_carveout_experimental())
+        return real_weights_mm(*args)
 
     async_all_to_all._launch, dedup._FixedChunk.experts_on = launch, experts_on
-    experts_module.GroupedWeightGradParts.weight_grad = weight_grad
+    parts_class.keep, parts_class.weight_grad = keep, weight_grad
+    experts_module.grouped_rows_mm, experts_module.grouped_weights_mm = rows_mm, weights_mm
     try:
         torch.manual_seed(0)
         moe = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree=2)
@@ -271,11 +298,16 @@ def pipelined_fixed_order_worker() -> list[str]:
         y.square().sum().backward()
     finally:
         async_all_to_all._launch, dedup._FixedChunk.experts_on = real_launch, real_on
-        experts_module.GroupedWeightGradParts.weight_grad = real_grad
-    checks.expect(forward == ["launch", "launch", "experts", "launch", "experts", "launch"], f"forward {forward}")
+        parts_class.keep, parts_class.weight_grad = real_keep, real_grad
+        experts_module.grouped_rows_mm, experts_module.grouped_weights_mm = real_rows_mm, real_weights_mm
+    want_forward = ["launch", "launch", "wait", "experts", "launch", "wait", "experts", "launch", "wait", "wait"]
+    checks.expect(forward == want_forward, f"forward {forward}")
     backward = events[len(forward):]
-    expected = ["launch", "launch", "kept", "kept", "launch", "weight grad", "weight grad", "launch"]
+    expected = ["launch", "launch", "wait", "kept", "kept", "launch", "wait", "kept", "kept", "launch",
+                "weight grad", "weight grad", "wait", "wait"]
     checks.expect(backward == expected, f"backward {backward}")
+    checks.expect(margins == {dedup.OVERLAP_SM_MARGIN}, f"SM margins of the expert matmuls {margins}")
+    checks.expect(torch._C._get_sm_carveout_experimental() is None, "the SM margin is not restored")
     return checks.failures
 
 
@@ -473,12 +505,13 @@ def test_a_graphed_step_chooses_the_faster_all_to_all(fastest):
     assert not failures, "\n".join(failures)
 
 
-def fixed_size_choice_worker(graph_wins: bool) -> list[str]:
+def fixed_size_choice_worker(winner: str | None) -> list[str]:
     """`--a2a-algo auto` on a dropless model with CUDA graphs allowed (`choose_fixed_size`): the
-    eager step with the layers' own tuning against the step in fixed-size exchanges, timed here by
-    stand-ins that run each step eagerly (a replay runs its capture); both compute the same losses,
-    the faster is set on every layer, and only the fixed-size form passes `graph_blocker`. Then
-    `time_tuned_eager` for real: the layers' tuning decides first, the gradients are left None."""
+    eager step with the layers' own tuning against the step in fixed-size exchanges at degrees 1
+    and 2, timed here by stand-ins that run each step eagerly (a replay runs its capture); all
+    compute the same losses, the fastest is set on every layer (eager: at the degree they had), and
+    only a fixed-size form passes `graph_blocker`. Then `time_tuned_eager` for real: the layers'
+    tuning decides first, the gradients are left None."""
     from weft.models import GPT, GPTConfig
     from weft.train.step import FIXED_SIZE_ALGO, choose_fixed_size, eager_micro_step, graph_blocker, time_tuned_eager
 
@@ -494,41 +527,46 @@ def fixed_size_choice_worker(graph_wins: bool) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
     seen, losses = [], []
+    seconds = {None: 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0}
+    seconds[winner] = 0.5
 
     def run(step) -> None:
         gpt.zero_grad(set_to_none=True)
         losses.append(float(step(x, y)[0][0]))
-        seen.append({moe.a2a_algo for moe in gpt.moe_layers()})
+        seen.append({(moe.a2a_algo, moe.overlap_degree) for moe in gpt.moe_layers()})
 
     def eager_timer(step) -> float:
         run(step)
-        return 1.0
+        return seconds[None]
 
     def graph_timer(step_of, candidates) -> list[float]:
         for value in candidates:
             run(step_of(value))
-        return [0.5 if graph_wins else 2.0 for _ in candidates]
+        return [seconds[value] for value in candidates]
 
-    graphed, eager_s, graph_s = choose_fixed_size(gpt, eager_micro_step(gpt, 1), eager_timer, graph_timer)
-    checks.expect((graphed, eager_s, graph_s) == (graph_wins, 1.0, 0.5 if graph_wins else 2.0),
-                  f"chose graph {graphed} at {eager_s} / {graph_s}")
-    checks.expect(seen == [{"auto"}, {FIXED_SIZE_ALGO}], f"the layers ran {seen}")
-    checks.expect(abs(losses[0] - losses[1]) < 1e-5, f"losses {losses}")
-    chosen = {moe.a2a_algo for moe in gpt.moe_layers()}
-    checks.expect(chosen == {FIXED_SIZE_ALGO if graph_wins else "auto"}, f"the layers run {chosen}")
-    checks.expect((graph_blocker(gpt, cuda, "none") is None) == graph_wins, "graph_blocker disagrees with the choice")
+    chosen, eager_s, graph_s = choose_fixed_size(gpt, eager_micro_step(gpt, 1), eager_timer, graph_timer)
+    want_graphs = {form: seconds[form] for form in ("dedup-fixed", "dedup-fixed-d2")}
+    checks.expect((chosen, eager_s, graph_s) == (winner, seconds[None], want_graphs),
+                  f"chose {chosen} at {eager_s} / {graph_s}")
+    checks.expect(seen == [{("auto", 1)}, {(FIXED_SIZE_ALGO, 1)}, {(FIXED_SIZE_ALGO, 2)}], f"the layers ran {seen}")
+    checks.expect(max(losses) - min(losses) < 1e-5, f"losses {losses}")
+    now = {(moe.a2a_algo, moe.overlap_degree) for moe in gpt.moe_layers()}
+    want = {None: ("auto", 1), "dedup-fixed": (FIXED_SIZE_ALGO, 1), "dedup-fixed-d2": (FIXED_SIZE_ALGO, 2)}[winner]
+    checks.expect(now == {want}, f"the layers run {now}")
+    checks.expect((graph_blocker(gpt, cuda, "none") is None) == (winner is not None),
+                  "graph_blocker disagrees with the choice")
     checks.expect(all(moe.last_routing is None for moe in gpt.moe_layers()), "a candidate's autograd graph kept")
-    if not graph_wins:
-        seconds = time_tuned_eager(gpt, eager_micro_step(gpt, 1), (x, y))
+    if winner is None:
+        seconds_eager = time_tuned_eager(gpt, eager_micro_step(gpt, 1), (x, y))
         decided = [moe.tuning.chosen() for moe in gpt.moe_layers()]
-        checks.expect(seconds > 0 and all(decided), f"{seconds} s, the layers' tuning decided {decided}")
+        checks.expect(seconds_eager > 0 and all(decided), f"{seconds_eager} s, the layers' tuning decided {decided}")
         checks.expect(all(p.grad is None for p in gpt.parameters()), "gradients left behind")
     return checks.failures
 
 
-@pytest.mark.parametrize("graph_wins", [True, False])
-def test_auto_on_a_dropless_model_keeps_the_faster_of_the_eager_step_and_the_fixed_size_graph(graph_wins):
-    failures = run_checks(fixed_size_choice_worker, 2, args=(graph_wins,), timeout=300)
+@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", None])
+def test_auto_on_a_dropless_model_keeps_the_fastest_of_the_eager_step_and_the_fixed_size_graphs(winner):
+    failures = run_checks(fixed_size_choice_worker, 2, args=(winner,), timeout=300)
     assert not failures, "\n".join(failures)
 
 

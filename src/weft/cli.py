@@ -225,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "dedup-d2 (dedup with each rank's own pairs computed while the others' rows travel in; "
                          "padded capacity), dedup-fixed (dedup; dropless layers in fixed-size exchanges, nothing "
                          "read on the host, so CUDA graphs capture the step) or auto (the fastest, timed as CUDA "
-                         "graphs where the step is graphed; dropless: the eager step against dedup-fixed as a graph)")
+                         "graphs where the step is graphed; dropless: the eager step against dedup-fixed as graphs, "
+                         "unpipelined and in 2 chunks)")
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")

@@ -39,7 +39,7 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
-from weft.moe.config import FIXED_SIZE_ALGO
+from weft.moe.config import FIXED_SIZE_FORMS
 from weft.overlap import measure_layer_cost_model, with_copy_overhead
 from weft.profiling import stage
 from weft.tune import Setting, run_until_tuned, tuned_seconds
@@ -124,8 +124,8 @@ PEER_MODES = ("torchtitan", "megatron")
 # tuning synchronises, so it cannot run inside a capture, and it would time launch costs a replay
 # does not pay).
 GRAPH_SUFFIX = "+graph"
-# the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed where that
-# is faster than its eager call (`graphed_auto_dropless`)
+# the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed (at degree 1
+# or 2) where that is faster than its eager call (`graphed_auto_dropless`)
 GRAPHS_DROPLESS = ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "auto")
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -163,19 +163,21 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
                                                                        dict[str, float]]:
     """auto+graph on a dropless layer: auto's eager call (sizes read on the host, linear or dedup
     tuned per call; `eager_timer(step, args)`, default `tuned_eager_seconds`) against dedup-fixed
-    (fixed-size exchanges, nothing read on the host) timed as a CUDA graph (`timer`); the faster
-    runs, as `weft train --a2a-algo auto` chooses (weft.train.step.choose_fixed_size). Returns its
-    forward, whether it is to be captured, and the milliseconds of both."""
+    (fixed-size exchanges, nothing read on the host) in each of `FIXED_SIZE_FORMS` timed as a CUDA
+    graph (`timer`); the fastest runs, as `weft train --a2a-algo auto` chooses
+    (weft.train.step.choose_fixed_size). Returns its forward, whether it is to be captured, and
+    the milliseconds of each."""
     def step_of(mode: str):
         return _fwd_bwd_step(moe, mode_forward(mode, moe))
 
     args = [x.detach().requires_grad_(), grad]
     eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)
-    graph_s = timer(step_of, [FIXED_SIZE_ALGO], args=args, grads_of=list(moe.parameters()))[0]
+    graph_s = dict(zip(FIXED_SIZE_FORMS, timer(step_of, FIXED_SIZE_FORMS, args=args, grads_of=list(moe.parameters()))))
     moe.record(None)
-    graphed = graph_s < eager_s
-    times_ms = {"auto (eager)": eager_s * 1e3, f"{FIXED_SIZE_ALGO} (graph)": graph_s * 1e3}
-    return mode_forward(FIXED_SIZE_ALGO if graphed else "auto", moe), graphed, times_ms
+    best = min(graph_s, key=graph_s.__getitem__)
+    graphed = graph_s[best] < eager_s
+    times_ms = {"auto (eager)": eager_s * 1e3, **{f"{form} (graph)": s * 1e3 for form, s in graph_s.items()}}
+    return mode_forward(best if graphed else "auto", moe), graphed, times_ms
 
 
 def tuned_eager_seconds(step: Callable, args: list[torch.Tensor], moe: MoE) -> float:
@@ -238,8 +240,9 @@ class LayerBenchConfig:
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
-                                 "CUDA graph; padded capacity, dedup-fixed, or auto: dropless, the faster of its eager "
-                                 "call and dedup-fixed as a graph) (default plain,no-comm)", parse=names)
+                                 "CUDA graph; padded capacity, dedup-fixed, or auto: dropless, the fastest of its "
+                                 "eager call and dedup-fixed and dedup-fixed-d2 as graphs) (default plain,no-comm)",
+                                 parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
                                              "(default 1.0,dropless)", parse=capacity_list)
@@ -400,7 +403,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 _need_cuda(device)
                 forward, graphed, row["candidates_ms"] = graphed_auto_dropless(moe, x0, grads[0])
                 row["tuned"] = [min(row["candidates_ms"], key=row["candidates_ms"].get)]
-                description = f"weft auto: {row['tuned'][0]}, the faster of its eager call and a graph"
+                description = f"weft auto: {row['tuned'][0]}, the fastest of its eager call and the graphs"
             elif graphed and base_mode(mode) == "auto":
                 _need_cuda(device)
                 forward, row["candidates_ms"] = graphed_auto(moe, x0, grads[0])

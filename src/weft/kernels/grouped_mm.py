@@ -1,6 +1,9 @@
 """Grouped GEMM (one matmul per row group, one kernel) where the GPU has it."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 
@@ -69,6 +72,28 @@ def grouped_weights_mm(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Te
         torch.mm(x_KM[:, start:end], dy_MN[start:end], out=out[g])
         start = end
     return out
+
+
+@contextlib.contextmanager
+def leave_sms(count: int) -> Iterator[None]:
+    """Matmuls launched inside (`torch._grouped_mm`'s CUTLASS kernel, cuBLASLt) run on all but
+    `count` of the GPU's SMs, left to kernels of other streams (0: all SMs, nothing changed).
+
+    Why: these GEMMs are persistent kernels, one block per SM looping over the tiles; beside an
+    NCCL kernel that holds a few SMs, the blocks that find no free SM start only when it ends,
+    and the GEMM ends that much later (docs/benchmarks.md: an exchange's 0.8 ms added to each
+    overlapped GEMM). Comet's adaptive assignment (sec. 3.2.2) splits the SMs the same way.
+    The setting is PyTorch's process-wide SM carveout, read when a matmul is launched (a CUDA
+    graph keeps the value of its capture), and restored on exit."""
+    if count <= 0:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(count)  # PyTorch logs once that the setting is experimental
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
 
 
 def _no_host_read_in_capture(x: torch.Tensor) -> None:

@@ -21,6 +21,11 @@ A2A_ALGOS = ("linear", "2dh", "dedup", "dedup-fixed", "auto")
 # dropless dedup in exchanges of a fixed size (T rows, T * k records per rank pair): nothing read on
 # the host, so the call can be captured as a CUDA graph (weft.moe.dedup.dropless_fixed)
 FIXED_SIZE_ALGO = "dedup-fixed"
+# the forms `auto` times dropless layers in as CUDA graphs: dedup-fixed, and pipelined at
+# overlap_degree 2 (each chunk's exchange under the other's experts, weft.moe.dedup); the name's
+# "-d2" is the degree. Neither wins everywhere (docs/benchmarks.md: d2 on phi35-like layers with
+# P2P disabled, d1 on qwen2- and mixtral-like ones)
+FIXED_SIZE_FORMS = (FIXED_SIZE_ALGO, f"{FIXED_SIZE_ALGO}-d2")
 # the deduplicating all-to-alls (weft.moe.dedup); "dedup-fixed" differs from "dedup" in dropless calls only
 DEDUP_ALGOS = ("dedup", FIXED_SIZE_ALGO)
 

@@ -63,6 +63,11 @@ from weft.moe.pipeline import chunk_bounds
 from weft.moe.routing import Routing
 from weft.profiling import stage
 
+# SMs the experts' matmuls leave to the exchanges beside them in a pipelined fixed-size call
+# (`weft.kernels.grouped_mm.leave_sms`): NCCL's all-to-all kernel held 4 SMs on 2 x H100 with P2P
+# disabled; of margins 0, 16 and 32 on the phi35-like layer, 16 was fastest (docs/benchmarks.md).
+OVERLAP_SM_MARGIN = 16
+
 
 @dataclass(frozen=True)
 class Pairs:
@@ -349,7 +354,8 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
     size; every chunk's rows are launched first, then each chunk's experts run as soon as its rows
     are in while the later chunks' rows travel, and its sums go back while the next chunk
     computes (`weft.comm.split`: backward mirrors it). The chunks' expert calls share one weight
-    gradient per weight (`GroupedWeightGradParts`). Same function as degree 1 (the weight
+    gradient per weight (`GroupedWeightGradParts`), computed under the last gradient exchanges,
+    and their matmuls leave `OVERLAP_SM_MARGIN` SMs to the exchanges. Same function as degree 1 (the weight
     gradients sum each expert's rows chunk by chunk: the same terms in another order)."""
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
@@ -431,17 +437,20 @@ def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
     group = placement.group
-    parts = GroupedWeightGradParts(experts, len(bounds), experts.compute_dtype(tokens_TD))
-
-    def compute(rows_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-        return experts.forward_offsets_part(rows_RD, offs_E, parts)
-
+    parts = GroupedWeightGradParts(experts, len(bounds), experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN)
     with stage("dispatch"):
         chunks = [_FixedChunk.of(tokens_TD, routing, a, b, top_k, El, W, fused) for a, b in bounds]
     with stage("exchange"):
         with stage("all_to_all"):
             records = [exchange_records(c.code_R, c.gate_R, group, El * T) for c in chunks]  # small; first
             flying = [start_all_to_all(c.sent_PD, group) for c in chunks]
+        # created after the launches: its backward (every weight's gradient) runs after the
+        # launch of the first chunk's rows' gradient, under it (`GroupedWeightGradParts`)
+        weights = parts.tapped()
+
+        def compute(rows_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+            return experts.forward_offsets_part(rows_RD, offs_E, parts, weights)
+
         returning = []
         for chunk, (code_R, gate_R), (received_PD, pending) in zip(chunks, records, flying):
             with stage("all_to_all"):

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.hostcopy import offsets
-from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm, use_grouped_mm
+from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
 from weft.ops import wgrad
 from weft.profiling import stage
 
@@ -192,18 +192,18 @@ class Experts(nn.Module):
             out = self._forward_grouped(x[:ends[-1]], counts, None)
             return torch.cat([out, out.new_zeros(x.shape[0] - ends[-1], out.shape[1])])
 
-    def forward_offsets_part(self, x: torch.Tensor, offs_E: torch.Tensor,
-                             parts: GroupedWeightGradParts) -> torch.Tensor:
+    def forward_offsets_part(self, x: torch.Tensor, offs_E: torch.Tensor, parts: GroupedWeightGradParts,
+                             weights: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
         """`forward_offsets` as one of `parts.count` calls on different rows in one backward (the
-        chunks of a pipelined fixed-size exchange): each call's backward computes its input
-        gradient, and the last to run computes each weight's gradient once, over every call's rows
-        (`GroupedWeightGradParts`)."""
+        chunks of a pipelined fixed-size exchange), on `weights = parts.tapped()`: each call's
+        backward computes its input gradient, and the tap's backward each weight's gradient once,
+        over every call's rows (`GroupedWeightGradParts`)."""
         with stage("experts"):
             with torch.autocast(x.device.type, enabled=False):
                 x = x.to(parts.dtype)
-                w1, w2, w3 = parts.weights
-                h3 = parts.mm(x, w3, offs_E) if w3 is not None else None
-                return parts.mm(self._hidden(parts.mm(x, w1, offs_E), h3), w2, offs_E)
+                w1, w2, w3 = weights
+                h3 = parts.mm(x, w3, offs_E, 2) if w3 is not None else None
+                return parts.mm(self._hidden(parts.mm(x, w1, offs_E, 0), h3), w2, offs_E, 1)
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -315,29 +315,53 @@ class _PartBmm(torch.autograd.Function):
         return dx, db, None
 
 
-class GroupedWeightGradParts(WeightGradParts):
-    """`WeightGradParts` for calls on rows grouped by expert in buffers of a fixed size, the groups'
-    ends on the device (`Experts.forward_offsets_part`): each call's backward computes its input
-    gradient and keeps (x, dy, ends); the last of the `count` calls computes each weight's gradient
-    in one grouped GEMM over all their rows, taken by expert (stable: call order, then row order)
-    with every call's padding rows left out. One product per weight instead of `count` and the
-    `count - 1` weight-sized adds autograd would make (for phi35-like experts, 420 MB a weight on a
-    rank of 2: ~1.3 GB read and written each, estimated from the bytes). Nothing is read on the
-    host, so CUDA graphs capture it.
+class GroupedWeightGradParts:
+    """The weight gradients of `count` calls of the same experts on rows grouped by expert in
+    buffers of a fixed size, the groups' ends on the device (`Experts.forward_offsets_part`: the
+    chunks of a pipelined fixed-size exchange), computed once per weight after all of them.
 
-    Invariants: as `WeightGradParts` (every call runs backward in the same pass; the weights are
-    cast once to the compute `dtype`)."""
+    Each call's backward computes only its input gradient and keeps (x, dy, ends). The weights'
+    gradients come from the backward of `tapped()`, the node the calls take their weights from:
+    one grouped GEMM per weight over every call's rows, taken by expert (stable: call order, then
+    row order) with every call's padding rows left out. One product per weight instead of `count`
+    and the `count - 1` weight-sized adds autograd would make (phi35-like experts: 420 MB a weight
+    on a rank of 2, ~1.3 GB read and written per add, estimated from the bytes). Autograd runs
+    ready nodes latest-created first, so the tap's backward runs after the backward of everything
+    created after it: a pipeline creates it once its exchanges are launched, and the products run
+    under the last chunks' gradient exchanges instead of before them (Lancet sec. 4's point: no
+    backward op reads dW). Nothing is read on the host, so CUDA graphs capture it.
 
-    def mm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
-        return _PartGroupedMM.apply(x_MK, w_GKN, offs_G, self)
+    `sm_margin`: the calls' matmuls leave that many SMs to the exchanges beside them
+    (`weft.kernels.grouped_mm.leave_sms`).
 
-    def weight_grad(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, dy_MN: torch.Tensor,
-                    offs_G: torch.Tensor) -> torch.Tensor | None:
-        """Keeps this call's rows for `w`; the gradient over all calls once the last has come."""
-        kept = self._all_calls(w_GKN, (x_MK, dy_MN, offs_G))
-        if kept is None:
-            return None
-        groups = w_GKN.shape[0]
+    Invariants: every call runs backward in the same pass (each call's output feeds the loss),
+    before the tap's; the weights are cast once to the compute `dtype`, shared by the calls."""
+
+    def __init__(self, experts: Experts, count: int, dtype: torch.dtype, sm_margin: int = 0):
+        self.count, self.dtype, self.sm_margin = count, dtype, sm_margin
+        self.weights = tuple(None if w is None else w.to(dtype) for w in experts.weights())
+        self._kept: dict[int, list[tuple]] = {}
+
+    def tapped(self) -> tuple[torch.Tensor | None, ...]:
+        """The weights for the calls to take (None where the experts have none): views whose
+        backward computes every weight's gradient from the calls' kept rows."""
+        present = [i for i, w in enumerate(self.weights) if w is not None]
+        views = iter(_WeightsTap.apply(self, *(self.weights[i] for i in present)))
+        return tuple(next(views) if i in present else None for i in range(len(self.weights)))
+
+    def mm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, key: int) -> torch.Tensor:
+        """`grouped_rows_mm` whose weight gradient (of weight number `key`) the tap computes."""
+        return _PartGroupedMM.apply(x_MK, w_GKN, offs_G, key, self)
+
+    def keep(self, key: int, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> None:
+        self._kept.setdefault(key, []).append((x_MK, dy_MN, offs_G))
+
+    def weight_grad(self, key: int, groups: int) -> torch.Tensor:
+        """Weight `key`'s gradient over the rows every call kept for it."""
+        kept = self._kept.pop(key, [])
+        if len(kept) != self.count:
+            raise RuntimeError(f"GroupedWeightGradParts: {len(kept)} of {self.count} calls ran backward before "
+                               "their weights' gradient (every call's output must feed the loss)")
         # each row's group (`groups` for padding), the calls' rows back to back
         group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
                              for x, _, offs in kept])
@@ -345,28 +369,53 @@ class GroupedWeightGradParts(WeightGradParts):
         counts_G = torch.zeros(groups + 1, dtype=torch.long, device=group_R.device).scatter_add_(
             0, group_R, torch.ones_like(group_R))
         offs_G = torch.cumsum(counts_G[:groups], 0).to(torch.int32)
+        # concatenated, then gathered (two passes; writing each call's rows to their places with
+        # index_put_, one pass, ran slower: docs/benchmarks.md)
         x_MK = torch.cat([x for x, _, _ in kept]).index_select(0, order_R)
         dy_MN = torch.cat([dy for _, dy, _ in kept]).index_select(0, order_R)
-        return grouped_weights_mm(x_MK, dy_MN, offs_G)
+        with leave_sms(self.sm_margin):
+            return grouped_weights_mm(x_MK, dy_MN, offs_G)
+
+
+class _WeightsTap(torch.autograd.Function):
+    """The weights as views (forward); backward: their gradients from `GroupedWeightGradParts`'
+    kept rows (the calls give none themselves)."""
+
+    @staticmethod
+    def forward(ctx, parts, *weights):
+        ctx.set_materialize_grads(False)  # the calls return no gradient: no weight-sized zeros
+        ctx.parts, ctx.keys = parts, [i for i, w in enumerate(parts.weights) if w is not None]
+        ctx.groups = [w.shape[0] for w in weights]
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        del grads  # None: the calls keep their rows instead
+        return (None, *(ctx.parts.weight_grad(key, groups) if needed else None
+                        for key, groups, needed in zip(ctx.keys, ctx.groups, ctx.needs_input_grad[1:])))
 
 
 class _PartGroupedMM(torch.autograd.Function):
-    """y = rows of x grouped by expert times their expert's w (`grouped_rows_mm`), whose weight
-    gradient `GroupedWeightGradParts` computes over the calls."""
+    """y = rows of x grouped by expert times their expert's w (`grouped_rows_mm`); backward
+    computes the input gradient and keeps (x, dy) for `GroupedWeightGradParts`' tap."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GKN, offs_G, parts):
+    def forward(ctx, x_MK, w_GKN, offs_G, key, parts):
         ctx.save_for_backward(x_MK, w_GKN, offs_G)
-        ctx.parts = parts
-        return grouped_rows_mm(x_MK, w_GKN, offs_G)
+        ctx.key, ctx.parts = key, parts
+        with leave_sms(parts.sm_margin):
+            return grouped_rows_mm(x_MK, w_GKN, offs_G)
 
     @staticmethod
     def backward(ctx, dy_MN):
         x_MK, w_GKN, offs_G = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        dx = grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G) if ctx.needs_input_grad[0] else None
-        dw = ctx.parts.weight_grad(x_MK, w_GKN, dy_MN, offs_G) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        if ctx.needs_input_grad[1]:
+            ctx.parts.keep(ctx.key, x_MK, dy_MN, offs_G)
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None, None
+        with leave_sms(ctx.parts.sm_margin):
+            return grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G), None, None, None, None
 
 
 def source_major_bmm(x_WGMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:

@@ -67,7 +67,8 @@ class TrainConfig:
     # padded capacity), "dedup-fixed" (dedup; dropless layers in fixed-size exchanges, nothing read
     # on the host, so the step graphs) or "auto" (the fastest, timed as CUDA graphs where the step
     # is graphed, else linear or dedup by each layer's tuning dictionary; dropless with graphs
-    # allowed: that eager step against dedup-fixed as a graph, weft.train.step.choose_fixed_size)
+    # allowed: that eager step against dedup-fixed as graphs at degrees 1 and 2,
+    # weft.train.step.choose_fixed_size)
     a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"

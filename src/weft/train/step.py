@@ -15,7 +15,7 @@ import torch
 
 from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
-from weft.moe.config import FIXED_SIZE_ALGO
+from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_FORMS
 from weft.precision import training_autocast
 from weft.tune.dictionary import DEGREES, tuned_seconds
 
@@ -70,24 +70,40 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
 
 
 def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[MicroStep], float],
-                      graph_timer: StepTimer) -> tuple[bool, float, float]:
-    """`--a2a-algo auto` on dropless MoE layers with CUDA graphs allowed: the two ways the step can
-    run, each timed as it would run, and the faster kept. Eagerly, the layers read their sizes on
+                      graph_timer: StepTimer) -> tuple[str | None, float, dict[str, float]]:
+    """`--a2a-algo auto` on dropless MoE layers with CUDA graphs allowed: the ways the step can
+    run, each timed as it would run, and the fastest kept. Eagerly, the layers read their sizes on
     the host and tune linear against dedup per call (`eager_timer(eager)`: once that tuning has
-    decided); in fixed-size exchanges (dedup-fixed) the step is one CUDA graph
-    (`graph_timer(step_of, [FIXED_SIZE_ALGO])`, e.g. `weft.graphs.time_graphed`), with no launch cost
-    but exchanges sized for the worst case (T rows, T * k records per rank pair). Neither wins
-    everywhere: the graph halves a qwen2-like layer's step, while a qwen2-moe-2l step of 8 x 4096
-    tokens per GPU ran faster eagerly (docs/benchmarks.md). Both compute the plain layer's
-    function. Sets every layer's a2a_algo to the winner (FIXED_SIZE_ALGO, or back to "auto", whose
-    tuning is kept); returns (graph chosen, eager seconds, graph seconds)."""
+    decided); in fixed-size exchanges (dedup-fixed) the step is one CUDA graph, in each of
+    `FIXED_SIZE_FORMS` (degree 1, or its chunks pipelined at degree 2; `graph_timer(step_of,
+    FIXED_SIZE_FORMS)`, e.g. `weft.graphs.time_graphed`), with no launch cost but exchanges sized
+    for the worst case (T rows, T * k records per rank pair). None wins everywhere: the graph
+    halves a qwen2-like layer's step, while a qwen2-moe-2l step of 8 x 4096 tokens per GPU ran
+    faster eagerly (docs/benchmarks.md). All compute the plain layer's function. Sets every
+    layer's a2a_algo (and degree) to the winner, or back to "auto" at the degree it had, whose
+    tuning is kept; returns (the fixed-size form chosen or None, eager seconds, seconds per form)."""
+    degrees = [(moe, moe.overlap_degree) for moe in model.moe_layers()]
     eager_s = eager_timer(eager)
-    graph_s = graph_timer(with_layers_at(model, eager, "a2a_algo"), [FIXED_SIZE_ALGO])[0]
-    graphed = graph_s < eager_s
-    set_layers(model, "a2a_algo", FIXED_SIZE_ALGO if graphed else "auto")
+    graph_s = dict(zip(FIXED_SIZE_FORMS, graph_timer(with_layers_at(model, eager, "a2a_algo"), FIXED_SIZE_FORMS)))
+    best = min(graph_s, key=graph_s.__getitem__)
+    chosen = best if graph_s[best] < eager_s else None
+    set_layers(model, "a2a_algo", chosen or "auto")
+    if chosen is None:
+        for moe, degree in degrees:
+            moe.overlap_degree = degree
     for moe in model.moe_layers():
         moe.record(None)  # the last candidate's routing losses: see `with_layers_at`
-    return graphed, eager_s, graph_s
+    return chosen, eager_s, graph_s
+
+
+def _as_graphs(seconds: dict[str, float]) -> str:
+    return "as CUDA graphs " + ", ".join(f"{form} {s * 1e3:.1f} ms" for form, s in seconds.items())
+
+
+def describe_fixed_size(form: str) -> str:
+    """How the log names a form of `FIXED_SIZE_FORMS`: "a2a_algo=dedup-fixed" (at overlap_degree 2)."""
+    degree = LAYER_VALUES[("a2a_algo", form)]["overlap_degree"]
+    return f"a2a_algo={FIXED_SIZE_ALGO}" + (f" at overlap_degree {degree}" if degree > 1 else "")
 
 
 def time_tuned_eager(model: GPT, step: MicroStep, example: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -143,7 +159,10 @@ GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup", "dedup
 # Each all-to-all sets the degree first, so every step between two of them is a valid layer.
 LAYER_VALUES = {("a2a_algo", "linear"): {"overlap_degree": 1, "a2a_algo": "linear"},
                 ("a2a_algo", "dedup"): {"overlap_degree": 1, "a2a_algo": "dedup"},
-                ("a2a_algo", "dedup-d2"): {"overlap_degree": 2, "a2a_algo": "dedup"}}
+                ("a2a_algo", "dedup-d2"): {"overlap_degree": 2, "a2a_algo": "dedup"},
+                # FIXED_SIZE_FORMS
+                ("a2a_algo", "dedup-fixed"): {"overlap_degree": 1, "a2a_algo": FIXED_SIZE_ALGO},
+                ("a2a_algo", "dedup-fixed-d2"): {"overlap_degree": 2, "a2a_algo": FIXED_SIZE_ALGO}}
 
 
 def set_layers(model: GPT, setting: str, value) -> None:
@@ -196,19 +215,21 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     device = example[0].device
     blocker = graph_blocker(model, device, overlap)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
-        if mode == "on":  # a graph asked for: the dropless layers' only graphable exchange
-            set_layers(model, "a2a_algo", FIXED_SIZE_ALGO)
-            log(f"weft train: every MoE layer runs a2a_algo={FIXED_SIZE_ALGO} (dropless; --cuda-graphs on)")
+        graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
+        if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
+            chosen, seconds = choose_fastest(model, with_layers_at(model, eager, "a2a_algo"), graph_timer,
+                                             "a2a_algo", FIXED_SIZE_FORMS)
+            measured = _as_graphs(dict(zip(FIXED_SIZE_FORMS, seconds)))
+            log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; --cuda-graphs on; "
+                f"measured {measured})")
         else:
-            graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
-            graphed, eager_s, graph_s = choose_fixed_size(
+            chosen, eager_s, graph_s = choose_fixed_size(
                 model, eager, lambda step: time_tuned_eager(model, step, example), graph_timer)
-            measured = (f"eager with a2a_algo auto {eager_s * 1e3:.1f} ms, {FIXED_SIZE_ALGO} as a CUDA graph "
-                        f"{graph_s * 1e3:.1f} ms")
-            if not graphed:
+            measured = f"eager with a2a_algo auto {eager_s * 1e3:.1f} ms, {_as_graphs(graph_s)}"
+            if chosen is None:
                 log(f"weft train: eager steps, MoE layers at a2a_algo auto (dropless; measured: {measured})")
                 return MicroSteps(eager)
-            log(f"weft train: every MoE layer runs a2a_algo={FIXED_SIZE_ALGO} (dropless; measured: {measured})")
+            log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; measured: {measured})")
         blocker = graph_blocker(model, device, overlap)
     if blocker is None:
         accumulate = grad_accum > 1
