@@ -1,10 +1,10 @@
-"""Print a Chrome trace's GPU kernels as a timeline per stream, consecutive kernels merged.
+"""Print Chrome traces' GPU kernels as a timeline per stream (`weft.bench.trace.stream_timeline`).
 
     python3 scripts/trace_timeline.py TRACE.json [...]
 
 For `weft bench layer --profile-steps 1 --trace DIR` (one file per mode and rank): per stream,
 its busy milliseconds; then each run of kernels on one stream (gaps under 30 us merged, NCCL
-kernels kept apart from the rest) with its start, length, busy time, kernel count, its longest
+kernels apart from the rest) with its start, length, busy time, kernel count, its longest
 kernel's name and, for NCCL kernels, their grid (the SMs they hold). This is how the pipelined
 fixed-size exchange's overlap was read (docs/benchmarks.md, tenth session).
 """
@@ -14,38 +14,25 @@ import json
 import sys
 from collections import defaultdict
 
-GAP_US = 30  # kernels closer than this on one stream belong to one run
+from weft.bench.trace import stream_timeline
 
 
 def timeline(path: str) -> list[str]:
-    events = json.load(open(path))["traceEvents"]
-    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")), key=lambda e: e["ts"])
-    if not kernels:
+    runs = stream_timeline(json.load(open(path)))
+    if not runs:
         return [f"== {path}: no kernels"]
-    t0, t1 = kernels[0]["ts"], max(e["ts"] + e["dur"] for e in kernels)
-    busy = defaultdict(float)
-    for e in kernels:
-        busy[e["args"].get("stream")] += e["dur"]
-    lines = [f"== {path}: {len(kernels)} kernels, span {(t1 - t0) / 1e3:.2f} ms",
-             "  busy per stream (ms): " + ", ".join(f"{s}: {v / 1e3:.2f}" for s, v in busy.items())]
-    runs: list[dict] = []
-    for e in kernels:
-        key = (e["args"].get("stream"), "nccl" in e["name"].lower())
-        run = next((r for r in reversed(runs[-6:]) if r["key"] == key and e["ts"] - r["end"] < GAP_US), None)
-        if run is None:
-            runs.append(dict(key=key, start=e["ts"], end=e["ts"] + e["dur"], n=1, busy=e["dur"], top=e))
-            continue
-        run["end"] = max(run["end"], e["ts"] + e["dur"])
-        run["n"] += 1
-        run["busy"] += e["dur"]
-        if e["dur"] > run["top"]["dur"]:
-            run["top"] = e
+    t0, t1 = runs[0].start, max(r.end for r in runs)
+    busy: dict = defaultdict(float)
     for r in runs:
-        if r["end"] - r["start"] < 40 and r["n"] < 3:
+        busy[r.stream] += r.busy
+    lines = [f"== {path}: {sum(r.count for r in runs)} kernels, span {(t1 - t0) / 1e3:.2f} ms",
+             "  busy per stream (ms): " + ", ".join(f"{s}: {v / 1e3:.2f}" for s, v in busy.items())]
+    for r in runs:
+        if r.end - r.start < 40 and r.count < 3:
             continue  # a stray small kernel
-        grid = r["top"]["args"].get("grid") if r["key"][1] else ""
-        lines.append(f"  s{r['key'][0]:>4} {(r['start'] - t0) / 1e3:8.3f} +{(r['end'] - r['start']) / 1e3:7.3f} ms "
-                     f"busy {r['busy'] / 1e3:6.3f} n{r['n']:4d}  {r['top']['name'][:60]} {grid or ''}")
+        grid = r.grid if r.comm and r.grid else ""
+        lines.append(f"  s{r.stream!s:>4} {(r.start - t0) / 1e3:8.3f} +{(r.end - r.start) / 1e3:7.3f} ms "
+                     f"busy {r.busy / 1e3:6.3f} n{r.count:4d}  {r.name[:60]} {grid}")
     return lines
 
 

@@ -41,9 +41,11 @@
 #            dedup-d2, auto, then linear and dedup-d2 again), P2P disabled and NVLink (one regime per call)
 #   fixed    dropless dedup in fixed-size exchanges (a2a_algo="dedup-fixed") and auto's choice of it (issues:
 #            Overlap that pays, Hardware speed): their GPU tests, the dropless layer (FIXED_MODES, default plain /
-#            auto+graph, the faster of auto's eager call and dedup-fixed as a graph / dedup-fixed+graph and its
-#            pipelined d2 and d4 graphs) for qwen2, phi35 and mixtral, and qwen2-moe-2l dropless training (batch 8, --a2a-algo in FIXED_ALGOS: default auto, which
-#            says what it measured, then dedup), P2P disabled and NVLink (REGIMES; one regime per call fits)
+#            auto+graph, the fastest of auto's eager call and dedup-fixed as graphs at degrees 1 and 2 /
+#            dedup-fixed+graph and its pipelined d2 and d4 graphs) for qwen2, phi35 and mixtral (FIXED_TRACE=1: phi35's
+#            d2 graph profiled too, its kernel timeline per stream printed by scripts/trace_timeline.py), and
+#            qwen2-moe-2l dropless training (batch 8, --a2a-algo in FIXED_ALGOS: default auto, which says what it
+#            measured, then dedup), P2P disabled and NVLink (REGIMES; one regime per call fits)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
@@ -247,6 +249,12 @@ part_fixed() {
         --json "$1/layer_${config}_$regime.json" > "$1/layer_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 9
     done
+    if [ "${FIXED_TRACE:-0}" = 1 ]; then  # the traces stay here (large); their timelines are printed
+      $RUN bench layer --config phi35 --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
+        --modes plain,dedup-fixed-d2+graph --steps 6 --warmup 2 --profile-steps 1 --trace "/tmp/weft_trace_$regime" \
+        > "$1/trace_phi35_$regime.log" 2>&1
+      python3 scripts/trace_timeline.py /tmp/weft_trace_$regime/*d2+graph_rank0.json
+    fi
     train_algos "$1/$regime" "$regime dropless" "${FIXED_ALGOS:-auto dedup}" "a2a_algo\|eager steps" \
       --config /tmp/weft_dropless.toml
   done

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from weft.bench.trace import decompose, is_comm_kernel, kernel_intervals, merge, overlap_length
+from weft.bench.trace import decompose, is_comm_kernel, kernel_intervals, merge, overlap_length, stream_timeline
 
 
 def test_merge_and_overlap():
@@ -44,3 +44,27 @@ def test_kernel_classification_from_a_chrome_trace():
     # the copy all-reduce's parts (names as torch.profiler shows them on 2 H100s)
     assert is_comm_kernel("Memcpy PtoP (Device -> Device)") and not is_comm_kernel("Memcpy DtoD (Device -> Device)")
     assert is_comm_kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int)")
+
+
+def test_stream_timeline_merges_each_streams_back_to_back_kernels_and_keeps_nccl_apart():
+    """`stream_timeline`: kernels on one stream closer than the gap form one run (busy time, count,
+    the longest kernel's name); an NCCL kernel on that stream starts a run of its own; a gap
+    starts a new run; runs come in start order with the NCCL kernel's grid."""
+    def kernel(name, ts, dur, stream, grid=None):
+        args = {"stream": stream} if grid is None else {"stream": stream, "grid": grid}
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": args}
+
+    trace = {"traceEvents": [
+        kernel("gemm_a", 0, 100, 7), kernel("gemm_b", 110, 300, 7),  # one run: 10 us apart
+        kernel("ncclDevKernel_SendRecv", 50, 500, 9, [4, 1, 1]),
+        kernel("ncclDevKernel_SendRecv", 600, 20, 7, [4, 1, 1]),  # NCCL on stream 7: its own run
+        kernel("gemm_c", 700, 50, 7),  # 290 us after gemm_b: a new run
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # not a kernel
+    ]}
+    runs = stream_timeline(trace)
+    got = [(r.stream, r.comm, r.start, r.end, r.busy, r.count, r.name, r.grid) for r in runs]
+    assert got == [(7, False, 0, 410, 400, 2, "gemm_b", None),
+                   (9, True, 50, 550, 500, 1, "ncclDevKernel_SendRecv", [4, 1, 1]),
+                   (7, True, 600, 620, 20, 1, "ncclDevKernel_SendRecv", [4, 1, 1]),
+                   (7, False, 700, 750, 50, 1, "gemm_c", None)]
+    assert stream_timeline({"traceEvents": []}) == []

@@ -118,6 +118,51 @@ def kernel_intervals(trace: dict, is_comm=is_comm_kernel) -> tuple[list[Interval
     return comm, compute
 
 
+@dataclass
+class KernelRun:
+    """Kernels back to back on one stream (gaps under `stream_timeline`'s `gap_us`), all
+    communication or all computation: start and end (us, trace time), busy us, the kernel count,
+    and the longest kernel's length, name and grid (for NCCL, the blocks: SMs it holds)."""
+
+    stream: int | None
+    comm: bool
+    start: float
+    end: float
+    busy: float = 0.0
+    count: int = 0
+    longest: float = -1.0
+    name: str = ""
+    grid: list | None = None
+
+    def add(self, event: dict) -> None:
+        start, dur = float(event["ts"]), float(event.get("dur", 0.0))
+        self.end = max(self.end, start + dur)
+        self.busy += dur
+        self.count += 1
+        if dur > self.longest:
+            self.longest, self.name, self.grid = dur, event.get("name", ""), event.get("args", {}).get("grid")
+
+
+def stream_timeline(trace: dict, gap_us: float = 30.0) -> list[KernelRun]:
+    """The GPU kernels of a Chrome trace as runs per stream, in start order: how the streams'
+    work interleaves (e.g. a pipelined exchange: which GEMMs ran beside which NCCL kernel, and
+    how long each took there). `scripts/trace_timeline.py` prints them."""
+    kernels = sorted((e for e in trace.get("traceEvents", [])
+                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: float(e["ts"]))
+    runs: list[KernelRun] = []
+    latest: dict[tuple, KernelRun] = {}  # (stream, comm) -> its latest run
+    for event in kernels:
+        start = float(event["ts"])
+        key = (event.get("args", {}).get("stream"), is_comm_kernel(event.get("name", "")))
+        run = latest.get(key)
+        if run is None or start - run.end >= gap_us:
+            run = latest[key] = KernelRun(key[0], key[1], start, start)
+            runs.append(run)
+        run.add(event)
+    return runs
+
+
 def profile_trace(step: Callable[[], None], steps: int = 5, trace_path: str | Path | None = None) -> dict:
     """Run `step` `steps` times under the torch profiler (CPU and, where present, CUDA activity) and
     return the Chrome trace as a dict (also written to `trace_path` when given)."""
