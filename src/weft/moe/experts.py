@@ -273,28 +273,27 @@ class WeightGradParts:
 
     def __init__(self, experts: Experts, count: int, dtype: torch.dtype):
         self.count, self.dtype = count, dtype
-        self.weights = tuple(None if w is None else w.to(dtype) for w in experts.weights())
-        self._kept: dict[int, list[tuple]] = {}
-
-    def _all_calls(self, weight: torch.Tensor, rows: tuple) -> list[tuple] | None:
-        """Keeps this call's `rows` for `weight`; every call's once the last has come, else None."""
-        kept = self._kept.setdefault(id(weight), [])
-        kept.append(rows)
-        if len(kept) < self.count:
-            return None
-        return self._kept.pop(id(weight))
+        self.weights = _cast_weights(experts, dtype)
+        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def bmm(self, x_GMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:
         return _PartBmm.apply(x_GMK, b_GKN, self)
 
     def weight_grad(self, x_GMK: torch.Tensor, b_GKN: torch.Tensor, dy_GMN: torch.Tensor) -> torch.Tensor | None:
         """Keeps this call's (x, dy) for `b`; the sum over all calls once the last has come."""
-        kept = self._all_calls(b_GKN, (x_GMK, dy_GMN))
-        if kept is None:
+        kept = self._kept.setdefault(id(b_GKN), [])
+        kept.append((x_GMK, dy_GMN))
+        if len(kept) < self.count:
             return None
+        del self._kept[id(b_GKN)]
         x_GMK = torch.cat([x for x, _ in kept], dim=1)
         dy_GMN = torch.cat([dy for _, dy in kept], dim=1)
         return torch.bmm(x_GMK.transpose(1, 2), dy_GMN)
+
+
+def _cast_weights(experts: Experts, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+    """(w1, w2, w3) in the compute dtype, cast once for every call that shares them."""
+    return tuple(None if w is None else w.to(dtype) for w in experts.weights())
 
 
 class _PartBmm(torch.autograd.Function):
@@ -339,15 +338,15 @@ class GroupedWeightGradParts:
 
     def __init__(self, experts: Experts, count: int, dtype: torch.dtype, sm_margin: int = 0):
         self.count, self.dtype, self.sm_margin = count, dtype, sm_margin
-        self.weights = tuple(None if w is None else w.to(dtype) for w in experts.weights())
-        self._kept: dict[int, list[tuple]] = {}
+        self.weights = _cast_weights(experts, dtype)
+        self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
 
     def tapped(self) -> tuple[torch.Tensor | None, ...]:
         """The weights for the calls to take (None where the experts have none): views whose
         backward computes every weight's gradient from the calls' kept rows."""
-        present = [i for i, w in enumerate(self.weights) if w is not None]
-        views = iter(_WeightsTap.apply(self, *(self.weights[i] for i in present)))
-        return tuple(next(views) if i in present else None for i in range(len(self.weights)))
+        keys = [i for i, w in enumerate(self.weights) if w is not None]
+        views = iter(_WeightsTap.apply(self, keys, *(self.weights[i] for i in keys)))
+        return tuple(next(views) if i in keys else None for i in range(len(self.weights)))
 
     def mm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, key: int) -> torch.Tensor:
         """`grouped_rows_mm` whose weight gradient (of weight number `key`) the tap computes."""
@@ -382,17 +381,16 @@ class _WeightsTap(torch.autograd.Function):
     kept rows (the calls give none themselves)."""
 
     @staticmethod
-    def forward(ctx, parts, *weights):
+    def forward(ctx, parts, keys, *weights):
         ctx.set_materialize_grads(False)  # the calls return no gradient: no weight-sized zeros
-        ctx.parts, ctx.keys = parts, [i for i, w in enumerate(parts.weights) if w is not None]
-        ctx.groups = [w.shape[0] for w in weights]
+        ctx.parts, ctx.keys, ctx.groups = parts, keys, [w.shape[0] for w in weights]
         return tuple(w.view_as(w) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         del grads  # None: the calls keep their rows instead
-        return (None, *(ctx.parts.weight_grad(key, groups) if needed else None
-                        for key, groups, needed in zip(ctx.keys, ctx.groups, ctx.needs_input_grad[1:])))
+        return (None, None, *(ctx.parts.weight_grad(key, groups) if needed else None
+                              for key, groups, needed in zip(ctx.keys, ctx.groups, ctx.needs_input_grad[2:])))
 
 
 class _PartGroupedMM(torch.autograd.Function):
