@@ -41,9 +41,10 @@
 #            dedup-d2, auto, then linear and dedup-d2 again), P2P disabled and NVLink (one regime per call)
 #   fixed    dropless dedup in fixed-size exchanges (a2a_algo="dedup-fixed") and auto's choice of it (issues:
 #            Overlap that pays, Hardware speed): their GPU tests, the dropless layer (FIXED_MODES, default plain /
-#            auto+graph, the fastest of auto's eager call and dedup-fixed as graphs at degrees 1 and 2 /
-#            dedup-fixed+graph and its pipelined d2 and d4 graphs) for qwen2, phi35 and mixtral (FIXED_TRACE=1: phi35's
-#            d2 graph profiled too, its kernel timeline per stream printed by scripts/trace_timeline.py), and
+#            auto+graph, the fastest of auto's eager call and the dedup-fixed forms as graphs /
+#            dedup-fixed+graph, its pipelined d2 graph and its own-pairs-apart graph) for qwen2, phi35 and mixtral
+#            (FIXED_TRACE=1: phi35's FIXED_TRACE_MODE graph, default dedup-fixed-own+graph, profiled too, its kernel
+#            timeline per stream printed by scripts/trace_timeline.py), and
 #            qwen2-moe-2l dropless training (batch 8, --a2a-algo in FIXED_ALGOS: default auto, which says what it
 #            measured, then dedup), P2P disabled and NVLink (REGIMES; one regime per call fits)
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
@@ -238,22 +239,22 @@ train_algos() {  # DIR LABEL "ALGOS" LOG_PATTERN [TRAIN ARGS...]: qwen2-moe-2l b
 }
 
 part_fixed() {
-  gpu_tests "$1" "fixed_size or dropless_auto or dropless_training_at_auto or pipelined_dropless"
+  gpu_tests "$1" "fixed_size or dropless_auto or dropless_training_at_auto or pipelined_dropless or own_pairs_apart"
   printf '[model]\ncapacity_factor = "dropless"\n' > /tmp/weft_dropless.toml
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for config in qwen2 phi35 mixtral; do
       $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes ${FIXED_MODES:-plain,auto+graph,dedup-fixed+graph,dedup-fixed-d2+graph,dedup-fixed-d4+graph,plain,auto+graph} \
+        --modes ${FIXED_MODES:-plain,auto+graph,dedup-fixed+graph,dedup-fixed-d2+graph,dedup-fixed-own+graph,plain,auto+graph} \
         --steps 20 --warmup 5 \
         --json "$1/layer_${config}_$regime.json" > "$1/layer_${config}_$regime.log" 2>&1
       grep -v "$QUIET" "$1/layer_${config}_$regime.log" | tail -n 9
     done
     if [ "${FIXED_TRACE:-0}" = 1 ]; then  # the traces stay here (large); their timelines are printed
       $RUN bench layer --config phi35 --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain,dedup-fixed-d2+graph --steps 6 --warmup 2 --profile-steps 1 --trace "/tmp/weft_trace_$regime" \
-        > "$1/trace_phi35_$regime.log" 2>&1
-      python3 scripts/trace_timeline.py /tmp/weft_trace_$regime/*d2+graph_rank0.json
+        --modes "plain,${FIXED_TRACE_MODE:-dedup-fixed-own+graph}" --steps 6 --warmup 2 --profile-steps 1 \
+        --trace "/tmp/weft_trace_$regime" > "$1/trace_phi35_$regime.log" 2>&1
+      python3 scripts/trace_timeline.py "/tmp/weft_trace_$regime/"*"${FIXED_TRACE_MODE:-dedup-fixed-own+graph}_rank0.json"
     fi
     train_algos "$1/$regime" "$regime dropless" "${FIXED_ALGOS:-auto dedup}" "a2a_algo\|eager steps" \
       --config /tmp/weft_dropless.toml

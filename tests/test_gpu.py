@@ -282,6 +282,25 @@ def test_pipelined_dropless_dedup_in_fixed_size_exchanges_on_nccl_matches_the_re
                        timeout=600)
     assert not flat, "\n".join(flat[:15])
 
+
+@needs_cuda
+def test_dropless_dedup_with_the_own_pairs_apart_on_nccl_matches_the_reference_and_replays_as_a_graph():
+    """a2a_algo="dedup-fixed-own" on every GPU: the exchanges with static splits that leave the
+    own block out, the own pairs' experts under the returned sums' exchange, each weight's
+    gradient the own share plus the tap's; the dense reference (topk, dropless and cf 1.0, k
+    1/2/4, every activation, bf16) and the dropless step captured as one CUDA graph, equal to the
+    eager step, two runs bitwise equal."""
+    world = torch.cuda.device_count()
+    flat = run_checks(equivalence_worker, world,
+                      args=("topk", (torch.bfloat16,), "cuda", "auto", ACTIVATIONS, "dedup-fixed-own"),
+                      backend="nccl", timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup-fixed-own", 1, None),
+                       backend="nccl", timeout=600)
+    flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup-fixed-own"),
+                       backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
 @needs_cuda
 def test_dedup_exchange_on_nccl_matches_the_reference_replays_as_a_graph_and_is_bitwise_reproducible():
     """a2a_algo="dedup" on every GPU: the dense reference (topk, every capacity mode, k 1/2/4, every
@@ -330,7 +349,8 @@ def test_the_layer_benchmark_runs_dropless_auto_as_the_faster_of_its_eager_call_
     auto = {r["mode"]: r for r in json.loads(out.read_text())["results"]}["auto+graph"]
     assert auto["median_ms"] > 0 and auto["max_abs_error"] < 3e-2, auto
     times = auto["candidates_ms"]
-    assert list(times) == ["auto (eager)", "dedup-fixed (graph)", "dedup-fixed-d2 (graph)"], auto
+    assert list(times) == ["auto (eager)", "dedup-fixed (graph)", "dedup-fixed-d2 (graph)",
+                           "dedup-fixed-own (graph)"], auto
     assert all(map(math.isfinite, times.values())), auto
     assert auto["graphed"] == (min(times.values()) < times["auto (eager)"]), auto
 

@@ -3,8 +3,10 @@ against the dense reference in tests/test_moe_equivalence.py; here: the bytes it
 plain layer's outputs and gradients over training steps, what it refuses, and `weft train`."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -234,24 +236,18 @@ def test_dedup_computes_its_own_pairs_while_the_others_rows_travel():
     assert not failures, "\n".join(failures)
 
 
-def pipelined_fixed_order_worker() -> list[str]:
-    """dedup-fixed at degree 2 on a dropless call pipelines as it says: forward, both chunks' rows
-    are launched before any expert work, each chunk's sums go back before the next chunk computes;
-    backward, both returned gradients are launched first, then chunk 1's experts (their rows kept
-    for the weight gradients), the launch of its rows' gradient, then chunk 0's experts under it,
-    the launch of its rows' gradient, and only then each weight's gradient, once for both chunks
-    (relu: w1 and w2), before anything waits for the rows' gradients: under those exchanges;
-    every expert matmul, the weight gradients' too, leaves `OVERLAP_SM_MARGIN` SMs to the
-    exchanges and the setting is restored after it."""
+@contextlib.contextmanager
+def fixed_call_events() -> Iterator[list[str]]:
+    """Records, in order, what fixed-size dropless calls do: exchange launches and waits, the
+    chunks' expert calls, rows kept for the tap's weight gradients and the tap's gradients, and
+    each expert matmul with the SM margin it ran under ("mm@16": rows times weights, "dW@16": a
+    weight gradient's product)."""
     from weft.moe import experts as experts_module
 
-    rank = dist.get_rank()
-    checks = Checks(f"rank {rank}")
     events, real_launch = [], async_all_to_all._launch
     parts_class = experts_module.GroupedWeightGradParts
     real_on, real_keep, real_grad = dedup._FixedChunk.experts_on, parts_class.keep, parts_class.weight_grad
     real_rows_mm, real_weights_mm = experts_module.grouped_rows_mm, experts_module.grouped_weights_mm
-    margins = set()
 
     class Work:  # the exchange's handle, its wait recorded
         def __init__(self, work):
@@ -266,53 +262,95 @@ def pipelined_fixed_order_worker() -> list[str]:
         out, work = real_launch(x, group, out_splits, in_splits)
         return out, Work(work)
 
-    def experts_on(self, *args):
-        events.append("experts")
-        return real_on(self, *args)
+    def recorded(name, real):
+        def run(*args):
+            events.append(name)
+            return real(*args)
+        return run
 
-    def keep(self, *args):
-        events.append("kept")
-        return real_keep(self, *args)
+    def with_margin(name, real):
+        def run(*args):
+            events.append(f"{name}@{torch._C._get_sm_carveout_experimental() or 0}")
+            return real(*args)
+        return run
 
-    def weight_grad(self, *args):
-        events.append("weight grad")
-        return real_grad(self, *args)
-
-    def rows_mm(*args):
-        margins.add(torch._C._get_sm_carveout_experimental())
-        return real_rows_mm(*args)
-
-    def weights_mm(*args):
-        margins.add(torch._C._get_sm_carveout_experimental())
-        return real_weights_mm(*args)
-
-    async_all_to_all._launch, dedup._FixedChunk.experts_on = launch, experts_on
-    parts_class.keep, parts_class.weight_grad = keep, weight_grad
-    experts_module.grouped_rows_mm, experts_module.grouped_weights_mm = rows_mm, weights_mm
+    async_all_to_all._launch, dedup._FixedChunk.experts_on = launch, recorded("experts", real_on)
+    parts_class.keep, parts_class.weight_grad = recorded("kept", real_keep), recorded("weight grad", real_grad)
+    experts_module.grouped_rows_mm = with_margin("mm", real_rows_mm)
+    experts_module.grouped_weights_mm = with_margin("dW", real_weights_mm)
     try:
-        torch.manual_seed(0)
-        moe = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree=2)
-        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(rank)).requires_grad_()
-        y = moe(x)
-        forward = list(events)
-        y.square().sum().backward()
+        yield events
     finally:
         async_all_to_all._launch, dedup._FixedChunk.experts_on = real_launch, real_on
         parts_class.keep, parts_class.weight_grad = real_keep, real_grad
         experts_module.grouped_rows_mm, experts_module.grouped_weights_mm = real_rows_mm, real_weights_mm
+
+
+def fixed_call_order(**settings) -> tuple[list[str], list[str]]:
+    """The events (`fixed_call_events`) of one dropless call's forward and of its backward."""
+    with fixed_call_events() as events:
+        torch.manual_seed(0)
+        moe = MoE(DIM, HIDDEN, EXPERTS, top_k=4, capacity_factor=None, **settings)
+        x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(dist.get_rank())).requires_grad_()
+        y = moe(x)
+        forward = list(events)
+        y.square().sum().backward()
+    return forward, events[len(forward):]
+
+
+def pipelined_fixed_order_worker() -> list[str]:
+    """dedup-fixed at degree 2 on a dropless call pipelines as it says: forward, both chunks' rows
+    are launched before any expert work, each chunk's sums go back before the next chunk computes;
+    backward, both returned gradients are launched first, then chunk 1's experts (their rows kept
+    for the weight gradients), the launch of its rows' gradient, then chunk 0's experts under it,
+    the launch of its rows' gradient, and only then each weight's gradient, once for both chunks
+    (relu: w1 and w2), before anything waits for the rows' gradients: under those exchanges;
+    every expert matmul, the weight gradients' too, leaves `OVERLAP_SM_MARGIN` SMs to the
+    exchanges and the setting is restored after it."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    forward, backward = fixed_call_order(a2a_algo="dedup-fixed", overlap_degree=2)
+    margins = {e.split("@")[1] for e in forward + backward if "@" in e}
+    forward, backward = ([e for e in events if "@" not in e] for events in (forward, backward))
     want_forward = ["launch", "launch", "wait", "experts", "launch", "wait", "experts", "launch", "wait", "wait"]
     checks.expect(forward == want_forward, f"forward {forward}")
-    backward = events[len(forward):]
     expected = ["launch", "launch", "wait", "kept", "kept", "launch", "wait", "kept", "kept", "launch",
                 "weight grad", "weight grad", "wait", "wait"]
     checks.expect(backward == expected, f"backward {backward}")
-    checks.expect(margins == {dedup.OVERLAP_SM_MARGIN}, f"SM margins of the expert matmuls {margins}")
+    checks.expect(margins == {str(dedup.OVERLAP_SM_MARGIN)}, f"SM margins of the expert matmuls {margins}")
+    checks.expect(torch._C._get_sm_carveout_experimental() is None, "the SM margin is not restored")
+    return checks.failures
+
+
+def own_apart_order_worker() -> list[str]:
+    """dedup-fixed-own runs in the order its docstring gives (relu: w1 and w2; M = OVERLAP_SM_MARGIN):
+    forward, the others' rows launched and waited for, their experts on every SM, their sums
+    launched, the own pairs' experts leaving M SMs, the wait; backward, the returned gradient
+    launched, the own pairs' backward under it (each weight's share at once, then the input
+    product, leaving M SMs), its wait, the others' backward on every SM (their rows kept), the
+    launch of their rows' gradient, then the tap's two weight gradients (the others' product,
+    leaving M SMs) before that exchange is waited for."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    forward, backward = fixed_call_order(a2a_algo="dedup-fixed-own")
+    margin = dedup.OVERLAP_SM_MARGIN
+    want_forward = ["launch", "wait", "experts", "mm@0", "mm@0", "launch", "experts", f"mm@{margin}", f"mm@{margin}",
+                    "wait"]
+    checks.expect(forward == want_forward, f"forward {forward}")
+    own = [f"dW@{margin}", f"mm@{margin}"] * 2
+    expected = ["launch", *own, "wait", "kept", "mm@0", "kept", "mm@0", "launch",
+                "weight grad", f"dW@{margin}", "weight grad", f"dW@{margin}", "wait"]
+    checks.expect(backward == expected, f"backward {backward}")
     checks.expect(torch._C._get_sm_carveout_experimental() is None, "the SM margin is not restored")
     return checks.failures
 
 
 def test_dedup_fixed_pipelines_its_chunks_exchanges_with_their_experts():
     failures = run_checks(pipelined_fixed_order_worker, 2, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dedup_fixed_own_computes_the_own_pairs_under_the_others_exchanges(world_size):
+    failures = run_checks(own_apart_order_worker, world_size, timeout=300)
     assert not failures, "\n".join(failures)
 
 
@@ -358,14 +396,14 @@ def test_dedup_refuses_fewer_experts_than_ranks_and_other_r():
 
 
 def test_weft_train_with_dedup_or_auto_has_the_linear_losses(tmp_path):
-    """`weft train --a2a-algo dedup|dedup-d2|dedup-fixed|auto` (auto on the CPU: each layer's tuning
+    """`weft train --a2a-algo dedup|dedup-d2|dedup-fixed|dedup-fixed-own|auto` (auto on the CPU: each layer's tuning
     dictionary times linear and dedup, eagerly) on 2 gloo ranks: the losses of linear, padded and
     dropless (dedup-d2: padded only, and a one-line refusal dropless)."""
     corpus = write_corpus(tmp_path)
     cache = tmp_path / "cache"
     results = {}
-    runs = [(algo, shape) for algo, shape in itertools.product(("linear", "dedup", "dedup-d2", "dedup-fixed", "auto"),
-                                                                ({}, {"capacity_factor": None}))]
+    algos = ("linear", "dedup", "dedup-d2", "dedup-fixed", "dedup-fixed-own", "auto")
+    runs = list(itertools.product(algos, ({}, {"capacity_factor": None})))
     for algo, shape in runs:
         out = tmp_path / f"{algo}-{len(shape)}"
         cfg = config(corpus, out, steps=6, log_interval=1, a2a_algo=algo, model={**SMALL_MODEL, **shape})
@@ -527,7 +565,7 @@ def fixed_size_choice_worker(winner: str | None) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
     seen, losses = [], []
-    seconds = {None: 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0}
+    seconds = {None: 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0, "dedup-fixed-own": 4.0}
     seconds[winner] = 0.5
 
     def run(step) -> None:
@@ -545,13 +583,15 @@ def fixed_size_choice_worker(winner: str | None) -> list[str]:
         return [seconds[value] for value in candidates]
 
     chosen, eager_s, graph_s = choose_fixed_size(gpt, eager_micro_step(gpt, 1), eager_timer, graph_timer)
-    want_graphs = {form: seconds[form] for form in ("dedup-fixed", "dedup-fixed-d2")}
+    want_graphs = {form: seconds[form] for form in ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own")}
     checks.expect((chosen, eager_s, graph_s) == (winner, seconds[None], want_graphs),
                   f"chose {chosen} at {eager_s} / {graph_s}")
-    checks.expect(seen == [{("auto", 1)}, {(FIXED_SIZE_ALGO, 1)}, {(FIXED_SIZE_ALGO, 2)}], f"the layers ran {seen}")
+    checks.expect(seen == [{("auto", 1)}, {(FIXED_SIZE_ALGO, 1)}, {(FIXED_SIZE_ALGO, 2)}, {("dedup-fixed-own", 1)}],
+                  f"the layers ran {seen}")
     checks.expect(max(losses) - min(losses) < 1e-5, f"losses {losses}")
     now = {(moe.a2a_algo, moe.overlap_degree) for moe in gpt.moe_layers()}
-    want = {None: ("auto", 1), "dedup-fixed": (FIXED_SIZE_ALGO, 1), "dedup-fixed-d2": (FIXED_SIZE_ALGO, 2)}[winner]
+    want = {None: ("auto", 1), "dedup-fixed": (FIXED_SIZE_ALGO, 1), "dedup-fixed-d2": (FIXED_SIZE_ALGO, 2),
+            "dedup-fixed-own": ("dedup-fixed-own", 1)}[winner]
     checks.expect(now == {want}, f"the layers run {now}")
     checks.expect((graph_blocker(gpt, cuda, "none") is None) == (winner is not None),
                   "graph_blocker disagrees with the choice")
@@ -564,7 +604,7 @@ def fixed_size_choice_worker(winner: str | None) -> list[str]:
     return checks.failures
 
 
-@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", None])
+@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own", None])
 def test_auto_on_a_dropless_model_keeps_the_fastest_of_the_eager_step_and_the_fixed_size_graphs(winner):
     failures = run_checks(fixed_size_choice_worker, 2, args=(winner,), timeout=300)
     assert not failures, "\n".join(failures)
@@ -586,10 +626,10 @@ def test_layer_benchmark_times_dedup_and_its_own_pairs_last(tmp_path):
 
 
 def test_layer_benchmark_times_dedup_fixed_pipelined_against_plain(tmp_path):
-    """`weft bench layer --capacity dropless --modes plain,dedup-fixed,dedup-fixed-d2,dedup-fixed-d4`:
+    """`weft bench layer --capacity dropless --modes plain,dedup-fixed,dedup-fixed-d2,dedup-fixed-d4,dedup-fixed-own`:
     each checked against plain (to float rounding) and timed."""
     out = tmp_path / "layer.json"
-    modes = ("plain", "dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4")
+    modes = ("plain", "dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "dedup-fixed-own")
     cfg = LayerBenchConfig("tiny", 64, capacity=(None,), modes=modes, steps=2, warmup=1, json=str(out))
     run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}

@@ -72,7 +72,7 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
               overlap_degree=overlap_degree)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
     # dropless allows uneven token counts (not in fixed-size exchanges)
-    num_tokens = 12 + 4 * rank if cap is None and a2a_algo != "dedup-fixed" else 16
+    num_tokens = 12 + 4 * rank if cap is None and a2a_algo not in ("dedup-fixed", "dedup-fixed-own") else 16
     gen = torch.Generator().manual_seed(100 + rank)
     x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype).requires_grad_()
     dy = torch.randn(num_tokens, DIM, generator=gen)
@@ -152,7 +152,7 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     caps = EXPERT_CHOICE_CAPACITIES if gate == "expert_choice" else TOKEN_CHOICE_CAPACITIES
     if overlap_degree > 1 and a2a_algo == "dedup":  # dedup's own pairs computed last: padded modes
         caps = tuple(cap for cap in caps if cap is not None)
-    if a2a_algo == "dedup-fixed":  # its own path dropless; padded it is dedup (one padded mode checks that)
+    if a2a_algo in ("dedup-fixed", "dedup-fixed-own"):  # its own path dropless; padded it is dedup (one checks that)
         caps = (None, 1.0) if overlap_degree == 1 else (None,)  # pipelined: dropless
     failures = []
     if device == "cuda":
@@ -251,6 +251,17 @@ def test_pipelined_dedup_in_fixed_size_exchanges_matches_dense_reference(world_s
     bfloat16, against the dense reference."""
     flat = run_checks(equivalence_worker, world_size,
                       args=("topk", DTYPES, "cpu", "auto", ("relu", "swiglu"), "dedup-fixed", degree), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size, gate", [(1, "topk"), (2, "topk"), (4, "topk"), (4, "bpr")])
+def test_dedup_in_fixed_size_exchanges_with_the_own_pairs_apart_matches_dense_reference(world_size, gate):
+    """a2a_algo="dedup-fixed-own": the rank's own pairs out of the fixed-size exchanges (static
+    splits), computed while the others' sums return, each weight's gradient the sum of the own
+    share (computed in the own pairs' backward) and the others' (the tap's); dropless and capacity
+    1.0 (dedup there), k 1, 2 and 4, float32 and bfloat16."""
+    flat = run_checks(equivalence_worker, world_size,
+                      args=(gate, DTYPES, "cpu", "auto", ("relu", "swiglu"), "dedup-fixed-own"), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 

@@ -224,9 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "token and destination rank, the expert outputs summed there; same losses, fewer bytes), "
                          "dedup-d2 (dedup with each rank's own pairs computed while the others' rows travel in; "
                          "padded capacity), dedup-fixed (dedup; dropless layers in fixed-size exchanges, nothing "
-                         "read on the host, so CUDA graphs capture the step) or auto (the fastest, timed as CUDA "
-                         "graphs where the step is graphed; dropless: the eager step against dedup-fixed as graphs, "
-                         "unpipelined and in 2 chunks)")
+                         "read on the host, so CUDA graphs capture the step), dedup-fixed-own (the same with each "
+                         "rank's own pairs kept out of the exchanges, computed while the others' sums return) or "
+                         "auto (the fastest, timed as CUDA graphs where the step is graphed; dropless: the eager "
+                         "step against dedup-fixed as graphs, unpipelined, in 2 chunks and with the own pairs "
+                         "apart)")
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")

@@ -17,17 +17,20 @@ from weft.moe.gates import GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
 
-A2A_ALGOS = ("linear", "2dh", "dedup", "dedup-fixed", "auto")
+A2A_ALGOS = ("linear", "2dh", "dedup", "dedup-fixed", "dedup-fixed-own", "auto")
 # dropless dedup in exchanges of a fixed size (T rows, T * k records per rank pair): nothing read on
 # the host, so the call can be captured as a CUDA graph (weft.moe.dedup.dropless_fixed)
 FIXED_SIZE_ALGO = "dedup-fixed"
-# the forms `auto` times dropless layers in as CUDA graphs: dedup-fixed, and pipelined at
-# overlap_degree 2 (each chunk's exchange under the other's experts, weft.moe.dedup); the name's
-# "-d2" is the degree. Neither wins everywhere (docs/benchmarks.md: d2 on phi35-like layers with
-# P2P disabled, d1 on qwen2- and mixtral-like ones)
-FIXED_SIZE_FORMS = (FIXED_SIZE_ALGO, f"{FIXED_SIZE_ALGO}-d2")
-# the deduplicating all-to-alls (weft.moe.dedup); "dedup-fixed" differs from "dedup" in dropless calls only
-DEDUP_ALGOS = ("dedup", FIXED_SIZE_ALGO)
+# the same with a rank's own pairs left out of the exchanges and computed under the return of the
+# others' sums (weft.moe.dedup._dropless_fixed_own_apart)
+OWN_APART_ALGO = "dedup-fixed-own"
+FIXED_SIZE_ALGOS = (FIXED_SIZE_ALGO, OWN_APART_ALGO)
+# the forms `auto` times dropless layers in as CUDA graphs: dedup-fixed, pipelined at overlap_degree
+# 2 (each chunk's exchange under the other's experts, weft.moe.dedup; the name's "-d2" is the
+# degree), and with the own pairs apart. None wins everywhere (docs/benchmarks.md)
+FIXED_SIZE_FORMS = (FIXED_SIZE_ALGO, f"{FIXED_SIZE_ALGO}-d2", OWN_APART_ALGO)
+# the deduplicating all-to-alls (weft.moe.dedup); the fixed-size ones differ from "dedup" in dropless calls only
+DEDUP_ALGOS = ("dedup", *FIXED_SIZE_ALGOS)
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class MoECall:
     capacity_factor: > 0 fixed, 0 no-drop, < 0 bounded no-drop, None dropless (docs/moe.md).
     overlap_degree: Tutel's pipelining degree d, or "auto" (the tuning dictionary decides).
     a2a_algo: "linear", "2dh", "dedup" (each token sent to a rank once: `weft.moe.dedup`),
-        "dedup-fixed" (dedup; dropless calls in fixed-size exchanges, nothing read on the host) or "auto".
+        "dedup-fixed" (dedup; dropless calls in fixed-size exchanges, nothing read on the host),
+        "dedup-fixed-own" (the same, a rank's own pairs left out of the exchanges) or "auto".
     parallel_r: Tutel's r fixed by the call; None lets an "adaptive" layer tune it (r = 1 otherwise).
     communicate: False keeps every row on its rank while the local experts do the same work (the
         no-communication bound benchmarks measure); the output is then NOT the layer's function.
@@ -136,7 +140,8 @@ def check_call(call: MoECall, num_experts: int, gate: str, hidden_dim: int, expe
 
 
 def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
-    """ValueError naming what a2a_algo='dedup' or 'dedup-fixed' (`weft.moe.dedup`) cannot run with."""
+    """ValueError naming what a2a_algo='dedup', 'dedup-fixed' or 'dedup-fixed-own' (`weft.moe.dedup`) cannot
+    run with."""
     name = f"a2a_algo={call.a2a_algo!r}"
     if gate == "expert_choice":
         raise ValueError(f"{name} needs a token-choice gate: with expert choice a token takes a varying "
@@ -147,6 +152,10 @@ def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
         if call.overlap_degree == "auto":
             raise ValueError(f"{name} on a dropless call runs a given overlap_degree (1, or d > 1: Tutel's "
                              "pipelining over its fixed-size exchanges), got 'auto'")
+    elif call.a2a_algo == OWN_APART_ALGO and call.dropless:
+        if call.overlap_degree != 1:
+            raise ValueError(f"{name} on a dropless call runs overlap_degree 1 (its own pairs are its overlap; "
+                             f"a2a_algo={FIXED_SIZE_ALGO!r} pipelines chunks of tokens), got {call.overlap_degree!r}")
     elif call.overlap_degree not in (1, 2):
         raise ValueError(f"{name} runs overlap_degree 1, or 2 (a rank's own pairs computed while the "
                          f"others' rows travel in), got {call.overlap_degree!r}")

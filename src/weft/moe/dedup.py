@@ -58,7 +58,7 @@ from weft.kernels.scan import cumsum_down
 from weft.moe.dispatch import SlotRows, combine_rows, dispatch_rows
 from weft.moe.exchange.all_to_all import by_local_expert
 from weft.moe.exchange.base import ExpertPlacement, Grouped, gather_counts
-from weft.moe.experts import Experts, GroupedWeightGradParts, WeightGradParts
+from weft.moe.experts import Experts, GroupedWeightGradParts, PartCall, WeightGradParts
 from weft.moe.pipeline import chunk_bounds
 from weft.moe.routing import Routing
 from weft.profiling import stage
@@ -328,7 +328,8 @@ def dropless(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placem
 
 
 def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, placement: ExpertPlacement,
-                   top_k: int, out_dtype: torch.dtype, fused: bool, degree: int = 1) -> torch.Tensor:
+                   top_k: int, out_dtype: torch.dtype, fused: bool, degree: int = 1,
+                   own_apart: bool = False) -> torch.Tensor:
     """The dropless layer with each token sent to a rank once in exchanges of a fixed size
     (`a2a_algo="dedup-fixed"`), with nothing read on the host, so a CUDA graph captures it (the
     layout of DeepEP's low-latency kernels: buffers sized for the most a rank can receive):
@@ -356,9 +357,14 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
     computes (`weft.comm.split`: backward mirrors it). The chunks' expert calls share one weight
     gradient per weight (`GroupedWeightGradParts`), computed under the last gradient exchanges,
     and their matmuls leave `OVERLAP_SM_MARGIN` SMs to the exchanges. Same function as degree 1 (the weight
-    gradients sum each expert's rows chunk by chunk: the same terms in another order)."""
+    gradients sum each expert's rows chunk by chunk: the same terms in another order).
+
+    `own_apart` (`a2a_algo="dedup-fixed-own"`): a rank's own pairs stay out of the exchanges and
+    are computed under the return of the others' sums (`_dropless_fixed_own_apart`)."""
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
+    if own_apart and W > 1:
+        return _dropless_fixed_own_apart(tokens_TD, routing, experts, placement, top_k, out_dtype, fused)
     bounds = chunk_bounds(T, degree)
     if len(bounds) > 1:
         return _dropless_fixed_pipelined(tokens_TD, routing, experts, placement, top_k, out_dtype, fused, bounds)
@@ -392,12 +398,17 @@ class _FixedChunk:
 
     @classmethod
     def of(cls, tokens_TD: torch.Tensor, routing: Routing, start: int, end: int, top_k: int, El: int, W: int,
-           fused: bool) -> _FixedChunk:
+           fused: bool, own_last: int | None = None) -> _FixedChunk:
+        """`own_last`: this rank's group rank, whose block then comes after the others' (which
+        keep rank order); else every block in rank order."""
         T, n = tokens_TD.shape[0], end - start
         slots = slice(start * top_k, end * top_k)
         kept_S = routing.kept_S[slots] if routing.kept_S is not None else None
         pairs = Pairs.of_slots(routing.experts_S[slots], kept_S, n, top_k, El, W)
-        start_W = n * torch.arange(W, device=tokens_TD.device)  # rank r's block of n rows (and n * K records)
+        block_W = torch.arange(W, device=tokens_TD.device)
+        if own_last is not None:
+            block_W = torch.where(block_W == own_last, W - 1, block_W - (block_W > own_last).long())
+        start_W = n * block_W  # rank r's block of n rows (and n * K records)
         send_rows = pairs.send_rows(start_W, W * n)
         sent_PD = gather_slots(tokens_TD[start:end], send_rows, fused)
         # each kept slot's record at pair * K + j of its rank's block: its local expert and its
@@ -449,7 +460,7 @@ def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts
         weights = parts.tapped()
 
         def compute(rows_RD: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
-            return experts.forward_offsets_part(rows_RD, offs_E, parts, weights)
+            return experts.forward_offsets_part(rows_RD, offs_E, parts, weights, PartCall(OVERLAP_SM_MARGIN))
 
         returning = []
         for chunk, (code_R, gate_R), (received_PD, pending) in zip(chunks, records, flying):
@@ -462,3 +473,62 @@ def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts
             backs = [wait_all_to_all(back_PD, pending) for back_PD, pending in returning]
     with stage("combine"):
         return torch.cat([combine_ranks(back_PD, c.send_rows, out_dtype, fused) for c, back_PD in zip(chunks, backs)])
+
+
+def _dropless_fixed_own_apart(tokens_TD: torch.Tensor, routing: Routing, experts: Experts,
+                              placement: ExpertPlacement, top_k: int, out_dtype: torch.dtype,
+                              fused: bool) -> torch.Tensor:
+    """`dropless_fixed` with the rank's own pairs apart (`a2a_algo="dedup-fixed-own"`, W > 1).
+
+    The own pairs never need an exchange (1 / W of the expert work on average: half on 2 ranks),
+    so the exchanges carry the others' blocks only (static splits, 0 for the rank itself: nothing
+    read on the host) and the own pairs fill the time of one exchange each way:
+
+    - forward: launch the others' rows, wait, their experts, launch their sums back, the own
+      pairs' experts while those travel, wait, combine;
+    - backward (autograd runs ready nodes latest-created first): launch the returned sums'
+      gradient, the own pairs' backward under it (input gradient and, `PartCall.weight_grad_now`,
+      their share of each weight's gradient), wait, the others' input gradient, launch the
+      received rows' gradient, the others' share of each weight's gradient (the tap,
+      `GroupedWeightGradParts`, created between that exchange's launch and its wait in forward)
+      under it, and the add of the two shares, wait.
+
+    The matmuls beside an exchange (the own pairs', the tap's) leave `OVERLAP_SM_MARGIN` SMs to
+    it; the others' run on every SM. Exposed: the rows' exchange forward, and what the own pairs'
+    work does not cover of one exchange each way. It costs one weight-sized add per weight and
+    two grouped GEMMs of about half the rows where degree 1 runs one. Same function as degree 1:
+    the same rows, records and rank-order sums (`_FixedChunk` places the own block last); each
+    weight's gradient is the sum of two products (own rows, others' rows) instead of one."""
+    W, El = placement.ep_size, placement.num_local
+    T = tokens_TD.shape[0]
+    group = placement.group
+    me = group_rank(group)
+    parts = GroupedWeightGradParts(experts, 2, experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN)
+    with stage("dispatch"):
+        chunk = _FixedChunk.of(tokens_TD, routing, 0, T, top_k, El, W, fused, own_last=me)
+    rows_W = [0 if r == me else T for r in range(W)]  # the exchanges' splits: the others' blocks only
+    records_W = [n * chunk.K for n in rows_W]
+    sent, records = (W - 1) * T, (W - 1) * T * chunk.K  # where the own block starts
+    with stage("exchange"):
+        with stage("all_to_all"):
+            code_R, gate_R = exchange_records(chunk.code_R[:records], chunk.gate_R[:records], group, El * T,
+                                              records_W, records_W)
+            received_PD, pending = start_all_to_all(chunk.sent_PD[:sent], group, rows_W, rows_W)
+        # created between the rows' launch and their wait: its backward runs after the launch of
+        # the rows' gradient and before its wait
+        weights = parts.tapped()
+
+        def compute(call: PartCall) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+            return lambda rows_RD, offs_E: experts.forward_offsets_part(rows_RD, offs_E, parts, weights, call)
+
+        with stage("all_to_all"):
+            received_PD = wait_all_to_all(received_PD, pending)
+        partial_PD = chunk.experts_on(received_PD, code_R, gate_R, compute(PartCall()), W - 1, T, El, fused)
+        with stage("all_to_all"):
+            back_PD, pending = start_all_to_all(partial_PD, group, rows_W, rows_W)
+        own_PD = chunk.experts_on(chunk.sent_PD[sent:], chunk.code_R[records:], chunk.gate_R[records:],
+                                  compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=True)), 1, T, El, fused)
+        with stage("all_to_all"):
+            back_PD = wait_all_to_all(back_PD, pending)
+    with stage("combine"):
+        return combine_ranks(torch.cat([back_PD, own_PD]), chunk.send_rows, out_dtype, fused)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,22 @@ from weft.hostcopy import offsets
 from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
 from weft.ops import wgrad
 from weft.profiling import stage
+
+
+@dataclass(frozen=True)
+class PartCall:
+    """How one call of a `GroupedWeightGradParts` runs its matmuls.
+
+    sm_margin: SMs they leave to the kernels of other streams (an exchange beside them:
+        `weft.kernels.grouped_mm.leave_sms`); 0 where nothing runs beside them.
+    weight_grad_now: its backward computes its share of each weight's gradient at once (one
+        grouped product over its own rows), which the tap adds to the others'; else it keeps its
+        rows for the tap's product. For a call whose backward runs under an exchange that the
+        product helps to fill (a rank's own pairs: `weft.moe.dedup`)."""
+
+    sm_margin: int = 0
+    weight_grad_now: bool = False
+
 
 ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
@@ -193,17 +210,18 @@ class Experts(nn.Module):
             return torch.cat([out, out.new_zeros(x.shape[0] - ends[-1], out.shape[1])])
 
     def forward_offsets_part(self, x: torch.Tensor, offs_E: torch.Tensor, parts: GroupedWeightGradParts,
-                             weights: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+                             weights: tuple[torch.Tensor | None, ...], call: PartCall = PartCall()) -> torch.Tensor:
         """`forward_offsets` as one of `parts.count` calls on different rows in one backward (the
-        chunks of a pipelined fixed-size exchange), on `weights = parts.tapped()`: each call's
-        backward computes its input gradient, and the tap's backward each weight's gradient once,
-        over every call's rows (`GroupedWeightGradParts`)."""
+        chunks of a pipelined fixed-size exchange, or a rank's own pairs and the others'), on
+        `weights = parts.tapped()`: each call's backward computes its input gradient, and the
+        weights' gradients come from the tap's backward (`GroupedWeightGradParts`); `call` says
+        how this call's matmuls run (`PartCall`)."""
         with stage("experts"):
             with torch.autocast(x.device.type, enabled=False):
                 x = x.to(parts.dtype)
                 w1, w2, w3 = weights
-                h3 = parts.mm(x, w3, offs_E, 2) if w3 is not None else None
-                return parts.mm(self._hidden(parts.mm(x, w1, offs_E, 0), h3), w2, offs_E, 1)
+                h3 = parts.mm(x, w3, offs_E, 2, call) if w3 is not None else None
+                return parts.mm(self._hidden(parts.mm(x, w1, offs_E, 0, call), h3), w2, offs_E, 1, call)
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
@@ -317,20 +335,24 @@ class _PartBmm(torch.autograd.Function):
 class GroupedWeightGradParts:
     """The weight gradients of `count` calls of the same experts on rows grouped by expert in
     buffers of a fixed size, the groups' ends on the device (`Experts.forward_offsets_part`: the
-    chunks of a pipelined fixed-size exchange), computed once per weight after all of them.
+    chunks of a pipelined fixed-size exchange, or a rank's own pairs and the others'), returned
+    once per weight after all of them.
 
-    Each call's backward computes only its input gradient and keeps (x, dy, ends). The weights'
-    gradients come from the backward of `tapped()`, the node the calls take their weights from:
-    one grouped GEMM per weight over every call's rows, taken by expert (stable: call order, then
-    row order) with every call's padding rows left out. One product per weight instead of `count`
-    and the `count - 1` weight-sized adds autograd would make (phi35-like experts: 420 MB a weight
-    on a rank of 2, ~1.3 GB read and written per add, estimated from the bytes). Autograd runs
-    ready nodes latest-created first, so the tap's backward runs after the backward of everything
-    created after it: a pipeline creates it once its exchanges are launched, and the products run
-    under the last chunks' gradient exchanges instead of before them (Lancet sec. 4's point: no
-    backward op reads dW). Nothing is read on the host, so CUDA graphs capture it.
+    Each call's backward computes its input gradient and either keeps (x, dy, ends) or, with
+    `PartCall.weight_grad_now`, computes its share of each weight's gradient at once. The
+    weights' gradients come from the backward of `tapped()`, the node the calls take their
+    weights from: one grouped GEMM per weight over every keeping call's rows (with several, taken
+    by expert, stable: call order, then row order, every call's padding rows left out), plus the
+    shares computed at once. One product per weight instead of `count` and the `count - 1`
+    weight-sized adds autograd would make (phi35-like experts: 420 MB a weight on a rank of 2,
+    ~1.3 GB read and written per add, estimated from the bytes); a share computed at once costs
+    one such add, and buys a product placed under an exchange. Autograd runs ready nodes
+    latest-created first, so the tap's backward runs after the backward of everything created
+    after it: a pipeline creates it once its exchanges are launched, and the products run under
+    the last gradient exchanges instead of before them (Lancet sec. 4's point: no backward op
+    reads dW). Nothing is read on the host, so CUDA graphs capture it.
 
-    `sm_margin`: the calls' matmuls leave that many SMs to the exchanges beside them
+    `sm_margin`: SMs the tap's products leave to the exchange beside them
     (`weft.kernels.grouped_mm.leave_sms`).
 
     Invariants: every call runs backward in the same pass (each call's output feeds the loss),
@@ -340,6 +362,7 @@ class GroupedWeightGradParts:
         self.count, self.dtype, self.sm_margin = count, dtype, sm_margin
         self.weights = _cast_weights(experts, dtype)
         self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        self._done: dict[int, list[torch.Tensor]] = {}
 
     def tapped(self) -> tuple[torch.Tensor | None, ...]:
         """The weights for the calls to take (None where the experts have none): views whose
@@ -348,37 +371,55 @@ class GroupedWeightGradParts:
         views = iter(_WeightsTap.apply(self, keys, *(self.weights[i] for i in keys)))
         return tuple(next(views) if i in keys else None for i in range(len(self.weights)))
 
-    def mm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, key: int) -> torch.Tensor:
-        """`grouped_rows_mm` whose weight gradient (of weight number `key`) the tap computes."""
-        return _PartGroupedMM.apply(x_MK, w_GKN, offs_G, key, self)
+    def mm(self, x_MK: torch.Tensor, w_GKN: torch.Tensor, offs_G: torch.Tensor, key: int,
+           call: PartCall = PartCall()) -> torch.Tensor:
+        """`grouped_rows_mm` whose weight gradient (of weight number `key`) the tap returns."""
+        return _PartGroupedMM.apply(x_MK, w_GKN, offs_G, key, self, call)
 
     def keep(self, key: int, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> None:
         self._kept.setdefault(key, []).append((x_MK, dy_MN, offs_G))
 
+    def add_now(self, key: int, grad_GKN: torch.Tensor) -> None:
+        """A call's share of weight `key`'s gradient, computed in its backward."""
+        self._done.setdefault(key, []).append(grad_GKN)
+
     def weight_grad(self, key: int, groups: int) -> torch.Tensor:
-        """Weight `key`'s gradient over the rows every call kept for it."""
-        kept = self._kept.pop(key, [])
-        if len(kept) != self.count:
-            raise RuntimeError(f"GroupedWeightGradParts: {len(kept)} of {self.count} calls ran backward before "
-                               "their weights' gradient (every call's output must feed the loss)")
-        # each row's group (`groups` for padding), the calls' rows back to back
-        group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
-                             for x, _, offs in kept])
-        order_R = torch.argsort(group_R, stable=True)
-        counts_G = torch.zeros(groups + 1, dtype=torch.long, device=group_R.device).scatter_add_(
-            0, group_R, torch.ones_like(group_R))
-        offs_G = torch.cumsum(counts_G[:groups], 0).to(torch.int32)
-        # concatenated, then gathered (two passes; writing each call's rows to their places with
-        # index_put_, one pass, ran slower: docs/benchmarks.md)
-        x_MK = torch.cat([x for x, _, _ in kept]).index_select(0, order_R)
-        dy_MN = torch.cat([dy for _, dy, _ in kept]).index_select(0, order_R)
+        """Weight `key`'s gradient: the product over the rows every keeping call kept for it, plus
+        the shares computed at once."""
+        kept, done = self._kept.pop(key, []), self._done.pop(key, [])
+        if len(kept) + len(done) != self.count:
+            raise RuntimeError(f"GroupedWeightGradParts: {len(kept) + len(done)} of {self.count} calls ran backward "
+                               "before their weights' gradient (every call's output must feed the loss)")
         with leave_sms(self.sm_margin):
-            return grouped_weights_mm(x_MK, dy_MN, offs_G)
+            grad_GKN = _kept_product(kept, groups) if kept else done.pop()
+            for share in done:
+                grad_GKN.add_(share)
+        return grad_GKN
+
+
+def _kept_product(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+    """x^T dy per group over the kept calls' rows: one call's buffer as it is; several taken by
+    group into one buffer first."""
+    if len(kept) == 1:
+        x_MK, dy_MN, offs_G = kept[0]
+        return grouped_weights_mm(x_MK, dy_MN, offs_G)
+    # each row's group (`groups` for padding), the calls' rows back to back
+    group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
+                         for x, _, offs in kept])
+    order_R = torch.argsort(group_R, stable=True)
+    counts_G = torch.zeros(groups + 1, dtype=torch.long, device=group_R.device).scatter_add_(
+        0, group_R, torch.ones_like(group_R))
+    offs_G = torch.cumsum(counts_G[:groups], 0).to(torch.int32)
+    # concatenated, then gathered (two passes; writing each call's rows to their places with
+    # index_put_, one pass, ran slower: docs/benchmarks.md)
+    x_MK = torch.cat([x for x, _, _ in kept]).index_select(0, order_R)
+    dy_MN = torch.cat([dy for _, dy, _ in kept]).index_select(0, order_R)
+    return grouped_weights_mm(x_MK, dy_MN, offs_G)
 
 
 class _WeightsTap(torch.autograd.Function):
-    """The weights as views (forward); backward: their gradients from `GroupedWeightGradParts`'
-    kept rows (the calls give none themselves)."""
+    """The weights as views (forward); backward: their gradients from `GroupedWeightGradParts`
+    (the calls give none themselves)."""
 
     @staticmethod
     def forward(ctx, parts, keys, *weights):
@@ -388,32 +429,34 @@ class _WeightsTap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        del grads  # None: the calls keep their rows instead
+        del grads  # None: the calls keep their rows or shares instead
         return (None, None, *(ctx.parts.weight_grad(key, groups) if needed else None
                               for key, groups, needed in zip(ctx.keys, ctx.groups, ctx.needs_input_grad[2:])))
 
 
 class _PartGroupedMM(torch.autograd.Function):
     """y = rows of x grouped by expert times their expert's w (`grouped_rows_mm`); backward
-    computes the input gradient and keeps (x, dy) for `GroupedWeightGradParts`' tap."""
+    computes the input gradient and keeps (x, dy) for `GroupedWeightGradParts`' tap, or its
+    share of the weight gradient (`PartCall.weight_grad_now`)."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GKN, offs_G, key, parts):
+    def forward(ctx, x_MK, w_GKN, offs_G, key, parts, call):
         ctx.save_for_backward(x_MK, w_GKN, offs_G)
-        ctx.key, ctx.parts = key, parts
-        with leave_sms(parts.sm_margin):
+        ctx.key, ctx.parts, ctx.call = key, parts, call
+        with leave_sms(call.sm_margin):
             return grouped_rows_mm(x_MK, w_GKN, offs_G)
 
     @staticmethod
     def backward(ctx, dy_MN):
         x_MK, w_GKN, offs_G = ctx.saved_tensors
         dy_MN = dy_MN.contiguous()
-        if ctx.needs_input_grad[1]:
-            ctx.parts.keep(ctx.key, x_MK, dy_MN, offs_G)
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        with leave_sms(ctx.parts.sm_margin):
-            return grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G), None, None, None, None
+        with leave_sms(ctx.call.sm_margin):
+            if ctx.needs_input_grad[1] and ctx.call.weight_grad_now:
+                ctx.parts.add_now(ctx.key, grouped_weights_mm(x_MK, dy_MN, offs_G))
+            elif ctx.needs_input_grad[1]:
+                ctx.parts.keep(ctx.key, x_MK, dy_MN, offs_G)
+            dx = grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G) if ctx.needs_input_grad[0] else None
+        return dx, None, None, None, None, None
 
 
 def source_major_bmm(x_WGMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,8 @@ from weft.moe import dedup
 from weft.moe.config import (
     BALANCE_CHOICES,
     DEDUP_ALGOS,
-    FIXED_SIZE_ALGO,
+    FIXED_SIZE_ALGOS,
+    OWN_APART_ALGO,
     MoECall,
     check_layer,
     check_router_settings,
@@ -82,10 +83,11 @@ class MoE(nn.Module):
             Tutel app. A; padded modes), "dedup" (each token sent to a rank once, its outputs summed
             there: `weft.moe.dedup`), "dedup-fixed" (dedup; a dropless call's exchanges then have a
             fixed size, T rows per rank, and nothing is read on the host, so CUDA graphs capture
-            it; every rank must route the same number of tokens) or "auto" (tuned among linear, 2dh
-            and dedup); "2dh" and "auto" build process
-            groups here (collective; a layer built otherwise and switched to "auto" later tunes
-            linear and dedup only).
+            it; every rank must route the same number of tokens), "dedup-fixed-own" (the same, a rank's
+            own pairs left out of the exchanges and computed while the others' sums return) or "auto"
+            (tuned among linear, 2dh and dedup); "2dh" and "auto" build process groups here
+            (collective; a layer built otherwise and switched to "auto" later tunes linear and
+            dedup only).
         tuning: the `weft.tune.TuningDictionary` of "auto" settings (shared between layers,
             persisted if it has a path); default: a fresh in-memory one.
         parallel: "ep" (expert parallel) or "adaptive" (Tutel 3.1's switchable parallelism: r = 0
@@ -430,9 +432,9 @@ class MoE(nn.Module):
                   out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
-        if call.a2a_algo == FIXED_SIZE_ALGO and call.communicate:  # fixed-size exchanges: nothing read on the host
+        if call.a2a_algo in FIXED_SIZE_ALGOS and call.communicate:  # fixed-size exchanges: nothing read on the host
             return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
-                                        degree=call.overlap_degree)
+                                        degree=call.overlap_degree, own_apart=call.a2a_algo == OWN_APART_ALGO)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
@@ -475,7 +477,7 @@ class MoE(nn.Module):
         failure deep inside the collective library. One small all-gather; ValueError on every
         rank naming the first field that differs."""
         fixed_size = (self.gate == "expert_choice" or (call.capacity_factor is not None and call.capacity_factor > 0)
-                      or (call.a2a_algo == FIXED_SIZE_ALGO and call.dropless))
+                      or (call.a2a_algo in FIXED_SIZE_ALGOS and call.dropless))
         fields = {
             "dim": self.dim, "hidden_dim": self.hidden_dim, "num_experts": self.num_experts, "top_k": call.top_k,
             "gate": self.gate, "capacity_factor": call.capacity_factor, "activation": self.experts.activation,
@@ -494,8 +496,8 @@ class MoE(nn.Module):
             differ = (table[:, i] != codes[i]).nonzero()
             if len(differ):
                 other = int(differ[0])
-                hint = (" (padded capacity and dropless 'dedup-fixed' size the all-to-all by the local token count: "
-                        "give every rank the same number of tokens)") if name.startswith("tokens") else ""
+                hint = (" (padded capacity and dropless 'dedup-fixed(-own)' size the all-to-all by the local token "
+                        "count: give every rank the same number of tokens)") if name.startswith("tokens") else ""
                 raise ValueError(f"MoE layer differs across the expert-parallel group: {name} is {fields[name]!r} "
                                  f"here (group rank {group_rank(self.group)}) but not on group rank {other}{hint}")
         self._ranks_agree = True

@@ -27,7 +27,7 @@ CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
-TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "dedup-fixed", "auto")
+TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "dedup-fixed", "dedup-fixed-own", "auto")
 
 
 @dataclass
@@ -65,10 +65,11 @@ class TrainConfig:
     # destination rank, its outputs summed there: weft.moe.dedup; same losses, fewer bytes),
     # "dedup-d2" (dedup with each rank's own pairs computed while the others' rows travel in;
     # padded capacity), "dedup-fixed" (dedup; dropless layers in fixed-size exchanges, nothing read
-    # on the host, so the step graphs) or "auto" (the fastest, timed as CUDA graphs where the step
-    # is graphed, else linear or dedup by each layer's tuning dictionary; dropless with graphs
-    # allowed: that eager step against dedup-fixed as graphs at degrees 1 and 2,
-    # weft.train.step.choose_fixed_size)
+    # on the host, so the step graphs), "dedup-fixed-own" (the same with each rank's own pairs kept
+    # out of the exchanges, computed while the others' sums return) or "auto" (the fastest, timed as
+    # CUDA graphs where the step is graphed, else linear or dedup by each layer's tuning dictionary;
+    # dropless with graphs allowed: that eager step against dedup-fixed as graphs at degrees 1 and 2
+    # and dedup-fixed-own, weft.train.step.choose_fixed_size)
     a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"

@@ -15,7 +15,7 @@ import torch
 
 from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
-from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_FORMS
+from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, OWN_APART_ALGO
 from weft.precision import training_autocast
 from weft.tune.dictionary import DEGREES, tuned_seconds
 
@@ -60,7 +60,7 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
         return "--overlap lancet schedules its backward on the host"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
-        fixed = cf is None and (moe.a2a_algo == FIXED_SIZE_ALGO  # dropless in fixed-size exchanges
+        fixed = cf is None and (moe.a2a_algo in FIXED_SIZE_ALGOS  # dropless in fixed-size exchanges
                                 or fixed_size and moe.a2a_algo == "auto" and moe.tunes_dedup())
         if moe.gate != "expert_choice" and (cf is None or cf <= 0) and not fixed:
             return (f"MoE layer {i} runs capacity_factor={cf} ({'dropless' if cf is None else 'no-drop'}): its "
@@ -75,7 +75,7 @@ def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[Micro
     run, each timed as it would run, and the fastest kept. Eagerly, the layers read their sizes on
     the host and tune linear against dedup per call (`eager_timer(eager)`: once that tuning has
     decided); in fixed-size exchanges (dedup-fixed) the step is one CUDA graph, in each of
-    `FIXED_SIZE_FORMS` (degree 1, or its chunks pipelined at degree 2; `graph_timer(step_of,
+    `FIXED_SIZE_FORMS` (degree 1, its chunks pipelined at degree 2, or the own pairs apart; `graph_timer(step_of,
     FIXED_SIZE_FORMS)`, e.g. `weft.graphs.time_graphed`), with no launch cost but exchanges sized
     for the worst case (T rows, T * k records per rank pair). None wins everywhere: the graph
     halves a qwen2-like layer's step, while a qwen2-moe-2l step of 8 x 4096 tokens per GPU ran
@@ -102,8 +102,9 @@ def _as_graphs(seconds: dict[str, float]) -> str:
 
 def describe_fixed_size(form: str) -> str:
     """How the log names a form of `FIXED_SIZE_FORMS`: "a2a_algo=dedup-fixed" (at overlap_degree 2)."""
-    degree = LAYER_VALUES[("a2a_algo", form)]["overlap_degree"]
-    return f"a2a_algo={FIXED_SIZE_ALGO}" + (f" at overlap_degree {degree}" if degree > 1 else "")
+    values = LAYER_VALUES[("a2a_algo", form)]
+    degree = values["overlap_degree"]
+    return f"a2a_algo={values['a2a_algo']}" + (f" at overlap_degree {degree}" if degree > 1 else "")
 
 
 def time_tuned_eager(model: GPT, step: MicroStep, example: tuple[torch.Tensor, torch.Tensor]) -> float:
@@ -156,20 +157,27 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
 GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup", "dedup-d2")}
 # The layer attributes of a value that is more than the attribute it tunes: "dedup-d2" is dedup with
 # overlap_degree=2 (a rank's own pairs computed while the others' rows travel in: weft.moe.dedup).
-# Each all-to-all sets the degree first, so every step between two of them is a valid layer.
+# `set_layers` moves a layer through degree 1 (valid with every all-to-all), so every step between
+# two of them is a valid layer.
 LAYER_VALUES = {("a2a_algo", "linear"): {"overlap_degree": 1, "a2a_algo": "linear"},
                 ("a2a_algo", "dedup"): {"overlap_degree": 1, "a2a_algo": "dedup"},
                 ("a2a_algo", "dedup-d2"): {"overlap_degree": 2, "a2a_algo": "dedup"},
                 # FIXED_SIZE_FORMS
                 ("a2a_algo", "dedup-fixed"): {"overlap_degree": 1, "a2a_algo": FIXED_SIZE_ALGO},
-                ("a2a_algo", "dedup-fixed-d2"): {"overlap_degree": 2, "a2a_algo": FIXED_SIZE_ALGO}}
+                ("a2a_algo", "dedup-fixed-d2"): {"overlap_degree": 2, "a2a_algo": FIXED_SIZE_ALGO},
+                ("a2a_algo", OWN_APART_ALGO): {"overlap_degree": 1, "a2a_algo": OWN_APART_ALGO}}
 
 
 def set_layers(model: GPT, setting: str, value) -> None:
-    """Every MoE layer's `setting` at `value` (with the attributes `LAYER_VALUES` adds)."""
+    """Every MoE layer's `setting` at `value` (with the attributes `LAYER_VALUES` adds; where those
+    are an all-to-all and a degree, through degree 1, which every all-to-all runs: e.g. from
+    dedup-fixed-own, which runs degree 1 only, to dedup-fixed at degree 2)."""
+    values = LAYER_VALUES.get((setting, value), {setting: value})
     for moe in model.moe_layers():
-        for name, layer_value in LAYER_VALUES.get((setting, value), {setting: value}).items():
-            setattr(moe, name, layer_value)
+        if values.keys() == {"overlap_degree", "a2a_algo"}:
+            moe.overlap_degree = 1
+        for name in sorted(values, key=lambda name: name != "a2a_algo"):  # the all-to-all first
+            setattr(moe, name, values[name])
 
 
 def graph_candidates(model: GPT, setting: str) -> tuple:
