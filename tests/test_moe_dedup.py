@@ -381,6 +381,16 @@ def test_dedup_fixed_pipelines_dropless_calls_at_any_degree_and_padded_ones_as_d
         MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup", overlap_degree=2)
 
 
+def test_dedup_fixed_own_runs_degree_one_dropless_and_padded_calls_as_dedup():
+    """dedup-fixed-own's own pairs are its overlap: dropless it runs overlap_degree 1 only (a
+    one-line refusal names dedup-fixed for chunks); padded it is dedup, with dedup's degrees."""
+    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own")
+    for degree in (2, "auto"):
+        with pytest.raises(ValueError, match="runs overlap_degree 1 .*'dedup-fixed' pipelines chunks"):
+            MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own", overlap_degree=degree)
+    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed-own", overlap_degree=2)
+
+
 def refusals_worker() -> bool:
     moe = MoE(DIM, HIDDEN, 2, top_k=1, parallel="adaptive")
     with pytest.raises(ValueError, match="whole experts"):
