@@ -305,6 +305,6 @@ def test_auto_as_a_graph_on_a_dropless_layer_runs_the_fastest_of_eager_auto_and_
 def test_dropless_graphs_only_for_the_fixed_size_exchange():
     """A CUDA graph of a dropless call needs one that reads nothing on the host: `dedup-fixed`."""
     LayerBenchConfig("tiny", 16, capacity=(None,), modes=("plain", "dedup-fixed+graph", "auto+graph")).validate()
-    allowed = "dedup-fixed, dedup-fixed-d2, dedup-fixed-d4, dedup-fixed-own, auto graph dropless"
+    allowed = "dedup-fixed, dedup-fixed-d2, dedup-fixed-d4, dedup-fixed-own, dedup-fixed-own-d2, auto graph dropless"
     with pytest.raises(ValueError, match=f"a CUDA graph needs static shapes.*{allowed}"):
         LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph")).validate()

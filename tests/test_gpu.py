@@ -289,7 +289,7 @@ def test_dropless_dedup_with_the_own_pairs_apart_on_nccl_matches_the_reference_a
     own block out, the own pairs' experts under the returned sums' exchange, each weight's
     gradient the own share plus the tap's; the dense reference (topk, dropless and cf 1.0, k
     1/2/4, every activation, bf16) and the dropless step captured as one CUDA graph, equal to the
-    eager step, two runs bitwise equal."""
+    eager step, two runs bitwise equal; at overlap_degree 2 the reference and the graph."""
     world = torch.cuda.device_count()
     flat = run_checks(equivalence_worker, world,
                       args=("topk", (torch.bfloat16,), "cuda", "auto", ACTIVATIONS, "dedup-fixed-own"),
@@ -297,6 +297,12 @@ def test_dropless_dedup_with_the_own_pairs_apart_on_nccl_matches_the_reference_a
     flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup-fixed-own", 1, None),
                        backend="nccl", timeout=600)
     flat += run_checks(determinism_worker, world, args=((torch.bfloat16,), "cuda", "auto", "dedup-fixed-own"),
+                       backend="nccl", timeout=600)
+    # the others' pairs in two chunks (their experts leaving SMs to the next chunk's exchange)
+    flat += run_checks(equivalence_worker, world,
+                       args=("topk", (torch.bfloat16,), "cuda", "auto", ("relu", "swiglu"), "dedup-fixed-own", 2),
+                       backend="nccl", timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "dedup-fixed-own", 2, None),
                        backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 

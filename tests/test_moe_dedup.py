@@ -246,7 +246,7 @@ def fixed_call_events() -> Iterator[list[str]]:
 
     events, real_launch = [], async_all_to_all._launch
     parts_class = experts_module.GroupedWeightGradParts
-    real_on, real_keep, real_grad = dedup._FixedChunk.experts_on, parts_class.keep, parts_class.weight_grad
+    real_on, real_keep, real_grad = dedup.fixed_experts, parts_class.keep, parts_class.weight_grad
     real_rows_mm, real_weights_mm = experts_module.grouped_rows_mm, experts_module.grouped_weights_mm
 
     class Work:  # the exchange's handle, its wait recorded
@@ -274,14 +274,14 @@ def fixed_call_events() -> Iterator[list[str]]:
             return real(*args)
         return run
 
-    async_all_to_all._launch, dedup._FixedChunk.experts_on = launch, recorded("experts", real_on)
+    async_all_to_all._launch, dedup.fixed_experts = launch, recorded("experts", real_on)
     parts_class.keep, parts_class.weight_grad = recorded("kept", real_keep), recorded("weight grad", real_grad)
     experts_module.grouped_rows_mm = with_margin("mm", real_rows_mm)
     experts_module.grouped_weights_mm = with_margin("dW", real_weights_mm)
     try:
         yield events
     finally:
-        async_all_to_all._launch, dedup._FixedChunk.experts_on = real_launch, real_on
+        async_all_to_all._launch, dedup.fixed_experts = real_launch, real_on
         parts_class.keep, parts_class.weight_grad = real_keep, real_grad
         experts_module.grouped_rows_mm, experts_module.grouped_weights_mm = real_rows_mm, real_weights_mm
 
@@ -321,23 +321,26 @@ def pipelined_fixed_order_worker() -> list[str]:
     return checks.failures
 
 
-def own_apart_order_worker() -> list[str]:
+def own_apart_order_worker(degree: int) -> list[str]:
     """dedup-fixed-own runs in the order its docstring gives (relu: w1 and w2; M = OVERLAP_SM_MARGIN):
-    forward, the others' rows launched and waited for, their experts on every SM, their sums
-    launched, the own pairs' experts leaving M SMs, the wait; backward, the returned gradient
-    launched, the own pairs' backward under it (each weight's share at once, then the input
-    product, leaving M SMs), its wait, the others' backward on every SM (their rows kept), the
-    launch of their rows' gradient, then the tap's two weight gradients (the others' product,
-    leaving M SMs) before that exchange is waited for."""
+    forward, every chunk's rows launched, then per chunk its wait, the others' experts and the
+    launch of their sums, then the own pairs' experts leaving M SMs, the waits; backward, the
+    returned gradients launched, the own pairs' backward under them (each weight's share at
+    once, then the input product, leaving M SMs), then per chunk, last first, its wait, the
+    others' backward (their rows kept) and the launch of their rows' gradient, then the tap's
+    two weight gradients (the others' product, leaving M SMs) before those exchanges are waited
+    for. The others' matmuls run on every SM at one chunk (nothing beside them), leave M SMs at
+    two (the next chunk's exchange beside them)."""
     checks = Checks(f"rank {dist.get_rank()}")
-    forward, backward = fixed_call_order(a2a_algo="dedup-fixed-own")
+    forward, backward = fixed_call_order(a2a_algo="dedup-fixed-own", overlap_degree=degree)
     margin = dedup.OVERLAP_SM_MARGIN
-    want_forward = ["launch", "wait", "experts", "mm@0", "mm@0", "launch", "experts", f"mm@{margin}", f"mm@{margin}",
-                    "wait"]
+    mm, others = f"mm@{margin}", f"mm@{margin if degree > 1 else 0}"
+    want_forward = (["launch"] * degree + ["wait", "experts", others, others, "launch"] * degree
+                    + ["experts", mm, mm] + ["wait"] * degree)
     checks.expect(forward == want_forward, f"forward {forward}")
-    own = [f"dW@{margin}", f"mm@{margin}"] * 2
-    expected = ["launch", *own, "wait", "kept", "mm@0", "kept", "mm@0", "launch",
-                "weight grad", f"dW@{margin}", "weight grad", f"dW@{margin}", "wait"]
+    own = [f"dW@{margin}", mm] * 2
+    expected = (["launch"] * degree + own + ["wait", "kept", others, "kept", others, "launch"] * degree
+                + ["weight grad", f"dW@{margin}", "weight grad", f"dW@{margin}"] + ["wait"] * degree)
     checks.expect(backward == expected, f"backward {backward}")
     checks.expect(torch._C._get_sm_carveout_experimental() is None, "the SM margin is not restored")
     return checks.failures
@@ -348,9 +351,9 @@ def test_dedup_fixed_pipelines_its_chunks_exchanges_with_their_experts():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_dedup_fixed_own_computes_the_own_pairs_under_the_others_exchanges(world_size):
-    failures = run_checks(own_apart_order_worker, world_size, timeout=300)
+@pytest.mark.parametrize("world_size, degree", [(2, 1), (4, 1), (2, 2)])
+def test_dedup_fixed_own_computes_the_own_pairs_under_the_others_exchanges(world_size, degree):
+    failures = run_checks(own_apart_order_worker, world_size, args=(degree,), timeout=300)
     assert not failures, "\n".join(failures)
 
 
@@ -381,14 +384,16 @@ def test_dedup_fixed_pipelines_dropless_calls_at_any_degree_and_padded_ones_as_d
         MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup", overlap_degree=2)
 
 
-def test_dedup_fixed_own_runs_degree_one_dropless_and_padded_calls_as_dedup():
-    """dedup-fixed-own's own pairs are its overlap: dropless it runs overlap_degree 1 only (a
-    one-line refusal names dedup-fixed for chunks); padded it is dedup, with dedup's degrees."""
-    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own")
-    for degree in (2, "auto"):
-        with pytest.raises(ValueError, match="runs overlap_degree 1 .*'dedup-fixed' pipelines chunks"):
-            MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own", overlap_degree=degree)
+def test_dedup_fixed_own_takes_dropless_degrees_and_padded_calls_as_dedup():
+    """dedup-fixed-own's dropless calls take any overlap_degree (the others' pairs in chunks) but
+    not "auto"; padded it is dedup, with dedup's degrees (1, or 2: own pairs first)."""
+    for degree in (1, 2, 3):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own", overlap_degree=degree)
+    with pytest.raises(ValueError, match="on a dropless call runs a given overlap_degree"):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own", overlap_degree="auto")
     MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed-own", overlap_degree=2)
+    with pytest.raises(ValueError, match="runs overlap_degree 1, or 2"):
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed-own", overlap_degree=3)
 
 
 def refusals_worker() -> bool:
@@ -636,10 +641,10 @@ def test_layer_benchmark_times_dedup_and_its_own_pairs_last(tmp_path):
 
 
 def test_layer_benchmark_times_dedup_fixed_pipelined_against_plain(tmp_path):
-    """`weft bench layer --capacity dropless --modes plain,dedup-fixed,dedup-fixed-d2,dedup-fixed-d4,dedup-fixed-own`:
+    """`weft bench layer --capacity dropless --modes plain,dedup-fixed,...,dedup-fixed-own-d2`:
     each checked against plain (to float rounding) and timed."""
     out = tmp_path / "layer.json"
-    modes = ("plain", "dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "dedup-fixed-own")
+    modes = ("plain", "dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "dedup-fixed-own", "dedup-fixed-own-d2")
     cfg = LayerBenchConfig("tiny", 64, capacity=(None,), modes=modes, steps=2, warmup=1, json=str(out))
     run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}

@@ -265,6 +265,16 @@ def test_dedup_in_fixed_size_exchanges_with_the_own_pairs_apart_matches_dense_re
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
+@pytest.mark.parametrize("world_size, degree", [(1, 2), (2, 2), (4, 3)])
+def test_pipelined_dedup_with_the_own_pairs_apart_matches_dense_reference(world_size, degree):
+    """a2a_algo="dedup-fixed-own" at overlap_degree > 1: the others' pairs in `degree` chunks of
+    tokens (3: uneven), pipelined with their experts, the own pairs of every chunk in one call;
+    dropless, k 1, 2 and 4, float32 and bfloat16."""
+    flat = run_checks(equivalence_worker, world_size,
+                      args=("topk", DTYPES, "cpu", "auto", ("relu", "swiglu"), "dedup-fixed-own", degree), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
 def test_dedup_in_fixed_size_exchanges_with_triton_kernels_matches_dense_reference(monkeypatch):
     """The same through the row kernels in Triton's CPU interpreter, on 2 ranks."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")

@@ -73,7 +73,8 @@ PLAIN = {"overlap_degree": 1, "a2a_algo": "linear", "parallel": 1}
 # (weft.moe.dedup; `dedup-fixed`: dropless in fixed-size exchanges, nothing read on the host, so
 # its dropless step graphs too; `dedup-fixed-dN`: those exchanges in N chunks of tokens, Tutel's
 # pipelining, dropless; padded: dedup at that degree, d2 only; `dedup-fixed-own`: a rank's own pairs
-# left out of those exchanges, computed while the others' sums return; padded: dedup); `r0`:
+# left out of those exchanges, computed while the others' sums return, `-d2` the others' in 2 chunks;
+# padded: dedup); `r0`:
 # data-parallel experts (Tutel 3.1, r = 0); `rN` (N > 1, fewer experts than ranks): N model-parallel
 # slices per expert (fig. 7); `auto`: Tutel 3.3's tuning
 # dictionary picks among them. `torch`: plain with PyTorch's index ops for dispatch and combine (the
@@ -95,6 +96,7 @@ MODES: dict[str, dict] = {
     "dedup-fixed-d2": {**PLAIN, "a2a_algo": "dedup-fixed", "overlap_degree": 2},
     "dedup-fixed-d4": {**PLAIN, "a2a_algo": "dedup-fixed", "overlap_degree": 4},
     "dedup-fixed-own": {**PLAIN, "a2a_algo": "dedup-fixed-own"},
+    "dedup-fixed-own-d2": {**PLAIN, "a2a_algo": "dedup-fixed-own", "overlap_degree": 2},
     "r0": {**PLAIN, "parallel": 0},
     "r1": PLAIN,
     "r2": {**PLAIN, "parallel": 2},
@@ -128,7 +130,7 @@ PEER_MODES = ("torchtitan", "megatron")
 GRAPH_SUFFIX = "+graph"
 # the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed (at degree 1
 # or 2, or with the own pairs apart) where that is faster than its eager call (`graphed_auto_dropless`)
-GRAPHS_DROPLESS = ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "dedup-fixed-own", "auto")
+GRAPHS_DROPLESS = ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "dedup-fixed-own", "dedup-fixed-own-d2", "auto")
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -238,7 +240,8 @@ class LayerBenchConfig:
                                  "rank's own pairs computed while the others' rows travel in; padded), "
                                  "dedup-fixed (dedup, dropless in fixed-size exchanges: graphs dropless), "
                                  "dedup-fixed-d2/d4 (those exchanges pipelined in 2/4 chunks of tokens), "
-                                 "dedup-fixed-own (a rank's own pairs kept out of them), "
+                                 "dedup-fixed-own(-d2) (a rank's own pairs kept out of them; the others' in 2 "
+                                 "chunks), "
                                  "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "

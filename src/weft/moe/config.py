@@ -148,14 +148,10 @@ def check_dedup(call: MoECall, gate: str, expert_shards: int) -> None:
                          "number of slots")
     if expert_shards > 1:
         raise ValueError(f"{name} needs whole experts on each rank (num_experts >= the expert-parallel size)")
-    if call.a2a_algo == FIXED_SIZE_ALGO and call.dropless:
+    if call.a2a_algo in FIXED_SIZE_ALGOS and call.dropless:
         if call.overlap_degree == "auto":
             raise ValueError(f"{name} on a dropless call runs a given overlap_degree (1, or d > 1: Tutel's "
                              "pipelining over its fixed-size exchanges), got 'auto'")
-    elif call.a2a_algo == OWN_APART_ALGO and call.dropless:
-        if call.overlap_degree != 1:
-            raise ValueError(f"{name} on a dropless call runs overlap_degree 1 (its own pairs are its overlap; "
-                             f"a2a_algo={FIXED_SIZE_ALGO!r} pipelines chunks of tokens), got {call.overlap_degree!r}")
     elif call.overlap_degree not in (1, 2):
         raise ValueError(f"{name} runs overlap_degree 1, or 2 (a rank's own pairs computed while the "
                          f"others' rows travel in), got {call.overlap_degree!r}")

@@ -360,12 +360,13 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
     gradients sum each expert's rows chunk by chunk: the same terms in another order).
 
     `own_apart` (`a2a_algo="dedup-fixed-own"`): a rank's own pairs stay out of the exchanges and
-    are computed under the return of the others' sums (`_dropless_fixed_own_apart`)."""
+    are computed under the return of the others' sums, the others' pipelined at `degree`
+    (`_dropless_fixed_own_apart`)."""
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
-    if own_apart and W > 1:
-        return _dropless_fixed_own_apart(tokens_TD, routing, experts, placement, top_k, out_dtype, fused)
     bounds = chunk_bounds(T, degree)
+    if own_apart and W > 1:
+        return _dropless_fixed_own_apart(tokens_TD, routing, experts, placement, top_k, out_dtype, fused, bounds)
     if len(bounds) > 1:
         return _dropless_fixed_pipelined(tokens_TD, routing, experts, placement, top_k, out_dtype, fused, bounds)
     group = placement.group
@@ -422,23 +423,32 @@ class _FixedChunk:
     def experts_on(self, received_PD: torch.Tensor, code_R: torch.Tensor, gate_R: torch.Tensor,
                    compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], W: int, T: int, El: int,
                    fused: bool) -> torch.Tensor:
-        """On the experts' rank: this chunk's received pair rows (source s's from row s * tokens)
-        and records -> each pair's gate-weighted sum of its experts' outputs, by `compute(rows,
-        ends)` on the rows grouped by local expert."""
-        n, K = self.tokens, self.K
-        size = W * n * K
-        # record i (source i // (n * K)) is slot i of the received rows (pair i // K). The experts take
-        # them by local expert, then source, then position: the plain layer's order of rows (the same
-        # rounding in the weight gradients' sums); the padding last.
-        expert_R = torch.where(code_R >= 0, code_R // T, El)
-        source_R = torch.arange(size, device=code_R.device) // (n * K)
-        order_R = torch.argsort((expert_R * W + source_R) * T + code_R % T, stable=True)
-        counts_E = torch.zeros(El + 1, dtype=torch.long, device=code_R.device).scatter_add_(0, expert_R,
-                                                                                          torch.ones_like(expert_R))
-        offs_E = torch.cumsum(counts_E[:El], 0).to(torch.int32)
-        slot_R = torch.where(expert_R.index_select(0, order_R) < El, order_R, -1)
-        return experts_on_pairs(received_PD, slot_R, gate_R.index_select(0, order_R), W * n, K,
-                                lambda rows_RD: compute(rows_RD, offs_E), fused)
+        """On the experts' rank: this chunk's received pair rows (W sources' blocks of `tokens`
+        rows, source s's from row s * tokens) and records -> each pair's gate-weighted sum of its
+        experts' outputs (`fixed_experts`)."""
+        return fixed_experts(received_PD, code_R, gate_R, compute, W, self.tokens, self.K, T, El, fused)
+
+
+def fixed_experts(received_PD: torch.Tensor, code_R: torch.Tensor, gate_R: torch.Tensor,
+                  compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sources: int, n: int, K: int, T: int,
+                  El: int, fused: bool) -> torch.Tensor:
+    """The experts of a fixed-size exchange on `sources` blocks of n pair rows (`received_PD`) and
+    their n * K records each (`code_R`: `expert * T + position`, -1 unused; `gate_R`): each pair's
+    gate-weighted sum of its experts' outputs, by `compute(rows, ends)` on the rows grouped by
+    local expert."""
+    size = sources * n * K
+    # record i (source i // (n * K)) is slot i of the received rows (pair i // K). The experts take
+    # them by local expert, then source, then position: the plain layer's order of rows (the same
+    # rounding in the weight gradients' sums); the padding last.
+    expert_R = torch.where(code_R >= 0, code_R // T, El)
+    source_R = torch.arange(size, device=code_R.device) // (n * K)
+    order_R = torch.argsort((expert_R * sources + source_R) * T + code_R % T, stable=True)
+    counts_E = torch.zeros(El + 1, dtype=torch.long, device=code_R.device).scatter_add_(0, expert_R,
+                                                                                      torch.ones_like(expert_R))
+    offs_E = torch.cumsum(counts_E[:El], 0).to(torch.int32)
+    slot_R = torch.where(expert_R.index_select(0, order_R) < El, order_R, -1)
+    return experts_on_pairs(received_PD, slot_R, gate_R.index_select(0, order_R), sources * n, K,
+                            lambda rows_RD: compute(rows_RD, offs_E), fused)
 
 
 def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts: Experts,
@@ -476,59 +486,78 @@ def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts
 
 
 def _dropless_fixed_own_apart(tokens_TD: torch.Tensor, routing: Routing, experts: Experts,
-                              placement: ExpertPlacement, top_k: int, out_dtype: torch.dtype,
-                              fused: bool) -> torch.Tensor:
-    """`dropless_fixed` with the rank's own pairs apart (`a2a_algo="dedup-fixed-own"`, W > 1).
+                              placement: ExpertPlacement, top_k: int, out_dtype: torch.dtype, fused: bool,
+                              bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """`dropless_fixed` with the rank's own pairs apart (`a2a_algo="dedup-fixed-own"`, W > 1),
+    the others' exchanged in len(bounds) chunks of tokens.
 
     The own pairs never need an exchange (1 / W of the expert work on average: half on 2 ranks),
     so the exchanges carry the others' blocks only (static splits, 0 for the rank itself: nothing
-    read on the host) and the own pairs fill the time of one exchange each way:
+    read on the host) and the own pairs fill the time of exchanges each way:
 
-    - forward: launch the others' rows, wait, their experts, launch their sums back, the own
-      pairs' experts while those travel, wait, combine;
-    - backward (autograd runs ready nodes latest-created first): launch the returned sums'
-      gradient, the own pairs' backward under it (input gradient and, `PartCall.weight_grad_now`,
-      their share of each weight's gradient), wait, the others' input gradient, launch the
-      received rows' gradient, the others' share of each weight's gradient (the tap,
-      `GroupedWeightGradParts`, created between that exchange's launch and its wait in forward)
-      under it, and the add of the two shares, wait.
+    - forward: launch every chunk's rows to the others; per chunk, wait for its rows, run their
+      experts and launch their sums back (Tutel's pipelining at degree > 1: a chunk's experts
+      under the next chunk's rows); then the own pairs of every chunk, in one call, while the
+      sums travel; wait, combine;
+    - backward (autograd runs ready nodes latest-created first): launch every returned gradient,
+      the own pairs' backward under them (input gradient and, `PartCall.weight_grad_now`, their
+      share of each weight's gradient); per chunk, last first, wait, the others' input gradient,
+      launch their rows' gradient; then the others' share of each weight's gradient (the tap,
+      `GroupedWeightGradParts`, created after the rows' launches in forward) under the last
+      exchanges, and the add of the own share; wait.
 
-    The matmuls beside an exchange (the own pairs', the tap's) leave `OVERLAP_SM_MARGIN` SMs to
-    it; the others' run on every SM. Exposed: the rows' exchange forward, and what the own pairs'
-    work does not cover of one exchange each way. It costs one weight-sized add per weight and
-    two grouped GEMMs of about half the rows where degree 1 runs one. Same function as degree 1:
-    the same rows, records and rank-order sums (`_FixedChunk` places the own block last); each
-    weight's gradient is the sum of two products (own rows, others' rows) instead of one."""
+    The matmuls beside an exchange leave `OVERLAP_SM_MARGIN` SMs to it: the own pairs', the
+    tap's, and, with several chunks, the others'. Exposed at one chunk: the rows' exchange
+    forward and what the own pairs' work does not cover of one exchange each way. It costs one
+    weight-sized add per weight, and the own pairs as a second grouped GEMM per weight. Same
+    function as degree 1: the same rows, records and rank-order sums (`_FixedChunk` places each
+    chunk's own block last); each weight's gradient is the sum of two products (own rows, others'
+    rows) instead of one."""
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
     group = placement.group
     me = group_rank(group)
-    parts = GroupedWeightGradParts(experts, 2, experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN)
+    parts = GroupedWeightGradParts(experts, len(bounds) + 1, experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN)
+    others_call = PartCall(OVERLAP_SM_MARGIN if len(bounds) > 1 else 0)  # alone at one chunk
     with stage("dispatch"):
-        chunk = _FixedChunk.of(tokens_TD, routing, 0, T, top_k, El, W, fused, own_last=me)
-    rows_W = [0 if r == me else T for r in range(W)]  # the exchanges' splits: the others' blocks only
-    records_W = [n * chunk.K for n in rows_W]
-    sent, records = (W - 1) * T, (W - 1) * T * chunk.K  # where the own block starts
+        chunks = [_FixedChunk.of(tokens_TD, routing, a, b, top_k, El, W, fused, own_last=me) for a, b in bounds]
+    K = chunks[0].K
+    # each chunk's exchanges carry the others' blocks: a prefix of its buffers, the own block after
+    rows_of = [[0 if r == me else c.tokens for r in range(W)] for c in chunks]
+    cuts = [(W - 1) * c.tokens for c in chunks]
     with stage("exchange"):
         with stage("all_to_all"):
-            code_R, gate_R = exchange_records(chunk.code_R[:records], chunk.gate_R[:records], group, El * T,
-                                              records_W, records_W)
-            received_PD, pending = start_all_to_all(chunk.sent_PD[:sent], group, rows_W, rows_W)
-        # created between the rows' launch and their wait: its backward runs after the launch of
-        # the rows' gradient and before its wait
+            records = [exchange_records(c.code_R[:cut * K], c.gate_R[:cut * K], group, El * T,
+                                        [n * K for n in rows_W], [n * K for n in rows_W])
+                       for c, cut, rows_W in zip(chunks, cuts, rows_of)]  # small; first
+            flying = [start_all_to_all(c.sent_PD[:cut], group, rows_W, rows_W)
+                      for c, cut, rows_W in zip(chunks, cuts, rows_of)]
+        # created after the rows' launches and before their waits: its backward runs after the
+        # launch of the rows' gradients and before their waits
         weights = parts.tapped()
 
         def compute(call: PartCall) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
             return lambda rows_RD, offs_E: experts.forward_offsets_part(rows_RD, offs_E, parts, weights, call)
 
+        returning = []
+        for chunk, (code_R, gate_R), (received_PD, pending), rows_W in zip(chunks, records, flying, rows_of):
+            with stage("all_to_all"):
+                received_PD = wait_all_to_all(received_PD, pending)
+            partial_PD = chunk.experts_on(received_PD, code_R, gate_R, compute(others_call), W - 1, T, El, fused)
+            with stage("all_to_all"):
+                returning.append(start_all_to_all(partial_PD, group, rows_W, rows_W))
+        # every chunk's own block, one call: chunk [a, b)'s n = b - a pairs rows at a, records at a * K
+        own_PD = fixed_experts(_joined([c.sent_PD[cut:] for c, cut in zip(chunks, cuts)]),
+                               _joined([c.code_R[cut * K:] for c, cut in zip(chunks, cuts)]),
+                               _joined([c.gate_R[cut * K:] for c, cut in zip(chunks, cuts)]),
+                               compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=True)), 1, T, K, T, El, fused)
         with stage("all_to_all"):
-            received_PD = wait_all_to_all(received_PD, pending)
-        partial_PD = chunk.experts_on(received_PD, code_R, gate_R, compute(PartCall()), W - 1, T, El, fused)
-        with stage("all_to_all"):
-            back_PD, pending = start_all_to_all(partial_PD, group, rows_W, rows_W)
-        own_PD = chunk.experts_on(chunk.sent_PD[sent:], chunk.code_R[records:], chunk.gate_R[records:],
-                                  compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=True)), 1, T, El, fused)
-        with stage("all_to_all"):
-            back_PD = wait_all_to_all(back_PD, pending)
+            backs = [wait_all_to_all(back_PD, pending) for back_PD, pending in returning]
     with stage("combine"):
-        return combine_ranks(torch.cat([back_PD, own_PD]), chunk.send_rows, out_dtype, fused)
+        return _joined([combine_ranks(torch.cat([back_PD, own_PD[a:b]]), c.send_rows, out_dtype, fused)
+                        for c, back_PD, (a, b) in zip(chunks, backs, bounds)])
+
+
+def _joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors concatenated along dim 0 (one: itself, no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
