@@ -39,7 +39,9 @@ gradients of all pairs (computed once, `WeightGradParts`) under the same exchang
 capacity into chunks as Tutel does would undo the deduplication (each chunk's block would be
 bounded by T again), so the overlap here is by source: it hides up to the own share (1 / W) of
 the experts' forward and input-gradient time, and their weight gradients, under one exchange
-each way.
+each way. Dropless calls in fixed-size exchanges keep the own pairs home too
+(`a2a_algo="dedup-fixed-own"`, `_dropless_fixed_own_apart`), computed under the return of the
+others' sums instead, so that in backward their work fills the returned gradient's exchange.
 """
 from __future__ import annotations
 
