@@ -370,30 +370,24 @@ def test_dedup_refuses_what_it_cannot_run(settings, message):
         MoE(DIM, HIDDEN, EXPERTS, top_k=2, a2a_algo="dedup", **settings)
 
 
-def test_dedup_fixed_pipelines_dropless_calls_at_any_degree_and_padded_ones_as_dedup():
-    """dedup-fixed's dropless calls take any overlap_degree (Tutel's chunks over the fixed-size
-    exchange) but not "auto"; padded it is dedup, with dedup's degrees (1, or 2: own pairs first)."""
+@pytest.mark.parametrize("algo", ["dedup-fixed", "dedup-fixed-own"])
+def test_fixed_size_dedup_pipelines_dropless_calls_at_any_degree_and_padded_ones_as_dedup(algo):
+    """dedup-fixed's and dedup-fixed-own's dropless calls take any overlap_degree (Tutel's chunks
+    over the fixed-size exchange; with the own pairs apart, the others' pairs in chunks) but not
+    "auto"; padded they are dedup, with dedup's degrees (1, or 2: own pairs first)."""
     for degree in (1, 2, 3, 8):
-        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree=degree)
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo=algo, overlap_degree=degree)
     with pytest.raises(ValueError, match="on a dropless call runs a given overlap_degree"):
-        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed", overlap_degree="auto")
-    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed", overlap_degree=2)
-    with pytest.raises(ValueError, match="runs overlap_degree 1, or 2"):
-        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed", overlap_degree=4)
+        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo=algo, overlap_degree="auto")
+    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo=algo, overlap_degree=2)
+    for degree in (3, 4):
+        with pytest.raises(ValueError, match="runs overlap_degree 1, or 2"):
+            MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo=algo, overlap_degree=degree)
+
+
+def test_dedup_pipelines_dropless_calls_only_in_fixed_size_exchanges():
     with pytest.raises(ValueError, match="pipelines dropless calls"):
         MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup", overlap_degree=2)
-
-
-def test_dedup_fixed_own_takes_dropless_degrees_and_padded_calls_as_dedup():
-    """dedup-fixed-own's dropless calls take any overlap_degree (the others' pairs in chunks) but
-    not "auto"; padded it is dedup, with dedup's degrees (1, or 2: own pairs first)."""
-    for degree in (1, 2, 3):
-        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own", overlap_degree=degree)
-    with pytest.raises(ValueError, match="on a dropless call runs a given overlap_degree"):
-        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=None, a2a_algo="dedup-fixed-own", overlap_degree="auto")
-    MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed-own", overlap_degree=2)
-    with pytest.raises(ValueError, match="runs overlap_degree 1, or 2"):
-        MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=1.0, a2a_algo="dedup-fixed-own", overlap_degree=3)
 
 
 def refusals_worker() -> bool:

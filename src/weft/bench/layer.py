@@ -39,7 +39,7 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
-from weft.moe.config import FIXED_SIZE_FORMS
+from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS
 from weft.overlap import measure_layer_cost_model, with_copy_overhead
 from weft.profiling import stage
 from weft.tune import Setting, run_until_tuned, tuned_seconds
@@ -130,7 +130,7 @@ PEER_MODES = ("torchtitan", "megatron")
 GRAPH_SUFFIX = "+graph"
 # the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed (at degree 1
 # or 2, or with the own pairs apart) where that is faster than its eager call (`graphed_auto_dropless`)
-GRAPHS_DROPLESS = ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-d4", "dedup-fixed-own", "dedup-fixed-own-d2", "auto")
+GRAPHS_DROPLESS = (*(mode for mode, call in MODES.items() if call.get("a2a_algo") in FIXED_SIZE_ALGOS), "auto")
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 

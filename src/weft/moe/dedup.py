@@ -378,7 +378,7 @@ def dropless_fixed(tokens_TD: torch.Tensor, routing: Routing, experts: Experts, 
         with stage("all_to_all"):
             received_PD = all_to_all(chunk.sent_PD, group)  # source s's pairs from row s * T
             code_R, gate_R = exchange_records(chunk.code_R, chunk.gate_R, group, El * T)
-        partial_PD = chunk.experts_on(received_PD, code_R, gate_R, experts.forward_offsets, W, T, El, fused)
+        partial_PD = fixed_experts(received_PD, code_R, gate_R, experts.forward_offsets, W, T, chunk.K, T, El, fused)
         with stage("all_to_all"):
             back_PD = all_to_all(partial_PD, group)
     with stage("combine"):
@@ -422,22 +422,14 @@ class _FixedChunk:
         gate_R = scatter_slots(routing.gates_S[slots], at_S, size)
         return cls(n, pairs.K, send_rows, sent_PD, code_R, gate_R)
 
-    def experts_on(self, received_PD: torch.Tensor, code_R: torch.Tensor, gate_R: torch.Tensor,
-                   compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], W: int, T: int, El: int,
-                   fused: bool) -> torch.Tensor:
-        """On the experts' rank: this chunk's received pair rows (W sources' blocks of `tokens`
-        rows, source s's from row s * tokens) and records -> each pair's gate-weighted sum of its
-        experts' outputs (`fixed_experts`)."""
-        return fixed_experts(received_PD, code_R, gate_R, compute, W, self.tokens, self.K, T, El, fused)
-
 
 def fixed_experts(received_PD: torch.Tensor, code_R: torch.Tensor, gate_R: torch.Tensor,
                   compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sources: int, n: int, K: int, T: int,
                   El: int, fused: bool) -> torch.Tensor:
-    """The experts of a fixed-size exchange on `sources` blocks of n pair rows (`received_PD`) and
-    their n * K records each (`code_R`: `expert * T + position`, -1 unused; `gate_R`): each pair's
-    gate-weighted sum of its experts' outputs, by `compute(rows, ends)` on the rows grouped by
-    local expert."""
+    """On the experts' rank of a fixed-size exchange (a `_FixedChunk` of n tokens): `sources`
+    blocks of n pair rows (`received_PD`, source s's from row s * n) and their n * K records each
+    (`code_R`: `expert * T + position`, -1 unused; `gate_R`) -> each pair's gate-weighted sum of
+    its experts' outputs, by `compute(rows, ends)` on the rows grouped by local expert."""
     size = sources * n * K
     # record i (source i // (n * K)) is slot i of the received rows (pair i // K). The experts take
     # them by local expert, then source, then position: the plain layer's order of rows (the same
@@ -478,7 +470,7 @@ def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts
         for chunk, (code_R, gate_R), (received_PD, pending) in zip(chunks, records, flying):
             with stage("all_to_all"):
                 received_PD = wait_all_to_all(received_PD, pending)
-            partial_PD = chunk.experts_on(received_PD, code_R, gate_R, compute, W, T, El, fused)
+            partial_PD = fixed_experts(received_PD, code_R, gate_R, compute, W, chunk.tokens, chunk.K, T, El, fused)
             with stage("all_to_all"):
                 returning.append(start_all_to_all(partial_PD, group))
         with stage("all_to_all"):
@@ -545,7 +537,8 @@ def _dropless_fixed_own_apart(tokens_TD: torch.Tensor, routing: Routing, experts
         for chunk, (code_R, gate_R), (received_PD, pending), rows_W in zip(chunks, records, flying, rows_of):
             with stage("all_to_all"):
                 received_PD = wait_all_to_all(received_PD, pending)
-            partial_PD = chunk.experts_on(received_PD, code_R, gate_R, compute(others_call), W - 1, T, El, fused)
+            partial_PD = fixed_experts(received_PD, code_R, gate_R, compute(others_call), W - 1, chunk.tokens, K, T, El,
+                                       fused)
             with stage("all_to_all"):
                 returning.append(start_all_to_all(partial_PD, group, rows_W, rows_W))
         # every chunk's own block, one call: chunk [a, b)'s n = b - a pairs rows at a, records at a * K

@@ -157,15 +157,15 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
 GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup", "dedup-d2")}
 # The layer attributes of a value that is more than the attribute it tunes: "dedup-d2" is dedup with
 # overlap_degree=2 (a rank's own pairs computed while the others' rows travel in: weft.moe.dedup).
-# `set_layers` moves a layer through degree 1 (valid with every all-to-all), so every step between
-# two of them is a valid layer.
-LAYER_VALUES = {("a2a_algo", "linear"): {"overlap_degree": 1, "a2a_algo": "linear"},
-                ("a2a_algo", "dedup"): {"overlap_degree": 1, "a2a_algo": "dedup"},
-                ("a2a_algo", "dedup-d2"): {"overlap_degree": 2, "a2a_algo": "dedup"},
+# `set_layers` moves a layer through degree 1 (valid with every all-to-all), then sets the values in
+# this order, the all-to-all first, so every step between two of them is a valid layer.
+LAYER_VALUES = {("a2a_algo", "linear"): {"a2a_algo": "linear", "overlap_degree": 1},
+                ("a2a_algo", "dedup"): {"a2a_algo": "dedup", "overlap_degree": 1},
+                ("a2a_algo", "dedup-d2"): {"a2a_algo": "dedup", "overlap_degree": 2},
                 # FIXED_SIZE_FORMS
-                ("a2a_algo", "dedup-fixed"): {"overlap_degree": 1, "a2a_algo": FIXED_SIZE_ALGO},
-                ("a2a_algo", "dedup-fixed-d2"): {"overlap_degree": 2, "a2a_algo": FIXED_SIZE_ALGO},
-                ("a2a_algo", OWN_APART_ALGO): {"overlap_degree": 1, "a2a_algo": OWN_APART_ALGO}}
+                ("a2a_algo", "dedup-fixed"): {"a2a_algo": FIXED_SIZE_ALGO, "overlap_degree": 1},
+                ("a2a_algo", "dedup-fixed-d2"): {"a2a_algo": FIXED_SIZE_ALGO, "overlap_degree": 2},
+                ("a2a_algo", OWN_APART_ALGO): {"a2a_algo": OWN_APART_ALGO, "overlap_degree": 1}}
 
 
 def set_layers(model: GPT, setting: str, value) -> None:
@@ -174,10 +174,10 @@ def set_layers(model: GPT, setting: str, value) -> None:
     dedup-fixed-own, which runs degree 1 only, to dedup-fixed at degree 2)."""
     values = LAYER_VALUES.get((setting, value), {setting: value})
     for moe in model.moe_layers():
-        if values.keys() == {"overlap_degree", "a2a_algo"}:
+        if "overlap_degree" in values:
             moe.overlap_degree = 1
-        for name in sorted(values, key=lambda name: name != "a2a_algo"):  # the all-to-all first
-            setattr(moe, name, values[name])
+        for name, layer_value in values.items():
+            setattr(moe, name, layer_value)
 
 
 def graph_candidates(model: GPT, setting: str) -> tuple:
