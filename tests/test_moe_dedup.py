@@ -132,7 +132,7 @@ def test_dedup_sends_each_token_to_a_rank_once(world_size):
 def close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, scaled: bool) -> bool:
     """Equal to float rounding: `rtol` per element and an absolute 1e-6; `scaled`, 1e-6 of the
     tensor's largest magnitude instead (overlap_degree=2 sums its experts' weight gradients in two
-    parts, which rounds differently, and three SGD steps at lr 0.5 grow some gradients to 1e9)."""
+    parts, which rounds differently)."""
     scale = max(1.0, float(expected.abs().max())) if scaled else 1.0
     return torch.allclose(expected, actual, rtol=rtol, atol=1e-6 * scale)  # as the test always compared
 
@@ -148,7 +148,7 @@ def training_worker(cf, degree: int = 1, algo: str = "dedup", exact: bool = Fals
     dedup = MoE(DIM, HIDDEN, EXPERTS, top_k=2, capacity_factor=cf, activation="swiglu", a2a_algo=algo,
                 overlap_degree=degree)
     dedup.load_state_dict(plain.state_dict())
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, dedup)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, dedup)]
     for step in range(3):
         x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(10 * step + rank))
         outs = []
