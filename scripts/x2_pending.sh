@@ -17,6 +17,8 @@
 #            graphed, domino-copy with NVLink; wheels carried in .whl/), and the
 #            blocks' steps as CUDA graphs (none+graph / domino+graph), NVLink and NCCL_P2P_DISABLE=1,
 #            and `--tp-overlap auto`'s choice in a short run
+#   dominopreset  Domino on all 32 gpt3-2.7b blocks (bench tp, batch 8, graphed): none / domino-copy (NVLink)
+#            or domino (NCCL_P2P_DISABLE=1) / no-comm, each Domino and none twice (REGIMES to pick)
 #   tpmoe    TP 2 on the MoE presets' attention: qwen2-moe-2l iterations (tp / domino / no-comm)
 #   tpgraph  TP training steps as CUDA graphs: their GPU test (graphed losses = eager losses), then
 #            `weft train --preset gpt3-2.7b --tp 2` graphed with --tp-overlap none and domino (and
@@ -115,6 +117,19 @@ part_domino() {
     --sample-tokens 0 --out /tmp/weft_x2/train_auto > "$1/train_auto.log" 2>&1
   keep_metrics /tmp/weft_x2/train_auto "$1/train_auto"
   grep "tp-overlap auto\|step 6" "$1/train_auto.log"
+}
+
+part_dominopreset() {
+  # the whole dense preset (all 32 blocks), graphed: the issue's best Domino per regime against plain TP, twice each
+  for regime in ${REGIMES:-nvlink p2p_disabled}; do
+    [ "$regime" = p2p_disabled ] && export NCCL_P2P_DISABLE=1 || unset NCCL_P2P_DISABLE
+    best=$([ "$regime" = nvlink ] && echo domino-copy || echo domino)
+    timeout 200 $RUN bench tp --config gpt3-2.7b --layers 32 --batch-size 8 \
+      --modes none+graph,$best+graph,no-comm+graph,none+graph,$best+graph --steps 10 --warmup 3 --profile-steps 0 \
+      --json "$1/preset_$regime.json" > "$1/preset_$regime.log" 2>&1
+    grep -v "$QUIET" "$1/preset_$regime.log" | tail -n 6
+  done
+  unset NCCL_P2P_DISABLE
 }
 
 part_tpmoe() {
@@ -297,7 +312,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel mfu quality}; do
+for part in ${PARTS:-tests balance domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
