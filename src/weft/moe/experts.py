@@ -379,7 +379,7 @@ class GroupedWeightGradParts:
     def keep(self, key: int, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> None:
         self._kept.setdefault(key, []).append((x_MK, dy_MN, offs_G))
 
-    def add_now(self, key: int, grad_GKN: torch.Tensor) -> None:
+    def keep_share(self, key: int, grad_GKN: torch.Tensor) -> None:
         """A call's share of weight `key`'s gradient, computed in its backward."""
         self._done.setdefault(key, []).append(grad_GKN)
 
@@ -452,7 +452,7 @@ class _PartGroupedMM(torch.autograd.Function):
         dy_MN = dy_MN.contiguous()
         with leave_sms(ctx.call.sm_margin):
             if ctx.needs_input_grad[1] and ctx.call.weight_grad_now:
-                ctx.parts.add_now(ctx.key, grouped_weights_mm(x_MK, dy_MN, offs_G))
+                ctx.parts.keep_share(ctx.key, grouped_weights_mm(x_MK, dy_MN, offs_G))
             elif ctx.needs_input_grad[1]:
                 ctx.parts.keep(ctx.key, x_MK, dy_MN, offs_G)
             dx = grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G) if ctx.needs_input_grad[0] else None
