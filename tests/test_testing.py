@@ -1,7 +1,9 @@
 """The multi-process test helper reports failures and never hangs."""
 from __future__ import annotations
 
+import errno
 import os
+import socket
 import time
 
 import pytest
@@ -26,6 +28,49 @@ def rank_one_fails() -> None:
 def rank_one_hangs() -> None:
     if dist.get_rank() == 1:
         time.sleep(600)
+
+
+def listening_socket_inodes(port: int) -> set[str]:
+    """Inodes of the sockets listening on `port` (Linux /proc/net/tcp and tcp6; state 0A = LISTEN)."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            with open(table) as f:
+                rows += [line.split() for line in f.readlines()[1:]]
+    return {row[9] for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port and row[3] == "0A"}
+
+
+def own_socket_inodes() -> set[str]:
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the descriptor listdir itself had open
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:["):-1])
+    return inodes
+
+
+def who_holds_the_rendezvous_port() -> tuple[int, bool]:
+    """(errno of binding MASTER_PORT here, whether some socket listens on it, whether this rank's own
+    socket does)."""
+    port = int(os.environ["MASTER_PORT"])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            code = 0
+        except OSError as e:
+            code = e.errno
+    listening = listening_socket_inodes(port)
+    return code, bool(listening), bool(listening & own_socket_inodes())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket table")
+def test_the_launcher_holds_the_rendezvous_port_so_no_process_can_take_it_first():
+    # A port chosen free and released before rank 0 bound it was once taken meanwhile (a CI run
+    # failed with EADDRINUSE). The launcher now keeps it bound from the moment it is chosen.
+    assert run_distributed(who_holds_the_rendezvous_port, 2) == [(errno.EADDRINUSE, True, False)] * 2
 
 
 def test_results_in_rank_order():

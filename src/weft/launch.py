@@ -21,8 +21,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The ranks' rendezvous and collective timeout.
+_GROUP_TIMEOUT = timedelta(seconds=120)
 
 class WorkerError(RuntimeError):
     """A spawned rank raised, died, or the run timed out. `report`: the one-line message of a
@@ -77,6 +81,8 @@ def exit_code_text(code: int) -> str:
 
 
 def free_port() -> int:
+    """A port free at this moment (another process may take it before the caller binds it; the
+    launcher itself never relies on this: it hosts its rendezvous store on a port it keeps)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -85,9 +91,6 @@ def free_port() -> int:
 def _worker(call: bytes, rank, world_size, port, backend, env, launcher_env, results, launcher_pid) -> None:
     die_with_parent(launcher_pid)
     try:
-        import torch
-        import torch.distributed as dist
-
         if launcher_env is not None:  # forked from a server started earlier: the launcher's environment now
             os.environ.clear()
             os.environ.update(launcher_env)
@@ -103,7 +106,8 @@ def _worker(call: bytes, rank, world_size, port, backend, env, launcher_env, res
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_GROUP_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=_GROUP_TIMEOUT)
         value = fn(*args)
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         # Report before tearing down: closing the group makes the other ranks fail too, and
@@ -149,7 +153,12 @@ def run_distributed(
         launcher_env = dict(os.environ)
     call = pickle.dumps((fn, args))
     results = ctx.Queue()
-    port = free_port()
+    # The launcher hosts the ranks' rendezvous store on a port the OS gives it and keeps bound
+    # until the ranks are done: a port chosen free and released before rank 0 binds it can be
+    # taken meanwhile (gloo's own connections use ephemeral ports), which failed a CI run.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=_GROUP_TIMEOUT)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(call, r, world_size, port, backend, env, launcher_env, results,
                                           os.getpid()), daemon=True)
