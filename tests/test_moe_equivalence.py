@@ -160,13 +160,17 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     case = dict(device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
     for cap, k, activation, dtype in itertools.product(caps, TOP_KS, activations, dtypes):
         failures += check_case(gate, cap, k, activation, dtype, **case)
+    # The router's options below change the scores the kernels are given, not the kernels' code paths:
+    # through Triton's interpreter (slow: CI time) they run at one capacity (1.0, with drops, or the
+    # first the exchange has); the torch path runs them at every capacity.
+    option_caps = caps[:1] if kernels == "triton" else caps
     if gate in ("topk", "bpr"):
-        for cap in caps:
+        for cap in option_caps:
             failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, **case)
     if gate in ("topk", "bpr", "cosine"):  # DeepSeek-V3's selection bias, against expert 0 the router favours
-        for cap, k in itertools.product(caps, (1, 2)):
+        for cap, k in itertools.product(option_caps, (1, 2)):
             failures += check_case(gate, cap, k, "gelu", dtypes[0], bias=EXPERT_BIAS, **case)
-        for cap, k in itertools.product(caps, (1, 2)):  # experts sampled in training
+        for cap, k in itertools.product(option_caps, (1, 2)):  # experts sampled in training
             failures += check_case(gate, cap, k, "gelu", dtypes[0], temperature=0.7, **case)
     return failures
 
