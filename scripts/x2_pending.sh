@@ -52,6 +52,9 @@
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
+#   lancet   `weft train --overlap lancet` graphed (its dW schedule kept if its graph replays faster) against
+#            `none` and `tutel`, gpt2-s-moe batch 8 (LANCET_RUNS), NCCL_P2P_DISABLE=1 and NVLink (REGIMES): its GPU
+#            tests, tokens/s, MFU, what each chose (issue: Overlap that pays)
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
@@ -302,6 +305,24 @@ print('losses', ' '.join(f\"{r['loss']:.4f}\" for r in rows if 'loss' in r and r
   unset NCCL_P2P_DISABLE
 }
 
+part_lancet() {
+  gpu_tests "$1" "lancets_dw_schedule or lancet_training_replays"
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
+    set_regime "$regime"
+    for run in ${LANCET_RUNS:-gpt2-s-moe:8}; do
+      i=0
+      for overlap in none tutel lancet none; do
+        i=$((i + 1)); dir="$1/$regime/${run%%:*}-$i-$overlap"
+        echo "-- $regime $run --overlap $overlap"
+        RUNS="$run" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=${STEPS:-18} WARM=6 OUT="$dir" \
+          TRAIN_ARGS="--overlap $overlap" bash scripts/train_mfu.sh | tail -n 1
+        grep -h "every MoE layer runs\|weight-gradient schedule\|eager steps\|forward:" "$dir"/*.log | tail -n 2
+      done
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_mfu() {
   RUNS="qwen2-moe-2l:12 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
     bash scripts/train_mfu.sh
@@ -312,7 +333,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel mfu quality}; do
+for part in ${PARTS:-tests balance domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

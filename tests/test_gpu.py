@@ -19,7 +19,7 @@ from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
-from test_overlap_passes import both_passes_worker
+from test_overlap_passes import both_passes_worker, graphed_schedule_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
@@ -423,6 +423,29 @@ def test_tutel_training_replays_its_fastest_degree_as_cuda_graphs_with_the_plain
     assert "measured as CUDA graphs" in logs["tutel"] and "replays as one CUDA graph" in logs["tutel"], logs["tutel"]
     assert len(losses["tutel"]) == 8
     assert losses["tutel"] == pytest.approx(losses["none"], abs=2e-3), losses
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (an all-to-all to schedule under)")
+def test_lancets_dw_schedule_replays_as_a_cuda_graph_with_the_eager_gradients():
+    flat = run_checks(graphed_schedule_worker, torch.cuda.device_count(), backend="nccl", timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (an all-to-all to schedule under)")
+def test_lancet_training_replays_as_cuda_graphs_with_the_plain_losses(tmp_path):
+    """`weft train --overlap lancet --cuda-graphs on` (every GPU): the dW schedule and the plain
+    step are timed as CUDA graphs, the faster captured (the log says which and why); the losses
+    are those of `--overlap none` run eagerly (float32 weights against bf16 ones with masters:
+    the same bf16 GEMM inputs at the first step, so 2e-3)."""
+    losses, logs = {}, {}
+    for overlap, graphs in (("lancet", "on"), ("none", "off")):
+        logs[overlap], losses[overlap] = train_tiny(tmp_path, overlap, "--overlap", overlap, "--cuda-graphs", graphs)
+    assert "weight-gradient schedule (measured as CUDA graphs" in logs["lancet"], logs["lancet"]
+    assert "replays as one CUDA graph" in logs["lancet"], logs["lancet"]
+    assert len(losses["lancet"]) == 8
+    assert losses["lancet"] == pytest.approx(losses["none"], abs=2e-3), losses
 
 
 @needs_cuda

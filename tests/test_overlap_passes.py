@@ -202,6 +202,88 @@ def test_optimize_keeps_dw_scheduling_only_where_it_measured_faster(world_size, 
     assert not failures, "\n".join(failures)
 
 
+def graphed_wgrad_choice_worker(fake_ms: dict[str, float]) -> list[str]:
+    """`weft train --overlap lancet` in a graphed step (`weft.train.step.choose_wgrad_schedule`):
+    the plain and the scheduled micro-step are timed (here by a timer that runs each three times
+    eagerly, as `time_graphed` warms up and captures, and reports the given times); both give the
+    same gradients, the scheduled one runs dW items under the all-to-alls, and the schedule is
+    applied to the model only where it was faster by `choose_passes`' margin."""
+    from weft.train.step import choose_wgrad_schedule
+
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
+    idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    x, y = idx[:, :-1], idx[:, 1:]
+    plan = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0)
+    grads, stats, failures = {}, {}, []
+
+    def timer(step_of, names):
+        for name in names:
+            for _ in range(3):  # the scheduler follows its plan from the second backward on
+                model.zero_grad(set_to_none=True)
+                step_of(name)(x, y)
+            grads[name] = [p.grad.clone() for p in model.parameters()]
+            stats[name] = plan.scheduler.stats.run_under_comm if name == "backward" else None
+        model.zero_grad(set_to_none=True)
+        return [fake_ms[name] * 1e-3 for name in names]
+
+    kept, seconds = choose_wgrad_schedule(model, plan, 1, timer)
+    if seconds != [fake_ms["none"] * 1e-3, fake_ms["backward"] * 1e-3]:
+        failures.append(f"times {seconds} for {fake_ms}")
+    if not stats["backward"]:
+        failures.append("the scheduled step ran no dW item under an all-to-all")
+    worst = max(float((a - b).abs().max()) for a, b in zip(grads["none"], grads["backward"]))
+    if worst > 1e-6:
+        failures.append(f"the scheduled step's gradients differ from the plain step's by {worst}")
+    expected = choose_passes(fake_ms) == "backward"
+    applied = model.blocks[0].attn.qkv.wgrad_scheduler
+    if kept != expected or (applied is plan.scheduler) != expected or (applied is None) == expected:
+        failures.append(f"kept {kept}, applied {applied}; expected {expected} from {fake_ms}")
+    return failures
+
+
+def graphed_schedule_worker() -> list[str]:
+    """GPUs (NCCL): Lancet's dW schedule captured in a CUDA graph of the micro-step (padded MoE
+    layers, float32 weights, bf16 autocast as `weft train` runs it). The capture places dW items
+    under the all-to-alls; a replay on a new batch gives the gradients and loss of the same
+    scheduled step run eagerly (the same kernels: 1e-6), and of the plain step (1e-2: bf16)."""
+    from weft.graphs import GraphedStep
+    from weft.train.step import eager_micro_step
+
+    device = f"cuda:{torch.cuda.current_device()}"
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD).to(device)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    (x0, y0), (x1, y1) = [(b[:, :-1].to(device), b[:, 1:].to(device))
+                          for b in (torch.randint(0, 64, (4, 9), generator=gen) for _ in range(2))]
+    plan = optimize(model, x0, forward=False, partitions=(1,), repeats=1, measure=0)
+    scheduled = eager_micro_step(model, 1, plan.backward)
+    graph = GraphedStep(scheduled, (x0, y0), grads_of=list(model.parameters()), accumulate=False)
+    failures = [] if plan.scheduler.stats.run_under_comm > 0 else [f"the capture ran no dW item under an "
+                                                                   f"all-to-all: {plan.scheduler.stats}"]
+    results = {}
+    for name, step in (("graph", graph), ("eager", scheduled), ("plain", None)):
+        if step is None:
+            apply(model, [], None)
+            step = eager_micro_step(model, 1)
+        if name != "graph":
+            model.zero_grad(set_to_none=True)
+        losses, _ = step(x1, y1)
+        results[name] = [losses[0].clone()] + [p.grad.clone() for p in model.parameters()]
+    for other, tol in (("eager", 1e-6), ("plain", 1e-2)):
+        worst = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+                    for a, b in zip(results["graph"], results[other]))
+        if worst > tol:
+            failures.append(f"the graph's loss and gradients differ from the {other} step's by {worst:.2e} (relative)")
+    return failures
+
+
+@pytest.mark.parametrize("fake_ms", [{"none": 10.0, "backward": 9.0}, {"none": 10.0, "backward": 9.95}])
+def test_a_graphed_step_keeps_lancets_dw_schedule_only_where_its_graph_is_faster(fake_ms):
+    failures = run_checks(graphed_wgrad_choice_worker, 2, args=(fake_ms,), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
 def test_measured_choice_needs_a_gain_over_every_simpler_combination():
     assert choose_passes({"none": 10.0}) == "none"
     assert choose_passes({"none": 10.0, "backward": 9.0}) == "backward"

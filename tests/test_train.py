@@ -456,7 +456,7 @@ def test_a_run_that_repeats_its_data_is_warned_with_the_sizes():
     ({"capacity_factor": None}, "none", "MoE layer 0 runs capacity_factor=None (dropless)"),
     ({"capacity_factor": None, "a2a_algo": "dedup-fixed"}, "none", None),  # dropless, nothing read on the host
     ({"capacity_factor": 0}, "none", "MoE layer 0 runs capacity_factor=0 (no-drop)"),
-    ({}, "lancet", "--overlap lancet schedules its backward on the host"),
+    ({}, "lancet", None),  # its dW schedule captured (no partitioned forward range set on the model)
     ({}, "tutel", None),  # its degree timed as CUDA graphs, then captured
 ])
 def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
@@ -469,6 +469,19 @@ def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
     hint = " (--a2a-algo dedup-fixed reads none)" if "dropless" in (reason or "") else ""
     assert graph_blocker(gpt, device, overlap) == (reason if reason is None or reason.startswith(("CUDA", "--")) else
                                                    reason + ": its sizes are read on the host every step" + hint)
+
+
+def test_lancets_partitioned_forward_keeps_the_step_eager():
+    from weft.overlap.forward import Range
+    from weft.overlap.passes import apply
+    from weft.train.step import graph_blocker
+
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2}))
+    apply(gpt, [Range(0, 1, 2, 1)], None)
+    assert graph_blocker(gpt, torch.device("cuda"), "lancet") == (
+        "--overlap lancet's partitioned forward ranges read their all-to-allv sizes on the host")
+    apply(gpt, [], None)
+    assert graph_blocker(gpt, torch.device("cuda"), "lancet") is None
 
 
 def test_an_eager_micro_step_returns_the_logged_values(corpus):

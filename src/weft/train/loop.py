@@ -413,9 +413,17 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
         return None
 
     x, _ = batches.get(start + 1, 0)
-    plan = optimize(model, x.to(device))
+    if cfg.cuda_graphs != "off" and graph_blocker(model, device, "none") is None:
+        # The step can replay as a CUDA graph, which Lancet's partitioned forward cannot join (its
+        # all-to-allv sizes are read on the host): dW scheduling only, kept where its graph replays
+        # faster (`weft.train.step.choose_wgrad_schedule`), not by the eager check.
+        plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0)
+        note = ("(the micro-step replays as a CUDA graph: weight-gradient scheduling only, kept if its graph "
+                "replays faster; --cuda-graphs off for the partitioned forward)\n")
+    else:
+        plan, note = optimize(model, x.to(device)), ""
     if rank == 0:
-        print("weft train: --overlap lancet\n" + plan.summary(), flush=True)
+        print("weft train: --overlap lancet " + note + plan.summary(), flush=True)
     return plan
 
 
@@ -484,9 +492,8 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
     """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`)."""
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     example = tuple(t.to(device) for t in batch)
-    backward = plan.backward if plan is not None else None
     try:
-        steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, backward, log)
+        steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, plan, log)
     except CaptureError as e:
         raise TrainingStopped(f"{e} (run with --cuda-graphs off or auto)") from e
     if steps.graphed:

@@ -16,6 +16,8 @@ import torch
 from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
 from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, OWN_APART_ALGO
+from weft.overlap import OverlapPlan
+from weft.overlap.passes import apply, choose_passes
 from weft.precision import training_autocast
 from weft.tune.dictionary import DEGREES, tuned_seconds
 
@@ -44,8 +46,11 @@ def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tens
 
 def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bool = False) -> str | None:
     """Why the micro-step cannot be one CUDA graph (None: it can): it must have static shapes and
-    no host synchronisation, so padded capacity (cf > 0) or expert choice, and not Lancet (its
-    backward schedules weight gradients from the host as all-to-alls complete). Tutel's pipelining
+    no host synchronisation, so padded capacity (cf > 0) or expert choice, and not Lancet's
+    partitioned forward (each partition's all-to-allv sends its kept slots, counted on the host);
+    Lancet's dW schedule is captured (`choose_wgrad_schedule`: from its second backward on it
+    follows a fixed plan, each all-to-all launched, the weight gradients the plan gives it run,
+    then waited, which a graph keeps as its stream order). Tutel's pipelining
     is captured at the degree whose graph replays fastest (`choose_fastest`), its chunks'
     all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
@@ -56,8 +61,8 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     (`choose_fixed_size`)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
-    if overlap == "lancet":
-        return "--overlap lancet schedules its backward on the host"
+    if overlap == "lancet" and model.unit_runner is not None:
+        return "--overlap lancet's partitioned forward ranges read their all-to-allv sizes on the host"
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
         fixed = cf is None and (moe.a2a_algo in FIXED_SIZE_ALGOS  # dropless in fixed-size exchanges
@@ -209,14 +214,44 @@ class MicroSteps:
             optimizer.zero_grad(set_to_none=not self.graphed)
 
 
+def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer: StepTimer) -> tuple[bool, list[float]]:
+    """`--overlap lancet` in a graphed micro-step: Lancet's dW schedule (`plan.scheduler`, weight
+    gradients run under the backward all-to-alls) kept only where its step replays faster as a
+    CUDA graph than the plain step (`timer(step_of, ("none", "backward"))`, e.g.
+    `weft.graphs.time_graphed`; by `weft.overlap.passes.choose_passes`'s margin, as `optimize`
+    keeps a pass by eager timing: a graph has no host cost to pay for, so the eager check would
+    judge another step than the one that runs). Both compute the same gradients. Leaves the
+    choice applied; returns whether the schedule is kept and the seconds of (none, backward)."""
+    def step_of(name: str) -> MicroStep:
+        scheduled = name == "backward"
+        inner = eager_micro_step(model, grad_accum, plan.backward if scheduled else None)
+
+        def run(x: torch.Tensor, y: torch.Tensor):
+            apply(model, [], plan.scheduler if scheduled else None)
+            for moe in model.moe_layers():
+                moe.record(None)  # see `with_layers_at`
+            return inner(x, y)
+        return run
+
+    names = ("none", "backward")
+    seconds = timer(step_of, names)
+    kept = choose_passes(dict(zip(names, seconds))) == "backward"
+    apply(model, [], plan.scheduler if kept else None)
+    for moe in model.moe_layers():
+        moe.record(None)
+    return kept, seconds
+
+
 def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torch.Tensor, torch.Tensor],
-                     overlap: str = "none", backward=None,
+                     overlap: str = "none", plan: OverlapPlan | None = None,
                      log: Callable[[str], None] = print) -> MicroSteps:
     """The micro-step for `mode` ("auto", "on", "off" CUDA graphs). "on" raises CaptureError
     naming why a graph cannot be used; "auto" tells `log` and runs eagerly. Building a graph runs
     the step a few times to warm up, with no effect on the gradients: with one micro-batch per
     step the graph owns them (each replay writes the step's gradients); with several, it
-    accumulates into zeroed ones."""
+    accumulates into zeroed ones. `plan`: Lancet's (`--overlap lancet`), whose backward the step
+    runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`)."""
+    backward = plan.backward if plan is not None and plan.scheduler is not None else None
     eager = eager_micro_step(model, grad_accum, backward)
     if mode == "off":
         return MicroSteps(eager)
@@ -255,6 +290,13 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                                                candidates)
                 log(f"weft train: every MoE layer runs {setting}={best} (measured as CUDA graphs: "
                     + ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in zip(candidates, seconds)) + ")")
+            if backward is not None:
+                timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
+                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, timer)
+                log(f"weft train: --overlap lancet {'keeps' if kept else 'drops'} its weight-gradient schedule "
+                    f"(measured as CUDA graphs: plain {plain_s * 1e3:.1f} ms, scheduled {scheduled_s * 1e3:.1f} ms)")
+                if not kept:
+                    eager = eager_micro_step(model, grad_accum)
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
             return MicroSteps(graph, graphed=True, owns_grads=not accumulate)
         except CaptureError as e:
