@@ -37,13 +37,31 @@ def count_ops() -> None:
             call(copies)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             call(copies)
-        ops[name] = Counter(e.name for e in prof.events() if e.name.startswith(("aten::", "c10d")))
+        events = [e for e in prof.events() if is_op(e)]
+        ops[name] = (Counter(e.name for e in events), Counter(e.name for e in events if not nested(e)))
     if rank == 1:  # the rank that holds the copy
-        (plain_name, plain), (copy_name, copied) = ops.items()
+        (plain_name, (plain, plain_top)), (copy_name, (copied, copied_top)) = ops.items()
         print(f"rank 1, aten ops per call (forward + backward): {plain_name} {sum(plain.values())}, "
-              f"{copy_name} {sum(copied.values())}")
+              f"{copy_name} {sum(copied.values())}; top-level (called from Python or autograd, not from "
+              f"another op): {sum(plain_top.values())} and {sum(copied_top.values())}")
         print("added by the copy: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
                                                 for n, c in (copied - plain).most_common(20)))
+        print("top-level ops added by the copy: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
+                                                          for n, c in (copied_top - plain_top).most_common(20)))
+
+
+def is_op(event) -> bool:
+    return event.name.startswith(("aten::", "c10d"))
+
+
+def nested(event) -> bool:
+    """Whether another op called this one (its host cost is inside the caller's)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if is_op(parent):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 if __name__ == "__main__":

@@ -113,3 +113,49 @@ def test_one_rank_has_nothing_to_copy_and_computes_the_plain_layer():
         assert torch.equal(ys[0], ys[1]) and balanced.balancer.last_copied == []
     for (name, p), q in zip(plain.named_parameters(), balanced.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def weight_passes_worker(n: int) -> list[str]:
+    """The ops that read or write a whole expert weight (its full (E_local, ...) shape), counted by
+    the profiler in one dropless call's forward and backward, plain and with expert 0 copied: Agg
+    adds the copies' gradients into the copied rows of `.grad` only, so the copy adds no
+    weight-sized pass (autograd's gradient of an index_select would be a weight-sized tensor, added
+    to the experts' own gradient)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from weft.moe.exchange import Transfer
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 2 * world, TOP_K, capacity_factor=None, activation="swiglu", balance="pro-prophet",
+              balance_n=n)
+    shapes = {tuple(w.shape) for w in moe.experts.weights() if w is not None}
+    x = torch.randn(64, DIM, generator=torch.Generator().manual_seed(rank))
+    holders = frozenset(range(1, world)) if n == 1 else frozenset({1})
+
+    def passes(copies: dict) -> Counter:
+        transfer = Transfer(moe.experts, moe.placement, copies, moe.group) if copies else Transfer.none()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            moe(x.clone().requires_grad_(), transfer=transfer).square().sum().backward()
+        moe.zero_grad(set_to_none=True)
+        return Counter(e.name for e in prof.events() if not in_index_add(e)
+                       and any(tuple(s) in shapes for s in e.input_shapes if isinstance(s, (list, tuple))))
+
+    def in_index_add(event) -> bool:  # Agg's add into the copied rows (and the ops it runs as)
+        while event is not None:
+            if event.name == "aten::index_add_":
+                return True
+            event = event.cpu_parent
+        return False
+
+    plain, copied = passes({}), passes({0: holders})
+    extra = copied - plain
+    return [f"rank {rank}: the copy added weight-sized ops {dict(extra)}"] if extra else []
+
+
+@pytest.mark.parametrize("world_size, n", [(2, 1), (4, 1), (4, 2)])
+def test_a_copy_adds_no_pass_over_the_whole_expert_weights(world_size, n):
+    failures = run_checks(weight_passes_worker, world_size, args=(n,), timeout=120)
+    assert not failures, "\n".join(failures)

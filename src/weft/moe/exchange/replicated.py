@@ -88,6 +88,47 @@ class _PendingCopies(SplitCollective):
                                           after=lambda: grad_stack.index_add_(0, rows, received))
 
 
+class _CopiedRows(torch.autograd.Function):
+    """The (S, P) stack of this rank's copied experts' flattened weights (rows `rows` of each weight,
+    in `dtype`, side by side), whose gradient (Agg's sum of the copies' gradients) is added
+    straight into those rows of the weights' `.grad`.
+
+    Through autograd's edge to the weights, the gradient of `w.index_select(0, rows)` is a tensor
+    of the whole weight's size (zeros with the rows added), which autograd then adds to the
+    experts' own weight gradient: three passes over every local expert's weights per copied
+    weight, whatever few experts were copied (qwen2-like in float32: ~1.1 GB per weight per call).
+    Here backward returns no gradient to the weights and adds the copied rows into `w.grad`
+    itself, in place, at the end of the backward pass (autograd's final callback: after the
+    experts' own weight gradients are accumulated). Invariant: when backward has finished, every
+    weight's `.grad` is the plain layer's (Agg included); a gradient read through
+    `torch.autograd.grad` or a post-accumulate-grad hook misses the copies' share."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, dtype: torch.dtype | None, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.rows, ctx.weights = rows, weights
+        return torch.cat([w.index_select(0, rows).flatten(1).to(dtype or w.dtype) for w in weights], dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts, begin = [], 0
+        for w in ctx.weights:
+            size = math.prod(w.shape[1:])
+            parts.append(grad[:, begin:begin + size].reshape(-1, *w.shape[1:]).to(w.dtype))
+            begin += size
+        rows, weights = ctx.rows, ctx.weights
+
+        def add_rows() -> None:
+            for w, part in zip(weights, parts):
+                if w.grad is None:  # the weight got no other gradient in this backward
+                    w.grad = torch.zeros_like(w, memory_format=torch.contiguous_format)
+                w.grad.index_add_(0, rows, part)
+
+        # At the end of this backward, after autograd has accumulated the experts' own weight
+        # gradients (in whatever order it ran the nodes), so the add is in place into them.
+        torch.autograd.Variable._execution_engine.queue_callback(add_rows)
+        return (None, None) + (None,) * len(ctx.weights)
+
+
 class Transfer:
     """Trans of one call's copies: `copies` maps each copied expert (global id, the same on every
     rank) to the group ranks that get a copy (never its owner). Their (w1, w2, w3) go from the
@@ -125,7 +166,7 @@ class Transfer:
         present = [w for w in weights if w is not None]
         owned = [e for e in self.copied if owner[e] == rank]
         mine = device_tensor([e - rank * local for e in owned], present[0].device)
-        stack = torch.cat([w.index_select(0, mine).flatten(1).to(dtype or w.dtype) for w in present], dim=1)
+        stack = _CopiedRows.apply(mine, dtype, *present)
         self._shapes = [None if w is None else tuple(w.shape[1:]) for w in weights]
         if all(devices == set(range(ep_size)) - {owner[e]} for e, devices in self.holders.items()):
             # every rank but the owner: one all-gather of every rank's `most` rows
