@@ -55,6 +55,9 @@
 #   lancet   `weft train --overlap lancet` graphed (its dW schedule kept if its graph replays faster) against
 #            `none` and `tutel`, gpt2-s-moe batch 8 (LANCET_RUNS), NCCL_P2P_DISABLE=1 and NVLink (REGIMES): its GPU
 #            tests, tokens/s, MFU, what each chose (issue: Overlap that pays)
+#   modelgraph  whole training iterations per overlap mode with each mode's step one CUDA graph (bench model
+#            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr) and gpt2-l-moe (MODELS),
+#            NCCL_P2P_DISABLE=1 and NVLink (REGIMES; one regime per call)
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
@@ -323,6 +326,20 @@ part_lancet() {
   unset NCCL_P2P_DISABLE
 }
 
+part_modelgraph() {
+  # the issue's model-level table as weft trains: each mode's forward + backward one CUDA graph
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
+    set_regime "$regime"
+    for model in ${MODELS:-gpt2-s-moe:topk gpt2-s-moe:bpr gpt2-l-moe:topk}; do
+      preset=${model%%:*}; gate=${model##*:}; name="${preset}_${gate}_$regime"
+      timeout 280 $RUN bench model --preset "$preset" --gate "$gate" --batch-size 8 --cuda-graphs on \
+        --modes none,tutel,lancet,none --steps 10 --warmup 3 --json "$1/$name.json" > "$1/$name.log" 2>&1
+      grep -v "$QUIET" "$1/$name.log" | tail -n 12
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_mfu() {
   RUNS="qwen2-moe-2l:12 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
     bash scripts/train_mfu.sh
@@ -333,7 +350,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet mfu quality}; do
+for part in ${PARTS:-tests balance domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet modelgraph mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

@@ -345,6 +345,63 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     assert "predicted_ms" not in rows[4] and rows[0]["speedup"] == 1.0
 
 
+def capture_modes_worker() -> list[str]:
+    """`weft bench model --cuda-graphs on`'s captures (`_capture_modes`), with the capture replaced by
+    a record of what it was given: each mode is built with the MoE layers at its values (tutel at
+    degree "auto", which build_micro_step then times as graphs; dedup-d2 as dedup at degree 2),
+    lancet with its dW-only plan applied, and the model is plain again after every build."""
+    from weft.bench import model as bench_model
+    from weft.train.step import MicroSteps, eager_micro_step
+
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
+    idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+    seen = {}
+
+    def fake_build(gpt, grad_accum, mode, example, overlap, plan, log):
+        layers = {(m.a2a_algo, m.overlap_degree) for m in gpt.moe_layers()}
+        applied = {id(m.wgrad_scheduler) for m in gpt.modules() if hasattr(m, "wgrad_scheduler")}
+        seen[overlap if overlap == "lancet" else sorted(layers)[0]] = (mode, grad_accum, layers, plan, applied)
+        log(f"weft train: built {overlap}")
+        return MicroSteps(eager_micro_step(gpt, grad_accum))
+
+    bench_model.build_micro_step = fake_build  # this spawned process's module only
+    modes = ("none", "tutel", "dedup-d2", "lancet")
+    settings = {mode: bench_model._configure(mode, model, idx[:, :-1], 4, 2, 1, graphed=True) for mode in modes}
+    plan = settings["lancet"].plan
+    failures = []
+    if plan.ranges or plan.forward_plan is not None or plan.measured:
+        failures.append(f"the graphed lancet mode planned a forward or measured eagerly: {plan.summary()}")
+    graphs, notes = bench_model._capture_modes(model, settings, (idx[:, :-1], idx[:, 1:]))
+    expected = {("linear", 1): {("linear", 1)}, ("linear", "auto"): {("linear", "auto")},
+                ("dedup", 2): {("dedup", 2)}}
+    for key, layers in expected.items():
+        if key not in seen or seen[key][2] != layers or seen[key][:2] != ("on", 1):
+            failures.append(f"no capture with the layers at {layers}: {seen}")
+    lancet = seen.get("lancet")
+    if lancet is None or lancet[3] is not plan or lancet[4] != {id(plan.scheduler)}:
+        failures.append(f"lancet was not captured with its plan's scheduler applied: {lancet}")
+    if set(graphs) != set(modes) or notes["lancet"] != ["weft train: built lancet"]:
+        failures.append(f"captures {sorted(graphs)}, notes {notes}")
+    left = {(m.a2a_algo, m.overlap_degree, m.wgrad_scheduler) for m in model.moe_layers()}
+    if left != {("linear", 1, None)} or model.blocks[0].attn.qkv.wgrad_scheduler is not None:
+        failures.append(f"the model was left at {left}")
+    return failures
+
+
+def test_bench_model_captures_each_mode_at_its_settings():
+    failures = run_checks(capture_modes_worker, 2, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def test_bench_model_graphs_are_checked(capsys):
+    for argv, message in ((["--modes", "none,lancet-bw"], "not lancet-bw (weft bench tp has +graph modes)"),
+                          (["--modes", "none,tutel"], "--cuda-graphs on needs GPUs (CUDA graphs); this run has none")):
+        with pytest.raises(SystemExit):
+            main(["bench", "model", "--preset", "tiny", "--cuda-graphs", "on", *argv])
+        assert message in capsys.readouterr().err
+
+
 def test_interleaved_order_rotates():
     from weft.bench.timing import interleaved_order
 

@@ -21,6 +21,14 @@ its planner's model measured here as `weft train` measures it (`--balance-model 
 constants), and `none` runs it without copies. `--skew S` biases every layer's expert selection by a Zipf(S)
 ranking of the experts (the selection bias of weft.MoE's expert_bias, fixed), in every mode.
 
+`--cuda-graphs on` (GPUs; modes none, tutel, dedup, dedup-d2, lancet) times each mode's forward
+and backward replayed as one CUDA graph, captured as `weft train` captures its micro-step
+(`weft.train.step.build_micro_step`): an eager gpt2-s-moe step is host-bound, so the eager modes'
+differences are mostly launch costs that a graphed training step does not pay. tutel captures
+the degree whose graph replays fastest, lancet plans dW scheduling only (its partitioned forward
+reads sizes on the host) and keeps it only where its graph replays faster; each row's `graph`
+says what was chosen, and `forward_ms` is None (no lap inside a graph).
+
 Every mode is configured once up front (Lancet: profile and plan; tutel: tune until the tuning
 dictionaries have decided) and its loss and gradients are checked against `none` on the starting
 weights and the same batch (`max_error`). The modes are then timed interleaved, since drifts
@@ -74,7 +82,7 @@ from weft.precision import training_autocast
 from weft.profiling import stage
 from weft.tp import make_schedule
 from weft.train.config import BALANCE_MODELS
-from weft.train.step import LAYER_VALUES
+from weft.train.step import LAYER_VALUES, MicroSteps, build_micro_step, set_layers
 from weft.tune import run_until_tuned
 
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
@@ -82,6 +90,8 @@ BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}
 MODES = ("none", "tutel", "dedup", "dedup-d2", "lancet-bw", "lancet-fw", "lancet", "dw-in-place", "defer-dw",
          *BALANCE_MODES)
 TP_MODES = ("tp", "domino", "domino-copy", "no-comm")
+# The modes `--cuda-graphs on` captures, each as `weft train --overlap` / `--a2a-algo` would.
+GRAPHED_MODES = ("none", "tutel", "dedup", "dedup-d2", "lancet")
 
 
 @dataclass
@@ -97,8 +107,11 @@ class _Setting:
     max_error: float = 0.0
 
 
-def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1: int, p2: int) -> _Setting:
-    """Set `model` up for `mode` and return what switches it back into that mode."""
+def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1: int, p2: int,
+               graphed: bool = False) -> _Setting:
+    """Set `model` up for `mode` and return what switches it back into that mode. `graphed`: for
+    a CUDA graph of the step, as `weft train` plans Lancet there (dW scheduling only, its check
+    left to the graphs' timing: `weft.train.step.choose_wgrad_schedule`)."""
     if mode in TP_MODES:  # a schedule passed to each forward; nothing to set up
         return _Setting([], None, {}, None, make_schedule("none" if mode == "tp" else mode, p1, p2))
     passes.apply(model, [], None)
@@ -109,7 +122,10 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     if mode in BALANCE_MODES:
         return _Setting([], None, moe_overrides, None, balance_schedule=BALANCE_MODES[mode])
     plan, scheduler = None, None
-    if mode.startswith("lancet"):
+    if mode == "lancet" and graphed:
+        plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0)
+        scheduler = plan.scheduler
+    elif mode.startswith("lancet"):
         # lancet-bw / lancet-fw are ablations of one pass: applied as planned, not measured away
         plan = passes.optimize(model, idx, forward=mode != "lancet-bw", backward=mode != "lancet-fw",
                                max_partitions=max_partitions, measure=5 if mode == "lancet" else 0)
@@ -118,6 +134,29 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
         scheduler = WGradScheduler(in_place=mode == "dw-in-place")
         passes.apply(model, [], scheduler)
     return _Setting(plan.ranges if plan else [], scheduler, moe_overrides, plan)
+
+
+def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[torch.Tensor, torch.Tensor]
+                   ) -> tuple[dict[str, MicroSteps], dict[str, list[str]]]:
+    """Each mode's forward and backward captured as one CUDA graph, as `weft train` builds its
+    micro-step (`weft.train.step.build_micro_step` with `--cuda-graphs on`: tutel's degree and
+    dedup's form timed as graphs, Lancet's dW schedule kept only where its graph is faster), the
+    MoE layers set to the mode's values for the capture and back to plain after it. Returns the
+    micro-steps (their graphs own the gradients) and what each build said."""
+    graphs, notes = {}, {}
+    for mode, setting in settings.items():
+        passes.apply(model, setting.ranges, setting.scheduler)
+        notes[mode] = []
+        for moe in model.moe_layers():
+            moe.overlap_degree = 1  # valid with every all-to-all, then the mode's: the all-to-all first
+            for name in ("a2a_algo", "overlap_degree"):
+                if name in setting.moe_overrides:
+                    setattr(moe, name, setting.moe_overrides[name])
+        overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
+        graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
+        set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all
+        passes.apply(model, [], None)
+    return graphs, notes
 
 
 def _switch(model: GPT, setting: _Setting) -> None:
@@ -162,6 +201,10 @@ class ModelBenchConfig(PresetChoice):
     balance_model: str = arg("measured", "balance modes: Pro-Prophet's performance model measured here (with each "
                              "copy's overhead) or 'nominal' (H200-class constants, the paper's eqs. 1-8)",
                              choices=BALANCE_MODELS)
+    cuda_graphs: str = arg("off", "on: time each mode's forward and backward as one CUDA graph, captured as `weft "
+                           "train` captures its micro-step (tutel: the degree whose graph replays fastest; lancet: "
+                           "its dW schedule, kept if its graph is faster, no partitioned forward); modes none, "
+                           "tutel, dedup, dedup-d2, lancet; GPUs", choices=("off", "on"))
 
     def validate(self) -> None:
         super().validate()
@@ -191,6 +234,13 @@ class ModelBenchConfig(PresetChoice):
             raise ValueError("--modes dedup-d2: needs a padded capacity mode (not --capacity dropless)")
         if self.skew < 0 or (self.skew and not cfg.moe_every):
             raise ValueError(f"--skew {self.skew:g}: needs an MoE preset and a value >= 0")
+        if self.cuda_graphs == "on":
+            ungraphed = [m for m in self.modes if m not in GRAPHED_MODES]
+            if ungraphed or self.tp > 1:
+                raise ValueError(f"--cuda-graphs on times modes {', '.join(GRAPHED_MODES)} without --tp, not "
+                                 f"{ungraphed[0] if ungraphed else f'--tp {self.tp}'} (weft bench tp has +graph modes)")
+            if not torch.cuda.is_available():
+                raise ValueError("--cuda-graphs on needs GPUs (CUDA graphs); this run has none")
         if self.skew and cfg.gate not in EXPERT_BIAS_GATES:
             gates = ", ".join(EXPERT_BIAS_GATES)
             raise ValueError(f"--skew biases the expert selection of token-choice gates ({gates}), not {cfg.gate!r}")
@@ -210,6 +260,7 @@ def run(bench: ModelBenchConfig) -> dict:
     max_partitions, profile_steps = bench.max_partitions, bench.profile_steps
     ctx = init_distributed()
     device = ctx.device
+    graphed = bench.cuda_graphs == "on"
     cfg = bench.bench_model_config()
     groups = build_moe_groups(tp_size=bench.tp, experts=cfg.moe_every > 0) if bench.tp > 1 else None
     torch.manual_seed(0)
@@ -254,7 +305,7 @@ def run(bench: ModelBenchConfig) -> dict:
     settings: dict[str, _Setting] = {}
     for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
-        setting = _configure(mode, model, batches[0][:, :-1], max_partitions, bench.p1, bench.p2)
+        setting = _configure(mode, model, batches[0][:, :-1], max_partitions, bench.p1, bench.p2, graphed)
         loss = reference_grads(setting)
         backward(setting, loss)
         setting.max_error = None if mode == "no-comm" else max([abs(loss.item() - ref_loss)] + [
@@ -278,8 +329,33 @@ def run(bench: ModelBenchConfig) -> dict:
             opt.step()
         model.zero_grad(set_to_none=True)
 
-    runs = [Run(lambda s=settings[mode]: _switch(model, s), lambda r, s=settings[mode]: step(s, r),
-                lambda s=settings[mode]: _assert_clean(model, s.scheduler)) for mode in modes]
+    graphs, graph_notes = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:])) if graphed \
+        else ({}, {})
+
+    def graph_step(mode: str, i: int) -> None:
+        """One iteration: the mode's captured forward and backward replayed, then AdamW (the split
+        into forward and backward is inside the graph: both laps at its end)."""
+        tokens = batches[i % len(batches)]
+        graphs[mode].run(tokens[:, :-1], tokens[:, 1:])
+        timer.lap()
+        timer.lap()
+        with stage("optimizer"):
+            opt.step()
+        graphs[mode].clear_grads(opt)
+
+    def run_mode(mode: str, i: int) -> None:
+        """Switch to `mode` and run one iteration of it (untimed callers: the profile, the copies)."""
+        if graphed:
+            graph_step(mode, i)
+            return
+        _switch(model, settings[mode])
+        step(settings[mode], i)
+
+    if graphed:
+        runs = [Run(lambda: None, lambda r, m=mode: graph_step(m, r)) for mode in modes]
+    else:
+        runs = [Run(lambda s=settings[mode]: _switch(model, s), lambda r, s=settings[mode]: step(s, r),
+                    lambda s=settings[mode]: _assert_clean(model, s.scheduler)) for mode in modes]
     times = interleaved_ms(runs, steps, warmup, device, timer)  # (row, iteration/forward/fwd_bwd, round)
 
     rows = []
@@ -289,6 +365,8 @@ def run(bench: ModelBenchConfig) -> dict:
         for name, sample in (("iteration", times[i, 0]), ("forward", times[i, 1]), ("fwd_bwd", times[i, 2])):
             q1, median, q3 = quartiles(sample)
             row.update({f"{name}_ms": median, f"{name}_ms_min": float(sample.min()), f"{name}_iqr_ms": q3 - q1})
+        if graphed:  # one graph: no lap between its forward and backward
+            row.update(forward_ms=None, forward_ms_min=None, forward_iqr_ms=None, graph=graph_notes[mode])
         if plan is not None:
             row.update(predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
                        ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
@@ -299,12 +377,10 @@ def run(bench: ModelBenchConfig) -> dict:
             row.update({f"predicted_{k}_ms": v * 1e3 for k, v in plan.parts.items()})
             row["profile_s"] = plan.to_dict()["profile_s"]
         if mode in BALANCE_MODES:
-            _switch(model, setting)
-            step(setting, 0)  # the copies of a step of this mode
+            run_mode(mode, 0)  # the copies of a step of this mode
             row["copied_experts"] = [moe.balancer.last_copied for moe in model.moe_layers()]
         if device.type == "cuda" and profile_steps > 0:
-            _switch(model, setting)
-            row.update(profile_parts(lambda s=setting: step(s, 0), profile_steps, with_breakdown=bench.breakdown))
+            row.update(profile_parts(lambda m=mode: run_mode(m, 0), profile_steps, with_breakdown=bench.breakdown))
         rows.append(row)
     passes.apply(model, [], None)
     base = next((r for r in rows if r["mode"] in ("none", "tp")), rows[0])
@@ -318,6 +394,7 @@ def run(bench: ModelBenchConfig) -> dict:
                        "device": name, "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
                        "timing": "interleaved", "rounds": steps, "warmup_rounds": warmup,
+                       "cuda_graphs": bench.cuda_graphs,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
               "results": rows}
     if ctx.rank == 0:
@@ -334,8 +411,9 @@ def print_table(report: dict) -> None:
           f"batch {meta['batch_size']} x {meta['seq_len']} per rank, {meta['world_size']} x {meta['device']}"
           f"{tp_note}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
+    graphs = "; each mode's forward and backward one CUDA graph" if meta.get("cuda_graphs") == "on" else ""
     print(f"timing: {meta['timing']}, median of {meta['rounds']} rounds after {meta['warmup_rounds']} warm-up "
-          f"rounds; min and iqr (q3 - q1) show the noise")
+          f"rounds; min and iqr (q3 - q1) show the noise{graphs}")
     print(f"{'mode':>12} {'iter ms':>9} {'min':>8} {'iqr':>7} {'speedup':>8} {'fwd+bwd':>9} {'iqr':>7} "
           f"{'predicted':>10} {'pred err':>9} {'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7}")
     for r in report["results"]:
@@ -359,10 +437,16 @@ def print_table(report: dict) -> None:
                 f": {transfer['comm_ms']:.3f} ms per step of all-gather / reduce-scatter kernels (Trans, Agg), "
                 f"{transfer['hidden_share']:.0%} under computation")
             print(f"[{r['mode']}] copied experts per layer {r.get('copied_experts')}{hidden}")
+    for r in report["results"]:
+        if r.get("graph") and not r["repeat"]:
+            print(f"[{r['mode']}] " + ("; ".join(line.removeprefix("weft train: ") for line in r["graph"])))
     print_breakdowns(report["results"], lambda r: r["mode"])
     for r in report["results"]:
         if r.get("plan") and not r["repeat"]:  # a repeat runs the same plan
             print(f"\n[{r['mode']}] plan:\n{r['plan']}")
-            print(f"measured forward {r['forward_ms']:.2f} ms, backward {r['fwd_bwd_ms'] - r['forward_ms']:.2f} ms; "
+            measured = (f"measured forward+backward {r['fwd_bwd_ms']:.2f} ms (one CUDA graph)"
+                        if r["forward_ms"] is None else f"measured forward {r['forward_ms']:.2f} ms, "
+                        f"backward {r['fwd_bwd_ms'] - r['forward_ms']:.2f} ms")
+            print(f"{measured}; "
                   f"predicted forward {r['predicted_forward_ms']:.2f} + backward {r['predicted_backward_ms']:.2f} "
                   f"+ embedding/head/loss {r['predicted_rest_ms']:.2f} ms")
