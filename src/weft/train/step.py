@@ -50,7 +50,8 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     partitioned forward (each partition's all-to-allv sends its kept slots, counted on the host);
     Lancet's dW schedule is captured (`choose_wgrad_schedule`: from its second backward on it
     follows a fixed plan, each all-to-all launched, the weight gradients the plan gives it run,
-    then waited, which a graph keeps as its stream order). Tutel's pipelining
+    then waited, which a graph keeps as its stream order; under the linear all-to-all only, so
+    `fixed_size` does not apply to it). Tutel's pipelining
     is captured at the degree whose graph replays fastest (`choose_fastest`), its chunks'
     all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
@@ -61,8 +62,10 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     (`choose_fixed_size`)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
-    if overlap == "lancet" and model.unit_runner is not None:
-        return "--overlap lancet's partitioned forward ranges read their all-to-allv sizes on the host"
+    if overlap == "lancet":
+        if model.unit_runner is not None:
+            return "--overlap lancet's partitioned forward ranges read their all-to-allv sizes on the host"
+        fixed_size = False  # its dW schedule runs under the linear all-to-all's exchanges, not dedup-fixed's
     for i, moe in enumerate(model.moe_layers()):
         cf = moe.capacity_factor
         fixed = cf is None and (moe.a2a_algo in FIXED_SIZE_ALGOS  # dropless in fixed-size exchanges
