@@ -159,6 +159,10 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
         device = f"cuda:{torch.cuda.current_device()}"
     case = dict(device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
     for cap, k, activation, dtype in itertools.product(caps, TOP_KS, activations, dtypes):
+        # Through Triton's interpreter (slow: CI time) the kernels' other dtypes (their casts) run at
+        # k = 2 only; every k runs in the first dtype, and the torch path runs every combination.
+        if kernels == "triton" and dtype != dtypes[0] and k != 2:
+            continue
         failures += check_case(gate, cap, k, activation, dtype, **case)
     # The router's options below change the scores the kernels are given, not the kernels' code paths:
     # through Triton's interpreter (slow: CI time) they run at one capacity (1.0, with drops, or the
