@@ -599,6 +599,32 @@ def test_pro_prophet_balancing_trains_with_the_plain_losses(corpus, tmp_path):
     assert all(abs(after[s] - rows_before[s]) <= 1e-4 * abs(rows_before[s]) for s in range(7, 13))
 
 
+def test_a_balanced_checkpoint_resumes_on_another_world_size_with_the_same_losses(corpus, tmp_path):
+    """Pro-Prophet's copies live for one call, so a balanced run's checkpoint is a plain one: saved
+    by 2 ranks (batch 4 each) that copied experts, it resumes on 4 ranks (batch 2 each: the same
+    global batches), balanced and not, and each continues with the uninterrupted 2-rank run's
+    losses (the dropless model without aux loss computes the same function however the batch is
+    shared out; to float rounding)."""
+    model = {**WORLD_INVARIANT["moe"], "moe_every": 1}
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "full", steps=12, model=model, batch_size=4, ckpt_interval=6,
+               balance="pro-prophet", balance_model="nominal"), 2, cache)
+    full = losses(tmp_path / "full")
+    rows = [json.loads(line) for line in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert any(experts for r in rows if "loss" in r for experts in r["copied_experts"]), "no expert was copied"
+    for balance in ("pro-prophet", "none"):
+        out = tmp_path / f"resumed-{balance}"
+        shutil.copytree(tmp_path / "full", out)
+        shutil.rmtree(out / "checkpoints" / "step_12")
+        (out / "metrics.jsonl").write_text("".join(
+            line + "\n" for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line).get("step", 0) <= 6))
+        run(config(corpus, out, steps=12, model=model, batch_size=2, ckpt_interval=6, resume=True,
+                   balance=balance, balance_model="nominal"), 4, cache)
+        resumed = losses(out)
+        assert [resumed[s] for s in range(7, 13)] == pytest.approx([full[s] for s in range(7, 13)], abs=2e-4), balance
+
+
 def test_balance_needs_a_dropless_model():
     with pytest.raises(ValueError, match="balances dropless MoE layers; this model's capacity_factor is 1.25"):
         GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 1}), balance="pro-prophet")
