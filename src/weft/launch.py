@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 # The ranks' rendezvous and collective timeout.
 _GROUP_TIMEOUT = timedelta(seconds=120)
 
+
 class WorkerError(RuntimeError):
     """A spawned rank raised, died, or the run timed out. `report`: the one-line message of a
     `ReportedError` the rank raised (None for other failures, whose traceback is the message)."""

@@ -147,11 +147,9 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
     for mode, setting in settings.items():
         passes.apply(model, setting.ranges, setting.scheduler)
         notes[mode] = []
-        for moe in model.moe_layers():
-            moe.overlap_degree = 1  # valid with every all-to-all, then the mode's: the all-to-all first
-            for name in ("a2a_algo", "overlap_degree"):
-                if name in setting.moe_overrides:
-                    setattr(moe, name, setting.moe_overrides[name])
+        for name in ("a2a_algo", "overlap_degree"):  # the all-to-all first: each step a valid layer
+            if name in setting.moe_overrides:
+                set_layers(model, name, setting.moe_overrides[name])
         overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
         graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all

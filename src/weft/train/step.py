@@ -99,8 +99,7 @@ def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[Micro
     if chosen is None:
         for moe, degree in degrees:
             moe.overlap_degree = degree
-    for moe in model.moe_layers():
-        moe.record(None)  # the last candidate's routing losses: see `with_layers_at`
+    forget_routing(model)  # the last candidate's routing losses
     return chosen, eager_s, graph_s
 
 
@@ -140,21 +139,25 @@ def choose_fastest(model: GPT, step_of: Callable[[object], MicroStep], timer: St
     seconds = timer(step_of, candidates)
     best = candidates[seconds.index(min(seconds))]
     set_layers(model, setting, best)
-    for moe in model.moe_layers():
-        moe.record(None)  # the last candidate's routing losses: see `with_layers_at`
+    forget_routing(model)  # the last candidate's routing losses
     return best, seconds
+
+
+def forget_routing(model: GPT) -> None:
+    """Drop every MoE layer's last routing summary: its losses keep the autograd graph of the call
+    that made them alive, with its parameters' gradient accumulators bound to the stream that
+    call ran on (another candidate's capture), which autograd warns may break the next capture."""
+    for moe in model.moe_layers():
+        moe.record(None)
 
 
 def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[object], MicroStep]:
     """Candidate value -> the micro-step with every MoE layer's `setting` at that value. Each call
-    first forgets the layers' last routing summaries: their losses keep the autograd graph of the
-    call that made them alive, with its parameters' gradient accumulators bound to the stream that
-    call ran on (another candidate's capture), which autograd warns may break the next capture."""
+    first forgets the layers' last routing summaries (`forget_routing`)."""
     def step_of(value) -> MicroStep:
         def run(x: torch.Tensor, y: torch.Tensor):
             set_layers(model, setting, value)
-            for moe in model.moe_layers():
-                moe.record(None)
+            forget_routing(model)
             return step(x, y)
         return run
     return step_of
@@ -231,8 +234,7 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
 
         def run(x: torch.Tensor, y: torch.Tensor):
             apply(model, [], plan.scheduler if scheduled else None)
-            for moe in model.moe_layers():
-                moe.record(None)  # see `with_layers_at`
+            forget_routing(model)
             return inner(x, y)
         return run
 
@@ -240,8 +242,7 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
     seconds = timer(step_of, names)
     kept = choose_passes(dict(zip(names, seconds))) == "backward"
     apply(model, [], plan.scheduler if kept else None)
-    for moe in model.moe_layers():
-        moe.record(None)
+    forget_routing(model)
     return kept, seconds
 
 
@@ -259,9 +260,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     if mode == "off":
         return MicroSteps(eager)
     device = example[0].device
+    graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
     blocker = graph_blocker(model, device, overlap)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
-        graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
         if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
             chosen, seconds = choose_fastest(model, with_layers_at(model, eager, "a2a_algo"), graph_timer,
                                              "a2a_algo", FIXED_SIZE_FORMS)
@@ -288,14 +289,12 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                     set_layers(model, setting, candidates[0])
                     log(f"weft train: every MoE layer runs {setting}={candidates[0]} (dedup would send no fewer rows)")
                     continue
-                timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
-                best, seconds = choose_fastest(model, with_layers_at(model, eager, setting), timer, setting,
+                best, seconds = choose_fastest(model, with_layers_at(model, eager, setting), graph_timer, setting,
                                                candidates)
                 log(f"weft train: every MoE layer runs {setting}={best} (measured as CUDA graphs: "
                     + ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in zip(candidates, seconds)) + ")")
             if backward is not None:
-                timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
-                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, timer)
+                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, graph_timer)
                 log(f"weft train: --overlap lancet {'keeps' if kept else 'drops'} its weight-gradient schedule "
                     f"(measured as CUDA graphs: plain {plain_s * 1e3:.1f} ms, scheduled {scheduled_s * 1e3:.1f} ms)")
                 if not kept:

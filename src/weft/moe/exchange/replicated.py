@@ -95,8 +95,8 @@ class _CopiedRows(torch.autograd.Function):
 
     Through autograd's edge to the weights, the gradient of `w.index_select(0, rows)` is a tensor
     of the whole weight's size (zeros with the rows added), which autograd then adds to the
-    experts' own weight gradient: three passes over every local expert's weights per copied
-    weight, whatever few experts were copied (qwen2-like in float32: ~1.1 GB per weight per call).
+    experts' own weight gradient: four passes over every local expert weight (zeros written, two
+    read and the sum written) on every rank, whatever few experts were copied (docs/balance.md).
     Here backward returns no gradient to the weights and adds the copied rows into `w.grad`
     itself, in place, at the end of the backward pass (autograd's final callback: after the
     experts' own weight gradients are accumulated). Invariant: when backward has finished, every
