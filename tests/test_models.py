@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from weft import MoE
+from weft.graphs import live_gradient_accumulators
 from weft.models import GPT, PRESETS, GPTConfig, get_preset
 from weft.models.presets import TWINS, dense_twin
 from weft.testing import run_distributed
@@ -102,6 +103,20 @@ def test_loss_is_cross_entropy_plus_weighted_router_losses():
     torch.testing.assert_close(model.last_ce_loss, ce)
     torch.testing.assert_close(model.last_aux_loss, aux)
     assert aux > 0 and z > 0
+
+
+def test_a_finished_step_leaves_no_autograd_graph_alive():
+    # the MoE layers keep their routing losses' values, not the graph the model's loss holds: a
+    # kept graph holds every earlier parameter's gradient accumulator, bound to the call's CUDA
+    # stream, and the next CUDA graph capture cannot synchronise with it (weft.graphs)
+    model = build(small(aux_loss_coef=0.05, z_loss_coef=0.1))
+    loss = model(tokens(2, 16, seed=3), tokens(2, 16, seed=4))[1]
+    loss.backward()
+    params = list(model.parameters())
+    assert len(live_gradient_accumulators(params)) == len(params)  # the loss still holds its graph
+    del loss
+    assert live_gradient_accumulators(params) == []
+    assert all(m.aux_loss > 0 and m.aux_loss.grad_fn is None for m in model.moe_layers())
 
 
 def test_dense_model_loss_is_cross_entropy():

@@ -30,7 +30,9 @@ tensors and replays. Invariants the caller relies on:
   graph's own (`accumulate=False`), so it has no effect on gradients.
 - No autograd graph from an earlier eager call may still be alive (a tensor that requires grad
   kept from it): its gradient accumulators are bound to the stream it ran on, and the capture,
-  which runs on its own stream, would have to synchronise with that one, which CUDA refuses.
+  which runs on its own stream, would have to synchronise with that one, which CUDA refuses
+  ("operation would make the legacy stream depend on a capturing blocking stream").
+  `GraphedStep` checks this first (`live_gradient_accumulators`) and names it.
 - Python-side effects of `fn` (attributes it assigns) happen at capture only; return what a
   caller reads after each step instead of reading module attributes.
 """
@@ -48,6 +50,22 @@ from weft.profiling import slowest_rank, wall_seconds
 
 class CaptureError(RuntimeError):
     """`fn` cannot be captured as a CUDA graph (the message says why, e.g. a host synchronisation)."""
+
+
+def live_gradient_accumulators(tensors: Iterable[torch.Tensor]) -> list[int]:
+    """Indices of the leaf tensors whose gradient accumulator (autograd's AccumulateGrad node) is
+    alive: held by the graph of a call whose outputs someone still keeps. Probed by tagging each
+    accumulator and looking it up again after dropping our own reference: only a kept one still
+    carries the tag."""
+    leaves = [(i, t) for i, t in enumerate(tensors) if t.requires_grad and t.is_leaf]
+    tag = "weft.graphs.probe"
+    for _, t in leaves:
+        torch.autograd.graph.get_gradient_edge(t).node.metadata[tag] = True
+    held = []
+    for i, t in leaves:
+        if torch.autograd.graph.get_gradient_edge(t).node.metadata.pop(tag, False):
+            held.append(i)
+    return held
 
 
 class GraphedStep:
@@ -70,6 +88,11 @@ class GraphedStep:
             raise CaptureError("a CUDA graph step needs CUDA tensor arguments")
         self.fn = fn
         self.grads_of = list(grads_of)
+        held = live_gradient_accumulators(self.grads_of)
+        if held:
+            raise CaptureError(f"an earlier call's autograd graph is still alive (a loss or output that requires grad "
+                               f"is kept): it holds the gradient accumulators of {len(held)} of the "
+                               f"{len(self.grads_of)} tensors, bound to its CUDA stream; drop it before capturing")
         self.static_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -413,6 +413,11 @@ class GPT(nn.Module):
         zero = ce.new_zeros(())
         aux = sum((moe.aux_loss for moe in self.moe_layers()), zero)
         z = sum((moe.z_loss for moe in self.moe_layers()), zero)
+        for moe in self.moe_layers():
+            # the returned loss holds the routing losses' graph now; a layer's record would keep
+            # it (and every earlier parameter's gradient accumulator, bound to this call's CUDA
+            # stream) alive after backward, which breaks the next CUDA graph capture (weft.graphs)
+            moe.record(moe.last_routing.detached())
         if self.tp is not None and self.moe_layers():
             # Each rank of the TP group routed its own share of the tokens: the mean of the ranks'
             # losses, as data parallelism over those shares would average them (the router's

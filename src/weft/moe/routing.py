@@ -58,6 +58,10 @@ class RoutingSummary:
     z_loss: torch.Tensor
     stats: MoEStats
 
+    def detached(self) -> RoutingSummary:
+        """The same values, cut from the autograd graph (which the losses would keep alive)."""
+        return RoutingSummary(self.aux_loss.detach(), self.z_loss.detach(), self.stats)
+
 
 @dataclass(frozen=True)
 class Routing:
