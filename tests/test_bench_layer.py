@@ -82,6 +82,26 @@ def test_interleaved_timing_switches_before_every_step_and_rotates():
     assert all(log[2 * i] == ("switch", step[1]) for i, step in enumerate(steps))  # each step right after its switch
 
 
+def test_progress_lines_come_from_rank_0_with_seconds_rounds_and_an_eta(capsys):
+    rounds = []
+    runs = [timing.Run(lambda: None, lambda r: None) for _ in "ab"]
+    timing.interleaved_ms(runs, steps=3, warmup=1, device=torch.device("cpu"), progress=lambda *a: rounds.append(a))
+    assert rounds == [(1, 4), (2, 4), (3, 4), (4, 4)]
+    log = timing.ProgressLog("model", rank=0, every_s=3600.0)
+    log.phase("lancet configured")
+    for done in range(1, 5):
+        log.round(done, 4)
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"weft bench model: lancet configured \(\d+\.\d s\)", lines[0]), lines
+    # the first round and the last; the ones between fall within every_s
+    assert len(lines) == 3 and lines[1].startswith("weft bench model: round 1/4 (") and "ETA" in lines[1], lines
+    assert lines[2].startswith("weft bench model: round 4/4 (") and lines[2].endswith("ETA 0m00s)"), lines
+    quiet = timing.ProgressLog("model", rank=1, every_s=0.0)
+    quiet.phase("lancet configured")
+    quiet.round(4, 4)
+    assert capsys.readouterr().out == ""
+
+
 def test_run_until_tuned_stops_when_nothing_is_measured_and_refuses_endless_tuning():
     count = [0]
     calls = []

@@ -62,6 +62,7 @@ import dataclasses
 import datetime
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.layer import load_imbalance, write_report, zipf_bias
-from weft.bench.timing import Run, Timer, interleaved_ms, quartiles
+from weft.bench.timing import ProgressLog, Run, Timer, interleaved_ms, quartiles
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import build_moe_groups, group_rank, init_distributed
 from weft.models import GPT, GPTConfig
@@ -136,13 +137,15 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     return _Setting(plan.ranges if plan else [], scheduler, moe_overrides, plan)
 
 
-def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[torch.Tensor, torch.Tensor]
+def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[torch.Tensor, torch.Tensor],
+                   done: Callable[[str], None] = lambda what: None
                    ) -> tuple[dict[str, MicroSteps], dict[str, list[str]]]:
     """Each mode's forward and backward captured as one CUDA graph, as `weft train` builds its
     micro-step (`weft.train.step.build_micro_step` with `--cuda-graphs on`: tutel's degree and
     dedup's form timed as graphs, Lancet's dW schedule kept only where its graph is faster), the
-    MoE layers set to the mode's values for the capture and back to plain after it. Returns the
-    micro-steps (their graphs own the gradients) and what each build said."""
+    MoE layers set to the mode's values for the capture and back to plain after it; `done` hears
+    of each capture. Returns the micro-steps (their graphs own the gradients) and what each
+    build said."""
     graphs, notes = {}, {}
     for mode, setting in settings.items():
         passes.apply(model, setting.ranges, setting.scheduler)
@@ -152,6 +155,7 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
                 set_layers(model, name, setting.moe_overrides[name])
         overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
         graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
+        done(f"{mode} captured as a CUDA graph")
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all
         passes.apply(model, [], None)
     return graphs, notes
@@ -260,6 +264,7 @@ def run(bench: ModelBenchConfig) -> dict:
     device = ctx.device
     graphed = bench.cuda_graphs == "on"
     cfg = bench.bench_model_config()
+    progress = ProgressLog("model", ctx.rank)
     groups = build_moe_groups(tp_size=bench.tp, experts=cfg.moe_every > 0) if bench.tp > 1 else None
     torch.manual_seed(0)
     model = GPT(cfg, group=dist.group.WORLD if dist.is_initialized() else None,
@@ -298,21 +303,29 @@ def run(bench: ModelBenchConfig) -> dict:
                                       for moe in model.moe_layers()]) if model.moe_layers() else ((), ())
     ref_loss, ref_grads = loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters()
                                         if p.grad is not None}
+    del loss  # its autograd graph would hold the parameters' gradient accumulators across the captures
+
+    def max_error(setting: _Setting) -> float:
+        """The mode's loss and gradients on the starting weights against the plain step's (its
+        loss dies here, with its autograd graph)."""
+        loss = reference_grads(setting)
+        backward(setting, loss)
+        error = max([abs(loss.item() - ref_loss)] + [float((p.grad.float() - ref_grads[n]).abs().max())
+                                                      for n, p in model.named_parameters() if p.grad is not None])
+        model.zero_grad(set_to_none=True)
+        return error
     # Configure each distinct mode once, checked on the starting weights; a repeated mode reuses
     # its configuration, so that repeats differ by noise only.
     settings: dict[str, _Setting] = {}
     for mode in dict.fromkeys(modes):
         model.load_state_dict(start)
         setting = _configure(mode, model, batches[0][:, :-1], max_partitions, bench.p1, bench.p2, graphed)
-        loss = reference_grads(setting)
-        backward(setting, loss)
-        setting.max_error = None if mode == "no-comm" else max([abs(loss.item() - ref_loss)] + [
-            float((p.grad.float() - ref_grads[n]).abs().max()) for n, p in model.named_parameters()
-            if p.grad is not None])
-        model.zero_grad(set_to_none=True)
+        error = max_error(setting)  # (no-comm computes another function: nothing to report)
+        setting.max_error = None if mode == "no-comm" else error
         run_until_tuned(lambda _, s=setting: loss_of(batches[0], s),
                         lambda: sum(moe.tuning.measurements for moe in model.moe_layers()), device)
         settings[mode] = setting
+        progress.phase(f"{mode} configured (checked against the plain step, tuned)")
     model.load_state_dict(start)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda" or None)  # as weft train
     timer = Timer(device)
@@ -327,7 +340,8 @@ def run(bench: ModelBenchConfig) -> dict:
             opt.step()
         model.zero_grad(set_to_none=True)
 
-    graphs, graph_notes = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:])) if graphed \
+    graphs, graph_notes = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:]),
+                                         progress.phase) if graphed \
         else ({}, {})
 
     def graph_step(mode: str, i: int) -> None:
@@ -354,7 +368,8 @@ def run(bench: ModelBenchConfig) -> dict:
     else:
         runs = [Run(lambda s=settings[mode]: _switch(model, s), lambda r, s=settings[mode]: step(s, r),
                     lambda s=settings[mode]: _assert_clean(model, s.scheduler)) for mode in modes]
-    times = interleaved_ms(runs, steps, warmup, device, timer)  # (row, iteration/forward/fwd_bwd, round)
+    # (row, iteration/forward/fwd_bwd, round)
+    times = interleaved_ms(runs, steps, warmup, device, timer, progress=progress.round)
 
     rows = []
     for i, mode in enumerate(modes):

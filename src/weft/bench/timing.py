@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from weft.train.metrics import format_duration
+
 
 class Timer:
     """Milliseconds from `begin` to `stop` (CUDA events on GPU); each `lap` marks a point in
@@ -89,11 +91,38 @@ class Run:
     check: Callable[[], None] = lambda: None
 
 
+class ProgressLog:
+    """A benchmark's progress lines on rank 0 (`weft bench model: lancet configured (12.3 s)`):
+    each untimed phase as it ends, with its seconds, and the timed rounds at most every
+    `every_s` seconds, with their rate and an ETA. Other ranks print nothing."""
+
+    def __init__(self, name: str, rank: int, every_s: float = 10.0):
+        self.prefix, self.quiet, self.every_s = f"weft bench {name}:", rank != 0, every_s
+        self._last = self._rounds_start = time.perf_counter()
+        self._last_round_line = -float("inf")
+
+    def phase(self, what: str) -> None:
+        now = time.perf_counter()
+        if not self.quiet:
+            print(f"{self.prefix} {what} ({now - self._last:.1f} s)", flush=True)
+        self._last = self._rounds_start = now
+
+    def round(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if self.quiet or (now - self._last_round_line < self.every_s and done < total):
+            return
+        self._last_round_line = now
+        rate = done / max(now - self._rounds_start, 1e-9)
+        print(f"{self.prefix} round {done}/{total} ({rate:.2f} rounds/s, ETA "
+              f"{format_duration((total - done) / rate)})", flush=True)
+
+
 def interleaved_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.device,
-                   timer: Timer | None = None) -> torch.Tensor:
+                   timer: Timer | None = None, progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
     """Time `runs` interleaved: `warmup` uncounted rounds, then `steps` counted ones. Returns
     (len(runs), 1 + laps, steps) milliseconds: the whole step, then each lap the steps marked on
-    `timer` (the one they use; default a fresh one), each step's time its slowest rank's."""
+    `timer` (the one they use; default a fresh one), each step's time its slowest rank's.
+    `progress(done, total)` after each round (e.g. `ProgressLog.round`)."""
     timer = timer or Timer(device)
     times: list[list[list[float]]] = [[] for _ in runs]
     for r, order in enumerate(interleaved_order(range(len(runs)), warmup + steps)):
@@ -108,6 +137,8 @@ def interleaved_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.d
             run.check()
             if r >= warmup:
                 times[i].append([elapsed, *timer.laps_ms])
+        if progress is not None:
+            progress(r + 1, warmup + steps)
     return slowest_per_step(torch.tensor(times, dtype=torch.float64).transpose(1, 2), device)
 
 
