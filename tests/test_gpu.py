@@ -436,14 +436,16 @@ def test_lancets_dw_schedule_replays_as_a_cuda_graph_with_the_eager_gradients():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (an all-to-all to schedule under)")
 def test_lancet_training_replays_as_cuda_graphs_with_the_plain_losses(tmp_path):
     """`weft train --overlap lancet --cuda-graphs on` (every GPU): the dW schedule and the plain
-    step are timed as CUDA graphs, the faster captured (the log says which and why); the losses
-    are those of `--overlap none` run eagerly (float32 weights against bf16 ones with masters:
-    the same bf16 GEMM inputs at the first step, so 2e-3)."""
+    step are timed as CUDA graphs, the faster captured (the log says which and why), with bf16
+    master weights as `--overlap none` (the dW schedule writes each weight's gradient once, in
+    bf16); the losses are those of `--overlap none` run eagerly (bf16 GEMMs summed in another
+    order: 2e-3)."""
     losses, logs = {}, {}
     for overlap, graphs in (("lancet", "on"), ("none", "off")):
         logs[overlap], losses[overlap] = train_tiny(tmp_path, overlap, "--overlap", overlap, "--cuda-graphs", graphs)
     assert "weight-gradient schedule (measured as CUDA graphs" in logs["lancet"], logs["lancet"]
     assert "replays as one CUDA graph" in logs["lancet"], logs["lancet"]
+    assert "stored in bf16 with float32 masters" in logs["lancet"], logs["lancet"]
     assert len(losses["lancet"]) == 8
     assert losses["lancet"] == pytest.approx(losses["none"], abs=2e-3), losses
 

@@ -25,6 +25,7 @@ from weft.train.optim import (
     low_precision_parameters,
     master_weights_blocker,
 )
+from weft.train.step import lancet_partitions_forward
 
 # the step's device tensors on the CPU here, on a GPU where one is (`pytest -m gpu tests/test_optim.py`)
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
@@ -276,7 +277,13 @@ def test_master_weights_are_used_only_where_they_change_no_arithmetic():
     model = GPT(CONFIG)
     assert master_weights_blocker(model, cuda, "none") is None
     assert "CPU" in master_weights_blocker(model, torch.device("cpu"), "none")
-    assert "--overlap lancet" in master_weights_blocker(model, cuda, "lancet")
+    assert "--overlap lancet" in master_weights_blocker(model, cuda, "lancet")  # its partitioned forward
+    # a graphed step gets Lancet's dW schedule only: each weight's gradient written once, in bf16
+    assert master_weights_blocker(model, cuda, "lancet", lancet_partitions=False) is None
+    # which is where the step can replay as a CUDA graph (padded layers), graphs not turned off
+    assert not lancet_partitions_forward(model, cuda, "auto")
+    assert lancet_partitions_forward(model, cuda, "off") and lancet_partitions_forward(model, torch.device("cpu"), "on")
+    assert lancet_partitions_forward(GPT(dataclasses.replace(CONFIG, capacity_factor=None)), cuda, "auto")
     assert master_weights_blocker(model, cuda, "tutel") is None  # padded: one weight-gradient matmul per chunked call
     dropless = GPT(dataclasses.replace(CONFIG, capacity_factor=None))
     assert "dropless" in master_weights_blocker(dropless, cuda, "tutel")

@@ -46,7 +46,7 @@ from weft.train.optim import (
     master_weights_blocker,
 )
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
-from weft.train.step import MicroSteps, build_micro_step, graph_blocker, set_layers
+from weft.train.step import MicroSteps, build_micro_step, graph_blocker, lancet_partitions_forward, set_layers
 
 
 class DataError(ReportedError):
@@ -104,7 +104,8 @@ def build_master_weights(model: GPT, cfg: TrainConfig, device: torch.device, gro
     none = MasterWeights(MasterPlan([], []))
     if cfg.master_weights == "off":
         return none
-    blocker = master_weights_blocker(model, device, cfg.overlap)
+    blocker = master_weights_blocker(model, device, cfg.overlap,
+                                     lancet_partitions_forward(model, device, cfg.cuda_graphs))
     plan = low_precision_parameters(model, groups, cfg.grad_accum) if blocker is None else MasterPlan([], [])
     if blocker is None and not len(plan):
         blocker = "no weight of this model is read only through autocast's casts (or every one is gathered " \
@@ -413,10 +414,9 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
         return None
 
     x, _ = batches.get(start + 1, 0)
-    if cfg.cuda_graphs != "off" and graph_blocker(model, device, "none") is None:
-        # The step can replay as a CUDA graph, which Lancet's partitioned forward cannot join (its
-        # all-to-allv sizes are read on the host): dW scheduling only, kept where its graph replays
-        # faster (`weft.train.step.choose_wgrad_schedule`), not by the eager check.
+    if not lancet_partitions_forward(model, device, cfg.cuda_graphs):
+        # dW scheduling only, kept where its graph replays faster
+        # (`weft.train.step.choose_wgrad_schedule`), not by the eager check.
         plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0)
         note = ("(the micro-step replays as a CUDA graph: weight-gradient scheduling only, kept if its graph "
                 "replays faster; --cuda-graphs off for the partitioned forward)\n")

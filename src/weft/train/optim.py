@@ -27,8 +27,9 @@ autocast's casts to bf16 (the linears of attention and dense MLPs, the expert we
 whose gradients the backward itself does not sum across ranks (so not experts whose weights are
 gathered from other ranks). Embeddings (looked up in float32), the tied head, norms and routers
 (float32 by design) stay float32, updated by the same optimizer. `master_weights_blocker` names
-the runs that keep float32 parameters throughout (CPU, Lancet's deferred weight gradients, tensor
-parallelism, expert replication). Tutel's pipelining of padded layers keeps master weights: its
+the runs that keep float32 parameters throughout (CPU, Lancet's partitioned forward, tensor
+parallelism, expert replication); Lancet's dW schedule alone (a graphed step) keeps master
+weights. Tutel's pipelining of padded layers keeps master weights: its
 weight gradients are one batched matmul over every chunk's rows, as without chunks; a dropless
 layer's chunks each give a weight gradient, which float32 parameters sum in float32.
 
@@ -90,13 +91,17 @@ def low_precision_parameters(model: GPT, groups: MoEGroups, grad_accum: int = 1)
     return MasterPlan(direct, staged)
 
 
-def master_weights_blocker(model: GPT, device: torch.device, overlap: str) -> str | None:
+def master_weights_blocker(model: GPT, device: torch.device, overlap: str, lancet_partitions: bool = True
+                           ) -> str | None:
     """Why a run keeps float32 parameters (None: bf16 with masters changes no arithmetic for the
-    weights `low_precision_parameters` picks)."""
+    weights `low_precision_parameters` picks). `lancet_partitions`: whether `--overlap lancet`
+    plans its partitioned forward (`weft.train.step.lancet_partitions_forward`), whose ranges call
+    a weight once per partition, its gradient summed over them; its dW schedule alone writes each
+    weight's gradient once per micro-step, computed in bf16 as autograd's is (`weft.ops.wgrad`)."""
     if device.type != "cuda":
         return "the CPU trains in float32 (no autocast)"
-    if overlap == "lancet":
-        return "--overlap lancet defers weight gradients and accumulates them"
+    if overlap == "lancet" and lancet_partitions:
+        return "--overlap lancet's partitioned forward sums each weight's gradient over its partitions"
     if overlap == "tutel" and any(moe.capacity_factor is None for moe in model.moe_layers()):
         return "--overlap tutel sums a dropless layer's weight gradients over its chunks"
     if model.tp is not None:

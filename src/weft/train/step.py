@@ -77,6 +77,13 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     return None
 
 
+def lancet_partitions_forward(model: GPT, device: torch.device, cuda_graphs: str) -> bool:
+    """Whether `--overlap lancet` plans its partitioned forward: only where the steps run eagerly
+    (`--cuda-graphs off`, or a step no graph can hold); a step that can replay as a CUDA graph
+    gets the dW schedule only (its partitions would read all-to-allv sizes on the host)."""
+    return cuda_graphs == "off" or graph_blocker(model, device, "none") is not None
+
+
 def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[MicroStep], float],
                       graph_timer: StepTimer) -> tuple[str | None, float, dict[str, float]]:
     """`--a2a-algo auto` on dropless MoE layers with CUDA graphs allowed: the ways the step can
