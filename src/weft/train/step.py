@@ -106,7 +106,6 @@ def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[Micro
     if chosen is None:
         for moe, degree in degrees:
             moe.overlap_degree = degree
-    forget_routing(model)  # the last candidate's routing losses
     return chosen, eager_s, graph_s
 
 
@@ -146,25 +145,14 @@ def choose_fastest(model: GPT, step_of: Callable[[object], MicroStep], timer: St
     seconds = timer(step_of, candidates)
     best = candidates[seconds.index(min(seconds))]
     set_layers(model, setting, best)
-    forget_routing(model)  # the last candidate's routing losses
     return best, seconds
 
 
-def forget_routing(model: GPT) -> None:
-    """Drop every MoE layer's last routing summary: its losses keep the autograd graph of the call
-    that made them alive, with its parameters' gradient accumulators bound to the stream that
-    call ran on (another candidate's capture), which autograd warns may break the next capture."""
-    for moe in model.moe_layers():
-        moe.record(None)
-
-
 def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[object], MicroStep]:
-    """Candidate value -> the micro-step with every MoE layer's `setting` at that value. Each call
-    first forgets the layers' last routing summaries (`forget_routing`)."""
+    """Candidate value -> the micro-step with every MoE layer's `setting` at that value."""
     def step_of(value) -> MicroStep:
         def run(x: torch.Tensor, y: torch.Tensor):
             set_layers(model, setting, value)
-            forget_routing(model)
             return step(x, y)
         return run
     return step_of
@@ -241,7 +229,6 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
 
         def run(x: torch.Tensor, y: torch.Tensor):
             apply(model, [], plan.scheduler if scheduled else None)
-            forget_routing(model)
             return inner(x, y)
         return run
 
@@ -249,7 +236,6 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
     seconds = timer(step_of, names)
     kept = choose_passes(dict(zip(names, seconds))) == "backward"
     apply(model, [], plan.scheduler if kept else None)
-    forget_routing(model)
     return kept, seconds
 
 
