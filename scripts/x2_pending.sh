@@ -53,7 +53,7 @@
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
 #   lancet   `weft train --overlap lancet` graphed (its dW schedule kept if its graph replays faster) against
-#            `none` and `tutel`, gpt2-s-moe batch 8 (LANCET_RUNS), NCCL_P2P_DISABLE=1 and NVLink (REGIMES): its GPU
+#            `none` and `tutel` (LANCET_OVERLAPS), gpt2-s-moe batch 8 (LANCET_RUNS), P2P disabled and NVLink (REGIMES): its GPU
 #            tests, tokens/s, MFU, what each chose (issue: Overlap that pays)
 #   modelgraph  whole training iterations per overlap mode with each mode's step one CUDA graph (bench model
 #            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr) and gpt2-l-moe (MODELS),
@@ -314,7 +314,7 @@ part_lancet() {
     set_regime "$regime"
     for run in ${LANCET_RUNS:-gpt2-s-moe:8}; do
       i=0
-      for overlap in none tutel lancet none; do
+      for overlap in ${LANCET_OVERLAPS:-none tutel lancet none}; do
         i=$((i + 1)); dir="$1/$regime/${run%%:*}-$i-$overlap"
         echo "-- $regime $run --overlap $overlap"
         RUNS="$run" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=${STEPS:-18} WARM=6 OUT="$dir" \
