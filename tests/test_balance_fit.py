@@ -60,15 +60,17 @@ def fit_worker() -> list[str]:
     checks.expect(all(m.backward_non_moe_s > 0 and m.throughput > 0 for m in fitted), f"{fitted}")
     checks.expect(gpt.training, "the model left out of training mode")
     overheads = [None] * world
-    dist.all_gather_object(overheads, [m.copy_overhead_s for m in fitted])
-    checks.expect(all(o >= 0 for o in overheads[0]) and len({tuple(o) for o in overheads}) == 1,
-                  f"copy overheads {overheads}: negative, or different on the ranks")
+    dist.all_gather_object(overheads, [(m.copy_overhead_s, m.rest_s) for m in fitted])
+    checks.expect(all(o >= 0 and r >= 0 for o, r in overheads[0]) and len({tuple(o) for o in overheads}) == 1,
+                  f"copy overheads and rests {overheads}: negative, or different on the ranks")
     return checks.failures
 
 
-def copy_overhead_worker(plain_s: float, copy_s: float) -> list[str]:
-    """`measure_copy_overhead` on given timings: the measured difference of the two calls less the
-    paper model's own difference between the placements, never below 0."""
+def unpriced_time_worker(plain_s: float, copy_s: float) -> list[str]:
+    """`measure_unpriced_time` on given timings: the copy overhead is the measured difference of
+    the two calls less the paper model's own difference between the placements, the rest the
+    call with no copy less the model's time for it; neither below 0. Installed, the model
+    predicts the timed plain call."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
     ran = []
@@ -83,7 +85,7 @@ def copy_overhead_worker(plain_s: float, copy_s: float) -> list[str]:
     torch.manual_seed(0)
     moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet")
     x = torch.randn(40, DIM, generator=torch.Generator().manual_seed(rank))
-    overhead = balance_model.measure_copy_overhead(moe, x)
+    unpriced = balance_model.measure_unpriced_time(moe, x)
     checks.expect(ran == [{}, {0: frozenset(range(1, world))}], f"timed placements {ran}")
     checks.expect(all(p.grad is None for p in moe.parameters()), "gradients left on the layer")
     cost, tokens, owners = moe.balancer.model, moe.balancer.history.predict_counts(), moe.balancer.owner_E
@@ -92,17 +94,24 @@ def copy_overhead_worker(plain_s: float, copy_s: float) -> list[str]:
     h, r = host_loads(tokens, Placement(owners, {0: frozenset(range(1, world))}))
     copy_model = cost.layer_s(r, h, 1, 1, scheduled=False)
     expected = max(0.0, (copy_s - plain_s) - (copy_model - plain_model))
-    checks.expect(abs(overhead - expected) <= 1e-12 * max(1.0, expected), f"overhead {overhead}, expected {expected}")
-    installed = balance_model.with_copy_overhead(moe, x)
-    checks.expect(installed is moe.balancer.model and installed.copy_overhead_s == overhead,
-                  f"installed model {installed}")
+    checks.expect(abs(unpriced.copy_overhead_s - expected) <= 1e-12 * max(1.0, expected),
+                  f"overhead {unpriced.copy_overhead_s}, expected {expected}")
+    rest = max(0.0, plain_s - plain_model)
+    checks.expect(abs(unpriced.rest_s - rest) <= 1e-12 * max(1.0, rest), f"rest {unpriced.rest_s}, expected {rest}")
+    installed = balance_model.with_unpriced_time(moe, x)
+    checks.expect(installed is moe.balancer.model and installed.copy_overhead_s == unpriced.copy_overhead_s
+                  and installed.rest_s == unpriced.rest_s, f"installed model {installed}")
+    h, r = host_loads(tokens, Placement(owners))
+    if plain_s > plain_model:  # the installed model prices the plain call as it was timed
+        predicted = installed.layer_s(r, h, 0, 1, scheduled=False)
+        checks.expect(abs(predicted - plain_s) <= 1e-9 * plain_s, f"predicted {predicted} for a {plain_s} s call")
     return checks.failures
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("plain_s, copy_s", [(1.0, 3.0), (1.0, 1.0)])
-def test_copy_overhead_is_what_the_model_does_not_price(world_size, plain_s, copy_s):
-    failures = run_checks(copy_overhead_worker, world_size, args=(plain_s, copy_s), timeout=300)
+def test_copy_overhead_and_rest_are_what_the_model_does_not_price(world_size, plain_s, copy_s):
+    failures = run_checks(unpriced_time_worker, world_size, args=(plain_s, copy_s), timeout=300)
     assert not failures, "\n".join(failures)
 
 

@@ -85,10 +85,14 @@ class LayerCostModel:
     expert's parameters and gradients, and the non-MoE forward and backward time of a block, which
     hides Trans and Agg in the scheduled form (eq. 8).
 
-    `copy_overhead_s` extends the paper's model: the seconds a call spends per copied expert
-    beyond what eqs. 1-5 price (its rows cut out of the exchange and computed apart, the
-    replicated exchange's extra kernels and host work), which no schedule hides. Measured
-    (`weft.overlap.measure_copy_overhead`); 0 in the paper's model."""
+    Two terms extend the paper's model, both measured on the layer's own call
+    (`weft.overlap.measure_unpriced_time`) and 0 in the paper's model: `copy_overhead_s`, the
+    seconds a call spends per copied expert beyond what eqs. 1-5 price (its rows cut out of the
+    exchange and computed apart, the replicated exchange's extra kernels and host work), which no
+    schedule hides; and `rest_s`, the call's time outside the experts and the all-to-alls
+    (routing, dispatch, combine, the host's share of an eager call), the same under every
+    placement, so it moves every plan's time alike and changes no choice, but makes the
+    predicted time the layer's."""
 
     num_devices: int
     bandwidth: float
@@ -99,6 +103,7 @@ class LayerCostModel:
     forward_non_moe_s: float = 0.0
     backward_non_moe_s: float = 0.0
     copy_overhead_s: float = 0.0
+    rest_s: float = 0.0
 
     def all_to_all_s(self, r_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 1: the slowest device's receive time."""
@@ -125,13 +130,13 @@ class LayerCostModel:
         """The MoE layer's forward and backward time: eq. 8 with `scheduled` (Trans hidden behind the
         forward experts and the block's non-MoE forward, Agg behind the backward ones, Alg. 2), eq. 6
         without (a call that copies its experts itself waits for them); plus `copy_overhead_s` per
-        copied expert in both."""
+        copied expert and `rest_s` in both."""
         trans, agg = self.trans_s(s, n), self.agg_s(s, n)
         fec, bec = self.forward_experts_s(h_D), self.backward_experts_s(h_D)
         if scheduled:
             trans = max(0.0, trans - fec - self.forward_non_moe_s)
             agg = max(0.0, agg - bec - self.backward_non_moe_s)
-        return 4 * self.all_to_all_s(r_D) + fec + bec + trans + agg + s * self.copy_overhead_s
+        return 4 * self.all_to_all_s(r_D) + fec + bec + trans + agg + s * self.copy_overhead_s + self.rest_s
 
 
 @dataclass(frozen=True)

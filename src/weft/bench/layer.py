@@ -40,7 +40,7 @@ from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS
-from weft.overlap import measure_layer_cost_model, with_copy_overhead
+from weft.overlap import measure_layer_cost_model, with_unpriced_time
 from weft.profiling import stage
 from weft.tune import Setting, run_until_tuned, tuned_seconds
 
@@ -267,8 +267,9 @@ class LayerBenchConfig:
     skew: float = arg(0.0, "route with a Zipf(S) skew: every input carries one shift that the router maps to the "
                       "logit bias -S ln(rank) over a fixed random ranking of the experts (0: no skew)",
                       parse=non_negative_float)
-    copy_overhead: str = arg("measured", "balance mode: Pro-Prophet's planner adds each copy's overhead measured on "
-                             "the layer ('measured') or plans with the paper's model alone, eqs. 1-8 ('none')",
+    copy_overhead: str = arg("measured", "balance mode: Pro-Prophet's planner adds what the layer's call spends "
+                             "beyond its model (each copy's overhead, the rest of the call), measured on the layer "
+                             "('measured'), or plans with the paper's model alone, eqs. 1-8 ('none')",
                              choices=("measured", "none"))
 
     def validate(self) -> None:
@@ -472,7 +473,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
 def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_overhead: bool = True) -> MoE:
     """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
     its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`, and with
-    `copy_overhead` `with_copy_overhead`; the nominal one on a single rank), after an untimed
+    `copy_overhead` `with_unpriced_time`; the nominal one on a single rank), after an untimed
     call on `warm_input` so that the next call has a load to plan from."""
     if cf is not None:
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
@@ -483,8 +484,8 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
         twin(warm_input)
-    if copy_overhead and moe.ep_size > 1:  # what a copy costs beyond its bytes, measured on this
-        with_copy_overhead(twin, warm_input)  # input, whose load its calls leave in the history
+    if copy_overhead and moe.ep_size > 1:  # what a copy and the rest of the call cost beyond the
+        with_unpriced_time(twin, warm_input)  # model, on this input, whose load its calls leave in the history
     return twin
 
 

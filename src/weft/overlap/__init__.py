@@ -7,8 +7,8 @@
 - `optimize(model, sample_batch)` profiles a weft GPT, plans and applies both passes.
 
 Pro-Prophet's performance model is measured from the same profile (`balance_model`:
-`fit_balance_models(model, sample_batch)`, `measure_layer_cost_model(moe, x)`, and what a copy
-costs beyond its bytes: `measure_copy_overhead(moe, x)`).
+`fit_balance_models(model, sample_batch)`, `measure_layer_cost_model(moe, x)`, and what a call
+spends beyond that model: `measure_unpriced_time(moe, x)`).
 """
 from weft.ops.wgrad import (
     WGradScheduler,
@@ -21,15 +21,15 @@ from weft.ops.wgrad import (
 from weft.overlap.balance_model import (
     fit_balance_models,
     layer_cost_model,
-    measure_copy_overhead,
     measure_layer_cost_model,
-    with_copy_overhead,
+    measure_unpriced_time,
+    with_unpriced_time,
 )
 from weft.overlap.forward import PartitionedRunner, Range
 from weft.overlap.passes import OverlapPlan, optimize
 from weft.overlap.planner import Plan, Segment, plan, simulate
 
 __all__ = ["OverlapPlan", "PartitionedRunner", "Plan", "Range", "Segment", "WGradScheduler", "WGradStats", "best_fit",
-           "bmm", "fit_balance_models", "grouped_mm", "layer_cost_model", "linear", "measure_copy_overhead",
-           "measure_layer_cost_model", "with_copy_overhead",
+           "bmm", "fit_balance_models", "grouped_mm", "layer_cost_model", "linear",
+           "measure_layer_cost_model", "measure_unpriced_time", "with_unpriced_time",
            "optimize", "plan", "simulate"]

@@ -9,15 +9,17 @@ run on a side communicator over the same links). Eq. 1 prices the rows a rank re
 others, so B is the effective rate of the all-to-all at the layer's own size: the (W - 1) / W of
 the rows that cross the wire over the all-to-all's measured time.
 
-Beyond the paper: what a copy costs besides its bytes (`measure_copy_overhead`), timed on the
-layer itself, since on 2 x H100 every copy measured slower than the model priced it
-(docs/balance.md).
+Beyond the paper, timed on the layer itself (`measure_unpriced_time`): what a copy costs besides
+its bytes, since on 2 x H100 every copy measured slower than the model priced it, and the rest of
+the call (routing, dispatch, combine), which eqs. 1-8 leave out: the paper's model alone
+predicted 36-74% below the measured layer (docs/balance.md).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -89,8 +91,8 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
     sub-layers since the preceding balanced layer (where the block-wise schedule launches it),
     less that layer's experts (eq. 8 adds the experts' time itself); its Agg's, the backward of
     the sub-layers between that are not MoE layers. A collective: every rank, the same batch
-    shape. Each layer's `copy_overhead_s` is then measured on its own call
-    (`measure_copy_overhead`)."""
+    shape. Each layer's `copy_overhead_s` and `rest_s` are then measured on its own call
+    (`measure_unpriced_time`)."""
     if not model.balanced:
         raise ValueError("fit_balance_models: the model does not balance (build it with balance='pro-prophet')")
     was_training = model.training
@@ -117,25 +119,36 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
         unit.moe.balancer.model = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
         # what a copy costs beyond its bytes, on the layer's own call (random rows of the batch's size)
         rows = torch.randn(tokens, unit.moe.dim, device=idx.device)
-        fitted.append(with_copy_overhead(unit.moe, rows, autocast))
+        fitted.append(with_unpriced_time(unit.moe, rows, autocast))
         since = u
     return fitted
 
 
-def measure_copy_overhead(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                          trials: int = 5) -> float:
-    """Seconds per copied expert that a balanced call of `moe` (built with balance="pro-prophet",
-    its planner's model already fitted) spends beyond what that model prices: the layer's forward
-    and backward on `x` (..., dim), timed with no copy and with expert 0 copied to every other
-    rank (the call copying it itself, as a call not launched ahead does), interleaved, wall time,
-    the slowest rank's median; less the model's difference between those two placements on the
-    input's own load (eqs. 1-6: the moved rows, Trans and Agg unhidden). Never below 0. A
-    collective over every rank (the timing agrees over the default group)."""
+@dataclass(frozen=True)
+class UnpricedTime:
+    """What a balanced layer's call spends beyond the paper's model (`LayerCostModel.rest_s` and
+    `copy_overhead_s`), in seconds."""
+
+    rest_s: float
+    copy_overhead_s: float
+
+
+def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
+                          trials: int = 5) -> UnpricedTime:
+    """What a balanced call of `moe` (built with balance="pro-prophet", its planner's model
+    already fitted) spends beyond what the paper's model prices: the layer's forward and backward
+    on `x` (..., dim), timed with no copy and with expert 0 copied to every other rank (the call
+    copying it itself, as a call not launched ahead does), interleaved, wall time, the slowest
+    rank's median. `rest_s`: the call with no copy less the model's time for it on the input's own
+    load (eqs. 1-3: the all-to-alls and the experts); `copy_overhead_s`: the difference of the two
+    calls less the model's difference between the placements (eqs. 1-6: the moved rows, Trans and
+    Agg unhidden). Neither below 0. A collective over every rank (the timing agrees over the
+    default group)."""
     if moe.balancer is None:
-        raise ValueError("measure_copy_overhead: the layer does not balance (build it with balance='pro-prophet')")
+        raise ValueError("measure_unpriced_time: the layer does not balance (build it with balance='pro-prophet')")
     world, model = moe.ep_size, moe.balancer.model
     if world < 2:
-        return 0.0
+        return UnpricedTime(0.0, 0.0)
     ctx = autocast or contextlib.nullcontext
     with ctx():
         dtype = moe.experts.compute_dtype(x)
@@ -153,18 +166,20 @@ def measure_copy_overhead(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
     # the model's own difference between the two placements, on this input's load (every rank's
     # counts, recorded by the calls just timed), without any overhead term
     tokens, owner_E, n = moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.n
-    paper = dataclasses.replace(model, copy_overhead_s=0.0)
+    paper = dataclasses.replace(model, copy_overhead_s=0.0, rest_s=0.0)
     h_D, r_D = host_loads(tokens, Placement(owner_E))
     plain_model_s = paper.layer_s(r_D, h_D, 0, n, scheduled=False)
     h_D, r_D = host_loads(tokens, Placement(owner_E, copies))
     copy_model_s = paper.layer_s(r_D, h_D, 1, n, scheduled=False)
-    return max(0.0, (copy_s - plain_s) - (copy_model_s - plain_model_s))
+    return UnpricedTime(max(0.0, plain_s - plain_model_s),
+                        max(0.0, (copy_s - plain_s) - (copy_model_s - plain_model_s)))
 
 
-def with_copy_overhead(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
+def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
                        trials: int = 5) -> LayerCostModel:
-    """Give the balanced layer `moe`'s planner its measured `copy_overhead_s`
-    (`measure_copy_overhead` on `x`); returns the model."""
-    overhead = measure_copy_overhead(moe, x, autocast, trials)
-    moe.balancer.model = dataclasses.replace(moe.balancer.model, copy_overhead_s=overhead)
+    """Give the balanced layer `moe`'s planner its measured `rest_s` and `copy_overhead_s`
+    (`measure_unpriced_time` on `x`); returns the model."""
+    unpriced = measure_unpriced_time(moe, x, autocast, trials)
+    moe.balancer.model = dataclasses.replace(moe.balancer.model, rest_s=unpriced.rest_s,
+                                             copy_overhead_s=unpriced.copy_overhead_s)
     return moe.balancer.model
