@@ -233,10 +233,12 @@ def test_dedup_with_its_own_pairs_last_matches_dense_reference(world_size, gate)
 @pytest.mark.parametrize("degree", [1, 2])
 def test_dedup_exchange_with_triton_kernels_matches_dense_reference(monkeypatch, degree):
     """The same through the row kernels in Triton's CPU interpreter, on 2 ranks (degree 2: the
-    own pairs computed last, padded modes)."""
+    own pairs computed last, padded modes, in the first dtype: the kernels' casts run at degree 1;
+    the interpreter is slow, CI time)."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup", degree),
+    dtypes = DTYPES if degree == 1 else DTYPES[:1]
+    flat = run_checks(equivalence_worker, 2, args=("topk", dtypes, "cpu", "triton", ("swiglu",), "dedup", degree),
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
