@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
-from weft.bench.timing import Run, interleaved_ms, quartiles, slowest
+from weft.bench.timing import ProgressLog, Run, interleaved_ms, quartiles, slowest
 from weft.cliargs import (
     ACTIVATION_CHOICES,
     DTYPES,
@@ -377,6 +377,7 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
                     profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True) -> list[dict]:
     device = ctx.device
+    progress = ProgressLog("layer", ctx.rank)
     torch.manual_seed(0)
     moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=activation,
               device=device, dtype=dtype, parallel="adaptive", a2a_algo="auto")
@@ -437,6 +438,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         if not graphed:  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)
+        progress.phase(f"{config} {'dropless' if cf is None else f'cf {cf}'} {mode} built and checked")
     timed = [row for row in rows if row["mode"] in built]
     runs = []
     for row in timed:
@@ -448,7 +450,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
             row["tuned"] = moe.tuning.chosen()
         runs.append(Run(switch, step))
-    for row, sample in zip(timed, interleaved_ms(runs, steps, warmup, device)[:, 0]):
+    for row, sample in zip(timed, interleaved_ms(runs, steps, warmup, device, progress=progress.round)[:, 0]):
         q1, row["median_ms"], q3 = quartiles(sample)
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, profile_parts
 from weft.bench.peers import TP_PEERS, build_tp_peer
-from weft.bench.timing import Run, interleaved_ms, quartiles
+from weft.bench.timing import ProgressLog, Run, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
@@ -100,6 +100,7 @@ def run(bench: TPBenchConfig) -> dict:
     bench.validate()
     ctx = init_distributed()
     device, world = ctx.device, ctx.world_size
+    progress = ProgressLog("tp", ctx.rank)
     dtype = DTYPES[bench.dtype] if device.type == "cuda" else torch.float32
     shape = SHAPES[bench.config]
     seq = bench.seq_len or shape.seq_len
@@ -168,8 +169,10 @@ def run(bench: TPBenchConfig) -> dict:
         errors[mode] = max(float((out - reference[0]).abs().max()),
                            float((dx - reference[1]).abs().max())) if checked else None
     timed = [m for m in bench.modes if m in steps]
+    progress.phase(f"{len(steps)} modes built and checked")
     runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in timed]
-    samples = iter(interleaved_ms(runs, bench.steps, bench.warmup, device)[:, 0] if runs else [])
+    samples = iter(interleaved_ms(runs, bench.steps, bench.warmup, device, progress=progress.round)[:, 0]
+                   if runs else [])
     flops = flops_per_step(shape, bench.layers, bench.batch_size, seq) / world
     rows = []
     for i, mode in enumerate(bench.modes):
