@@ -56,7 +56,8 @@
 #            `none` and `tutel` (LANCET_OVERLAPS), gpt2-s-moe batch 8 (LANCET_RUNS), P2P disabled and NVLink (REGIMES): its GPU
 #            tests, tokens/s, MFU, what each chose (issue: Overlap that pays)
 #   modelgraph  whole training iterations per overlap mode with each mode's step one CUDA graph (bench model
-#            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr) and gpt2-l-moe (MODELS),
+#            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr; batch 8) and gpt2-l-moe
+#            (batch 4, as its eager tables) (MODELS, preset:gate:batch),
 #            NCCL_P2P_DISABLE=1 and NVLink (REGIMES; one regime per call; gpt2-l-moe alone in a call with
 #            MODEL_TIMEOUT=540: it did not finish in 280 s on 2 x H100)
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
@@ -331,11 +332,12 @@ part_modelgraph() {
   # the issue's model-level table as weft trains: each mode's forward + backward one CUDA graph
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
-    for model in ${MODELS:-gpt2-s-moe:topk gpt2-s-moe:bpr gpt2-l-moe:topk}; do
-      preset=${model%%:*}; gate=${model##*:}; name="${preset}_${gate}_$regime"
-      timeout ${MODEL_TIMEOUT:-280} $RUN bench model --preset "$preset" --gate "$gate" --batch-size 8 --cuda-graphs on \
-        --modes none,tutel,lancet,none --steps 10 --warmup 3 --json "$1/$name.json" > "$1/$name.log" 2>&1
-      grep -v "$QUIET" "$1/$name.log" | tail -n 12
+    for model in ${MODELS:-gpt2-s-moe:topk:8 gpt2-s-moe:bpr:8 gpt2-l-moe:topk:4}; do  # preset:gate:batch
+      IFS=: read -r preset gate batch <<< "$model"; name="${preset}_${gate}_$regime"
+      timeout ${MODEL_TIMEOUT:-280} $RUN bench model --preset "$preset" --gate "$gate" --batch-size "${batch:-8}" \
+        --cuda-graphs on --modes none,tutel,lancet,none --steps 10 --warmup 3 --json "$1/$name.json" \
+        > "$1/$name.log" 2>&1
+      grep -v "$QUIET\|^weft bench model: .*(.* s)$\|^weft bench model: round" "$1/$name.log" | tail -n 12
     done
   done
   unset NCCL_P2P_DISABLE
