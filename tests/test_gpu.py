@@ -19,7 +19,7 @@ from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
-from test_overlap_passes import both_passes_worker, graphed_schedule_worker
+from test_overlap_passes import both_passes_worker, graph_profile_captures_worker, graphed_schedule_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
@@ -429,6 +429,12 @@ def test_tutel_training_replays_its_fastest_degree_as_cuda_graphs_with_the_plain
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (an all-to-all to schedule under)")
 def test_lancets_dw_schedule_replays_as_a_cuda_graph_with_the_eager_gradients():
     flat = run_checks(graphed_schedule_worker, torch.cuda.device_count(), backend="nccl", timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_a_graphed_lancet_profile_captures_every_call_it_times():
+    flat = run_checks(graph_profile_captures_worker, torch.cuda.device_count(), backend="nccl", timeout=300)
     assert not flat, "\n".join(flat[:15])
 
 

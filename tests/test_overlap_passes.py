@@ -9,11 +9,13 @@ import torch
 import torch.distributed as dist
 
 from weft.cli import main
+from weft.graphs import live_gradient_accumulators
 from weft.models import GPT, GPTConfig
 from weft.moe.grads import reduce_gradients
 from weft.overlap import WGradScheduler, optimize, passes
 from weft.overlap.forward import Range
 from weft.overlap.passes import apply, choose_passes, predict_backward
+from weft.overlap.planner import MoEUnit
 from weft.testing import run_checks
 
 CASES = {  # gate, top_k, capacity factor -> forward ranges (pre ranges only where the gate allows)
@@ -145,6 +147,80 @@ def optimize_worker() -> list[str]:
     if plan.predicted > plan.baseline * (1 + 1e-9):
         failures.append(f"the plan predicts slower than no plan: {plan.predicted} > {plan.baseline}")
     return failures
+
+
+def graphed_profile_worker() -> list[str]:
+    """optimize(graphed=True) times every computation of the profile as a CUDA graph replay
+    (`graph_seconds`, replaced here by a constant: the CPU cannot capture), the all-to-alls
+    eagerly; graphed=False never asks for a replay."""
+    from weft.overlap import profile
+
+    calls = []
+
+    def fake_graph_seconds(fn, device, repeats=5, warmup=2, inner=5):
+        fn()
+        calls.append(fn)
+        return 2e-3
+
+    profile.graph_seconds = fake_graph_seconds  # this spawned process's module only
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    failures = []
+    plan = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True)
+    units = plan.profile.units
+    # each sub-layer's forward (a dense one whole, an MoE one as its computation and its experts),
+    # each sub-layer's forward + backward and forward again, the head's, the model's backward (2)
+    if len(calls) != len(units) + sum(isinstance(u, MoEUnit) for u in units) + 2 * len(units) + 3:
+        failures.append(f"{len(calls)} graph replays timed for {len(units)} sub-layers")
+    dense = [u.time[1] for u in units if not isinstance(u, MoEUnit)]
+    if dense != [2e-3] * len(dense) or plan.profile.rest != 2e-3 or any(b != 0.0 for b in plan.profile.backward):
+        failures.append(f"the profile's times are not the replays': {dense}, rest {plan.profile.rest}, "
+                        f"backward {plan.profile.backward}")
+    comm = [u.dispatch[1] for u in units if isinstance(u, MoEUnit)]
+    if dist.get_world_size() > 1 and not all(c > 0 and c != 2e-3 for c in comm):
+        failures.append(f"the all-to-alls were not priced by the measured cost model: {comm}")
+    if live_gradient_accumulators(list(model.parameters())):
+        failures.append("the profile left an autograd graph alive")
+    calls.clear()
+    optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0)
+    if calls:
+        failures.append(f"an eager profile timed {len(calls)} graph replays")
+    return failures
+
+
+def graph_profile_captures_worker() -> list[str]:
+    """GPUs (NCCL): optimize(graphed=True) as `weft train` runs it (padded MoE layers, bf16
+    autocast) captures every call its profile times (no eager fallback), and its plan predicts a
+    positive time; the profile leaves no autograd graph alive."""
+    from weft.overlap import profile
+
+    real, results = profile.graph_seconds, []
+
+    def recorded(*args, **kwargs):
+        results.append(real(*args, **kwargs))
+        return results[-1]
+
+    profile.graph_seconds = recorded  # this spawned process's module only
+    device = f"cuda:{torch.cuda.current_device()}"
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD).to(device)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
+    plan = optimize(model, x, forward=False, partitions=(1,), repeats=2, measure=0, graphed=True)
+    failures = []
+    if not results or any(r is None for r in results):
+        failures.append(f"{sum(r is None for r in results)} of {len(results)} profiled calls could not be captured")
+    if not plan.predicted > 0:
+        failures.append(f"predicted {plan.predicted}")
+    if live_gradient_accumulators(list(model.parameters())):
+        failures.append("the profile left an autograd graph alive")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_graphed_profile_times_the_computation_as_graph_replays(world_size):
+    failures = run_checks(graphed_profile_worker, world_size, timeout=300)
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])

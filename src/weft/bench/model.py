@@ -124,7 +124,7 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
         return _Setting([], None, moe_overrides, None, balance_schedule=BALANCE_MODES[mode])
     plan, scheduler = None, None
     if mode == "lancet" and graphed:
-        plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0)
+        plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0, graphed=True)
         scheduler = plan.scheduler
     elif mode.startswith("lancet"):
         # lancet-bw / lancet-fw are ablations of one pass: applied as planned, not measured away

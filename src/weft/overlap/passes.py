@@ -114,6 +114,7 @@ def optimize(
     cost_model: CommCostModel | None = None,
     repeats: int = 5,
     measure: int = 5,
+    graphed: bool = False,
 ) -> OverlapPlan:
     """Profile `model` on `sample_batch` (token ids (batch, seq), or (ids, targets)), plan the
     forward ranges by Lancet's DP and turn on dW scheduling; applies the plan to the model and
@@ -130,7 +131,10 @@ def optimize(
     planner's model does not price what its passes cost the host (deferring dW runs each weight
     gradient through a hook and a queue; a partitioned forward launches every op once per
     partition), and where that cost exceeds what they hide, plain is faster. Every combination
-    computes the same losses and gradients, so measuring picks speed only."""
+    computes the same losses and gradients, so measuring picks speed only.
+
+    `graphed`: the steps replay as one CUDA graph, so the profile times its calls as graph
+    replays (`weft.overlap.profile`), without the host costs a replay does not pay."""
     idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
     if not isinstance(max_partitions, int) or max_partitions < 1:
         raise ValueError(f"max_partitions must be a positive integer, got {max_partitions!r}")
@@ -141,7 +145,7 @@ def optimize(
     was_training = model.training
     model.train()
     autocast = functools.partial(training_autocast, idx.device)  # profile as the training loop runs
-    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast)
+    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed)
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time) if forward else None

@@ -5,11 +5,18 @@ Each (unit, partition size) is timed once on real activations of a sample batch 
 runs after warm-up; CUDA events on GPUs). Every rank profiles, and the slowest rank's time is kept
 (all-reduce MAX) so all ranks plan the same pipeline. The all-to-all of an n-partitioned layer is
 priced by the cost model at 1/n of the bytes (Lancet's static-shape approximation).
+
+`graphed=True` profiles for a step that replays as one CUDA graph (`weft train`'s graphed Lancet
+step): each call is captured and replayed (`graph_seconds`), so no host launch cost is timed,
+which a replay does not pay; eager timing credits a small model's sub-layers with their host
+time (the eager profile predicted graphed gpt2-s-moe iterations +91 to +130%: docs/overlap.md).
+A call that cannot be captured is timed eagerly.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -52,6 +59,38 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, 
     return statistics.median(seconds(lambda: [fn() for _ in range(inner)], device) / inner for _ in range(repeats))
 
 
+def graph_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
+                  inner: int = 5) -> float | None:
+    """Median seconds of fn() replayed from a CUDA graph of `inner` back-to-back calls (warm-up
+    and capture on a side stream, as `weft.graphs.GraphedStep`); None where fn cannot be captured
+    (a host synchronisation, no GPU). fn may run a backward: its gradients accumulate in place in
+    the `.grad` tensors that exist at capture, one per replay, as eager calls would."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        with torch.cuda.graph(graph, stream=side):
+            for _ in range(inner):
+                fn()
+    except RuntimeError:  # e.g. "operation not permitted when stream is capturing"
+        torch.cuda.synchronize(device)
+        return None
+    graph.replay()
+    return statistics.median(seconds(graph.replay, device) / inner for _ in range(repeats))
+
+
+def profile_time(fn: Callable[[], object], device: torch.device, repeats: int = 5, graphed: bool = False) -> float:
+    """`graph_seconds` where `graphed` and fn can be captured, else `time_call`."""
+    replayed = graph_seconds(fn, device, repeats) if graphed else None
+    return replayed if replayed is not None else time_call(fn, device, repeats)
+
+
 def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
                        repeats: int = 5) -> CommCostModel:
     """A cost model through all-to-alls of the given byte counts per rank, timed here (slowest rank)."""
@@ -77,11 +116,15 @@ def profile_model(
     cost_model: CommCostModel | None = None,
     repeats: int = 5,
     autocast: Callable[[], object] | None = None,
+    graphed: bool = False,
 ) -> tuple[ModelProfile, CommCostModel | None]:
     """Profile `model` (a weft GPT) on token ids `idx` (batch, seq) for each partition count in
     `partitions` (those above the batch size are skipped). Call on every rank of the EP group.
+    `graphed`: time the computation as CUDA graph replays (the module docstring); the all-to-alls
+    are measured eagerly either way (one collective call each, no host cost to speak of).
     Returns the profile and the cost model used (measured here when none is given)."""
     device = idx.device
+    time = functools.partial(profile_time, device=device, repeats=repeats, graphed=graphed)
     batch = idx.shape[0]
     ks = sorted({k for k in partitions if 1 <= k <= batch} | {1})
     ctx = autocast or contextlib.nullcontext
@@ -103,12 +146,12 @@ def profile_model(
         for k in ks:
             part = inputs[u][: math.ceil(batch / k)]
             if isinstance(unit, MoESubLayer):
-                flat += _time_moe(unit, part, ctx, repeats, cost_model)
+                flat += _time_moe(unit, part, ctx, time, cost_model)
             else:
-                flat.append(time_call(lambda: _forward(unit, part, ctx), device, repeats))
-        flat.append(_time_backward(unit, inputs[u], ctx, repeats))
-    flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, repeats))
-    flat.append(_time_model_backward(model, idx, ctx, repeats))
+                flat.append(time(lambda: _forward(unit, part, ctx)))
+        flat.append(_time_backward(unit, inputs[u], ctx, time))
+    flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, time))
+    flat.append(_time_model_backward(model, idx, ctx, repeats, time if graphed else None))
     agreed = torch.tensor(flat, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
@@ -166,7 +209,10 @@ def _a2a_bytes(moe: MoE, tokens: int, x: torch.Tensor) -> int:
 
 def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
     with ctx():
-        return unit(x.detach().requires_grad_())
+        out = unit(x.detach().requires_grad_())
+    if isinstance(unit, MoESubLayer):  # its routing losses would keep this call's autograd graph alive
+        unit.moe.record(None)
+    return out
 
 
 def expert_call(moe: MoE, x: torch.Tensor, ctx) -> tuple[Callable[[], torch.Tensor], int]:
@@ -203,16 +249,17 @@ def _local(unit):
     return dataclasses.replace(unit, overrides={**unit.overrides, "communicate": False})
 
 
-def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model) -> list[float]:
+def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float],
+              cost_model) -> list[float]:
     """[gate, dispatch, experts, combine] seconds for one partition x. The gate stage holds all
     of the sub-layer's computation but the experts (norm, router, dispatch and combine copies,
     residual): the sub-layer without communication, less its experts."""
-    moe, device = unit.moe, x.device
+    moe = unit.moe
     experts, rows = expert_call(moe, x, ctx)
     # The sub-layer with its all-to-alls removed and the same expert work (tokens stay on the
     # rank): everything it computes, without the communication the cost model prices.
-    whole = time_call(lambda: _forward(_local(unit), x, ctx), device, repeats)
-    expert_time = time_call(experts, device, repeats)
+    whole = time(lambda: _forward(_local(unit), x, ctx))
+    expert_time = time(experts)
     comm = 0.0
     if cost_model is not None and group_size(moe.group) > 1:
         element = torch.tensor([], dtype=compute_dtype(moe, x, ctx)).element_size()
@@ -220,10 +267,10 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, repeats: int, cost_model)
     return [max(0.0, whole - expert_time), comm, expert_time, comm]
 
 
-def _time_backward(unit, x: torch.Tensor, ctx, repeats: int) -> float:
+def _time_backward(unit, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float]) -> float:
     """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward. The
     all-to-alls of an MoE layer are priced separately, so it is timed without them."""
-    device, local = x.device, _local(unit)
+    local = _local(unit)
 
     def forward() -> torch.Tensor:
         return _forward(local, x, ctx)
@@ -233,23 +280,33 @@ def _time_backward(unit, x: torch.Tensor, ctx, repeats: int) -> float:
     def both():
         forward().backward(grad)
 
-    return max(0.0, time_call(both, device, repeats) - time_call(forward, device, repeats))
+    return max(0.0, time(both) - time(forward))
 
 
-def _time_model_backward(model, idx: torch.Tensor, ctx, repeats: int) -> float:
-    """Median seconds of `loss.backward()` of the whole model on idx, without its all-to-alls."""
-    times = []
-    for i in range(repeats + 1):  # the first is warm-up
+def _time_model_backward(model, idx: torch.Tensor, ctx, repeats: int,
+                         time: Callable[[Callable[[], object]], float] | None = None) -> float:
+    """Median seconds of `loss.backward()` of the whole model on idx, without its all-to-alls;
+    with `time` (graphed profiles): (forward + backward) - forward, each timed by it."""
+    def forward() -> torch.Tensor:
         with ctx():
-            loss = model(idx, idx, moe_overrides={"communicate": False})[1]
-        elapsed = seconds(loss.backward, idx.device)
-        if i:
-            times.append(elapsed)
+            return model(idx, idx, moe_overrides={"communicate": False})[1]
+
+    if time is not None:
+        backward = max(0.0, time(lambda: forward().backward()) - time(forward))
+    else:
+        times = []
+        for i in range(repeats + 1):  # the first is warm-up
+            loss = forward()
+            elapsed = seconds(loss.backward, idx.device)
+            if i:
+                times.append(elapsed)
+        backward = statistics.median(times)
     model.zero_grad(set_to_none=True)
-    return statistics.median(times)
+    return backward
 
 
-def _time_rest(model, idx: torch.Tensor, last_input: torch.Tensor, last_unit, ctx, repeats: int) -> float:
+def _time_rest(model, idx: torch.Tensor, last_input: torch.Tensor, last_unit, ctx,
+               time: Callable[[Callable[[], object]], float]) -> float:
     """Embedding, final norm, head and loss, forward + backward (not partitioned)."""
     with ctx(), torch.no_grad():
         final = last_unit(last_input)
@@ -262,4 +319,4 @@ def _time_rest(model, idx: torch.Tensor, last_input: torch.Tensor, last_unit, ct
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         loss.backward()
 
-    return time_call(run, idx.device, repeats)
+    return time(run)

@@ -417,7 +417,7 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
     if not lancet_partitions_forward(model, device, cfg.cuda_graphs):
         # dW scheduling only, kept where its graph replays faster
         # (`weft.train.step.choose_wgrad_schedule`), not by the eager check.
-        plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0)
+        plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0, graphed=True)
         note = ("(the micro-step replays as a CUDA graph: weight-gradient scheduling only, kept if its graph "
                 "replays faster; --cuda-graphs off for the partitioned forward)\n")
     else:
