@@ -162,6 +162,9 @@ def test_toml_config_maps_onto_the_dataclasses(tmp_path):
         (["tune", "--capacity", "0"], "--capacity must be a positive capacity factor"),
         (["train", "--nproc", "3"], "experts cannot be split over 3 expert-parallel ranks"),
         (["train", "--device", "cpu", "--cuda-graphs", "on"], "cuda_graphs 'on' needs GPUs"),
+        # the device left to choose on a machine with no GPU: refused before anything is built
+        pytest.param(["train", "--overlap", "lancet", "--cuda-graphs", "on"], "cuda_graphs 'on' needs GPUs",
+                     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
         (["train", "--cuda-graphs", "always"], "invalid choice: 'always'"),
         (["train", "--preset", "tiny-dense", "--nproc", "2", "--tp", "3", "--device", "cpu"],
          "--tp 3 must divide the number of processes (2)"),

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from weft.jsonfile import read_json
 from weft.kernels.rows import KERNELS
 from weft.models import GPTConfig, get_preset
@@ -112,6 +114,11 @@ class TrainConfig:
         overrides = {k: (None if v == "dropless" else v) for k, v in self.model.items()}
         return GPTConfig.from_dict({**base, **overrides})
 
+    @property
+    def runs_on_cpu(self) -> bool:
+        """Whether the run trains on CPUs: device "cpu", or left to choose on a machine with no GPU."""
+        return self.device == "cpu" or (self.device is None and not torch.cuda.is_available())
+
     def validate(self) -> None:
         numbers = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction")
         for name in numbers:
@@ -156,11 +163,11 @@ class TrainConfig:
             raise ValueError(f"train.balance_model must be 'measured' or 'nominal', got {self.balance_model!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
             raise ValueError(f"train.cuda_graphs must be 'auto', 'on' or 'off', got {self.cuda_graphs!r}")
-        if self.cuda_graphs == "on" and self.device == "cpu":
+        if self.cuda_graphs == "on" and self.runs_on_cpu:
             raise ValueError("train.cuda_graphs 'on' needs GPUs (device is cpu); use 'auto' or 'off'")
         if self.master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"train.master_weights must be 'auto', 'on' or 'off', got {self.master_weights!r}")
-        if self.master_weights == "on" and self.device == "cpu":
+        if self.master_weights == "on" and self.device == "cpu":  # (with no device given: refused at the start)
             raise ValueError("train.master_weights 'on' needs GPUs (device is cpu: it trains in float32); use 'auto' "
                              "or 'off'")
         if self.on_nonfinite not in ("stop", "skip"):
