@@ -182,9 +182,12 @@ def graphed_profile_worker() -> list[str]:
         failures.append(f"the all-to-alls were not priced by the measured cost model: {comm}")
     if live_gradient_accumulators(list(model.parameters())):
         failures.append("the profile left an autograd graph alive")
+    if plan.profile.graph_replays != (len(calls), 0) or f"replays: {len(calls)} of {len(calls)} calls" \
+            not in plan.summary() or plan.to_dict()["graph_replays"] != (len(calls), 0):
+        failures.append(f"the plan reports {plan.profile.graph_replays} replays of {len(calls)}:\n{plan.summary()}")
     calls.clear()
-    optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0)
-    if calls:
+    eager = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0)
+    if calls or eager.profile.graph_replays is not None or "replays" in eager.summary():
         failures.append(f"an eager profile timed {len(calls)} graph replays")
     return failures
 
@@ -210,6 +213,8 @@ def graph_profile_captures_worker() -> list[str]:
     failures = []
     if not results or any(r is None for r in results):
         failures.append(f"{sum(r is None for r in results)} of {len(results)} profiled calls could not be captured")
+    if plan.profile.graph_replays != (len(results), 0):
+        failures.append(f"the plan reports {plan.profile.graph_replays} for {len(results)} calls")
     if not plan.predicted > 0:
         failures.append(f"predicted {plan.predicted}")
     if live_gradient_accumulators(list(model.parameters())):

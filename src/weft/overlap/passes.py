@@ -76,6 +76,10 @@ class OverlapPlan:
         gain = 1 - self.predicted / self.baseline if self.baseline > 0 else 0.0
         lines.append(f"predicted forward+backward: {self.predicted * 1e3:.3f} ms vs {self.baseline * 1e3:.3f} ms "
                      f"without Lancet ({gain:+.1%})")
+        if self.profile.graph_replays is not None:
+            replayed, eager = self.profile.graph_replays
+            lines.append(f"profiled as CUDA graph replays: {replayed} of {replayed + eager} calls"
+                         + (f" ({eager} could not be captured: timed eagerly)" if eager else ""))
         if self.measured:
             times = ", ".join(f"{name} {t * 1e3:.3f}" for name, t in self.measured.items())
             lines.append(f"measured forward+backward ms: {times}; kept: {self.chosen}")
@@ -91,6 +95,7 @@ class OverlapPlan:
             "predicted_parts_s": dict(self.parts),
             "measured_s": dict(self.measured),
             "chosen": self.chosen,
+            "graph_replays": self.profile.graph_replays,
             "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from
                 "names": list(self.profile.names),
                 "forward": [planner.serial_time(u) for u in self.profile.units],

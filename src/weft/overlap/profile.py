@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import statistics
 from collections.abc import Callable, Sequence
@@ -45,6 +44,8 @@ class ModelProfile:
     backward_comm: list[float]  # per sub-layer: its two backward all-to-alls (MoE units), else 0
     rest: float  # embedding, final norm, head and loss, forward + backward
     names: list[str]
+    # graphed profiles: (calls timed as CUDA graph replays, calls that could not be captured and were timed eagerly)
+    graph_replays: tuple[int, int] | None = None
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
@@ -85,12 +86,6 @@ def graph_seconds(fn: Callable[[], object], device: torch.device, repeats: int =
     return statistics.median(seconds(graph.replay, device) / inner for _ in range(repeats))
 
 
-def profile_time(fn: Callable[[], object], device: torch.device, repeats: int = 5, graphed: bool = False) -> float:
-    """`graph_seconds` where `graphed` and fn can be captured, else `time_call`."""
-    replayed = graph_seconds(fn, device, repeats) if graphed else None
-    return replayed if replayed is not None else time_call(fn, device, repeats)
-
-
 def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
                        repeats: int = 5) -> CommCostModel:
     """A cost model through all-to-alls of the given byte counts per rank, timed here (slowest rank)."""
@@ -124,7 +119,14 @@ def profile_model(
     are measured eagerly either way (one collective call each, no host cost to speak of).
     Returns the profile and the cost model used (measured here when none is given)."""
     device = idx.device
-    time = functools.partial(profile_time, device=device, repeats=repeats, graphed=graphed)
+    replays = [0, 0]  # replayed, timed eagerly (graphed profiles)
+
+    def time(fn: Callable[[], object]) -> float:
+        """`graph_seconds` where `graphed` and fn can be captured, else `time_call`."""
+        replayed = graph_seconds(fn, device, repeats) if graphed else None
+        if graphed:
+            replays[replayed is None] += 1
+        return replayed if replayed is not None else time_call(fn, device, repeats)
     batch = idx.shape[0]
     ks = sorted({k for k in partitions if 1 <= k <= batch} | {1})
     ctx = autocast or contextlib.nullcontext
@@ -181,7 +183,8 @@ def profile_model(
     if sum(backward) > 0:
         scale = max(whole - rest, 0.5 * whole) / sum(backward)
         backward = [b * scale for b in backward]
-    return ModelProfile(plan_units, backward, backward_comm, rest, names), cost_model
+    return ModelProfile(plan_units, backward, backward_comm, rest, names,
+                        tuple(replays) if graphed else None), cost_model
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
