@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
+from weft.graphs import CaptureError, GraphedStep
 from weft.models.gpt import MoEUnit as MoESubLayer
 from weft.models.gpt import rotary_tables
 from weft.moe.capacity import capacity_bound
@@ -62,28 +63,19 @@ def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, 
 
 def graph_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
                   inner: int = 5) -> float | None:
-    """Median seconds of fn() replayed from a CUDA graph of `inner` back-to-back calls (warm-up
-    and capture on a side stream, as `weft.graphs.GraphedStep`); None where fn cannot be captured
-    (a host synchronisation, no GPU). fn may run a backward: its gradients accumulate in place in
+    """Median seconds of fn() replayed from a CUDA graph of `inner` back-to-back calls
+    (`weft.graphs.GraphedStep`, `warmup` eager rounds first); None where fn cannot be captured (a
+    host synchronisation, no GPU). fn may run a backward: its gradients accumulate in place in
     the `.grad` tensors that exist at capture, one per replay, as eager calls would."""
     if device.type != "cuda":
         return None
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
+    nothing = torch.empty(0, device=device)  # GraphedStep replays a function of tensors; fn takes none
     try:
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream(device).wait_stream(side)
-        with torch.cuda.graph(graph, stream=side):
-            for _ in range(inner):
-                fn()
-    except RuntimeError:  # e.g. "operation not permitted when stream is capturing"
-        torch.cuda.synchronize(device)
+        graph = GraphedStep(lambda _: [fn() for _ in range(inner)], [nothing], warmup=warmup)
+    except CaptureError:
         return None
-    graph.replay()
-    return statistics.median(seconds(graph.replay, device) / inner for _ in range(repeats))
+    graph(nothing)
+    return statistics.median(seconds(lambda: graph(nothing), device) / inner for _ in range(repeats))
 
 
 def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
