@@ -157,24 +157,29 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
     failures = []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
+    interpreted = kernels == "triton" and device == "cpu"
+    if interpreted:
+        # Through Triton's interpreter (slow: CI time) the kernels run on the layouts they have code
+        # for: padded with drops (capacity 1.0: kept and dropped slots) and dropless. Capacities 0 and
+        # -1.0 only choose C on the host, and the router's options (below) only change the scores the
+        # kernels are given; the torch path runs every combination.
+        caps = tuple(cap for cap in caps if cap in (1.0, None)) or caps[:1]
     case = dict(device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
     for cap, k, activation, dtype in itertools.product(caps, TOP_KS, activations, dtypes):
-        # Through Triton's interpreter (slow: CI time) the kernels' other dtypes (their casts) run at
-        # k = 2 only; every k runs in the first dtype, and the torch path runs every combination.
-        if kernels == "triton" and dtype != dtypes[0] and k != 2:
+        # Through the interpreter the kernels' other dtypes (their casts) run at k = 2 only; every k
+        # runs in the first dtype.
+        if interpreted and dtype != dtypes[0] and k != 2:
             continue
         failures += check_case(gate, cap, k, activation, dtype, **case)
-    # The router's options below change the scores the kernels are given, not the kernels' code paths:
-    # through Triton's interpreter (slow: CI time) they run at one capacity (1.0, with drops, or the
-    # first the exchange has); the torch path runs them at every capacity.
-    option_caps = caps[:1] if kernels == "triton" else caps
+    if interpreted:
+        return failures
     if gate in ("topk", "bpr"):
-        for cap in option_caps:
+        for cap in caps:
             failures += check_case(gate, cap, 2, "gelu", dtypes[0], normalize=False, **case)
     if gate in ("topk", "bpr", "cosine"):  # DeepSeek-V3's selection bias, against expert 0 the router favours
-        for cap, k in itertools.product(option_caps, (1, 2)):
+        for cap, k in itertools.product(caps, (1, 2)):
             failures += check_case(gate, cap, k, "gelu", dtypes[0], bias=EXPERT_BIAS, **case)
-        for cap, k in itertools.product(option_caps, (1, 2)):  # experts sampled in training
+        for cap, k in itertools.product(caps, (1, 2)):  # experts sampled in training
             failures += check_case(gate, cap, k, "gelu", dtypes[0], temperature=0.7, **case)
     return failures
 
@@ -201,8 +206,9 @@ def test_matches_dense_reference(world_size, gate):
 def test_triton_kernels_match_dense_reference(world_size, gate, monkeypatch):
     """kernels="triton" (dispatch and combine by weft.kernels.rows, in Triton's CPU interpreter,
     which the spawned ranks pick up from the environment when they import Triton), float32 and
-    bfloat16. The kernels act on each rank's own rows, so every world size runs with one gate and
-    the other gates on two ranks (the interpreter is slow: this keeps CI short)."""
+    bfloat16, on the layouts the kernels have code for (capacity 1.0 and dropless; see
+    `equivalence_worker`). The kernels act on each rank's own rows, so every world size runs with
+    one gate and the other gates on two ranks (the interpreter is slow: this keeps CI short)."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, world_size, args=(gate, DTYPES, "cpu", "triton", ("swiglu",)),

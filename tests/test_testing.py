@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import sys
 import time
 
 import pytest
@@ -120,6 +121,19 @@ def test_ranks_take_the_callers_environment_at_the_call(monkeypatch, start_metho
         assert [value for value, _ in results] == [mark, mark]
         forked = all(parent != os.getpid() for _, parent in results)
         assert forked == (start_method == "forkserver"), results
+
+
+def preloaded() -> list[bool]:
+    return [name in sys.modules for name in ("weft.cli", "torch._dynamo")]  # this module imports neither
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_forked_ranks_start_with_weft_imported(start_method):
+    """A forked rank finds weft (its entry point, which imports every layer) and torch._dynamo (which
+    the first optimizer imports) imported by the fork server, so it does not import them itself; a
+    spawned rank imports what its function needs."""
+    forked = start_method == "forkserver"
+    assert run_distributed(preloaded, 2, start_method=start_method) == [[forked, forked]] * 2
 
 
 def test_an_unknown_start_method_is_refused():

@@ -16,12 +16,16 @@ __all__ = ["run_distributed", "run_checks", "Checks", "DistributedTestError", "f
 
 
 def run_distributed(fn, world_size: int, **kwargs):
-    """`weft.launch.run_distributed` with the ranks forked from a server that imported torch once
-    (`start_method="forkserver"`, unless given): a test suite starts hundreds of short worlds, and
-    a spawned rank spends seconds importing torch. Under TRITON_INTERPRET the ranks are spawned:
-    Triton reads that switch when a kernel is defined, and a forked rank defines weft's kernels
-    (importing `weft.launch`, its entry point) before it takes the caller's environment."""
+    """`weft.launch.run_distributed` with the ranks forked from a server that imported torch and
+    weft once (`start_method="forkserver"`, unless given; `weft.cli` imports every layer, and
+    `torch._dynamo` is what torch's optimizers import when the first one is built, about two
+    seconds): a test suite starts hundreds of short worlds, and a rank that imports these itself
+    spends more time on that than on its test. Under TRITON_INTERPRET the ranks are spawned:
+    Triton reads that switch when a kernel is defined, and the server defined weft's kernels
+    before any caller's environment."""
     kwargs.setdefault("start_method", "spawn" if os.environ.get("TRITON_INTERPRET") else "forkserver")
+    if kwargs["start_method"] == "forkserver":
+        kwargs.setdefault("preload", ("weft.cli", "torch._dynamo"))
     return launch.run_distributed(fn, world_size, **kwargs)
 
 
