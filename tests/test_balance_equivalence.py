@@ -11,9 +11,16 @@ import torch.distributed as dist
 
 from weft import MoE
 from weft.balance import LayerCostModel
+from weft.balance import balancer as balancer_module
 from weft.testing import Checks, run_checks
 
 DIM, HIDDEN, TOP_K = 16, 32, 2
+
+
+def copies_pay(world: int) -> LayerCostModel:
+    """Slow experts, cheap weights: copying a hot expert always pays in this model."""
+    return LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=4 * DIM,
+                          expert_param_bytes=1.0, expert_grad_bytes=1.0)
 
 
 def balance_worker(num_experts: int, activation: str, device: str = "cpu", tolerance: float = 1e-5,
@@ -24,9 +31,7 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
     checks = Checks(f"rank {rank}")
     expect = checks.expect
 
-    # Slow experts, cheap weights: copying a hot expert always pays in this model.
-    cost = LayerCostModel(num_devices=world, bandwidth=1e12, throughput=1e3, row_bytes=4 * DIM,
-                          expert_param_bytes=1.0, expert_grad_bytes=1.0)
+    cost = copies_pay(world)
     layers = []
     for balance in (None, "pro-prophet"):
         torch.manual_seed(0)
@@ -113,6 +118,40 @@ def test_one_rank_has_nothing_to_copy_and_computes_the_plain_layer():
         assert torch.equal(ys[0], ys[1]) and balanced.balancer.last_copied == []
     for (name, p), q in zip(plain.named_parameters(), balanced.parameters()):
         assert torch.equal(p.grad, q.grad), name
+
+
+def plan_ahead_worker() -> list[str]:
+    """Each balanced call plans the next one once its own work is launched (from the loads it
+    recorded), in the form it ran: copied by itself (eq. 6) or launched ahead by `start_transfer`
+    (eq. 8). The next call, or `start_transfer`, finds the plan made and the same as one made
+    then: no search in the next call."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    searches = []
+    search = balancer_module.greedy_placement
+    balancer_module.greedy_placement = lambda *a, **kw: searches.append(kw["scheduled"]) or search(*a, **kw)
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 4, TOP_K, capacity_factor=None, balance="pro-prophet", balance_model=copies_pay(2))
+    with torch.no_grad():  # experts 0 and 1, both on rank 0, take every token
+        moe.router.weight[:2, 0] += 10.0
+    x = torch.randn(24, DIM, generator=torch.Generator().manual_seed(dist.get_rank()))
+    x[:, 0] += 2.0
+    moe(x).sum().backward()  # no load before it: nothing to plan from, then this call's load recorded
+    checks.expect(searches == [False], f"searches after the first call {searches}, expected one, eq. 6")
+    want = search(moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.model, scheduled=False)
+    moe(x).sum().backward()  # copies what the plan says, without searching, then plans the next
+    checks.expect(searches == [False, False], f"searches after the second call {searches}")
+    checks.expect(moe.balancer.last_plan == want, f"the call ran {moe.balancer.last_plan}, planned then {want}")
+    checks.expect(moe.balancer.last_copied != [], "nothing copied: the test has no copy")
+    moe(x, transfer=moe.start_transfer()).sum().backward()  # no plan for eq. 8 yet: start_transfer makes it
+    checks.expect(searches == [False, False, True, True], f"searches around a scheduled call {searches}")
+    moe(x, transfer=moe.start_transfer()).sum().backward()
+    checks.expect(searches == [False, False, True, True, True], f"searches after a second scheduled call {searches}")
+    return checks.failures
+
+
+def test_each_call_plans_the_next_once_its_work_is_launched():
+    flat = run_checks(plan_ahead_worker, 2, timeout=120)
+    assert not flat, "\n".join(flat)
 
 
 def weight_passes_worker(n: int) -> list[str]:

@@ -65,11 +65,19 @@ class ExpertBalancer:
         host)."""
         if self.ep_size == 1 or not len(self.history):  # one rank holds every expert; no load yet
             return {}
-        if scheduled not in self._plans:
-            self._plans[scheduled] = greedy_placement(self.history.predict_counts(), self.owner_E, self.model,
-                                                      n=self.n, alpha=self.alpha, scheduled=scheduled)
+        self.plan_ahead(scheduled)
         self.last_plan = self._plans[scheduled]
         return {e: devices for e, devices in self.last_plan.placement.copies.items() if devices}
+
+    def plan_ahead(self, scheduled: bool = True) -> None:
+        """Make the plan `next_copies(scheduled)` will return now, from the loads recorded so far
+        (nothing where there is none to make, or it is made already): a layer calls this once its
+        call's work is launched, so the host plans while the GPU computes (Alg. 2, Plan under the
+        all-to-all) and the next call finds the plan made."""
+        if self.ep_size == 1 or not len(self.history) or scheduled in self._plans:
+            return
+        self._plans[scheduled] = greedy_placement(self.history.predict_counts(), self.owner_E, self.model,
+                                                  n=self.n, alpha=self.alpha, scheduled=scheduled)
 
     def record(self, counts_WE: Sequence[Sequence[int]]) -> None:
         """This call's slot counts, `counts_WE[r][e]` of every rank r of the expert-parallel group

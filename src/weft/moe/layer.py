@@ -435,6 +435,7 @@ class MoE(nn.Module):
         if call.a2a_algo in FIXED_SIZE_ALGOS and call.communicate:  # fixed-size exchanges: nothing read on the host
             return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
                                         degree=call.overlap_degree, own_apart=call.a2a_algo == OWN_APART_ALGO)
+        scheduled = transfer is not None  # the caller launched the copies ahead (Alg. 2)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
@@ -468,7 +469,13 @@ class MoE(nn.Module):
                                tokens_TD.shape[0])
 
         # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
-        return self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
+        out_TD = self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
+        if self.balancer is not None and call.communicate:
+            # The next call's plan, from the loads this call recorded, made now that this call's
+            # experts and exchanges are launched and run on the GPU (Pro-Prophet's Plan under the
+            # all-to-all, Alg. 2), rather than in the next call, where the host is on the path.
+            self.balancer.plan_ahead(scheduled)
+        return out_TD
 
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it
