@@ -447,8 +447,6 @@ class MoE(nn.Module):
             if self._dedups(call) else None
         layout, pairs_WW = dedup.gather_layout(routing, pairs, self.group if call.communicate else None,
                                                self.num_experts)
-        if self.balancer is not None and call.communicate:
-            self.balancer.record(layout.counts_WE)
 
         def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
             if setting.a2a_algo == "dedup" and pairs is not None:
@@ -471,9 +469,11 @@ class MoE(nn.Module):
         # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
         out_TD = self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
         if self.balancer is not None and call.communicate:
-            # The next call's plan, from the loads this call recorded, made now that this call's
-            # experts and exchanges are launched and run on the GPU (Pro-Prophet's Plan under the
-            # all-to-all, Alg. 2), rather than in the next call, where the host is on the path.
+            # This call's loads join the history, and the next call's plan is made from them, now
+            # that this call's experts and exchanges are launched and run on the GPU (Pro-Prophet's
+            # Plan under the all-to-all, Alg. 2): between the read of the counts and the launches,
+            # and at the next call's start, the host is on the GPU's path.
+            self.balancer.record(layout.counts_WE)
             self.balancer.plan_ahead(scheduled)
         return out_TD
 
