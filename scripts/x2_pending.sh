@@ -9,7 +9,8 @@
 #            synchronisation of a dropless call (several minutes:
 #            each master-weights test trains four short runs)
 #   balance  Pro-Prophet: the qwen2 layer at skew 1.2 and 0, phi35 and mixtral at skew 1.2 (plain vs
-#            balance, the plan's predicted time, the load max/mean per expert and per rank), and whole
+#            balance, the plan's predicted time, the load max/mean per expert and per rank; balance-copy,
+#            the heaviest expert copied whatever the plan, with every mode's GPU time by stage), and whole
 #            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
 #            of Trans and Agg under computation)
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
@@ -92,10 +93,11 @@ part_tests() {
 part_balance() {
   for layer in qwen2:1.2 qwen2:0 phi35:1.2 mixtral:1.2; do
     config=${layer%%:*}; skew=${layer##*:}
-    $RUN bench layer --config "$config" --capacity dropless --skew "$skew" --modes plain,balance,plain,balance \
+    $RUN bench layer --config "$config" --capacity dropless --skew "$skew" \
+      --modes plain,balance,balance-copy,plain,balance --breakdown --profile-steps 2 \
       --dtype bf16 --activation relu --optimizer sgd --steps 20 --json "$1/layer_${config}_skew$skew.json" \
       > "$1/layer_${config}_skew$skew.log" 2>&1
-    grep -v "$QUIET" "$1/layer_${config}_skew$skew.log" | tail -n 7
+    grep -v "$QUIET" "$1/layer_${config}_skew$skew.log" | tail -n 40
   done
   $RUN bench model --preset qwen2-moe-2l --capacity dropless --skew 1 --batch-size 2 \
     --modes none,balance,balance-inline,balance --steps 10 --warmup 3 --json "$1/model.json" > "$1/model.log" 2>&1

@@ -40,6 +40,7 @@ from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS
+from weft.moe.exchange import Transfer
 from weft.overlap import measure_layer_cost_model, with_unpriced_time
 from weft.profiling import stage
 from weft.tune import Setting, run_until_tuned, tuned_seconds
@@ -119,6 +120,9 @@ def mode_forward(mode: str, moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
 # Pro-Prophet (dropless only): a twin of the layer built with balance="pro-prophet", the same weights,
 # planning each call from the previous calls' loads (one untimed call first gives it a load).
 BALANCE_MODE = "balance"
+# ... and that twin with the load's heaviest expert copied to every other rank in every call, the
+# planner overruled: what one copy costs, beside `plain`, and with --breakdown where it goes.
+COPY_MODE = "balance-copy"
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
@@ -244,7 +248,9 @@ class LayerBenchConfig:
                                  "chunks), "
                                  "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
-                                 "(Pro-Prophet's replicated experts, dropless), comet (Comet's fused expert kernels "
+                                 "(Pro-Prophet's replicated experts, dropless), balance-copy (the heaviest expert "
+                                 "copied to every rank in every call, whatever the plan), comet (Comet's fused "
+                                 "expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
                                  "CUDA graph; padded capacity, dedup-fixed, or auto: dropless, the fastest of its "
                                  "eager call and the dedup-fixed forms as graphs) (default plain,no-comm)",
@@ -276,7 +282,7 @@ class LayerBenchConfig:
         """ValueError naming the flag of the first bad setting."""
         if self.config not in CONFIGS:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(CONFIGS)}")
-        known = list(MODES) + [BALANCE_MODE] + list(PEER_MODES)
+        known = list(MODES) + [BALANCE_MODE, COPY_MODE] + list(PEER_MODES)
         unknown = [m for m in self.modes if base_mode(m) not in known]
         if not self.modes or unknown:
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}, each optionally "
@@ -429,6 +435,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row["description"] = description
         check = base_mode(mode) not in NOT_THE_LAYER_FUNCTION
         row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
+        if base_mode(mode) == COPY_MODE:
+            row["copied_experts"] = sorted(forward.copies)
         if base_mode(mode) == BALANCE_MODE:  # what the checked call copied, and the time its plan predicted
             row["copied_experts"] = forward.balancer.last_copied
             plan = forward.balancer.last_plan
@@ -491,6 +499,26 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
     return twin
 
 
+class HeaviestCopied:
+    """The balanced layer `twin`'s forward with the heaviest expert of its recorded load (most rows
+    over all ranks; the lowest id among equals) copied to every rank but its owner in every call,
+    the call copying it itself (`Transfer`, eq. 6's form) whatever the planner would choose."""
+
+    def __init__(self, twin: MoE):
+        if twin.ep_size < 2 or not len(twin.balancer.history):
+            raise ValueError("balance-copy needs 2 or more expert-parallel ranks and a recorded load")
+        counts = twin.balancer.history.predict_counts()
+        self.expert = max(range(twin.num_experts), key=lambda e: (sum(row[e] for row in counts), -e))
+        owner = twin.balancer.owner_E[self.expert]
+        self.copies = {self.expert: frozenset(r for r in range(twin.ep_size) if r != owner)}
+        self.twin = twin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        twin = self.twin
+        transfer = Transfer(twin.experts, twin.placement, self.copies, twin.group, twin.experts.compute_dtype(x))
+        return twin(x, transfer=transfer)
+
+
 def _prediction_errors(rows: list[dict]) -> None:
     """Pro-Prophet's planner predicted the balanced call's time and the plain layer's (eqs. 1-8):
     give `plain` rows that prediction too, and every predicted row its error against the measured
@@ -522,6 +550,10 @@ def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0,
     if mode == BALANCE_MODE:
         twin = balanced_twin(moe, cf, x0, copy_overhead)
         return twin, list(twin.parameters()), "weft plain + Pro-Prophet's replicated experts"
+    if mode == COPY_MODE:
+        twin = balanced_twin(moe, cf, x0, copy_overhead=False)
+        forward = HeaviestCopied(twin)
+        return forward, list(twin.parameters()), f"weft plain + expert {forward.expert} copied to every rank"
     peer = build_peer(mode, cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, cf, activation, dtype, device,
                       world_size)
     return peer.forward, list(peer.module.parameters()), peer.description
