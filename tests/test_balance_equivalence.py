@@ -12,6 +12,7 @@ import torch.distributed as dist
 from weft import MoE
 from weft.balance import LayerCostModel
 from weft.balance import balancer as balancer_module
+from weft.moe.exchange import Transfer, replicated
 from weft.testing import Checks, run_checks
 
 DIM, HIDDEN, TOP_K = 16, 32, 2
@@ -152,6 +153,56 @@ def plan_ahead_worker() -> list[str]:
 def test_each_call_plans_the_next_once_its_work_is_launched():
     flat = run_checks(plan_ahead_worker, 2, timeout=120)
     assert not flat, "\n".join(flat)
+
+
+def transfer_paths_worker() -> list[str]:
+    """n = 1 (every copy to every rank but its owner): one all-gather where every rank owns as many
+    copied experts, else one broadcast per owning rank forward and one reduce per owning rank
+    backward (only the owners' bytes move); either way the plain layer's outputs and gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    calls = []
+    for name in ("broadcast", "reduce"):
+        collective = getattr(dist, name)
+        setattr(dist, name, lambda *a, name=name, collective=collective, **kw:
+                calls.append(name) or collective(*a, **kw))
+    gather = replicated.start_all_gather
+    replicated.start_all_gather = lambda *a, **kw: calls.append("all_gather") or gather(*a, **kw)
+    layers = []
+    for balance in (None, "pro-prophet"):
+        torch.manual_seed(0)
+        layers.append(MoE(DIM, HIDDEN, 2 * world, TOP_K, capacity_factor=None, balance=balance))
+    plain, balanced = layers
+    x = torch.randn(24, DIM, generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + rank))
+
+    def fwd_bwd(layer, **kw):
+        xi = x.clone().requires_grad_()
+        y = layer(xi, **kw)
+        y.backward(grad)
+        out = (y.detach(), xi.grad, {n: p.grad.clone() for n, p in layer.named_parameters()})
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    y0, gx0, g0 = fwd_bwd(plain)
+    # experts e on rank e // 2: one owner; two owners with 2 and 1; every rank one
+    for copied, want in (((1,), ["broadcast", "reduce"]), ((0, 1, 2), ["broadcast"] * 2 + ["reduce"] * 2),
+                         (tuple(range(1, 2 * world, 2)), ["all_gather"])):
+        copies = {e: frozenset(range(world)) - {e // 2} for e in copied}
+        calls.clear()
+        y1, gx1, g1 = fwd_bwd(balanced, transfer=Transfer(balanced.experts, balanced.placement, copies, balanced.group))
+        checks.expect(calls == want, f"copies of {copied}: collectives {calls}, expected {want}")
+        checks.expect(torch.allclose(y1, y0, atol=1e-6) and torch.allclose(gx1, gx0, atol=1e-6),
+                      f"copies of {copied}: outputs or input gradients differ")
+        for n in g0:
+            checks.expect(torch.allclose(g1[n], g0[n], atol=1e-5), f"copies of {copied}: gradient of {n} differs")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_copies_to_every_rank_move_only_the_owners_bytes(world_size):
+    flat = run_checks(transfer_paths_worker, world_size, timeout=120)
+    assert not flat, "\n".join(flat[:15])
 
 
 def weight_passes_worker(n: int) -> list[str]:

@@ -169,11 +169,10 @@ def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
 
 def test_balance_copy_mode_copies_the_heaviest_expert_in_every_call(tmp_path, capsys):
     """`balance-copy`: the balanced twin with the load's heaviest expert copied to every other
-    rank whatever the plan (the planner would keep it home here: a copy of these experts costs more
-    than it saves on the CPU), computing the plain layer; a one-line refusal on padded capacity."""
+    rank whatever the plan, computing the plain layer; a one-line refusal on padded capacity."""
     out = tmp_path / "copy.json"
     cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(1.0, None), steps=2, warmup=1,
-                           json=str(out), skew=2.0, modes=("plain", "balance", "balance-copy"))
+                           json=str(out), skew=2.0, modes=("plain", "balance-copy"))
     run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     report = json.loads(out.read_text())
     rows = {(r["capacity_factor"], r["mode"]): r for r in report["results"]}
@@ -182,7 +181,6 @@ def test_balance_copy_mode_copies_the_heaviest_expert_in_every_call(tmp_path, ca
     assert copied["median_ms"] > 0 and copied["max_abs_error"] < 1e-5
     hottest = int(layer.zipf_bias(4, 2.0).argmax())  # the skew's favourite: Zipf(2) gives it most rows
     assert copied["copied_experts"] == [hottest] and plain["max_abs_error"] == 0.0
-    assert rows[None, "balance"]["copied_experts"] == []
     assert f"expert {hottest} copied to every rank" in copied["description"]
     capsys.readouterr()
     layer.print_table(report)

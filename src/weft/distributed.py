@@ -84,6 +84,11 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    """The default group's rank of `group`'s rank `rank` (what torch.distributed's `src`/`dst` take)."""
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
 @dataclass(frozen=True)
 class MoEGroups:
     """The groups of expert-parallel training.

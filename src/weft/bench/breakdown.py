@@ -224,7 +224,7 @@ def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path |
                   with_breakdown: bool = False) -> dict:
     """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
     (communication hidden or exposed, `weft.bench.trace`), "transfer_decomposition" where the step
-    ran all-gathers or reduce-scatters (the same for those kernels alone: Pro-Prophet's Trans and
+    ran all-gathers, reduce-scatters, broadcasts or reduces (the same for those kernels alone: Pro-Prophet's Trans and
     Agg) and, when asked, "breakdown"."""
     trace = profile_trace(step, steps, trace_path)
     parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}

@@ -49,7 +49,7 @@ Per row (milliseconds; each step's time is the slowest rank's):
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
-  mode ran all-gathers or reduce-scatters (Pro-Prophet's Trans and Agg), `transfer_decomposition`:
+  mode ran all-gathers, reduce-scatters, broadcasts or reduces (Pro-Prophet's Trans and Agg), `transfer_decomposition`:
   their time and the share of it that overlapped computation;
 - balance modes: `copied_experts` (per MoE layer, the experts the last timed step copied).
 `meta.expert_load_max_over_mean`: per MoE layer, the busiest expert's slots over the mean.
@@ -447,7 +447,7 @@ def print_table(report: dict) -> None:
         transfer = r.get("transfer_decomposition")
         if transfer or "copied_experts" in r:
             hidden = "" if not transfer or transfer["hidden_share"] is None else (
-                f": {transfer['comm_ms']:.3f} ms per step of all-gather / reduce-scatter kernels (Trans, Agg), "
+                f": {transfer['comm_ms']:.3f} ms per step of Trans and Agg kernels, "
                 f"{transfer['hidden_share']:.0%} under computation")
             print(f"[{r['mode']}] copied experts per layer {r.get('copied_experts')}{hidden}")
     for r in report["results"]:

@@ -91,12 +91,13 @@ def is_comm_kernel(name: str) -> bool:
     return any(marker in lowered for marker in COMM_KERNEL_MARKERS)
 
 
-TRANSFER_KERNEL_MARKERS = ("allgather", "all_gather", "reducescatter", "reduce_scatter")
+TRANSFER_KERNEL_MARKERS = ("allgather", "all_gather", "reducescatter", "reduce_scatter", "broadcast", "_reduce_")
 
 
 def is_transfer_kernel(name: str) -> bool:
-    """An all-gather or reduce-scatter kernel: Pro-Prophet's Trans and Agg (and the balancer's
-    small gather of the load counts), as opposed to the all-to-alls."""
+    """An all-gather, reduce-scatter, broadcast or reduce kernel (NCCL's `..._Reduce_Sum_...`, not
+    its AllReduce): Pro-Prophet's Trans and Agg (and the balancer's small gather of the load
+    counts), as opposed to the all-to-alls and the gradients' all-reduces."""
     lowered = name.lower()
     return is_comm_kernel(name) and any(marker in lowered for marker in TRANSFER_KERNEL_MARKERS)
 

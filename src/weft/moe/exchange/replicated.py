@@ -7,25 +7,27 @@ expert parallelism, and no parameter or optimizer state moves between calls.
 
 A `Transfer` moves one call's copies, launched when it is built and waited for when the copies
 are first used, so it can start a layer early (Alg. 2, `weft.models.gpt.run_units`). Where every
-copied expert goes to every rank but its owner (the paper's n = 1) it is one all-gather of a
-(S_max, P) stack of flattened weights (P: one expert's w1, w2, w3; S_max the most copied experts
-any one rank owns, ranks owning fewer padding with zeros), whose backward, a reduce-scatter, is
-Agg. Otherwise (n > 1: each copy to the W - n ranks sending its expert the most rows) the owners
-send each copy to its ranks point to point, and in backward each of those ranks sends its copy's
-gradient back, summed by the owner.
+copied expert goes to every rank but its owner (the paper's n = 1) and every rank owns as many of
+them, it is one all-gather of each rank's (S, P) stack of flattened weights (P: one expert's w1,
+w2, w3), whose backward, a reduce-scatter, is Agg; where the ranks own different numbers of them
+(one hot expert: one owner), each owner broadcasts its stack and in backward receives the sum of
+its copies' gradients (a reduce), so that only the owners' bytes move (an all-gather would carry
+the other ranks' zero padding both ways). Otherwise (n > 1: each copy to the W - n ranks sending
+its expert the most rows) the owners send each copy to its ranks point to point, and in backward
+each of those ranks sends its copy's gradient back, summed by the owner.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from weft.comm import start_all_gather, wait_all_gather
 from weft.comm.split import SplitCollective, start, wait
-from weft.distributed import group_rank
+from weft.distributed import global_rank, group_rank
 from weft.hostcopy import device_tensor
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped
@@ -58,16 +60,10 @@ class _PendingCopies(SplitCollective):
     recvs: list[tuple[int, int]]
     keeps: list[tuple[int, int]]
     slots: int
-    _peers: dict[int, int] = field(default_factory=dict)
-
-    def _global(self, group_rank_: int) -> int:
-        if group_rank_ not in self._peers:
-            self._peers[group_rank_] = dist.get_global_rank(self.group, group_rank_) if self.group else group_rank_
-        return self._peers[group_rank_]
 
     def _exchange(self, outgoing: list[tuple[torch.Tensor, int]], incoming: list[tuple[torch.Tensor, int]], after=None):
-        ops = [dist.P2POp(dist.isend, t, self._global(peer), self.group) for t, peer in outgoing]
-        ops += [dist.P2POp(dist.irecv, t, self._global(peer), self.group) for t, peer in incoming]
+        ops = [dist.P2POp(dist.isend, t, global_rank(self.group, peer), self.group) for t, peer in outgoing]
+        ops += [dist.P2POp(dist.irecv, t, global_rank(self.group, peer), self.group) for t, peer in incoming]
         return _Works(dist.batch_isend_irecv(ops) if ops else [], after)
 
     def launch(self, stack: torch.Tensor):
@@ -86,6 +82,35 @@ class _PendingCopies(SplitCollective):
         return grad_stack, self._exchange([(grad[slot], src) for slot, src in self.recvs],
                                           [(received[i], dst) for i, (_, dst) in enumerate(self.sends)],
                                           after=lambda: grad_stack.index_add_(0, rows, received))
+
+
+@dataclass
+class _BroadcastCopies(SplitCollective):
+    """Every copy to every rank but its owner, the ranks owning different numbers of them: forward,
+    each owner broadcasts its (owned, P) stack into its rows of the (copied, P) output, `spans`
+    [(owner's global rank, begin, end)] in owner order on every rank (experts in id order, which is
+    their owners' order), this rank's own stack at `mine` (begin, end); backward, each owner's rows
+    of the gradient summed over the ranks into that owner (a reduce), which are its stack's
+    gradient."""
+
+    group: dist.ProcessGroup | None
+    spans: list[tuple[int, int, int]]
+    mine: tuple[int, int]
+    rows: int
+
+    def launch(self, stack: torch.Tensor):
+        out = stack.new_empty(self.rows, stack.shape[1])
+        begin, end = self.mine
+        out[begin:end].copy_(stack)
+        return out, _Works([dist.broadcast(out[b:e], src, group=self.group, async_op=True)
+                            for src, b, e in self.spans])
+
+    def launch_backward(self, grad: torch.Tensor):
+        # in place: each owner's rows of `grad` become their sum there (the other ranks' are not read after)
+        works = [dist.reduce(grad[b:e], dst, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                 for dst, b, e in self.spans]
+        begin, end = self.mine
+        return grad[begin:end], _Works(works)
 
 
 class _CopiedRows(torch.autograd.Function):
@@ -148,6 +173,7 @@ class Transfer:
         self.here: tuple[int, ...] = ()
         self._owner: dict[int, int] = {}
         self._copies: tuple | None = None
+        self._gathered = False  # the copies travel in one all-gather (else broadcasts or point to point)
         if not self.copied:
             return
         ep_size, local = placement.ep_size, placement.num_local
@@ -168,20 +194,21 @@ class Transfer:
         mine = device_tensor([e - rank * local for e in owned], present[0].device)
         stack = _CopiedRows.apply(mine, dtype, *present)
         self._shapes = [None if w is None else tuple(w.shape[1:]) for w in weights]
+        per_rank = [[e for e in self.copied if owner[e] == r] for r in range(ep_size)]
         if all(devices == set(range(ep_size)) - {owner[e]} for e, devices in self.holders.items()):
-            # every rank but the owner: one all-gather of every rank's `most` rows
-            per_rank = [[e for e in self.copied if owner[e] == r] for r in range(ep_size)]
-            most = max(len(es) for es in per_rank)
-            if stack.shape[0] < most:
-                stack = torch.cat([stack, stack.new_zeros(most - stack.shape[0], stack.shape[1])])
-            self._rows = device_tensor([owner[e] * most + per_rank[owner[e]].index(e) for e in self.here],
-                                       stack.device)
-            self._out, self._pending = start_all_gather(stack, group)
+            # every rank but the owner holds a copy, so `here` is every copied expert, in id order
+            if len({len(es) for es in per_rank}) == 1:  # as many on every rank: one all-gather
+                self._gathered = True  # its rows come in owner order: id order
+                self._out, self._pending = start_all_gather(stack, group)
+                return
+            ends = [sum(len(es) for es in per_rank[: r + 1]) for r in range(ep_size)]
+            spans = [(global_rank(group, r), ends[r] - len(es), ends[r]) for r, es in enumerate(per_rank) if es]
+            self._pending = _BroadcastCopies(group, spans, (ends[rank] - len(owned), ends[rank]), len(self.copied))
+            self._out = start(stack, self._pending)
             return
         sends = [(owned.index(e), d) for e in owned for d in sorted(self.holders[e])]
         recvs = [(slot, owner[e]) for slot, e in enumerate(self.here) if owner[e] != rank]
         keeps = [(owned.index(e), slot) for slot, e in enumerate(self.here) if owner[e] == rank]
-        self._rows = None
         self._pending = _PendingCopies(group, sends, recvs, keeps, len(self.here))
         self._out = start(stack, self._pending)
 
@@ -201,8 +228,8 @@ class Transfer:
         if not self.here:
             raise ValueError("this rank holds no copy in this transfer")
         if self._copies is None:
-            if self._rows is not None:
-                gathered = wait_all_gather(self._out, self._pending).index_select(0, self._rows)
+            if self._gathered:
+                gathered = wait_all_gather(self._out, self._pending)
             else:
                 gathered = wait(self._out, self._pending)
             parts, begin = [], 0
