@@ -129,10 +129,10 @@ def preloaded() -> list[bool]:
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_forked_ranks_start_with_weft_imported(start_method):
-    """A forked rank finds weft (its entry point, which imports every layer) and torch._dynamo (which
-    the first optimizer imports) imported by the fork server, so it does not import them itself; a
-    spawned rank imports what its function needs."""
-    forked = start_method == "forkserver"
+    """On a machine without a GPU, a forked rank finds weft (its entry point, which imports every
+    layer) and torch._dynamo (which the first optimizer imports) imported by the fork server, so it
+    does not import them itself; a spawned rank imports what its function needs."""
+    forked = start_method == "forkserver" and not torch.cuda.is_available()  # CPU machines: see run_distributed
     assert run_distributed(preloaded, 2, start_method=start_method) == [[forked, forked]] * 2
 
 

@@ -8,6 +8,8 @@ re-raised as `DistributedTestError`, and a run past `timeout` is killed, so test
 """
 import os
 
+import torch
+
 from weft import launch
 from weft.launch import WorkerError as DistributedTestError
 from weft.launch import free_port
@@ -16,15 +18,17 @@ __all__ = ["run_distributed", "run_checks", "Checks", "DistributedTestError", "f
 
 
 def run_distributed(fn, world_size: int, **kwargs):
-    """`weft.launch.run_distributed` with the ranks forked from a server that imported torch and
-    weft once (`start_method="forkserver"`, unless given; `weft.cli` imports every layer, and
-    `torch._dynamo` is what torch's optimizers import when the first one is built, about two
-    seconds): a test suite starts hundreds of short worlds, and a rank that imports these itself
-    spends more time on that than on its test. Under TRITON_INTERPRET the ranks are spawned:
-    Triton reads that switch when a kernel is defined, and the server defined weft's kernels
-    before any caller's environment."""
+    """`weft.launch.run_distributed` with the ranks forked from a server that imported torch (and,
+    on a machine without a GPU, weft and torch._dynamo) once (`start_method="forkserver"`, unless
+    given; `weft.cli` imports every layer, and `torch._dynamo` is what torch's optimizers import
+    when the first one is built, about two seconds): a test suite starts hundreds of short
+    worlds, and a rank that imports these itself spends more time on that than on its test.
+    Under TRITON_INTERPRET the ranks are spawned: Triton reads that switch when a kernel is
+    defined, and the server defined weft's kernels before any caller's environment."""
     kwargs.setdefault("start_method", "spawn" if os.environ.get("TRITON_INTERPRET") else "forkserver")
-    if kwargs["start_method"] == "forkserver":
+    if kwargs["start_method"] == "forkserver" and not torch.cuda.is_available():
+        # CPU machines only: where there is a GPU, a server that imported Triton and inductor's
+        # modules might have initialised CUDA, which a forked rank could then not use
         kwargs.setdefault("preload", ("weft.cli", "torch._dynamo"))
     return launch.run_distributed(fn, world_size, **kwargs)
 
