@@ -224,8 +224,8 @@ def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path |
                   with_breakdown: bool = False) -> dict:
     """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
     (communication hidden or exposed, `weft.bench.trace`), "transfer_decomposition" where the step
-    ran all-gathers, reduce-scatters, broadcasts or reduces (the same for those kernels alone: Pro-Prophet's Trans and
-    Agg) and, when asked, "breakdown"."""
+    ran all-gathers, reduce-scatters, broadcasts or reduces (the same for those kernels alone:
+    Pro-Prophet's Trans and Agg) and, when asked, "breakdown"."""
     trace = profile_trace(step, steps, trace_path)
     parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}
     transfers, compute = kernel_intervals(trace, is_transfer_kernel)

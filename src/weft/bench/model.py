@@ -49,8 +49,8 @@ Per row (milliseconds; each step's time is the slowest rank's):
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
-  mode ran all-gathers, reduce-scatters, broadcasts or reduces (Pro-Prophet's Trans and Agg), `transfer_decomposition`:
-  their time and the share of it that overlapped computation;
+  mode ran all-gathers, reduce-scatters, broadcasts or reduces (Pro-Prophet's Trans and Agg),
+  `transfer_decomposition`: their time and the share of it that overlapped computation;
 - balance modes: `copied_experts` (per MoE layer, the experts the last timed step copied).
 `meta.expert_load_max_over_mean`: per MoE layer, the busiest expert's slots over the mean.
 `meta.timing` is "interleaved"; `meta.rounds` / `meta.warmup_rounds` the counted and warm-up rounds.

@@ -18,6 +18,7 @@ each of those ranks sends its copy's gradient back, summed by the owner.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
@@ -194,15 +195,15 @@ class Transfer:
         mine = device_tensor([e - rank * local for e in owned], present[0].device)
         stack = _CopiedRows.apply(mine, dtype, *present)
         self._shapes = [None if w is None else tuple(w.shape[1:]) for w in weights]
-        per_rank = [[e for e in self.copied if owner[e] == r] for r in range(ep_size)]
         if all(devices == set(range(ep_size)) - {owner[e]} for e, devices in self.holders.items()):
             # every rank but the owner holds a copy, so `here` is every copied expert, in id order
-            if len({len(es) for es in per_rank}) == 1:  # as many on every rank: one all-gather
+            owned_R = [sum(owner[e] == r for e in self.copied) for r in range(ep_size)]
+            if len(set(owned_R)) == 1:  # as many on every rank: one all-gather
                 self._gathered = True  # its rows come in owner order: id order
                 self._out, self._pending = start_all_gather(stack, group)
                 return
-            ends = [sum(len(es) for es in per_rank[: r + 1]) for r in range(ep_size)]
-            spans = [(global_rank(group, r), ends[r] - len(es), ends[r]) for r, es in enumerate(per_rank) if es]
+            ends = list(itertools.accumulate(owned_R))
+            spans = [(global_rank(group, r), ends[r] - n, ends[r]) for r, n in enumerate(owned_R) if n]
             self._pending = _BroadcastCopies(group, spans, (ends[rank] - len(owned), ends[rank]), len(self.copied))
             self._out = start(stack, self._pending)
             return
