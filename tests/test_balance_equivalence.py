@@ -12,6 +12,8 @@ import torch.distributed as dist
 from weft import MoE
 from weft.balance import LayerCostModel
 from weft.balance import balancer as balancer_module
+from weft.bench.breakdown import transfer_intervals
+from weft.bench.trace import profile_trace
 from weft.moe.exchange import Transfer, replicated
 from weft.testing import Checks, run_checks
 
@@ -166,8 +168,13 @@ def transfer_paths_worker() -> list[str]:
         collective = getattr(dist, name)
         setattr(dist, name, lambda *a, name=name, collective=collective, **kw:
                 calls.append(name) or collective(*a, **kw))
-    gather = replicated.start_all_gather
-    replicated.start_all_gather = lambda *a, **kw: calls.append("all_gather") or gather(*a, **kw)
+
+    class CountedGather(replicated.PendingGather):
+        def launch(self, x):
+            calls.append("all_gather")
+            return super().launch(x)
+
+    replicated.PendingGather = CountedGather
     layers = []
     for balance in (None, "pro-prophet"):
         torch.manual_seed(0)
@@ -203,6 +210,42 @@ def transfer_paths_worker() -> list[str]:
 def test_copies_to_every_rank_move_only_the_owners_bytes(world_size):
     flat = run_checks(transfer_paths_worker, world_size, timeout=120)
     assert not flat, "\n".join(flat[:15])
+
+
+def transfer_stages_worker() -> list[str]:
+    """A profiled balanced call (expert 1 copied from rank 0): `transfer_intervals` counts the
+    kernels of the ops launched in Trans's and Agg's stages (the broadcast and the reduce), and not
+    those of the counts' all-gather or the all-to-alls. The trace's ops are the real ones; gloo
+    launches no kernels, so each collective op gets a stand-in NCCL kernel with its External id."""
+    rank = dist.get_rank()
+    checks = Checks(f"rank {rank}")
+    torch.manual_seed(0)
+    layer = MoE(DIM, HIDDEN, 4, TOP_K, capacity_factor=None, balance="pro-prophet")
+    x = torch.randn(24, DIM, generator=torch.Generator().manual_seed(rank))
+
+    def step():
+        transfer = Transfer(layer.experts, layer.placement, {1: frozenset({1})}, layer.group)
+        layer(x, transfer=transfer).sum().backward()
+
+    step()
+    trace = profile_trace(step, 1)
+    ops = [e for e in trace["traceEvents"] if e.get("cat") == "cpu_op" and e.get("name", "").startswith("c10d::")]
+    names = sorted({e["name"] for e in ops})
+    for ts, e in enumerate(ops):
+        trace["traceEvents"].append({"ph": "X", "cat": "kernel", "name": f"ncclDevKernel_{e['name']}",
+                                     "ts": 10 * ts, "dur": 1 + ts, "args": {"External id": e["args"]["External id"]}})
+    transfers, _ = transfer_intervals(trace)
+    picked = sorted(e["name"] for ts, e in enumerate(ops) if (10.0 * ts, 10.0 * ts + 1 + ts) in transfers)
+    checks.expect(picked == ["c10d::broadcast_", "c10d::reduce_"],
+                  f"Trans/Agg kernels from {picked}, expected the broadcast and the reduce (ops: {names})")
+    checks.expect(any("allgather" in n for n in names) and any("alltoall" in n or "all_to_all" in n for n in names),
+                  f"the call's other collectives missing from the trace: {names}")
+    return checks.failures
+
+
+def test_trans_and_agg_kernels_are_told_by_their_launching_op():
+    flat = run_checks(transfer_stages_worker, 2, timeout=120)
+    assert not flat, "\n".join(flat)
 
 
 def weight_passes_worker(n: int) -> list[str]:

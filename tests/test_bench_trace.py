@@ -6,7 +6,6 @@ import pytest
 from weft.bench.trace import (
     decompose,
     is_comm_kernel,
-    is_transfer_kernel,
     kernel_intervals,
     merge,
     overlap_length,
@@ -52,17 +51,6 @@ def test_kernel_classification_from_a_chrome_trace():
     # the copy all-reduce's parts (names as torch.profiler shows them on 2 H100s)
     assert is_comm_kernel("Memcpy PtoP (Device -> Device)") and not is_comm_kernel("Memcpy DtoD (Device -> Device)")
     assert is_comm_kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int)")
-
-
-def test_transfer_kernels_are_pro_prophets_collectives_not_the_all_to_alls_or_all_reduces():
-    transfers = ["ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
-                 "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
-                 "ncclDevKernel_Broadcast_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
-                 "ncclDevKernel_Reduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"]
-    others = ["ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
-              "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
-              "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float> >(...)"]
-    assert [is_transfer_kernel(n) for n in transfers + others] == [True] * 4 + [False] * 3
 
 
 def test_stream_timeline_merges_each_streams_back_to_back_kernels_and_keeps_nccl_apart():

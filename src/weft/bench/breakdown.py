@@ -24,14 +24,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from weft.bench.trace import (
+    Interval,
     decompose,
     is_comm_kernel,
-    is_transfer_kernel,
     kernel_intervals,
     length,
     merge,
     profile_trace,
 )
+from weft.moe.exchange.replicated import AGG_STAGE, TRANS_STAGE
 from weft.profiling import PREFIX
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
@@ -39,7 +40,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 # The rows' order in the table; stages not listed follow in name order.
 STAGE_ORDER = ("embedding", "attention", "mlp", "norm", "router", "routing", "dispatch", "exchange", "all_to_all",
-               "experts", "combine", "comm", "head", "loss", "optimizer", "other")
+               "experts", "combine", TRANS_STAGE, AGG_STAGE, "comm", "head", "loss", "optimizer", "other")
 
 
 @dataclass
@@ -220,15 +221,28 @@ def format_breakdown(b: Breakdown, title: str, top: int = 8) -> str:
 
 
 
+def transfer_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
+    """`kernel_intervals` with Pro-Prophet's Trans and Agg as the communication: the collectives
+    launched in their profiler stages (`weft.moe.exchange.replicated`), told by their launching op,
+    not by name (the dropless layer's all-gather of the counts is an all-gather too)."""
+    contexts, _ = _op_contexts([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"])
+
+    def in_transfer(event: dict) -> bool:
+        stage, _ = contexts.get(event.get("args", {}).get("External id"), ("other", False))
+        return stage in (TRANS_STAGE, AGG_STAGE)
+
+    return kernel_intervals(trace, in_transfer)
+
+
 def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path | None = None,
                   with_breakdown: bool = False) -> dict:
     """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
     (communication hidden or exposed, `weft.bench.trace`), "transfer_decomposition" where the step
-    ran all-gathers, reduce-scatters, broadcasts or reduces (the same for those kernels alone:
-    Pro-Prophet's Trans and Agg) and, when asked, "breakdown"."""
+    ran Pro-Prophet's Trans and Agg (the same for their kernels alone: `transfer_intervals`) and,
+    when asked, "breakdown"."""
     trace = profile_trace(step, steps, trace_path)
     parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}
-    transfers, compute = kernel_intervals(trace, is_transfer_kernel)
+    transfers, compute = transfer_intervals(trace)
     if transfers:
         parts["transfer_decomposition"] = decompose(transfers, compute, steps=steps).to_dict()
     if with_breakdown:

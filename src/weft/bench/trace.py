@@ -91,31 +91,21 @@ def is_comm_kernel(name: str) -> bool:
     return any(marker in lowered for marker in COMM_KERNEL_MARKERS)
 
 
-TRANSFER_KERNEL_MARKERS = ("allgather", "all_gather", "reducescatter", "reduce_scatter", "broadcast", "_reduce_")
-
-
-def is_transfer_kernel(name: str) -> bool:
-    """An all-gather, reduce-scatter, broadcast or reduce kernel (NCCL's `..._Reduce_Sum_...`, not
-    its AllReduce): Pro-Prophet's Trans and Agg (and the balancer's small gather of the load
-    counts), as opposed to the all-to-alls and the gradients' all-reduces."""
-    lowered = name.lower()
-    return is_comm_kernel(name) and any(marker in lowered for marker in TRANSFER_KERNEL_MARKERS)
-
-
-def kernel_intervals(trace: dict, is_comm=is_comm_kernel) -> tuple[list[Interval], list[Interval]]:
+def kernel_intervals(trace: dict, picks: Callable[[dict], bool] | None = None,
+                     ) -> tuple[list[Interval], list[Interval]]:
     """(communication, computation) GPU intervals of a Chrome trace exported by torch.profiler.
-    `is_comm` picks the communication kernels to count (e.g. `is_transfer_kernel`); communication
-    kernels it does not pick are in neither list."""
+    `picks(event)` chooses the communication kernels to count (e.g. Pro-Prophet's Trans and Agg:
+    `weft.bench.breakdown.transfer_intervals`; all by default); communication kernels it does not
+    pick are in neither list."""
     comm, compute = [], []
     for event in trace.get("traceEvents", []):
         if event.get("ph") != "X" or event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
             continue
         interval = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
-        name = event.get("name", "")
-        if is_comm(name):
-            comm.append(interval)
-        elif not is_comm_kernel(name):
+        if not is_comm_kernel(event.get("name", "")):
             compute.append(interval)
+        elif picks is None or picks(event):
+            comm.append(interval)
     return comm, compute
 
 

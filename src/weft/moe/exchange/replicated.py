@@ -26,13 +26,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weft.comm import start_all_gather, wait_all_gather
+from weft.comm.async_gather import PendingGather
 from weft.comm.split import SplitCollective, start, wait
 from weft.distributed import global_rank, group_rank
 from weft.hostcopy import device_tensor
 from weft.moe.exchange.all_to_all import AllToAll
 from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped
 from weft.moe.experts import Experts
+from weft.profiling import stage
+
+# The profiler stages of Trans and Agg: `weft bench` tells their kernels from the layer's other
+# collectives (the counts' all-gather, the all-to-alls) by the op that launched them.
+TRANS_STAGE, AGG_STAGE = "trans", "agg"
 
 
 class _Works:
@@ -114,6 +119,22 @@ class _BroadcastCopies(SplitCollective):
         return grad[begin:end], _Works(works)
 
 
+@dataclass
+class _Staged(SplitCollective):
+    """`inner`'s collectives launched inside the profiler stages of Trans (forward) and Agg
+    (backward); the same collectives otherwise."""
+
+    inner: SplitCollective
+
+    def launch(self, stack: torch.Tensor):
+        with stage(TRANS_STAGE):
+            return self.inner.launch(stack)
+
+    def launch_backward(self, grad: torch.Tensor):
+        with stage(AGG_STAGE):
+            return self.inner.launch_backward(grad)
+
+
 class _CopiedRows(torch.autograd.Function):
     """The (S, P) stack of this rank's copied experts' flattened weights (rows `rows` of each weight,
     in `dtype`, side by side), whose gradient (Agg's sum of the copies' gradients) is added
@@ -174,7 +195,6 @@ class Transfer:
         self.here: tuple[int, ...] = ()
         self._owner: dict[int, int] = {}
         self._copies: tuple | None = None
-        self._gathered = False  # the copies travel in one all-gather (else broadcasts or point to point)
         if not self.copied:
             return
         ep_size, local = placement.ep_size, placement.num_local
@@ -198,19 +218,18 @@ class Transfer:
         if all(devices == set(range(ep_size)) - {owner[e]} for e, devices in self.holders.items()):
             # every rank but the owner holds a copy, so `here` is every copied expert, in id order
             owned_R = [sum(owner[e] == r for e in self.copied) for r in range(ep_size)]
-            if len(set(owned_R)) == 1:  # as many on every rank: one all-gather
-                self._gathered = True  # its rows come in owner order: id order
-                self._out, self._pending = start_all_gather(stack, group)
-                return
-            ends = list(itertools.accumulate(owned_R))
-            spans = [(global_rank(group, r), ends[r] - n, ends[r]) for r, n in enumerate(owned_R) if n]
-            self._pending = _BroadcastCopies(group, spans, (ends[rank] - len(owned), ends[rank]), len(self.copied))
-            self._out = start(stack, self._pending)
-            return
-        sends = [(owned.index(e), d) for e in owned for d in sorted(self.holders[e])]
-        recvs = [(slot, owner[e]) for slot, e in enumerate(self.here) if owner[e] != rank]
-        keeps = [(owned.index(e), slot) for slot, e in enumerate(self.here) if owner[e] == rank]
-        self._pending = _PendingCopies(group, sends, recvs, keeps, len(self.here))
+            if len(set(owned_R)) == 1:  # as many on every rank: one all-gather (rows in owner order: id order)
+                self._pending = _Staged(PendingGather(group))
+            else:
+                ends = list(itertools.accumulate(owned_R))
+                spans = [(global_rank(group, r), ends[r] - n, ends[r]) for r, n in enumerate(owned_R) if n]
+                self._pending = _Staged(_BroadcastCopies(group, spans, (ends[rank] - len(owned), ends[rank]),
+                                                         len(self.copied)))
+        else:
+            sends = [(owned.index(e), d) for e in owned for d in sorted(self.holders[e])]
+            recvs = [(slot, owner[e]) for slot, e in enumerate(self.here) if owner[e] != rank]
+            keeps = [(owned.index(e), slot) for slot, e in enumerate(self.here) if owner[e] == rank]
+            self._pending = _Staged(_PendingCopies(group, sends, recvs, keeps, len(self.here)))
         self._out = start(stack, self._pending)
 
     def computed_at(self, rank: int) -> frozenset[int]:
@@ -229,10 +248,7 @@ class Transfer:
         if not self.here:
             raise ValueError("this rank holds no copy in this transfer")
         if self._copies is None:
-            if self._gathered:
-                gathered = wait_all_gather(self._out, self._pending)
-            else:
-                gathered = wait(self._out, self._pending)
+            gathered = wait(self._out, self._pending)
             parts, begin = [], 0
             for shape in self._shapes:
                 if shape is None:
