@@ -13,7 +13,7 @@
 #            1.2 also balance-copy, the heaviest expert copied whatever the plan, and every mode's GPU
 #            time by stage), and whole
 #            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
-#            of Trans and Agg under computation)
+#            of Trans and Agg under computation); BALANCE_LAYERS (config:skew) and BALANCE_MODEL=0 to split it
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
 #            graphed, domino-copy with NVLink; wheels carried in .whl/), and the
@@ -61,7 +61,8 @@
 #            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr; batch 8) and gpt2-l-moe
 #            (batch 4, as its eager tables) (MODELS, preset:gate:batch),
 #            NCCL_P2P_DISABLE=1 and NVLink (REGIMES; one regime per call; gpt2-l-moe alone in a call with
-#            MODEL_TIMEOUT=540: it did not finish in 280 s on 2 x H100)
+#            MODEL_TIMEOUT=540: it did not finish in 280 s on 2 x H100 and stopped in its first timed round in
+#            440 s; 20 s before the timeout every rank prints its Python stacks; MODEL_MODES to bisect)
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
@@ -79,6 +80,11 @@ export WEFT_CACHE=${WEFT_CACHE:-/tmp/weft_cache}
 RUN="torchrun --standalone --nproc_per_node=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))') -m weft"
 QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
+stacks_at() {  # SECONDS: then every rank under torchrun prints its Python stacks (weft's SIGUSR1 handler):
+  # where a run that is about to be cut by its timeout waits
+  sleep "$1" && pids=$(pgrep -d, -f "python[^ ]* [^ ]*torchrun ") && pkill -USR1 -P "$pids"
+}
+
 keep_metrics() {  # RUN_DIR DEST: a training run's metrics and config, not its checkpoints (GBs: they
   # would not come back from the device, and nor would a tarball holding them)
   mkdir -p "$2" && cp "$1/metrics.jsonl" "$1/config.json" "$2/" 2>/dev/null
@@ -92,7 +98,7 @@ part_tests() {
 }
 
 part_balance() {
-  for layer in qwen2:1.2 qwen2:0 phi35:1.2 mixtral:1.2; do
+  for layer in ${BALANCE_LAYERS:-qwen2:1.2 qwen2:0 phi35:1.2 mixtral:1.2}; do
     config=${layer%%:*}; skew=${layer##*:}
     # qwen2 skewed: one copy's cost (balance-copy) and every mode's time by stage as well
     extra=""; [ "$layer" = qwen2:1.2 ] && extra="balance-copy,"
@@ -103,6 +109,7 @@ part_balance() {
       > "$1/layer_${config}_skew$skew.log" 2>&1
     grep -v "$QUIET" "$1/layer_${config}_skew$skew.log" | tail -n 40
   done
+  [ "${BALANCE_MODEL:-1}" = 1 ] || return 0
   $RUN bench model --preset qwen2-moe-2l --capacity dropless --skew 1 --batch-size 2 \
     --modes none,balance,balance-inline,balance --steps 10 --warmup 3 --json "$1/model.json" > "$1/model.log" 2>&1
   grep -v "$QUIET" "$1/model.log" | tail -n 14
@@ -323,7 +330,7 @@ part_lancet() {
     for run in ${LANCET_RUNS:-gpt2-s-moe:8}; do
       i=0
       for overlap in ${LANCET_OVERLAPS:-none tutel lancet none}; do
-        i=$((i + 1)); dir="$1/$regime/${run%%:*}-$i-$overlap"
+        i=$((i + 1)); dir="$1/${regime}_${run%%:*}-$i-$overlap"  # two levels under $OUT: deeper ones do not come back
         echo "-- $regime $run --overlap $overlap"
         RUNS="$run" KERNELS=auto GRAPHS=auto MASTER=auto STEPS=${STEPS:-18} WARM=6 OUT="$dir" \
           TRAIN_ARGS="--overlap $overlap" bash scripts/train_mfu.sh | tail -n 1
@@ -340,9 +347,11 @@ part_modelgraph() {
     set_regime "$regime"
     for model in ${MODELS:-gpt2-s-moe:topk:8 gpt2-s-moe:bpr:8 gpt2-l-moe:topk:4}; do  # preset:gate:batch
       IFS=: read -r preset gate batch <<< "$model"; name="${preset}_${gate}_$regime"
+      stacks_at $(( ${MODEL_TIMEOUT:-280} - 20 )) & watch=$!
       timeout ${MODEL_TIMEOUT:-280} $RUN bench model --preset "$preset" --gate "$gate" --batch-size "${batch:-8}" \
-        --cuda-graphs on --modes none,tutel,lancet,none --steps 10 --warmup 3 --json "$1/$name.json" \
+        --cuda-graphs on --modes ${MODEL_MODES:-none,tutel,lancet,none} --steps 10 --warmup 3 --json "$1/$name.json" \
         > "$1/$name.log" 2>&1
+      kill $watch 2>/dev/null
       grep -v "$QUIET\|^weft bench model: .*(.* s)$\|^weft bench model: round" "$1/$name.log" | tail -n 12
     done
   done

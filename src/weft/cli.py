@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
+import io
 import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -305,9 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def dump_stacks_on_sigusr1() -> bool:
+    """Have SIGUSR1 print every thread's Python stack to stderr and go on (a hung rank then says
+    where it waits: `pkill -USR1 -P <torchrun's pid>`). False where the platform has no SIGUSR1
+    or stderr is no file (e.g. captured by a test runner)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return False
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    except (io.UnsupportedOperation, AttributeError, ValueError):
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     ns = parser.parse_args(argv)
+    dump_stacks_on_sigusr1()
     try:
         try:
             ns.run(ns, ns.parser)
