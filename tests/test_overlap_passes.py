@@ -425,8 +425,27 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     assert lancet["plan"]
     assert lancet["prediction_error"] == pytest.approx(lancet["predicted_ms"] / lancet["fwd_bwd_ms"] - 1)
     parts = [lancet[f"predicted_{k}_ms"] for k in ("forward", "backward", "rest")]
-    assert min(parts) > 0 and sum(parts) == pytest.approx(lancet["predicted_ms"])
+    assert min(parts) > 0 and sum(parts) == pytest.approx(lancet["lancet_predicted_ms"])
+    # eager, the plan runs as made: the prediction is the plan's
+    assert lancet["predicted_form"] == "lancet" and lancet["predicted_ms"] == lancet["lancet_predicted_ms"]
     assert "predicted_ms" not in rows[4] and rows[0]["speedup"] == 1.0
+
+
+def test_the_prediction_prices_the_step_as_it_ran():
+    """A graphed step that dropped Lancet's dW schedule is the plain step (unpartitioned forward):
+    its prediction is the plan's baseline, not the plan's own time; with a partitioned forward no
+    form was priced."""
+    from types import SimpleNamespace
+
+    from weft.bench.model import predicted_as_run
+
+    dw_only = SimpleNamespace(scheduler=object(), forward_plan=None, predicted=1.0, baseline=1.5)
+    assert predicted_as_run(dw_only, True) == (1.0, "lancet")
+    assert predicted_as_run(dw_only, False)[0] == 1.5
+    forward_only = SimpleNamespace(scheduler=None, forward_plan=object(), predicted=1.2, baseline=1.5)
+    assert predicted_as_run(forward_only, False) == (1.2, "lancet")
+    both = SimpleNamespace(scheduler=object(), forward_plan=object(), predicted=0.9, baseline=1.5)
+    assert predicted_as_run(both, False)[0] is None and predicted_as_run(both, True)[0] == 0.9
 
 
 def capture_modes_worker() -> list[str]:

@@ -44,13 +44,15 @@ Per row (milliseconds; each step's time is the slowest rank's):
   range (q3 - q1) of forward + backward + optimizer step;
 - `fwd_bwd_ms`, `fwd_bwd_ms_min`, `fwd_bwd_iqr_ms`: the same steps up to the end of backward;
 - `forward_ms`, `forward_ms_min`, `forward_iqr_ms`: up to the end of the forward (the loss);
-- Lancet modes: `predicted_ms` (the planner's forward + backward) and `prediction_error`
-  (predicted / measured `fwd_bwd_ms` - 1), with the prediction's parts `predicted_forward_ms`
+- Lancet modes: `predicted_ms` (the planner's forward + backward of the step as it ran,
+  `predicted_form`: its plan, or the plain step where a graph dropped the dW schedule;
+  `lancet_predicted_ms` the plan's own, `baseline_predicted_ms` without Lancet) and
+  `prediction_error` (predicted / measured `fwd_bwd_ms` - 1), with the plan's parts `predicted_forward_ms`
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
-  mode ran all-gathers, reduce-scatters, broadcasts or reduces (Pro-Prophet's Trans and Agg),
-  `transfer_decomposition`: their time and the share of it that overlapped computation;
+  mode ran Pro-Prophet's Trans and Agg (the collectives launched in their profiler stages),
+  `transfer_decomposition`: their kernels' time and the share of it that overlapped computation;
 - balance modes: `copied_experts` (per MoE layer, the experts the last timed step copied).
 `meta.expert_load_max_over_mean`: per MoE layer, the busiest expert's slots over the mean.
 `meta.timing` is "interleaved"; `meta.rounds` / `meta.warmup_rounds` the counted and warm-up rounds.
@@ -159,6 +161,19 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all
         passes.apply(model, [], None)
     return graphs, notes
+
+
+def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool) -> tuple[float | None, str]:
+    """Lancet's predicted forward + backward seconds of the step as it ran, and which form that
+    is: the plan's own (`plan.predicted`) where its dW schedule ran or it had none; where a graphed
+    step dropped the schedule (`build_micro_step` keeps it only if it replays faster) and the
+    forward is unpartitioned, the step is the plain one (`plan.baseline`); with a partitioned
+    forward and no dW schedule the planner priced no such form (None)."""
+    if wgrad_scheduled or plan.scheduler is None:
+        return plan.predicted, "lancet"
+    if plan.forward_plan is None:
+        return plan.baseline, "without Lancet (its dW schedule dropped)"
+    return None, "partitioned forward without the dW schedule (not priced)"
 
 
 def _switch(model: GPT, setting: _Setting) -> None:
@@ -381,9 +396,13 @@ def run(bench: ModelBenchConfig) -> dict:
         if graphed:  # one graph: no lap between its forward and backward
             row.update(forward_ms=None, forward_ms_min=None, forward_iqr_ms=None, graph=graph_notes[mode])
         if plan is not None:
-            row.update(predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
-                       ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
-            row["prediction_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
+            scheduled = graphs[mode].wgrad_scheduled if graphed else plan.scheduler is not None
+            predicted, form = predicted_as_run(plan, scheduled)
+            row.update(lancet_predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
+                       predicted_form=form, ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
+            if predicted is not None:
+                row["predicted_ms"] = predicted * 1e3
+                row["prediction_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
             # Where the error is: the planner's forward (sub-layers only) against the measured
             # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
             # forward and backward).
@@ -460,6 +479,6 @@ def print_table(report: dict) -> None:
             measured = (f"measured forward+backward {r['fwd_bwd_ms']:.2f} ms (one CUDA graph)"
                         if r["forward_ms"] is None else f"measured forward {r['forward_ms']:.2f} ms, "
                         f"backward {r['fwd_bwd_ms'] - r['forward_ms']:.2f} ms")
-            print(f"{measured}; "
-                  f"predicted forward {r['predicted_forward_ms']:.2f} + backward {r['predicted_backward_ms']:.2f} "
-                  f"+ embedding/head/loss {r['predicted_rest_ms']:.2f} ms")
+            print(f"{measured}; the plan's predicted forward {r['predicted_forward_ms']:.2f} + backward "
+                  f"{r['predicted_backward_ms']:.2f} + embedding/head/loss {r['predicted_rest_ms']:.2f} ms; "
+                  f"the predicted column prices the step as it ran: {r['predicted_form']}")

@@ -208,6 +208,7 @@ class MicroSteps:
     run: MicroStep
     graphed: bool = False
     owns_grads: bool = False
+    wgrad_scheduled: bool = False  # Lancet's dW schedule runs in the step (`--overlap lancet` keeps it)
 
     def clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step: make the gradients ready for the next step's micro-batches."""
@@ -249,9 +250,10 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     accumulates into zeroed ones. `plan`: Lancet's (`--overlap lancet`), whose backward the step
     runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`)."""
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
+    scheduled = backward is not None
     eager = eager_micro_step(model, grad_accum, backward)
     if mode == "off":
-        return MicroSteps(eager)
+        return MicroSteps(eager, wgrad_scheduled=scheduled)
     device = example[0].device
     graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
     blocker = graph_blocker(model, device, overlap)
@@ -268,7 +270,7 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
             measured = f"eager with a2a_algo auto {eager_s * 1e3:.1f} ms, {_as_graphs(graph_s)}"
             if chosen is None:
                 log(f"weft train: eager steps, MoE layers at a2a_algo auto (dropless; measured: {measured})")
-                return MicroSteps(eager)
+                return MicroSteps(eager, wgrad_scheduled=scheduled)
             log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; measured: {measured})")
         blocker = graph_blocker(model, device, overlap)
     if blocker is None:
@@ -291,9 +293,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                 log(f"weft train: --overlap lancet {'keeps' if kept else 'drops'} its weight-gradient schedule "
                     f"(measured as CUDA graphs: plain {plain_s * 1e3:.1f} ms, scheduled {scheduled_s * 1e3:.1f} ms)")
                 if not kept:
-                    eager = eager_micro_step(model, grad_accum)
+                    eager, scheduled = eager_micro_step(model, grad_accum), False
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
-            return MicroSteps(graph, graphed=True, owns_grads=not accumulate)
+            return MicroSteps(graph, graphed=True, owns_grads=not accumulate, wgrad_scheduled=scheduled)
         except CaptureError as e:
             if mode == "on":
                 raise
@@ -302,4 +304,4 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
         raise CaptureError(f"--cuda-graphs on: {blocker}")
     if device.type == "cuda":
         log(f"weft train: eager steps (no CUDA graph: {blocker})")
-    return MicroSteps(eager)
+    return MicroSteps(eager, wgrad_scheduled=scheduled)
