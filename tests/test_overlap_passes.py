@@ -2,6 +2,7 @@
 `weft.overlap.optimize`, `weft plan`, `weft bench model` and `weft train --overlap` work end to end."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -392,6 +393,56 @@ def test_backward_prediction_hides_at_most_the_pool():
     assert predict_backward(profile, False) == pytest.approx(6.0 + 4.0)
     # attn1's dW (1.0) hides under combine's backward (2.0); then the experts' dW (1.0) under dispatch's.
     assert predict_backward(profile, True) == pytest.approx(6.0 + 1.0 + 1.0)
+    # of the 2.0 s overlapped, only the measured share is saved
+    assert predict_backward(dataclasses.replace(profile, overlap_efficiency=0.25), True) == pytest.approx(
+        6.0 + 4.0 - 0.25 * 2.0)
+    assert predict_backward(dataclasses.replace(profile, overlap_efficiency=0.0), True) == pytest.approx(10.0)
+
+
+def overlap_efficiency_worker() -> list[str]:
+    """`measure_overlap_efficiency` on 2 gloo ranks with a stand-in all-to-all of 40 ms: one that
+    runs beside the computation (a thread) is hidden entirely, one that holds the caller up is not
+    hidden at all; every rank gets the same value."""
+    import threading
+    import time
+
+    from weft.overlap.profile import measure_overlap_efficiency
+    from weft.testing import Checks
+
+    checks = Checks(f"rank {dist.get_rank()}")
+
+    class Thread:
+        def __init__(self):
+            self.thread = threading.Thread(target=time.sleep, args=(0.04,))
+            self.thread.start()
+
+        def wait(self):
+            self.thread.join()
+
+    class Blocking:
+        def __init__(self):
+            time.sleep(0.04)
+
+        def wait(self):
+            pass
+
+    def compute():
+        time.sleep(0.04)
+
+    cpu = torch.device("cpu")
+    beside = measure_overlap_efficiency(compute, Thread, None, cpu, repeats=3)
+    serial = measure_overlap_efficiency(compute, Blocking, None, cpu, repeats=3)
+    checks.expect(beside > 0.7, f"an all-to-all beside the computation: efficiency {beside:.2f}, expected ~1")
+    checks.expect(serial < 0.3, f"an all-to-all before the computation: efficiency {serial:.2f}, expected ~0")
+    values = [None, None]
+    dist.all_gather_object(values, (beside, serial))
+    checks.expect(values[0] == values[1], f"the ranks measured different efficiencies: {values}")
+    return checks.failures
+
+
+def test_the_overlap_efficiency_is_what_running_both_at_once_saves():
+    flat = run_checks(overlap_efficiency_worker, 2, timeout=120)
+    assert not flat, "\n".join(flat)
 
 
 def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
@@ -399,6 +450,7 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     main(["plan", "--preset", "tiny", "--batch-size", "2", "--nproc", "2", "--json", "plan.json"])
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["predicted_s"] > 0
+    assert 0.0 <= plan["overlap_efficiency"] <= 1.0  # measured on the 2 ranks' all-to-all and experts
     # the plan was measured against no plan (and its forward ranges, where the planner cut any,
     # alone and with dW scheduling), and what it kept is what it reports
     measured, partitioned = plan["measured_s"], bool(plan["forward_plan"]) and any(

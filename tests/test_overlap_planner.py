@@ -53,6 +53,24 @@ def test_k2_comm_bound():
                    ("combine", 1): (11, 14), ("post", 0): (11, 12), ("post", 1): (14, 15)}
 
 
+def test_the_overlap_costs_what_the_measured_efficiency_does_not_save():
+    # test_k2_comm_bound's timeline: 5 s of computation beside communication (pre p1 under dispatch
+    # p0: 2, then the experts and post partitions: 1 each), 15 s to the end.
+    units = [compute("a", k1=9.0, k2=1.0), moe("m", {1: (9, 9, 9, 9), 2: (1.0, 3.0, 1.0, 3.0)}),
+             compute("b", k1=9.0, k2=1.0)]
+    assert planner.overlap_seconds(simulate_timeline(units, 2)) == 5.0
+    assert simulate(units, 2, efficiency=0.5) == 15.0 + 2.5
+    assert simulate(units, 2, efficiency=0.0) == 20.0  # every instruction one after another
+    assert simulate(units, 1, efficiency=0.0) == simulate(units, 1)  # nothing overlaps unpartitioned
+    # Splitting evenly gains only by overlapping: with no efficiency, the plan keeps k = 1.
+    m = moe("m", {1: (2.0, 6.0, 2.0, 6.0), 2: (1.0, 3.0, 1.0, 3.0)})
+    assert simulate([m], 2) == 13.0 and simulate([m], 2, efficiency=0.0) == simulate([m], 1) == 16.0
+    assert [s.partitions for s in plan([m], max_partitions=2).segments] == [2]
+    assert [s.partitions for s in plan([m], max_partitions=2, efficiency=0.0).segments] == [1]
+    with pytest.raises(ValueError, match="efficiency must be in"):
+        simulate([m], 2, efficiency=1.5)
+
+
 def test_k2_compute_bound():
     # Per partition: S1 = 3 + 1 = 4, S2 = 1, S3 = 4, S4 = 1, S5 = 4.
     # compute: S1 0-4, 4-8 | S3 p0 max(5,8)=8-12, p1 max(9,12)=12-16 | S5 p0 max(13,16)=16-20, p1 20-24
@@ -279,7 +297,8 @@ def test_dp_evaluates_at_most_n_squared_k_ranges_and_stops_at_a_second_moe(monke
     ranges, calls = [], []
     real_invalid, real_simulate = planner._invalid, planner.simulate
     monkeypatch.setattr(planner, "_invalid", lambda units, k: ranges.append(units) or real_invalid(units, k))
-    monkeypatch.setattr(planner, "simulate", lambda units, k: calls.append(k) or real_simulate(units, k))
+    monkeypatch.setattr(planner, "simulate",
+                        lambda units, k, efficiency=1.0: calls.append(k) or real_simulate(units, k, efficiency))
     units = random_units(random.Random(7), 40, 8, 4)
     plan(units, max_partitions=4)
     assert 0 < len(calls) <= 40 * 41 // 2 * 4

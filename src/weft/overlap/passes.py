@@ -76,6 +76,9 @@ class OverlapPlan:
         gain = 1 - self.predicted / self.baseline if self.baseline > 0 else 0.0
         lines.append(f"predicted forward+backward: {self.predicted * 1e3:.3f} ms vs {self.baseline * 1e3:.3f} ms "
                      f"without Lancet ({gain:+.1%})")
+        if self.profile.overlap_efficiency < 1.0:
+            lines.append(f"overlap efficiency {self.profile.overlap_efficiency:.2f} (the share of an all-to-all's "
+                         f"overlap with computation that is saved, measured)")
         if self.profile.graph_replays is not None:
             replayed, eager = self.profile.graph_replays
             lines.append(f"profiled as CUDA graph replays: {replayed} of {replayed + eager} calls"
@@ -96,6 +99,7 @@ class OverlapPlan:
             "measured_s": dict(self.measured),
             "chosen": self.chosen,
             "graph_replays": self.profile.graph_replays,
+            "overlap_efficiency": self.profile.overlap_efficiency,
             "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from
                 "names": list(self.profile.names),
                 "forward": [planner.serial_time(u) for u in self.profile.units],
@@ -153,7 +157,8 @@ def optimize(
     profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed)
     model.zero_grad(set_to_none=True)
     model.train(was_training)
-    forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time) if forward else None
+    forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time,
+                                profile.overlap_efficiency) if forward else None
     ranges = [] if forward_plan is None else [
         Range(s.start, s.end, s.partitions, s.moe) for s in forward_plan.pipelines() if s.partitions > 1]
     scheduler = None
@@ -243,7 +248,8 @@ def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | Non
 def predict_backward(profile: ModelProfile, scheduling: bool) -> float:
     """Backward compute plus the all-to-all time left exposed. Walking the sub-layers in backward
     order, the weight-gradient share of each finished layer joins a pool that the next all-to-alls
-    draw from (Lancet Alg. 1 hides at most the pool, at most the all-to-all)."""
+    draw from (Lancet Alg. 1 hides at most the pool, at most the all-to-all); of the time they
+    overlap, `profile.overlap_efficiency` is saved (all of it in Lancet's model)."""
     pool = exposed = 0.0
     layers = zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm))
     for unit, compute, comm in layers:
@@ -251,7 +257,7 @@ def predict_backward(profile: ModelProfile, scheduling: bool) -> float:
             for half in (0, 1):  # combine's backward, the experts, then dispatch's backward
                 hidden = min(comm / 2, pool) if scheduling else 0.0
                 pool -= hidden
-                exposed += comm / 2 - hidden
+                exposed += comm / 2 - profile.overlap_efficiency * hidden
                 if half == 0:
                     pool += DW_SHARE * compute
         else:

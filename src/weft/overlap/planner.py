@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = [
     "ComputeUnit", "Interval", "MoEUnit", "Plan", "Segment", "Unit",
-    "plan", "serial_time", "simulate", "simulate_timeline",
+    "overlap_seconds", "plan", "serial_time", "simulate", "simulate_timeline",
 ]
 
 FORMAT = "weft.overlap_plan/1"
@@ -146,9 +146,25 @@ def simulate_timeline(units: Sequence[Unit], k: int) -> list[Interval]:
     return timeline
 
 
-def simulate(units: Sequence[Unit], k: int) -> float:
-    """P: seconds of the range cut into k partitions and pipelined (end of the last instruction)."""
-    return max(iv.end for iv in simulate_timeline(units, k))
+def overlap_seconds(timeline: Sequence[Interval]) -> float:
+    """Seconds during which a computation and a communication instruction of `timeline` run at
+    once (each stream's instructions follow one another, so pairs across the streams add up)."""
+    compute = [iv for iv in timeline if iv.stream == COMPUTE]
+    comm = [iv for iv in timeline if iv.stream == COMM]
+    return sum(max(0.0, min(a.end, b.end) - max(a.start, b.start)) for a in compute for b in comm)
+
+
+def simulate(units: Sequence[Unit], k: int, efficiency: float = 1.0) -> float:
+    """P: seconds of the range cut into k partitions and pipelined: the end of the last
+    instruction, plus (1 - efficiency) of the time computation and communication overlap.
+    `efficiency` (η, measured: `weft.overlap.profile.measure_overlap_efficiency`) is the share of
+    an overlap that is saved; Lancet's timeline takes it as 1 (the two streams run side by side for
+    free), while on GPUs an all-to-all slows the computation beside it (and is slowed by it)."""
+    if not 0.0 <= efficiency <= 1.0:
+        raise ValueError(f"efficiency must be in [0, 1], got {efficiency!r}")
+    timeline = simulate_timeline(units, k)
+    end = max(iv.end for iv in timeline)
+    return end if efficiency == 1.0 else end + (1.0 - efficiency) * overlap_seconds(timeline)
 
 
 @dataclass
@@ -257,11 +273,14 @@ def plan(
     max_partitions: int = 8,
     max_range: int | None = None,
     group_time: float | None = None,
+    efficiency: float = 1.0,
 ) -> Plan:
     """The fastest cover of `units` by ranges, each run as k <= max_partitions pipelined parts.
 
     `max_range` caps how many units (groups, when `group_time` is set: Lancet's G) a range spans.
     `group_time` (seconds) merges consecutive compute units first, which restricts the choices.
+    `efficiency`: the share of an overlap of computation and communication that is saved
+    (`simulate`; 1 in Lancet's model).
     Every unit must have its k=1 time: it is the baseline, and it keeps a plan always possible.
     """
     if not units:
@@ -299,7 +318,7 @@ def plan(
             for k in range(1, max_partitions + 1):
                 if _invalid(rng, k):
                     continue
-                p = simulate(rng, k)
+                p = simulate(rng, k, efficiency)
                 cand = (T[i - 1] + p, k, n - i + 1)
                 if _better(cand, best):
                     best, choice[n] = cand, (i, k, p)

@@ -47,6 +47,9 @@ class ModelProfile:
     names: list[str]
     # graphed profiles: (calls timed as CUDA graph replays, calls that could not be captured and were timed eagerly)
     graph_replays: tuple[int, int] | None = None
+    # η: the share of an all-to-all overlapped with computation that the overlap saves
+    # (`measure_overlap_efficiency`; 1, Lancet's assumption, where nothing communicates)
+    overlap_efficiency: float = 1.0
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
@@ -94,6 +97,52 @@ def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype:
     measured = [(b, s) for (b, _), s in zip(points, seconds.tolist())]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return CommCostModel.fit({"all_to_all": measured}, world, dist.get_backend(group), name)
+
+
+def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: Callable[[], object], group,
+                               device: torch.device, repeats: int = 5) -> float:
+    """η: how much of an overlap of an all-to-all with computation is saved, measured. Lancet's
+    model runs the two side by side for free; on a GPU they share the SMs and the memory
+    bandwidth (NCCL's kernels run on SMs; with P2P disabled they move the rows through host
+    memory), so each slows the other. Times the all-to-all (`start_all_to_all()` launches it and
+    returns its work) alone, `compute` repeated to about as long alone, and both at once (the
+    all-to-all on its stream, the computation on the current one), each the slowest rank's
+    median, and returns (t_comm + t_compute - t_both) / min(t_comm, t_compute) clipped to [0, 1]:
+    1 when the shorter one hides entirely, 0 when running them together takes as long as one
+    after the other. A collective over `group`: every rank gets the same value."""
+    comm_s = time_call(lambda: start_all_to_all().wait(), device, repeats)
+    one_s = time_call(compute, device, repeats)
+    times = max(1, round(comm_s / one_s)) if one_s > 0 else 1
+
+    def computation() -> None:
+        for _ in range(times):
+            compute()
+
+    def both() -> None:
+        work = start_all_to_all()
+        computation()
+        work.wait()
+
+    measured = torch.tensor([comm_s, time_call(computation, device, repeats), time_call(both, device, repeats)],
+                            dtype=torch.float64, device=device)
+    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
+    comm_s, compute_s, both_s = measured.tolist()
+    shorter = min(comm_s, compute_s)
+    return 1.0 if shorter <= 0 else min(1.0, max(0.0, (comm_s + compute_s - both_s) / shorter))
+
+
+def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx, repeats: int) -> float:
+    """`measure_overlap_efficiency` with an MoE layer's own work: its dispatch all-to-all of the
+    whole batch beside its experts' forward."""
+    dtype = compute_dtype(moe, x, ctx)
+    element = torch.tensor([], dtype=dtype).element_size()
+    world = group_size(moe.group)
+    numel = max(world, _a2a_bytes(moe, _tokens(x, batch, 1), x) // element // world * world)
+    src, out = torch.randn(numel, device=x.device).to(dtype), torch.empty(numel, device=x.device, dtype=dtype)
+    experts, _ = expert_call(moe, x, ctx)
+    return measure_overlap_efficiency(
+        experts, lambda: dist.all_to_all_single(out, src, group=moe.group, async_op=True), moe.group, x.device,
+        repeats)
 
 
 def profile_model(
@@ -175,8 +224,12 @@ def profile_model(
     if sum(backward) > 0:
         scale = max(whole - rest, 0.5 * whole) / sum(backward)
         backward = [b * scale for b in backward]
+    efficiency = 1.0
+    if moes and group_size(moes[0].group) > 1:
+        first = next(u for u, unit in enumerate(units) if isinstance(unit, MoESubLayer))
+        efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, repeats)
     return ModelProfile(plan_units, backward, backward_comm, rest, names,
-                        tuple(replays) if graphed else None), cost_model
+                        tuple(replays) if graphed else None, efficiency), cost_model
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
