@@ -399,6 +399,23 @@ def test_backward_prediction_hides_at_most_the_pool():
     assert predict_backward(dataclasses.replace(profile, overlap_efficiency=0.0), True) == pytest.approx(10.0)
 
 
+def test_repeated_calls_drop_each_result_before_the_next():
+    from weft.overlap.profile import repeated
+
+    live, most = [0], [0]
+
+    class Result:
+        def __init__(self):
+            live[0] += 1
+            most[0] = max(most[0], live[0])
+
+        def __del__(self):
+            live[0] -= 1
+
+    repeated(Result, 5)
+    assert most[0] == 1 and live[0] == 0
+
+
 def overlap_efficiency_worker() -> list[str]:
     """`measure_overlap_efficiency` on 2 gloo ranks with a stand-in all-to-all of 40 ms: one that
     runs beside the computation (a thread) is hidden entirely, one that holds the caller up is not
