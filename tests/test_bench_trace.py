@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from weft.bench.trace import (
     decompose,
@@ -9,6 +10,7 @@ from weft.bench.trace import (
     kernel_intervals,
     merge,
     overlap_length,
+    profile_trace,
     stream_timeline,
 )
 
@@ -75,3 +77,17 @@ def test_stream_timeline_merges_each_streams_back_to_back_kernels_and_keeps_nccl
                    (7, True, 600, 620, 20, 1, "ncclDevKernel_SendRecv", [4, 1, 1]),
                    (7, False, 700, 750, 50, 1, "gemm_c", None)]
     assert stream_timeline({"traceEvents": []}) == []
+
+
+def test_the_profile_records_the_steps_after_an_unrecorded_warm_up():
+    """`profile_trace` runs one step before the recorded ones (then the ranks meet, GPUs idle), so
+    the trace holds exactly the `steps` steps after it."""
+    calls = []
+
+    def step():
+        with torch.profiler.record_function(f"step{len(calls)}"):
+            calls.append(torch.ones(4) + 1)
+
+    trace = profile_trace(step, steps=2)
+    names = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("step")}
+    assert len(calls) == 3 and names == {"step1", "step2"}

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 Interval = tuple[float, float]
 COMM_KERNEL_MARKERS = ("nccl", "all_to_all", "alltoall", "allreduce", "all_reduce", "reduce_scatter", "allgather",
@@ -154,15 +155,36 @@ def stream_timeline(trace: dict, gap_us: float = 30.0) -> list[KernelRun]:
     return runs
 
 
+def _idle_and_together() -> None:
+    """Every rank's GPU idle and every rank at the same point (a barrier where torch.distributed runs)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+
 def profile_trace(step: Callable[[], None], steps: int = 5, trace_path: str | Path | None = None) -> dict:
     """Run `step` `steps` times under the torch profiler (CPU and, where present, CUDA activity) and
-    return the Chrome trace as a dict (also written to `trace_path` when given)."""
+    return the Chrome trace as a dict (also written to `trace_path` when given).
+
+    Under torch.distributed every rank must call it alike: the ranks meet at a barrier, with their
+    GPUs idle, before the recorded steps (after one unrecorded warm-up step under the profiler),
+    so the first collective does not time how much later one rank arrived from what it did before
+    (e.g. writing the previous trace: an NCCL kernel's time includes its wait for the other ranks;
+    a qwen2 layer's first all-gather read 40 ms without this)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        step()
+        _idle_and_together()
+        prof.step()
         for _ in range(steps):
             step()
+            prof.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
