@@ -1,6 +1,7 @@
 """The host's share of a balanced dropless call, on the CPU: aten ops per forward + backward of one
 MoE layer on 2 gloo ranks, plain against the same call with one expert copied (Pro-Prophet's
-replicated exchange, the call copying it itself), and the ops the copy adds, by name. On GPUs a
+replicated exchange, the call copying it itself), the ops the copy adds, by name, and the host time
+per call of a tiny layer plain and with the copy (and of the copy's two collectives alone). On GPUs a
 dropless call waits for its counts mid-call, so every op after that read is host time the GPU
 waits for, and the rank holding a copy reaches the next collective late.
 
@@ -8,6 +9,8 @@ waits for, and the rank holding a copy reaches the next collective late.
 """
 from __future__ import annotations
 
+import statistics
+import time
 from collections import Counter
 
 import torch
@@ -31,6 +34,36 @@ def count_ops() -> None:
         moe(x.detach().requires_grad_(), transfer=transfer).sum().backward()
         moe.zero_grad(set_to_none=True)
 
+    # Host time per call, with tiny shapes so that the CPU's arithmetic is small: the copy's host
+    # work and its two collectives (the broadcast and reduce of one expert's stack, timed alone).
+    stack = torch.zeros(1, 2 * 64 * 128)
+
+    def collectives() -> None:
+        dist.broadcast(stack, 0)
+        dist.reduce(stack, 0)
+
+    tiny = MoE(8, 8, 8, top_k=2, capacity_factor=None, activation="relu", balance="pro-prophet", kernels="torch")
+    xt = torch.randn(16, 8, generator=torch.Generator().manual_seed(rank))
+
+    def tiny_call(copies: dict) -> None:
+        transfer = Transfer(tiny.experts, tiny.placement, copies, tiny.group) if copies else Transfer.none()
+        tiny(xt.detach().requires_grad_(), transfer=transfer).sum().backward()
+
+    timed = {"plain": lambda: tiny_call({}), "copy": lambda: tiny_call({0: frozenset({1})}),
+             "broadcast + reduce alone": collectives}
+    ms = {name: [] for name in timed}
+    for _ in range(2):  # interleaved, twice: the spread is the noise
+        for name, fn in timed.items():
+            for _ in range(10):
+                fn()
+            times = []
+            for _ in range(100):
+                dist.barrier()
+                begin = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - begin)
+            ms[name].append(1e3 * statistics.median(times))
+
     ops = {}
     for name, copies in (("plain", {}), ("expert 0 copied to rank 1", {0: frozenset({1})})):
         for _ in range(3):
@@ -48,6 +81,8 @@ def count_ops() -> None:
                                                 for n, c in (copied - plain).most_common(20)))
         print("top-level ops added by the copy: " + ", ".join(f"{n.removeprefix('aten::')} {c}"
                                                           for n, c in (copied_top - plain_top).most_common(20)))
+        print("host ms per forward + backward of a tiny layer (median of 100, twice): "
+              + "; ".join(f"{name} " + " / ".join(f"{v:.2f}" for v in values) for name, values in ms.items()))
 
 
 def is_op(event) -> bool:
