@@ -13,7 +13,8 @@
 #            1.2 also balance-copy, the heaviest expert copied whatever the plan, and every mode's GPU
 #            time by stage), and whole
 #            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
-#            of Trans and Agg under computation); BALANCE_LAYERS (config:skew) and BALANCE_MODEL=0 to split it
+#            of Trans and Agg under computation); BALANCE_LAYERS (config:skew) and BALANCE_MODEL=0 to split it,
+#            BALANCE_STEPS (default 20) for less noise (the no-skew cost, goal <= 2%, sat inside the IQR at 20)
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
 #            graphed, domino-copy with NVLink; wheels carried in .whl/), and the
@@ -105,7 +106,7 @@ part_balance() {
     breakdown=""; [ "$layer" = qwen2:1.2 ] && breakdown="--breakdown"
     $RUN bench layer --config "$config" --capacity dropless --skew "$skew" \
       --modes "plain,balance,${extra}plain,balance" $breakdown \
-      --dtype bf16 --activation relu --optimizer sgd --steps 20 --json "$1/layer_${config}_skew$skew.json" \
+      --dtype bf16 --activation relu --optimizer sgd --steps ${BALANCE_STEPS:-20} --json "$1/layer_${config}_skew$skew.json" \
       > "$1/layer_${config}_skew$skew.log" 2>&1
     grep -v "$QUIET" "$1/layer_${config}_skew$skew.log" | tail -n 40
   done
