@@ -52,12 +52,12 @@ def wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - begin
 
 
-def slowest_rank(values: Sequence[float], device: torch.device) -> list[float]:
-    """Each value's maximum over the ranks (a collective over the default group when there is
-    one): what every rank compares, so every rank makes the same measured choice."""
+def slowest_rank(values: Sequence[float], device: torch.device, group: dist.ProcessGroup | None = None) -> list[float]:
+    """Each value's maximum over the ranks of `group` (a collective; default: the default group,
+    when there is one): what every rank compares, so every rank makes the same measured choice."""
     agreed = torch.tensor(list(values), dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
     return agreed.tolist()
 
 

@@ -149,6 +149,7 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
     of each capture. Returns the micro-steps (their graphs own the gradients) and what each
     build said."""
     graphs, notes = {}, {}
+    device = example[0].device
     for mode, setting in settings.items():
         passes.apply(model, setting.ranges, setting.scheduler)
         notes[mode] = []
@@ -157,7 +158,6 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
                 set_layers(model, name, setting.moe_overrides[name])
         overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
         graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
-        device = example[0].device
         held = f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
         done(f"{mode} captured as a CUDA graph{held}")  # every mode's graph stays alive for the timing
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all

@@ -33,7 +33,7 @@ from weft.moe.capacity import capacity_bound
 from weft.moe.layer import MoE
 from weft.overlap import planner
 from weft.overlap.moe_partition import can_route_in_parts
-from weft.profiling import seconds
+from weft.profiling import seconds, slowest_rank
 
 
 @dataclass
@@ -89,6 +89,15 @@ def graph_seconds(fn: Callable[[], object], device: torch.device, repeats: int =
     return statistics.median(seconds(lambda: graph(nothing), device) / inner for _ in range(repeats))
 
 
+def _all_to_all_buffers(nbytes: int, world: int, dtype: torch.dtype, device: torch.device,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, output) of an all-to-all of about `nbytes` per rank: a whole number of elements for
+    each of the `world` ranks, at least one."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    numel = max(world, nbytes // elem // world * world)
+    return torch.randn(numel, device=device).to(dtype), torch.empty(numel, device=device, dtype=dtype)
+
+
 def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype: torch.dtype,
                        repeats: int = 5) -> CommCostModel:
     """A cost model through all-to-alls of the given byte counts per rank, timed here (slowest rank)."""
@@ -96,13 +105,10 @@ def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype:
     elem = torch.tensor([], dtype=dtype).element_size()
     points = []
     for nbytes in sorted(set(max(world * elem, s) for s in sizes)):
-        numel = nbytes // elem // world * world
-        src, out = torch.randn(numel, device=device, dtype=dtype), torch.empty(numel, device=device, dtype=dtype)
+        src, out = _all_to_all_buffers(nbytes, world, dtype, device)
         seconds = time_call(lambda: dist.all_to_all_single(out, src, group=group), device, repeats)
-        points.append((numel * elem, seconds))
-    seconds = torch.tensor([s for _, s in points], dtype=torch.float64, device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-    measured = [(b, s) for (b, _), s in zip(points, seconds.tolist())]
+        points.append((src.numel() * elem, seconds))
+    measured = [(b, s) for (b, _), s in zip(points, slowest_rank([s for _, s in points], device, group))]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return CommCostModel.fit({"all_to_all": measured}, world, dist.get_backend(group), name)
 
@@ -122,19 +128,14 @@ def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: 
     one_s = time_call(compute, device, repeats)
     times = max(1, round(comm_s / one_s)) if one_s > 0 else 1
 
-    def computation() -> None:
-        for _ in range(times):
-            compute()
-
     def both() -> None:
         work = start_all_to_all()
-        computation()
+        repeated(compute, times)
         work.wait()
 
-    measured = torch.tensor([comm_s, time_call(computation, device, repeats), time_call(both, device, repeats)],
-                            dtype=torch.float64, device=device)
-    dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-    comm_s, compute_s, both_s = measured.tolist()
+    comm_s, compute_s, both_s = slowest_rank(
+        [comm_s, time_call(lambda: repeated(compute, times), device, repeats), time_call(both, device, repeats)],
+        device, group)
     shorter = min(comm_s, compute_s)
     return 1.0 if shorter <= 0 else min(1.0, max(0.0, (comm_s + compute_s - both_s) / shorter))
 
@@ -142,11 +143,8 @@ def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: 
 def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx, repeats: int) -> float:
     """`measure_overlap_efficiency` with an MoE layer's own work: its dispatch all-to-all of the
     whole batch beside its experts' forward."""
-    dtype = compute_dtype(moe, x, ctx)
-    element = torch.tensor([], dtype=dtype).element_size()
-    world = group_size(moe.group)
-    numel = max(world, _a2a_bytes(moe, _tokens(x, batch, 1), x) // element // world * world)
-    src, out = torch.randn(numel, device=x.device).to(dtype), torch.empty(numel, device=x.device, dtype=dtype)
+    src, out = _all_to_all_buffers(_a2a_bytes(moe, _tokens(x, batch, 1), x), group_size(moe.group),
+                                   compute_dtype(moe, x, ctx), x.device)
     experts, _ = expert_call(moe, x, ctx)
     return measure_overlap_efficiency(
         experts, lambda: dist.all_to_all_single(out, src, group=moe.group, async_op=True), moe.group, x.device,
