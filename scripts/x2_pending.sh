@@ -61,9 +61,10 @@
 #   modelgraph  whole training iterations per overlap mode with each mode's step one CUDA graph (bench model
 #            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr; batch 8) and gpt2-l-moe
 #            (batch 4, as its eager tables) (MODELS, preset:gate:batch),
-#            NCCL_P2P_DISABLE=1 and NVLink (REGIMES; one regime per call; gpt2-l-moe alone in a call with
-#            MODEL_TIMEOUT=540: it did not finish in 280 s on 2 x H100 and stopped in its first timed round in
-#            440 s; 20 s before the timeout every rank prints its Python stacks; MODEL_MODES to bisect)
+#            NCCL_P2P_DISABLE=1 and NVLink (REGIMES; one regime per call). Every mode's graph and gradients stay
+#            alive for the timing: gpt2-l-moe fits two modes on 80 GiB, so it runs none,tutel,none then
+#            none,lancet,none (~60 s each on 2 x H100); MODEL_MODES (a space-separated list of mode lists) to
+#            choose; 20 s before MODEL_TIMEOUT (default 280) every rank prints its Python stacks
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
@@ -81,9 +82,13 @@ export WEFT_CACHE=${WEFT_CACHE:-/tmp/weft_cache}
 RUN="torchrun --standalone --nproc_per_node=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))') -m weft"
 QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
 
-stacks_at() {  # SECONDS: then every rank under torchrun prints its Python stacks (weft's SIGUSR1 handler):
-  # where a run that is about to be cut by its timeout waits
-  sleep "$1" && pids=$(pgrep -d, -f "python[^ ]* [^ ]*torchrun ") && pkill -USR1 -P "$pids"
+stacks_at() {  # SECONDS: then every weft rank prints its Python stacks (weft's SIGUSR1 handler): where a run
+  # that is about to be cut by its timeout waits. Found through /proc: the device image has no pgrep
+  sleep "$1"
+  for proc in /proc/[0-9]*; do
+    cmd=$(tr '\0' ' ' < "$proc/cmdline" 2>/dev/null) || continue
+    case "$cmd" in *torchrun*) ;; *"-m weft "*) kill -USR1 "${proc#/proc/}" 2>/dev/null ;; esac
+  done
 }
 
 keep_metrics() {  # RUN_DIR DEST: a training run's metrics and config, not its checkpoints (GBs: they
@@ -347,13 +352,16 @@ part_modelgraph() {
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for model in ${MODELS:-gpt2-s-moe:topk:8 gpt2-s-moe:bpr:8 gpt2-l-moe:topk:4}; do  # preset:gate:batch
-      IFS=: read -r preset gate batch <<< "$model"; name="${preset}_${gate}_$regime"
-      stacks_at $(( ${MODEL_TIMEOUT:-280} - 20 )) & watch=$!
-      timeout ${MODEL_TIMEOUT:-280} $RUN bench model --preset "$preset" --gate "$gate" --batch-size "${batch:-8}" \
-        --cuda-graphs on --modes ${MODEL_MODES:-none,tutel,lancet,none} --steps 10 --warmup 3 --json "$1/$name.json" \
-        > "$1/$name.log" 2>&1
-      kill $watch 2>/dev/null
-      grep -v "$QUIET\|^weft bench model: .*(.* s)$\|^weft bench model: round" "$1/$name.log" | tail -n 12
+      IFS=: read -r preset gate batch <<< "$model"
+      fits="none,tutel,lancet,none"; [ "$preset" = gpt2-l-moe ] && fits="none,tutel,none none,lancet,none"
+      for modes in ${MODEL_MODES:-$fits}; do
+        name="${preset}_${gate}_${regime}_${modes//,/-}"  # no commas: such names do not come back from the device
+        stacks_at $(( ${MODEL_TIMEOUT:-280} - 20 )) & watch=$!
+        timeout ${MODEL_TIMEOUT:-280} $RUN bench model --preset "$preset" --gate "$gate" --batch-size "${batch:-8}" \
+          --cuda-graphs on --modes "$modes" --steps 10 --warmup 3 --json "$1/$name.json" > "$1/$name.log" 2>&1
+        kill $watch 2>/dev/null
+        grep -v "$QUIET\|^weft bench model: .*(.* s)$\|^weft bench model: round" "$1/$name.log" | tail -n 12
+      done
     done
   done
   unset NCCL_P2P_DISABLE

@@ -517,6 +517,30 @@ def test_the_prediction_prices_the_step_as_it_ran():
     assert predicted_as_run(both, False)[0] is None and predicted_as_run(both, True)[0] == 0.9
 
 
+def test_graphed_modes_that_do_not_fit_say_so_in_one_line():
+    """`bench model --cuda-graphs on` running out of GPU memory in its captures or timing (every
+    mode's graph and gradients alive at once) raises a ReportedError naming the modes, the preset,
+    the batch and what to change; a capture that fails for another reason, or any other error,
+    passes through unchanged."""
+    from weft.bench.model import ModelBenchConfig, graphs_must_fit
+    from weft.graphs import CaptureError
+    from weft.launch import ReportedError
+
+    bench = ModelBenchConfig(preset="gpt2-l-moe", batch_size=4, modes=("none", "tutel", "lancet", "none"))
+    cpu = torch.device("cpu")
+    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                  CaptureError("the step cannot be captured as a CUDA graph: CUDA out of memory. Tried ...")):
+        with pytest.raises(ReportedError) as raised, graphs_must_fit(bench, cpu):
+            raise error
+        message = str(raised.value)
+        assert "\n" not in message and "3 modes (none, tutel, lancet)" in message, message
+        assert "gpt2-l-moe at batch 4" in message and "--modes none,lancet,none" in message, message
+    for error in (CaptureError("the step cannot be captured as a CUDA graph: operation not permitted"),
+                  ValueError("something else")):
+        with pytest.raises(type(error), match=str(error)), graphs_must_fit(bench, cpu):
+            raise error
+
+
 def capture_modes_worker() -> list[str]:
     """`weft bench model --cuda-graphs on`'s captures (`_capture_modes`), with the capture replaced by
     a record of what it was given: each mode is built with the MoE layers at its values (tutel at

@@ -13,6 +13,7 @@ import io
 import os
 import signal
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -326,15 +327,29 @@ def main(argv: list[str] | None = None) -> None:
     ns = parser.parse_args(argv)
     dump_stacks_on_sigusr1()
     try:
-        try:
-            ns.run(ns, ns.parser)
-        except ReportedError as e:  # under torchrun: this process's own run stopped
-            raise SystemExit(f"weft: error: {e}") from None
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()  # nobody tears down while a peer is still inside a collective
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        ns.run(ns, ns.parser)
+    except ReportedError as e:  # under torchrun: this process's own run stopped
+        stop_failed_rank(f"weft: error: {e}")
+        raise SystemExit(f"weft: error: {e}") from None
+    except BaseException:
+        stop_failed_rank(traceback.format_exc())
+        raise
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()  # nobody tears down while a peer is still inside a collective
+        dist.destroy_process_group()
+
+
+def stop_failed_rank(report: str) -> None:
+    """A rank whose run raised, in a process group: print `report` and exit now, leaving the group
+    as it is. Tearing it down (`destroy_process_group`) or finalising the interpreter waits for the
+    collectives the peers are inside, which this rank will never join: a rank out of GPU memory
+    in `bench model --cuda-graphs on` hung there with its error unprinted. torchrun (or weft's own
+    launcher) then stops the other ranks. Without a process group: returns, the caller raises."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    print(report.rstrip(), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 if __name__ == "__main__":
