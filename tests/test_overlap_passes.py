@@ -193,6 +193,43 @@ def graphed_profile_worker() -> list[str]:
     return failures
 
 
+def fresh_gradients_worker() -> list[str]:
+    """Every backward Lancet's profile times (each sub-layer's, the embedding/head's and the whole
+    model's) finds no gradient on the parameters it writes, as a training step's backward does:
+    one that found them would add into them, two reads and a write of every gradient that the
+    step does not pay (a large model's whole backward then looks several ms slower). Checked by a hook
+    on every parameter, which runs just before autograd stores its gradient."""
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
+    x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
+    found, stored = [], []
+
+    def hook(name):
+        def check(grad):
+            stored.append(name)
+            if dict(model.named_parameters())[name].grad is not None:
+                found.append(name)
+        return check
+
+    handles = [p.register_hook(hook(n)) for n, p in model.named_parameters()]
+    optimize(model, x, forward=False, partitions=(1,), repeats=2, measure=0)
+    for h in handles:
+        h.remove()
+    failures = []
+    if not stored:
+        failures.append("the profile ran no backward")
+    if found:
+        failures.append(f"{len(found)} of {len(stored)} gradients were added into existing ones, e.g. "
+                        f"{sorted(set(found))[:4]}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_profile_times_every_backward_from_no_gradient(world_size):
+    failures = run_checks(fresh_gradients_worker, world_size, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
 def graph_profile_captures_worker() -> list[str]:
     """GPUs (NCCL): optimize(graphed=True) as `weft train` runs it (padded MoE layers, bf16
     autocast) captures every call its profile times (no eager fallback), and its plan predicts a

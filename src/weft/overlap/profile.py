@@ -198,7 +198,7 @@ def profile_model(
                 flat += _time_moe(unit, part, ctx, time, cost_model)
             else:
                 flat.append(time(lambda: _forward(unit, part, ctx)))
-        flat.append(_time_backward(unit, inputs[u], ctx, time))
+        flat.append(_time_backward(unit, inputs[u], ctx, time, list(model.blocks[u // 2].parameters())))
     flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, time))
     flat.append(_time_model_backward(model, idx, ctx, repeats, time if graphed else None))
     agreed = torch.tensor(flat, dtype=torch.float64, device=device)
@@ -321,9 +321,22 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, time: Callable[[Callable[
     return [max(0.0, whole - expert_time), comm, expert_time, comm]
 
 
-def _time_backward(unit, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float]) -> float:
-    """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward. The
-    all-to-alls of an MoE layer are priced separately, so it is timed without them."""
+def drop_gradients(params: Sequence[torch.Tensor]) -> None:
+    """Every `.grad` of `params` None, as a training step's backward finds them (the optimizer
+    step sets them to None; a CUDA graph step that owns its gradients writes them afresh): the
+    backward then takes each new gradient as `.grad`. A profiled backward that found them would
+    add into them instead: two reads and a write of every float32 gradient that the step does
+    not pay (gpt2-l-moe, ~1.8 B parameters per rank: ~20 GB of memory traffic, several ms on an
+    H100; its graphed profile priced the plain step 5 ms, 10%, too high, docs/overlap.md)."""
+    for p in params:
+        p.grad = None
+
+
+def _time_backward(unit, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float],
+                   params: Sequence[torch.Tensor] = ()) -> float:
+    """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward, each
+    backward from no gradient on `params` (its block's: `drop_gradients`). The all-to-alls of an
+    MoE layer are priced separately, so it is timed without them."""
     local = _local(unit)
 
     def forward() -> torch.Tensor:
@@ -332,6 +345,7 @@ def _time_backward(unit, x: torch.Tensor, ctx, time: Callable[[Callable[[], obje
     grad = torch.randn_like(forward())
 
     def both():
+        drop_gradients(params)
         forward().backward(grad)
 
     return max(0.0, time(both) - time(forward))
@@ -339,18 +353,26 @@ def _time_backward(unit, x: torch.Tensor, ctx, time: Callable[[Callable[[], obje
 
 def _time_model_backward(model, idx: torch.Tensor, ctx, repeats: int,
                          time: Callable[[Callable[[], object]], float] | None = None) -> float:
-    """Median seconds of `loss.backward()` of the whole model on idx, without its all-to-alls;
-    with `time` (graphed profiles): (forward + backward) - forward, each timed by it."""
+    """Median seconds of `loss.backward()` of the whole model on idx, without its all-to-alls,
+    each from no gradient (`drop_gradients`); with `time` (graphed profiles): (forward +
+    backward) - forward, each timed by it."""
+    params = list(model.parameters())
+
     def forward() -> torch.Tensor:
         with ctx():
             return model(idx, idx, moe_overrides={"communicate": False})[1]
 
+    def both() -> None:
+        drop_gradients(params)
+        forward().backward()
+
     if time is not None:
-        backward = max(0.0, time(lambda: forward().backward()) - time(forward))
+        backward = max(0.0, time(both) - time(forward))
     else:
         times = []
         for i in range(repeats + 1):  # the first is warm-up
             loss = forward()
+            drop_gradients(params)
             elapsed = seconds(loss.backward, idx.device)
             if i:
                 times.append(elapsed)
@@ -361,12 +383,16 @@ def _time_model_backward(model, idx: torch.Tensor, ctx, repeats: int,
 
 def _time_rest(model, idx: torch.Tensor, last_input: torch.Tensor, last_unit, ctx,
                time: Callable[[Callable[[], object]], float]) -> float:
-    """Embedding, final norm, head and loss, forward + backward (not partitioned)."""
+    """Embedding, final norm, head and loss, forward + backward (not partitioned; from no
+    gradient, `drop_gradients`)."""
     with ctx(), torch.no_grad():
         final = last_unit(last_input)
     targets = idx
 
+    params = [p for module in (model.tok_emb, model.norm, model.head) for p in module.parameters()]
+
     def run():
+        drop_gradients(params)
         with ctx():
             x = model.tok_emb(idx)
             logits = model.head(model.norm(final.detach() + 0 * x))
