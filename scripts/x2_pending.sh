@@ -330,7 +330,7 @@ print('losses', ' '.join(f\"{r['loss']:.4f}\" for r in rows if 'loss' in r and r
 }
 
 part_lancet() {
-  gpu_tests "$1" "lancets_dw_schedule or lancet_training_replays or graphed_lancet_profile or holds_one_calls"
+  gpu_tests "$1" "lancets_dw_schedule or lancet_training_replays or graphed_lancet_profile or holds_one_calls or own_their_gradients"
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for run in ${LANCET_RUNS:-gpt2-s-moe:8}; do

@@ -439,6 +439,34 @@ def test_a_graphed_lancet_profile_captures_every_call_it_times():
 
 
 @needs_cuda
+def test_candidates_timed_as_graphs_that_own_their_gradients():
+    """`time_graphed(..., accumulate=False)`, as a graphed step with one micro-batch is timed: each
+    candidate's graph writes its own gradients (no add into earlier ones), the times are finite,
+    every `.grad` is None afterwards, and the memory the graphs held is released with them."""
+    from weft.graphs import time_graphed
+
+    weight = torch.randn(2048, 2048, device="cuda", requires_grad=True)
+    x = torch.randn(4096, 2048, device="cuda")
+
+    def step_of(depth: int):
+        def step(x_in: torch.Tensor) -> None:
+            h = x_in
+            for _ in range(depth):
+                h = (h @ weight).relu()
+            h.sum().backward()
+        return step
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for accumulate in (True, False):
+        seconds = time_graphed(step_of, (1, 2), (x,), [weight], trials=2, accumulate=accumulate)
+        assert all(0 < s < float("inf") for s in seconds), seconds
+        assert weight.grad is None
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() - base < 2**20, "the graphs' memory outlived the timing"
+
+
+@needs_cuda
 def test_a_profiled_call_holds_one_calls_activations():
     """Lancet's profile times `inner` back-to-back calls (eagerly and as one CUDA graph): each call's
     output, with the activations its autograd graph saved, is dropped before the next, so the peak

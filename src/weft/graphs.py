@@ -152,12 +152,16 @@ class GraphedStep:
 
 
 def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Sequence, args: Sequence[torch.Tensor],
-                 grads_of: Iterable[torch.Tensor], trials: int = 3, warmup: int = 1) -> list[float]:
+                 grads_of: Iterable[torch.Tensor], trials: int = 3, warmup: int = 1,
+                 accumulate: bool = True) -> list[float]:
     """Median wall seconds of one replay of each candidate's step (`step_of(candidate)`, a forward
     and backward on `args`) captured as a CUDA graph: what a graphed training step with that
     candidate costs, host launches gone. One candidate at a time, its graph freed before the next
-    is captured (each holds a memory pool of its activations: all of them at once may not fit);
-    gradients accumulate into the same `.grad` tensors, zeroed, and are set to None at the end. A
+    is captured (each holds a memory pool of its activations: all of them at once may not fit).
+    `accumulate` as the step that will run (`GraphedStep`): True, the gradients accumulate into
+    the same `.grad` tensors, zeroed; False, each graph writes its own, as a step with one
+    micro-batch does (no add into earlier gradients: for gpt2-l-moe's ~1.8 B float32 parameters
+    per rank the add alone is several ms). Every `.grad` of `grads_of` is None at the end. A
     candidate that cannot be captured is timed as infinite. The slowest rank's medians
     (`weft.profiling.slowest_rank`), so every rank picks the same."""
     if trials < 1 or warmup < 0:
@@ -167,12 +171,15 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
     medians = []
     for candidate in candidates:
         try:
-            graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=True)
+            graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=accumulate)
         except CaptureError:
             medians.append(math.inf)
             continue
         medians.append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))
         del graph  # its memory pool, before the next candidate's capture
+        if not accumulate:  # the graph's own gradients, in that pool
+            for t in grads_of:
+                t.grad = None
     for t in grads_of:
         t.grad = None
     return slowest_rank(medians, device)

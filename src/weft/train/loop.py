@@ -471,7 +471,8 @@ def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, sta
         model.zero_grad(set_to_none=True)
 
     graphed = cfg.cuda_graphs != "off" and graph_blocker(model, device, cfg.overlap) is None
-    timer = (lambda schedules: time_graphed(fwd_bwd, schedules, (x, y), model.parameters())) if graphed else None
+    timer = (lambda schedules: time_graphed(fwd_bwd, schedules, (x, y), model.parameters(),
+                                            accumulate=cfg.grad_accum > 1)) if graphed else None
     shape = hashlib.sha256(json.dumps(model.config.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     # Domino's all-reduces copied through peer memory: a candidate where the GPUs reach each other's

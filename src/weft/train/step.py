@@ -255,7 +255,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     if mode == "off":
         return MicroSteps(eager, wgrad_scheduled=scheduled)
     device = example[0].device
-    graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()))
+    # the candidates timed as the step will run: a graph that owns its gradients with one micro-batch
+    graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()),
+                                    accumulate=grad_accum > 1)
     blocker = graph_blocker(model, device, overlap)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
         if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
