@@ -329,8 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         ns.run(ns, ns.parser)
     except ReportedError as e:  # under torchrun: this process's own run stopped
-        stop_failed_rank(f"weft: error: {e}")
-        raise SystemExit(f"weft: error: {e}") from None
+        message = f"weft: error: {e}"
+        stop_failed_rank(message)
+        raise SystemExit(message) from None
     except BaseException:
         stop_failed_rank(traceback.format_exc())
         raise

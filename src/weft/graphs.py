@@ -174,14 +174,11 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
             graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=accumulate)
         except CaptureError:
             medians.append(math.inf)
-            continue
-        medians.append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))
-        del graph  # its memory pool, before the next candidate's capture
-        if not accumulate:  # the graph's own gradients, in that pool
-            for t in grads_of:
-                t.grad = None
-    for t in grads_of:
-        t.grad = None
+        else:
+            medians.append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))
+            del graph  # its memory pool, before the next candidate's capture
+        for t in grads_of:  # this candidate's gradients (accumulate=False: in that pool) go with it
+            t.grad = None
     return slowest_rank(medians, device)
 
 

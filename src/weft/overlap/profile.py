@@ -333,7 +333,7 @@ def drop_gradients(params: Sequence[torch.Tensor]) -> None:
 
 
 def _time_backward(unit, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float],
-                   params: Sequence[torch.Tensor] = ()) -> float:
+                   params: Sequence[torch.Tensor]) -> float:
     """Backward compute of a sub-layer on the whole batch: (forward + backward) - forward, each
     backward from no gradient on `params` (its block's: `drop_gradients`). The all-to-alls of an
     MoE layer are priced separately, so it is timed without them."""

@@ -255,9 +255,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     if mode == "off":
         return MicroSteps(eager, wgrad_scheduled=scheduled)
     device = example[0].device
-    # the candidates timed as the step will run: a graph that owns its gradients with one micro-batch
+    accumulate = grad_accum > 1  # else the graph owns its gradients; the candidates are timed the same way
     graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()),
-                                    accumulate=grad_accum > 1)
+                                    accumulate=accumulate)
     blocker = graph_blocker(model, device, overlap)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
         if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
@@ -276,7 +276,6 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
             log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; measured: {measured})")
         blocker = graph_blocker(model, device, overlap)
     if blocker is None:
-        accumulate = grad_accum > 1
         try:
             for setting in GRAPH_TUNED:
                 if not any(getattr(moe, setting) == "auto" for moe in model.moe_layers()):
