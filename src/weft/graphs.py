@@ -80,10 +80,14 @@ class GraphedStep:
             its own gradients (False); see the module docstring.
         warmup: eager calls before the capture (CUDA needs a few for lazy initialisation: cuBLAS
             workspaces, NCCL communicators, autotuned kernels).
+        stream: the side stream of the warm-up and the capture (default: a new one). Pass the same
+            stream to every capture of a series: cuBLAS keeps a workspace (32 MiB or more on
+            Hopper, counted in `torch.cuda.memory_allocated`) for every stream it has run on, for
+            the life of the process, so each new stream costs that much memory for good.
     """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[torch.Tensor], grads_of: Iterable[torch.Tensor] = (),
-                 accumulate: bool = True, warmup: int = 3):
+                 accumulate: bool = True, warmup: int = 3, stream: torch.cuda.Stream | None = None):
         if not args or any(not isinstance(a, torch.Tensor) or not a.is_cuda for a in args):
             raise CaptureError("a CUDA graph step needs CUDA tensor arguments")
         self.fn = fn
@@ -94,7 +98,7 @@ class GraphedStep:
                                f"is kept): it holds the gradient accumulators of {len(held)} of the "
                                f"{len(self.grads_of)} tensors, bound to its CUDA stream; drop it before capturing")
         self.static_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-        side = torch.cuda.Stream()
+        side = stream if stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
@@ -163,15 +167,17 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
     micro-batch does (no add into earlier gradients: for gpt2-l-moe's ~1.8 B float32 parameters
     per rank the add alone is several ms). Every `.grad` of `grads_of` is None at the end. A
     candidate that cannot be captured is timed as infinite. The slowest rank's medians
-    (`weft.profiling.slowest_rank`), so every rank picks the same."""
+    (`weft.profiling.slowest_rank`), so every rank picks the same. All candidates are captured on
+    one side stream (see `GraphedStep`'s `stream`)."""
     if trials < 1 or warmup < 0:
         raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
     grads_of = list(grads_of)
     device = args[0].device
+    side = torch.cuda.Stream(device)
     medians = []
     for candidate in candidates:
         try:
-            graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=accumulate)
+            graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=accumulate, stream=side)
         except CaptureError:
             medians.append(math.inf)
         else:

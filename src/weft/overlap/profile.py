@@ -73,16 +73,17 @@ def repeated(fn: Callable[[], object], times: int) -> None:
 
 
 def graph_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
-                  inner: int = 5) -> float | None:
+                  inner: int = 5, stream: torch.cuda.Stream | None = None) -> float | None:
     """Median seconds of fn() replayed from a CUDA graph of `inner` back-to-back calls
     (`weft.graphs.GraphedStep`, `warmup` eager rounds first); None where fn cannot be captured (a
     host synchronisation, no GPU). fn may run a backward: its gradients accumulate in place in
-    the `.grad` tensors that exist at capture, one per replay, as eager calls would."""
+    the `.grad` tensors that exist at capture, one per replay, as eager calls would. `stream`: the
+    capture's side stream, one for a whole series of calls (`GraphedStep`'s `stream`)."""
     if device.type != "cuda":
         return None
     nothing = torch.empty(0, device=device)  # GraphedStep replays a function of tensors; fn takes none
     try:
-        graph = GraphedStep(lambda _: repeated(fn, inner), [nothing], warmup=warmup)
+        graph = GraphedStep(lambda _: repeated(fn, inner), [nothing], warmup=warmup, stream=stream)
     except CaptureError:
         return None
     graph(nothing)
@@ -167,10 +168,11 @@ def profile_model(
     Returns the profile and the cost model used (measured here when none is given)."""
     device = idx.device
     replays = [0, 0]  # replayed, timed eagerly (graphed profiles)
+    side = torch.cuda.Stream(device) if graphed and device.type == "cuda" else None  # every capture's
 
     def time(fn: Callable[[], object]) -> float:
         """`graph_seconds` where `graphed` and fn can be captured, else `time_call`."""
-        replayed = graph_seconds(fn, device, repeats) if graphed else None
+        replayed = graph_seconds(fn, device, repeats, stream=side) if graphed else None
         if graphed:
             replays[replayed is None] += 1
         return replayed if replayed is not None else time_call(fn, device, repeats)
