@@ -156,11 +156,12 @@ def graphed_profile_worker() -> list[str]:
     eagerly; graphed=False never asks for a replay."""
     from weft.overlap import profile
 
-    calls = []
+    calls, streams = [], set()
 
-    def fake_graph_seconds(fn, device, repeats=5, warmup=2, inner=5):
+    def fake_graph_seconds(fn, device, repeats=5, warmup=2, inner=5, stream=None):
         fn()
         calls.append(fn)
+        streams.add(id(stream))  # one capture stream for the whole profile (None: this is a CPU)
         return 2e-3
 
     profile.graph_seconds = fake_graph_seconds  # this spawned process's module only
@@ -183,6 +184,8 @@ def graphed_profile_worker() -> list[str]:
         failures.append(f"the all-to-alls were not priced by the measured cost model: {comm}")
     if live_gradient_accumulators(list(model.parameters())):
         failures.append("the profile left an autograd graph alive")
+    if len(streams) != 1:
+        failures.append(f"the profile's captures used {len(streams)} capture streams, not one")
     if plan.profile.graph_replays != (len(calls), 0) or f"replays: {len(calls)} of {len(calls)} calls" \
             not in plan.summary() or plan.to_dict()["graph_replays"] != (len(calls), 0):
         failures.append(f"the plan reports {plan.profile.graph_replays} replays of {len(calls)}:\n{plan.summary()}")
@@ -555,27 +558,32 @@ def test_the_prediction_prices_the_step_as_it_ran():
 
 
 def test_graphed_modes_that_do_not_fit_say_so_in_one_line():
-    """`bench model --cuda-graphs on` running out of GPU memory in its captures or timing (every
-    mode's graph and gradients alive at once) raises a ReportedError naming the modes, the preset,
-    the batch and what to change; a capture that fails for another reason, or any other error,
-    passes through unchanged."""
-    from weft.bench.model import ModelBenchConfig, graphs_must_fit
+    """A benchmark running out of GPU memory in its CUDA graph captures or timing (every graphed
+    mode's graph and gradients alive at once: `bench model --cuda-graphs on`, `bench tp` with
+    +graph modes) raises a ReportedError naming the modes, the workload, the option and what to
+    change; a capture that fails for another reason, or any other error, passes through unchanged."""
+    from weft.bench.timing import graphs_must_fit
     from weft.graphs import CaptureError
     from weft.launch import ReportedError
 
-    bench = ModelBenchConfig(preset="gpt2-l-moe", batch_size=4, modes=("none", "tutel", "lancet", "none"))
     cpu = torch.device("cpu")
-    for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-                  CaptureError("the step cannot be captured as a CUDA graph: CUDA out of memory. Tried ...")):
-        with pytest.raises(ReportedError) as raised, graphs_must_fit(bench, cpu):
-            raise error
-        message = str(raised.value)
-        assert "\n" not in message and "3 modes (none, tutel, lancet)" in message, message
-        assert "gpt2-l-moe at batch 4" in message and "--modes none,lancet,none" in message, message
-    for error in (CaptureError("the step cannot be captured as a CUDA graph: operation not permitted"),
-                  ValueError("something else")):
-        with pytest.raises(type(error), match=str(error)), graphs_must_fit(bench, cpu):
-            raise error
+    cases = [(("none", "tutel", "lancet", "none"), "gpt2-l-moe at batch 4", "--cuda-graphs on",
+              ["3 graphed modes (none, tutel, lancet)", "gpt2-l-moe at batch 4", "--modes none,lancet,none"]),
+             (("none+graph", "domino-copy+graph", "no-comm+graph", "none+graph"),
+              "32 gpt3-2.7b blocks at batch 16", "--modes with +graph",
+              ["--modes with +graph keeps", "3 graphed modes (none+graph, domino-copy+graph, no-comm+graph)",
+               "32 gpt3-2.7b blocks at batch 16", "--modes none+graph,no-comm+graph,none+graph"])]
+    for modes, workload, option, expected in cases:
+        for error in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                      CaptureError("the step cannot be captured as a CUDA graph: CUDA out of memory. Tried ...")):
+            with pytest.raises(ReportedError) as raised, graphs_must_fit(modes, workload, option, cpu):
+                raise error
+            message = str(raised.value)
+            assert "\n" not in message and all(part in message for part in expected), message
+        for error in (CaptureError("the step cannot be captured as a CUDA graph: operation not permitted"),
+                      ValueError("something else")):
+            with pytest.raises(type(error), match=str(error)), graphs_must_fit(modes, workload, option, cpu):
+                raise error
 
 
 def capture_modes_worker() -> list[str]:

@@ -72,11 +72,9 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.layer import load_imbalance, write_report, zipf_bias
-from weft.bench.timing import ProgressLog, Run, Timer, interleaved_ms, quartiles
+from weft.bench.timing import ProgressLog, Run, Timer, graphs_must_fit, interleaved_ms, quartiles
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import build_moe_groups, group_rank, init_distributed
-from weft.graphs import CaptureError
-from weft.launch import ReportedError
 from weft.models import GPT, GPTConfig
 from weft.models.presets import PresetChoice
 from weft.moe.gates import EXPERT_BIAS_GATES
@@ -167,26 +165,6 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all
         passes.apply(model, [], None)
     return graphs, notes
-
-
-@contextlib.contextmanager
-def graphs_must_fit(bench: ModelBenchConfig, device: torch.device):
-    """Around `--cuda-graphs on`'s captures and timing: running out of GPU memory there (every
-    distinct mode's graph, its activations' pool and its own gradients stay alive at once, and the
-    optimizer's states come at the first timed round) becomes one line naming the problem and what
-    to change. On 2 x H100, gpt2-l-moe at batch 4 with three modes filled the 80 GiB."""
-    try:
-        yield
-    except (torch.OutOfMemoryError, CaptureError) as e:
-        if isinstance(e, CaptureError) and "out of memory" not in str(e):
-            raise
-        distinct = list(dict.fromkeys(bench.modes))
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
-        raise ReportedError(
-            f"--cuda-graphs on keeps the graphs of all {len(distinct)} modes ({', '.join(distinct)}) with their "
-            f"gradients alive for the interleaved timing, and {bench.preset} at batch {bench.batch_size} does not fit "
-            f"them in this GPU's {total:.0f} GiB: time fewer modes per run (e.g. --modes {distinct[0]},{distinct[-1]},"
-            f"{distinct[0]}) or a smaller --batch-size") from e
 
 
 def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool) -> tuple[float | None, str]:
@@ -381,7 +359,12 @@ def run(bench: ModelBenchConfig) -> dict:
             opt.step()
         model.zero_grad(set_to_none=True)
 
-    with graphs_must_fit(bench, device) if graphed else contextlib.nullcontext():
+    def must_fit():  # every mode's graph and gradients stay alive for the timing
+        if not graphed:
+            return contextlib.nullcontext()
+        return graphs_must_fit(bench.modes, f"{bench.preset} at batch {bench.batch_size}", "--cuda-graphs on", device)
+
+    with must_fit():
         graphs, graph_notes = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:]),
                                              progress.phase) if graphed else ({}, {})
 
@@ -410,7 +393,7 @@ def run(bench: ModelBenchConfig) -> dict:
         runs = [Run(lambda s=settings[mode]: _switch(model, s), lambda r, s=settings[mode]: step(s, r),
                     lambda s=settings[mode]: _assert_clean(model, s.scheduler)) for mode in modes]
     # (row, iteration/forward/fwd_bwd, round)
-    with graphs_must_fit(bench, device) if graphed else contextlib.nullcontext():
+    with must_fit():
         times = interleaved_ms(runs, steps, warmup, device, timer, progress=progress.round)
 
     rows = []

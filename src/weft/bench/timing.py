@@ -7,13 +7,16 @@ modes when they are timed one block after another.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from weft.graphs import CaptureError
+from weft.launch import ReportedError
 from weft.train.metrics import format_duration
 
 
@@ -146,3 +149,25 @@ def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
     """(q1, median, q3) of a 1-D sample."""
     q1, median, q3 = torch.quantile(sample.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
     return q1, median, q3
+
+
+@contextlib.contextmanager
+def graphs_must_fit(graphed_modes: Sequence[str], workload: str, option: str, device: torch.device) -> Iterator[None]:
+    """Around a benchmark's CUDA graph captures and interleaved timing, where every graphed mode's
+    graph (its memory pool, the gradients it owns) stays alive at once: running out of GPU memory
+    becomes one line naming the modes, the `workload` ("gpt2-l-moe at batch 4"), the `option` that
+    graphs them and what to change. A capture that fails for another reason, and any other error,
+    passes through. On 2 x H100, gpt2-l-moe at batch 4 with three graphed modes filled 80 GiB, and
+    32 gpt3-2.7b blocks at batch 16 with three."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, CaptureError) as e:
+        if isinstance(e, CaptureError) and "out of memory" not in str(e):
+            raise
+        distinct = list(dict.fromkeys(graphed_modes))
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30 if device.type == "cuda" else 0.0
+        fewer = f"{distinct[0]},{distinct[-1]},{distinct[0]}"
+        raise ReportedError(
+            f"{option} keeps the graphs of all {len(distinct)} graphed modes ({', '.join(distinct)}) alive for the "
+            f"interleaved timing, and {workload} does not fit them in this GPU's {total:.0f} GiB: time fewer modes "
+            f"per run (e.g. --modes {fewer}) or a smaller --batch-size") from e

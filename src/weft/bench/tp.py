@@ -19,6 +19,7 @@ communication hidden behind compute.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, profile_parts
 from weft.bench.peers import TP_PEERS, build_tp_peer
-from weft.bench.timing import ProgressLog, Run, interleaved_ms, quartiles
+from weft.bench.timing import ProgressLog, Run, graphs_must_fit, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
@@ -143,36 +144,41 @@ def run(bench: TPBenchConfig) -> dict:
             return result
         return run_eager
 
-    steps, unavailable, descriptions = {}, {}, {}
-    for mode in dict.fromkeys(bench.modes):
-        if mode not in TP_PEERS:
-            steps[mode] = step_of(mode)
-            continue
-        try:
-            steps[mode], descriptions[mode] = _peer_step(mode, shape, config, bench.layers, seq, dtype, device,
-                                                         world, x, grad)
-        except Exception as e:  # a peer that cannot run here is reported, not fatal
-            unavailable[mode] = f"{type(e).__name__}: {e}"
-    reference = tuple(t.clone() for t in step_of("none")())
-    errors = {}
-    for mode, step in list(steps.items()):
-        try:
-            out, dx = step()
-        except Exception as e:  # the peer's first step is where an API mismatch shows
+    graphed = [m for m in bench.modes if m.endswith(GRAPH_SUFFIX)]
+    # every graphed mode's graph and the gradients it owns stay alive from its capture to the end
+    fits = graphs_must_fit(graphed, f"{bench.layers} {bench.config} blocks at batch {bench.batch_size}",
+                           f"--modes with {GRAPH_SUFFIX}", device) if graphed else contextlib.nullcontext()
+    with fits:
+        steps, unavailable, descriptions = {}, {}, {}
+        for mode in dict.fromkeys(bench.modes):
             if mode not in TP_PEERS:
-                raise
-            unavailable[mode] = f"{type(e).__name__}: {e}"
-            del steps[mode]
-            continue
-        # no-comm is not the function; the peers have their own weights
-        checked = not mode.startswith("no-comm") and mode not in TP_PEERS
-        errors[mode] = max(float((out - reference[0]).abs().max()),
-                           float((dx - reference[1]).abs().max())) if checked else None
-    timed = [m for m in bench.modes if m in steps]
-    progress.phase(f"{len(steps)} modes built and checked")
-    runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in timed]
-    samples = iter(interleaved_ms(runs, bench.steps, bench.warmup, device, progress=progress.round)[:, 0]
-                   if runs else [])
+                steps[mode] = step_of(mode)
+                continue
+            try:
+                steps[mode], descriptions[mode] = _peer_step(mode, shape, config, bench.layers, seq, dtype, device,
+                                                             world, x, grad)
+            except Exception as e:  # a peer that cannot run here is reported, not fatal
+                unavailable[mode] = f"{type(e).__name__}: {e}"
+        reference = tuple(t.clone() for t in step_of("none")())
+        errors = {}
+        for mode, step in list(steps.items()):
+            try:
+                out, dx = step()
+            except Exception as e:  # the peer's first step is where an API mismatch shows
+                if mode not in TP_PEERS:
+                    raise
+                unavailable[mode] = f"{type(e).__name__}: {e}"
+                del steps[mode]
+                continue
+            # no-comm is not the function; the peers have their own weights
+            checked = not mode.startswith("no-comm") and mode not in TP_PEERS
+            errors[mode] = max(float((out - reference[0]).abs().max()),
+                               float((dx - reference[1]).abs().max())) if checked else None
+        timed = [m for m in bench.modes if m in steps]
+        progress.phase(f"{len(steps)} modes built and checked")
+        runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in timed]
+        samples = iter(interleaved_ms(runs, bench.steps, bench.warmup, device, progress=progress.round)[:, 0]
+                       if runs else [])
     flops = flops_per_step(shape, bench.layers, bench.batch_size, seq) / world
     rows = []
     for i, mode in enumerate(bench.modes):
