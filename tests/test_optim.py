@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
-from test_train import config, losses, write_corpus
+from test_train import SMALL_MODEL, config, losses, write_corpus
 from weft.distributed import build_moe_groups
 from weft.kernels.adamw import AdamWHyper, adamw_step, adamw_step_reference
 from weft.models import GPT, get_preset
 from weft.moe.grads import reduce_gradients
-from weft.testing import run_distributed
+from weft.testing import run_checks, run_distributed
 from weft.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from weft.train.loop import clip_scale, gradient_norm
 from weft.train.optim import (
@@ -317,8 +317,9 @@ def test_master_weights_are_used_only_where_they_change_no_arithmetic():
     assert master_weights_blocker(model, cuda, "tutel") is None  # padded: one weight-gradient matmul per chunked call
     dropless = GPT(dataclasses.replace(CONFIG, capacity_factor=None))
     assert "dropless" in master_weights_blocker(dropless, cuda, "tutel")
+    # Pro-Prophet keeps master weights: Agg adds into rows nothing else wrote (see the test below)
     balanced = GPT(dataclasses.replace(CONFIG, capacity_factor=None), balance="pro-prophet")
-    assert "Pro-Prophet" in master_weights_blocker(balanced, cuda, "none")
+    assert master_weights_blocker(balanced, cuda, "none") is None
     plan = low_precision_parameters(model, build_moe_groups(), grad_accum=2)  # micro-batches sum the gradients
     assert plan.direct == [] and len(plan.staged) == len(low_precision_parameters(model, build_moe_groups()).direct)
 
@@ -485,3 +486,81 @@ def test_a_weight_without_a_gradient_in_the_first_micro_step_is_staged_from_zero
     with masters.float32_gradients():
         assert a.grad is None
         assert torch.equal(b.grad, gb.float())  # not 2 x gb: the old sum is gone
+
+
+# -- Pro-Prophet with master weights: the float32 weights' gradients --------------------------------
+def agg_with_master_weights_worker(micro_batches: int) -> list[str]:
+    """A balanced layer with float32 weights and its twin with bf16 experts and float32 masters
+    (direct with one micro-batch, staged with more, as `low_precision_parameters` makes them on
+    expert-parallel ranks), under bf16 autocast (the CPU's here), expert 1 copied to every other
+    rank in every call: every expert weight's gradient is bitwise the float32 weights'. What makes
+    it exact: the owner computes its own rows of a copied expert from the copy, so its experts' own
+    gradient is zero in those rows, and Agg's sum (reduced in bf16 either way) lands on zeros."""
+    import torch.distributed as dist
+
+    from weft import MoE
+    from weft.moe.exchange import Transfer
+    from weft.testing import Checks
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    layers = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        layers.append(MoE(16, 32, 2 * world, 2, capacity_factor=None, balance="pro-prophet"))
+    plain, mixed = layers
+    experts = [p for p in mixed.experts.parameters() if p.requires_grad]
+    masters = MasterWeights(MasterPlan(experts, []) if micro_batches == 1 else MasterPlan([], experts))
+    copies = {1: frozenset(range(1, world))}  # expert 1 lives on rank 0
+    for micro in range(micro_batches):
+        gen = torch.Generator().manual_seed(10 * micro + rank)
+        x = torch.randn(24, 16, generator=gen)
+        x[:, 0] += 2.0
+        grad_out = torch.randn(24, 16, generator=gen)
+        for layer in layers:
+            transfer = Transfer(layer.experts, layer.placement, copies, layer.group, torch.bfloat16)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = layer(x.clone().requires_grad_(), transfer=transfer)
+            y.backward(grad_out.to(y.dtype))
+        masters.stage_gradients()
+    with masters.float32_gradients():
+        for (name, p), q in zip(mixed.experts.named_parameters(), plain.experts.parameters()):
+            if not p.requires_grad:
+                continue
+            checks.expect(p.grad is not None, f"{name}: no gradient")
+            grad = p.grad.float()
+            checks.expect(torch.equal(grad, q.grad),
+                          f"{name}: gradient differs by {float((grad - q.grad).abs().max()):.2e}")
+            if rank == 0 and world > 1:  # the copied expert's rows got the other ranks' gradients
+                checks.expect(bool(q.grad[1].abs().sum() > 0), f"{name}: expert 1 got no gradient")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_master_weights_give_a_balanced_layer_the_float32_gradients(world, micro_batches):
+    """World 1 copies nothing (no other rank): the bf16 experts alone."""
+    flat = run_checks(agg_with_master_weights_worker, world, args=(micro_batches,), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_weft_train_balances_with_master_weights_and_the_float32_losses(corpus, tmp_path, world):
+    """`--balance pro-prophet --master-weights on` (refused before: float32 only) trains a dropless
+    model with experts copied on the way and the losses of float32 weights (the first step
+    bitwise, the rest to bf16 rounding of the updates, as without balancing)."""
+    env = {"WEFT_CACHE": str(tmp_path / "cache")}
+    model = {**SMALL_MODEL, "capacity_factor": "dropless", "moe_every": 1}
+    for master in ("on", "off"):
+        # the paper's model on nominal constants: copies pay for such tiny experts (tests/test_train.py)
+        cfg = config(corpus, tmp_path / master, steps=12, model=model, master_weights=master,
+                     balance="pro-prophet", balance_model="nominal")
+        run_distributed(train_like_on_gpus, world, args=(cfg,), timeout=300, env=env)
+    on, off = losses(tmp_path / "on"), losses(tmp_path / "off")
+    assert sorted(on) == list(range(1, 13))
+    assert on[1] == off[1]
+    assert losses(tmp_path / "on", "grad_norm")[1] == pytest.approx(losses(tmp_path / "off", "grad_norm")[1],
+                                                                    rel=1e-5)
+    assert all(abs(on[s] - off[s]) < 0.02 * off[s] for s in on), (on, off)
+    copied = losses(tmp_path / "on", "copied_experts")
+    assert any(experts for layers in copied.values() for experts in layers), "no expert was copied in 12 steps"

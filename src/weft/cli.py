@@ -251,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--master-weights", default=None, choices=list(MASTER_WEIGHTS),
                     help="GPUs: store the blocks' matmul weights in bf16 with float32 masters in the optimizer, "
                          "gradients summed in float32 (the same training, less memory traffic); auto (default): "
-                         "without --overlap, --tp or --balance; on: an error where not; off: float32")
+                         "wherever that changes no arithmetic (not with --tp, Lancet's partitioned forward or "
+                         "--overlap tutel on dropless layers); on: an error where not; off: float32")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

@@ -28,10 +28,14 @@ whose gradients the backward itself does not sum across ranks (so not experts wh
 gathered from other ranks). Embeddings (looked up in float32), the tied head, norms and routers
 (float32 by design) stay float32, updated by the same optimizer. `master_weights_blocker` names
 the runs that keep float32 parameters throughout (CPU, Lancet's partitioned forward, tensor
-parallelism, expert replication); Lancet's dW schedule alone (a graphed step) keeps master
-weights. Tutel's pipelining of padded layers keeps master weights: its
-weight gradients are one batched matmul over every chunk's rows, as without chunks; a dropless
-layer's chunks each give a weight gradient, which float32 parameters sum in float32.
+parallelism); Lancet's dW schedule alone (a graphed step) keeps master weights. So does expert
+replication (Pro-Prophet): Agg adds the sum of a copied expert's gradients (reduced over the
+ranks in the compute dtype, as with float32 weights) into rows of the owner's gradient that
+nothing else wrote, since the owner computes its own rows of that expert from the copy too
+(`weft.moe.exchange.replicated`): zeros plus a bf16 value, exact in bf16 as in float32. Tutel's
+pipelining of padded layers keeps master weights: its weight gradients are one batched matmul
+over every chunk's rows, as without chunks; a dropless layer's chunks each give a weight
+gradient, which float32 parameters sum in float32.
 
 Checkpoints hold float32 weights and AdamW's state, as without master weights (so either kind of
 run loads them): `MasterWeights.full_precision()` puts the masters in the parameters for the
@@ -107,8 +111,6 @@ def master_weights_blocker(model: GPT, device: torch.device, overlap: str, lance
     if model.tp is not None:
         return "tensor parallelism: Domino accumulates weight gradients over its micro-batches (weft.tp keeps " \
                "float32 parameters)"
-    if model.balanced:
-        return "expert replication (Pro-Prophet) sums the replicas' gradients"
     return None
 
 

@@ -148,7 +148,10 @@ class _CopiedRows(torch.autograd.Function):
     itself, in place, at the end of the backward pass (autograd's final callback: after the
     experts' own weight gradients are accumulated). Invariant: when backward has finished, every
     weight's `.grad` is the plain layer's (Agg included); a gradient read through
-    `torch.autograd.grad` or a post-accumulate-grad hook misses the copies' share."""
+    `torch.autograd.grad` or a post-accumulate-grad hook misses the copies' share. The rows added
+    are those of copied experts, which the owner computes from its copy too, so the experts' own
+    weight gradient is zero there: the add is exact, in a bf16 `.grad` (bf16 weights with float32
+    masters, `weft.train.optim`) as in a float32 one."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, dtype: torch.dtype | None, *weights: torch.Tensor) -> torch.Tensor:
