@@ -67,6 +67,10 @@
 #            choose; 20 s before MODEL_TIMEOUT (default 280) every rank prints its Python stacks
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
+#   balancetrain  Pro-Prophet in training (issue: Pro-Prophet): qwen2-moe-2l dropless, batch 2, `weft train
+#            --balance` none / pro-prophet / none / pro-prophet (BALANCE_RUNS), eager (a dropless layer reads its
+#            counts), bf16 master weights in both; tokens/s (median after step 5), the copies, the losses (~200 s on
+#            4 x H100: run it on every GPU of the machine, where the rank loads are higher)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -367,6 +371,25 @@ part_modelgraph() {
   unset NCCL_P2P_DISABLE
 }
 
+part_balancetrain() {
+  printf '[model]\ncapacity_factor = "dropless"\n' > "$1/dropless.toml"
+  i=0
+  for balance in ${BALANCE_RUNS:-none pro-prophet none pro-prophet}; do
+    i=$((i + 1)); run=/tmp/weft_x2/balance_${i}_$balance; rm -rf "$run"
+    $RUN train --preset qwen2-moe-2l --config "$1/dropless.toml" --balance "$balance" --batch-size 2 \
+      --steps ${BALANCE_TRAIN_STEPS:-14} --sample-tokens 0 --out "$run" > "$1/run${i}_$balance.log" 2>&1
+    keep_metrics "$run" "$1/run${i}_$balance"
+    python3 - "$1/run${i}_$balance/metrics.jsonl" "$balance" <<'PY'
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in r]
+late = [r for r in rows if r["step"] > 5]
+copied = sum(bool(e) for r in rows for e in (r.get("copied_experts") or []))
+print(f"--balance {sys.argv[2]:<12} tokens/s {statistics.median(r['tokens_per_s'] for r in late):>10,.0f}  "
+      f"layer-steps with copies {copied:>3}  losses {[round(r['loss'], 4) for r in rows[:6]]}")
+PY
+  done
+}
+
 part_mfu() {
   RUNS="qwen2-moe-2l:12 gpt2-s-moe:16" KERNELS=auto GRAPHS=auto MASTER="on off on" STEPS=25 WARM=10 OUT="$1" \
     bash scripts/train_mfu.sh
@@ -377,7 +400,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet modelgraph mfu quality}; do
+for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet modelgraph mfu quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
