@@ -173,7 +173,7 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
         raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
     grads_of = list(grads_of)
     device = args[0].device
-    side = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None  # GraphedStep refuses CPU tensors
     medians = []
     for candidate in candidates:
         try:
