@@ -176,6 +176,7 @@ class Experts(nn.Module):
             mm = functools.partial(wgrad.grouped_mm, counts=counts, scheduler=self.wgrad_scheduler)
             h3 = mm(x, w3) if w3 is not None else None
             return mm(self._hidden(mm(x, w1), h3), w2)
+        w1, w2, w3 = in_dtype((w1, w2, w3), x.dtype)
         if use_grouped_mm(x, w1, w2):
             return self._grouped_gemms(x, offsets(counts, x.device), (w1, w2, w3))
         return grouped_mm_reference(x, counts, self, (w1, w2, w3))
@@ -198,8 +199,10 @@ class Experts(nn.Module):
         with stage("experts"):
             w1, w2, w3 = self.weights()
             x = x.to(self.compute_dtype(x))
-            if self.wgrad_scheduler is None and use_grouped_mm(x, w1, w2):
-                return self._grouped_gemms(x, offs_E, (w1, w2, w3))
+            if self.wgrad_scheduler is None:
+                cast = in_dtype((w1, w2, w3), x.dtype)
+                if use_grouped_mm(x, cast[0], cast[1]):
+                    return self._grouped_gemms(x, offs_E, cast)
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise ValueError(f"a CUDA graph of fixed-size dropless experts needs torch._grouped_mm (bfloat16 on "
                                  f"sm90+, 8-aligned widths); these run {x.dtype} on {x.device}, which reads the "
@@ -464,10 +467,22 @@ def source_major_bmm(x_WGMK: torch.Tensor, b_GKN: torch.Tensor) -> torch.Tensor:
     return _SourceMajorBmm.apply(x_WGMK.contiguous(), b_GKN)
 
 
+def in_dtype(weights: tuple, dtype: torch.dtype) -> tuple:
+    """The expert weight stacks in the matmuls' dtype, each cast once (None stays None): float32
+    weights under bf16 autocast, which would cast every expert's slice in its own matmul (the same
+    bf16 values). Cast whole, one grouped GEMM takes the stack and its backward casts the gradient
+    back in one pass; sliced per expert, each slice's backward writes a zero gradient of the whole
+    stack and adds it in (2 x E passes over each stack: on 4 H100s ~22 ms of a 93 ms qwen2-moe-2l
+    step with float32 weights, docs/benchmarks.md, eighteenth session)."""
+    return tuple(w if w is None or w.dtype == dtype else w.to(dtype) for w in weights)
+
+
 def grouped_mm_reference(x: torch.Tensor, counts: list[int], experts: Experts,
                          weights: tuple | None = None) -> torch.Tensor:
-    """Per-expert loop over the row groups: the plain-PyTorch oracle for grouped GEMM."""
-    w1, w2, w3 = weights or experts.weights()
+    """Per-expert loop over the row groups: the plain-PyTorch oracle for grouped GEMM. Each stack
+    is unbound once, so its backward stacks the experts' gradients in one pass (indexing it per
+    expert would write a zero gradient of the whole stack for every expert and add them up)."""
+    w1, w2, w3 = (None if w is None else w.unbind(0) for w in (weights or experts.weights()))
     outs = []
     for i, rows in enumerate(torch.split(x, counts)):
         h3 = rows @ w3[i] if w3 is not None else None
