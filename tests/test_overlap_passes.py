@@ -584,6 +584,9 @@ def test_graphed_modes_that_do_not_fit_say_so_in_one_line():
                       ValueError("something else")):
             with pytest.raises(type(error), match=str(error)), graphs_must_fit(modes, workload, option, cpu):
                 raise error
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(torch.OutOfMemoryError), graphs_must_fit((), "gpt2-l-moe at batch 4", "--cuda-graphs on", cpu):
+        raise oom  # no mode graphed (eager timing): not the graphs' memory, passed through
 
 
 def capture_modes_worker() -> list[str]:

@@ -360,9 +360,8 @@ def run(bench: ModelBenchConfig) -> dict:
         model.zero_grad(set_to_none=True)
 
     def must_fit():  # every mode's graph and gradients stay alive for the timing
-        if not graphed:
-            return contextlib.nullcontext()
-        return graphs_must_fit(bench.modes, f"{bench.preset} at batch {bench.batch_size}", "--cuda-graphs on", device)
+        return graphs_must_fit(bench.modes if graphed else (), f"{bench.preset} at batch {bench.batch_size}",
+                               "--cuda-graphs on", device)
 
     with must_fit():
         graphs, graph_notes = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:]),

@@ -19,7 +19,6 @@ communication hidden behind compute.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from collections.abc import Callable
@@ -146,9 +145,8 @@ def run(bench: TPBenchConfig) -> dict:
 
     graphed = [m for m in bench.modes if m.endswith(GRAPH_SUFFIX)]
     # every graphed mode's graph and the gradients it owns stay alive from its capture to the end
-    fits = graphs_must_fit(graphed, f"{bench.layers} {bench.config} blocks at batch {bench.batch_size}",
-                           f"--modes with {GRAPH_SUFFIX}", device) if graphed else contextlib.nullcontext()
-    with fits:
+    with graphs_must_fit(graphed, f"{bench.layers} {bench.config} blocks at batch {bench.batch_size}",
+                         f"--modes with {GRAPH_SUFFIX}", device):
         steps, unavailable, descriptions = {}, {}, {}
         for mode in dict.fromkeys(bench.modes):
             if mode not in TP_PEERS:
