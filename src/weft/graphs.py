@@ -81,8 +81,8 @@ class GraphedStep:
         warmup: eager calls before the capture (CUDA needs a few for lazy initialisation: cuBLAS
             workspaces, NCCL communicators, autotuned kernels).
         stream: the side stream of the warm-up and the capture (default: a new one). Pass the same
-            stream to every capture of a series: cuBLAS keeps a workspace (32 MiB or more on
-            Hopper, counted in `torch.cuda.memory_allocated`) for every stream it has run on, for
+            stream to every capture of a series: cuBLAS keeps a workspace (~64 MiB per stream
+            on an H100, counted in `torch.cuda.memory_allocated`) for every stream it has run on, for
             the life of the process, so each new stream costs that much memory for good.
     """
 
