@@ -11,6 +11,7 @@ import dataclasses
 import json
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from weft.testing import run_distributed
 from weft.train import checkpoint
 from weft.train.checkpoint import (
     CheckpointError,
+    CheckpointWriter,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -277,6 +279,100 @@ def test_a_rank_that_fails_to_write_fails_the_save_on_every_rank(tmp_path):
     errors = run_distributed(save_with_rank_one_failing, 2, args=(str(tmp_path),), timeout=60)
     assert all("rank 1 could not write its files" in e and "no space left" in e for e in errors)
     assert latest_checkpoint(tmp_path) is None
+
+
+# -- checkpoints written in the background ------------------------------------------------------
+def _held_writes(release: threading.Event) -> None:
+    """Make this process's checkpoint writes wait for `release` (so training changes the state
+    before a byte of the background checkpoint is written)."""
+    write = checkpoint._write_files
+
+    def held(folder, payload):
+        assert release.wait(60), "the test never released the writes"
+        return write(folder, payload)
+
+    checkpoint._write_files = held
+
+
+def save_in_background_while_training(run_dir: str) -> None:
+    """step_2 saved in the call (the reference, in run_dir/sync) and by the background writer, whose
+    writes start only after the next training step has changed every parameter and moment."""
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    train(model, opt, groups, range(2))
+    save_checkpoint(Path(run_dir) / "sync", 2, model, opt, groups, EXTRA)
+    release = threading.Event()
+    _held_writes(release)
+    writer = CheckpointWriter(Path(run_dir) / "background", keep_last=0, background=True)
+    writer.save(2, model, opt, groups, EXTRA)
+    before = clone_state(model)
+    train(model, opt, groups, range(2, 3))
+    assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert writer.pending == 2 and latest_checkpoint(Path(run_dir) / "background") is None  # nothing half-published
+    release.set()
+    writer.wait()
+    assert writer.pending is None
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_background_checkpoint_holds_the_state_of_its_step_while_training_goes_on(tmp_path, world):
+    """The background writer's files are byte for byte those `save_checkpoint` writes in the call
+    at the same step (sizes and sha256 in the manifests), although training changed every tensor
+    before they were written: the state is copied at `save`."""
+    run_distributed(save_in_background_while_training, world, args=(str(tmp_path),), timeout=120)
+    sync = verify_checkpoint(latest_checkpoint(tmp_path / "sync"))
+    background = verify_checkpoint(latest_checkpoint(tmp_path / "background"))
+    assert background["step"] == sync["step"] == 2 and background["extra"] == EXTRA
+    assert background["files"] == sync["files"]
+    assert len(sync["files"]) >= 3 * world  # rng of every rank, experts of every shard, model and optim
+
+
+def fail_rank_one_in_background(run_dir: str) -> str:
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    writer = CheckpointWriter(run_dir, background=True)
+    writer.save(1, model, opt, groups, {"step": 1})
+    writer.wait()
+    if dist.get_rank() == 1:
+        real_save = torch.save
+
+        def full_disk(obj, f, *args, **kwargs):
+            real_save({"partial": torch.zeros(1000)}, f)
+            raise OSError("No space left on device")
+
+        checkpoint.torch.save = full_disk
+    writer.save(2, model, opt, groups, {"step": 2})
+    with pytest.raises(CheckpointError) as failed:
+        writer.wait()
+    writer.wait()  # the error is raised once
+    return str(failed.value)
+
+
+def test_a_failed_background_write_fails_on_every_rank_at_the_next_wait(tmp_path):
+    """Rank 1's disk fills while the background thread writes step_2: every rank raises the one-line
+    error at its next wait, naming the rank and the cause; step_2's partial folder is removed and
+    step_1 stays the latest."""
+    errors = run_distributed(fail_rank_one_in_background, 2, args=(str(tmp_path),), timeout=120)
+    for error in errors:
+        assert "rank 1 could not write its files" in error and "No space left" in error, error
+        assert "the latest complete checkpoint is step_1" in error
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
+
+
+def save_twice_keeping_one(run_dir: str) -> None:
+    groups = build_moe_groups()
+    model, opt = build(groups, seed=0)
+    writer = CheckpointWriter(run_dir, keep_last=1, background=True)
+    for step in (1, 2):
+        train(model, opt, groups, range(step - 1, step))
+        writer.save(step, model, opt, groups, {"step": step})  # the second waits for the first
+    writer.wait()
+
+
+def test_background_checkpoints_are_written_in_order_and_pruned(tmp_path):
+    run_distributed(save_twice_keeping_one, 2, args=(str(tmp_path),), timeout=120)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
+    assert verify_checkpoint(tmp_path / "checkpoints" / "step_2")["extra"] == {"step": 2}
 
 
 # -- corruption and mismatches ---------------------------------------------------------------

@@ -27,7 +27,15 @@ from weft.bench import model as bench_model
 from weft.bench import tp as bench_tp
 from weft.bench import tune as bench_tune
 from weft.bench.plot import plot_layer_results
-from weft.cliargs import LaunchConfig, add_arguments, from_namespace, non_negative_float, non_negative_int, positive_int
+from weft.cliargs import (
+    LaunchConfig,
+    add_arguments,
+    from_namespace,
+    non_negative_float,
+    non_negative_int,
+    on_off,
+    positive_int,
+)
 from weft.jsonfile import write_json
 from weft.kernels.rows import KERNELS
 from weft.launch import ReportedError, WorkerError, run_distributed
@@ -93,7 +101,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "keep_last", "cuda_graphs",
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "keep_last", "async_checkpoint",
+                "cuda_graphs",
                 "master_weights", "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
 
 
@@ -219,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "lancet (dW scheduling + partitioned forward, planned at start)")
     tr.add_argument("--keep-last", type=non_negative_int, default=None,
                     help="keep only the newest N checkpoints (default 0: keep all)")
+    tr.add_argument("--async-checkpoint", type=on_off, default=None, metavar="{on,off}",
+                    help="on (default): checkpoints are written by a background thread while training goes on "
+                         "(the state copied to host memory at the step); off: the step waits for them")
     tr.add_argument("--kernels", default=None, choices=list(KERNELS),
                     help="Triton kernels (MoE dispatch/combine, deterministic; rotary) or PyTorch ops only (torch); "
                          "auto (default): Triton on GPUs; comet: as auto, and Comet's fused expert GEMMs that "

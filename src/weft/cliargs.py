@@ -89,6 +89,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def on_off(text: str) -> bool:
+    """"on" or "off", as a bool."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"must be on or off, got {text!r}")
+    return text == "on"
+
+
 def names(text: str) -> tuple[str, ...]:
     """Comma-separated names, blanks dropped."""
     return tuple(item.strip() for item in text.split(",") if item.strip())

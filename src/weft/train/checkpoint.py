@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,8 @@ from weft.distributed import MoEGroups, group_rank
 from weft.moe.experts import Experts
 from weft.tp import dense_tensor, local_tensor, sharded_entries
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "latest_checkpoint", "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointWriter", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+           "verify_checkpoint"]
 
 FORMAT_VERSION = 2  # 2: the manifest carries the sha256 of its own content; 1 (older) loads unchecked
 MANIFEST = "manifest.json"
@@ -78,11 +80,12 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (a barrier too)."""
+def _all_gather(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's `obj`, in rank order (a barrier too), over `group` (every rank; default the
+    default group)."""
     out: list[Any] = [obj] * _world()[1]
     if len(out) > 1:
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -103,13 +106,31 @@ def _fsync_dir(path: Path) -> None:
 
 
 # -- save -----------------------------------------------------------------------------------
+class _HashingFile:
+    """A file being written, with the sha256 and size of every byte written to it so far (so a
+    written file need not be read back to checksum it)."""
+
+    def __init__(self, f):
+        self.f, self.digest, self.size = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def _write(folder: Path, name: str, obj: Any) -> dict[str, dict[str, Any]]:
-    """torch.save + fsync; returns {name: {size, sha256}} for the manifest."""
+    """torch.save + fsync, the sha256 taken as the bytes go out; returns {name: {size, sha256}}
+    for the manifest."""
     with open(folder / name, "wb") as f:
-        torch.save(obj, f)
+        out = _HashingFile(f)
+        torch.save(obj, out)
         f.flush()
         os.fsync(f.fileno())
-    return {name: {"size": (folder / name).stat().st_size, "sha256": _sha256(folder / name)}}
+    return {name: {"size": out.size, "sha256": out.digest.hexdigest()}}
 
 
 def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
@@ -144,28 +165,57 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _write_rank_files(
-    folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups
-) -> tuple[dict, dict]:
-    """Write this rank's files; return (their sizes and checksums, {module: (shard, expert range)})."""
+def _rank_payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups
+                  ) -> tuple[dict[str, Any], dict]:
+    """What this rank writes: ({file name: object to save}, {module: (shard, expert range)}).
+    Collective (tensor-parallel slices are gathered into the dense tensors): every rank, in step."""
     rank, files, ranges = _world()[0], {}, {}
     state, expert_keys, sliced = model.state_dict(), _expert_keys(model), sharded_entries(model)
     state = {k: dense_tensor(*sliced[k], v) if k in sliced else v for k, v in state.items()}  # every rank
     dense_optim, expert_optim = _optimizer_files(model, optimizer) if optimizer is not None else ({}, {})
     if rank == 0:
-        files |= _write(folder, "model.pt", {k: v for k, v in state.items() if k not in expert_keys})
+        files["model.pt"] = {k: v for k, v in state.items() if k not in expert_keys}
         if optimizer is not None:
-            files |= _write(folder, "optim.pt", dense_optim)
+            files["optim.pt"] = dense_optim
     if _experts_modules(model) and group_rank(groups.edp) == 0:  # one copy of each EP shard
         shard = f"experts_ep{group_rank(groups.ep):03d}.pt"
         spans = {n: [m.first_expert, m.first_expert + m.num_local] for n, m in _experts_modules(model).items()}
-        tensors = {k: v for k, v in state.items() if k in expert_keys}
-        files |= _write(folder, shard, {"tensors": tensors, "ranges": spans})
+        files[shard] = {"tensors": {k: v for k, v in state.items() if k in expert_keys}, "ranges": spans}
         if optimizer is not None:
-            files |= _write(folder, f"optim_{shard}", expert_optim)
+            files[f"optim_{shard}"] = expert_optim
         ranges = {n: (shard, span) for n, span in spans.items()}
-    files |= _write(folder, f"rng_rank{rank:05d}.pt", _rng_state())
+    files[f"rng_rank{rank:05d}.pt"] = _rng_state()
     return files, ranges
+
+
+def _write_files(folder: Path, payload: tuple[dict[str, Any], dict]) -> tuple[dict, dict]:
+    """Write this rank's payload; return (the files' sizes and checksums, the expert ranges)."""
+    contents, ranges = payload
+    files: dict[str, Any] = {}
+    for name, obj in contents.items():
+        files |= _write(folder, name, obj)
+    return files, ranges
+
+
+def _on_cpu(obj: Any, copies: dict | None = None) -> Any:
+    """`obj` with every tensor replaced by a CPU copy (dicts, lists and tuples walked): a snapshot
+    whose originals training may go on changing. Each storage is copied once and the tensors are
+    rebuilt as the same views of it, so tensors that shared storage (tied weights, views of one
+    buffer) still do, and `torch.save` writes the snapshot as the same bytes as the originals."""
+    copies = {} if copies is None else copies
+    if isinstance(obj, torch.Tensor):
+        tensor = obj.detach()
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), str(tensor.device))
+        if key not in copies:
+            copies[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
+        return torch.empty(0, dtype=tensor.dtype).set_(copies[key], tensor.storage_offset(), tensor.shape,
+                                                        tensor.stride())
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v, copies) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v, copies) for v in obj)
+    return obj
 
 
 def _manifest(step: int, ep_size: int, extra: dict, gathered: list) -> dict[str, Any]:
@@ -204,6 +254,15 @@ def _publish(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _check_extra(extra: dict[str, Any] | None) -> dict[str, Any]:
+    extra = {} if extra is None else extra
+    try:
+        json.dumps(extra)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"extra must be JSON-serialisable (it goes into {MANIFEST}): {e}") from None
+    return extra
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -215,31 +274,131 @@ def save_checkpoint(
     """Write `run_dir/checkpoints/step_{step}` atomically and return it; every rank must call it.
 
     `extra` (JSON-serialisable: model and train config, data position, ...) is returned by
-    `load_checkpoint`. An existing `step_{step}` is replaced.
+    `load_checkpoint`. An existing `step_{step}` is replaced. `CheckpointWriter` does the same
+    in the background.
     """
-    extra = {} if extra is None else extra
+    extra = _check_extra(extra)
+    return _commit(run_dir, step, _prepare(run_dir, step, model, optimizer, groups), groups.ep_size, extra, None)
+
+
+def _folders(run_dir: str | Path, step: int) -> tuple[Path, Path]:
+    root = Path(run_dir) / "checkpoints"
+    return root / f".step_{step}.tmp", root / f"step_{step}"
+
+
+def _prepare(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             groups: MoEGroups) -> tuple[dict[str, Any], dict]:
+    """This rank's payload (`_rank_payload`); a failure on any rank fails it on every rank."""
     try:
-        json.dumps(extra)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"extra must be JSON-serialisable (it goes into {MANIFEST}): {e}") from None
-    root, rank = Path(run_dir) / "checkpoints", _world()[0]
-    tmp, final = root / f".step_{step}.tmp", root / f"step_{step}"
-    try:
-        _on_every_rank(lambda: _fresh_folder(tmp) if rank == 0 else None, final, "create its folder")
-        gathered = _on_every_rank(lambda: _write_rank_files(tmp, model, optimizer, groups), final, "write its files")
-        manifest = _manifest(step, groups.ep_size, extra, gathered)
-        _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, final, "publish it")
+        return _locally(lambda: _rank_payload(model, optimizer, groups), _folders(run_dir, step)[1],
+                        "write its files", None)
     except CheckpointError as e:
-        # Every rank gets here together (the errors are gathered). Remove the partial folder, so a
-        # full disk is not kept full by it, and say where the run stands.
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free
-        latest = latest_checkpoint(run_dir)
-        raise CheckpointError(f"{e}; {free / 2**20:.0f} MiB free on the disk holding {root} (a full disk shows as "
-                              f"'unexpected pos' or 'No space left'); the partial checkpoint was removed; the latest "
-                              f"complete checkpoint is {latest.name if latest else 'none'}") from None
+        raise _failed(e, run_dir, step) from None
+
+
+def _commit(run_dir: str | Path, step: int, payload: tuple[dict[str, Any], dict], ep_size: int,
+            extra: dict[str, Any], group: dist.ProcessGroup | None) -> Path:
+    """Write every rank's payload into `.step_N.tmp`, then publish it as `step_N` (the ranks agree
+    over `group` at each stage; any rank's failure fails the save on every rank)."""
+    rank = _world()[0]
+    tmp, final = _folders(run_dir, step)
+    try:
+        _on_every_rank(lambda: _fresh_folder(tmp) if rank == 0 else None, final, "create its folder", group)
+        gathered = _on_every_rank(lambda: _write_files(tmp, payload), final, "write its files", group)
+        manifest = _manifest(step, ep_size, extra, gathered)
+        _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, final, "publish it", group)
+    except CheckpointError as e:
+        raise _failed(e, run_dir, step) from None
     return final
+
+
+def _failed(error: CheckpointError, run_dir: str | Path, step: int) -> CheckpointError:
+    """The error every rank raises for a failed save, saying where the run stands; rank 0 removes
+    the partial folder, so a full disk is not kept full by it (every rank gets here together: the
+    errors are gathered)."""
+    tmp, _ = _folders(run_dir, step)
+    if _world()[0] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    root = tmp.parent
+    free = shutil.disk_usage(root if root.exists() else Path(run_dir)).free
+    latest = latest_checkpoint(run_dir)
+    return CheckpointError(f"{error}; {free / 2**20:.0f} MiB free on the disk holding {root} (a full disk shows as "
+                           f"'unexpected pos' or 'No space left'); the partial checkpoint was removed; the latest "
+                           f"complete checkpoint is {latest.name if latest else 'none'}")
+
+
+class CheckpointWriter:
+    """A training run's checkpoints, written in the background (`background=True`) or in the call.
+
+    `save` does on the calling thread what needs the model and the collectives of training:
+    the tensor-parallel gathers and a CPU copy of everything a rank writes (the parameters,
+    optimizer state and RNG states as they are at the call; masters swapped in by the caller stay
+    valid only during it). A thread then writes the files, checksums them as they go out,
+    publishes the folder (the ranks agreeing over a gloo group of their own, so training's
+    collectives and these never share a group) and prunes to `keep_last`. Invariants: a
+    checkpoint appears only complete (the atomic publish of `save_checkpoint`); at most one is in
+    flight (the next `save` waits for the last); an error of any rank's write is raised on every
+    rank by the next `save` or `wait`, which a run calls before it ends. Every rank constructs it
+    at the same point (the gloo group is made collectively)."""
+
+    def __init__(self, run_dir: str | Path, keep_last: int = 0, background: bool = True):
+        self.run_dir, self.keep_last, self.background = Path(run_dir), keep_last, background
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        self.group = dist.new_group(backend="gloo") if background and distributed else None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._step: int | None = None
+
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups,
+             extra: dict[str, Any] | None = None) -> None:
+        """Checkpoint the state as it is now as `step_{step}` (written before this returns unless
+        background); every rank must call it."""
+        self.wait()
+        extra = _check_extra(extra)
+        payload = _prepare(self.run_dir, step, model, optimizer, groups)
+        if not self.background:
+            self._publish_and_prune(step, payload, groups.ep_size, extra)
+            return
+        snapshot = _on_cpu(payload)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the copies are complete before training writes the originals again
+        self._step = step
+        self._thread = threading.Thread(target=self._run, args=(step, snapshot, groups.ep_size, extra),
+                                        name=f"weft-checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def _run(self, step: int, payload: tuple[dict[str, Any], dict], ep_size: int, extra: dict[str, Any]) -> None:
+        try:
+            self._publish_and_prune(step, payload, ep_size, extra)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread by wait()
+            self._error = e
+
+    def _publish_and_prune(self, step: int, payload: tuple[dict[str, Any], dict], ep_size: int,
+                           extra: dict[str, Any]) -> None:
+        _commit(self.run_dir, step, payload, ep_size, extra, self.group)
+        if _world()[0] == 0:
+            prune_checkpoints(self.run_dir, self.keep_last)
+
+    @property
+    def pending(self) -> int | None:
+        """The step of the checkpoint being written in the background, or None."""
+        return self._step if self._thread is not None and self._thread.is_alive() else None
+
+    def wait_quietly(self) -> None:
+        """`wait`, its error dropped (for a run already ending with another)."""
+        try:
+            self.wait()
+        except BaseException:  # noqa: BLE001
+            pass
+
+    def wait(self) -> None:
+        """Until the background checkpoint (if any) is published; raises its error (on every rank)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, self._step = None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _fresh_folder(path: Path) -> None:
@@ -247,18 +406,31 @@ def _fresh_folder(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _on_every_rank(action: Callable[[], Any], final: Path, what: str) -> list[Any]:
+def _on_every_rank(action: Callable[[], Any], final: Path, what: str, group: dist.ProcessGroup | None = None
+                   ) -> list[Any]:
     """Run `action` here and gather every rank's result; if any rank failed, raise on all of them
     (a rank raising alone would leave the others waiting forever in the next collective)."""
     try:
         result = ("ok", action())
     except Exception as e:  # noqa: BLE001
         result = ("error", f"rank {_world()[0]} could not {what}: {e!r}")
-    gathered = _all_gather(result)
+    gathered = _all_gather(result, group)
     for status, value in gathered:
         if status == "error":
             raise CheckpointError(f"checkpoint {final} was not saved: {value}")
     return [value for _, value in gathered]
+
+
+def _locally(action: Callable[[], Any], final: Path, what: str, group: dist.ProcessGroup | None = None) -> Any:
+    """`action()`'s value here, as `_on_every_rank` but gathering only whether each rank failed."""
+    try:
+        value, status = action(), None
+    except Exception as e:  # noqa: BLE001
+        value, status = None, f"rank {_world()[0]} could not {what}: {e!r}"
+    for failure in _all_gather(status, group):
+        if failure is not None:
+            raise CheckpointError(f"checkpoint {final} was not saved: {failure}")
+    return value
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

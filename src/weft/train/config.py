@@ -81,6 +81,10 @@ class TrainConfig:
     # Pro-Prophet's n: the ranks (owner included) that get no copy of a copied expert (1: copy to all)
     balance_n: int = 1
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
+    # checkpoints written by a background thread while training goes on (weft.train.checkpoint.CheckpointWriter:
+    # the state copied to host memory at the step, the files written, checksummed and published after); false:
+    # the step waits for its checkpoint on disk
+    async_checkpoint: bool = True
     fused_optimizer: bool = True  # GPUs: torch's fused AdamW (False: its multi-tensor one)
     # GPUs: the blocks' matmul weights stored in bf16 with float32 masters in the optimizer
     # (weft.train.optim), their gradients summed in float32 where anything sums them: "auto" (no
@@ -142,6 +146,8 @@ class TrainConfig:
             raise ValueError(f"train.lr must be positive, got {self.lr}")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"train.keep_last must be an integer >= 0 (0 keeps all), got {self.keep_last!r}")
+        if not isinstance(self.async_checkpoint, bool):
+            raise ValueError(f"train.async_checkpoint must be true or false, got {self.async_checkpoint!r}")
         if not isinstance(self.fused_optimizer, bool):
             raise ValueError(f"train.fused_optimizer must be true or false, got {self.fused_optimizer!r}")
         if self.kernels not in KERNELS:
@@ -254,7 +260,8 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 # learns (how long, how often to log/evaluate/save, where it runs, how communication is hidden).
 FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_interval", "ckpt_interval",
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
-                            "kernels", "a2a_algo", "fused_optimizer", "master_weights", "keep_last", "cuda_graphs",
+                            "kernels", "a2a_algo", "fused_optimizer", "master_weights", "keep_last", "async_checkpoint",
+                            "cuda_graphs",
                             "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
 
 

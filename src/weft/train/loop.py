@@ -32,7 +32,7 @@ from weft.overlap import fit_balance_models, optimize
 from weft.precision import training_autocast
 from weft.tp import make_schedule, sharded_parameters
 from weft.tp.search import choose_schedule
-from weft.train.checkpoint import latest_checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from weft.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
 from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
@@ -365,34 +365,41 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             if line:
                 print(line, flush=True)
 
-    for step in range(start + 1, cfg.steps + 1):
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        if micro_steps is None:  # built at the first step: a graph captures the step as it runs
-            micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
-        finished, pending = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps,
-                                        masters, lr, pending)
-        if finished is not None:
-            record(timed(finished), None)
-        evaluates = step % cfg.eval_interval == 0 or step == cfg.steps
-        if late and not (evaluates or step % cfg.ckpt_interval == 0):
-            continue  # read while the next step runs
-        # read now: on the CPU, or where an evaluation or a checkpoint needs the step (skipped or not)
-        finished, pending = timed(_read_step(pending, model, optimizer, cfg)), None
-        val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups) if evaluates else None
-        record(finished, val_loss)
-        if step % cfg.ckpt_interval == 0 or step == cfg.steps:
-            extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
-            with masters.full_precision():
-                save_checkpoint(run_dir, step, model, optimizer, groups, extra)
-            if ctx.rank == 0:
-                prune_checkpoints(run_dir, cfg.keep_last)
-        since = time.perf_counter()
+    # every rank, here: its gloo group is made collectively
+    checkpoints = CheckpointWriter(run_dir, cfg.keep_last, background=cfg.async_checkpoint)
+    try:
+        for step in range(start + 1, cfg.steps + 1):
+            lr = lr_at(step, cfg)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            if micro_steps is None:  # built at the first step: a graph captures the step as it runs
+                micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
+            finished, pending = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps,
+                                            masters, lr, pending)
+            if finished is not None:
+                record(timed(finished), None)
+            evaluates = step % cfg.eval_interval == 0 or step == cfg.steps
+            if late and not (evaluates or step % cfg.ckpt_interval == 0):
+                continue  # read while the next step runs
+            # read now: on the CPU, or where an evaluation or a checkpoint needs the step (skipped or not)
+            finished, pending = timed(_read_step(pending, model, optimizer, cfg)), None
+            val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups) if evaluates else None
+            record(finished, val_loss)
+            if step % cfg.ckpt_interval == 0 or step == cfg.steps:
+                extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
+                with masters.full_precision():  # the state is copied (or written) inside: masters as the weights
+                    checkpoints.save(step, model, optimizer, groups, extra)
+            since = time.perf_counter()
+    except BaseException:
+        checkpoints.wait_quietly()  # a checkpoint in flight is still published; the error raised is this one
+        raise
 
     text = ""
-    if cfg.sample_tokens:
+    if cfg.sample_tokens:  # while the last checkpoint is written
         text = sample(model, cfg.sample_prompt, cfg.sample_tokens, device, groups, seed=cfg.seed)
+    if checkpoints.pending is not None and ctx.rank == 0:
+        print(f"weft train: writing the checkpoint of step {checkpoints.pending}", flush=True)
+    checkpoints.wait()
     if log is not None:
         log.close()
         if text:
