@@ -198,10 +198,16 @@ def test_reshard_one_process_into_two_ranks(one_process):
 def test_four_ranks_ep2_write_one_copy_per_shard_and_load_into_two(four_ranks_ep2):
     files = sorted(p.name for p in latest_checkpoint(four_ranks_ep2).iterdir())
     assert files == [
-        "experts_ep000.pt", "experts_ep001.pt", "manifest.json", "model.pt", "optim.pt",
-        "optim_experts_ep000.pt", "optim_experts_ep001.pt",
+        "experts_ep000.pt", "experts_ep001.pt", "manifest.json",
+        *[f"model_part{r:05d}.pt" for r in range(4)], "optim_experts_ep000.pt", "optim_experts_ep001.pt",
+        *[f"optim_part{r:05d}.pt" for r in range(4)],
         "rng_rank00000.pt", "rng_rank00001.pt", "rng_rank00002.pt", "rng_rank00003.pt",
     ]
+    # the non-expert entries: each once, spread over the ranks by bytes
+    parts = [torch.load(latest_checkpoint(four_ranks_ep2) / f"model_part{r:05d}.pt", weights_only=True)
+             for r in range(4)]
+    names = [k for part in parts for k in part]
+    assert len(names) == len(set(names)) and all(parts)
     manifest = json.loads((latest_checkpoint(four_ranks_ep2) / "manifest.json").read_text())
     assert (manifest["step"], manifest["world_size"], manifest["ep_size"]) == (2, 4, 2)
     assert manifest["experts"]["blocks.0.ffn.experts"] == {"experts_ep000.pt": [0, 2], "experts_ep001.pt": [2, 4]}
@@ -385,7 +391,9 @@ def flip_byte(path: Path) -> None:
 CORRUPTIONS = {
     "flipped byte": ("experts_ep001.pt", flip_byte, "experts_ep001.pt fails its sha256"),
     "deleted file": ("optim_experts_ep000.pt", Path.unlink, "optim_experts_ep000.pt .*missing"),
-    "grown file": ("model.pt", lambda p: p.write_bytes(p.read_bytes() + b"x"), "model.pt has .* bytes"),
+    "grown file": ("model_part00000.pt", lambda p: p.write_bytes(p.read_bytes() + b"x"),
+                   "model_part00000.pt has .* bytes"),
+    "deleted part": ("optim_part00001.pt", Path.unlink, "optim_part00001.pt .*missing"),
     "truncated manifest": ("manifest.json", lambda p: p.write_text(p.read_text()[:40]), "manifest.json is unreadable"),
     "no manifest": ("manifest.json", Path.unlink, "manifest.json is missing"),
     "edited step": ("manifest.json", lambda p: p.write_text(p.read_text().replace('"step": 2', '"step": 9')),
@@ -403,6 +411,43 @@ def test_a_manifest_from_before_the_checksum_still_loads(two_ranks, tmp_path):
     model, opt = build(groups, seed=1)
     load_checkpoint(path, model, opt, groups)  # format 1: no checksum to check, loads as before
     assert verify_checkpoint(path)["step"] == 2
+
+
+def test_a_checkpoint_of_one_model_file_from_before_the_parts_still_loads(two_ranks, tmp_path):
+    """Format 2 held the non-expert entries in one model.pt and optim.pt (rank 0's): joined from
+    the parts and listed so, with a manifest of format 2, it loads the same state."""
+    path = tmp_path / "step_2"
+    shutil.copytree(latest_checkpoint(two_ranks), path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    model_parts = sorted(path.glob("model_part*.pt"))
+    optim_parts = [torch.load(p, weights_only=True) for p in sorted(path.glob("optim_part*.pt"))]
+    joined_model = {k: v for p in model_parts for k, v in torch.load(p, weights_only=True).items()}
+    joined_optim = {"state": {k: v for part in optim_parts for k, v in part["state"].items()},
+                    "param_groups": optim_parts[0]["param_groups"]}
+    files = {k: v for k, v in manifest["files"].items() if "_part" not in k}
+    for part in [*model_parts, *sorted(path.glob("optim_part*.pt"))]:
+        part.unlink()
+    files |= checkpoint._write(path, "model.pt", joined_model) | checkpoint._write(path, "optim.pt", joined_optim)
+    old = {**{k: v for k, v in manifest.items() if k != "sha256"}, "format_version": 2, "files": files}
+    (path / "manifest.json").write_text(json.dumps({**old, "sha256": checkpoint._content_sha256(old)}))
+    groups = build_moe_groups()
+    from_parts, from_parts_opt = build(groups, seed=1)
+    load_checkpoint(latest_checkpoint(two_ranks), from_parts, from_parts_opt, groups)
+    from_one, from_one_opt = build(groups, seed=2)
+    load_checkpoint(path, from_one, from_one_opt, groups)
+    assert_equal_nested(clone_state(from_one), clone_state(from_parts), "model")
+    assert_equal_nested(named_optim_state(from_one, from_one_opt), named_optim_state(from_parts, from_parts_opt),
+                        "optim")
+
+
+def test_dense_shares_give_every_entry_to_one_rank_and_spread_the_bytes():
+    sizes = {f"w{i}": size for i, size in enumerate([100, 90, 50, 40, 40, 10, 5, 5])}
+    shares = checkpoint.dense_shares(sizes, 3)
+    assert sorted(n for share in shares for n in share) == sorted(sizes)
+    loads = [sum(sizes[n] for n in share) for share in shares]
+    assert max(loads) - min(loads) <= max(sizes.values()) and max(loads) < sum(sizes.values()) / 2
+    assert shares == checkpoint.dense_shares(dict(reversed(list(sizes.items()))), 3)  # same on every rank
+    assert checkpoint.dense_shares(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)

@@ -4,9 +4,11 @@
       manifest.json               written last: format version, step, world_size, ep_size, extra,
                                   expert range of every shard file, size + sha256 of every file,
                                   and the sha256 of the manifest's own content (format 2)
-      model.pt                    non-expert entries of model.state_dict()          (global rank 0)
-      optim.pt                    optimizer state of non-expert parameters by name and the
-                                  param_groups, parameters named                    (global rank 0)
+      model_part{r:05d}.pt        rank r's share of the non-expert entries of model.state_dict()
+                                  (every rank holds them all: each writes the share
+                                  `dense_shares` gives it, the bytes spread evenly; format 3)
+      optim_part{r:05d}.pt        the optimizer state of rank r's share of the non-expert
+                                  parameters by name, and the param_groups, parameters named
       experts_ep{r:03d}.pt        local tensors of every Experts module of EP rank r and their
                                   global expert ranges              (expert-data-parallel rank 0)
       optim_experts_ep{r:03d}.pt  optimizer state of those parameters by name, per expert alike
@@ -15,6 +17,8 @@
 Tensor-parallel models (weft.tp) are saved in the dense layout: each slice of a split parameter
 (and of its optimizer state) is gathered over the TP group into the tensor of the unsplit model,
 and each rank takes its slice again on load, so a run may continue with another TP size.
+Checkpoints of formats 1 and 2 hold the non-expert entries in one `model.pt` and `optim.pt`,
+written by rank 0; they load as before.
 
 Files go to `checkpoints/.step_N.tmp`, which becomes `step_N` by a rename only after the manifest
 is on disk: a crash leaves the earlier checkpoints and at worst a `.tmp` folder, never loaded.
@@ -42,10 +46,11 @@ from weft.distributed import MoEGroups, group_rank
 from weft.moe.experts import Experts
 from weft.tp import dense_tensor, local_tensor, sharded_entries
 
-__all__ = ["CheckpointError", "CheckpointWriter", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-           "verify_checkpoint"]
+__all__ = ["CheckpointError", "CheckpointWriter", "dense_shares", "save_checkpoint", "load_checkpoint",
+           "latest_checkpoint", "verify_checkpoint"]
 
-FORMAT_VERSION = 2  # 2: the manifest carries the sha256 of its own content; 1 (older) loads unchecked
+FORMAT_VERSION = 3  # 3: the non-expert entries in parts, one per rank; 2: the manifest carries the sha256 of its
+# own content; 1 (older) loads unchecked
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"step_(\d+)")
 Pieces = list[tuple[str, int, int]]  # (shard file, start, stop) in the shard's own expert indices
@@ -165,18 +170,43 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
+def dense_shares(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """The entries (name -> bytes) each of `world` ranks writes: the largest first, each to the
+    rank with the fewest bytes so far (ties to the lowest rank), so every rank writes about as
+    much. A pure function of its arguments: every rank computes the same shares."""
+    shares: list[list[str]] = [[] for _ in range(world)]
+    loads = [0] * world
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        shares[rank].append(name)
+        loads[rank] += sizes[name]
+    return shares
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    return 0
+
+
 def _rank_payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups
                   ) -> tuple[dict[str, Any], dict]:
     """What this rank writes: ({file name: object to save}, {module: (shard, expert range)}).
     Collective (tensor-parallel slices are gathered into the dense tensors): every rank, in step."""
-    rank, files, ranges = _world()[0], {}, {}
+    (rank, world), files, ranges = _world(), {}, {}
     state, expert_keys, sliced = model.state_dict(), _expert_keys(model), sharded_entries(model)
     state = {k: dense_tensor(*sliced[k], v) if k in sliced else v for k, v in state.items()}  # every rank
     dense_optim, expert_optim = _optimizer_files(model, optimizer) if optimizer is not None else ({}, {})
-    if rank == 0:
-        files["model.pt"] = {k: v for k, v in state.items() if k not in expert_keys}
-        if optimizer is not None:
-            files["optim.pt"] = dense_optim
+    dense = {k: v for k, v in state.items() if k not in expert_keys}
+    mine = dense_shares({k: _nbytes(v) for k, v in dense.items()}, world)[rank]
+    files[f"model_part{rank:05d}.pt"] = {k: dense[k] for k in mine}
+    if optimizer is not None:
+        moments = dense_optim["state"]
+        mine = dense_shares({k: _nbytes(v) for k, v in moments.items()}, world)[rank]
+        files[f"optim_part{rank:05d}.pt"] = {"state": {k: moments[k] for k in mine},
+                                             "param_groups": dense_optim["param_groups"]}
     if _experts_modules(model) and group_rank(groups.edp) == 0:  # one copy of each EP shard
         shard = f"experts_ep{group_rank(groups.ep):03d}.pt"
         spans = {n: [m.first_expert, m.first_expert + m.num_local] for n, m in _experts_modules(model).items()}
@@ -501,7 +531,7 @@ def _read_manifest(path: Path) -> dict[str, Any]:
     required = ("format_version", "step", "world_size", "ep_size", "extra", "experts", "files")
     if not isinstance(manifest, dict) or any(k not in manifest for k in required):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks one of the fields {', '.join(required)}")
-    if manifest["format_version"] not in (1, FORMAT_VERSION):
+    if manifest["format_version"] not in range(1, FORMAT_VERSION + 1):
         raise CheckpointError(f"checkpoint {path}: format version {manifest['format_version']} is unknown")
     if manifest["format_version"] >= 2 and manifest.get("sha256") != _content_sha256(manifest):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} does not match its checksum (it was edited or "
@@ -550,7 +580,7 @@ def _gather_experts(files: _Files, pieces: Pieces, get: Callable[[Any], torch.Te
 
 def _model_state(files: _Files, model: nn.Module, layout: dict[str, Pieces]) -> dict[str, torch.Tensor]:
     """This rank's full state_dict, checked against the model name by name and shape by shape."""
-    state = dict(files.load("model.pt"))
+    state = _dense(files, "model")
     for key, module in _expert_keys(model).items():
         if any(key not in files.load(shard)["tensors"] for shard, _, _ in layout[module]):
             raise CheckpointError(f"checkpoint {files.path}: expert parameter {key} is missing")
@@ -582,10 +612,10 @@ def _optimizer_state_dict(
     files: _Files, model: nn.Module, optimizer: torch.optim.Optimizer, layout: dict[str, Pieces]
 ) -> dict[str, Any]:
     """A torch optimizer state_dict (integer ids in param_groups order) rebuilt from names."""
-    saved, expert_keys, sliced = files.load("optim.pt"), _expert_keys(model), sharded_entries(model)
+    saved, expert_keys, sliced = _dense(files, "optim"), _expert_keys(model), sharded_entries(model)
     current = [[name for name, _ in group] for group in _optimizer_names(model, optimizer)]
     if [g["params"] for g in saved["param_groups"]] != current:
-        raise CheckpointError(f"checkpoint {files.path}: the parameter groups in optim.pt differ from the optimizer's")
+        raise CheckpointError(f"checkpoint {files.path}: the optimizer's parameter groups differ from the saved ones")
     state = {}
     for index, name in enumerate(name for group in current for name in group):
         if name in expert_keys:
@@ -600,6 +630,21 @@ def _optimizer_state_dict(
     ids = iter(range(sum(map(len, current))))
     groups = [{**g, "params": [next(ids) for _ in names]} for g, names in zip(saved["param_groups"], current)]
     return {"state": state, "param_groups": groups}
+
+
+def _dense(files: _Files, kind: str) -> dict[str, Any]:
+    """The non-expert entries of `kind` ("model": state_dict entries; "optim": {"state",
+    "param_groups"}): one `{kind}.pt` (formats 1-2) or the parts every rank wrote, joined."""
+    if f"{kind}.pt" in files.listed:
+        return dict(files.load(f"{kind}.pt"))
+    parts = sorted(name for name in files.listed if re.fullmatch(rf"{kind}_part\d+\.pt", name))
+    if not parts:
+        raise CheckpointError(f"checkpoint {files.path}: its manifest lists no {kind} file ({kind}_part*.pt)")
+    if kind == "model":
+        return {k: v for part in parts for k, v in files.load(part).items()}
+    contents = [files.load(part) for part in parts]
+    return {"state": {k: v for c in contents for k, v in c["state"].items()},
+            "param_groups": contents[0]["param_groups"]}
 
 
 def _expert_optim_state(files: _Files, name: str, pieces: Pieces) -> dict[str, Any] | None:
