@@ -71,6 +71,10 @@
 #            --balance` none / pro-prophet / none / pro-prophet (BALANCE_RUNS), eager (a dropless layer reads its
 #            counts), bf16 master weights in both; tokens/s (median after step 5), the copies, the losses (~200 s on
 #            4 x H100: run it on every GPU of the machine, where the rank loads are higher)
+#   ckpt     how long a checkpoint holds training, in the step against in the background (the main job):
+#            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
+#            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,
+#            --async-checkpoint on and off (the run's wall time; the step times leave the save out)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -395,12 +399,28 @@ part_mfu() {
     bash scripts/train_mfu.sh
 }
 
+part_ckpt() {
+  for preset in gpt2-s gpt3-2.7b; do
+    CUDA_VISIBLE_DEVICES=0 python3 scripts/checkpoint_stall.py --preset "$preset" --out /tmp/weft_x2/stall \
+      --json "$1/stall_$preset.json" 2>&1 | tail -n 4
+  done
+  printf '[train]\nckpt_interval = 4\n' > "$1/every4.toml"
+  for async in on off; do
+    run=/tmp/weft_x2/ckpt_$async; rm -rf "$run"; start=$(date +%s)
+    $RUN train --preset gpt3-2.7b --tp 2 --batch-size 8 --steps 12 --config "$1/every4.toml" \
+      --async-checkpoint "$async" --sample-tokens 0 --out "$run" > "$1/train_$async.log" 2>&1
+    rc=$?
+    echo "--async-checkpoint $async: $(( $(date +%s) - start )) s for 12 steps and 3 checkpoints (rc $rc)"
+    rm -rf "$run"
+  done
+}
+
 part_quality() {
   RUNS="gpt2-s-moe=gpt2-s-moe gpt2-s=gpt2-s" SEEDS="1337 1 2" STEPS=600 DROPS_AFTER=200 TRAIN_ARGS="--batch-size 8" \
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet modelgraph mfu quality}; do
+for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
