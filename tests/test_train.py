@@ -14,7 +14,7 @@ from weft.cli import _train_config, build_parser, launch, main
 from weft.distributed import MoEGroups
 from weft.models import GPT, GPTConfig
 from weft.testing import run_distributed
-from weft.train.checkpoint import latest_checkpoint
+from weft.train.checkpoint import latest_checkpoint, verify_checkpoint
 from weft.train.config import TrainConfig, load_toml
 from weft.train.generate import generate_from_checkpoint
 from weft.train.loop import sample, train
@@ -166,6 +166,7 @@ def test_toml_config_maps_onto_the_dataclasses(tmp_path):
         pytest.param(["train", "--overlap", "lancet", "--cuda-graphs", "on"], "cuda_graphs 'on' needs GPUs",
                      marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
         (["train", "--cuda-graphs", "always"], "invalid choice: 'always'"),
+        (["train", "--async-checkpoint", "maybe"], "--async-checkpoint: must be on or off, got 'maybe'"),
         (["train", "--preset", "tiny-dense", "--nproc", "2", "--tp", "3", "--device", "cpu"],
          "--tp 3 must divide the number of processes (2)"),
         (["train", "--preset", "tiny-dense", "--tp-overlap", "domino"], "set --tp > 1"),
@@ -402,6 +403,32 @@ def test_keep_last_keeps_the_newest_checkpoints_and_resume_still_works(corpus, t
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_25", "step_30"]
     run(config(corpus, out, steps=35, resume=True, keep_last=2), 2, cache)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_30", "step_35"]
+
+
+def test_checkpoints_written_in_the_background_are_those_written_in_the_step(corpus, tmp_path):
+    """`weft train` with its checkpoints written in the background (the default) and in the step
+    (`async_checkpoint = false`), 2 ranks, a checkpoint every 10 steps and the newest two kept:
+    the same losses, the same checkpoints kept, and each one's model and optimizer files byte for
+    byte the same (sizes and sha256 in the manifests) and its RNG files the same torch states
+    (Python's `random` state is each process's own from its start: no two runs share it)."""
+    cache = tmp_path / "cache"
+    for name, background in (("background", True), ("in_step", False)):
+        run(config(corpus, tmp_path / name, keep_last=2, async_checkpoint=background), 2, cache)
+    assert losses(tmp_path / "background") == losses(tmp_path / "in_step")
+    kept = sorted(p.name for p in (tmp_path / "background" / "checkpoints").iterdir())
+    assert kept == sorted(p.name for p in (tmp_path / "in_step" / "checkpoints").iterdir()) == ["step_20", "step_30"]
+    for step in kept:
+        background, in_step = (verify_checkpoint(tmp_path / name / "checkpoints" / step)
+                               for name in ("background", "in_step"))
+        assert background["files"].keys() == in_step["files"].keys()
+        assert background["step"] == int(step.removeprefix("step_"))
+        for name in background["files"]:
+            if name.startswith("rng_rank"):
+                rng = [torch.load(tmp_path / run / "checkpoints" / step / name, weights_only=False)
+                       for run in ("background", "in_step")]
+                assert torch.equal(rng[0]["torch"], rng[1]["torch"])
+            else:
+                assert background["files"][name] == in_step["files"][name], name
 
 
 def test_a_metrics_line_cut_by_a_kill_is_dropped_on_the_next_start(tmp_path):

@@ -227,11 +227,21 @@ def _write_files(folder: Path, payload: tuple[dict[str, Any], dict]) -> tuple[di
     return files, ranges
 
 
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_holds_tensor(v) for v in obj.values())
+    return isinstance(obj, (list, tuple)) and any(_holds_tensor(v) for v in obj)
+
+
 def _on_cpu(obj: Any, copies: dict | None = None) -> Any:
     """`obj` with every tensor replaced by a CPU copy (dicts, lists and tuples walked): a snapshot
     whose originals training may go on changing. Each storage is copied once and the tensors are
     rebuilt as the same views of it, so tensors that shared storage (tied weights, views of one
-    buffer) still do, and `torch.save` writes the snapshot as the same bytes as the originals."""
+    buffer) still do; containers without tensors are kept as they are (the same objects, e.g. the
+    optimizer's betas in every param group): `torch.save` writes the snapshot as the same bytes as
+    the originals."""
     copies = {} if copies is None else copies
     if isinstance(obj, torch.Tensor):
         tensor = obj.detach()
@@ -241,11 +251,11 @@ def _on_cpu(obj: Any, copies: dict | None = None) -> Any:
             copies[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
         return torch.empty(0, dtype=tensor.dtype).set_(copies[key], tensor.storage_offset(), tensor.shape,
                                                         tensor.stride())
+    if not _holds_tensor(obj):
+        return obj
     if isinstance(obj, dict):
         return {k: _on_cpu(v, copies) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_on_cpu(v, copies) for v in obj)
-    return obj
+    return type(obj)(_on_cpu(v, copies) for v in obj)
 
 
 def _manifest(step: int, ep_size: int, extra: dict, gathered: list) -> dict[str, Any]:
