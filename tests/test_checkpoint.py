@@ -365,20 +365,32 @@ def test_a_failed_background_write_fails_on_every_rank_at_the_next_wait(tmp_path
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1"]
 
 
-def save_twice_keeping_one(run_dir: str) -> None:
+def save_twice_keeping_one(run_dir: str, background: bool) -> list[str]:
     groups = build_moe_groups()
     model, opt = build(groups, seed=0)
-    writer = CheckpointWriter(run_dir, keep_last=1, background=True)
+    lines: list[str] = []
+    writer = CheckpointWriter(run_dir, keep_last=1, background=background, report=lines.append)
     for step in (1, 2):
         train(model, opt, groups, range(step - 1, step))
         writer.save(step, model, opt, groups, {"step": step})  # the second waits for the first
     writer.wait()
+    return lines
 
 
-def test_background_checkpoints_are_written_in_order_and_pruned(tmp_path):
-    run_distributed(save_twice_keeping_one, 2, args=(str(tmp_path),), timeout=120)
+@pytest.mark.parametrize("background", [True, False])
+def test_checkpoints_are_written_in_order_pruned_and_reported(tmp_path, background):
+    """Two saves, the newest one kept: in order (a background save waits for the one before), and
+    one report line per checkpoint with its size (the manifest's files) and where it was written."""
+    reports = run_distributed(save_twice_keeping_one, 2, args=(str(tmp_path), background), timeout=120)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2"]
-    assert verify_checkpoint(tmp_path / "checkpoints" / "step_2")["extra"] == {"step": 2}
+    manifest = verify_checkpoint(tmp_path / "checkpoints" / "step_2")
+    assert manifest["extra"] == {"step": 2}
+    size = sum(meta["size"] for meta in manifest["files"].values()) / 2**30
+    where = "in the background" if background else "in the step"
+    for lines in reports:
+        assert [line.split(" (")[0] for line in lines] == ["weft train: checkpoint step_1",
+                                                           "weft train: checkpoint step_2"]
+        assert f"({size:.2f} GiB) written {where}: the step was held" in lines[1], lines
 
 
 # -- corruption and mismatches ---------------------------------------------------------------

@@ -34,6 +34,7 @@ import random
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -318,7 +319,7 @@ def save_checkpoint(
     in the background.
     """
     extra = _check_extra(extra)
-    return _commit(run_dir, step, _prepare(run_dir, step, model, optimizer, groups), groups.ep_size, extra, None)
+    return _commit(run_dir, step, _prepare(run_dir, step, model, optimizer, groups), groups.ep_size, extra, None)[0]
 
 
 def _folders(run_dir: str | Path, step: int) -> tuple[Path, Path]:
@@ -337,9 +338,10 @@ def _prepare(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.
 
 
 def _commit(run_dir: str | Path, step: int, payload: tuple[dict[str, Any], dict], ep_size: int,
-            extra: dict[str, Any], group: dist.ProcessGroup | None) -> Path:
+            extra: dict[str, Any], group: dist.ProcessGroup | None) -> tuple[Path, dict[str, Any]]:
     """Write every rank's payload into `.step_N.tmp`, then publish it as `step_N` (the ranks agree
-    over `group` at each stage; any rank's failure fails the save on every rank)."""
+    over `group` at each stage; any rank's failure fails the save on every rank); returns the
+    folder and its manifest."""
     rank = _world()[0]
     tmp, final = _folders(run_dir, step)
     try:
@@ -349,7 +351,7 @@ def _commit(run_dir: str | Path, step: int, payload: tuple[dict[str, Any], dict]
         _on_every_rank(lambda: _publish(tmp, final, manifest) if rank == 0 else None, final, "publish it", group)
     except CheckpointError as e:
         raise _failed(e, run_dir, step) from None
-    return final
+    return final, manifest
 
 
 def _failed(error: CheckpointError, run_dir: str | Path, step: int) -> CheckpointError:
@@ -379,45 +381,66 @@ class CheckpointWriter:
     checkpoint appears only complete (the atomic publish of `save_checkpoint`); at most one is in
     flight (the next `save` waits for the last); an error of any rank's write is raised on every
     rank by the next `save` or `wait`, which a run calls before it ends. Every rank constructs it
-    at the same point (the gloo group is made collectively)."""
+    at the same point (the gloo group is made collectively). `report` gets one line per published
+    checkpoint, on the calling thread: its size, how long it held the step, and when it was on
+    disk."""
 
-    def __init__(self, run_dir: str | Path, keep_last: int = 0, background: bool = True):
+    def __init__(self, run_dir: str | Path, keep_last: int = 0, background: bool = True,
+                 report: Callable[[str], None] | None = None):
         self.run_dir, self.keep_last, self.background = Path(run_dir), keep_last, background
         distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.group = dist.new_group(backend="gloo") if background and distributed else None
+        self.report = report
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._step: int | None = None
+        self._done: tuple[int, int, float] | None = None  # step, bytes, seconds from the call to on disk
+        self._held = 0.0  # seconds the latest save held its caller
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups,
              extra: dict[str, Any] | None = None) -> None:
         """Checkpoint the state as it is now as `step_{step}` (written before this returns unless
         background); every rank must call it."""
         self.wait()
+        start = time.perf_counter()
         extra = _check_extra(extra)
         payload = _prepare(self.run_dir, step, model, optimizer, groups)
         if not self.background:
-            self._publish_and_prune(step, payload, groups.ep_size, extra)
+            self._publish_and_prune(step, payload, groups.ep_size, extra, start)
+            self._held = time.perf_counter() - start
+            self._report()
             return
         snapshot = _on_cpu(payload)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies are complete before training writes the originals again
         self._step = step
-        self._thread = threading.Thread(target=self._run, args=(step, snapshot, groups.ep_size, extra),
+        self._thread = threading.Thread(target=self._run, args=(step, snapshot, groups.ep_size, extra, start),
                                         name=f"weft-checkpoint-{step}", daemon=True)
         self._thread.start()
+        self._held = time.perf_counter() - start
 
-    def _run(self, step: int, payload: tuple[dict[str, Any], dict], ep_size: int, extra: dict[str, Any]) -> None:
+    def _run(self, step: int, payload: tuple[dict[str, Any], dict], ep_size: int, extra: dict[str, Any],
+             start: float) -> None:
         try:
-            self._publish_and_prune(step, payload, ep_size, extra)
+            self._publish_and_prune(step, payload, ep_size, extra, start)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread by wait()
             self._error = e
 
     def _publish_and_prune(self, step: int, payload: tuple[dict[str, Any], dict], ep_size: int,
-                           extra: dict[str, Any]) -> None:
-        _commit(self.run_dir, step, payload, ep_size, extra, self.group)
+                           extra: dict[str, Any], start: float) -> None:
+        _, manifest = _commit(self.run_dir, step, payload, ep_size, extra, self.group)
         if _world()[0] == 0:
             prune_checkpoints(self.run_dir, self.keep_last)
+        self._done = (step, sum(meta["size"] for meta in manifest["files"].values()), time.perf_counter() - start)
+
+    def _report(self) -> None:
+        if self._done is None:
+            return
+        (step, size, on_disk), self._done = self._done, None
+        if self.report is not None:
+            where = "in the background" if self.background else "in the step"
+            self.report(f"weft train: checkpoint step_{step} ({size / 2**30:.2f} GiB) written {where}: the step "
+                        f"was held {self._held:.2f} s, on disk {on_disk:.1f} s after it began")
 
     @property
     def pending(self) -> int | None:
@@ -439,6 +462,7 @@ class CheckpointWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        self._report()
 
 
 def _fresh_folder(path: Path) -> None:

@@ -366,7 +366,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
                 print(line, flush=True)
 
     # every rank, here: its gloo group is made collectively
-    checkpoints = CheckpointWriter(run_dir, cfg.keep_last, background=cfg.async_checkpoint)
+    checkpoints = CheckpointWriter(run_dir, cfg.keep_last, background=cfg.async_checkpoint, report=log0)
     try:
         for step in range(start + 1, cfg.steps + 1):
             lr = lr_at(step, cfg)
