@@ -3,7 +3,7 @@
     RUN_DIR/checkpoints/step_N/
       manifest.json               written last: format version, step, world_size, ep_size, extra,
                                   expert range of every shard file, size + sha256 of every file,
-                                  and the sha256 of the manifest's own content (format 2)
+                                  and the sha256 of the manifest's own content (from format 2)
       model_part{r:05d}.pt        rank r's share of the non-expert entries of model.state_dict()
                                   (every rank holds them all: each writes the share
                                   `dense_shares` gives it, the bytes spread evenly; format 3)
@@ -24,6 +24,9 @@ Files go to `checkpoints/.step_N.tmp`, which becomes `step_N` by a rename only a
 is on disk: a crash leaves the earlier checkpoints and at worst a `.tmp` folder, never loaded.
 Loading may use another world or EP size: each rank takes the global experts it holds from the
 shard files that contain them. RNG states are restored only for the same world size.
+
+`save_checkpoint` writes in the call; `CheckpointWriter` (what `weft train` uses) copies the
+state to host memory in the call and writes the same files from a thread while training goes on.
 """
 from __future__ import annotations
 
