@@ -231,14 +231,6 @@ def _write_files(folder: Path, payload: tuple[dict[str, Any], dict]) -> tuple[di
     return files, ranges
 
 
-def _holds_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_holds_tensor(v) for v in obj.values())
-    return isinstance(obj, (list, tuple)) and any(_holds_tensor(v) for v in obj)
-
-
 def _on_cpu(obj: Any, copies: dict | None = None) -> Any:
     """`obj` with every tensor replaced by a CPU copy (dicts, lists and tuples walked): a snapshot
     whose originals training may go on changing. Each storage is copied once and the tensors are
@@ -255,11 +247,13 @@ def _on_cpu(obj: Any, copies: dict | None = None) -> Any:
             copies[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
         return torch.empty(0, dtype=tensor.dtype).set_(copies[key], tensor.storage_offset(), tensor.shape,
                                                         tensor.stride())
-    if not _holds_tensor(obj):
-        return obj
     if isinstance(obj, dict):
-        return {k: _on_cpu(v, copies) for k, v in obj.items()}
-    return type(obj)(_on_cpu(v, copies) for v in obj)
+        new = {k: _on_cpu(v, copies) for k, v in obj.items()}
+        return obj if all(new[k] is v for k, v in obj.items()) else new
+    if isinstance(obj, (list, tuple)):
+        items = [_on_cpu(v, copies) for v in obj]
+        return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
+    return obj
 
 
 def _manifest(step: int, ep_size: int, extra: dict, gathered: list) -> dict[str, Any]:
@@ -334,8 +328,8 @@ def _prepare(run_dir: str | Path, step: int, model: nn.Module, optimizer: torch.
              groups: MoEGroups) -> tuple[dict[str, Any], dict]:
     """This rank's payload (`_rank_payload`); a failure on any rank fails it on every rank."""
     try:
-        return _locally(lambda: _rank_payload(model, optimizer, groups), _folders(run_dir, step)[1],
-                        "write its files", None)
+        return _on_every_rank(lambda: _rank_payload(model, optimizer, groups), _folders(run_dir, step)[1],
+                              "write its files", share=False)
     except CheckpointError as e:
         raise _failed(e, run_dir, step) from None
 
@@ -473,31 +467,20 @@ def _fresh_folder(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _on_every_rank(action: Callable[[], Any], final: Path, what: str, group: dist.ProcessGroup | None = None
-                   ) -> list[Any]:
-    """Run `action` here and gather every rank's result; if any rank failed, raise on all of them
-    (a rank raising alone would leave the others waiting forever in the next collective)."""
+def _on_every_rank(action: Callable[[], Any], final: Path, what: str, group: dist.ProcessGroup | None = None,
+                   share: bool = True) -> Any:
+    """Run `action` here and gather every rank's result (`share`; else only whether it failed, and
+    return this rank's own); if any rank failed, raise on all of them (a rank raising alone would
+    leave the others waiting forever in the next collective)."""
     try:
-        result = ("ok", action())
+        value, failure = action(), None
     except Exception as e:  # noqa: BLE001
-        result = ("error", f"rank {_world()[0]} could not {what}: {e!r}")
-    gathered = _all_gather(result, group)
-    for status, value in gathered:
-        if status == "error":
-            raise CheckpointError(f"checkpoint {final} was not saved: {value}")
-    return [value for _, value in gathered]
-
-
-def _locally(action: Callable[[], Any], final: Path, what: str, group: dist.ProcessGroup | None = None) -> Any:
-    """`action()`'s value here, as `_on_every_rank` but gathering only whether each rank failed."""
-    try:
-        value, status = action(), None
-    except Exception as e:  # noqa: BLE001
-        value, status = None, f"rank {_world()[0]} could not {what}: {e!r}"
-    for failure in _all_gather(status, group):
-        if failure is not None:
-            raise CheckpointError(f"checkpoint {final} was not saved: {failure}")
-    return value
+        value, failure = None, f"rank {_world()[0]} could not {what}: {e!r}"
+    gathered = _all_gather((failure, value if share else None), group)
+    for failed, _ in gathered:
+        if failed is not None:
+            raise CheckpointError(f"checkpoint {final} was not saved: {failed}")
+    return [v for _, v in gathered] if share else value
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
