@@ -11,6 +11,7 @@ import torch
 from weft import MoE
 from weft.bench import layer, timing
 from weft.bench.layer import LayerBenchConfig
+from weft.graphs import live_gradient_accumulators
 from weft.testing import Checks, DistributedTestError, run_checks, run_distributed
 from weft.tune import run_until_tuned
 
@@ -245,8 +246,10 @@ def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, c
 def graphed_auto_worker() -> list[str]:
     """`auto+graph` (`layer.graphed_auto`): every candidate of the layer's auto call run as the
     graph would capture it, here by a stand-in timer that runs each step eagerly (a capture needs
-    CUDA) and calls dedup fastest; each candidate computes the plain layer, and the forward it
-    returns runs the fastest setting."""
+    CUDA) and calls dedup fastest; no earlier call's autograd graph holds the gradient accumulators
+    when they are captured (`weft.graphs.GraphedStep` refuses to capture then: every candidate
+    would time as infinite); each candidate computes the plain layer, and the forward it returns
+    runs the fastest setting."""
     rank = torch.distributed.get_rank()
     checks = Checks(f"rank {rank}")
     torch.manual_seed(0)
@@ -257,8 +260,12 @@ def graphed_auto_worker() -> list[str]:
     ran = []
 
     def timer(step_of, candidates, args, grads_of):
+        grads_of = list(grads_of)
         for setting in candidates:
-            y, x_grad = step_of(setting)(args[0].detach().requires_grad_(), args[1])
+            step = step_of(setting)  # as `time_graphed` makes each step, then captures it
+            checks.expect(not live_gradient_accumulators(grads_of), f"{setting.name}: an earlier call's autograd "
+                          "graph is alive, so the step could not be captured")
+            y, x_grad = step(args[0].detach().requires_grad_(), args[1])
             ran.append(setting.name)
             checks.expect(torch.allclose(y, y_plain, rtol=1e-5, atol=1e-6), f"{setting.name}: not the plain output")
             checks.expect(x_grad is not None, f"{setting.name}: no input gradient")
@@ -289,8 +296,8 @@ def test_auto_as_graphs_captures_the_candidate_whose_graph_is_fastest():
 def graphed_auto_dropless_worker(winner: str) -> list[str]:
     """`auto+graph` on a dropless layer (`layer.graphed_auto_dropless`): auto's eager call against
     dedup-fixed at degrees 1 and 2 and with the own pairs apart as graphs, timed here by stand-ins
-    that run each step eagerly (a capture needs CUDA); all compute the plain layer, and the forward
-    returned runs the fastest."""
+    that run each step eagerly (a capture needs CUDA), the eager call's autograd graph dropped
+    before the captures; all compute the plain layer, and the forward returned runs the fastest."""
     rank = torch.distributed.get_rank()
     checks = Checks(f"rank {rank}")
     torch.manual_seed(0)
@@ -313,8 +320,12 @@ def graphed_auto_dropless_worker(winner: str) -> list[str]:
         return seconds["auto"]
 
     def timer(step_of, candidates, args, grads_of):
+        grads_of = list(grads_of)
         for mode in candidates:
-            run(mode, step_of(mode), args)
+            step = step_of(mode)  # as `time_graphed` makes each step, then captures it
+            checks.expect(not live_gradient_accumulators(grads_of), f"{mode}: an earlier call's autograd graph "
+                          "is alive, so the step could not be captured")
+            run(mode, step, args)
         return [seconds[mode] for mode in candidates]
 
     forward, graphed, candidates_ms = layer.graphed_auto_dropless(moe, x, grad, timer, eager_timer)

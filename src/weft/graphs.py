@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -166,7 +167,7 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
     the same `.grad` tensors, zeroed; False, each graph writes its own, as a step with one
     micro-batch does (no add into earlier gradients: for gpt2-l-moe's ~1.8 B float32 parameters
     per rank the add alone is several ms). Every `.grad` of `grads_of` is None at the end. A
-    candidate that cannot be captured is timed as infinite. The slowest rank's medians
+    candidate that cannot be captured is timed as infinite (with a warning saying why). The slowest rank's medians
     (`weft.profiling.slowest_rank`), so every rank picks the same. All candidates are captured on
     one side stream (see `GraphedStep`'s `stream`)."""
     if trials < 1 or warmup < 0:
@@ -178,7 +179,8 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
     for candidate in candidates:
         try:
             graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=accumulate, stream=side)
-        except CaptureError:
+        except CaptureError as e:
+            warnings.warn(f"weft: {getattr(candidate, 'name', candidate)} timed as infinite: {e}", stacklevel=2)
             medians.append(math.inf)
         else:
             medians.append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))

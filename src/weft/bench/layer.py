@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import functools
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -162,6 +163,7 @@ def graphed_auto(moe: MoE, x: torch.Tensor, grad: torch.Tensor,
         return _fwd_bwd_step(moe, lambda x: moe(x, **overrides))
 
     seconds = timer(step_of, settings, args=[x.detach().requires_grad_(), grad], grads_of=list(moe.parameters()))
+    _some_captured(seconds, [s.name for s in settings])
     best = setting_overrides(settings[seconds.index(min(seconds))])
     return (lambda x: moe(x, **best)), {s.name: t * 1e3 for s, t in zip(settings, seconds)}
 
@@ -182,10 +184,19 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
     eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)
     graph_s = dict(zip(FIXED_SIZE_FORMS, timer(step_of, FIXED_SIZE_FORMS, args=args, grads_of=list(moe.parameters()))))
     moe.record(None)
+    _some_captured(list(graph_s.values()), list(FIXED_SIZE_FORMS))
     best = min(graph_s, key=graph_s.__getitem__)
     graphed = graph_s[best] < eager_s
     times_ms = {"auto (eager)": eager_s * 1e3, **{f"{form} (graph)": s * 1e3 for form, s in graph_s.items()}}
     return mode_forward(best if graphed else "auto", moe), graphed, times_ms
+
+
+def _some_captured(seconds: list[float], names: list[str]) -> None:
+    """auto+graph needs at least one candidate that could be captured (`time_graphed` times the
+    others as infinite, warning why)."""
+    if not any(map(math.isfinite, seconds)):
+        raise RuntimeError(f"auto+graph: none of its candidates ({', '.join(names)}) could be captured as a CUDA "
+                           f"graph (the warnings above say why)")
 
 
 def tuned_eager_seconds(step: Callable, args: list[torch.Tensor], moe: MoE) -> float:
@@ -198,9 +209,15 @@ def tuned_eager_seconds(step: Callable, args: list[torch.Tensor], moe: MoE) -> f
 
 
 def _fwd_bwd_step(moe: MoE, forward: Callable[[torch.Tensor], torch.Tensor]):
-    """(x, output gradient) -> (y, input gradient) of `forward`, as a graph timer captures it."""
+    """(x, output gradient) -> (y, input gradient) of `forward`, as a graph timer captures it.
+    The layer's last call keeps its aux loss, whose autograd graph holds the gradient accumulators
+    (see weft.graphs): it is dropped when the step is made (a capture of it, which follows, refuses
+    to start while that graph lives: an earlier mode's, the eager call's or the last candidate's)
+    and before every call."""
+    moe.record(None)
+
     def step(x: torch.Tensor, grad: torch.Tensor):
-        moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
+        moe.record(None)
         y = forward(x)
         y.backward(grad)
         return y.detach(), x.grad
