@@ -25,7 +25,7 @@ from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
 from weft.bench import layer
 from weft.bench.peers import build_tp_peer
-from weft.hostcopy import device_tensor, host_tensor_async, offsets
+from weft.hostcopy import HostStage, device_tensor, host_tensor_async, offsets
 from weft.testing import run_checks, run_distributed
 
 pytestmark = pytest.mark.gpu
@@ -722,6 +722,33 @@ def test_a_step_s_metrics_are_read_without_waiting_for_the_next_step():
     torch.cuda.synchronize()
     assert still_running, "the read waited for the kernel queued after the copy"
     assert host.device.type == "cpu" and host.is_pinned() and torch.equal(host, values.cpu())
+
+
+@needs_cuda
+def test_a_checkpoint_s_host_stage_copies_into_page_locked_memory_without_waiting():
+    """`HostStage` (a background checkpoint's snapshot) copies into page-locked memory; a round
+    that reuses the memory of the one before queues each copy on the stream, so `copy` returns
+    while a long kernel queued before it still runs; the copies hold the values once the stream
+    has run."""
+    stage = HostStage()
+    sources = [torch.randn(3 << 20, device="cuda"), torch.arange(10, device="cuda")]
+    pointers = []
+    for scale in (1, 3):
+        scaled = [s * scale for s in sources]
+        stage.begin()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time
+        copies = [stage.copy(s.untyped_storage()) for s in scaled]
+        still_running = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert still_running or scale == 1, "the stage's copy into reused memory waited for the queued kernel"
+        assert stage.pinned_bytes == stage.staged_bytes == sum(s.untyped_storage().nbytes() for s in sources), (
+            stage.pinned_bytes, stage.staged_bytes)
+        for source, copy in zip(scaled, copies):
+            host = torch.empty(0, dtype=source.dtype).set_(copy, 0, source.shape, source.stride())
+            assert torch.equal(host, source.cpu())
+        pointers.append([c.data_ptr() for c in copies])
+    assert pointers[0] == pointers[1]
 
 
 @needs_cuda

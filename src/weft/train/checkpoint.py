@@ -16,7 +16,9 @@
 
 Tensor-parallel models (weft.tp) are saved in the dense layout: each slice of a split parameter
 (and of its optimizer state) is gathered over the TP group into the tensor of the unsplit model,
-and each rank takes its slice again on load, so a run may continue with another TP size.
+one tensor at a time and kept only by the rank whose part holds it (so a save costs a rank its
+share of the dense state in memory, not the whole model), and each rank takes its slice again on
+load, so a run may continue with another TP size.
 Checkpoints of formats 1 and 2 hold the non-expert entries in one `model.pt` and `optim.pt`,
 written by rank 0; they load as before.
 
@@ -46,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weft.distributed import MoEGroups, group_rank
+from weft.distributed import MoEGroups, group_rank, group_size
+from weft.hostcopy import HostStage
 from weft.moe.experts import Experts
 from weft.tp import dense_tensor, local_tensor, sharded_entries
 
@@ -142,16 +145,16 @@ def _write(folder: Path, name: str, obj: Any) -> dict[str, dict[str, Any]]:
     return {name: {"size": out.size, "sha256": out.digest.hexdigest()}}
 
 
-def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Contents of optim.pt (dense state and param_groups, by name) and of this rank's expert file."""
+def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> tuple[dict, dict]:
+    """Contents of this rank's optim_part file (its share, by `dense_shares`, of the dense
+    parameters' state and the param_groups, by name) and of its expert file. Collective: the
+    moments of tensor-parallel slices are gathered (`_dense_of_kept`), kept by the rank that
+    writes them."""
     state_dict, expert_keys, sliced = optimizer.state_dict(), _expert_keys(model), sharded_entries(model)
     named = _optimizer_names(model, optimizer)
-    dense, experts = {}, {}
+    dense, experts, split = {}, {}, {}
     for index, (name, param) in enumerate(pair for group in named for pair in group):
         state = state_dict["state"].get(index, {})
-        if name in sliced and state:  # the moments of a tensor-parallel slice, gathered (a collective)
-            state = {k: dense_tensor(*sliced[name], v) if torch.is_tensor(v) and v.shape == param.shape and v.dim()
-                     else v for k, v in state.items()}
         if name in expert_keys and state:  # tensors shaped like the parameter are per expert
             per_expert = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == param.shape}
             experts[name] = {
@@ -160,11 +163,37 @@ def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
             }
         elif state:
             dense[name] = state
+            if name in sliced:  # the moments of a tensor-parallel slice (not Adam's step)
+                split[name] = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == param.shape}
+    sizes = {name: sum(_nbytes(v) * (_tp_size(sliced[name]) if k in split.get(name, ()) else 1)
+                       for k, v in state.items()) for name, state in dense.items()}
+    mine = dense_shares(sizes, world)[rank]
+    flat = {(name, k): v for name, state in dense.items() for k, v in state.items()}
+    gathered = _dense_of_kept(flat, {(name, k): sliced[name] for name, keys in split.items() for k in keys},
+                              {key for key in flat if key[0] in mine})
+    shared = {name: {k: gathered[name, k] for k in dense[name]} for name in mine}
     param_groups = [
         {**{k: v for k, v in saved.items() if k != "params"}, "params": [name for name, _ in group]}
         for saved, group in zip(state_dict["param_groups"], named)
     ]
-    return {"state": dense, "param_groups": param_groups}, {"state": experts}
+    return {"state": shared, "param_groups": param_groups}, {"state": experts}
+
+
+def _tp_size(entry: tuple[nn.Module, str]) -> int:
+    return group_size(entry[0].group)
+
+
+def _dense_of_kept(entries: dict[Any, Any], sliced: dict[Any, tuple[nn.Module, str]], keep: set) -> dict[Any, Any]:
+    """The entries named in `keep`, each tensor-parallel slice gathered into its dense tensor.
+    Collective: every rank gathers every slice, in the same order (the ranks of a group keep
+    different ones), and drops what it does not write at once, so a rank holds its own share of
+    the dense state and one gathered tensor more, not the whole model gathered."""
+    kept = {}
+    for name, value in entries.items():
+        dense = dense_tensor(*sliced[name], value) if name in sliced else value
+        if name in keep:
+            kept[name] = dense
+    return kept
 
 
 def _rng_state() -> dict[str, Any]:
@@ -201,16 +230,13 @@ def _rank_payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, gro
     Collective (tensor-parallel slices are gathered into the dense tensors): every rank, in step."""
     (rank, world), files, ranges = _world(), {}, {}
     state, expert_keys, sliced = model.state_dict(), _expert_keys(model), sharded_entries(model)
-    state = {k: dense_tensor(*sliced[k], v) if k in sliced else v for k, v in state.items()}  # every rank
-    dense_optim, expert_optim = _optimizer_files(model, optimizer) if optimizer is not None else ({}, {})
-    dense = {k: v for k, v in state.items() if k not in expert_keys}
-    mine = dense_shares({k: _nbytes(v) for k, v in dense.items()}, world)[rank]
-    files[f"model_part{rank:05d}.pt"] = {k: dense[k] for k in mine}
+    sizes = {k: _nbytes(v) * (_tp_size(sliced[k]) if k in sliced else 1) for k, v in state.items()
+             if k not in expert_keys}  # of the dense tensors, known before anything is gathered
+    mine = dense_shares(sizes, world)[rank]
+    state = _dense_of_kept(state, sliced, set(mine) | set(expert_keys))
+    files[f"model_part{rank:05d}.pt"] = {k: state[k] for k in mine}
     if optimizer is not None:
-        moments = dense_optim["state"]
-        mine = dense_shares({k: _nbytes(v) for k, v in moments.items()}, world)[rank]
-        files[f"optim_part{rank:05d}.pt"] = {"state": {k: moments[k] for k in mine},
-                                             "param_groups": dense_optim["param_groups"]}
+        files[f"optim_part{rank:05d}.pt"], expert_optim = _optimizer_files(model, optimizer, rank, world)
     if _experts_modules(model) and group_rank(groups.edp) == 0:  # one copy of each EP shard
         shard = f"experts_ep{group_rank(groups.ep):03d}.pt"
         spans = {n: [m.first_expert, m.first_expert + m.num_local] for n, m in _experts_modules(model).items()}
@@ -231,27 +257,28 @@ def _write_files(folder: Path, payload: tuple[dict[str, Any], dict]) -> tuple[di
     return files, ranges
 
 
-def _on_cpu(obj: Any, copies: dict | None = None) -> Any:
-    """`obj` with every tensor replaced by a CPU copy (dicts, lists and tuples walked): a snapshot
-    whose originals training may go on changing. Each storage is copied once and the tensors are
-    rebuilt as the same views of it, so tensors that shared storage (tied weights, views of one
-    buffer) still do; containers without tensors are kept as they are (the same objects, e.g. the
-    optimizer's betas in every param group): `torch.save` writes the snapshot as the same bytes as
-    the originals."""
+def _on_host(obj: Any, copy: Callable[[torch.UntypedStorage], torch.UntypedStorage], copies: dict | None = None
+             ) -> Any:
+    """`obj` with every tensor replaced by a host copy (dicts, lists and tuples walked): a snapshot
+    whose originals training may go on changing. Each storage is copied once, by `copy`, and the
+    tensors are rebuilt as the same views of it, so tensors that shared storage (tied weights, views
+    of one buffer) still do; containers without tensors are kept as they are (the same objects,
+    e.g. the optimizer's betas in every param group): `torch.save` writes the snapshot as the same
+    bytes as the originals."""
     copies = {} if copies is None else copies
     if isinstance(obj, torch.Tensor):
         tensor = obj.detach()
         storage = tensor.untyped_storage()
         key = (storage.data_ptr(), str(tensor.device))
         if key not in copies:
-            copies[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
+            copies[key] = copy(storage)
         return torch.empty(0, dtype=tensor.dtype).set_(copies[key], tensor.storage_offset(), tensor.shape,
                                                         tensor.stride())
     if isinstance(obj, dict):
-        new = {k: _on_cpu(v, copies) for k, v in obj.items()}
+        new = {k: _on_host(v, copy, copies) for k, v in obj.items()}
         return obj if all(new[k] is v for k, v in obj.items()) else new
     if isinstance(obj, (list, tuple)):
-        items = [_on_cpu(v, copies) for v in obj]
+        items = [_on_host(v, copy, copies) for v in obj]
         return obj if all(a is b for a, b in zip(items, obj)) else type(obj)(items)
     return obj
 
@@ -370,9 +397,11 @@ class CheckpointWriter:
     """A training run's checkpoints, written in the background (`background=True`) or in the call.
 
     `save` does on the calling thread what needs the model and the collectives of training:
-    the tensor-parallel gathers and a CPU copy of everything a rank writes (the parameters,
+    the tensor-parallel gathers and a host copy of everything a rank writes (the parameters,
     optimizer state and RNG states as they are at the call; masters swapped in by the caller stay
-    valid only during it). A thread then writes the files, checksums them as they go out,
+    valid only during it), into memory the writer keeps from one checkpoint to the next
+    (`weft.hostcopy.HostStage`: page-locked when the state is on GPUs, so the copies run at the
+    link's speed). A thread then writes the files, checksums them as they go out,
     publishes the folder (the ranks agreeing over a gloo group of their own, so training's
     collectives and these never share a group) and prunes to `keep_last`. Invariants: a
     checkpoint appears only complete (the atomic publish of `save_checkpoint`); at most one is in
@@ -393,6 +422,7 @@ class CheckpointWriter:
         self._step: int | None = None
         self._done: tuple[int, int, float] | None = None  # step, bytes, seconds from the call to on disk
         self._held = 0.0  # seconds the latest save held its caller
+        self._stage = HostStage()  # the snapshot's host memory, page-locked from GPUs, kept from save to save
 
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None, groups: MoEGroups,
              extra: dict[str, Any] | None = None) -> None:
@@ -407,7 +437,8 @@ class CheckpointWriter:
             self._held = time.perf_counter() - start
             self._report()
             return
-        snapshot = _on_cpu(payload)
+        self._stage.begin()  # the last checkpoint's files are written (wait above): its copies may go
+        snapshot = _on_host(payload, self._stage.copy)
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the copies are complete before training writes the originals again
         self._step = step
