@@ -39,6 +39,10 @@
 #            read), the layer (plain / dedup / dedup-d2 / auto / no-comm, eager at cf 1.0 and dropless,
 #            and as CUDA graphs at cf 1.0 with auto+graph) for qwen2, phi35 and mixtral,
 #            NCCL_P2P_DISABLE=1 and NVLink (REGIMES="p2p_disabled nvlink"; one regime per call fits)
+#   autograph  the issue's layer tables with auto as CUDA graphs (issue: Overlap that pays; ~4 min): its GPU tests,
+#            then qwen2, phi35 and mixtral with NCCL_P2P_DISABLE=1 at cf 1.0 (plain+graph / auto+graph / no-comm+graph)
+#            and dropless (plain / auto+graph / no-comm), and with NVLink at cf 1.0 against the fixed settings (dedup,
+#            d2, comet; as graphs)
 #   kernels  where the graphed layer's time goes (issue: Hardware speed): qwen2, phi35 and mixtral at cf 1.0,
 #            plain+graph / no-comm+graph / dedup+graph with --breakdown (the top kernels by name per mode),
 #            NVLink (REGIMES to change it)
@@ -263,6 +267,30 @@ part_dedup() {
   unset NCCL_P2P_DISABLE
 }
 
+part_autograph() {
+  gpu_tests "$1" "captures_auto or runs_dropless_auto"
+  for regime in ${REGIMES:-p2p_disabled nvlink}; do
+    set_regime "$regime"
+    for config in qwen2 phi35 mixtral; do
+      if [ "$regime" = p2p_disabled ]; then
+        modes=plain+graph,auto+graph,no-comm+graph,plain+graph
+      else
+        modes=plain+graph,dedup+graph,d2+graph,comet+graph,auto+graph,no-comm+graph
+      fi
+      $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+        --modes "$modes" --baseline plain+graph --steps 20 --warmup 5 \
+        --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | grep -A 8 "capacity  *mode"
+      [ "$regime" = p2p_disabled ] || continue
+      $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
+        --modes plain,auto+graph,no-comm,plain --steps 20 --warmup 5 \
+        --json "$1/dropless_${config}_$regime.json" > "$1/dropless_${config}_$regime.log" 2>&1
+      grep -v "$QUIET" "$1/dropless_${config}_$regime.log" | grep -A 6 "capacity  *mode"
+    done
+  done
+  unset NCCL_P2P_DISABLE
+}
+
 part_kernels() {
   for regime in ${REGIMES:-nvlink}; do
     set_regime "$regime"
@@ -420,7 +448,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet overlap dedup kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
+for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
