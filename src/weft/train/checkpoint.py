@@ -186,8 +186,9 @@ def _tp_size(entry: tuple[nn.Module, str]) -> int:
 def _dense_of_kept(entries: dict[Any, Any], sliced: dict[Any, tuple[nn.Module, str]], keep: set) -> dict[Any, Any]:
     """The entries named in `keep`, each tensor-parallel slice gathered into its dense tensor.
     Collective: every rank gathers every slice, in the same order (the ranks of a group keep
-    different ones), and drops what it does not write at once, so a rank holds its own share of
-    the dense state and one gathered tensor more, not the whole model gathered."""
+    different ones), and drops what it does not write once the next one is gathered, so a rank
+    holds its own share of the dense state and at most two gathered tensors more, not the whole
+    model gathered."""
     kept = {}
     for name, value in entries.items():
         dense = dense_tensor(*sliced[name], value) if name in sliced else value
