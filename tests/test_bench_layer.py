@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 
 import pytest
@@ -291,6 +292,15 @@ def graphed_auto_worker() -> list[str]:
 def test_auto_as_graphs_captures_the_candidate_whose_graph_is_fastest():
     failures = run_checks(graphed_auto_worker, 2, timeout=300)
     assert not failures, "\n".join(failures)
+
+
+def test_auto_as_graphs_stops_when_no_candidate_could_be_captured():
+    """Every candidate timed as infinite (none could be captured: `time_graphed` warned why each)
+    is an error naming them, not a silent choice of the first."""
+    moe = MoE(16, 24, 8, top_k=2, capacity_factor=1.0, parallel="adaptive", a2a_algo="auto")
+    x, grad = torch.randn(32, 16), torch.randn(32, 16)
+    with pytest.raises(RuntimeError, match="none of its candidates .* could be captured"):
+        layer.graphed_auto(moe, x, grad, lambda step_of, candidates, args, grads_of: [math.inf] * len(candidates))
 
 
 def graphed_auto_dropless_worker(winner: str) -> list[str]:

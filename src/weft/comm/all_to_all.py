@@ -2,6 +2,13 @@
 
 The backward of an all-to-all is the all-to-all of the output gradient with the split sizes
 swapped, so gradients of tokens sent to an expert's owner flow back to the sender.
+
+weft's collectives get detached aliases of their tensors (the same memory, no autograd history).
+A process group's work keeps its tensors until its own thread lets it go (gloo's worker, NCCL's
+watchdog), a moment after the call has returned; an output that autograd then gives its grad_fn
+would keep the whole graph of the call alive that moment longer, gradient accumulators included,
+and a CUDA graph capture refuses to start while an earlier call's graph holds those
+(`weft.graphs.GraphedStep`): timed candidates came out infinite now and then.
 """
 from __future__ import annotations
 
@@ -36,10 +43,10 @@ def _exchange(x: torch.Tensor, group, out_splits, in_splits, scheduler=None) -> 
     x = x.contiguous()
     out = output_buffer(x, out_splits)
     if scheduler is None or not scheduler.active:
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+        dist.all_to_all_single(out.detach(), x.detach(), out_splits, in_splits, group=group)  # see `detached`
         return out
     # Lancet's backward: deferred weight gradients run while the exchange is in flight.
-    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    work = dist.all_to_all_single(out.detach(), x.detach(), out_splits, in_splits, group=group, async_op=True)
     nbytes = x.numel() * x.element_size()
     scheduler.communicate(("all_to_all", x.dtype, nbytes), nbytes, work, x.device)
     return out
@@ -108,14 +115,14 @@ class _AllGather(torch.autograd.Function):
         ctx.group = group
         x = x.contiguous()
         out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-        ALL_GATHER(out, x, group=group)
+        ALL_GATHER(out.detach(), x.detach(), group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
         out = grad.new_empty((grad.shape[0] // group_size(ctx.group),) + tuple(grad.shape[1:]))
-        REDUCE_SCATTER(out, grad, group=ctx.group)
+        REDUCE_SCATTER(out.detach(), grad.detach(), group=ctx.group)
         return out, None
 
 

@@ -50,7 +50,7 @@ def _launch(x: torch.Tensor, group, out_splits, in_splits) -> tuple[torch.Tensor
     if group_size(group) == 1:
         out.copy_(x)
         return out, None
-    return out, dist.all_to_all_single(out, x, out_splits, in_splits, group=group, async_op=True)
+    return out, dist.all_to_all_single(out.detach(), x.detach(), out_splits, in_splits, group=group, async_op=True)
 
 
 def start_all_to_all(

@@ -36,14 +36,14 @@ class PendingGather(SplitCollective):
         out = x.new_empty((world * x.shape[0],) + tuple(x.shape[1:]))
         if world == 1:
             return out.copy_(x), None
-        return out, ALL_GATHER(out, x, group=self.group, async_op=True)
+        return out, ALL_GATHER(out.detach(), x.detach(), group=self.group, async_op=True)  # weft.comm.all_to_all
 
     def launch_backward(self, grad: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         world = group_size(self.group)
         grad_in = grad.new_empty((grad.shape[0] // world,) + tuple(grad.shape[1:]))
         if world == 1:
             return grad_in.copy_(grad), None
-        return grad_in, REDUCE_SCATTER(grad_in, grad, group=self.group, async_op=True)
+        return grad_in, REDUCE_SCATTER(grad_in.detach(), grad.detach(), group=self.group, async_op=True)
 
 
 def start_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, PendingGather]:

@@ -35,7 +35,7 @@ def _exchange(x: torch.Tensor, group: dist.ProcessGroup | None, peers: int) -> t
     if peers == 1:
         return x
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
+    dist.all_to_all_single(out.detach(), x.detach(), group=group)  # detached: weft.comm.all_to_all
     return out
 
 

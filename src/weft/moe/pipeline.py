@@ -41,7 +41,7 @@ def _launch(x: torch.Tensor, group, algo: str = "linear", groups_2dh=None) -> tu
     if algo == "2dh":
         return start_exchange_2dh(x, groups_2dh)
     out = torch.empty_like(x)
-    return out, dist.all_to_all_single(out, x, group=group, async_op=True)
+    return out, dist.all_to_all_single(out.detach(), x.detach(), group=group, async_op=True)  # weft.comm.all_to_all
 
 
 def _wait(handle) -> None:
@@ -234,7 +234,8 @@ def _launch_v(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int
     if group_size(group) == 1:
         return x, None
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, dist.all_to_all_single(out.detach(), x.detach().contiguous(), out_splits, in_splits, group=group,
+                                     async_op=True)
 
 
 class DroplessPipelinedExchange(torch.autograd.Function):

@@ -44,7 +44,7 @@ def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool
     """Sum `x` in place over `group`; the work handle when `async_op` (None for one rank)."""
     if group_size(group) == 1:
         return None
-    return dist.all_reduce(x, group=group, async_op=async_op)
+    return dist.all_reduce(x.detach(), group=group, async_op=async_op)  # detached: weft.comm.all_to_all
 
 
 class CopyReduced:
