@@ -42,8 +42,9 @@ def output_buffer(x: torch.Tensor, out_splits: list[int] | None) -> torch.Tensor
 def _exchange(x: torch.Tensor, group, out_splits, in_splits, scheduler=None) -> torch.Tensor:
     x = x.contiguous()
     out = output_buffer(x, out_splits)
+    # detached aliases: a process group's work must not hold the call's autograd graph (module docstring)
     if scheduler is None or not scheduler.active:
-        dist.all_to_all_single(out.detach(), x.detach(), out_splits, in_splits, group=group)  # see `detached`
+        dist.all_to_all_single(out.detach(), x.detach(), out_splits, in_splits, group=group)
         return out
     # Lancet's backward: deferred weight gradients run while the exchange is in flight.
     work = dist.all_to_all_single(out.detach(), x.detach(), out_splits, in_splits, group=group, async_op=True)

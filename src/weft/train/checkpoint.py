@@ -165,8 +165,8 @@ def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
             dense[name] = state
             if name in sliced:  # the moments of a tensor-parallel slice (not Adam's step)
                 split[name] = {k for k, v in state.items() if torch.is_tensor(v) and v.dim() and v.shape == param.shape}
-    sizes = {name: sum(_nbytes(v) * (_tp_size(sliced[name]) if k in split.get(name, ()) else 1)
-                       for k, v in state.items()) for name, state in dense.items()}
+    sizes = {name: sum(_dense_nbytes(v, sliced[name] if k in split.get(name, ()) else None) for k, v in state.items())
+             for name, state in dense.items()}
     mine = dense_shares(sizes, world)[rank]
     flat = {(name, k): v for name, state in dense.items() for k, v in state.items()}
     gathered = _dense_of_kept(flat, {(name, k): sliced[name] for name, keys in split.items() for k in keys},
@@ -179,8 +179,10 @@ def _optimizer_files(model: nn.Module, optimizer: torch.optim.Optimizer, rank: i
     return {"state": shared, "param_groups": param_groups}, {"state": experts}
 
 
-def _tp_size(entry: tuple[nn.Module, str]) -> int:
-    return group_size(entry[0].group)
+def _dense_nbytes(value: Any, split: tuple[nn.Module, str] | None) -> int:
+    """The bytes `value` has in the dense layout: a tensor-parallel slice (`split`: its module and
+    name) times the ranks it is split over (they split evenly), known before anything is gathered."""
+    return _nbytes(value) * (group_size(split[0].group) if split is not None else 1)
 
 
 def _dense_of_kept(entries: dict[Any, Any], sliced: dict[Any, tuple[nn.Module, str]], keep: set) -> dict[Any, Any]:
@@ -231,8 +233,7 @@ def _rank_payload(model: nn.Module, optimizer: torch.optim.Optimizer | None, gro
     Collective (tensor-parallel slices are gathered into the dense tensors): every rank, in step."""
     (rank, world), files, ranges = _world(), {}, {}
     state, expert_keys, sliced = model.state_dict(), _expert_keys(model), sharded_entries(model)
-    sizes = {k: _nbytes(v) * (_tp_size(sliced[k]) if k in sliced else 1) for k, v in state.items()
-             if k not in expert_keys}  # of the dense tensors, known before anything is gathered
+    sizes = {k: _dense_nbytes(v, sliced.get(k)) for k, v in state.items() if k not in expert_keys}
     mine = dense_shares(sizes, world)[rank]
     state = _dense_of_kept(state, sliced, set(mine) | set(expert_keys))
     files[f"model_part{rank:05d}.pt"] = {k: state[k] for k in mine}
