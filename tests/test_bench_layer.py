@@ -305,9 +305,11 @@ def test_auto_as_graphs_stops_when_no_candidate_could_be_captured():
 
 def graphed_auto_dropless_worker(winner: str) -> list[str]:
     """`auto+graph` on a dropless layer (`layer.graphed_auto_dropless`): auto's eager call against
-    dedup-fixed at degrees 1 and 2 and with the own pairs apart as graphs, timed here by stand-ins
-    that run each step eagerly (a capture needs CUDA), the eager call's autograd graph dropped
-    before the captures; all compute the plain layer, and the forward returned runs the fastest."""
+    dedup-fixed at degrees 1 and 2 and with the own pairs apart as graphs, and Comet's call where
+    the ranks reach each other's memory (here told so: shared files between the gloo ranks), timed
+    here by stand-ins that run each step eagerly (a capture needs CUDA), the eager call's autograd
+    graph dropped before the captures; all compute the plain layer, and the forward returned runs
+    the fastest."""
     rank = torch.distributed.get_rank()
     checks = Checks(f"rank {rank}")
     torch.manual_seed(0)
@@ -316,7 +318,7 @@ def graphed_auto_dropless_worker(winner: str) -> list[str]:
     x, grad = torch.randn(32, 16, generator=gen), torch.randn(32, 16, generator=gen)
     y_plain = moe(x, **layer.MODES["plain"]).detach()
     ran = []
-    seconds = {"auto": 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0, "dedup-fixed-own": 4.0}
+    seconds = {"auto": 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0, "dedup-fixed-own": 4.0, "comet": 5.0}
     seconds[winner] = 0.5
 
     def run(name, step, args):
@@ -338,26 +340,27 @@ def graphed_auto_dropless_worker(winner: str) -> list[str]:
             run(mode, step, args)
         return [seconds[mode] for mode in candidates]
 
-    forward, graphed, candidates_ms = layer.graphed_auto_dropless(moe, x, grad, timer, eager_timer)
-    forms = ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own"]
+    forward, graphed, candidates_ms = layer.graphed_auto_dropless(moe, x, grad, timer, eager_timer, comet=True)
+    forms = ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own", "comet"]
     checks.expect(ran == ["auto", *forms] and graphed == (winner != "auto"), f"ran {ran}, graphed {graphed}")
     want_ms = {"auto (eager)": seconds["auto"] * 1e3, **{f"{form} (graph)": seconds[form] * 1e3 for form in forms}}
     checks.expect(candidates_ms == want_ms, f"times {candidates_ms}")
     calls, real_forward = [], moe.forward
 
     def recording(x, **overrides):
-        calls.append((overrides.get("a2a_algo"), overrides.get("overlap_degree", 1)))
+        calls.append((overrides.get("a2a_algo"), overrides.get("overlap_degree", 1), overrides.get("kernels")))
         return real_forward(x, **overrides)
 
     moe.forward = recording
-    want = {"auto": ("auto", "auto"), "dedup-fixed": ("dedup-fixed", 1), "dedup-fixed-d2": ("dedup-fixed", 2),
-            "dedup-fixed-own": ("dedup-fixed-own", 1)}[winner]
+    want = {"auto": ("auto", "auto", None), "dedup-fixed": ("dedup-fixed", 1, None),
+            "dedup-fixed-d2": ("dedup-fixed", 2, None), "dedup-fixed-own": ("dedup-fixed-own", 1, None),
+            "comet": ("linear", 1, "comet")}[winner]
     checks.expect(torch.allclose(forward(x), y_plain, rtol=1e-5, atol=1e-6) and calls == [want],
                   f"the chosen forward ran {calls}")
     return checks.failures
 
 
-@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own", "auto"])
+@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own", "comet", "auto"])
 def test_auto_as_a_graph_on_a_dropless_layer_runs_the_fastest_of_eager_auto_and_the_fixed_size_graphs(winner):
     failures = run_checks(graphed_auto_dropless_worker, 2, args=(winner,), timeout=300)
     assert not failures, "\n".join(failures)
@@ -366,6 +369,7 @@ def test_auto_as_a_graph_on_a_dropless_layer_runs_the_fastest_of_eager_auto_and_
 def test_dropless_graphs_only_for_the_fixed_size_exchange():
     """A CUDA graph of a dropless call needs one that reads nothing on the host: `dedup-fixed`."""
     LayerBenchConfig("tiny", 16, capacity=(None,), modes=("plain", "dedup-fixed+graph", "auto+graph")).validate()
-    allowed = "dedup-fixed, dedup-fixed-d2, dedup-fixed-d4, dedup-fixed-own, dedup-fixed-own-d2, auto graph dropless"
+    allowed = ("dedup-fixed, dedup-fixed-d2, dedup-fixed-d4, dedup-fixed-own, dedup-fixed-own-d2, comet, auto graph "
+               "dropless")
     with pytest.raises(ValueError, match=f"a CUDA graph needs static shapes.*{allowed}"):
         LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph")).validate()

@@ -27,20 +27,24 @@ from weft.testing import run_checks, run_distributed
 COMET_BUFFERS = ["comet.grad_out", "comet.grad_send", "comet.out", "comet.send"]
 
 
-def rank_maps(K, world: int, local: int, cap: int, block_m: int, device, gen) -> list:
+def rank_maps(K, world: int, local: int, cap: int, block_m: int, device, gen, on_device: bool = False) -> list:
     """Every rank's `RowMap` and every source's buffer rows: padded (cap > 0: C slots per expert
     from every source) or dropless (cap <= 0: each source's routed rows sorted by expert, random
-    counts up to -cap, some zero)."""
+    counts up to -cap, some zero; `on_device`: maps built from the counts on the device, sized for
+    every source sending its most rows to one rank)."""
     experts = world * local
     if cap > 0:
         return [K.RowMap.padded(world, local, cap, r, block_m, device) for r in range(world)], experts * cap
     counts = torch.randint(0, -cap + 1, (world, experts), generator=gen)
     counts[0, 0] = 0  # an empty (source, expert) pair
+    rows = int(counts.sum(1).max())
+    if on_device:
+        return [K.RowMap.on_device(counts.to(device), r, local, block_m, world * rows) for r in range(world)], rows
     offsets = torch.cumsum(counts, 1) - counts
     mine = [slice(r * local, (r + 1) * local) for r in range(world)]
     maps = [K.RowMap.build(counts[:, mine[r]].tolist(), offsets[:, mine[r]].tolist(), r, block_m, device)
             for r in range(world)]
-    return maps, int(counts.sum(1).max())
+    return maps, rows
 
 
 def test_row_map_and_segment_gemms_match_loops_over_experts():
@@ -74,6 +78,19 @@ def test_row_map_and_segment_gemms_match_loops_over_experts():
             assert order.dtype == torch.int32 and sorted(map(tuple, order.tolist())) == tiles, label
         first_rank = [(rows.rank_R[t[1]].item() - rank) % world for t in rows.pull_tiles.tolist()]
         assert first_rank == sorted(first_rank), f"{label}: layer0 takes tiles starting on this rank first"
+        # the same map from the counts on the device, sized for more rows than arrive
+        bound = rows.num_rows + 2 * block_m + 1
+        device_rows = K.RowMap.on_device(counts, rank, local, block_m, bound)
+        used = rows.num_rows
+        assert device_rows.segments is None and device_rows.num_rows == bound, label
+        assert device_rows.rank_R[:used].tolist() == rows.rank_R.tolist(), label
+        assert device_rows.row_R[:used].tolist() == rows.row_R.tolist(), label
+        assert set(device_rows.rank_R[used:].tolist()) == {-1}, f"{label}: rows past the last end"
+        assert torch.equal(device_rows.ends_I, rows.ends_I), label
+        for order, exact in ((device_rows.pull_tiles, rows.pull_tiles), (device_rows.push_tiles, rows.push_tiles)):
+            assert len(order) == -(-bound // block_m) + local, label
+            assert torch.equal(order[:len(exact)], exact), f"{label}: the same tiles in the same order first"
+            assert not order[len(exact):].any(), f"{label}: then empty tiles only"
         for dim, hidden in ((8, 12), (5, 7)):
             x = torch.randn(rows.num_rows, dim, generator=gen)
             w = torch.randn(local, dim, hidden, generator=gen)
@@ -82,6 +99,11 @@ def test_row_map_and_segment_gemms_match_loops_over_experts():
             dw_ref = torch.stack([a.T @ b for a, b in zip(torch.split(x, segments), torch.split(dy, segments))])
             torch.testing.assert_close(K.segment_mm(x, w, rows), y_ref, msg=label)
             torch.testing.assert_close(K.segment_wgrad(x, dy, rows), dw_ref, msg=label)
+            # rows past the last end (anything there) change neither
+            x_pad = torch.cat([x, torch.full((bound - used, dim), float("nan"))])
+            dy_pad = torch.cat([dy, torch.full((bound - used, hidden), float("nan"))])
+            torch.testing.assert_close(K.segment_mm(x_pad, w, device_rows)[:used], y_ref, msg=label)
+            torch.testing.assert_close(K.segment_wgrad(x_pad, dy_pad, device_rows), dw_ref, msg=label)
 
 
 def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
@@ -101,11 +123,14 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
         shapes += [(2, 2, 128, 256, 512), (2, 4, -300, 256, 512), (2, 2, 100, 256, 704)]
     if not tma:  # an operand whose width is not a multiple of 8 is read by pointer with descriptors on too
         shapes = [shape for shape in shapes if shape[3] % 8 == 0 and shape[4] % 8 == 0]
-    cases = itertools.product((torch.float32, torch.bfloat16), shapes, (False, True))
-    for dtype, (world, local, cap, dim, hidden), transposed in cases:
-        label = f"{dtype} W={world} El={local} C={cap} dim={dim} hidden={hidden} w^T={transposed}"
+    cases = [(dtype, shape, transposed, on_device)
+             for dtype, shape, transposed in itertools.product((torch.float32, torch.bfloat16), shapes, (False, True))
+             for on_device in ((False, True) if shape[2] <= 0 else (False,))]
+    for dtype, (world, local, cap, dim, hidden), transposed, on_device in cases:
+        label = (f"{dtype} W={world} El={local} C={cap} dim={dim} hidden={hidden} w^T={transposed} "
+                 f"map on the device {on_device}")
         tiles = K.CometTiles.for_device(torch.device(device), dtype=dtype)
-        maps, rows = rank_maps(K, world, local, cap, tiles.block_m, device, gen)
+        maps, rows = rank_maps(K, world, local, cap, tiles.block_m, device, gen, on_device)
         sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]
         table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=device)
         outs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
@@ -122,6 +147,8 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
             b = weights(dim, hidden)
             gathered, out = K.pull_gemm(table, sends[rank], rank_map, b, tiles)
             gathered_ref, out_ref = K.pull_gemm_reference(sends, rank_map, b)
+            used = int(rank_map.ends_I[-1])  # a map built on the device: rows past it are anything
+            gathered, out, gathered_ref, out_ref = gathered[:used], out[:used], gathered_ref[:used], out_ref[:used]
             if not torch.equal(gathered, gathered_ref):
                 failures.append(f"{label} rank {rank}: pulled rows differ")
             err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm().clamp_min(1e-12))
@@ -187,6 +214,59 @@ def test_dropless_calls_run_through_comet():
     assert not flat, "\n".join(flat)
 
 
+def counts_on_device_worker() -> list[str]:
+    """A dropless `kernels="comet"` call (forward and backward) after the first reads nothing on
+    the host: every rank's counts stay on the device and Comet's map is built there, which is what
+    lets a CUDA graph hold the call. Its outputs and gradients are those of the plain layer, over
+    several calls with changing counts; ranks routing different numbers of tokens are refused."""
+    from test_moe_exchange import _count_reads
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = []
+    torch.manual_seed(0)
+    comet = MoE(16, 24, 2 * world, top_k=2, capacity_factor=None, kernels="comet")
+    torch.manual_seed(0)
+    plain = MoE(16, 24, 2 * world, top_k=2, capacity_factor=None)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(4):
+        x = torch.randn(20, 16, generator=gen)
+        x[:, 0] += step  # the counts change from call to call
+        xc, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yp = plain(xp)
+        yp.square().sum().backward()
+
+        def call():
+            yc = comet(xc)
+            yc.square().sum().backward()
+            return yc
+
+        reads = _count_reads(call) if step else []
+        if step == 0:
+            call()
+        if reads:
+            failures.append(f"rank {rank} step {step}: the dropless Comet call read the device {len(reads)} times "
+                            f"({reads})")
+        if not torch.allclose(xc.grad, xp.grad, atol=1e-5):
+            failures.append(f"rank {rank} step {step}: input gradient differs from plain")
+    for (name, pc), pp in zip(comet.named_parameters(), plain.parameters()):
+        if not torch.allclose(pc.grad, pp.grad, atol=1e-4):
+            failures.append(f"rank {rank}: {name} gradient differs from plain")
+    uneven = MoE(16, 24, 2 * world, top_k=2, capacity_factor=None, kernels="comet")
+    try:
+        uneven(torch.randn(20 + rank, 16))
+        failures.append(f"rank {rank}: ranks routing 20 and 21 tokens ran a dropless Comet call")
+    except ValueError as e:
+        if "tokens per rank" not in str(e):
+            failures.append(f"rank {rank}: unexpected error {e}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_dropless_comet_reads_nothing_on_the_host(world_size):
+    flat = run_checks(counts_on_device_worker, world_size, timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
 def tuned_worker(path: str) -> list[str]:
     """Comet's adaptive assignment in the layer: with two copy-program choices, the first call of
     each shape times both (layer0's forward and backward GEMMs have the same shape: one key; the
@@ -204,7 +284,7 @@ def tuned_worker(path: str) -> list[str]:
     torch.manual_seed(0)
     moe = MoE(16, 24, 8, top_k=2, capacity_factor=1.0, kernels="comet", tuning=tuning)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for capacity in (2.0, None, 2.0):  # the second padded call reuses the choice
+    for capacity in (1.0, None, 1.0):  # the second padded call reuses the choice
         x = torch.randn(20, 16, generator=gen)
         outs = []
         for kernels in ("comet", "auto"):

@@ -179,22 +179,26 @@ def test_comet_two_runs_are_bitwise_equal():
 
 
 def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int = 1,
-                 capacity_factor: float | None = 1.0) -> list[str]:
+                 capacity_factor: float | None = 1.0, kernels_of_all: str | None = None) -> list[str]:
     """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
     the eager step's outputs, input gradients and parameter gradients on new inputs (padded
     capacity, or dropless with `capacity_factor` None and a2a_algo "dedup-fixed"; token and expert
     choice; bitwise with the Triton kernels, whose results are deterministic; the torch path's
     atomics only promise rounding). A graph that accumulates adds two replays' gradients as two
     eager backwards do; one that owns its gradients holds the last replay's only, as an eager
-    backward into `.grad = None` does, even after `.grad` was freed."""
+    backward into `.grad = None` does, even after `.grad` was freed. `kernels_of_all`: every case
+    with these kernels (e.g. "comet", whose dropless calls read nothing on the host)."""
     from weft.graphs import GraphedStep
 
     failures, rank = [], torch.distributed.get_rank()
     cases = (("topk", 1, "auto"), ("topk", 4, "auto"), ("bpr", 2, "torch"), ("expert_choice", 2, "auto"))
-    if a2a_algo.startswith("dedup"):  # token choice only
+    if a2a_algo.startswith("dedup") or capacity_factor is None:  # token choice only
         cases = cases[:3]
+    if kernels_of_all is not None:
+        cases = tuple((gate, k, kernels_of_all) for gate, k, _ in cases)
     for (gate, k, kernels), accumulate in itertools.product(cases, (True, False)):
-        exact = kernels == "auto" and gate != "expert_choice"  # expert choice combines with torch's index_add
+        # expert choice combines with torch's index_add; the torch path's atomics promise rounding only
+        exact = kernels in ("auto", "comet") and gate != "expert_choice"
         torch.manual_seed(0)
         moe = MoE(256, 512, 16, top_k=k, gate=gate, capacity_factor=capacity_factor, activation="gelu", dtype=dtypes[0],
                   device=device, kernels=kernels, a2a_algo=a2a_algo, overlap_degree=overlap_degree)
@@ -241,6 +245,42 @@ def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int =
             failures += differences(f"rank {rank} {gate} k{k} {kernels} accumulate={accumulate}, {len(pairs)} step(s)",
                                     replayed(pairs), expected, exact)
     return failures
+
+
+def comet_syncs_worker(device) -> list[str]:
+    """A dropless `kernels="comet"` call (forward and backward, bf16) after the first: no
+    synchronisation of the stream with the host (PyTorch's sync debug mode)."""
+    from test_moe_exchange import _count_syncs
+
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    moe = MoE(256, 512, 16, top_k=4, capacity_factor=None, activation="gelu", dtype=torch.bfloat16, device=device,
+              kernels="comet")
+    gen = torch.Generator(device=device).manual_seed(10 + rank)
+    xs = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
+
+    def call():
+        moe(xs.pop().requires_grad_()).float().square().sum().backward()
+
+    call()  # the first: the ranks agree, layer0's copy programs timed
+    call()
+    syncs = _count_syncs(call)
+    return [f"rank {rank}: a dropless Comet call synchronised {len(syncs)} times: {syncs}"] if syncs else []
+
+
+@needs_cuda
+def test_dropless_comet_replays_as_a_cuda_graph_and_never_synchronises():
+    """kernels="comet" dropless on every GPU: the map built from the counts on the device, so no
+    host synchronisation in a call, and the step captured as one CUDA graph equal (bitwise) to the
+    eager step over new inputs (topk k 1 and 4, bpr k 2); the dense reference and bitwise runs are
+    `-k comet_matches` and `-k comet_two_runs` (their dropless cases now take this path)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs: one rank's dropless call has no exchange")
+    world = torch.cuda.device_count()
+    flat = run_checks(comet_syncs_worker, world, args=("cuda",), backend="nccl", timeout=600)
+    flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "linear", 1, None, "comet"),
+                       backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
 
 
 @needs_cuda

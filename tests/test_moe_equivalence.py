@@ -71,8 +71,9 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
               expert_bias=bias is not None, routing_temperature=temperature, a2a_algo=a2a_algo,
               overlap_degree=overlap_degree)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
-    # dropless allows uneven token counts (not in fixed-size exchanges)
-    num_tokens = 12 + 4 * rank if cap is None and a2a_algo not in ("dedup-fixed", "dedup-fixed-own") else 16
+    # dropless allows uneven token counts (not in fixed-size exchanges, nor Comet's buffers sized by them)
+    fixed_size = a2a_algo in ("dedup-fixed", "dedup-fixed-own") or kernels == "comet"
+    num_tokens = 12 + 4 * rank if cap is None and not fixed_size else 16
     gen = torch.Generator().manual_seed(100 + rank)
     x = (torch.randn(num_tokens, DIM, generator=gen) + torch.eye(DIM)[0]).to(device, dtype).requires_grad_()
     dy = torch.randn(num_tokens, DIM, generator=gen)

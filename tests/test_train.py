@@ -496,9 +496,30 @@ def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, **model}))
     set_layers(gpt, "a2a_algo", algo)
     device = torch.device("cpu" if reason and reason.startswith("CUDA") else "cuda")  # the checks before the device's
-    hint = " (--a2a-algo dedup-fixed reads none)" if "dropless" in (reason or "") else ""
+    hint = (" (--a2a-algo dedup-fixed reads none, nor does --kernels comet where the GPUs reach each other's "
+            "memory)") if "dropless" in (reason or "") else ""
     assert graph_blocker(gpt, device, overlap) == (reason if reason is None or reason.startswith(("CUDA", "--")) else
                                                    reason + ": its sizes are read on the host every step" + hint)
+
+
+def _comet_blocker_worker() -> list:
+    from weft.train.step import graph_blocker, set_layers
+
+    gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, "capacity_factor": None}))
+    cuda = torch.device("cuda")  # the checks before the device's (the layers' peers: shared files here)
+    plain = graph_blocker(gpt, cuda, "none")
+    set_layers(gpt, "kernels", "comet")
+    return [plain, graph_blocker(gpt, cuda, "none"), graph_blocker(gpt, cuda, "lancet")]
+
+
+def test_dropless_comet_steps_can_be_graphed():
+    """Dropless layers read their counts on the host, except with Comet's kernels where the ranks
+    reach each other's memory (2 gloo ranks: shared files): their steps can be captured, unless
+    Lancet's scheduler takes the exchange (it runs the all-to-allv)."""
+    plain, comet, lancet = run_distributed(_comet_blocker_worker, 2, timeout=120)[0]
+    assert plain.startswith("MoE layer 0 runs capacity_factor=None (dropless)"), plain
+    assert comet is None
+    assert lancet == plain
 
 
 def test_lancets_partitioned_forward_keeps_the_step_eager():
@@ -670,12 +691,15 @@ def test_weft_train_refuses_balance_on_a_padded_model(capsys):
     assert "train.balance 'pro-prophet' balances dropless MoE layers" in capsys.readouterr().err
 
 
-def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path):
-    """--kernels comet (padded capacity: Comet's exchange over shared-memory files between the two
-    gloo ranks, its kernels' PyTorch references) trains with the losses of --kernels auto."""
+@pytest.mark.parametrize("capacity", [1.25, None])
+def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path, capacity):
+    """--kernels comet (padded capacity, and dropless with the counts left on the device: Comet's
+    exchange over shared-memory files between the two gloo ranks, its kernels' PyTorch references)
+    trains with the losses of --kernels auto."""
     cache = tmp_path / "cache"
-    run(config(corpus, tmp_path / "auto", steps=8, log_interval=1), 2, cache)
-    run(config(corpus, tmp_path / "comet", steps=8, log_interval=1, kernels="comet"), 2, cache)
+    model = {**SMALL_MODEL, "capacity_factor": capacity}
+    run(config(corpus, tmp_path / "auto", steps=8, log_interval=1, model=model), 2, cache)
+    run(config(corpus, tmp_path / "comet", steps=8, log_interval=1, kernels="comet", model=model), 2, cache)
     auto, comet = losses(tmp_path / "auto"), losses(tmp_path / "comet")
     assert sorted(comet) == list(range(1, 9))
     assert all(abs(auto[s] - comet[s]) <= 1e-5 * abs(auto[s]) for s in auto), (auto, comet)

@@ -128,14 +128,16 @@ NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
 # (weft.graphs); the same kernels without their host launch cost. Padded capacity only (dropless
-# reads its counts on the host), except `dedup-fixed` (`GRAPHS_DROPLESS`). "auto+graph" times each
+# reads its counts on the host), except `dedup-fixed` and `comet` (`GRAPHS_DROPLESS`). "auto+graph" times each
 # of auto's candidate settings as a graph and captures the fastest (`graphed_auto`; auto's eager
 # tuning synchronises, so it cannot run inside a capture, and it would time launch costs a replay
 # does not pay).
 GRAPH_SUFFIX = "+graph"
-# the modes whose dropless calls read nothing on the host, and auto, which graphs dedup-fixed (at degree 1
-# or 2, or with the own pairs apart) where that is faster than its eager call (`graphed_auto_dropless`)
-GRAPHS_DROPLESS = (*(mode for mode, call in MODES.items() if call.get("a2a_algo") in FIXED_SIZE_ALGOS), "auto")
+# the modes whose dropless calls read nothing on the host (dedup-fixed's; comet's, where the GPUs reach
+# each other's memory: `MoE.counts_stay_on_device`), and auto, which graphs dedup-fixed (at degree 1 or 2,
+# or with the own pairs apart) where that is faster than its eager call (`graphed_auto_dropless`)
+GRAPHS_DROPLESS = (*(mode for mode, call in MODES.items() if call.get("a2a_algo") in FIXED_SIZE_ALGOS), "comet",
+                   "auto")
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -169,22 +171,28 @@ def graphed_auto(moe: MoE, x: torch.Tensor, grad: torch.Tensor,
 
 
 def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: GraphTimer = time_graphed,
-                          eager_timer: Callable | None = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool,
-                                                                       dict[str, float]]:
+                          eager_timer: Callable | None = None,
+                          comet: bool | None = None) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool,
+                                                              dict[str, float]]:
     """auto+graph on a dropless layer: auto's eager call (sizes read on the host, linear or dedup
     tuned per call; `eager_timer(step, args)`, default `tuned_eager_seconds`) against dedup-fixed
-    (fixed-size exchanges, nothing read on the host) in each of `FIXED_SIZE_FORMS` timed as a CUDA
-    graph (`timer`); the fastest runs, as `weft train --a2a-algo auto` chooses
-    (weft.train.step.choose_fixed_size). Returns its forward, whether it is to be captured, and
-    the milliseconds of each."""
+    (fixed-size exchanges, nothing read on the host) in each of `FIXED_SIZE_FORMS` and, where the
+    GPUs reach each other's memory, Comet's call (its counts left on the device:
+    `MoE.counts_stay_on_device`; `comet` True or False overrides that test), each timed as a CUDA
+    graph (`timer`); the fastest runs, as `weft train --a2a-algo auto` chooses among eager and the
+    fixed-size forms (weft.train.step.choose_fixed_size). Returns its forward, whether it is to be
+    captured, and the milliseconds of each."""
     def step_of(mode: str):
         return _fwd_bwd_step(moe, mode_forward(mode, moe))
 
+    if comet is None:
+        comet = x.is_cuda and moe.counts_stay_on_device(**MODES["comet"])
+    forms = (*FIXED_SIZE_FORMS, "comet") if comet else FIXED_SIZE_FORMS
     args = [x.detach().requires_grad_(), grad]
     eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)
-    graph_s = dict(zip(FIXED_SIZE_FORMS, timer(step_of, FIXED_SIZE_FORMS, args=args, grads_of=list(moe.parameters()))))
+    graph_s = dict(zip(forms, timer(step_of, forms, args=args, grads_of=list(moe.parameters()))))
     moe.record(None)
-    _some_captured(list(graph_s.values()), list(FIXED_SIZE_FORMS))
+    _some_captured(list(graph_s.values()), list(forms))
     best = min(graph_s, key=graph_s.__getitem__)
     graphed = graph_s[best] < eager_s
     times_ms = {"auto (eager)": eager_s * 1e3, **{f"{form} (graph)": s * 1e3 for form, s in graph_s.items()}}

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weft.kernels.grouped_mm import grouped_mm_takes
+from weft.kernels.grouped_mm import grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
 from weft.kernels.rows import triton
 
 if triton is not None:
@@ -92,21 +92,25 @@ class RowMap:
     """Where rank `rank`'s gathered rows live, and their tiles.
 
     `rank_R` (int32) and `row_R` (int64): gathered row g is row `row_R[g]` of rank `rank_R[g]`'s
-    buffer. `segments[i]`: the rows of local expert i (consecutive); `ends_I` (int32, on the
-    device): their running sum, the offsets `torch._grouped_mm` takes. `pull_tiles` / `push_tiles`
-    (int32 (T, 3): expert, first row, end row): the same tiles in layer0's order (rows starting on
-    this rank first) and layer1's (remote first, this rank's own last)."""
+    buffer. `ends_I` (int32, on the device): the running sum of local expert i's rows (consecutive),
+    the offsets `torch._grouped_mm` takes. `pull_tiles` / `push_tiles` (int32 (T, 3): expert,
+    first row, end row): the same tiles in layer0's order (rows starting on this rank first) and
+    layer1's (remote first, this rank's own last). `segments[i]`: local expert i's rows, where the
+    host knows them (`build`); None for a map built from counts on the device (`on_device`), whose
+    arrays are sized for the most rows the rank can receive: rows past the last end have rank -1,
+    tiles past the last one are empty (first = end = 0) and come last in both orders."""
 
     rank_R: torch.Tensor
     row_R: torch.Tensor
-    segments: tuple[int, ...]
+    segments: tuple[int, ...] | None
     ends_I: torch.Tensor
     pull_tiles: torch.Tensor
     push_tiles: torch.Tensor
 
     @property
     def num_rows(self) -> int:
-        return sum(self.segments)
+        """The gathered rows (`on_device`: the most there can be, the buffers' size)."""
+        return sum(self.segments) if self.segments is not None else self.rank_R.shape[0]
 
     @staticmethod
     def build(counts_SI: list[list[int]], offsets_SI: list[list[int]], rank: int, block_m: int,
@@ -120,21 +124,24 @@ class RowMap:
         count_IS_host = [counts_SI[s][i] for i in range(num_local) for s in range(world)]  # expert-major
         offset_IS_host = [offsets_SI[s][i] for i in range(num_local) for s in range(world)]
         segments = tuple(sum(count_IS_host[i * world:(i + 1) * world]) for i in range(num_local))
-        rows, n_tiles = sum(segments), sum(-(-c // block_m) for c in segments)
         count_IS, offset_IS = torch.tensor([count_IS_host, offset_IS_host], dtype=torch.int64).to(device)
-        start_IS = torch.cumsum(count_IS, 0) - count_IS
-        source_IS = torch.arange(world, device=device).repeat(num_local)
-        rank_R = torch.repeat_interleave(source_IS, count_IS, output_size=rows)
-        row_R = torch.repeat_interleave(offset_IS - start_IS, count_IS, output_size=rows)
-        row_R += torch.arange(rows, device=device)
-        count_I = count_IS.view(num_local, world).sum(1)
-        end_I = torch.cumsum(count_I, 0)
-        tiles_T3 = _tiles(count_I, end_I - count_I, block_m, n_tiles)
-        distance_T = (rank_R[tiles_T3[:, 1]] - rank) % world if n_tiles else tiles_T3[:, 0]
-        pull = torch.sort(distance_T, stable=True).indices
-        push = torch.sort((distance_T - 1) % world, stable=True).indices
-        return RowMap(rank_R.to(torch.int32), row_R, segments, end_I.to(torch.int32),
-                      tiles_T3[pull].to(torch.int32), tiles_T3[push].to(torch.int32))
+        return _row_map(count_IS, offset_IS, world, rank, block_m, sum(segments),
+                        sum(-(-c // block_m) for c in segments), segments)
+
+    @staticmethod
+    def on_device(counts_WE: torch.Tensor, rank: int, num_local: int, block_m: int, max_rows: int) -> RowMap:
+        """The dropless map from every rank's counts left on the device (`counts_WE[s][e]`: the rows
+        source s dispatched to expert e, each source's rows sorted by expert from row 0 of its
+        buffer): nothing is read on the host, so a CUDA graph can hold the call. Its arrays are
+        sized for `max_rows`, the most rows this rank's experts can receive (W * min(T * k, T * El)
+        for T tokens a rank), and the tiles for the most such rows can take (max_rows / block_m + El);
+        the kernels skip the empty tiles and the rows past the last end."""
+        world = counts_WE.shape[0]
+        counts_WE = counts_WE.to(torch.int64)
+        mine = slice(rank * num_local, (rank + 1) * num_local)
+        count_IS = counts_WE[:, mine].t().reshape(-1)  # expert-major, then source
+        offset_IS = (torch.cumsum(counts_WE, 1) - counts_WE)[:, mine].t().reshape(-1)
+        return _row_map(count_IS, offset_IS, world, rank, block_m, max_rows, -(-max_rows // block_m) + num_local)
 
     @staticmethod
     def padded(world: int, num_local: int, capacity: int, rank: int, block_m: int, device: torch.device) -> RowMap:
@@ -145,29 +152,58 @@ class RowMap:
         return RowMap.build(counts, offsets, rank, block_m, device)
 
 
+def _row_map(count_IS: torch.Tensor, offset_IS: torch.Tensor, world: int, rank: int, block_m: int, rows: int,
+             n_tiles: int, segments: tuple[int, ...] | None = None) -> RowMap:
+    """`RowMap` from the (expert, source) runs' counts and source offsets on the device, with
+    `rows` gathered rows and `n_tiles` tiles (exact, or bounds: the rows and tiles past the runs'
+    are marked empty, as `RowMap` says)."""
+    device = count_IS.device
+    num_local = count_IS.numel() // world
+    end_IS = torch.cumsum(count_IS, 0)
+    run_R = torch.searchsorted(end_IS, torch.arange(rows, device=device), right=True)  # each row's run
+    used_R = run_R < count_IS.numel()
+    run_R = run_R.clamp(max=count_IS.numel() - 1)
+    rank_R = torch.where(used_R, run_R % world, -1)
+    row_R = torch.where(used_R, offset_IS[run_R] + torch.arange(rows, device=device) - (end_IS - count_IS)[run_R], 0)
+    count_I = count_IS.view(num_local, world).sum(1)
+    end_I = torch.cumsum(count_I, 0)
+    tiles_T3 = _tiles(count_I, end_I - count_I, block_m, n_tiles)
+    used_T = tiles_T3[:, 2] > tiles_T3[:, 1]
+    distance_T = (rank_R[tiles_T3[:, 1].clamp(max=max(rows - 1, 0))] - rank) % world if rows else tiles_T3[:, 0]
+    pull = torch.sort(torch.where(used_T, distance_T, world), stable=True).indices
+    push = torch.sort(torch.where(used_T, (distance_T - 1) % world, world), stable=True).indices
+    return RowMap(rank_R.to(torch.int32), row_R, segments, end_I.to(torch.int32),
+                  tiles_T3[pull].to(torch.int32), tiles_T3[push].to(torch.int32))
+
+
 def _tiles(count_I: torch.Tensor, start_I: torch.Tensor, block_m: int, n_tiles: int) -> torch.Tensor:
-    """(T, 3) int64: each expert's rows [start, start + count) cut into runs of at most `block_m`
-    (expert, first, end), in expert order; experts without rows have no tile. `n_tiles`: T, which
-    the caller knows on the host."""
+    """(n_tiles, 3) int64: each expert's rows [start, start + count) cut into runs of at most
+    `block_m` (expert, first, end), in expert order; experts without rows have no tile. `n_tiles`:
+    at least their number; the rest are empty, (0, 0, 0)."""
     tiles_I = (count_I + block_m - 1) // block_m
-    expert_T = torch.repeat_interleave(torch.arange(len(count_I), device=count_I.device), tiles_I,
-                                       output_size=n_tiles)
-    first_tile_I = torch.cumsum(tiles_I, 0) - tiles_I
-    first_T = start_I[expert_T] + (torch.arange(n_tiles, device=count_I.device) - first_tile_I[expert_T]) * block_m
+    ends_I = torch.cumsum(tiles_I, 0)
+    expert_T = torch.searchsorted(ends_I, torch.arange(n_tiles, device=count_I.device), right=True)
+    used_T = expert_T < len(count_I)
+    expert_T = expert_T.clamp(max=len(count_I) - 1)
+    tile_T = torch.arange(n_tiles, device=count_I.device)
+    first_T = start_I[expert_T] + (tile_T - (ends_I - tiles_I)[expert_T]) * block_m
     end_T = torch.minimum(first_T + block_m, (start_I + count_I)[expert_T])
-    return torch.stack([expert_T, first_T, end_T], 1)
+    return torch.where(used_T[:, None], torch.stack([expert_T, first_T, end_T], 1), 0)
 
 
 def segment_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, rows: RowMap) -> torch.Tensor:
-    """x's rows of expert i (consecutive, `rows.segments[i]` of them) @ w[i]: one batched matmul
-    when every expert has the same rows, else one grouped GEMM where `torch._grouped_mm` takes the
-    operands, else one matmul per expert."""
+    """x's rows of expert i (consecutive, up to `rows.ends_I[i]`) @ w[i]: one batched matmul when
+    the host knows every expert has the same rows, else one grouped GEMM where `torch._grouped_mm`
+    takes the operands, else one matmul per expert (a map built on the device: its ends read on
+    the host, `grouped_rows_mm`). Rows past the last end: anything."""
     segments, w_EKN = rows.segments, w_EKN.to(x_RK.dtype)
-    if len(set(segments)) == 1:
+    if segments is not None and len(set(segments)) == 1:
         num_local, count = len(segments), segments[0]
         return torch.bmm(x_RK.view(num_local, count, x_RK.shape[1]), w_EKN).view(num_local * count, w_EKN.shape[2])
     if grouped_mm_takes(x_RK, w_EKN):
         return torch._grouped_mm(x_RK, w_EKN, offs=rows.ends_I)
+    if segments is None:
+        return grouped_rows_mm(x_RK, w_EKN, rows.ends_I)
     outs = [part @ w_EKN[i] for i, part in enumerate(torch.split(x_RK, list(segments)))]
     return torch.cat(outs) if outs else x_RK.new_zeros(0, w_EKN.shape[2])
 
@@ -175,21 +211,21 @@ def segment_mm(x_RK: torch.Tensor, w_EKN: torch.Tensor, rows: RowMap) -> torch.T
 def segment_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, rows: RowMap) -> torch.Tensor:
     """The weight gradient of `segment_mm`: (El, K, N), x's rows of expert i transposed @ dy's (the
     grouped GEMM's 2-D x 2-D form: groups along the contracted rows; an expert without rows gets
-    zeros)."""
+    zeros; rows past the last end left out)."""
     segments = rows.segments
-    if len(set(segments)) == 1:
+    if segments is not None and len(set(segments)) == 1:
         num_local, count = len(segments), segments[0]
         x_IRK, dy_IRN = x_RK.view(num_local, count, x_RK.shape[1]), dy_RN.view(num_local, count, dy_RN.shape[1])
         return torch.bmm(x_IRK.transpose(1, 2), dy_IRN)
-    if grouped_mm_takes(x_RK.T, dy_RN):
-        return torch._grouped_mm(x_RK.T, dy_RN, offs=rows.ends_I)
+    if segments is None or grouped_mm_takes(x_RK.T, dy_RN):
+        return grouped_weights_mm(x_RK, dy_RN, rows.ends_I)
     return torch.stack([a.T @ b for a, b in zip(torch.split(x_RK, list(segments)), torch.split(dy_RN, list(segments)))])
 
 
 # -- references (the CPU path and the test oracle) -------------------------------------------------
 def pull_rows_reference(sources: list[torch.Tensor], rows: RowMap) -> torch.Tensor:
-    """The gathered rows (R, K), row g = sources[rank_R[g]][row_R[g]]."""
-    gathered = sources[0].new_empty(rows.num_rows, sources[0].shape[1])
+    """The gathered rows (R, K), row g = sources[rank_R[g]][row_R[g]] (zeros where rank_R is -1)."""
+    gathered = sources[0].new_zeros(rows.num_rows, sources[0].shape[1])
     for s, source in enumerate(sources):
         here = (rows.rank_R == s).nonzero().flatten()
         gathered[here] = source.index_select(0, rows.row_R[here])
@@ -297,14 +333,15 @@ if triton is not None:
         end = tl.load(tiles + t * 3 + 2)
         m = first + tl.arange(0, BM)
         valid = m < end
-        src = tl.load(rank_R + m, mask=valid, other=0)
-        src_row = tl.load(row_R + m, mask=valid, other=0)
-        base = _row_bases(table, src, valid, gathered)
-        for k0 in range(0, K, BC):
-            k = k0 + tl.arange(0, BC)
-            mask = valid[:, None] & (k[None, :] < K)
-            values = tl.load(base[:, None] + src_row[:, None] * K + k[None, :], mask=mask)
-            tl.store(gathered + m[:, None].to(tl.int64) * K + k[None, :], values, mask=mask)
+        if first < end:  # a map built on the device ends in empty tiles
+            src = tl.load(rank_R + m, mask=valid, other=0)
+            src_row = tl.load(row_R + m, mask=valid, other=0)
+            base = _row_bases(table, src, valid, gathered)
+            for k0 in range(0, K, BC):
+                k = k0 + tl.arange(0, BC)
+                mask = valid[:, None] & (k[None, :] < K)
+                values = tl.load(base[:, None] + src_row[:, None] * K + k[None, :], mask=mask)
+                tl.store(gathered + m[:, None].to(tl.int64) * K + k[None, :], values, mask=mask)
         tl.debug_barrier()
         tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
@@ -330,10 +367,11 @@ if triton is not None:
             i = tl.load(tiles + t * 3)
             first = tl.load(tiles + t * 3 + 1)
             end = tl.load(tiles + t * 3 + 2)
-            m = first + tl.arange(0, BM)
-            acc = _tile_product(gathered, None, b + i * sb_e, b_desc, i, first, m, m < end, nt * BN, K, N, sb_k,
-                                sb_n, BM, BN, BK, IEEE, EVEN, False, True, B_TMA, B_T)
-            _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
+            if first < end:  # not one of the empty tiles a map built on the device ends in
+                m = first + tl.arange(0, BM)
+                acc = _tile_product(gathered, None, b + i * sb_e, b_desc, i, first, m, m < end, nt * BN, K, N, sb_k,
+                                    sb_n, BM, BN, BK, IEEE, EVEN, False, True, B_TMA, B_T)
+                _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
 
     @triton.jit
     def _gemm_push_kernel(a, a_desc, b, b_desc, table, like, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
@@ -348,14 +386,15 @@ if triton is not None:
         i = tl.load(tiles + t * 3)
         first = tl.load(tiles + t * 3 + 1)
         end = tl.load(tiles + t * 3 + 2)
-        m = first + tl.arange(0, BM)
-        valid = m < end
-        # where the rows go, loaded before the product so that these loads' latency hides under it
-        dest_row = tl.load(row_R + m, mask=valid, other=0)
-        row_ptr = _row_bases(table, tl.load(rank_R + m, mask=valid, other=0), valid, like) + dest_row * N
-        acc = _tile_product(a, a_desc, b + i * sb_e, b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n,
-                            BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
-        _store_tile(row_ptr, valid, nt * BN, acc, N, BN)
+        if first < end:  # not one of the empty tiles a map built on the device ends in
+            m = first + tl.arange(0, BM)
+            valid = m < end
+            # where the rows go, loaded before the product so that these loads' latency hides under it
+            dest_row = tl.load(row_R + m, mask=valid, other=0)
+            row_ptr = _row_bases(table, tl.load(rank_R + m, mask=valid, other=0), valid, like) + dest_row * N
+            acc = _tile_product(a, a_desc, b + i * sb_e, b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n,
+                                BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
+            _store_tile(row_ptr, valid, nt * BN, acc, N, BN)
 
 
 def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,

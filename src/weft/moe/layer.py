@@ -41,11 +41,11 @@ from weft.moe.dispatch import SlotRows, combine, combine_rows, dispatch_padded, 
 from weft.moe.exchange import (
     ExchangeContext,
     ExpertPlacement,
-    Grouped,
     Layout,
     Padded,
     Transfer,
     candidates,
+    gather_counts_on_device,
     offers_comet,
     offers_dedup,
     select,
@@ -369,7 +369,7 @@ class MoE(nn.Module):
             peers = self._comet_peers(call, rows.device, offered) if setting.comet else None
             ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler, peers,
                                   self.tuning)
-            return select(ctx, setting, isinstance(layout, Grouped), transfer)(rows, layout)
+            return select(ctx, setting, not isinstance(layout, Padded), transfer)(rows, layout)
 
     def _run_tuned(self, call: MoECall, run, tokens_TD: torch.Tensor, capacity: int) -> torch.Tensor:
         """`run(setting, tokens)` (dispatch, exchange and combine by one setting) with the call's
@@ -435,18 +435,25 @@ class MoE(nn.Module):
         if call.a2a_algo in FIXED_SIZE_ALGOS and call.communicate:  # fixed-size exchanges: nothing read on the host
             return dedup.dropless_fixed(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
                                         degree=call.overlap_degree, own_apart=call.a2a_algo == OWN_APART_ALGO)
+        on_device = self._counts_stay_on_device(call, transfer, tokens_TD.device)
         scheduled = transfer is not None  # the caller launched the copies ahead (Alg. 2)
         if self.balancer is not None and transfer is None and call.communicate:
             # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
                                 self.experts.compute_dtype(tokens_TD))
-        # Every rank's counts on the host (with each rank's token-rank pairs where the call may
-        # deduplicate): the call's one read of the device (the splits, the tuning bucket and
-        # Pro-Prophet's history all come from it).
-        pairs = dedup.Pairs.of(routing, tokens_TD.shape[0], call.top_k, self.num_local_experts, self.ep_size) \
-            if self._dedups(call) else None
-        layout, pairs_WW = dedup.gather_layout(routing, pairs, self.group if call.communicate else None,
-                                               self.num_experts)
+        pairs = pairs_WW = None
+        if on_device:  # Comet's map is built from the counts on the device: nothing read on the host
+            slots = routing.order_S.numel()
+            layout = gather_counts_on_device(routing.counts_E, self.group, slots,
+                                             self.ep_size * min(slots, tokens_TD.shape[0] * self.num_local_experts))
+        else:
+            # Every rank's counts on the host (with each rank's token-rank pairs where the call may
+            # deduplicate): the call's one read of the device (the splits, the tuning bucket and
+            # Pro-Prophet's history all come from it).
+            pairs = dedup.Pairs.of(routing, tokens_TD.shape[0], call.top_k, self.num_local_experts, self.ep_size) \
+                if self._dedups(call) else None
+            layout, pairs_WW = dedup.gather_layout(routing, pairs, self.group if call.communicate else None,
+                                                   self.num_experts)
 
         def run(setting: Setting, tokens_TD: torch.Tensor) -> torch.Tensor:
             if setting.a2a_algo == "dedup" and pairs is not None:
@@ -466,6 +473,8 @@ class MoE(nn.Module):
                 return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S),
                                tokens_TD.shape[0])
 
+        if on_device:  # the call's own setting, Comet's: no tuning bucket, no load history
+            return run(untuned_setting(call), tokens_TD)
         # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
         out_TD = self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
         if self.balancer is not None and call.communicate:
@@ -477,6 +486,23 @@ class MoE(nn.Module):
             self.balancer.plan_ahead(scheduled)
         return out_TD
 
+    def counts_stay_on_device(self, **overrides) -> bool:
+        """Whether this layer's own dropless calls (with these `call_with` overrides) read nothing
+        on the host: Comet's, as `_counts_stay_on_device` says, so that a CUDA graph can hold them."""
+        call = self.call_with(**overrides) if overrides else self.default_call()
+        return call.dropless and self._counts_stay_on_device(call, None, self.experts.w1.device)
+
+    def _counts_stay_on_device(self, call: MoECall, transfer: Transfer | None, device: torch.device) -> bool:
+        """Whether a dropless call leaves every rank's counts on the device (`GroupedOnDevice`): its
+        own setting is Comet's (`kernels="comet"`, not tuned, degree 1, r = 1) on ranks that address
+        each other's memory, with no Pro-Prophet copies and no Lancet scheduler. Comet's exchange
+        then builds its map there and the call reads nothing on the host, so a CUDA graph can hold
+        it; every rank must route as many tokens (the buffers' size, `_check_ranks_agree`)."""
+        return (call.kernels == "comet" and call.communicate and self.ep_size > 1 and self.expert_shards == 1
+                and self.balancer is None and transfer is None and self.wgrad_scheduler is None
+                and not is_tuned(call, self.parallel, self.ep_size) and untuned_setting(call).comet
+                and peers_unavailable(self.group, device) is None)
+
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it
         with the same settings (and, where the padded all-to-all's size comes from the local token
@@ -484,7 +510,8 @@ class MoE(nn.Module):
         failure deep inside the collective library. One small all-gather; ValueError on every
         rank naming the first field that differs."""
         fixed_size = (self.gate == "expert_choice" or (call.capacity_factor is not None and call.capacity_factor > 0)
-                      or (call.a2a_algo in FIXED_SIZE_ALGOS and call.dropless))
+                      or (call.a2a_algo in FIXED_SIZE_ALGOS and call.dropless)
+                      or (call.dropless and self._counts_stay_on_device(call, None, tokens_TD.device)))
         fields = {
             "dim": self.dim, "hidden_dim": self.hidden_dim, "num_experts": self.num_experts, "top_k": call.top_k,
             "gate": self.gate, "capacity_factor": call.capacity_factor, "activation": self.experts.activation,
@@ -503,8 +530,9 @@ class MoE(nn.Module):
             differ = (table[:, i] != codes[i]).nonzero()
             if len(differ):
                 other = int(differ[0])
-                hint = (" (padded capacity and dropless 'dedup-fixed(-own)' size the all-to-all by the local token "
-                        "count: give every rank the same number of tokens)") if name.startswith("tokens") else ""
+                hint = (" (padded capacity, dropless 'dedup-fixed(-own)' and dropless Comet size the exchange by "
+                        "the local token count: give every rank the same number of tokens)") \
+                    if name.startswith("tokens") else ""
                 raise ValueError(f"MoE layer differs across the expert-parallel group: {name} is {fields[name]!r} "
                                  f"here (group rank {group_rank(self.group)}) but not on group rank {other}{hint}")
         self._ranks_agree = True

@@ -12,7 +12,17 @@
 `select` picks one per call from a `Setting`; see docs/architecture.md for adding one.
 """
 from weft.moe.exchange.all_to_all import AllToAll
-from weft.moe.exchange.base import Exchange, ExchangeContext, ExpertPlacement, Grouped, Layout, Padded, gather_counts
+from weft.moe.exchange.base import (
+    Exchange,
+    ExchangeContext,
+    ExpertPlacement,
+    Grouped,
+    GroupedOnDevice,
+    Layout,
+    Padded,
+    gather_counts,
+    gather_counts_on_device,
+)
 from weft.moe.exchange.comet import Comet
 from weft.moe.exchange.data_parallel import DataParallelExperts
 from weft.moe.exchange.pipelined import Pipelined
@@ -21,5 +31,6 @@ from weft.moe.exchange.select import candidates, offers_comet, offers_dedup, sel
 from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "Comet", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped",
-           "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer", "candidates",
-           "gather_counts", "offers_comet", "offers_dedup", "select", "tuning_key", "untuned_setting"]
+           "GroupedOnDevice", "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer",
+           "candidates", "gather_counts", "gather_counts_on_device", "offers_comet", "offers_dedup", "select",
+           "tuning_key", "untuned_setting"]

@@ -72,7 +72,37 @@ def gather_counts(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> Gr
     return Grouped(counts_E, counts_WE, group_rank(group))
 
 
-Layout = Padded | Grouped
+@dataclass(frozen=True)
+class GroupedOnDevice:
+    """Rows sorted by expert, as `Grouped`, with every rank's counts left on the device: `counts_WE`
+    (W, E), gathered by one all-gather and never read on the host, so a CUDA graph can hold the
+    call. Every rank dispatches `rows` rows (T * k, the same on every rank: the layer checks that
+    the ranks route as many tokens), and a rank's experts receive at most `most_received` (W *
+    min(T * k, T * El)). Only an exchange that places rows by counts on the device takes it
+    (Comet's, which reads the rows from the sources' buffers by address)."""
+
+    counts_E: torch.Tensor
+    counts_WE: torch.Tensor
+    rank: int
+    rows: int
+    most_received: int
+
+
+def gather_counts_on_device(counts_E: torch.Tensor, group: dist.ProcessGroup | None, rows: int,
+                            most_received: int) -> GroupedOnDevice:
+    """Every rank's `counts_E` gathered over `group` on the device (one all-gather of W * E
+    numbers; nothing read on the host)."""
+    world = group_size(group)
+    gathered = counts_E.new_empty(world, counts_E.numel())
+    if world == 1:
+        gathered.copy_(counts_E.view(1, -1))
+    else:
+        with stage("all_to_all"):
+            ALL_GATHER(gathered.view(-1), counts_E.contiguous(), group=group)
+    return GroupedOnDevice(counts_E, gathered, group_rank(group), rows, most_received)
+
+
+Layout = Padded | Grouped | GroupedOnDevice
 
 
 @dataclass(frozen=True)
@@ -147,7 +177,15 @@ class Exchange(ABC):
     def __call__(self, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
         if isinstance(layout, Padded):
             return self.padded(rows, layout.capacity)
+        if isinstance(layout, GroupedOnDevice):
+            return self.grouped_on_device(rows, layout)
         return self.grouped(rows, layout)
+
+    def grouped_on_device(self, rows_ND: torch.Tensor, layout: GroupedOnDevice) -> torch.Tensor:
+        """Rows sorted by expert with the counts on the device only; most exchanges need them on
+        the host (the all-to-allv's splits)."""
+        raise ValueError(f"{type(self).__name__} needs the dropless counts on the host; only Comet's exchange "
+                         "places rows by counts left on the device")
 
     @abstractmethod
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:

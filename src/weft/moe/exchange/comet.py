@@ -12,9 +12,12 @@ rows that are then local.
 
 Both layouts: padded (every rank's buffer holds E * C rows; the map from gathered rows to buffer
 rows is fixed and kept with the group's buffers) and dropless (each rank's routed rows sorted by
-expert; the ranks all-gather their per-expert counts, one small collective, and read them on the
-host once to build the map, as the all-to-allv reads its sizes). Same function as `AllToAll`:
-outputs, gradients and dropped slots; the rows each rank reads and writes are the all-to-all's.
+expert; the ranks all-gather their per-expert counts, one small collective). A dropless call
+builds its map from those counts on the device (`grouped_on_device`: sized for the most rows a
+rank can receive, nothing read on the host, so a CUDA graph holds the call, as DeepEP's
+low-latency kernels size their buffers), or, where the host has read the counts anyway (a tuned
+call's bucket), from the host's copy (`grouped`). Same function as `AllToAll`: outputs, gradients
+and dropped slots; the rows each rank reads and writes are the all-to-all's.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
 from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
-from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice
 from weft.moe.experts import activate
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
@@ -163,6 +166,18 @@ class Comet(Exchange):
         most = max(sum(row) for row in counts_WE)
         buffer_rows = 1 << max(0, (most - 1).bit_length())  # a power of two: few sizes, few allocations
         return self._run(rows_ND, buffer_rows, rows, tiles)
+
+    def grouped_on_device(self, rows_ND: torch.Tensor, layout: GroupedOnDevice) -> torch.Tensor:
+        """The dropless layout with the counts left on the device: the map is built there, sized for
+        the most rows this rank can receive, and the buffers hold the `layout.rows` rows every rank
+        dispatches. Nothing is read on the host (a CUDA graph holds the call); the kernels skip the
+        map's empty tiles, and the rows past the last one are computed by no GEMM."""
+        tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
+        if rows_ND.shape[0] != layout.rows:
+            raise ValueError(f"Comet's exchange got {rows_ND.shape[0]} rows, the layout says {layout.rows}")
+        rows = RowMap.on_device(layout.counts_WE, self.peers.rank, self.ctx.placement.num_local, tiles.block_m,
+                                layout.most_received)
+        return self._run(rows_ND, layout.rows, rows, tiles)
 
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles) -> torch.Tensor:
         experts = self.ctx.experts
