@@ -106,6 +106,44 @@ def test_row_map_and_segment_gemms_match_loops_over_experts():
             torch.testing.assert_close(K.segment_wgrad(x_pad, dy_pad, device_rows), dw_ref, msg=label)
 
 
+def map_kernel_worker(device: str = "cpu") -> list[str]:
+    """`RowMap`'s one-launch build (`_map_kernel`) against its PyTorch reference: exact maps and
+    maps sized past their rows (more tiles than the rows take), W = 1, 2, 4, 8, experts without
+    rows, every rank."""
+    from weft.kernels import comet as K
+
+    failures = []
+    gen = torch.Generator().manual_seed(3)
+    cases = [*itertools.product((1, 2, 4), (1, 3), (2, 16), (0, 5, 40), (0, 37)), (8, 3, 16, 40, 37), (2, 8, 2, 5, 0)]
+    for world, local, block_m, most, spare in cases:
+        counts = torch.randint(0, most + 1, (world, world * local), generator=gen)
+        if most == 40:
+            counts[:, 0] = 0
+        offsets = torch.cumsum(counts, 1) - counts
+        for rank in sorted({0, world - 1}):
+            mine = slice(rank * local, (rank + 1) * local)
+            count_IS = counts[:, mine].t().reshape(-1).to(device)  # a strided view where El = 1
+            offset_IS = offsets[:, mine].t().reshape(-1).to(device)
+            rows = int(count_IS.sum()) + spare
+            n_tiles = sum(-(-int(c) // block_m) for c in counts[:, mine].sum(0)) + (-(-spare // block_m) + local
+                                                                                   if spare else 0)
+            got = K._row_map(count_IS, offset_IS, world, rank, block_m, rows, n_tiles)
+            want = K._row_map_reference(count_IS, offset_IS, world, rank, block_m, rows, n_tiles)
+            for name in ("rank_R", "row_R", "ends_I", "pull_tiles", "push_tiles"):
+                a, b = getattr(got, name), getattr(want, name)
+                if a.dtype != b.dtype or not torch.equal(a.cpu(), b.cpu()):
+                    failures.append(f"W={world} El={local} block {block_m} counts<={most} spare {spare} rank {rank}: "
+                                    f"{name} {a.tolist()} != {b.tolist()}")
+    return failures
+
+
+def test_the_map_kernel_matches_its_reference(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(map_kernel_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures[:5])
+
+
 def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
     """`tma=False`: as with a Triton without host tensor descriptors, every operand by pointer."""
     from weft.kernels import comet as K

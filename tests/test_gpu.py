@@ -14,7 +14,7 @@ import torch
 
 from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
-from test_comet import kernels_worker
+from test_comet import kernels_worker, map_kernel_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
@@ -158,6 +158,13 @@ def test_comet_kernels_match_their_references_on_cuda():
     """Both Comet kernels on one GPU, W = 1, 2, 4 ranks' buffers in one process: copy and compute
     programs really run side by side, so the flags' ordering is tested, not just the addressing."""
     flat = run_checks(kernels_worker, 1, args=("cuda",), timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_comets_map_kernel_matches_its_reference_on_cuda():
+    """`RowMap`'s one-launch build against its PyTorch reference on the GPU."""
+    flat = run_checks(map_kernel_worker, 1, args=("cuda",), timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from weft.kernels.grouped_mm import grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
-from weft.kernels.rows import triton
+from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
@@ -156,7 +156,30 @@ def _row_map(count_IS: torch.Tensor, offset_IS: torch.Tensor, world: int, rank: 
              n_tiles: int, segments: tuple[int, ...] | None = None) -> RowMap:
     """`RowMap` from the (expert, source) runs' counts and source offsets on the device, with
     `rows` gathered rows and `n_tiles` tiles (exact, or bounds: the rows and tiles past the runs'
-    are marked empty, as `RowMap` says)."""
+    are marked empty, as `RowMap` says): one Triton kernel where it runs (`_map_kernel`), else
+    `_row_map_reference` (its PyTorch reference: some sixty small ops, ~1.3 ms of host time per
+    map on a GPU host)."""
+    if not triton_usable(count_IS):
+        return _row_map_reference(count_IS, offset_IS, world, rank, block_m, rows, n_tiles, segments)
+    runs = count_IS.numel()
+    num_local = runs // world
+    device = count_IS.device
+    rank_R = torch.empty(rows, dtype=torch.int32, device=device)
+    row_R = torch.empty(rows, dtype=torch.int64, device=device)
+    ends_I = torch.empty(num_local, dtype=torch.int32, device=device)
+    pull = torch.empty(n_tiles, 3, dtype=torch.int32, device=device)
+    push = torch.empty(n_tiles, 3, dtype=torch.int32, device=device)
+    block_r = 128
+    _map_kernel[(triton.cdiv(rows, block_r) + 1,)](
+        count_IS.contiguous(), offset_IS.contiguous(), rank_R, row_R, ends_I, pull, push, rows, n_tiles, rank,
+        WORLD=world, RUNS=runs, LOCAL=num_local, BM=block_m, BLOCK_R=block_r, BLOCK_S=triton.next_power_of_2(runs),
+        BLOCK_I=triton.next_power_of_2(num_local), BLOCK_Q=64, BLOCK_K=triton.next_power_of_2(2 * world + 2))
+    return RowMap(rank_R, row_R, segments, ends_I, pull, push)
+
+
+def _row_map_reference(count_IS: torch.Tensor, offset_IS: torch.Tensor, world: int, rank: int, block_m: int,
+                       rows: int, n_tiles: int, segments: tuple[int, ...] | None = None) -> RowMap:
+    """`_row_map` in PyTorch ops (the CPU path and `_map_kernel`'s test oracle)."""
     device = count_IS.device
     num_local = count_IS.numel() // world
     end_IS = torch.cumsum(count_IS, 0)
@@ -324,6 +347,112 @@ if triton is not None:
         consecutive elements move in 16-byte accesses rather than one element at a time."""
         base = tl.load(table + rank, mask=valid, other=0).to(tl.pointer_type(like.dtype.element_ty))
         return tl.multiple_of(base, 16)
+
+    @triton.jit
+    def _pick(values, index, positions):
+        """values[index] for each element of `index` (values small: a sum over a one-hot row)."""
+        return tl.sum(tl.where(positions[None, :] == index[:, None], values[None, :], 0), axis=1)
+
+    @triton.jit(do_not_specialize=["rows", "n_tiles", "rank"])  # a size of 1 would become a constant
+    def _map_kernel(count_IS, offset_IS, rank_R, row_R, ends_I, pull, push, rows, n_tiles, rank,
+                    WORLD: tl.constexpr, RUNS: tl.constexpr, LOCAL: tl.constexpr, BM: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Q: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """`RowMap` in one launch from the RUNS = El * W (expert, source) runs' counts and source
+        offsets (expert-major): programs below the last fill BLOCK_R gathered rows each
+        (`_map_rows`); the last one cuts every expert's rows into tiles (`_map_tiles`). Sizes in
+        int32 (rows and tiles below 2^31), the small per-run and per-expert vectors recomputed by
+        every program. Reference: `_row_map_reference`."""
+        pid = tl.program_id(0)
+        s = tl.arange(0, BLOCK_S)
+        count_S = tl.load(count_IS + s, mask=s < RUNS, other=0).to(tl.int32)
+        end_S = tl.where(s < RUNS, tl.cumsum(count_S, 0), 2147483647)  # padding runs end after every row
+        if pid < tl.num_programs(0) - 1:
+            _map_rows(offset_IS, rank_R, row_R, rows, pid, s, count_S, end_S, WORLD, RUNS, BLOCK_R)
+        else:
+            _map_tiles(ends_I, pull, push, n_tiles, rank, s, count_S, end_S, WORLD, RUNS, LOCAL, BM, BLOCK_I,
+                       BLOCK_Q, BLOCK_K)
+
+    @triton.jit
+    def _map_rows(offset_IS, rank_R, row_R, rows, pid, s, count_S, end_S, WORLD: tl.constexpr, RUNS: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+        """Gathered rows [pid * BLOCK_R, ...): each row's run is the number of runs ending at or
+        before it; its rank the run's source, its row the run's offset plus its place in the run
+        (rank -1 past the last run)."""
+        r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        run = tl.sum((end_S[None, :] <= r[:, None]).to(tl.int32), axis=1)
+        used = run < RUNS
+        offset_S = tl.load(offset_IS + s, mask=s < RUNS, other=0).to(tl.int32)
+        row = _pick(offset_S - (end_S - count_S), run, s) + r
+        tl.store(rank_R + r, tl.where(used, run % WORLD, -1), mask=r < rows)
+        tl.store(row_R + r, tl.where(used, row, 0).to(tl.int64), mask=r < rows)
+
+    @triton.jit
+    def _tile_chunk(q0, n_tiles, rank, s, end_S, i, count_I, end_I, tiles_I, tile_end_I, WORLD: tl.constexpr,
+                    LOCAL: tl.constexpr, BM: tl.constexpr, BLOCK_Q: tl.constexpr):
+        """Tiles [q0, q0 + BLOCK_Q) in expert order: (expert, first, end, distance of the first
+        row's source from this rank, used)."""
+        q = q0 + tl.arange(0, BLOCK_Q)
+        expert = tl.sum((tile_end_I[None, :] <= q[:, None]).to(tl.int32), axis=1)
+        used = (expert < LOCAL) & (q < n_tiles)
+        first = _pick(end_I - count_I, expert, i) + (q - _pick(tile_end_I - tiles_I, expert, i)) * BM
+        end = tl.minimum(first + BM, _pick(end_I, expert, i))
+        source = tl.sum((end_S[None, :] <= first[:, None]).to(tl.int32), axis=1) % WORLD
+        distance = (source - rank + WORLD) % WORLD
+        return tl.where(used, expert, 0), tl.where(used, first, 0), tl.where(used, end, 0), distance, used, q
+
+    @triton.jit
+    def _map_tiles(ends_I, pull, push, n_tiles, rank, s, count_S, end_S, WORLD: tl.constexpr, RUNS: tl.constexpr,
+                   LOCAL: tl.constexpr, BM: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_Q: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        """The experts' ends, and every expert's rows cut into tiles of BM in both orders, each a
+        stable counting sort by a key (pull: the distance from this rank of the tile's first row's
+        source, 0 first; push: 1 first, this rank's own last; the empty tiles, key WORLD, last in
+        both), over chunks of BLOCK_Q tiles: one pass counts each key, the second places every
+        tile after the smaller keys' and its own key's earlier tiles."""
+        i = tl.arange(0, BLOCK_I)
+        in_expert = (s[None, :] // WORLD == i[:, None]) & (s[None, :] < RUNS)
+        count_I = tl.sum(tl.where(in_expert, count_S[None, :], 0), axis=1)
+        end_I = tl.cumsum(count_I, 0)
+        tl.store(ends_I + i, end_I, mask=i < LOCAL)
+        tiles_I = tl.where(i < LOCAL, (count_I + BM - 1) // BM, 0)
+        tile_end_I = tl.where(i < LOCAL, tl.cumsum(tiles_I, 0), 2147483647)
+        k = tl.arange(0, BLOCK_K)  # pull's keys 0..WORLD, then push's (WORLD + 1..2 * WORLD + 1)
+        total_K = tl.zeros((BLOCK_K,), dtype=tl.int32)
+        q0 = n_tiles * 0  # an int32 scalar carried by the loop
+        while q0 < n_tiles:  # (a while loop: Triton's interpreter takes no runtime range bound)
+            expert, first, end, distance, used, q = _tile_chunk(q0, n_tiles, rank, s, end_S, i, count_I, end_I,
+                                                                tiles_I, tile_end_I, WORLD, LOCAL, BM, BLOCK_Q)
+            pull_key = tl.where(used, distance, WORLD)
+            push_key = tl.where(used, (distance - 1 + WORLD) % WORLD, WORLD) + WORLD + 1
+            stored = q < n_tiles
+            total_K += tl.sum(((pull_key[:, None] == k[None, :]) & stored[:, None]).to(tl.int32), axis=0)
+            total_K += tl.sum(((push_key[:, None] == k[None, :]) & stored[:, None]).to(tl.int32), axis=0)
+            q0 += BLOCK_Q
+        # where each key's tiles start in its order: the totals of the smaller keys of that order
+        base_K = tl.cumsum(total_K, 0) - total_K - tl.where(k > WORLD, n_tiles, 0)
+        q0 = n_tiles * 0
+        while q0 < n_tiles:
+            expert, first, end, distance, used, q = _tile_chunk(q0, n_tiles, rank, s, end_S, i, count_I, end_I,
+                                                                tiles_I, tile_end_I, WORLD, LOCAL, BM, BLOCK_Q)
+            stored = q < n_tiles
+            pull_key = tl.where(used, distance, WORLD)
+            push_key = tl.where(used, (distance - 1 + WORLD) % WORLD, WORLD) + WORLD + 1
+            base_K = _place_tiles(pull, pull_key, stored, k, base_K, expert, first, end)
+            base_K = _place_tiles(push, push_key, stored, k, base_K, expert, first, end)
+            q0 += BLOCK_Q
+
+    @triton.jit
+    def _place_tiles(dest, key, stored, k, base_K, expert, first, end):
+        """A chunk's tiles into `dest`, each after the tiles already placed with its key
+        (`base_K[key]`) and its key's earlier tiles in the chunk; returns the keys' new bases."""
+        hit_QK = ((key[:, None] == k[None, :]) & stored[:, None]).to(tl.int32)
+        before_QK = tl.cumsum(hit_QK, 0) - hit_QK + base_K[None, :]
+        position = tl.sum(tl.where(hit_QK > 0, before_QK, 0), axis=1)
+        tl.store(dest + position * 3, expert, mask=stored)
+        tl.store(dest + position * 3 + 1, first, mask=stored)
+        tl.store(dest + position * 3 + 2, end, mask=stored)
+        return base_K + tl.sum(hit_QK, axis=0)
 
     @triton.jit
     def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K: tl.constexpr, BM: tl.constexpr,
