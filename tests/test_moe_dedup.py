@@ -556,12 +556,23 @@ def test_a_graphed_step_chooses_the_faster_all_to_all(fastest):
 def fixed_size_choice_worker(winner: str | None) -> list[str]:
     """`--a2a-algo auto` on a dropless model with CUDA graphs allowed (`choose_fixed_size`): the
     eager step with the layers' own tuning against the step in fixed-size exchanges at degrees 1
-    and 2, timed here by stand-ins that run each step eagerly (a replay runs its capture); all
-    compute the same losses, the fastest is set on every layer (eager: at the degree they had), and
-    only a fixed-size form passes `graph_blocker`. Then `time_tuned_eager` for real: the layers'
+    and 2, with the own pairs apart, and with Comet's kernels (offered on GPUs whose ranks map each
+    other's memory; here given as a form, its exchange over shared files), timed here by stand-ins
+    that run each step eagerly (a replay runs its capture); all compute the same losses, the
+    fastest is set on every layer (eager: at the degree they had, kernels back at "auto"), and
+    only a graphable form passes `graph_blocker`. Then `time_tuned_eager` for real: the layers'
     tuning decides first, the gradients are left None."""
     from weft.models import GPT, GPTConfig
-    from weft.train.step import FIXED_SIZE_ALGO, choose_fixed_size, eager_micro_step, graph_blocker, time_tuned_eager
+    from weft.train.step import (
+        COMET_FORM,
+        FIXED_SIZE_ALGO,
+        FIXED_SIZE_FORMS,
+        choose_fixed_size,
+        comet_form_offered,
+        eager_micro_step,
+        graph_blocker,
+        time_tuned_eager,
+    )
 
     checks = Checks(f"rank {dist.get_rank()}")
     torch.manual_seed(0)
@@ -575,13 +586,15 @@ def fixed_size_choice_worker(winner: str | None) -> list[str]:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 256, (2, 16), generator=gen), torch.randint(0, 256, (2, 16), generator=gen)
     seen, losses = [], []
-    seconds = {None: 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0, "dedup-fixed-own": 4.0}
+    seconds = {None: 1.0, "dedup-fixed": 2.0, "dedup-fixed-d2": 3.0, "dedup-fixed-own": 4.0, COMET_FORM: 5.0}
     seconds[winner] = 0.5
+    checks.expect(not comet_form_offered(gpt), "Comet's form offered on the CPU (graphs need GPUs)")
+    forms = (*FIXED_SIZE_FORMS, COMET_FORM)
 
     def run(step) -> None:
         gpt.zero_grad(set_to_none=True)
         losses.append(float(step(x, y)[0][0]))
-        seen.append({(moe.a2a_algo, moe.overlap_degree) for moe in gpt.moe_layers()})
+        seen.append({(moe.a2a_algo, moe.overlap_degree, moe.kernels) for moe in gpt.moe_layers()})
 
     def eager_timer(step) -> float:
         run(step)
@@ -592,16 +605,17 @@ def fixed_size_choice_worker(winner: str | None) -> list[str]:
             run(step_of(value))
         return [seconds[value] for value in candidates]
 
-    chosen, eager_s, graph_s = choose_fixed_size(gpt, eager_micro_step(gpt, 1), eager_timer, graph_timer)
-    want_graphs = {form: seconds[form] for form in ("dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own")}
+    chosen, eager_s, graph_s = choose_fixed_size(gpt, eager_micro_step(gpt, 1), eager_timer, graph_timer, forms)
+    want_graphs = {form: seconds[form] for form in forms}
     checks.expect((chosen, eager_s, graph_s) == (winner, seconds[None], want_graphs),
                   f"chose {chosen} at {eager_s} / {graph_s}")
-    checks.expect(seen == [{("auto", 1)}, {(FIXED_SIZE_ALGO, 1)}, {(FIXED_SIZE_ALGO, 2)}, {("dedup-fixed-own", 1)}],
-                  f"the layers ran {seen}")
+    checks.expect(seen == [{("auto", 1, "auto")}, {(FIXED_SIZE_ALGO, 1, "auto")}, {(FIXED_SIZE_ALGO, 2, "auto")},
+                           {("dedup-fixed-own", 1, "auto")}, {("linear", 1, "comet")}], f"the layers ran {seen}")
     checks.expect(max(losses) - min(losses) < 1e-5, f"losses {losses}")
-    now = {(moe.a2a_algo, moe.overlap_degree) for moe in gpt.moe_layers()}
-    want = {None: ("auto", 1), "dedup-fixed": (FIXED_SIZE_ALGO, 1), "dedup-fixed-d2": (FIXED_SIZE_ALGO, 2),
-            "dedup-fixed-own": ("dedup-fixed-own", 1)}[winner]
+    now = {(moe.a2a_algo, moe.overlap_degree, moe.kernels) for moe in gpt.moe_layers()}
+    want = {None: ("auto", 1, "auto"), "dedup-fixed": (FIXED_SIZE_ALGO, 1, "auto"),
+            "dedup-fixed-d2": (FIXED_SIZE_ALGO, 2, "auto"), "dedup-fixed-own": ("dedup-fixed-own", 1, "auto"),
+            COMET_FORM: ("linear", 1, "comet")}[winner]
     checks.expect(now == {want}, f"the layers run {now}")
     checks.expect((graph_blocker(gpt, cuda, "none") is None) == (winner is not None),
                   "graph_blocker disagrees with the choice")
@@ -614,7 +628,7 @@ def fixed_size_choice_worker(winner: str | None) -> list[str]:
     return checks.failures
 
 
-@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own", None])
+@pytest.mark.parametrize("winner", ["dedup-fixed", "dedup-fixed-d2", "dedup-fixed-own", "comet", None])
 def test_auto_on_a_dropless_model_keeps_the_fastest_of_the_eager_step_and_the_fixed_size_graphs(winner):
     failures = run_checks(fixed_size_choice_worker, 2, args=(winner,), timeout=300)
     assert not failures, "\n".join(failures)

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "rank's own pairs kept out of the exchanges, computed while the others' sums return) or "
                          "auto (the fastest, timed as CUDA graphs where the step is graphed; dropless: the eager "
                          "step against dedup-fixed as graphs, unpipelined, in 2 chunks and with the own pairs "
-                         "apart)")
+                         "apart, and Comet's kernels as a graph where the GPUs reach each other's memory)")
     tr.add_argument("--balance", default=None, choices=list(BALANCE),
                     help="pro-prophet: dropless MoE layers copy their heaviest experts to every rank each call, "
                          "planned from the earlier calls' loads (same losses); none (default)")

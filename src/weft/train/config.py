@@ -70,8 +70,9 @@ class TrainConfig:
     # on the host, so the step graphs), "dedup-fixed-own" (the same with each rank's own pairs kept
     # out of the exchanges, computed while the others' sums return) or "auto" (the fastest, timed as
     # CUDA graphs where the step is graphed, else linear or dedup by each layer's tuning dictionary;
-    # dropless with graphs allowed: that eager step against dedup-fixed as graphs at degrees 1 and 2
-    # and dedup-fixed-own, weft.train.step.choose_fixed_size)
+    # dropless with graphs allowed: that eager step against dedup-fixed as graphs at degrees 1 and 2,
+    # dedup-fixed-own and, where the GPUs reach each other's memory, Comet's kernels,
+    # weft.train.step.choose_fixed_size)
     a2a_algo: str = "linear"
     # "pro-prophet": dropless MoE layers copy their heaviest experts each call (weft.MoE's balance)
     balance: str = "none"

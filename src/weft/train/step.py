@@ -87,25 +87,73 @@ def lancet_partitions_forward(model: GPT, device: torch.device, cuda_graphs: str
     return cuda_graphs == "off" or graph_blocker(model, device, "none") is not None
 
 
+# The dropless form of Comet's kernels over the linear all-to-all: its counts stay on the GPU, so
+# the step graphs (weft.moe.exchange.comet); beside `FIXED_SIZE_FORMS` where `comet_form_offered`.
+COMET_FORM = "comet"
+
+
+def comet_form_offered(model: GPT) -> bool:
+    """Whether `--a2a-algo auto` times Comet's dropless graph beside the fixed-size forms: every
+    MoE layer on a GPU whose ranks map each other's memory, at kernels "auto" (which then means
+    the Triton kernels; Comet's computes the same function: `MoE.counts_stay_on_device`)."""
+    layers = model.moe_layers()
+    return bool(layers) and all(
+        moe.experts.w1.is_cuda and moe.kernels == "auto"
+        and moe.counts_stay_on_device(kernels="comet", a2a_algo="linear", overlap_degree=1) for moe in layers)
+
+
+def dropless_forms(model: GPT) -> tuple[str, ...]:
+    """The graphed forms a dropless step at `--a2a-algo auto` is timed in."""
+    return (*FIXED_SIZE_FORMS, COMET_FORM) if comet_form_offered(model) else FIXED_SIZE_FORMS
+
+
+def set_dropless_form(model: GPT, form: str | None) -> None:
+    """Every MoE layer at `form`: one of `FIXED_SIZE_FORMS`, `COMET_FORM` (Comet's kernels over the
+    linear all-to-all) or None (back to a2a_algo "auto"). Layers at Comet's kernels go back to
+    "auto" first: only layers at "auto" are offered Comet's form, and a dedup all-to-all refuses
+    them."""
+    if form == COMET_FORM:
+        set_layers(model, "a2a_algo", "linear")
+        set_layers(model, "kernels", "comet")
+        return
+    if any(moe.kernels == "comet" for moe in model.moe_layers()):
+        set_layers(model, "kernels", "auto")
+    set_layers(model, "a2a_algo", form or "auto")
+
+
+def with_dropless_forms(model: GPT, step: MicroStep) -> Callable[[str], MicroStep]:
+    """Dropless form -> the micro-step with every MoE layer at that form (`set_dropless_form`)."""
+    def step_of(form: str) -> MicroStep:
+        def run(x: torch.Tensor, y: torch.Tensor):
+            set_dropless_form(model, form)
+            return step(x, y)
+        return run
+    return step_of
+
+
 def choose_fixed_size(model: GPT, eager: MicroStep, eager_timer: Callable[[MicroStep], float],
-                      graph_timer: StepTimer) -> tuple[str | None, float, dict[str, float]]:
+                      graph_timer: StepTimer,
+                      forms: Sequence[str] | None = None) -> tuple[str | None, float, dict[str, float]]:
     """`--a2a-algo auto` on dropless MoE layers with CUDA graphs allowed: the ways the step can
     run, each timed as it would run, and the fastest kept. Eagerly, the layers read their sizes on
     the host and tune linear against dedup per call (`eager_timer(eager)`: once that tuning has
     decided); in fixed-size exchanges (dedup-fixed) the step is one CUDA graph, in each of
-    `FIXED_SIZE_FORMS` (degree 1, its chunks pipelined at degree 2, or the own pairs apart; `graph_timer(step_of,
-    FIXED_SIZE_FORMS)`, e.g. `weft.graphs.time_graphed`), with no launch cost but exchanges sized
-    for the worst case (T rows, T * k records per rank pair). None wins everywhere: the graph
-    halves a qwen2-like layer's step, while a qwen2-moe-2l step of 8 x 4096 tokens per GPU ran
-    faster eagerly (docs/benchmarks.md). All compute the plain layer's function. Sets every
-    layer's a2a_algo (and degree) to the winner, or back to "auto" at the degree it had, whose
-    tuning is kept; returns (the fixed-size form chosen or None, eager seconds, seconds per form)."""
+    `FIXED_SIZE_FORMS` (degree 1, its chunks pipelined at degree 2, or the own pairs apart), with
+    no launch cost but exchanges sized for the worst case (T rows, T * k records per rank pair);
+    and where the GPUs map each other's memory, Comet's kernels with the counts on the device
+    (`COMET_FORM`); `forms` (default `dropless_forms(model)`) each timed by `graph_timer(step_of,
+    forms)`, e.g. `weft.graphs.time_graphed`. None wins everywhere: the graph halves a qwen2-like
+    layer's step, while a qwen2-moe-2l step of 8 x 4096 tokens per GPU ran faster eagerly with
+    P2P disabled (docs/benchmarks.md). All compute the plain layer's function. Sets every layer to
+    the winner (`set_dropless_form`), or back to "auto" at the degree it had, whose tuning is
+    kept; returns (the form chosen or None, eager seconds, seconds per form)."""
+    forms = tuple(forms if forms is not None else dropless_forms(model))
     degrees = [(moe, moe.overlap_degree) for moe in model.moe_layers()]
     eager_s = eager_timer(eager)
-    graph_s = dict(zip(FIXED_SIZE_FORMS, graph_timer(with_layers_at(model, eager, "a2a_algo"), FIXED_SIZE_FORMS)))
+    graph_s = dict(zip(forms, graph_timer(with_dropless_forms(model, eager), forms)))
     best = min(graph_s, key=graph_s.__getitem__)
     chosen = best if graph_s[best] < eager_s else None
-    set_layers(model, "a2a_algo", chosen or "auto")
+    set_dropless_form(model, chosen)
     if chosen is None:
         for moe, degree in degrees:
             moe.overlap_degree = degree
@@ -117,7 +165,10 @@ def _as_graphs(seconds: dict[str, float]) -> str:
 
 
 def describe_fixed_size(form: str) -> str:
-    """How the log names a form of `FIXED_SIZE_FORMS`: "a2a_algo=dedup-fixed" (at overlap_degree 2)."""
+    """How the log names a dropless form: "a2a_algo=dedup-fixed" (at overlap_degree 2), or
+    "kernels=comet"."""
+    if form == COMET_FORM:
+        return "kernels=comet (its dropless counts left on the GPU)"
     values = LAYER_VALUES[("a2a_algo", form)]
     degree = values["overlap_degree"]
     return f"a2a_algo={values['a2a_algo']}" + (f" at overlap_degree {degree}" if degree > 1 else "")
@@ -264,9 +315,11 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     blocker = graph_blocker(model, device, overlap)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
         if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
-            chosen, seconds = choose_fastest(model, with_layers_at(model, eager, "a2a_algo"), graph_timer,
-                                             "a2a_algo", FIXED_SIZE_FORMS)
-            measured = _as_graphs(dict(zip(FIXED_SIZE_FORMS, seconds)))
+            forms = dropless_forms(model)
+            seconds = graph_timer(with_dropless_forms(model, eager), forms)
+            chosen = forms[seconds.index(min(seconds))]
+            set_dropless_form(model, chosen)
+            measured = _as_graphs(dict(zip(forms, seconds)))
             log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; --cuda-graphs on; "
                 f"measured {measured})")
         else:
