@@ -31,6 +31,11 @@
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
 #            with --kernels comet against auto (losses step by step, tokens/s)
+#   cometdropless  dropless Comet with its counts on the GPU (issue: Comet; ~6 min): its GPU tests (no sync in a
+#            call, the step replayed as a graph, the map kernel), the dropless layer (plain / comet+graph / comet /
+#            dedup-fixed+graph / no-comm, then auto+graph, which times Comet's graph) for qwen2, phi35 and mixtral with
+#            NVLink, and qwen2-moe-2l dropless training, batch 8: --kernels triton / comet (14 steps), --a2a-algo auto /
+#            --kernels comet (30 steps, medians of steps 16-30)
 #   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
 #            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
@@ -218,6 +223,33 @@ part_comet() {
       --out "/tmp/weft_x2/train_$kernels" > "$1/train_$kernels.log" 2>&1
     keep_metrics "/tmp/weft_x2/train_$kernels" "$1/train_$kernels"
     grep "step 16" "$1/train_$kernels.log"
+  done
+}
+
+part_cometdropless() {
+  gpu_tests "$1" "dropless_comet_replays or comets_map_kernel"
+  for config in qwen2 phi35 mixtral; do
+    for modes in plain,comet+graph,comet,dedup-fixed+graph,no-comm,plain,comet+graph plain,auto+graph,comet+graph,plain; do
+      name=${modes//[+,]/_}
+      $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
+        --modes "$modes" --steps 20 --warmup 5 --json "$1/${config}_$name.json" > "$1/${config}_$name.log" 2>&1
+      grep -v "$QUIET" "$1/${config}_$name.log" | grep -A 8 "capacity  *mode"
+    done
+  done
+  printf '[model]\ncapacity_factor = "dropless"\n[train]\nckpt_interval = 1000\n' > "$1/dropless.toml"
+  for run in "14 5 --kernels triton" "14 5 --kernels comet" "30 15 --a2a-algo auto" "30 15 --kernels comet"; do
+    read -r steps after args <<< "$run"; name="${steps}_${args//[ -]/}"
+    $RUN train --preset qwen2-moe-2l $args --batch-size 8 --steps "$steps" --sample-tokens 0 \
+      --config "$1/dropless.toml" --out "/tmp/weft_x2/train_$name" > "$1/train_$name.log" 2>&1
+    keep_metrics "/tmp/weft_x2/train_$name" "$1/train_$name"
+    grep -h "CUDA graph\|eager steps\|dropless; measured" "$1/train_$name.log" | head -1
+    python3 - "$1/train_$name/metrics.jsonl" "$after" <<'PY'
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
+late = [r for r in rows if r["step"] > int(sys.argv[2])]
+print(f"  median tokens/s {statistics.median(r['tokens_per_s'] for r in late):,.0f}, losses "
+      + " ".join(f"{r['loss']:.4f}" for r in rows))
+PY
   done
 }
 
@@ -448,7 +480,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
+for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet cometdropless overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"
