@@ -178,7 +178,7 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
     tuned per call; `eager_timer(step, args)`, default `tuned_eager_seconds`) against dedup-fixed
     (fixed-size exchanges, nothing read on the host) in each of `FIXED_SIZE_FORMS` and, where the
     GPUs reach each other's memory, Comet's call (its counts left on the device:
-    `MoE.counts_stay_on_device`; `comet` True or False overrides that test), each timed as a CUDA
+    `MoE.graphs_dropless_comet`; `comet` True or False overrides that test), each timed as a CUDA
     graph (`timer`); the fastest runs, as `weft train --a2a-algo auto` chooses among eager and the
     fixed-size forms (weft.train.step.choose_fixed_size). Returns its forward, whether it is to be
     captured, and the milliseconds of each."""
@@ -186,7 +186,7 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
         return _fwd_bwd_step(moe, mode_forward(mode, moe))
 
     if comet is None:
-        comet = x.is_cuda and moe.counts_stay_on_device(**MODES["comet"])
+        comet = moe.graphs_dropless_comet()
     forms = (*FIXED_SIZE_FORMS, "comet") if comet else FIXED_SIZE_FORMS
     args = [x.detach().requires_grad_(), grad]
     eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)

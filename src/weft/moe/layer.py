@@ -486,11 +486,20 @@ class MoE(nn.Module):
             self.balancer.plan_ahead(scheduled)
         return out_TD
 
-    def counts_stay_on_device(self, **overrides) -> bool:
-        """Whether this layer's own dropless calls (with these `call_with` overrides) read nothing
-        on the host: Comet's, as `_counts_stay_on_device` says, so that a CUDA graph can hold them."""
-        call = self.call_with(**overrides) if overrides else self.default_call()
+    def counts_stay_on_device(self) -> bool:
+        """Whether this layer's own dropless calls read nothing on the host: Comet's, as
+        `_counts_stay_on_device` says, so that a CUDA graph can hold them."""
+        call = self.default_call()
         return call.dropless and self._counts_stay_on_device(call, None, self.experts.w1.device)
+
+    def graphs_dropless_comet(self) -> bool:
+        """Whether this layer's dropless calls with Comet's kernels at its plain setting (d = 1,
+        linear, r = 1) would keep their counts on the GPU, so that a CUDA graph can hold them: the
+        form `auto` times beside the fixed-size ones (`weft bench layer`'s auto+graph, `weft train
+        --a2a-algo auto`). False off CUDA, where no graph runs."""
+        call = self.call_with(kernels="comet", overlap_degree=1, a2a_algo="linear", parallel=1)
+        device = self.experts.w1.device
+        return device.type == "cuda" and call.dropless and self._counts_stay_on_device(call, None, device)
 
     def _counts_stay_on_device(self, call: MoECall, transfer: Transfer | None, device: torch.device) -> bool:
         """Whether a dropless call leaves every rank's counts on the device (`GroupedOnDevice`): its

@@ -97,9 +97,7 @@ def comet_form_offered(model: GPT) -> bool:
     MoE layer on a GPU whose ranks map each other's memory, at kernels "auto" (which then means
     the Triton kernels; Comet's computes the same function: `MoE.counts_stay_on_device`)."""
     layers = model.moe_layers()
-    return bool(layers) and all(
-        moe.experts.w1.is_cuda and moe.kernels == "auto"
-        and moe.counts_stay_on_device(kernels="comet", a2a_algo="linear", overlap_degree=1) for moe in layers)
+    return bool(layers) and all(moe.kernels == "auto" and moe.graphs_dropless_comet() for moe in layers)
 
 
 def dropless_forms(model: GPT) -> tuple[str, ...]:
