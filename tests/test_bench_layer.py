@@ -38,6 +38,18 @@ def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
         assert "decomposition" not in r  # the profiler decomposition is GPU-only
 
 
+def test_a_capacity_whose_every_mode_fails_is_reported_not_fatal(tmp_path):
+    """Every mode of a capacity unavailable (here a peer that is not installed, as a dropless
+    comet+graph on one GPU is): the rows say why and the next capacity is still timed."""
+    out = tmp_path / "none.json"
+    cfg = LayerBenchConfig("tiny", 32, capacity=(None, 1.0), steps=2, warmup=1, json=str(out), modes=("megatron",),
+                           baseline="megatron")
+    run_distributed(layer.run, 1, args=(cfg,), timeout=300)
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["capacity_factor"], r["median_ms"]) for r in rows] == [(None, None), (1.0, None)]
+    assert all("megatron.core is not installed" in r["error"] for r in rows)
+
+
 def test_unknown_mode_is_refused():
     with pytest.raises(DistributedTestError, match=r"unknown modes \['fastest'\]"):
         run_distributed(layer.run, 1, args=(LayerBenchConfig("tiny", 16, capacity=(1.0,), modes=("fastest",)),))

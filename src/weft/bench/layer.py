@@ -483,7 +483,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
             row["tuned"] = moe.tuning.chosen()
         runs.append(Run(switch, step))
-    for row, sample in zip(timed, interleaved_ms(runs, steps, warmup, device, progress=progress.round)[:, 0]):
+    samples = interleaved_ms(runs, steps, warmup, device, progress=progress.round)[:, 0] if runs else []
+    for row, sample in zip(timed, samples):  # no runs: every mode failed to build; their rows say why
         q1, row["median_ms"], q3 = quartiles(sample)
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
