@@ -164,7 +164,8 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
     cases = [(dtype, shape, transposed, on_device)
              for dtype, shape, transposed in itertools.product((torch.float32, torch.bfloat16), shapes, (False, True))
              for on_device in ((False, True) if shape[2] <= 0 else (False,))]
-    for dtype, (world, local, cap, dim, hidden), transposed, on_device in cases:
+    for case, (dtype, (world, local, cap, dim, hidden), transposed, on_device) in enumerate(cases):
+        activation = list(K.ACTIVATIONS)[case % len(K.ACTIVATIONS)]  # layer0's fused epilogue, in turn
         label = (f"{dtype} W={world} El={local} C={cap} dim={dim} hidden={hidden} w^T={transposed} "
                  f"map on the device {on_device}")
         tiles = K.CometTiles.for_device(torch.device(device), dtype=dtype)
@@ -192,6 +193,8 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
             err = float((out.float() - out_ref.float()).norm() / out_ref.float().norm().clamp_min(1e-12))
             if err > tol:
                 failures.append(f"{label} rank {rank}: pull_gemm rel err {err:.2e}")
+            failures += check_activation_epilogue(K, table, sends, rank_map, b, tiles, activation, used, tol,
+                                                  f"{label} rank {rank}")
             a = torch.randn(rank_map.num_rows, dim, generator=gen).to(device, dtype)
             w = weights(dim, hidden)
             K.gemm_push(a, w, out_table, outs[rank], rank_map, tiles)
@@ -200,6 +203,31 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
             err = float((outs[rank].float() - outs_ref[rank].float()).norm() / outs_ref[rank].float().norm())
             if err > tol:
                 failures.append(f"{label}: gemm_push into rank {rank}'s buffer, rel err {err:.2e}")
+    return failures
+
+
+def check_activation_epilogue(K, table, sends, rank_map, b, tiles, activation, used, tol, label) -> list[str]:
+    """Layer0 with `activation` in its epilogue, forward and backward, against its reference on the
+    first `used` rows (the rest of a map built on the device is anything)."""
+    failures = []
+    _, act, h = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation)
+    _, act_ref, h_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation)
+    kept_ref = act_ref if h_ref is None else h_ref
+    _, grad_h, act_again = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation,
+                                                  kept_ref.contiguous())
+    _, grad_h_ref, act_again_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation, kept_ref)
+    pairs = {"act(h)": (act, act_ref), "h": (h, h_ref), "dh": (grad_h, grad_h_ref),
+             "act(h) again": (act_again, act_again_ref)}
+    for name, (got, want) in pairs.items():
+        none_expected = activation == "relu" and name in ("h", "act(h) again")  # relu's backward needs act(h) alone
+        if (got is None) != none_expected or (want is None) != none_expected:
+            failures.append(f"{label} {activation}: {name} is {got is None and 'None' or 'a tensor'}, "
+                            f"the reference's {want is None and 'None' or 'a tensor'}, expected None: {none_expected}")
+        elif got is not None:
+            got, want = got[:used].float(), want[:used].float()
+            err = float((got - want).norm() / want.norm().clamp_min(1e-12))
+            if err > tol:
+                failures.append(f"{label} {activation}: layer0's epilogue {name} rel err {err:.2e}")
     return failures
 
 
@@ -241,7 +269,8 @@ def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatc
     other processes' buffers by address (one rank: `test_kernels_match_their_references`)."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32), ("topk", None, 2, "swiglu", torch.float32))
+    cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32), ("topk", None, 2, "swiglu", torch.float32),
+             ("topk", None, 2, "silu", torch.bfloat16))
     flat = run_checks(comet_worker, world_size, args=(cases,), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 

@@ -262,6 +262,38 @@ def pull_gemm_reference(sources: list[torch.Tensor], rows: RowMap,
     return gathered, segment_mm(gathered, b_EKN, rows)
 
 
+ACTIVATIONS = {"relu": 1, "gelu": 2, "silu": 3}  # the activations layer0's epilogue applies (Triton codes)
+_ACTIVATION = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
+
+
+def activation_epilogue_reference(activation: str, y_RN: torch.Tensor,
+                                  saved_RN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What layer0's activation epilogue makes of its product y, as the unfused layer computes it.
+    Forward (`saved_RN` None; y = h = x @ w1): (act(h), h to keep for the backward, or None for
+    relu, whose backward needs only act(h) > 0). Backward (y = dA = dY @ w2^T, `saved_RN` what the
+    forward kept: act(h) for relu, else h): (dh = dA * act'(h), act(h) recomputed for w2's
+    gradient, or None for relu, whose forward kept it). The same ops autograd runs for the
+    unfused activation (`threshold_backward` on the result, `gelu_backward` / `silu_backward` on
+    the input), so the PyTorch path computes the unfused layer's values bitwise."""
+    relu = activation == "relu"
+    if saved_RN is None:
+        return _ACTIVATION[activation](y_RN), None if relu else y_RN
+    if relu:
+        return torch.ops.aten.threshold_backward(y_RN, saved_RN, 0), None
+    grad = torch.ops.aten.gelu_backward(y_RN, saved_RN) if activation == "gelu" else \
+        torch.ops.aten.silu_backward(y_RN, saved_RN)
+    return grad, _ACTIVATION[activation](saved_RN)
+
+
+
+def pull_gemm_activation_reference(sources: list[torch.Tensor], rows: RowMap, b_EKN: torch.Tensor, activation: str,
+                                   saved_RN: torch.Tensor | None = None
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(gathered, *`activation_epilogue_reference`(activation, gathered @ b, saved))."""
+    gathered, y = pull_gemm_reference(sources, rows, b_EKN)
+    return gathered, *activation_epilogue_reference(activation, y, saved_RN)
+
+
 def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rows: RowMap) -> None:
     """y = a @ b per expert; y[g] into dests[rank_R[g]] row row_R[g]."""
     y = segment_mm(a_RK, b_EKN, rows)
@@ -339,6 +371,58 @@ if triton is not None:
         tl.store(row_ptr[:, None] + n[None, :], left.to(dtype), mask=valid[:, None] & (n < N)[None, :])
         n = n + BN // 2
         tl.store(row_ptr[:, None] + n[None, :], right.to(dtype), mask=valid[:, None] & (n < N)[None, :])
+
+    @triton.jit
+    def _activation(h, ACT: tl.constexpr):
+        """relu / gelu (erf) / silu of float32 h, as PyTorch's kernels compute them."""
+        if ACT == 1:
+            return tl.maximum(h, 0.0)
+        elif ACT == 2:
+            return h * 0.5 * (1.0 + tl.math.erf(h * 0.7071067811865476))
+        else:
+            return h / (1.0 + tl.exp(-h))
+
+    @triton.jit
+    def _activation_grad(g, s, ACT: tl.constexpr):
+        """dA * act'(h) in float32 from s (relu: act(h), whose sign is h's; else h), as PyTorch's
+        threshold_backward / gelu_backward / silu_backward compute it."""
+        if ACT == 1:
+            return tl.where(s > 0.0, g, 0.0)
+        elif ACT == 2:
+            cdf = 0.5 * (1.0 + tl.math.erf(s * 0.7071067811865476))
+            pdf = tl.exp(-0.5 * s * s) * 0.3989422804014327
+            return g * (cdf + s * pdf)
+        else:
+            sig = 1.0 / (1.0 + tl.exp(-s))
+            return g * sig * (1.0 + s * (1.0 - sig))
+
+    @triton.jit
+    def _store_activation_half(out, extra, saved, m, valid, n, y, N, ACT: tl.constexpr, GRAD: tl.constexpr):
+        """One column half of layer0's activation epilogue (`activation_epilogue_reference`): y is
+        first rounded to the output's dtype, as the unfused path stores it before the activation."""
+        mask = valid[:, None] & (n < N)[None, :]
+        offs = m.to(tl.int64)[:, None] * N + n[None, :]
+        dtype = out.dtype.element_ty
+        y = y.to(dtype).to(tl.float32)
+        if GRAD:
+            s = tl.load(saved + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out + offs, _activation_grad(y, s, ACT).to(dtype), mask=mask)
+            if ACT != 1:
+                tl.store(extra + offs, _activation(s, ACT).to(dtype), mask=mask)
+        else:
+            tl.store(out + offs, _activation(y, ACT).to(dtype), mask=mask)
+            if ACT != 1:
+                tl.store(extra + offs, y.to(dtype), mask=mask)
+
+    @triton.jit
+    def _store_activation_tile(out, extra, saved, m, valid, n0, acc, N, BN: tl.constexpr, ACT: tl.constexpr,
+                               GRAD: tl.constexpr):
+        """Layer0's epilogue with the experts' activation fused, in two column halves as `_store_tile`."""
+        halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BN // 2)), (0, 2, 1))
+        left, right = tl.split(halves)
+        n = n0 + tl.arange(0, BN // 2)
+        _store_activation_half(out, extra, saved, m, valid, n, left, N, ACT, GRAD)
+        _store_activation_half(out, extra, saved, m, valid, n + BN // 2, right, N, ACT, GRAD)
 
     @triton.jit
     def _row_bases(table, rank, valid, like):
@@ -475,14 +559,17 @@ if triton is not None:
         tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _pull_gemm_kernel(table, gathered, b, b_desc, out, flags, rank_R, row_R, tiles, n_tiles, K: tl.constexpr,
-                          N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    def _pull_gemm_kernel(table, gathered, b, b_desc, out, extra, saved, flags, rank_R, row_R, tiles, n_tiles,
+                          K: tl.constexpr, N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
-                          EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr):
+                          EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr, ACT: tl.constexpr,
+                          GRAD: tl.constexpr):
         """Comet's layer0 (fig. 4 left, fig. 5): programs below N_COMM are the communication
         blocks (copy whole row tiles from the source ranks' buffers, raise each tile's flag); the
         others are the GEMM blocks (one output tile each, in the tiles' order: local rows first,
-        3.1.2), each waiting for its rows' flag. Reference: `pull_gemm_reference`."""
+        3.1.2), each waiting for its rows' flag. ACT > 0: the experts' activation in the epilogue
+        (`_store_activation_tile`; GRAD: its backward, reading `saved`; `extra` the second output).
+        Reference: `pull_gemm_reference`, `pull_gemm_activation_reference`."""
         pid = tl.program_id(0)
         if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order
             t = pid
@@ -500,7 +587,10 @@ if triton is not None:
                 m = first + tl.arange(0, BM)
                 acc = _tile_product(gathered, None, b + i * sb_e, b_desc, i, first, m, m < end, nt * BN, K, N, sb_k,
                                     sb_n, BM, BN, BK, IEEE, EVEN, False, True, B_TMA, B_T)
-                _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
+                if ACT == 0:
+                    _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
+                else:
+                    _store_activation_tile(out, extra, saved, m, m < end, nt * BN, acc, N, BN, ACT, GRAD)
 
     @triton.jit
     def _gemm_push_kernel(a, a_desc, b, b_desc, table, like, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
@@ -532,17 +622,41 @@ def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torc
     addresses are in `table` (int64, one per rank, on the kernel's device; `like`: this rank's own
     buffer, for dtype and device). Equal to `pull_gemm_reference` up to float32 summation order.
     `tiles.block_m` must be the one `rows` was built with."""
+    gathered, out, _ = _pull(table, like, rows, b_EKN, tiles, "", None)
+    return gathered, out
+
+
+def pull_gemm_activation(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
+                         tiles: CometTiles, activation: str, saved_RN: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Layer0 with the experts' activation (relu, gelu, silu) in its epilogue: (gathered, out,
+    extra) as `pull_gemm_activation_reference` says (forward: act(h) and h; backward with
+    `saved_RN`: dh and act(h)), each tile's values computed while the tile is in registers, so no
+    pass over the rows follows the GEMM and rows no tile covers are never touched. Equal to the
+    reference up to float32 summation order and the float32 activation's last bit."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"layer0's epilogue fuses {sorted(ACTIVATIONS)}, not {activation!r}")
+    return _pull(table, like, rows, b_EKN, tiles, activation, saved_RN)
+
+
+def _pull(table, like, rows, b_EKN, tiles, activation, saved_RN):
     num_local, K, N = b_EKN.shape
     gathered = like.new_empty(rows.num_rows, K)
     out = like.new_empty(rows.num_rows, N)
+    extra = like.new_empty(rows.num_rows, N) if activation not in ("", "relu") else None
+    if saved_RN is not None and (saved_RN.shape != out.shape or not saved_RN.is_contiguous()):
+        raise ValueError(f"layer0's saved activation input must be contiguous {tuple(out.shape)}, "
+                         f"got {tuple(saved_RN.shape)}")
     n_tiles = rows.pull_tiles.shape[0]
     flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
     b, b_desc, b_t = _weights(b_EKN, tiles)
     _pull_gemm_kernel[(tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n),)](
-        table, gathered, b, b_desc, out, flags, rows.rank_R, rows.row_R, rows.pull_tiles, n_tiles, K, N,
+        table, gathered, b, b_desc, out, out if extra is None else extra, out if saved_RN is None else saved_RN,
+        flags, rows.rank_R, rows.row_R, rows.pull_tiles, n_tiles, K, N,
         *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, BC=tiles.block_copy,
-        N_COMM=tiles.n_comm, GROUP=tiles.group, B_TMA=b_desc is not None, B_T=b_t, **_launch(like, tiles, N, K))
-    return gathered, out
+        N_COMM=tiles.n_comm, GROUP=tiles.group, B_TMA=b_desc is not None, B_T=b_t,
+        ACT=ACTIVATIONS.get(activation, 0), GRAD=saved_RN is not None, **_launch(like, tiles, N, K))
+    return gathered, out, extra
 
 
 def gemm_push(a_RK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like: torch.Tensor, rows: RowMap,

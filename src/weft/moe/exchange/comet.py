@@ -62,18 +62,38 @@ class CometPlan:
         self.peers.barrier()
         return buffer
 
+    @property
+    def fuses_activation(self) -> bool:
+        """Whether layer0's epilogue applies the experts' activation (all but swiglu, whose two
+        products come from two GEMMs)."""
+        return self.activation in kernels.ACTIVATIONS
+
     def pull(self, source: PeerBuffer, b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer0: (this rank's experts' rows gathered from every source, their product with b)."""
         if self.use_kernels:
-            return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, self.pull_tiles(source, b_EKN))
+            def launch(tiles: kernels.CometTiles):
+                return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, tiles)
+            return launch(self.pull_tiles(source, b_EKN, launch))
         return kernels.pull_gemm_reference(source.peers, self.rows, b_EKN)
 
-    def pull_tiles(self, source: PeerBuffer, b_EKN: torch.Tensor) -> kernels.CometTiles:
+    def pull_activation(self, source: PeerBuffer, b_EKN: torch.Tensor, saved_RN: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Layer0 with the activation in its epilogue (`fuses_activation`): forward (gathered,
+        act(h), h or None for relu); backward, with what the forward kept (act(h) for relu, else
+        h), (gathered dY, dh, act(h) or None for relu) (`kernels.activation_epilogue_reference`)."""
+        if self.use_kernels:
+            def launch(tiles: kernels.CometTiles):
+                return kernels.pull_gemm_activation(source.table, source.local, self.rows, b_EKN, tiles,
+                                                    self.activation, saved_RN)
+            return launch(self.pull_tiles(source, b_EKN, launch))
+        return kernels.pull_gemm_activation_reference(source.peers, self.rows, b_EKN, self.activation, saved_RN)
+
+    def pull_tiles(self, source: PeerBuffer, b_EKN: torch.Tensor, launch) -> kernels.CometTiles:
         """Comet's adaptive workload assignment (3.2.2): layer0's tiles with the number of copy
         programs that ran this shape fastest on this rank, timed the first time the shape is seen
         (a rerun of layer0 reads the same rows and writes only local tensors, so timing it changes
-        nothing). A call captured into a CUDA graph times nothing: it takes an earlier choice, or
-        the default."""
+        nothing; `launch(tiles)` runs the call's own layer0). A call captured into a CUDA graph
+        times nothing: it takes an earlier choice, or the default."""
         tiles = self.tiles
         if self.tuning is None or len(tiles.n_comm_choices) == 1:
             return tiles
@@ -85,10 +105,8 @@ class CometPlan:
         if source.local.is_cuda and torch.cuda.is_current_stream_capturing():
             n_comm = self.tuning.picked(key)
         else:
-            def run(n: int):
-                return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN,
-                                         dataclasses.replace(tiles, n_comm=n))
-            n_comm = self.tuning.pick(key, tiles.n_comm_choices, run, source.local.device, self.peers.group)
+            n_comm = self.tuning.pick(key, tiles.n_comm_choices, lambda n: launch(dataclasses.replace(tiles, n_comm=n)),
+                                      source.local.device, self.peers.group)
         return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
 
     def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -108,25 +126,37 @@ class CometExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_ND, w1, w2, w3, plan: CometPlan):
         source = plan.share("send", rows_ND)
-        gathered, h1 = plan.pull(source, w1)  # (R, dim), (R, hidden): this rank's experts' rows
-        h3 = segment_mm(gathered, w3, plan.rows) if w3 is not None else None
-        out_ND = plan.push(activate(plan.activation, h1, h3), w2, "out", rows_ND)
+        if plan.fuses_activation:  # act = act(x @ w1) from layer0's epilogue; keep act (relu) or h
+            gathered, act, h1 = plan.pull_activation(source, w1)
+            kept = (act if h1 is None else h1, None)
+        else:  # swiglu: silu(x @ w1) * (x @ w3)
+            gathered, h1 = plan.pull(source, w1)  # (R, dim), (R, hidden): this rank's experts' rows
+            h3 = segment_mm(gathered, w3, plan.rows)
+            act, kept = activate(plan.activation, h1, h3), (h1, h3)
+        out_ND = plan.push(act, w2, "out", rows_ND)
         ctx.plan = plan
-        ctx.save_for_backward(gathered, h1, h3, w1, w2, w3)
+        ctx.save_for_backward(gathered, *kept, w1, w2, w3)
         return out_ND
 
     @staticmethod
     def backward(ctx, grad_ND):
         plan = ctx.plan
-        gathered, h1, h3, w1, w2, w3 = ctx.saved_tensors
+        gathered, kept, h3, w1, w2, w3 = ctx.saved_tensors
         grad_ND = grad_ND.to(gathered.dtype).contiguous()
         source = plan.share("grad_send", grad_ND)
-        grad_out, grad_act = plan.pull(source, w2.transpose(1, 2))  # dY rows here; dY @ w2^T
-        with torch.enable_grad():  # the activation again, for its gradient and dW2
-            inputs = [h.detach().requires_grad_() for h in (h1, h3) if h is not None]
-            act = activate(plan.activation, *inputs)
-        grad_w2 = segment_wgrad(act.detach(), grad_out, plan.rows)
-        grads_h = torch.autograd.grad(act, inputs, grad_act)
+        if plan.fuses_activation:  # dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it
+            grad_out, grad_h1, act = plan.pull_activation(source, w2.transpose(1, 2), kept)
+            if act is None:  # relu: the forward kept act(h) itself
+                act = kept
+            grads_h = (grad_h1,)
+        else:
+            grad_out, grad_act = plan.pull(source, w2.transpose(1, 2))  # dY rows here; dY @ w2^T
+            with torch.enable_grad():  # the activation again, for its gradient and dW2
+                inputs = [h.detach().requires_grad_() for h in (kept, h3)]
+                act = activate(plan.activation, *inputs)
+            grads_h = torch.autograd.grad(act, inputs, grad_act)
+            act = act.detach()
+        grad_w2 = segment_wgrad(act, grad_out, plan.rows)
         grad_w1 = segment_wgrad(gathered, grads_h[0], plan.rows)
         grad_w3 = segment_wgrad(gathered, grads_h[1], plan.rows) if w3 is not None else None
         if w3 is None:
