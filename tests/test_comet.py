@@ -207,19 +207,25 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
 
 
 def check_activation_epilogue(K, table, sends, rank_map, b, tiles, activation, used, tol, label) -> list[str]:
-    """Layer0 with `activation` in its epilogue, forward and backward, against its reference on the
-    first `used` rows (the rest of a map built on the device is anything)."""
+    """Layer0 with `activation` in its epilogue, forward and backward (swiglu: the backward, from
+    random kept h1 and h3), against its reference on the first `used` rows (the rest of a map
+    built on the device is anything)."""
     failures = []
-    _, act, h = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation)
-    _, act_ref, h_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation)
-    kept_ref = act_ref if h_ref is None else h_ref
+    if activation == "swiglu":  # the backward only: its forward's act(h) needs x @ w3 too
+        act = act_ref = h = h_ref = None
+        kept_ref = tuple(torch.randn(rank_map.num_rows, b.shape[2]).to(b) for _ in range(2))
+    else:
+        _, act, h = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation)
+        _, act_ref, h_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation)
+        kept_ref = (act_ref if h_ref is None else h_ref,)
     _, grad_h, act_again = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation,
-                                                  kept_ref.contiguous())
+                                                  tuple(t.contiguous() for t in kept_ref))
     _, grad_h_ref, act_again_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation, kept_ref)
     pairs = {"act(h)": (act, act_ref), "h": (h, h_ref), "dh": (grad_h, grad_h_ref),
              "act(h) again": (act_again, act_again_ref)}
     for name, (got, want) in pairs.items():
-        none_expected = activation == "relu" and name in ("h", "act(h) again")  # relu's backward needs act(h) alone
+        none_expected = ((activation == "relu" and name in ("h", "act(h) again"))  # relu's backward: act(h) alone
+                         or (activation == "swiglu" and name in ("act(h)", "h")))
         if (got is None) != none_expected or (want is None) != none_expected:
             failures.append(f"{label} {activation}: {name} is {got is None and 'None' or 'a tensor'}, "
                             f"the reference's {want is None and 'None' or 'a tensor'}, expected None: {none_expected}")

@@ -262,36 +262,46 @@ def pull_gemm_reference(sources: list[torch.Tensor], rows: RowMap,
     return gathered, segment_mm(gathered, b_EKN, rows)
 
 
-ACTIVATIONS = {"relu": 1, "gelu": 2, "silu": 3}  # the activations layer0's epilogue applies (Triton codes)
+ACTIVATIONS = {"relu": 1, "gelu": 2, "silu": 3, "swiglu": 4}  # layer0's epilogues (Triton codes)
 _ACTIVATION = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
 
 
-def activation_epilogue_reference(activation: str, y_RN: torch.Tensor,
-                                  saved_RN: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def activation_epilogue_reference(activation: str, y_RN: torch.Tensor, saved: tuple[torch.Tensor, ...] | None = None
+                                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What layer0's activation epilogue makes of its product y, as the unfused layer computes it.
-    Forward (`saved_RN` None; y = h = x @ w1): (act(h), h to keep for the backward, or None for
-    relu, whose backward needs only act(h) > 0). Backward (y = dA = dY @ w2^T, `saved_RN` what the
-    forward kept: act(h) for relu, else h): (dh = dA * act'(h), act(h) recomputed for w2's
-    gradient, or None for relu, whose forward kept it). The same ops autograd runs for the
-    unfused activation (`threshold_backward` on the result, `gelu_backward` / `silu_backward` on
-    the input), so the PyTorch path computes the unfused layer's values bitwise."""
-    relu = activation == "relu"
-    if saved_RN is None:
-        return _ACTIVATION[activation](y_RN), None if relu else y_RN
-    if relu:
-        return torch.ops.aten.threshold_backward(y_RN, saved_RN, 0), None
-    grad = torch.ops.aten.gelu_backward(y_RN, saved_RN) if activation == "gelu" else \
-        torch.ops.aten.silu_backward(y_RN, saved_RN)
-    return grad, _ACTIVATION[activation](saved_RN)
 
+    Forward (`saved` None; y = h = x @ w1; not swiglu, whose act(h) needs x @ w3 too): (act(h),
+    h to keep for the backward, or None for relu, whose backward needs only act(h) > 0).
+    Backward (y = dA = dY @ w2^T; `saved` what the forward kept: (act(h),) for relu, (h,) for gelu
+    and silu, (h1, h3) for swiglu): (dh, act(h) recomputed for w2's gradient, or None for relu,
+    whose forward kept it), dh = dA * act'(h), for swiglu [dh1 | dh3] side by side (R, 2N), the
+    operand of the input gradient's one GEMM against [w1 | w3]^T. The same ops autograd runs
+    for the unfused activation (`threshold_backward` on the result, `gelu_backward` /
+    `silu_backward` on the input, swiglu's products), so the PyTorch path computes the unfused
+    layer's values bitwise."""
+    relu = activation == "relu"
+    if saved is None:
+        if activation == "swiglu":
+            raise ValueError("layer0 fuses swiglu's backward only: its forward needs x @ w3 beside x @ w1")
+        return _ACTIVATION[activation](y_RN), None if relu else y_RN
+    if activation == "swiglu":  # act = silu(h1) * h3
+        h1, h3 = saved
+        silu = torch.nn.functional.silu(h1)
+        return torch.cat([torch.ops.aten.silu_backward(y_RN * h3, h1), y_RN * silu], 1), silu * h3
+    (kept,) = saved
+    if relu:
+        return torch.ops.aten.threshold_backward(y_RN, kept, 0), None
+    grad = torch.ops.aten.gelu_backward(y_RN, kept) if activation == "gelu" else \
+        torch.ops.aten.silu_backward(y_RN, kept)
+    return grad, _ACTIVATION[activation](kept)
 
 
 def pull_gemm_activation_reference(sources: list[torch.Tensor], rows: RowMap, b_EKN: torch.Tensor, activation: str,
-                                   saved_RN: torch.Tensor | None = None
+                                   saved: tuple[torch.Tensor, ...] | None = None
                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(gathered, *`activation_epilogue_reference`(activation, gathered @ b, saved))."""
     gathered, y = pull_gemm_reference(sources, rows, b_EKN)
-    return gathered, *activation_epilogue_reference(activation, y, saved_RN)
+    return gathered, *activation_epilogue_reference(activation, y, saved)
 
 
 def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rows: RowMap) -> None:
@@ -397,32 +407,41 @@ if triton is not None:
             return g * sig * (1.0 + s * (1.0 - sig))
 
     @triton.jit
-    def _store_activation_half(out, extra, saved, m, valid, n, y, N, ACT: tl.constexpr, GRAD: tl.constexpr):
+    def _store_activation_half(out, extra, saved, saved3, m, valid, n, y, N, ACT: tl.constexpr, GRAD: tl.constexpr):
         """One column half of layer0's activation epilogue (`activation_epilogue_reference`): y is
-        first rounded to the output's dtype, as the unfused path stores it before the activation."""
+        first rounded to the output's dtype, as the unfused path stores it before the activation,
+        and so is every product the unfused path stores (swiglu's silu(h1), dA * h3)."""
         mask = valid[:, None] & (n < N)[None, :]
         offs = m.to(tl.int64)[:, None] * N + n[None, :]
         dtype = out.dtype.element_ty
         y = y.to(dtype).to(tl.float32)
         if GRAD:
             s = tl.load(saved + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out + offs, _activation_grad(y, s, ACT).to(dtype), mask=mask)
-            if ACT != 1:
-                tl.store(extra + offs, _activation(s, ACT).to(dtype), mask=mask)
+            if ACT == 4:  # swiglu: [dh1 | dh3] into out's rows of 2N, act(h) = silu(h1) * h3 again
+                h3 = tl.load(saved3 + offs, mask=mask, other=0.0).to(tl.float32)
+                silu = _activation(s, 3).to(dtype).to(tl.float32)
+                joint = m.to(tl.int64)[:, None] * (2 * N) + n[None, :]
+                tl.store(out + joint, _activation_grad((y * h3).to(dtype).to(tl.float32), s, 3).to(dtype), mask=mask)
+                tl.store(out + joint + N, (y * silu).to(dtype), mask=mask)
+                tl.store(extra + offs, (silu * h3).to(dtype), mask=mask)
+            else:
+                tl.store(out + offs, _activation_grad(y, s, ACT).to(dtype), mask=mask)
+                if ACT != 1:
+                    tl.store(extra + offs, _activation(s, ACT).to(dtype), mask=mask)
         else:
             tl.store(out + offs, _activation(y, ACT).to(dtype), mask=mask)
             if ACT != 1:
                 tl.store(extra + offs, y.to(dtype), mask=mask)
 
     @triton.jit
-    def _store_activation_tile(out, extra, saved, m, valid, n0, acc, N, BN: tl.constexpr, ACT: tl.constexpr,
-                               GRAD: tl.constexpr):
+    def _store_activation_tile(out, extra, saved, saved3, m, valid, n0, acc, N, BN: tl.constexpr,
+                               ACT: tl.constexpr, GRAD: tl.constexpr):
         """Layer0's epilogue with the experts' activation fused, in two column halves as `_store_tile`."""
         halves = tl.permute(tl.reshape(acc, (acc.shape[0], 2, BN // 2)), (0, 2, 1))
         left, right = tl.split(halves)
         n = n0 + tl.arange(0, BN // 2)
-        _store_activation_half(out, extra, saved, m, valid, n, left, N, ACT, GRAD)
-        _store_activation_half(out, extra, saved, m, valid, n + BN // 2, right, N, ACT, GRAD)
+        _store_activation_half(out, extra, saved, saved3, m, valid, n, left, N, ACT, GRAD)
+        _store_activation_half(out, extra, saved, saved3, m, valid, n + BN // 2, right, N, ACT, GRAD)
 
     @triton.jit
     def _row_bases(table, rank, valid, like):
@@ -559,7 +578,7 @@ if triton is not None:
         tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _pull_gemm_kernel(table, gathered, b, b_desc, out, extra, saved, flags, rank_R, row_R, tiles, n_tiles,
+    def _pull_gemm_kernel(table, gathered, b, b_desc, out, extra, saved, saved3, flags, rank_R, row_R, tiles, n_tiles,
                           K: tl.constexpr, N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
                           EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr, ACT: tl.constexpr,
@@ -568,7 +587,8 @@ if triton is not None:
         blocks (copy whole row tiles from the source ranks' buffers, raise each tile's flag); the
         others are the GEMM blocks (one output tile each, in the tiles' order: local rows first,
         3.1.2), each waiting for its rows' flag. ACT > 0: the experts' activation in the epilogue
-        (`_store_activation_tile`; GRAD: its backward, reading `saved`; `extra` the second output).
+        (`_store_activation_tile`; GRAD: its backward, reading `saved` (and swiglu's `saved3`); `extra`
+        the second output).
         Reference: `pull_gemm_reference`, `pull_gemm_activation_reference`."""
         pid = tl.program_id(0)
         if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order
@@ -590,7 +610,7 @@ if triton is not None:
                 if ACT == 0:
                     _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
                 else:
-                    _store_activation_tile(out, extra, saved, m, m < end, nt * BN, acc, N, BN, ACT, GRAD)
+                    _store_activation_tile(out, extra, saved, saved3, m, m < end, nt * BN, acc, N, BN, ACT, GRAD)
 
     @triton.jit
     def _gemm_push_kernel(a, a_desc, b, b_desc, table, like, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
@@ -627,35 +647,39 @@ def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torc
 
 
 def pull_gemm_activation(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
-                         tiles: CometTiles, activation: str, saved_RN: torch.Tensor | None = None
+                         tiles: CometTiles, activation: str, saved: tuple[torch.Tensor, ...] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Layer0 with the experts' activation (relu, gelu, silu) in its epilogue: (gathered, out,
-    extra) as `pull_gemm_activation_reference` says (forward: act(h) and h; backward with
-    `saved_RN`: dh and act(h)), each tile's values computed while the tile is in registers, so no
-    pass over the rows follows the GEMM and rows no tile covers are never touched. Equal to the
-    reference up to float32 summation order and the float32 activation's last bit."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"layer0's epilogue fuses {sorted(ACTIVATIONS)}, not {activation!r}")
-    return _pull(table, like, rows, b_EKN, tiles, activation, saved_RN)
+    """Layer0 with the experts' activation in its epilogue: (gathered, out, extra) as
+    `pull_gemm_activation_reference` says (forward, relu / gelu / silu: act(h) and h; backward with
+    `saved`, every activation: dh, [dh1 | dh3] for swiglu, and act(h)), each tile's values
+    computed while the tile is in registers, so no pass over the rows follows the GEMM and rows no
+    tile covers are never touched. Equal to the reference up to float32 summation order and the
+    float32 activation's last bit."""
+    if activation not in ACTIVATIONS or (activation == "swiglu" and saved is None):
+        raise ValueError(f"layer0's epilogue fuses relu, gelu and silu, and the backward of swiglu, not "
+                         f"{activation!r}{'' if saved else ' forward'}")
+    return _pull(table, like, rows, b_EKN, tiles, activation, saved)
 
 
-def _pull(table, like, rows, b_EKN, tiles, activation, saved_RN):
+def _pull(table, like, rows, b_EKN, tiles, activation, saved):
     num_local, K, N = b_EKN.shape
     gathered = like.new_empty(rows.num_rows, K)
-    out = like.new_empty(rows.num_rows, N)
+    out = like.new_empty(rows.num_rows, 2 * N if activation == "swiglu" else N)
     extra = like.new_empty(rows.num_rows, N) if activation not in ("", "relu") else None
-    if saved_RN is not None and (saved_RN.shape != out.shape or not saved_RN.is_contiguous()):
-        raise ValueError(f"layer0's saved activation input must be contiguous {tuple(out.shape)}, "
-                         f"got {tuple(saved_RN.shape)}")
+    for kept in saved or ():
+        if kept.shape != (rows.num_rows, N) or not kept.is_contiguous():
+            raise ValueError(f"layer0's saved activation inputs must be contiguous {(rows.num_rows, N)}, "
+                             f"got {tuple(kept.shape)}")
+    grad, saved = saved is not None, saved or (out,)  # no saved tensors: their pointers unused
     n_tiles = rows.pull_tiles.shape[0]
     flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
     b, b_desc, b_t = _weights(b_EKN, tiles)
     _pull_gemm_kernel[(tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n),)](
-        table, gathered, b, b_desc, out, out if extra is None else extra, out if saved_RN is None else saved_RN,
+        table, gathered, b, b_desc, out, out if extra is None else extra, saved[0], saved[-1],
         flags, rows.rank_R, rows.row_R, rows.pull_tiles, n_tiles, K, N,
         *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, BC=tiles.block_copy,
         N_COMM=tiles.n_comm, GROUP=tiles.group, B_TMA=b_desc is not None, B_T=b_t,
-        ACT=ACTIVATIONS.get(activation, 0), GRAD=saved_RN is not None, **_launch(like, tiles, N, K))
+        ACT=ACTIVATIONS.get(activation, 0), GRAD=grad, **_launch(like, tiles, N, K))
     return gathered, out, extra
 
 

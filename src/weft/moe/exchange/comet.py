@@ -62,12 +62,6 @@ class CometPlan:
         self.peers.barrier()
         return buffer
 
-    @property
-    def fuses_activation(self) -> bool:
-        """Whether layer0's epilogue applies the experts' activation (all but swiglu, whose two
-        products come from two GEMMs)."""
-        return self.activation in kernels.ACTIVATIONS
-
     def pull(self, source: PeerBuffer, b_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer0: (this rank's experts' rows gathered from every source, their product with b)."""
         if self.use_kernels:
@@ -76,17 +70,17 @@ class CometPlan:
             return launch(self.pull_tiles(source, b_EKN, launch))
         return kernels.pull_gemm_reference(source.peers, self.rows, b_EKN)
 
-    def pull_activation(self, source: PeerBuffer, b_EKN: torch.Tensor, saved_RN: torch.Tensor | None = None
+    def pull_activation(self, source: PeerBuffer, b_EKN: torch.Tensor, saved: tuple[torch.Tensor, ...] | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Layer0 with the activation in its epilogue (`fuses_activation`): forward (gathered,
-        act(h), h or None for relu); backward, with what the forward kept (act(h) for relu, else
-        h), (gathered dY, dh, act(h) or None for relu) (`kernels.activation_epilogue_reference`)."""
+        """Layer0 with the activation in its epilogue: forward (not swiglu) (gathered, act(h), h or
+        None for relu); backward, with what the forward kept, (gathered dY, dh ([dh1 | dh3] for
+        swiglu), act(h) or None for relu) (`kernels.activation_epilogue_reference`)."""
         if self.use_kernels:
             def launch(tiles: kernels.CometTiles):
                 return kernels.pull_gemm_activation(source.table, source.local, self.rows, b_EKN, tiles,
-                                                    self.activation, saved_RN)
+                                                    self.activation, saved)
             return launch(self.pull_tiles(source, b_EKN, launch))
-        return kernels.pull_gemm_activation_reference(source.peers, self.rows, b_EKN, self.activation, saved_RN)
+        return kernels.pull_gemm_activation_reference(source.peers, self.rows, b_EKN, self.activation, saved)
 
     def pull_tiles(self, source: PeerBuffer, b_EKN: torch.Tensor, launch) -> kernels.CometTiles:
         """Comet's adaptive workload assignment (3.2.2): layer0's tiles with the number of copy
@@ -126,44 +120,36 @@ class CometExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_ND, w1, w2, w3, plan: CometPlan):
         source = plan.share("send", rows_ND)
-        if plan.fuses_activation:  # act = act(x @ w1) from layer0's epilogue; keep act (relu) or h
+        if w3 is None:  # act = act(x @ w1) from layer0's epilogue; keep act(h) (relu) or h
             gathered, act, h1 = plan.pull_activation(source, w1)
-            kept = (act if h1 is None else h1, None)
-        else:  # swiglu: silu(x @ w1) * (x @ w3)
+            kept = (act if h1 is None else h1,)
+        else:  # swiglu: silu(x @ w1) * (x @ w3), the second product a grouped GEMM of its own
             gathered, h1 = plan.pull(source, w1)  # (R, dim), (R, hidden): this rank's experts' rows
             h3 = segment_mm(gathered, w3, plan.rows)
             act, kept = activate(plan.activation, h1, h3), (h1, h3)
         out_ND = plan.push(act, w2, "out", rows_ND)
         ctx.plan = plan
-        ctx.save_for_backward(gathered, *kept, w1, w2, w3)
+        ctx.save_for_backward(gathered, w1, w2, w3, *kept)
         return out_ND
 
     @staticmethod
     def backward(ctx, grad_ND):
         plan = ctx.plan
-        gathered, kept, h3, w1, w2, w3 = ctx.saved_tensors
+        gathered, w1, w2, w3, *kept = ctx.saved_tensors
         grad_ND = grad_ND.to(gathered.dtype).contiguous()
         source = plan.share("grad_send", grad_ND)
-        if plan.fuses_activation:  # dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it
-            grad_out, grad_h1, act = plan.pull_activation(source, w2.transpose(1, 2), kept)
-            if act is None:  # relu: the forward kept act(h) itself
-                act = kept
-            grads_h = (grad_h1,)
-        else:
-            grad_out, grad_act = plan.pull(source, w2.transpose(1, 2))  # dY rows here; dY @ w2^T
-            with torch.enable_grad():  # the activation again, for its gradient and dW2
-                inputs = [h.detach().requires_grad_() for h in (kept, h3)]
-                act = activate(plan.activation, *inputs)
-            grads_h = torch.autograd.grad(act, inputs, grad_act)
-            act = act.detach()
-        grad_w2 = segment_wgrad(act, grad_out, plan.rows)
-        grad_w1 = segment_wgrad(gathered, grads_h[0], plan.rows)
-        grad_w3 = segment_wgrad(gathered, grads_h[1], plan.rows) if w3 is not None else None
+        # dY rows here; dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it for dW2
+        grad_out, grad_h, act = plan.pull_activation(source, w2.transpose(1, 2), tuple(kept))
+        grad_w2 = segment_wgrad(kept[0] if act is None else act, grad_out, plan.rows)  # relu kept act(h)
         if w3 is None:
-            a, b = grads_h[0], w1.transpose(1, 2)
-        else:  # dX = dh1 @ w1^T + dh3 @ w3^T as one GEMM over the joined hidden dimension
-            a, b = torch.cat(grads_h, 1), torch.cat([w1, w3], 2).transpose(1, 2)
-        grad_rows = plan.push(a, b, "grad_out", grad_ND)
+            grad_w1, grad_w3 = segment_wgrad(gathered, grad_h, plan.rows), None
+            b = w1.transpose(1, 2)
+        else:  # [dh1 | dh3]: dX = dh1 @ w1^T + dh3 @ w3^T as one GEMM over the joined hidden dimension
+            hidden = w1.shape[2]
+            grad_w1 = segment_wgrad(gathered, grad_h[:, :hidden], plan.rows)
+            grad_w3 = segment_wgrad(gathered, grad_h[:, hidden:], plan.rows)
+            b = torch.cat([w1, w3], 2).transpose(1, 2)
+        grad_rows = plan.push(grad_h, b, "grad_out", grad_ND)
         return grad_rows, grad_w1, grad_w2, grad_w3, None
 
 
