@@ -36,6 +36,11 @@
 #            dedup-fixed+graph / no-comm, then auto+graph, which times Comet's graph) for qwen2, phi35 and mixtral with
 #            NVLink, and qwen2-moe-2l dropless training, batch 8: --kernels triton / comet (14 steps), --a2a-algo auto /
 #            --kernels comet (30 steps, medians of steps 16-30)
+#   cometfused  Comet with the activation in layer0's epilogue (issues: Comet, Hardware speed; ~7 min): its GPU
+#            tests on 2 GPUs, the issue's layer tables for qwen2, phi35 and mixtral (cf 1.0: plain+graph /
+#            comet+graph / no-comm+graph / comet+graph; dropless: plain / comet+graph / comet+graph), and
+#            qwen2-moe-2l training, batch 8, --kernels triton / comet, padded (the preset's cf 1.25, swiglu:
+#            its backward fused) and dropless (12 steps, medians of steps 6-12)
 #   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
 #            no-comm) for qwen2, phi35 and mixtral at cf 1.0, and gpt2-s-moe iterations (none / tutel /
 #            lancet), with NCCL_P2P_DISABLE=1 (the multi-node stand-in) and with NVLink (REGIMES="p2p_disabled nvlink")
@@ -248,6 +253,34 @@ import json, statistics, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
 late = [r for r in rows if r["step"] > int(sys.argv[2])]
 print(f"  median tokens/s {statistics.median(r['tokens_per_s'] for r in late):,.0f}, losses "
+      + " ".join(f"{r['loss']:.4f}" for r in rows))
+PY
+  done
+}
+
+part_cometfused() {
+  gpu_tests "$1" "dropless_comet_replays or comet_two_runs or (comet_matches and topk)"
+  for config in qwen2 phi35 mixtral; do
+    for run in "1.0 plain+graph,comet+graph,no-comm+graph,comet+graph" "dropless plain,comet+graph,comet+graph"; do
+      read -r cap modes <<< "$run"
+      $RUN bench layer --config "$config" --capacity "$cap" --dtype bf16 --activation relu --optimizer sgd \
+        --modes "$modes" --baseline "${modes%%,*}" --steps 20 --warmup 5 --json "$1/${config}_$cap.json" \
+        > "$1/${config}_$cap.log" 2>&1
+      grep -v "$QUIET" "$1/${config}_$cap.log" | grep -A 5 "capacity  *mode"
+    done
+  done
+  printf '[model]\ncapacity_factor = "dropless"\n[train]\nckpt_interval = 1000\n' > "$1/dropless.toml"
+  printf '[train]\nckpt_interval = 1000\n' > "$1/padded.toml"
+  for run in "padded triton" "padded comet" "dropless triton" "dropless comet"; do
+    read -r cap kernels <<< "$run"; name="${cap}_$kernels"
+    $RUN train --preset qwen2-moe-2l --kernels "$kernels" --batch-size 8 --steps 12 --sample-tokens 0 \
+      --config "$1/$cap.toml" --out "/tmp/weft_x2/train_$name" > "$1/train_$name.log" 2>&1
+    keep_metrics "/tmp/weft_x2/train_$name" "$1/train_$name"
+    python3 - "$1/train_$name/metrics.jsonl" "$name" <<'PY'
+import json, statistics, sys
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
+late = [r for r in rows if r["step"] > 5]
+print(f"{sys.argv[2]}: median tokens/s {statistics.median(r['tokens_per_s'] for r in late):,.0f}, losses "
       + " ".join(f"{r['loss']:.4f}" for r in rows))
 PY
   done
@@ -480,7 +513,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet cometdropless overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
+for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet cometdropless cometfused overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

@@ -39,15 +39,18 @@ def test_tiny_layer_benchmark_writes_well_formed_json(tmp_path):
 
 
 def test_a_capacity_whose_every_mode_fails_is_reported_not_fatal(tmp_path):
-    """Every mode of a capacity unavailable (here a peer that is not installed, as a dropless
-    comet+graph on one GPU is): the rows say why and the next capacity is still timed."""
+    """Every mode of a capacity unavailable (a peer that is not installed; a dropless comet+graph
+    where the counts cannot stay on the GPUs, as on one GPU or here): the rows say why, and the
+    run goes on to the next capacity."""
     out = tmp_path / "none.json"
-    cfg = LayerBenchConfig("tiny", 32, capacity=(None, 1.0), steps=2, warmup=1, json=str(out), modes=("megatron",),
-                           baseline="megatron")
+    cfg = LayerBenchConfig("tiny", 32, capacity=(None, 1.0), steps=2, warmup=1, json=str(out),
+                           modes=("megatron", "comet+graph"), baseline="megatron")
     run_distributed(layer.run, 1, args=(cfg,), timeout=300)
     rows = json.loads(out.read_text())["results"]
-    assert [(r["capacity_factor"], r["median_ms"]) for r in rows] == [(None, None), (1.0, None)]
-    assert all("megatron.core is not installed" in r["error"] for r in rows)
+    assert [(r["capacity_factor"], r["mode"], r["median_ms"]) for r in rows] == [
+        (None, "megatron", None), (None, "comet+graph", None), (1.0, "megatron", None), (1.0, "comet+graph", None)]
+    assert all("megatron.core is not installed" in r["error"] for r in rows if r["mode"] == "megatron")
+    assert "a dropless comet call is a CUDA graph only on 2+ CUDA ranks" in rows[1]["error"]
 
 
 def test_unknown_mode_is_refused():

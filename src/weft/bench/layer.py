@@ -448,6 +448,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 forward, row["candidates_ms"] = graphed_auto(moe, x0, grads[0])
                 row["tuned"] = [min(row["candidates_ms"], key=row["candidates_ms"].get)]
                 description = f"weft auto: {row['tuned'][0]}, the fastest of its candidates as CUDA graphs"
+            if graphed and base_mode(mode) == "comet" and cf is None and not moe.graphs_dropless_comet():
+                raise ValueError("a dropless comet call is a CUDA graph only on 2+ CUDA ranks that map each "
+                                 "other's memory (its counts stay on the GPUs); here it reads them on the host")
             row["graphed"] = graphed
             fwd_bwd = _eager(forward)
             if graphed:
