@@ -195,10 +195,10 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
                 failures.append(f"{label} rank {rank}: pull_gemm rel err {err:.2e}")
             failures += check_activation_epilogue(K, table, sends, rank_map, b, tiles, activation, used, tol,
                                                   f"{label} rank {rank}")
-            a = torch.randn(rank_map.num_rows, dim, generator=gen).to(device, dtype)
-            w = weights(dim, hidden)
-            K.gemm_push(a, w, out_table, outs[rank], rank_map, tiles)
-            K.gemm_push_reference(a, w, outs_ref, rank_map)
+            w, w_second = weights(dim, hidden), (weights(dim, hidden) if case % 2 else None)
+            a = torch.randn(rank_map.num_rows, dim * (1 if w_second is None else 2), generator=gen).to(device, dtype)
+            K.gemm_push(a, w, out_table, outs[rank], rank_map, tiles, w_second)  # odd cases: a @ [w; w_second]
+            K.gemm_push_reference(a, w, outs_ref, rank_map, w_second)
         for rank in range(world):  # every rank's rows, written by every rank
             err = float((outs[rank].float() - outs_ref[rank].float()).norm() / outs_ref[rank].float().norm())
             if err > tol:

@@ -304,9 +304,11 @@ def pull_gemm_activation_reference(sources: list[torch.Tensor], rows: RowMap, b_
     return gathered, *activation_epilogue_reference(activation, y, saved)
 
 
-def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rows: RowMap) -> None:
-    """y = a @ b per expert; y[g] into dests[rank_R[g]] row row_R[g]."""
-    y = segment_mm(a_RK, b_EKN, rows)
+def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[torch.Tensor], rows: RowMap,
+                        b2_EKN: torch.Tensor | None = None) -> None:
+    """y = a @ b per expert (with b2: a @ [b; b2], joined along K); y[g] into dests[rank_R[g]] row
+    row_R[g]."""
+    y = segment_mm(a_RK, b_EKN if b2_EKN is None else torch.cat([b_EKN, b2_EKN], 1), rows)
     for s, dest in enumerate(dests):
         here = (rows.rank_R == s).nonzero().flatten()
         dest.index_copy_(0, rows.row_R[here], y[here].to(dest.dtype))
@@ -333,23 +335,24 @@ if triton is not None:
         return first_t + (q % width) % size, (q % width) // size
 
     @triton.jit
-    def _tile_product(a, a_desc, b, b_desc, i, first, m, m_ok, n0, K: tl.constexpr, N, sb_k, sb_n,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr,
-                      A_TMA: tl.constexpr, A_CG: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr):
-        """a[m, :] @ b_i[:, n0:n0 + BN] in float32, rows with m_ok (others: anything; the caller masks
-        them). a: rows of K, contiguous, read by the tensor memory accelerator (A_TMA: `a_desc`, a
-        block at [first, k]; rows past the tile belong to other tiles or are zeros) or by pointers
-        (A_CG: through L2 only, for rows another program wrote). b_i = expert i's weight: by TMA
-        (`b_desc` over (El * K, N), or with B_T over the (El * N, K) storage of b transposed,
-        whose rows past N are discarded columns), else by pointers with strides sb_k, sb_n. EVEN:
-        the tiles divide N and K (no masks on pointer loads)."""
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
+    def _tile_product(acc, a, a_desc, a_k0, SA: tl.constexpr, b, b_desc, i, first, m, m_ok, n0, K: tl.constexpr,
+                      N, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+                      EVEN: tl.constexpr, A_TMA: tl.constexpr, A_CG: tl.constexpr, B_TMA: tl.constexpr,
+                      B_T: tl.constexpr):
+        """acc + a[m, a_k0:a_k0 + K] @ b_i[:, n0:n0 + BN] in float32, rows with m_ok (others:
+        anything; the caller masks them). a: rows of SA elements, contiguous, read by the tensor
+        memory accelerator (A_TMA: `a_desc`, a block at [first, a_k0 + k]; rows past the tile belong
+        to other tiles or are zeros) or by pointers (A_CG: through L2 only, for rows another program
+        wrote). b_i = expert i's weight: by TMA (`b_desc` over (El * K, N), or with B_T over the
+        (El * N, K) storage of b transposed, whose rows past N are discarded columns), else by
+        pointers with strides sb_k, sb_n. EVEN: the tiles divide N and K (no masks on pointer
+        loads)."""
         n = n0 + tl.arange(0, BN)
-        a_ptr = a + m[:, None].to(tl.int64) * K
+        a_ptr = a + m[:, None].to(tl.int64) * SA + a_k0
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             if A_TMA:
-                a_tile = a_desc.load([first, k0])
+                a_tile = a_desc.load([first, a_k0 + k0])
             else:
                 a_mask = m_ok[:, None] if EVEN else m_ok[:, None] & (k[None, :] < K)
                 if A_CG:
@@ -605,21 +608,24 @@ if triton is not None:
             end = tl.load(tiles + t * 3 + 2)
             if first < end:  # not one of the empty tiles a map built on the device ends in
                 m = first + tl.arange(0, BM)
-                acc = _tile_product(gathered, None, b + i * sb_e, b_desc, i, first, m, m < end, nt * BN, K, N, sb_k,
-                                    sb_n, BM, BN, BK, IEEE, EVEN, False, True, B_TMA, B_T)
+                acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), gathered, None, 0, K, b + i * sb_e, b_desc,
+                                    i, first, m, m < end, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, False,
+                                    True, B_TMA, B_T)
                 if ACT == 0:
                     _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
                 else:
                     _store_activation_tile(out, extra, saved, saved3, m, m < end, nt * BN, acc, N, BN, ACT, GRAD)
 
     @triton.jit
-    def _gemm_push_kernel(a, a_desc, b, b_desc, table, like, rank_R, row_R, tiles, n_tiles, K: tl.constexpr, N,
-                          sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    def _gemm_push_kernel(a, a_desc, b, b_desc, b2, b2_desc, table, like, rank_R, row_R, tiles, n_tiles,
+                          K: tl.constexpr, N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           GROUP: tl.constexpr, IEEE: tl.constexpr, EVEN: tl.constexpr, A_TMA: tl.constexpr,
-                          B_TMA: tl.constexpr, B_T: tl.constexpr):
+                          B_TMA: tl.constexpr, B_T: tl.constexpr, TWO: tl.constexpr):
         """Comet's layer1 (fig. 4 right, fig. 7): one output tile per program, remote rows' tiles
         first; the epilogue stores each row straight into the buffer of the rank it came from
-        (the "vertical fusion" of 3.2.1: no separate communication blocks).
+        (the "vertical fusion" of 3.2.1: no separate communication blocks). TWO: a's rows hold 2K
+        columns and the product is a[:, :K] @ b + a[:, K:] @ b2 (b2 strided and read as b is):
+        swiglu's input gradient [dh1 | dh3] @ [w1 | w3]^T without joining the weights.
         Reference: `gemm_push_reference`."""
         t, nt = _work_item(tl.program_id(0), n_tiles, tl.cdiv(N, BN), GROUP)
         i = tl.load(tiles + t * 3)
@@ -631,8 +637,12 @@ if triton is not None:
             # where the rows go, loaded before the product so that these loads' latency hides under it
             dest_row = tl.load(row_R + m, mask=valid, other=0)
             row_ptr = _row_bases(table, tl.load(rank_R + m, mask=valid, other=0), valid, like) + dest_row * N
-            acc = _tile_product(a, a_desc, b + i * sb_e, b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n,
-                                BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
+            acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), a, a_desc, 0, (1 + TWO) * K, b + i * sb_e,
+                                b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, A_TMA,
+                                False, B_TMA, B_T)
+            if TWO:
+                acc = _tile_product(acc, a, a_desc, K, 2 * K, b2 + i * sb_e, b2_desc, i, first, m, valid, nt * BN, K,
+                                    N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
             _store_tile(row_ptr, valid, nt * BN, acc, N, BN)
 
 
@@ -684,20 +694,29 @@ def _pull(table, like, rows, b_EKN, tiles, activation, saved):
 
 
 def gemm_push(a_RK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like: torch.Tensor, rows: RowMap,
-              tiles: CometTiles) -> None:
+              tiles: CometTiles, b2_EKN: torch.Tensor | None = None) -> None:
     """Layer1: a @ b per expert, row g stored into rank rank_R[g]'s buffer (address in `table`) at
-    row row_R[g]. `like`: this rank's own buffer (dtype). Equal to `gemm_push_reference` up to
-    float32 summation order."""
-    K, N = a_RK.shape[1], b_EKN.shape[2]
+    row row_R[g]. `like`: this rank's own buffer (dtype). With `b2` (b's shape): a holds 2K
+    columns and the product is a @ [b; b2] (b and b2 joined along K, never in memory). Equal to
+    `gemm_push_reference` up to float32 summation order."""
+    K, N = b_EKN.shape[1], b_EKN.shape[2]
+    if a_RK.shape[1] != K * (1 if b2_EKN is None else 2) or (b2_EKN is not None and b2_EKN.shape != b_EKN.shape):
+        raise ValueError(f"layer1 got rows of {a_RK.shape[1]} for weights {tuple(b_EKN.shape)}"
+                         f"{'' if b2_EKN is None else f' and {tuple(b2_EKN.shape)}'}")
     n_tiles = rows.push_tiles.shape[0]
     if n_tiles == 0:
         return
     b, b_desc, b_t = _weights(b_EKN, tiles)
+    b2, b2_desc, b2_t = (b, b_desc, b_t) if b2_EKN is None else _weights(b2_EKN, tiles)
+    if b2.stride() != b.stride() or (b2_desc is None) != (b_desc is None) or b2_t != b_t:
+        # the kernel reads both alike: here by pointer, from row-major copies
+        b, b2, b_desc, b2_desc, b_t = b_EKN.contiguous(), b2_EKN.contiguous(), None, None, False
     a_desc = TensorDescriptor.from_tensor(a_RK, [tiles.block_m, tiles.block_k]) if _tma_takes(a_RK) else None
     _gemm_push_kernel[(n_tiles * triton.cdiv(N, tiles.block_n),)](
-        a_RK, a_desc, b, b_desc, table, like, rows.rank_R, rows.row_R, rows.push_tiles, n_tiles, K, N,
+        a_RK, a_desc, b, b_desc, b2, b2_desc, table, like, rows.rank_R, rows.row_R, rows.push_tiles, n_tiles, K, N,
         *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP=tiles.group,
-        A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_T=b_t, **_launch(like, tiles, N, K))
+        A_TMA=a_desc is not None, B_TMA=b_desc is not None, B_T=b_t, TWO=b2_EKN is not None,
+        **_launch(like, tiles, N, K))
 
 
 def _weights(b_EKN: torch.Tensor, tiles: CometTiles) -> tuple[torch.Tensor, object, bool]:

@@ -103,13 +103,15 @@ class CometPlan:
                                       source.local.device, self.peers.group)
         return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
 
-    def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Layer1: a @ b's rows into the ranks they came from; returns this rank's rows (a copy)."""
+    def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor,
+             b2_EKN: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer1: a @ b's rows (with b2: a @ [b; b2], joined along K) into the ranks they came
+        from; returns this rank's rows (a copy)."""
         dest = self.buffer(name, like)
         if self.use_kernels:
-            kernels.gemm_push(a_RK.contiguous(), b_EKN, dest.table, dest.local, self.rows, self.tiles)
+            kernels.gemm_push(a_RK.contiguous(), b_EKN, dest.table, dest.local, self.rows, self.tiles, b2_EKN)
         else:
-            kernels.gemm_push_reference(a_RK, b_EKN, dest.peers, self.rows)
+            kernels.gemm_push_reference(a_RK, b_EKN, dest.peers, self.rows, b2_EKN)
         self.peers.barrier()
         return dest.local[: like.shape[0]].clone()
 
@@ -143,13 +145,12 @@ class CometExperts(torch.autograd.Function):
         grad_w2 = segment_wgrad(kept[0] if act is None else act, grad_out, plan.rows)  # relu kept act(h)
         if w3 is None:
             grad_w1, grad_w3 = segment_wgrad(gathered, grad_h, plan.rows), None
-            b = w1.transpose(1, 2)
-        else:  # [dh1 | dh3]: dX = dh1 @ w1^T + dh3 @ w3^T as one GEMM over the joined hidden dimension
+        else:  # [dh1 | dh3]: dX = dh1 @ w1^T + dh3 @ w3^T, one GEMM over the joined hidden dimension
             hidden = w1.shape[2]
             grad_w1 = segment_wgrad(gathered, grad_h[:, :hidden], plan.rows)
             grad_w3 = segment_wgrad(gathered, grad_h[:, hidden:], plan.rows)
-            b = torch.cat([w1, w3], 2).transpose(1, 2)
-        grad_rows = plan.push(grad_h, b, "grad_out", grad_ND)
+        grad_rows = plan.push(grad_h, w1.transpose(1, 2), "grad_out", grad_ND,
+                              None if w3 is None else w3.transpose(1, 2))
         return grad_rows, grad_w1, grad_w2, grad_w3, None
 
 
