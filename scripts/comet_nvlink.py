@@ -16,6 +16,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from comet_kernels import parse_tiles
 from comet_kernels import timed as timed_alone  # this script's folder is on sys.path
 
 from weft.bench.layer import CONFIGS
@@ -85,12 +86,8 @@ def main() -> None:
                 row[f"pull c{n_comm} b{bc}"] = timed(lambda: K.pull_gemm(send.table, send.local, rows, w1, tiles))
                 row[f"own c{n_comm} b{bc}"] = timed(lambda: K.pull_gemm(own_table, send.local, rows, w1, tiles))
         for spec in args.tiles:
-            sizes, rest = spec.split("w")
-            warps, stages = rest.split("s")
-            bm, bn, bk = (int(v) for v in sizes.split("x"))
-            tiles = dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=int(warps),
-                                        num_stages=int(stages))
-            tile_rows = K.RowMap.padded(world, local, cap, rank, bm, dev)
+            tiles = parse_tiles(spec)
+            tile_rows = K.RowMap.padded(world, local, cap, rank, tiles.block_m, dev)
             row[f"tiles {spec}"] = (timed(lambda: K.pull_gemm(send.table, send.local, tile_rows, w1, tiles)),
                                     timed(lambda: K.gemm_push(h, w2, out.table, out.local, tile_rows, tiles)),
                                     timed(lambda: K.gemm_push(h, w1.transpose(1, 2), out.table, out.local,

@@ -672,6 +672,7 @@ def pull_gemm_activation(table: torch.Tensor, like: torch.Tensor, rows: RowMap, 
 
 
 def _pull(table, like, rows, b_EKN, tiles, activation, saved):
+    """`pull_gemm` (activation "") and `pull_gemm_activation`: one launch of `_pull_gemm_kernel`."""
     num_local, K, N = b_EKN.shape
     gathered = like.new_empty(rows.num_rows, K)
     out = like.new_empty(rows.num_rows, 2 * N if activation == "swiglu" else N)
