@@ -10,26 +10,20 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 
 import torch
 
 from weft.bench.layer import CONFIGS
 from weft.kernels import comet as K
+from weft.profiling import seconds_per_call
 
 
-def timed(fn, steps: int = 20, warmup: int = 5) -> float:
-    for _ in range(warmup):
+def timed(fn, calls: int = 20, rounds: int = 5) -> float:
+    """ms per call of `calls` back-to-back calls (`weft.profiling.seconds_per_call`: the host's launch
+    work hides behind the queued kernels, as in a CUDA graph), the best of `rounds`, after 3 warm-ups."""
+    for _ in range(3):
         fn()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return min(seconds_per_call(fn, torch.device("cuda"), calls) for _ in range(rounds)) * 1e3
 
 
 def parse_tiles(spec: str) -> K.CometTiles:
@@ -43,6 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--configs", nargs="+", default=["qwen2", "phi35", "mixtral"])
     parser.add_argument("--n-comm", nargs="+", type=int, default=[16, 32, 64])
+    parser.add_argument("--block-copy", nargs="+", type=int, default=[128], help="columns a copy program moves at once")
     parser.add_argument("--world", type=int, default=2, help="ranks whose buffers the GPU holds")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     parser.add_argument("--tiles", nargs="+", default=["128x256x64w8s4"],
@@ -71,8 +66,11 @@ def main() -> None:
                "bmm_layer1_ms": bmm1, "pull_rel_err": err}
         shapes = [parse_tiles(t) for t in args.tiles]
         for n_comm in args.n_comm:
-            tiles = dataclasses.replace(shapes[0], n_comm=n_comm)
-            row[f"pull_gemm_ms_c{n_comm}"] = timed(lambda: K.pull_gemm(table, sends[0], rows_map, w1, tiles))
+            for block_copy in args.block_copy:
+                tiles = dataclasses.replace(shapes[0], n_comm=n_comm, block_copy=block_copy)
+                row[f"pull_gemm_ms_c{n_comm}_b{block_copy}"] = timed(
+                    lambda: K.pull_gemm(table, sends[0], rows_map, w1, tiles))
+            row[f"pull_gemm_ms_c{n_comm}"] = min(row[f"pull_gemm_ms_c{n_comm}_b{b}"] for b in args.block_copy)
         best_comm = min(args.n_comm, key=lambda c: row[f"pull_gemm_ms_c{c}"])
         for spec, tiles in zip(args.tiles, shapes):
             tiles = dataclasses.replace(tiles, n_comm=best_comm)
@@ -84,6 +82,11 @@ def main() -> None:
             print(f"{name} tiles {spec} n_comm {best_comm}: pull {row[f'tiles {spec}'][0]:.3f} ms, "
                   f"push {row[f'tiles {spec}'][1]:.3f} ms, push by w1^T {row[f'tiles {spec}'][2]:.3f} ms",
                   flush=True)
+        for direct in (True, False):  # layer0 reading its own rows in place, or every row after its copy
+            tiles = dataclasses.replace(shapes[0], n_comm=best_comm, direct_local=direct)
+            row[f"pull direct {direct}"] = timed(lambda: K.pull_gemm(table, sends[0], rows_map, w1, tiles))
+        print(f"{name} pull, own rows read in place {row['pull direct True']:.3f} ms, every row copied first "
+              f"{row['pull direct False']:.3f} ms", flush=True)
         row["gemm_push_ms"] = min(v[1] for k, v in row.items() if k.startswith("tiles "))
         row["tflops_bmm_layer0"] = flops0 / bmm0 / 1e9
         row["tflops_pull_best"] = flops0 / min(v[0] for k, v in row.items() if k.startswith("tiles ")) / 1e9

@@ -329,8 +329,9 @@ def test_layers_with_other_candidate_sets_do_not_share_a_choice():
 
 def test_kernel_parameters_are_timed_once_and_kept_with_the_dictionary(tmp_path, monkeypatch):
     """`pick` (Comet's copy programs): the fastest candidate by its best trial, each candidate run
-    once to warm up and `trials` times timed; the choice is reused without running, saved beside
-    the exchange settings and reloaded; a kept choice that is no longer a candidate is timed anew."""
+    once to warm up, then `trials` rounds timing every candidate in turn; the choice is reused
+    without running, saved beside the exchange settings and reloaded; a kept choice that is no
+    longer a candidate is timed anew."""
     fake_ms = {16: [3.0, 2.0], 32: [1.5, 9.0], 64: [1.8, 1.7]}  # 32 wins on its best trial
     served = {c: iter(v) for c, v in fake_ms.items()}
     runs = []
@@ -338,12 +339,12 @@ def test_kernel_parameters_are_timed_once_and_kept_with_the_dictionary(tmp_path,
     def fake_seconds(fn, device):  # the next fake time of the candidate fn just ran
         fn()
         return next(served[runs[-1]]) / 1e3
-    monkeypatch.setattr("weft.tune.dictionary.seconds", fake_seconds)
+    monkeypatch.setattr("weft.tune.dictionary.seconds_per_call", fake_seconds)
     path = tmp_path / "tuning.json"
     tuning = TuningDictionary(path, trials=2)
     assert tuning.picked("comet.pull-x") is None
     assert tuning.pick("comet.pull-x", (16, 32, 64), runs.append, torch.device("cpu")) == 32
-    assert runs == [16, 16, 16, 32, 32, 32, 64, 64, 64] and tuning.measurements == 6
+    assert runs == [16, 32, 64, 16, 32, 64, 16, 32, 64] and tuning.measurements == 6
     assert tuning.pick("comet.pull-x", (16, 32, 64), runs.append, torch.device("cpu")) == 32
     assert len(runs) == 9 and tuning.picked("comet.pull-x") == 32
     assert tuning.pick("one", (8,), runs.append, torch.device("cpu")) == 8 and len(runs) == 9

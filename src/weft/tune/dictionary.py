@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import group_rank, group_size
-from weft.profiling import seconds, slowest_rank, time_candidates
+from weft.profiling import seconds_per_call, slowest_rank, time_candidates
 
 DEGREES = (1, 2, 4, 8)
 
@@ -169,20 +169,24 @@ class TuningDictionary:
 
     def pick(self, key: str, candidates: Sequence[int], run: Callable[[int], object], device: torch.device,
              group: dist.ProcessGroup | None = None) -> int:
-        """The fastest of `candidates` for `key`: on the first call `run(candidate)` runs once to
-        warm up and `trials` times timed for each candidate (so `run` must have no effect but its
-        time), and the choice is kept (and saved by `group`'s rank 0 when the dictionary has a
-        path); later calls, and dictionaries loaded from that file, return it without running."""
+        """The fastest of `candidates` for `key`: on the first call `run(candidate)` runs once per
+        candidate to warm up, then `trials` rounds time every candidate in turn (interleaved, so a
+        drift of the clocks spreads over all of them), each time per call over back-to-back runs
+        (`seconds_per_call`; so `run` must have no effect but its time); the fastest by its best
+        round is kept (and saved by `group`'s rank 0 when the dictionary has a path); later
+        calls, and dictionaries loaded from that file, return it without running."""
         entry = self.kernels.get(key)
         if entry is not None and entry["best"] in candidates:
             return entry["best"]
         if len(candidates) == 1:
             return candidates[0]
-        times = {}
         for candidate in candidates:
             run(candidate)
-            times[str(candidate)] = [seconds(lambda: run(candidate), device) * 1e3 for _ in range(self.trials)]
-            self.measurements += self.trials
+        times = {str(candidate): [] for candidate in candidates}
+        for _ in range(self.trials):
+            for candidate in candidates:
+                times[str(candidate)].append(seconds_per_call(lambda: run(candidate), device) * 1e3)
+                self.measurements += 1
         best = min(candidates, key=lambda c: min(times[str(c)]))
         self.kernels[key] = {"times_ms": times, "best": best}
         if self.path is not None and group_rank(group) == 0:
