@@ -25,7 +25,7 @@ from weft.kernels import comet as K
 
 
 def timed(fn) -> float:
-    """`comet_kernels.timed` (median of 20 after 5 warm-ups) with every rank starting together."""
+    """`comet_kernels.timed` (back-to-back calls, the best round) with every rank starting together."""
     dist.barrier()
     torch.cuda.synchronize()
     return timed_alone(fn)
@@ -92,6 +92,9 @@ def main() -> None:
                                     timed(lambda: K.gemm_push(h, w2, out.table, out.local, tile_rows, tiles)),
                                     timed(lambda: K.gemm_push(h, w1.transpose(1, 2), out.table, out.local,
                                                               tile_rows, tiles)))
+        for direct in (True, False):  # layer0 reading its own rows in place, or every row after its copy
+            tiles = dataclasses.replace(base, direct_local=direct)
+            row[f"pull direct {direct}"] = timed(lambda: K.pull_gemm(send.table, send.local, rows, w1, tiles))
         row["push"] = timed(lambda: K.gemm_push(h, w2, out.table, out.local, rows, base))
         row["push own"] = timed(lambda: K.gemm_push(h, w2, own_out, out.local, rows, base))
         results.append(row)
@@ -101,6 +104,8 @@ def main() -> None:
                   f"bmm0 {row['bmm0_ms']:.3f} ms ({flops / row['bmm0_ms'] / 1e9:.0f} TF/s), bmm1 {row['bmm1_ms']:.3f}, "
                   f"copy of the pulled rows {row['copy_ms']:.3f} ms "
                   f"({pulled.numel() * 2 / row['copy_ms'] / 1e6:.0f} GB/s)", flush=True)
+            print(f"  pull {row['pull direct True']:.3f} ms with its own rows read in place, "
+                  f"{row['pull direct False']:.3f} with every row copied first (default tiles)")
             print(f"  push {row['push']:.3f} ms, push to its own buffer {row['push own']:.3f}")
             for spec in args.tiles:
                 pull, push, push_t = row[f"tiles {spec}"]

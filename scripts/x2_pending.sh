@@ -36,8 +36,9 @@
 #            dedup-fixed+graph / no-comm, then auto+graph, which times Comet's graph) for qwen2, phi35 and mixtral with
 #            NVLink, and qwen2-moe-2l dropless training, batch 8: --kernels triton / comet (14 steps), --a2a-algo auto /
 #            --kernels comet (30 steps, medians of steps 16-30)
-#   cometfused  Comet with the activation in layer0's epilogue (issues: Comet, Hardware speed; ~7 min): its GPU
-#            tests on 2 GPUs, the issue's layer tables for qwen2, phi35 and mixtral (cf 1.0: plain+graph /
+#   cometfused  Comet with the activation in layer0's epilogue (issues: Comet, Hardware speed; ~8 min): its GPU
+#            tests on 2 GPUs, layer0 across NVLink with its own rows read in place against every row copied first
+#            (scripts/comet_nvlink.py), the issue's layer tables for qwen2, phi35 and mixtral (cf 1.0: plain+graph /
 #            comet+graph / no-comm+graph / comet+graph; dropless: plain / comet+graph / comet+graph), and
 #            qwen2-moe-2l training, batch 8, --kernels triton / comet, padded (the preset's cf 1.25, swiglu:
 #            its backward fused) and dropless (12 steps, medians of steps 6-12)
@@ -260,6 +261,10 @@ PY
 
 part_cometfused() {
   gpu_tests "$1" "dropless_comet_replays or comet_two_runs or (comet_matches and topk)"
+  # layer0 across NVLink with its own rows read in place (remote copies first) against every row copied first
+  torchrun --standalone --nproc_per_node=2 scripts/comet_nvlink.py --configs qwen2 phi35 mixtral --n-comm 32 \
+    --block-copy 128 > "$1/nvlink.log" 2>&1
+  grep -E "^[a-z0-9]+:|pull .* in place|push " "$1/nvlink.log"
   for config in qwen2 phi35 mixtral; do
     for run in "1.0 plain+graph,comet+graph,no-comm+graph,comet+graph" "dropless plain,comet+graph,comet+graph"; do
       read -r cap modes <<< "$run"

@@ -59,7 +59,9 @@ class CometTiles:
     """Tile sizes and Comet's split of programs (3.2.2): `n_comm` copy programs in layer0, chosen
     per shape among `n_comm_choices` where a tuning dictionary times them (Comet's adaptive
     workload assignment; `weft.moe.exchange.comet`), else the default. `group`: row tiles taken
-    together across every column tile (L2 reuse). The 16-bit GPU tiles (128 x 256 x 64, 8 warps, 4
+    together across every column tile (L2 reuse). `direct_local`: layer0's tiles whose rows are all
+    in this rank's own buffer are read from there without waiting for a copy, and the copy
+    programs move the other ranks' rows first (`_pull_gemm_kernel`). The 16-bit GPU tiles (128 x 256 x 64, 8 warps, 4
     stages) are those docs/benchmarks.md ("Comet, step 2") found fastest for qwen2's, phi35's and
     mixtral's expert GEMMs; float32 GEMMs (IEEE products) take tiles whose stages fit in shared
     memory."""
@@ -73,6 +75,7 @@ class CometTiles:
     num_stages: int = 4
     n_comm_choices: tuple[int, ...] = (16, 32, 64, 128)
     group: int = 8
+    direct_local: bool = True
 
     @staticmethod
     def for_device(device: torch.device, n_comm: int | None = None, dtype: torch.dtype = torch.bfloat16) -> CometTiles:
@@ -335,20 +338,20 @@ if triton is not None:
         return first_t + (q % width) % size, (q % width) // size
 
     @triton.jit
-    def _tile_product(acc, a, a_desc, a_k0, SA: tl.constexpr, b, b_desc, i, first, m, m_ok, n0, K: tl.constexpr,
+    def _tile_product(acc, a_rows, a_desc, a_k0, b, b_desc, i, first, m_ok, n0, K: tl.constexpr,
                       N, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
                       EVEN: tl.constexpr, A_TMA: tl.constexpr, A_CG: tl.constexpr, B_TMA: tl.constexpr,
                       B_T: tl.constexpr):
-        """acc + a[m, a_k0:a_k0 + K] @ b_i[:, n0:n0 + BN] in float32, rows with m_ok (others:
-        anything; the caller masks them). a: rows of SA elements, contiguous, read by the tensor
-        memory accelerator (A_TMA: `a_desc`, a block at [first, a_k0 + k]; rows past the tile belong
-        to other tiles or are zeros) or by pointers (A_CG: through L2 only, for rows another program
-        wrote). b_i = expert i's weight: by TMA (`b_desc` over (El * K, N), or with B_T over the
-        (El * N, K) storage of b transposed, whose rows past N are discarded columns), else by
-        pointers with strides sb_k, sb_n. EVEN: the tiles divide N and K (no masks on pointer
-        loads)."""
+        """acc + A[:, a_k0:a_k0 + K] @ b_i[:, n0:n0 + BN] in float32 for the tile's BM rows of A,
+        rows with m_ok (others: anything; the caller masks them). A's rows, contiguous, read by the
+        tensor memory accelerator (A_TMA: `a_desc`, a block at [first, a_k0 + k]; rows past the
+        tile belong to other tiles or are zeros) or by pointers from `a_rows` (each row's first
+        element; A_CG: through L2 only, for rows another program wrote). b_i = expert i's weight:
+        by TMA (`b_desc` over (El * K, N), or with B_T over the (El * N, K) storage of b
+        transposed, whose rows past N are discarded columns), else by pointers with strides sb_k,
+        sb_n. EVEN: the tiles divide N and K (no masks on pointer loads)."""
         n = n0 + tl.arange(0, BN)
-        a_ptr = a + m[:, None].to(tl.int64) * SA + a_k0
+        a_ptr = a_rows[:, None] + a_k0
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             if A_TMA:
@@ -561,60 +564,90 @@ if triton is not None:
         return base_K + tl.sum(hit_QK, axis=0)
 
     @triton.jit
-    def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K: tl.constexpr, BM: tl.constexpr,
-                   BC: tl.constexpr):
-        """Tile t's rows from their ranks' buffers into `gathered`, then the tile's flag."""
+    def _source_rows(table, rank_R, row_R, m, valid, like, own_addr, K: tl.constexpr):
+        """The tile's rows in their source ranks' buffers (each row's first element, as a pointer to
+        `like`'s dtype) and whether every valid row is in this rank's own buffer (the address
+        `own_addr`)."""
+        src = tl.load(rank_R + m, mask=valid, other=0)
+        src_row = tl.load(row_R + m, mask=valid, other=0)
+        addr = tl.load(table + src, mask=valid, other=own_addr)
+        own = tl.sum((addr != own_addr).to(tl.int32), axis=0) == 0
+        return _row_bases(table, src, valid, like) + src_row * K, own
+
+    @triton.jit
+    def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, PASS: tl.constexpr, K: tl.constexpr,
+                   BM: tl.constexpr, BC: tl.constexpr):
+        """Tile t's rows from their ranks' buffers into `gathered`, then the tile's flag. PASS 0: every
+        tile; 1: only tiles with a row in another rank's buffer; 2: only tiles wholly in this rank's."""
         first = tl.load(tiles + t * 3 + 1)
         end = tl.load(tiles + t * 3 + 2)
         m = first + tl.arange(0, BM)
         valid = m < end
-        if first < end:  # a map built on the device ends in empty tiles
-            src = tl.load(rank_R + m, mask=valid, other=0)
-            src_row = tl.load(row_R + m, mask=valid, other=0)
-            base = _row_bases(table, src, valid, gathered)
+        src_ptr, own = _source_rows(table, rank_R, row_R, m, valid, gathered, own_addr, K)
+        if PASS == 0:
+            wanted = first < end  # a map built on the device ends in empty tiles
+        else:
+            wanted = (first < end) & (own == (PASS == 2))
+        if wanted:
             for k0 in range(0, K, BC):
                 k = k0 + tl.arange(0, BC)
                 mask = valid[:, None] & (k[None, :] < K)
-                values = tl.load(base[:, None] + src_row[:, None] * K + k[None, :], mask=mask)
+                values = tl.load(src_ptr[:, None] + k[None, :], mask=mask)
                 tl.store(gathered + m[:, None].to(tl.int64) * K + k[None, :], values, mask=mask)
-        tl.debug_barrier()
-        tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
+            tl.debug_barrier()
+            tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
     @triton.jit
-    def _pull_gemm_kernel(table, gathered, b, b_desc, out, extra, saved, saved3, flags, rank_R, row_R, tiles, n_tiles,
-                          K: tl.constexpr, N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr, IEEE: tl.constexpr,
-                          EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr, ACT: tl.constexpr,
-                          GRAD: tl.constexpr):
+    def _pull_gemm_kernel(table, gathered, own_addr, b, b_desc, out, extra, saved, saved3, flags, rank_R, row_R, tiles,
+                          n_tiles, K: tl.constexpr, N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr,
+                          BK: tl.constexpr, BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr,
+                          IEEE: tl.constexpr, EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
+                          ACT: tl.constexpr, GRAD: tl.constexpr, DIRECT: tl.constexpr):
         """Comet's layer0 (fig. 4 left, fig. 5): programs below N_COMM are the communication
         blocks (copy whole row tiles from the source ranks' buffers, raise each tile's flag); the
         others are the GEMM blocks (one output tile each, in the tiles' order: local rows first,
-        3.1.2), each waiting for its rows' flag. ACT > 0: the experts' activation in the epilogue
-        (`_store_activation_tile`; GRAD: its backward, reading `saved` (and swiglu's `saved3`); `extra`
-        the second output).
+        3.1.2), each waiting for its rows' flag. DIRECT: a tile whose rows are all in this rank's
+        own buffer (at `own_addr`) is read from there at once, without waiting, and the copy
+        programs move the other tiles first and such tiles last (into `gathered`, for the
+        backward): the link is busy from the start, not after the local copies. ACT > 0: the
+        experts' activation in the epilogue (`_store_activation_tile`; GRAD: its backward, reading
+        `saved` (and swiglu's `saved3`); `extra` the second output).
         Reference: `pull_gemm_reference`, `pull_gemm_activation_reference`."""
         pid = tl.program_id(0)
-        if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order
+        if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order (DIRECT: remote ones first)
             t = pid
             while t < n_tiles:
-                _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, K, BM, BC)
+                _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, 1 if DIRECT else 0, K, BM, BC)
                 t += N_COMM
+            if DIRECT:
+                t = pid
+                while t < n_tiles:
+                    _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, 2, K, BM, BC)
+                    t += N_COMM
         else:  # a GEMM program: one output tile, once its rows are here
             t, nt = _work_item(pid - N_COMM, n_tiles, tl.cdiv(N, BN), GROUP)
-            while tl.atomic_add(flags + t, 0, sem="acquire", scope="gpu") == 0:
-                pass
             i = tl.load(tiles + t * 3)
             first = tl.load(tiles + t * 3 + 1)
             end = tl.load(tiles + t * 3 + 2)
             if first < end:  # not one of the empty tiles a map built on the device ends in
                 m = first + tl.arange(0, BM)
-                acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), gathered, None, 0, K, b + i * sb_e, b_desc,
-                                    i, first, m, m < end, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, False,
+                valid = m < end
+                a_rows = gathered + m.to(tl.int64) * K
+                if DIRECT:
+                    src_ptr, own = _source_rows(table, rank_R, row_R, m, valid, gathered, own_addr, K)
+                    a_rows = tl.where(own, src_ptr, a_rows)
+                else:
+                    own = first < 0  # False
+                if not own:
+                    while tl.atomic_add(flags + t, 0, sem="acquire", scope="gpu") == 0:
+                        pass
+                acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), a_rows, None, 0, b + i * sb_e, b_desc,
+                                    i, first, valid, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, False,
                                     True, B_TMA, B_T)
                 if ACT == 0:
-                    _store_tile(out + m.to(tl.int64) * N, m < end, nt * BN, acc, N, BN)
+                    _store_tile(out + m.to(tl.int64) * N, valid, nt * BN, acc, N, BN)
                 else:
-                    _store_activation_tile(out, extra, saved, saved3, m, m < end, nt * BN, acc, N, BN, ACT, GRAD)
+                    _store_activation_tile(out, extra, saved, saved3, m, valid, nt * BN, acc, N, BN, ACT, GRAD)
 
     @triton.jit
     def _gemm_push_kernel(a, a_desc, b, b_desc, b2, b2_desc, table, like, rank_R, row_R, tiles, n_tiles,
@@ -637,11 +670,12 @@ if triton is not None:
             # where the rows go, loaded before the product so that these loads' latency hides under it
             dest_row = tl.load(row_R + m, mask=valid, other=0)
             row_ptr = _row_bases(table, tl.load(rank_R + m, mask=valid, other=0), valid, like) + dest_row * N
-            acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), a, a_desc, 0, (1 + TWO) * K, b + i * sb_e,
-                                b_desc, i, first, m, valid, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, A_TMA,
-                                False, B_TMA, B_T)
+            a_rows = a + m.to(tl.int64) * ((1 + TWO) * K)
+            acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), a_rows, a_desc, 0, b + i * sb_e, b_desc, i,
+                                first, valid, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA,
+                                B_T)
             if TWO:
-                acc = _tile_product(acc, a, a_desc, K, 2 * K, b2 + i * sb_e, b2_desc, i, first, m, valid, nt * BN, K,
+                acc = _tile_product(acc, a_rows, a_desc, K, b2 + i * sb_e, b2_desc, i, first, valid, nt * BN, K,
                                     N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, A_TMA, False, B_TMA, B_T)
             _store_tile(row_ptr, valid, nt * BN, acc, N, BN)
 
@@ -686,11 +720,11 @@ def _pull(table, like, rows, b_EKN, tiles, activation, saved):
     flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
     b, b_desc, b_t = _weights(b_EKN, tiles)
     _pull_gemm_kernel[(tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n),)](
-        table, gathered, b, b_desc, out, out if extra is None else extra, saved[0], saved[-1],
+        table, gathered, like.data_ptr(), b, b_desc, out, out if extra is None else extra, saved[0], saved[-1],
         flags, rows.rank_R, rows.row_R, rows.pull_tiles, n_tiles, K, N,
         *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, BC=tiles.block_copy,
         N_COMM=tiles.n_comm, GROUP=tiles.group, B_TMA=b_desc is not None, B_T=b_t,
-        ACT=ACTIVATIONS.get(activation, 0), GRAD=grad, **_launch(like, tiles, N, K))
+        ACT=ACTIVATIONS.get(activation, 0), GRAD=grad, DIRECT=tiles.direct_local, **_launch(like, tiles, N, K))
     return gathered, out, extra
 
 
