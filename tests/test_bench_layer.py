@@ -254,9 +254,13 @@ def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, c
     plain, comet = report["results"]
     assert "comet_copy_programs" not in plain and comet["max_abs_error"] == pytest.approx(0.0, abs=1e-5)
     assert comet["comet_copy_programs"] and set(comet["comet_copy_programs"].values()) <= {1, 2}
+    # the peer buffers it exchanged through: at least the dispatched rows' (tokens * k, dim) in float32
+    assert "peer_buffers_mib" not in plain and comet["peer_buffers_mib"] >= 32 * 2 * 64 * 4 / 2**20
     capsys.readouterr()
     layer.print_table(report)
-    assert re.search(r"comet .* copy programs [12]", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"comet .* copy programs [12]", out)
+    assert re.search(r"peer buffers .*: [0-9.]+ MiB a rank", out)
 
 
 def graphed_auto_worker() -> list[str]:

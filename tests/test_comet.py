@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from test_moe_equivalence import check_case
 from weft import MoE
-from weft.comm.peers import peer_buffers, peers_unavailable
+from weft.comm.peers import held_peer_bytes, peer_buffers, peers_unavailable
 from weft.testing import run_checks, run_distributed
 
 COMET_BUFFERS = ["comet.grad_out", "comet.grad_send", "comet.out", "comet.send"]
@@ -410,6 +410,23 @@ def fallback_worker() -> list[str]:
 def test_comet_falls_back_to_the_nccl_path():
     flat = run_checks(fallback_worker, 2, timeout=300)
     assert not flat, "\n".join(flat)
+
+
+def _held_bytes_worker() -> tuple[int, int, int]:
+    device = torch.device("cpu")
+    before = held_peer_bytes(device)
+    peers = peer_buffers(dist.group.WORLD, device)
+    peers.get("a", (3, 5), torch.float32)
+    peers.get("b", (2, 4), torch.bfloat16)
+    peers.get("a", (3, 5), torch.float32)  # the same buffer again: nothing new
+    return before, peers.nbytes(), held_peer_bytes(device)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_peer_buffers_count_their_bytes(world_size):
+    """What `weft bench layer` reports beside the peak (symmetric memory is outside torch's count)."""
+    for before, own, held in run_distributed(_held_bytes_worker, world_size, timeout=120):
+        assert own == 3 * 5 * 4 + 2 * 4 * 2 and held == before + own
 
 
 def test_peers_unavailable_names_the_reason(monkeypatch):

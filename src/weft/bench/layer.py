@@ -36,6 +36,7 @@ from weft.cliargs import (
     non_negative_int,
     positive_int,
 )
+from weft.comm.peers import held_peer_bytes
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
@@ -495,6 +496,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         if not row["graphed"]:
             row["peak_mib"] = _peak_mib(run, device)
         runs_comet = base_mode(row["mode"]) == "comet" or any(t.endswith("-comet") for t in row.get("tuned", []))
+        if runs_comet:  # Comet's exchange holds its rows in peer buffers, outside the peak's count
+            row["peer_buffers_mib"] = held_peer_bytes(device) / 2**20
         if runs_comet and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
             row["comet_copy_programs"] = {key: entry["best"] for key, entry in moe.tuning.kernels.items()}
     _prediction_errors(rows)
@@ -617,7 +620,10 @@ def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch
     """The mode's forward and backward captured as one CUDA graph that owns the gradients (each
     replay writes the step's gradients, as the eager step's backward into `.grad = None` does),
     and its peak GPU memory (MiB) above what was allocated before: the warm-up steps' and the
-    capture's (the graph keeps that pool of activations and gradients between replays)."""
+    capture's (the graph keeps that pool of activations and gradients between replays). One
+    eager step runs first, outside that count, so that what a layer makes once and keeps (peer
+    buffers, its tuning's trials) counts in no row, not in whichever row happens to come first;
+    the peer buffers are reported on their own (`peer_buffers_mib`)."""
     _need_cuda(device)
 
     def step(x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -625,6 +631,9 @@ def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch
         y.backward(grad)
         return y.detach(), x.grad
 
+    step(x.detach().requires_grad_(), grad)
+    for p in params:
+        p.grad = None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -692,5 +701,9 @@ def print_table(report: dict) -> None:
     skew = f"skew {meta['skew']:g}, " if meta.get("skew") else ""
     print(f"routing: {skew}expert load max/mean " + ", ".join(
         f"{cap} {e:.2f}" + ("" if r is None else f" (per rank {r:.2f})") for cap, (e, r) in loads.items()))
+    held = max((r.get("peer_buffers_mib") or 0.0 for r in rows), default=0.0)
+    if held:
+        print(f"peer buffers (Comet's exchange: each rank's rows where the others read them): {held:.1f} MiB a "
+              f"rank, held once for every mode that uses them and not in the peak MiB column")
     print_breakdowns(rows, lambda r: f"{r['mode']}, " + (
         "dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"))

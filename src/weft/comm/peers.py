@@ -68,6 +68,11 @@ class PeerBuffers(ABC):
         """The buffers allocated so far, by the names they were asked for."""
         return sorted({name for name, _, _ in self._buffers})
 
+    def nbytes(self) -> int:
+        """Bytes of this rank's buffers allocated so far (symmetric memory on 2+ CUDA ranks is outside
+        torch's caching allocator, so `torch.cuda.memory_allocated` does not count it)."""
+        return sum(b.local.numel() * b.local.element_size() for b in self._buffers.values())
+
     def _table(self, peers: list[torch.Tensor]) -> torch.Tensor:
         return torch.tensor([p.data_ptr() for p in peers], dtype=torch.int64, device=self.device)
 
@@ -160,6 +165,14 @@ def peer_buffers(group: dist.ProcessGroup | None, device: torch.device) -> PeerB
         else:
             raise ValueError(f"peer buffers: no way to share {device.type} memory between ranks")
     return _PEERS[key]
+
+
+def held_peer_bytes(device: torch.device) -> int:
+    """Bytes of every group's peer buffers this process holds on `device` (creates no registry)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return sum(peers.nbytes() for (_, on), peers in _PEERS.items() if on == device)
 
 
 def peers_unavailable(group: dist.ProcessGroup | None, device: torch.device) -> str | None:
