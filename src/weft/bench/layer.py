@@ -455,6 +455,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             row["graphed"] = graphed
             fwd_bwd = _eager(forward)
             if graphed:
+                _warm(fwd_bwd, params, x0, grads[0])
                 moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
                 fwd_bwd, row["peak_mib"] = _graphed(forward, params, x0, grads[0], device)
                 description += " as one CUDA graph"
@@ -611,6 +612,14 @@ def _eager(forward: Callable[[torch.Tensor], torch.Tensor]) -> FwdBwd:
     return fwd_bwd
 
 
+def _warm(fwd_bwd: FwdBwd, params, x: torch.Tensor, grad: torch.Tensor) -> None:
+    """One eager step, its gradients dropped: what the mode makes on its first call and keeps
+    (peer buffers, tuning trials, compiled kernels) is then made before a peak is counted."""
+    fwd_bwd(x, grad)
+    for p in params:
+        p.grad = None
+
+
 def _need_cuda(device: torch.device) -> None:
     if device.type != "cuda":
         raise ValueError(f"{GRAPH_SUFFIX} modes need CUDA")
@@ -620,8 +629,8 @@ def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch
     """The mode's forward and backward captured as one CUDA graph that owns the gradients (each
     replay writes the step's gradients, as the eager step's backward into `.grad = None` does),
     and its peak GPU memory (MiB) above what was allocated before: the warm-up steps' and the
-    capture's (the graph keeps that pool of activations and gradients between replays). One
-    eager step runs first, outside that count, so that what a layer makes once and keeps (peer
+    capture's (the graph keeps that pool of activations and gradients between replays). The
+    caller runs one eager step first (`_warm`), so that what a layer makes once and keeps (peer
     buffers, its tuning's trials) counts in no row, not in whichever row happens to come first;
     the peer buffers are reported on their own (`peer_buffers_mib`)."""
     _need_cuda(device)
@@ -631,9 +640,6 @@ def _graphed(forward, params, x: torch.Tensor, grad: torch.Tensor, device: torch
         y.backward(grad)
         return y.detach(), x.grad
 
-    step(x.detach().requires_grad_(), grad)
-    for p in params:
-        p.grad = None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
