@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weft.kernels.activation import ELEMENTWISE
 from weft.kernels.grouped_mm import grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
 from weft.kernels.rows import triton, triton_usable
 
@@ -266,7 +267,6 @@ def pull_gemm_reference(sources: list[torch.Tensor], rows: RowMap,
 
 
 ACTIVATIONS = {"relu": 1, "gelu": 2, "silu": 3, "swiglu": 4}  # layer0's epilogues (Triton codes)
-_ACTIVATION = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "silu": torch.nn.functional.silu}
 
 
 def activation_epilogue_reference(activation: str, y_RN: torch.Tensor, saved: tuple[torch.Tensor, ...] | None = None
@@ -286,7 +286,7 @@ def activation_epilogue_reference(activation: str, y_RN: torch.Tensor, saved: tu
     if saved is None:
         if activation == "swiglu":
             raise ValueError("layer0 fuses swiglu's backward only: its forward needs x @ w3 beside x @ w1")
-        return _ACTIVATION[activation](y_RN), None if relu else y_RN
+        return ELEMENTWISE[activation](y_RN), None if relu else y_RN
     if activation == "swiglu":  # act = silu(h1) * h3
         h1, h3 = saved
         silu = torch.nn.functional.silu(h1)
@@ -296,7 +296,7 @@ def activation_epilogue_reference(activation: str, y_RN: torch.Tensor, saved: tu
         return torch.ops.aten.threshold_backward(y_RN, kept, 0), None
     grad = torch.ops.aten.gelu_backward(y_RN, kept) if activation == "gelu" else \
         torch.ops.aten.silu_backward(y_RN, kept)
-    return grad, _ACTIVATION[activation](kept)
+    return grad, ELEMENTWISE[activation](kept)
 
 
 def pull_gemm_activation_reference(sources: list[torch.Tensor], rows: RowMap, b_EKN: torch.Tensor, activation: str,

@@ -11,8 +11,8 @@ import functools
 import math
 from dataclasses import dataclass
 
+from weft.kernels.activation import ACTIVATIONS
 from weft.kernels.rows import KERNELS
-from weft.moe.experts import ACTIVATIONS
 from weft.moe.gates import GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts

@@ -15,10 +15,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from weft.hostcopy import offsets
+from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
 from weft.ops import wgrad
 from weft.profiling import stage
@@ -37,17 +37,6 @@ class PartCall:
 
     sm_margin: int = 0
     weight_grad_now: bool = False
-
-
-ACTIVATIONS = ("relu", "gelu", "silu", "swiglu")
-_ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
-
-
-def activate(activation: str, h1: torch.Tensor, h3: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts' hidden activation of h1 = x @ w1 (swiglu: silu(h1) * h3, h3 = x @ w3)."""
-    if activation == "swiglu":
-        return F.silu(h1) * h3
-    return _ACT[activation](h1)
 
 
 class Experts(nn.Module):
