@@ -87,6 +87,30 @@ def main() -> None:
             row[f"pull direct {direct}"] = timed(lambda: K.pull_gemm(table, sends[0], rows_map, w1, tiles))
         print(f"{name} pull, own rows read in place {row['pull direct True']:.3f} ms, every row copied first "
               f"{row['pull direct False']:.3f} ms", flush=True)
+        # the other ranks' rows by the copy engine
+        engine = dataclasses.replace(shapes[0], n_comm=best_comm, copy_engine=True)
+        if rows_map.runs is not None and K.copy_engine_available(dev):
+            got_g, got_h = K.pull_gemm(table, sends[0], rows_map, w1, engine, sends)
+            row["engine_gathered_equal"] = bool(torch.equal(got_g, gathered))
+            row["engine_rel_err"] = float((got_h.float() - h.float()).norm() / h.float().norm())
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                K.pull_gemm(table, sends[0], rows_map, w1, engine, sends)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                graph_g, graph_h = K.pull_gemm(table, sends[0], rows_map, w1, engine, sends)
+            graph.replay()
+            torch.cuda.synchronize()
+            row["engine_graph_gathered_equal"] = bool(torch.equal(graph_g, gathered))
+            row["engine_graph_rel_err"] = float((graph_h.float() - h.float()).norm() / h.float().norm())
+            row["pull engine"] = timed(lambda: K.pull_gemm(table, sends[0], rows_map, w1, engine, sends))
+            row["pull engine graphed"] = timed(graph.replay)
+            print(f"{name} pull by the copy engine {row['pull engine']:.3f} ms "
+                  f"(graphed {row['pull engine graphed']:.3f}); "
+                  f"gathered equal {row['engine_gathered_equal']} / graphed {row['engine_graph_gathered_equal']}, "
+                  f"rel err {row['engine_rel_err']:.1e} / {row['engine_graph_rel_err']:.1e}", flush=True)
         row["gemm_push_ms"] = min(v[1] for k, v in row.items() if k.startswith("tiles "))
         row["tflops_bmm_layer0"] = flops0 / bmm0 / 1e9
         row["tflops_pull_best"] = flops0 / min(v[0] for k, v in row.items() if k.startswith("tiles ")) / 1e9

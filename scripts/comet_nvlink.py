@@ -95,6 +95,26 @@ def main() -> None:
         for direct in (True, False):  # layer0 reading its own rows in place, or every row after its copy
             tiles = dataclasses.replace(base, direct_local=direct)
             row[f"pull direct {direct}"] = timed(lambda: K.pull_gemm(send.table, send.local, rows, w1, tiles))
+        if rows.runs is not None and K.copy_engine_available(dev):  # the other ranks' rows by the copy engine
+            engine = dataclasses.replace(base, copy_engine=True)
+            got_g, got_h = K.pull_gemm(send.table, send.local, rows, w1, engine, send.peers)
+            row["engine_exact"] = bool(torch.equal(got_g, ref_g)) and bool(torch.equal(got_h, h))
+            row["pull engine"] = timed(lambda: K.pull_gemm(send.table, send.local, rows, w1, engine, send.peers))
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                K.pull_gemm(send.table, send.local, rows, w1, engine, send.peers)
+                K.pull_gemm(send.table, send.local, rows, w1, base)
+            torch.cuda.current_stream().wait_stream(side)
+            graphs = {name: torch.cuda.CUDAGraph() for name in ("engine", "programs")}
+            for name, graph in graphs.items():
+                with torch.cuda.graph(graph):
+                    if name == "engine":
+                        K.pull_gemm(send.table, send.local, rows, w1, engine, send.peers)
+                    else:
+                        K.pull_gemm(send.table, send.local, rows, w1, base)
+            row["pull engine graphed"] = timed(graphs["engine"].replay)
+            row["pull graphed"] = timed(graphs["programs"].replay)
         row["push"] = timed(lambda: K.gemm_push(h, w2, out.table, out.local, rows, base))
         row["push own"] = timed(lambda: K.gemm_push(h, w2, own_out, out.local, rows, base))
         results.append(row)
@@ -106,6 +126,10 @@ def main() -> None:
                   f"({pulled.numel() * 2 / row['copy_ms'] / 1e6:.0f} GB/s)", flush=True)
             print(f"  pull {row['pull direct True']:.3f} ms with its own rows read in place, "
                   f"{row['pull direct False']:.3f} with every row copied first (default tiles)")
+            if "pull engine" in row:
+                print(f"  pull with the other ranks' rows by the copy engine {row['pull engine']:.3f} ms (graphed "
+                      f"{row['pull engine graphed']:.3f}, copy programs graphed {row['pull graphed']:.3f}); "
+                      f"same rows and products as the copy programs': {row['engine_exact']}")
             print(f"  push {row['push']:.3f} ms, push to its own buffer {row['push own']:.3f}")
             for spec in args.tiles:
                 pull, push, push_t = row[f"tiles {spec}"]

@@ -164,6 +164,7 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
     cases = [(dtype, shape, transposed, on_device)
              for dtype, shape, transposed in itertools.product((torch.float32, torch.bfloat16), shapes, (False, True))
              for on_device in ((False, True) if shape[2] <= 0 else (False,))]
+    by_engine = eligible = 0
     for case, (dtype, (world, local, cap, dim, hidden), transposed, on_device) in enumerate(cases):
         activation = list(K.ACTIVATIONS)[case % len(K.ACTIVATIONS)]  # layer0's fused epilogue, in turn
         direct = (case // 2) % 2 == 0  # layer0 reads its own rows in place (or every row after its copy)
@@ -171,6 +172,11 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
                  f"map on the device {on_device} own rows in place {direct}")
         tiles = dataclasses.replace(K.CometTiles.for_device(torch.device(device), dtype=dtype), direct_local=direct)
         maps, rows = rank_maps(K, world, local, cap, tiles.block_m, device, gen, on_device)
+        eligible += direct and maps[0].runs is not None
+        if direct and maps[0].runs is not None and eligible % 2:  # every other one: the other ranks' rows by the
+            tiles = dataclasses.replace(tiles, copy_engine=True)  # copy engine
+            label += " by the copy engine"
+            by_engine += 1
         sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]
         table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=device)
         outs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
@@ -185,7 +191,7 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
 
         for rank, rank_map in enumerate(maps):
             b = weights(dim, hidden)
-            gathered, out = K.pull_gemm(table, sends[rank], rank_map, b, tiles)
+            gathered, out = K.pull_gemm(table, sends[rank], rank_map, b, tiles, sends)
             gathered_ref, out_ref = K.pull_gemm_reference(sends, rank_map, b)
             used = int(rank_map.ends_I[-1])  # a map built on the device: rows past it are anything
             gathered, out, gathered_ref, out_ref = gathered[:used], out[:used], gathered_ref[:used], out_ref[:used]
@@ -204,6 +210,8 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
             err = float((outs[rank].float() - outs_ref[rank].float()).norm() / outs_ref[rank].float().norm())
             if err > tol:
                 failures.append(f"{label}: gemm_push into rank {rank}'s buffer, rel err {err:.2e}")
+    if not by_engine:
+        failures.append("no case took the other ranks' rows by the copy engine")
     return failures
 
 
@@ -216,11 +224,11 @@ def check_activation_epilogue(K, table, sends, rank_map, b, tiles, activation, u
         act = act_ref = h = h_ref = None
         kept_ref = tuple(torch.randn(rank_map.num_rows, b.shape[2]).to(b) for _ in range(2))
     else:
-        _, act, h = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation)
+        _, act, h = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation, sources=sends)
         _, act_ref, h_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation)
         kept_ref = (act_ref if h_ref is None else h_ref,)
     _, grad_h, act_again = K.pull_gemm_activation(table, sends[0], rank_map, b, tiles, activation,
-                                                  tuple(t.contiguous() for t in kept_ref))
+                                                  tuple(t.contiguous() for t in kept_ref), sends)
     _, grad_h_ref, act_again_ref = K.pull_gemm_activation_reference(sends, rank_map, b, activation, kept_ref)
     pairs = {"act(h)": (act, act_ref), "h": (h, h_ref), "dh": (grad_h, grad_h_ref),
              "act(h) again": (act_again, act_again_ref)}

@@ -49,6 +49,10 @@ from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
+try:  # the copy engine's flags (layer0 with `CometTiles.copy_engine`): torch's symmetric-memory ops
+    from torch._C._distributed_c10d import _SymmetricMemory
+except ImportError:
+    _SymmetricMemory = None
 try:  # Triton >= 3.4; older Tritons (the ones older torch releases bring) read every operand by pointer
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:
@@ -62,7 +66,10 @@ class CometTiles:
     workload assignment; `weft.moe.exchange.comet`), else the default. `group`: row tiles taken
     together across every column tile (L2 reuse). `direct_local`: layer0's tiles whose rows are all
     in this rank's own buffer are read from there without waiting for a copy, and the copy
-    programs move the other ranks' rows first (`_pull_gemm_kernel`). The 16-bit GPU tiles (128 x 256 x 64, 8 warps, 4
+    programs move the other ranks' rows first (`_pull_gemm_kernel`). `copy_engine` (needs
+    `direct_local` and a map with `runs`): the other ranks' rows cross by the GPU's copy engine
+    instead, the copy programs moving this rank's own rows alone (`_copy_runs`); off by default
+    (docs/comet.md says what it measured). The 16-bit GPU tiles (128 x 256 x 64, 8 warps, 4
     stages) are those docs/benchmarks.md ("Comet, step 2") found fastest for qwen2's, phi35's and
     mixtral's expert GEMMs; float32 GEMMs (IEEE products) take tiles whose stages fit in shared
     memory."""
@@ -77,6 +84,7 @@ class CometTiles:
     n_comm_choices: tuple[int, ...] = (16, 32, 64, 128)
     group: int = 8
     direct_local: bool = True
+    copy_engine: bool = False
 
     @staticmethod
     def for_device(device: torch.device, n_comm: int | None = None, dtype: torch.dtype = torch.bfloat16) -> CometTiles:
@@ -102,7 +110,12 @@ class RowMap:
     layer1's (remote first, this rank's own last). `segments[i]`: local expert i's rows, where the
     host knows them (`build`); None for a map built from counts on the device (`on_device`), whose
     arrays are sized for the most rows the rank can receive: rows past the last end have rank -1,
-    tiles past the last one are empty (first = end = 0) and come last in both orders."""
+    tiles past the last one are empty (first = end = 0) and come last in both orders.
+    `runs` (a padded map whose capacity the tiles divide, else None): every (expert, source) run
+    as (source, first row in its buffer, first gathered row, rows), the other ranks' runs first
+    (nearest first, experts in order: the order layer0's GEMM takes them) and this rank's last;
+    each run is whole tiles, so a tile's rows arrive with one run (layer0's copies by the copy
+    engine, `CometTiles.copy_engine`)."""
 
     rank_R: torch.Tensor
     row_R: torch.Tensor
@@ -110,6 +123,7 @@ class RowMap:
     ends_I: torch.Tensor
     pull_tiles: torch.Tensor
     push_tiles: torch.Tensor
+    runs: tuple[tuple[int, int, int, int], ...] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -153,7 +167,13 @@ class RowMap:
         rows (r * El + i) * C of every source's buffer."""
         counts = [[capacity] * num_local for _ in range(world)]
         offsets = [[(rank * num_local + i) * capacity for i in range(num_local)] for _ in range(world)]
-        return RowMap.build(counts, offsets, rank, block_m, device)
+        rows = RowMap.build(counts, offsets, rank, block_m, device)
+        if capacity == 0 or capacity % block_m:
+            return rows
+        order = [(rank + d) % world for d in range(1, world)] + [rank]
+        runs = tuple((s, (rank * num_local + i) * capacity, (i * world + s) * capacity, capacity)
+                     for s in order for i in range(num_local))
+        return dataclasses.replace(rows, runs=runs)
 
 
 def _row_map(count_IS: torch.Tensor, offset_IS: torch.Tensor, world: int, rank: int, block_m: int, rows: int,
@@ -578,7 +598,8 @@ if triton is not None:
     def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, PASS: tl.constexpr, K: tl.constexpr,
                    BM: tl.constexpr, BC: tl.constexpr):
         """Tile t's rows from their ranks' buffers into `gathered`, then the tile's flag. PASS 0: every
-        tile; 1: only tiles with a row in another rank's buffer; 2: only tiles wholly in this rank's."""
+        tile; 1: only tiles with a row in another rank's buffer; 2: only tiles wholly in this rank's
+        (whose flag no GEMM program waits for: it reads them in place)."""
         first = tl.load(tiles + t * 3 + 1)
         end = tl.load(tiles + t * 3 + 2)
         m = first + tl.arange(0, BM)
@@ -594,31 +615,37 @@ if triton is not None:
                 mask = valid[:, None] & (k[None, :] < K)
                 values = tl.load(src_ptr[:, None] + k[None, :], mask=mask)
                 tl.store(gathered + m[:, None].to(tl.int64) * K + k[None, :], values, mask=mask)
-            tl.debug_barrier()
-            tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
+            if PASS != 2:
+                tl.debug_barrier()
+                tl.atomic_xchg(flags + t, 1, sem="release", scope="gpu")
 
     @triton.jit
     def _pull_gemm_kernel(table, gathered, own_addr, b, b_desc, out, extra, saved, saved3, flags, rank_R, row_R, tiles,
                           n_tiles, K: tl.constexpr, N, sb_e, sb_k, sb_n, BM: tl.constexpr, BN: tl.constexpr,
                           BK: tl.constexpr, BC: tl.constexpr, N_COMM: tl.constexpr, GROUP: tl.constexpr,
                           IEEE: tl.constexpr, EVEN: tl.constexpr, B_TMA: tl.constexpr, B_T: tl.constexpr,
-                          ACT: tl.constexpr, GRAD: tl.constexpr, DIRECT: tl.constexpr):
+                          ACT: tl.constexpr, GRAD: tl.constexpr, DIRECT: tl.constexpr, ENGINE: tl.constexpr):
         """Comet's layer0 (fig. 4 left, fig. 5): programs below N_COMM are the communication
         blocks (copy whole row tiles from the source ranks' buffers, raise each tile's flag); the
         others are the GEMM blocks (one output tile each, in the tiles' order: local rows first,
         3.1.2), each waiting for its rows' flag. DIRECT: a tile whose rows are all in this rank's
         own buffer (at `own_addr`) is read from there at once, without waiting, and the copy
         programs move the other tiles first and such tiles last (into `gathered`, for the
-        backward): the link is busy from the start, not after the local copies. ACT > 0: the
+        backward): the link is busy from the start, not after the local copies. ENGINE (with
+        DIRECT): the copy engine moves the other ranks' rows (`_copy_runs`) and raises the flag of
+        gathered row g's tile at g // BM (waited for with a system-scope acquire: another agent
+        writes it); the copy programs move this rank's own tiles alone. ACT > 0: the
         experts' activation in the epilogue (`_store_activation_tile`; GRAD: its backward, reading
         `saved` (and swiglu's `saved3`); `extra` the second output).
         Reference: `pull_gemm_reference`, `pull_gemm_activation_reference`."""
         pid = tl.program_id(0)
         if pid < N_COMM:  # a copy program: tiles pid, pid + N_COMM, ... in order (DIRECT: remote ones first)
-            t = pid
-            while t < n_tiles:
-                _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, 1 if DIRECT else 0, K, BM, BC)
-                t += N_COMM
+            if not ENGINE:  # (ENGINE: the copy engine moves the other ranks' rows)
+                t = pid
+                while t < n_tiles:
+                    _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, 1 if DIRECT else 0, K, BM,
+                               BC)
+                    t += N_COMM
             if DIRECT:
                 t = pid
                 while t < n_tiles:
@@ -639,8 +666,12 @@ if triton is not None:
                 else:
                     own = first < 0  # False
                 if not own:
-                    while tl.atomic_add(flags + t, 0, sem="acquire", scope="gpu") == 0:
-                        pass
+                    if ENGINE:
+                        while tl.atomic_add(flags + first // BM, 0, sem="acquire", scope="sys") == 0:
+                            pass
+                    else:
+                        while tl.atomic_add(flags + t, 0, sem="acquire", scope="gpu") == 0:
+                            pass
                 acc = _tile_product(tl.zeros((BM, BN), dtype=tl.float32), a_rows, None, 0, b + i * sb_e, b_desc,
                                     i, first, valid, nt * BN, K, N, sb_k, sb_n, BM, BN, BK, IEEE, EVEN, False,
                                     True, B_TMA, B_T)
@@ -681,17 +712,20 @@ if triton is not None:
 
 
 def pull_gemm(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
-              tiles: CometTiles) -> tuple[torch.Tensor, torch.Tensor]:
+              tiles: CometTiles, sources: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer0: (gathered, gathered @ b per expert), gathered (R, K) read from the buffers whose
     addresses are in `table` (int64, one per rank, on the kernel's device; `like`: this rank's own
     buffer, for dtype and device). Equal to `pull_gemm_reference` up to float32 summation order.
-    `tiles.block_m` must be the one `rows` was built with."""
-    gathered, out, _ = _pull(table, like, rows, b_EKN, tiles, "", None)
+    `tiles.block_m` must be the one `rows` was built with. `tiles.copy_engine`: the other ranks'
+    rows are copied by the copy engine instead of copy programs (`sources`: every rank's buffer as
+    this process addresses it; a map with `runs`)."""
+    gathered, out, _ = _pull(table, like, rows, b_EKN, tiles, "", None, sources)
     return gathered, out
 
 
 def pull_gemm_activation(table: torch.Tensor, like: torch.Tensor, rows: RowMap, b_EKN: torch.Tensor,
-                         tiles: CometTiles, activation: str, saved: tuple[torch.Tensor, ...] | None = None
+                         tiles: CometTiles, activation: str, saved: tuple[torch.Tensor, ...] | None = None,
+                         sources: list[torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Layer0 with the experts' activation in its epilogue: (gathered, out, extra) as
     `pull_gemm_activation_reference` says (forward, relu / gelu / silu: act(h) and h; backward with
@@ -702,11 +736,12 @@ def pull_gemm_activation(table: torch.Tensor, like: torch.Tensor, rows: RowMap, 
     if activation not in ACTIVATIONS or (activation == "swiglu" and saved is None):
         raise ValueError(f"layer0's epilogue fuses relu, gelu and silu, and the backward of swiglu, not "
                          f"{activation!r}{'' if saved else ' forward'}")
-    return _pull(table, like, rows, b_EKN, tiles, activation, saved)
+    return _pull(table, like, rows, b_EKN, tiles, activation, saved, sources)
 
 
-def _pull(table, like, rows, b_EKN, tiles, activation, saved):
-    """`pull_gemm` (activation "") and `pull_gemm_activation`: one launch of `_pull_gemm_kernel`."""
+def _pull(table, like, rows, b_EKN, tiles, activation, saved, sources=None):
+    """`pull_gemm` (activation "") and `pull_gemm_activation`: one launch of `_pull_gemm_kernel`
+    (with `tiles.copy_engine`, beside the copy engine's copies: `_copy_runs`)."""
     num_local, K, N = b_EKN.shape
     gathered = like.new_empty(rows.num_rows, K)
     out = like.new_empty(rows.num_rows, 2 * N if activation == "swiglu" else N)
@@ -717,15 +752,63 @@ def _pull(table, like, rows, b_EKN, tiles, activation, saved):
                              f"got {tuple(kept.shape)}")
     grad, saved = saved is not None, saved or (out,)  # no saved tensors: their pointers unused
     n_tiles = rows.pull_tiles.shape[0]
-    flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
+    engine = tiles.copy_engine
+    if engine:
+        flags, joined = _copy_runs(sources, like, gathered, rows, tiles)
+    else:
+        flags = torch.zeros(max(n_tiles, 1), dtype=torch.int32, device=like.device)
     b, b_desc, b_t = _weights(b_EKN, tiles)
     _pull_gemm_kernel[(tiles.n_comm + n_tiles * triton.cdiv(N, tiles.block_n),)](
         table, gathered, like.data_ptr(), b, b_desc, out, out if extra is None else extra, saved[0], saved[-1],
         flags, rows.rank_R, rows.row_R, rows.pull_tiles, n_tiles, K, N,
         *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, BC=tiles.block_copy,
         N_COMM=tiles.n_comm, GROUP=tiles.group, B_TMA=b_desc is not None, B_T=b_t,
-        ACT=ACTIVATIONS.get(activation, 0), GRAD=grad, DIRECT=tiles.direct_local, **_launch(like, tiles, N, K))
+        ACT=ACTIVATIONS.get(activation, 0), GRAD=grad, DIRECT=tiles.direct_local, ENGINE=engine,
+        **_launch(like, tiles, N, K))
+    if engine:
+        joined()
     return gathered, out, extra
+
+
+def copy_engine_available(device: torch.device) -> bool:
+    """Whether layer0 can take its rows by the copy engine here: CUDA with the stream-ordered
+    32-bit writes of PyTorch's symmetric memory (the flags), or the CPU."""
+    return torch.device(device).type == "cpu" or _SymmetricMemory is not None
+
+
+def _copy_runs(sources, like, gathered, rows, tiles):
+    """The other ranks' runs of `rows.runs` copied into `gathered` by the copy engine
+    (`CometTiles.copy_engine`), on a side stream, nearest rank first, each followed by a 32-bit
+    write raising the flags of its tiles (flag g // block_m for gathered row g; a run is whole
+    tiles), as torch's own fused all-gather matmul raises its signals. The copies take no SM; the
+    kernel, launched between this fork and the join it returns, moves this rank's own rows with
+    its copy programs (the copy engine moves device-local rows at a fraction of what SMs do). On
+    the CPU the copies run first and every flag is up."""
+    if rows.runs is None or sources is None or not tiles.direct_local:
+        raise ValueError("layer0 by the copy engine needs a padded map whose capacity its tiles divide, every rank's "
+                         "buffer, and its own rows read in place (direct_local)")
+    if not copy_engine_available(like.device):
+        raise ValueError("layer0 by the copy engine needs torch's symmetric-memory ops (memset32) on CUDA")
+    blocks = max(1, rows.num_rows // tiles.block_m)
+    remote = [run for run in rows.runs if sources[run[0]].data_ptr() != like.data_ptr()]
+    if not like.is_cuda:
+        for s, src, dst, count in remote:
+            gathered[dst:dst + count] = sources[s][src:src + count]
+        return torch.ones(blocks, dtype=torch.int32), lambda: None
+    flags = torch.zeros(blocks, dtype=torch.uint32, device=like.device)
+    current = torch.cuda.current_stream(like.device)
+    side = torch.cuda.Stream(like.device)
+    side.wait_stream(current)
+    capturing = torch.cuda.is_current_stream_capturing()
+    with torch.cuda.stream(side):
+        for s, src, dst, count in remote:
+            gathered[dst:dst + count].copy_(sources[s][src:src + count])
+            if capturing:
+                _SymmetricMemory.memset32(flags, dst // tiles.block_m, 1, count // tiles.block_m)
+            else:  # (a write that fences the copy before it)
+                for block in range(dst // tiles.block_m, (dst + count) // tiles.block_m):
+                    _SymmetricMemory.stream_write_value32(flags, block, 1)
+    return flags, lambda: current.wait_stream(side)
 
 
 def gemm_push(a_RK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like: torch.Tensor, rows: RowMap,

@@ -66,7 +66,7 @@ class CometPlan:
         """Layer0: (this rank's experts' rows gathered from every source, their product with b)."""
         if self.use_kernels:
             def launch(tiles: kernels.CometTiles):
-                return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, tiles)
+                return kernels.pull_gemm(source.table, source.local, self.rows, b_EKN, tiles, source.peers)
             return launch(self.pull_tiles(source, b_EKN, launch))
         return kernels.pull_gemm_reference(source.peers, self.rows, b_EKN)
 
@@ -78,7 +78,7 @@ class CometPlan:
         if self.use_kernels:
             def launch(tiles: kernels.CometTiles):
                 return kernels.pull_gemm_activation(source.table, source.local, self.rows, b_EKN, tiles,
-                                                    self.activation, saved)
+                                                    self.activation, saved, source.peers)
             return launch(self.pull_tiles(source, b_EKN, launch))
         return kernels.pull_gemm_activation_reference(source.peers, self.rows, b_EKN, self.activation, saved)
 
