@@ -20,18 +20,16 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from weft.bench.layer import CONFIGS
 from weft.kernels import comet as K
+from weft.kernels.comet import _work_item
 
 
 @triton.jit
 def _tile_of(q, E, n_mt, n_nt, GROUP: tl.constexpr):
-    """Work item q -> (expert, row tile, column tile), GROUP row tiles across every column tile."""
+    """Work item q -> (expert, row tile, column tile): the experts one after another, each expert's
+    tiles in Comet's grouped order (`_work_item`)."""
     per_e = n_mt * n_nt
-    e = q // per_e
-    q = q % per_e
-    width = GROUP * n_nt
-    first = (q // width) * GROUP
-    size = tl.minimum(n_mt - first, GROUP)
-    return e, first + (q % width) % size, (q % width) // size
+    mt, nt = _work_item(q % per_e, n_mt, n_nt, GROUP)
+    return q // per_e, mt, nt
 
 
 @triton.jit

@@ -471,11 +471,15 @@ if triton is not None:
 
     @triton.jit
     def _row_bases(table, rank, valid, like):
-        """Each row's buffer: the address `table` holds for its rank, as a pointer to `like`'s dtype,
-        declared 16-byte aligned (buffers start on allocation boundaries), so that a row's
-        consecutive elements move in 16-byte accesses rather than one element at a time."""
-        base = tl.load(table + rank, mask=valid, other=0).to(tl.pointer_type(like.dtype.element_ty))
-        return tl.multiple_of(base, 16)
+        """Each row's buffer: the address `table` holds for its rank (`_as_base`)."""
+        return _as_base(tl.load(table + rank, mask=valid, other=0), like)
+
+    @triton.jit
+    def _as_base(addr, like):
+        """Buffer addresses (int64) as pointers to `like`'s dtype, declared 16-byte aligned (buffers
+        start on allocation boundaries), so that a row's consecutive elements move in 16-byte
+        accesses rather than one element at a time."""
+        return tl.multiple_of(addr.to(tl.pointer_type(like.dtype.element_ty)), 16)
 
     @triton.jit
     def _pick(values, index, positions):
@@ -592,7 +596,7 @@ if triton is not None:
         src_row = tl.load(row_R + m, mask=valid, other=0)
         addr = tl.load(table + src, mask=valid, other=own_addr)
         own = tl.sum((addr != own_addr).to(tl.int32), axis=0) == 0
-        return _row_bases(table, src, valid, like) + src_row * K, own
+        return _as_base(addr, like) + src_row * K, own
 
     @triton.jit
     def _copy_tile(table, gathered, flags, rank_R, row_R, tiles, t, own_addr, PASS: tl.constexpr, K: tl.constexpr,
