@@ -278,15 +278,41 @@ def test_comet_layer_matches_dense_reference(world_size):
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
+def staged_comet_worker(cases) -> list[str]:
+    """`comet_worker`, counting where `CometPlan.share` found its rows: the row kernels' dispatch
+    writes them into the "send" buffer and the combine's backward their gradient into "grad_send"
+    (`Comet.staging`), so every share, forward and backward, finds them there and copies nothing."""
+    from weft.moe.exchange import comet as exchange
+
+    shares = {"staged": 0, "copied": 0}
+    share = exchange.CometPlan.share
+
+    def counting_share(plan, name, rows_ND):
+        buffer = share(plan, name, rows_ND)
+        shares["staged" if rows_ND.data_ptr() == buffer.local.data_ptr() else "copied"] += 1
+        return buffer
+
+    exchange.CometPlan.share = counting_share
+    try:
+        failures = comet_worker(cases)
+    finally:
+        exchange.CometPlan.share = share
+    if shares["copied"] or not shares["staged"]:
+        failures.append(f"rank {dist.get_rank()}: {shares['copied']} shares copied their rows, "
+                        f"{shares['staged']} found them in the buffer (expected none copied)")
+    return failures
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatch):
     """The same through the Triton kernels (interpreter): each rank's kernels read and write the
-    other processes' buffers by address (one rank: `test_kernels_match_their_references`)."""
+    other processes' buffers by address (one rank: `test_kernels_match_their_references`), with
+    the rows and their gradient dispatched straight into the buffers."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32), ("topk", None, 2, "swiglu", torch.float32),
              ("topk", None, 2, "silu", torch.bfloat16))
-    flat = run_checks(comet_worker, world_size, args=(cases,), timeout=600)
+    flat = run_checks(staged_comet_worker, world_size, args=(cases,), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 

@@ -136,10 +136,17 @@ def _rows_ok(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None, divisor: int = 1) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, divisor: int = 1, out: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """(R, D): with i = index[r], row r is scale[i] * src[i // divisor] (float32 product, cast to
-    `out_dtype`, default src's), zero where i < 0."""
-    out = torch.empty(index_R.shape[0], src_ND.shape[1], dtype=out_dtype or src_ND.dtype, device=src_ND.device)
+    `out_dtype`, default src's), zero where i < 0; written into `out` where given (rows of unit
+    column stride, e.g. a slice of a peer buffer), which is returned."""
+    shape, dtype = (index_R.shape[0], src_ND.shape[1]), out_dtype or src_ND.dtype
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=src_ND.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != src_ND.device or out.stride(1) != 1:
+        raise ValueError(f"gather_rows: out must be {shape} {dtype} on {src_ND.device} with unit column stride, "
+                         f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
     if out.numel() == 0:
         return out
     src_ND = _rows_ok(src_ND)

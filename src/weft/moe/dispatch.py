@@ -86,15 +86,15 @@ class _DispatchRows(torch.autograd.Function):
     """buffer[r] = x[token of row r]; backward: dx[t] = sum_j dbuffer[rows[t, j]] (float32 sum)."""
 
     @staticmethod
-    def forward(ctx, x_TD, slot_of_row_R, rows_TK):
+    def forward(ctx, x_TD, slot_of_row_R, rows_TK, into_RD):
         ctx.save_for_backward(rows_TK)
         ctx.x_dtype = x_TD.dtype
-        return row_kernels.gather_rows(x_TD, slot_of_row_R, divisor=rows_TK.shape[1])
+        return row_kernels.gather_rows(x_TD, slot_of_row_R, divisor=rows_TK.shape[1], out=into_RD)
 
     @staticmethod
     def backward(ctx, grad_RD):
         (rows_TK,) = ctx.saved_tensors
-        return row_kernels.weighted_row_sum(grad_RD, rows_TK, None, ctx.x_dtype), None, None
+        return row_kernels.weighted_row_sum(grad_RD, rows_TK, None, ctx.x_dtype), None, None, None
 
 
 class _CombineRows(torch.autograd.Function):
@@ -102,9 +102,9 @@ class _CombineRows(torch.autograd.Function):
     r], dgates[t, j] = dy[t] . out[rows[t, j]]."""
 
     @staticmethod
-    def forward(ctx, out_RD, gates_TK, slot_rows: SlotRows, out_dtype):
+    def forward(ctx, out_RD, gates_TK, slot_rows: SlotRows, out_dtype, grad_into_RD):
         ctx.save_for_backward(out_RD, gates_TK)
-        ctx.slot_rows = slot_rows
+        ctx.slot_rows, ctx.grad_into_RD = slot_rows, grad_into_RD
         return row_kernels.weighted_row_sum(out_RD, slot_rows.rows_TK, gates_TK, out_dtype)
 
     @staticmethod
@@ -114,18 +114,20 @@ class _CombineRows(torch.autograd.Function):
         grad_out = grad_gates = None
         if ctx.needs_input_grad[0]:
             grad_out = row_kernels.gather_rows(grad_TD, slot_rows.slot_of_row_R, gates_TK.reshape(-1), out_RD.dtype,
-                                               divisor=slot_rows.top_k)
+                                               divisor=slot_rows.top_k, out=ctx.grad_into_RD)
         if ctx.needs_input_grad[1]:
             grad_gates = row_kernels.row_dots(grad_TD, out_RD, slot_rows.rows_TK)
-        return grad_out, grad_gates, None, None
+        return grad_out, grad_gates, None, None, None
 
 
-def dispatch_rows(x_TD: torch.Tensor, slot_rows: SlotRows) -> torch.Tensor:
-    """The dispatched buffer (R, dim) by the Triton kernels: row r is x[slot_of_row[r] // k], 0 if unused."""
-    return _DispatchRows.apply(x_TD, slot_rows.slot_of_row_R, slot_rows.rows_TK)
+def dispatch_rows(x_TD: torch.Tensor, slot_rows: SlotRows, into_RD: torch.Tensor | None = None) -> torch.Tensor:
+    """The dispatched buffer (R, dim) by the Triton kernels: row r is x[slot_of_row[r] // k], 0 if
+    unused; written into `into_RD` where given (where the exchange wants its rows: `Staging`)."""
+    return _DispatchRows.apply(x_TD, slot_rows.slot_of_row_R, slot_rows.rows_TK, into_RD)
 
 
 def combine_rows(out_RD: torch.Tensor, gates_TK: torch.Tensor, slot_rows: SlotRows,
-                 out_dtype: torch.dtype) -> torch.Tensor:
-    """The gate-weighted sum of each token's expert outputs by the Triton kernels, in `out_dtype`."""
-    return _CombineRows.apply(out_RD, gates_TK, slot_rows, out_dtype)
+                 out_dtype: torch.dtype, grad_into_RD: torch.Tensor | None = None) -> torch.Tensor:
+    """The gate-weighted sum of each token's expert outputs by the Triton kernels, in `out_dtype`;
+    the backward writes out_RD's gradient into `grad_into_RD` where given (`Staging`)."""
+    return _CombineRows.apply(out_RD, gates_TK, slot_rows, out_dtype, grad_into_RD)

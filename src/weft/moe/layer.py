@@ -39,10 +39,12 @@ from weft.moe.config import (
 )
 from weft.moe.dispatch import SlotRows, combine, combine_rows, dispatch_padded, dispatch_rows
 from weft.moe.exchange import (
+    Exchange,
     ExchangeContext,
     ExpertPlacement,
     Layout,
     Padded,
+    Staging,
     Transfer,
     candidates,
     gather_counts_on_device,
@@ -359,17 +361,32 @@ class MoE(nn.Module):
         forget the last one, and the autograd graph its losses keep alive)."""
         self.last_routing = summary
 
-    def exchange(self, rows: torch.Tensor, layout: Layout, call: MoECall, setting: Setting,
-                 transfer: Transfer | None = None) -> torch.Tensor:
-        """The dispatched rows -> their experts' outputs, by `setting` (a call's own,
-        `untuned_setting(call)`, or the tuning dictionary's choice; `transfer`: the copies of
-        Pro-Prophet's experts for a dropless call)."""
+    def exchange_for(self, layout: Layout, call: MoECall, setting: Setting, device: torch.device,
+                     transfer: Transfer | None = None) -> Exchange:
+        """The exchange that takes the dispatched rows to their experts' outputs by `setting` (a
+        call's own, `untuned_setting(call)`, or the tuning dictionary's choice; `transfer`: the
+        copies of Pro-Prophet's experts for a dropless call)."""
+        offered = setting.comet and is_tuned(call, self.parallel, self.ep_size)
+        peers = self._comet_peers(call, device, offered) if setting.comet else None
+        ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler, peers, self.tuning)
+        return select(ctx, setting, not isinstance(layout, Padded), transfer)
+
+    def _exchange_rows(self, exchange: Exchange, layout: Layout, tokens_TD: torch.Tensor, slot_rows: SlotRows | None,
+                       num_rows: int, rows_of_tokens) -> tuple[torch.Tensor, Staging | None]:
+        """The dispatched rows through `exchange`: by the row kernels over `slot_rows`, written
+        where the exchange wants them (`Exchange.staging`), else `rows_of_tokens(tokens_TD)`
+        (the PyTorch index ops). Returns the experts' outputs and the staging the combine's
+        backward writes into."""
+        staging = None
+        with stage("dispatch"):
+            if slot_rows is not None:
+                staging = exchange.staging(layout, torch.Size((num_rows, tokens_TD.shape[1])), tokens_TD.dtype,
+                                           tokens_TD.device)
+                rows_ND = dispatch_rows(tokens_TD, slot_rows, None if staging is None else staging.rows_ND)
+            else:
+                rows_ND = rows_of_tokens(tokens_TD)
         with stage("exchange"):
-            offered = setting.comet and is_tuned(call, self.parallel, self.ep_size)
-            peers = self._comet_peers(call, rows.device, offered) if setting.comet else None
-            ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler, peers,
-                                  self.tuning)
-            return select(ctx, setting, not isinstance(layout, Padded), transfer)(rows, layout)
+            return exchange(rows_ND, layout), staging
 
     def _run_tuned(self, call: MoECall, run, tokens_TD: torch.Tensor, capacity: int) -> torch.Tensor:
         """`run(setting, tokens)` (dispatch, exchange and combine by one setting) with the call's
@@ -410,19 +427,20 @@ class MoE(nn.Module):
             if setting.a2a_algo in DEDUP_ALGOS and self._dedups(call):  # padded: "dedup-fixed" is "dedup"
                 return dedup.padded(tokens_TD, routing, self.experts, self.placement, call.top_k, out_dtype, fused,
                                     same_tokens=call.capacity_factor > 0, local_first=setting.overlap_degree == 2)
+            layout = Padded(cap)
             with stage("dispatch"):
                 rows_S = routing.experts_S * cap + routing.positions_S
-                if fused:
-                    slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k)
-                    buffer_RD = dispatch_rows(tokens_TD, slot_rows)
-                else:
-                    if routing.kept_S is not None:
-                        rows_S = torch.where(routing.kept_S, rows_S, num_rows)
-                    buffer_RD = dispatch_padded(tokens_TD, routing.token_ids_S, rows_S, num_rows)
-            out_RD = self.exchange(buffer_RD, Padded(cap), call, plain_algo(setting))
+                slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k) if fused else None
+                if not fused and routing.kept_S is not None:
+                    rows_S = torch.where(routing.kept_S, rows_S, num_rows)
+            exchange = self.exchange_for(layout, call, plain_algo(setting), tokens_TD.device)
+            out_RD, staging = self._exchange_rows(
+                exchange, layout, tokens_TD, slot_rows, num_rows,
+                lambda x_TD: dispatch_padded(x_TD, routing.token_ids_S, rows_S, num_rows))
             with stage("combine"):
                 if fused:
-                    return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
+                    return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype,
+                                        None if staging is None else staging.grads_ND)
                 return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
                                tokens_TD.shape[0], routing.kept_S)
 
@@ -460,16 +478,15 @@ class MoE(nn.Module):
                 return dedup.dropless(tokens_TD, routing, self.experts, self.placement, out_dtype, fused, pairs,
                                       layout, pairs_WW)
             with stage("dispatch"):
-                if fused:
-                    slot_rows = SlotRows.grouped(order_S, call.top_k)
-                    rows_SD = dispatch_rows(tokens_TD, slot_rows)
-                else:
-                    token_ids_S = routing.token_ids_S.index_select(0, order_S)
-                    rows_SD = tokens_TD.index_select(0, token_ids_S)
-            out_SD = self.exchange(rows_SD, layout, call, plain_algo(setting), transfer)
+                slot_rows = SlotRows.grouped(order_S, call.top_k) if fused else None
+                token_ids_S = None if fused else routing.token_ids_S.index_select(0, order_S)
+            exchange = self.exchange_for(layout, call, plain_algo(setting), tokens_TD.device, transfer)
+            out_SD, staging = self._exchange_rows(exchange, layout, tokens_TD, slot_rows, order_S.numel(),
+                                                  lambda x_TD: x_TD.index_select(0, token_ids_S))
             with stage("combine"):
                 if fused:
-                    return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype)
+                    return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype,
+                                        None if staging is None else staging.grads_ND)
                 return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S),
                                tokens_TD.shape[0])
 

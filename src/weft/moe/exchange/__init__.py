@@ -20,6 +20,7 @@ from weft.moe.exchange.base import (
     GroupedOnDevice,
     Layout,
     Padded,
+    Staging,
     gather_counts,
     gather_counts_on_device,
 )
@@ -31,6 +32,6 @@ from weft.moe.exchange.select import candidates, offers_comet, offers_dedup, sel
 from weft.moe.exchange.sliced import SlicedExperts
 
 __all__ = ["AllToAll", "Comet", "DataParallelExperts", "Exchange", "ExchangeContext", "ExpertPlacement", "Grouped",
-           "GroupedOnDevice", "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Transfer",
-           "candidates", "gather_counts", "gather_counts_on_device", "offers_comet", "offers_dedup", "select",
-           "tuning_key", "untuned_setting"]
+           "GroupedOnDevice", "Layout", "Padded", "Pipelined", "ReplicatedExperts", "SlicedExperts", "Staging",
+           "Transfer", "candidates", "gather_counts", "gather_counts_on_device", "offers_comet", "offers_dedup",
+           "select", "tuning_key", "untuned_setting"]

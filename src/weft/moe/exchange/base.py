@@ -167,12 +167,29 @@ class ExchangeContext:
         return recv_counts, sent, received
 
 
+@dataclass(frozen=True)
+class Staging:
+    """Where an exchange wants the rows it is given (`rows_ND`) and their gradient (`grads_ND`):
+    tensors of the dispatched rows' shape and dtype that the dispatch writes its rows into and the
+    combine's backward its gradient, so the exchange need not copy them there (Comet's peer
+    buffers). Either may be None: anywhere."""
+
+    rows_ND: torch.Tensor | None
+    grads_ND: torch.Tensor | None
+
+
 class Exchange(ABC):
     """Rows of one layout -> their experts' outputs, same rows, same order. Subclasses implement
     the layouts they support; `select` never hands them another."""
 
     def __init__(self, ctx: ExchangeContext):
         self.ctx = ctx
+
+    def staging(self, layout: Layout, rows_ND: torch.Size, dtype: torch.dtype, device: torch.device) -> Staging | None:
+        """Where this exchange wants `rows_ND`-shaped rows of `dtype` (and their gradient), if
+        anywhere (`Staging`); None, as here: anywhere. Writing there is an option, not a
+        contract: the exchange takes rows wherever they are."""
+        return None
 
     def __call__(self, rows: torch.Tensor, layout: Layout) -> torch.Tensor:
         if isinstance(layout, Padded):

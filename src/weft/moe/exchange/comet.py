@@ -31,10 +31,16 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
 from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
-from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice, Layout, Padded, Staging
 from weft.moe.experts import activate
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
+
+
+def comet_buffer(peers: PeerBuffers, name: str, rows: int, dim: int, dtype: torch.dtype) -> PeerBuffer:
+    """The group's buffer `name` of (rows, dim): "send" and "grad_send" hold each rank's rows and
+    their gradient where the others pull them, "out" and "grad_out" what layer1 pushes back."""
+    return peers.get(f"comet.{name}", (rows, dim), dtype)
 
 
 @dataclass(frozen=True)
@@ -53,12 +59,14 @@ class CometPlan:
     tuning: TuningDictionary | None = None
 
     def buffer(self, name: str, like: torch.Tensor) -> PeerBuffer:
-        return self.peers.get(f"comet.{name}", (self.buffer_rows, like.shape[1]), like.dtype)
+        return comet_buffer(self.peers, name, self.buffer_rows, like.shape[1], like.dtype)
 
     def share(self, name: str, rows_ND: torch.Tensor) -> PeerBuffer:
-        """Write this rank's rows into its buffer `name`, then wait until every rank has."""
+        """Write this rank's rows into its buffer `name` (nothing to copy where they were made
+        there: `Comet.staging`), then wait until every rank has."""
         buffer = self.buffer(name, rows_ND)
-        buffer.local[: rows_ND.shape[0]].copy_(rows_ND)
+        if rows_ND.data_ptr() != buffer.local.data_ptr():
+            buffer.local[: rows_ND.shape[0]].copy_(rows_ND)
         self.peers.barrier()
         return buffer
 
@@ -116,42 +124,76 @@ class CometPlan:
         return dest.local[: like.shape[0]].clone()
 
 
-class CometExperts(torch.autograd.Function):
-    """rows (N, dim) dispatched by this rank -> their experts' outputs, same rows."""
+class CometLayer0(torch.autograd.Function):
+    """Layer0 (Comet 3.1, fig. 4): rows (N, dim) dispatched by this rank -> their experts' act(h),
+    pulled from the source ranks under x @ w1 with the activation in the epilogue.
+
+    Returns (link, act, *saved). `act` and `saved` go to `CometLayer1` as plain tensors: `saved`
+    is what act'(h) needs besides act(h) (nothing for relu, h for gelu / silu, (h1, h3) for
+    swiglu). `link`, a broadcast zero of h's shape (no memory), is what carries the gradient back:
+    layer1's backward runs the backward's layer0, whose epilogue already multiplies by act'(h), so
+    the gradient it returns for `link` is dh, and this function's backward takes it as such. Two
+    functions, not one, so that each weight's gradient leaves autograd (and is accumulated) as soon
+    as it is made: one function returning both held both at once, one weight gradient more than
+    the plain layer at its peak."""
 
     @staticmethod
-    def forward(ctx, rows_ND, w1, w2, w3, plan: CometPlan):
+    def forward(ctx, rows_ND, w1, w3, plan: CometPlan):
         source = plan.share("send", rows_ND)
-        if w3 is None:  # act = act(x @ w1) from layer0's epilogue; keep act(h) (relu) or h
+        if w3 is None:  # act = act(x @ w1) from layer0's epilogue; layer1 keeps act(h) (relu) or h
             gathered, act, h1 = plan.pull_activation(source, w1)
-            kept = (act if h1 is None else h1,)
+            saved = () if h1 is None else (h1,)
+            hidden = w1.shape[2]
         else:  # swiglu: silu(x @ w1) * (x @ w3), the second product a grouped GEMM of its own
             gathered, h1 = plan.pull(source, w1)  # (R, dim), (R, hidden): this rank's experts' rows
             h3 = segment_mm(gathered, w3, plan.rows)
-            act, kept = activate(plan.activation, h1, h3), (h1, h3)
-        out_ND = plan.push(act, w2, "out", rows_ND)
-        ctx.plan = plan
-        ctx.save_for_backward(gathered, w1, w2, w3, *kept)
-        return out_ND
+            act, saved = activate(plan.activation, h1, h3), (h1, h3)
+            hidden = 2 * w1.shape[2]
+        link = act.new_zeros(()).expand(act.shape[0], hidden)
+        ctx.plan, ctx.rows_like = plan, torch.empty_like(rows_ND, device="meta")
+        ctx.save_for_backward(gathered, w1, w3)
+        ctx.mark_non_differentiable(act, *saved)
+        ctx.set_materialize_grads(False)  # act and saved get no gradient: no zeros made for them
+        return link, act, *saved
 
     @staticmethod
-    def backward(ctx, grad_ND):
+    def backward(ctx, grad_h, *_):
         plan = ctx.plan
-        gathered, w1, w2, w3, *kept = ctx.saved_tensors
-        grad_ND = grad_ND.to(gathered.dtype).contiguous()
-        source = plan.share("grad_send", grad_ND)
-        # dY rows here; dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it for dW2
-        grad_out, grad_h, act = plan.pull_activation(source, w2.transpose(1, 2), tuple(kept))
-        grad_w2 = segment_wgrad(kept[0] if act is None else act, grad_out, plan.rows)  # relu kept act(h)
+        gathered, w1, w3 = ctx.saved_tensors
         if w3 is None:
             grad_w1, grad_w3 = segment_wgrad(gathered, grad_h, plan.rows), None
         else:  # [dh1 | dh3]: dX = dh1 @ w1^T + dh3 @ w3^T, one GEMM over the joined hidden dimension
             hidden = w1.shape[2]
             grad_w1 = segment_wgrad(gathered, grad_h[:, :hidden], plan.rows)
             grad_w3 = segment_wgrad(gathered, grad_h[:, hidden:], plan.rows)
-        grad_rows = plan.push(grad_h, w1.transpose(1, 2), "grad_out", grad_ND,
+        grad_rows = plan.push(grad_h, w1.transpose(1, 2), "grad_out", ctx.rows_like,
                               None if w3 is None else w3.transpose(1, 2))
-        return grad_rows, grad_w1, grad_w2, grad_w3, None
+        return grad_rows, grad_w1, grad_w3, None
+
+
+class CometLayer1(torch.autograd.Function):
+    """Layer1 (Comet 3.1, fig. 4): act(h) @ w2, each finished tile stored into the buffer of the
+    rank its rows came from; returns this rank's rows (N, dim). Its backward pulls the output
+    gradient's rows under dY @ w2^T with act'(h) in the epilogue (layer0's pattern), makes dW2 and
+    returns dh for `CometLayer0`'s link."""
+
+    @staticmethod
+    def forward(ctx, link, act, w2, plan: CometPlan, rows_like, *saved):
+        out_ND = plan.push(act, w2, "out", rows_like)
+        ctx.plan, ctx.num_saved = plan, len(saved)
+        ctx.save_for_backward(w2, *(saved or (act,)))
+        return out_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        plan = ctx.plan
+        w2, *kept = ctx.saved_tensors
+        grad_ND = grad_ND.to(w2.dtype).contiguous()
+        source = plan.share("grad_send", grad_ND)
+        # dY rows here; dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it for dW2
+        grad_out, grad_h, act = plan.pull_activation(source, w2.transpose(1, 2), tuple(kept))
+        grad_w2 = segment_wgrad(kept[0] if act is None else act, grad_out, plan.rows)  # relu kept act(h)
+        return grad_h, None, grad_w2, None, None, *(None,) * ctx.num_saved
 
 
 class Comet(Exchange):
@@ -161,13 +203,38 @@ class Comet(Exchange):
         super().__init__(ctx)
         self.peers = peers
 
+    def staging(self, layout: Layout, rows_ND: torch.Size, dtype: torch.dtype, device: torch.device) -> Staging | None:
+        """This rank's rows of the "send" and "grad_send" buffers: the dispatch writes its rows
+        where the other ranks read them, the combine's backward its gradient, and `share` copies
+        nothing (two copies of the rows fewer a call, forward and backward). Rows of another
+        dtype than the experts compute in are cast on the way in, so they are not staged."""
+        if self.ctx.experts.compute_dtype(torch.empty(0, dtype=dtype, device=device)) != dtype:
+            return None
+        rows, dim = rows_ND
+        buffer_rows = self._buffer_rows(layout, rows)
+        send = comet_buffer(self.peers, "send", buffer_rows, dim, dtype)
+        if not torch.is_grad_enabled():  # no backward: no gradient buffer (allocating is collective: same on all ranks)
+            return Staging(send.local[:rows], None)
+        return Staging(send.local[:rows], comet_buffer(self.peers, "grad_send", buffer_rows, dim, dtype).local[:rows])
+
+    @staticmethod
+    def _buffer_rows(layout: Layout, rows: int) -> int:
+        """The rows of every rank's buffers, the same on every rank: the padded rows; a dropless
+        call's most rows any rank dispatches, to a power of two (few sizes, few allocations), or
+        on the device, the rows every rank dispatches."""
+        if isinstance(layout, Grouped):
+            return 1 << max(0, (layout.most_slots() - 1).bit_length())
+        if isinstance(layout, GroupedOnDevice):
+            return layout.rows
+        return rows
+
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
         tiles = kernels.CometTiles.for_device(rows_RD.device, dtype=self.ctx.experts.compute_dtype(rows_RD))
         key = ("comet.padded", self.ctx.placement.num_local, capacity, tiles.block_m)
         world, local = self.peers.world, self.ctx.placement.num_local
         rows = self.peers.memo(key, lambda: RowMap.padded(world, local, capacity, self.peers.rank, tiles.block_m,
                                                           rows_RD.device))
-        return self._run(rows_RD, rows_RD.shape[0], rows, tiles)
+        return self._run(rows_RD, self._buffer_rows(Padded(capacity), rows_RD.shape[0]), rows, tiles)
 
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
@@ -180,9 +247,7 @@ class Comet(Exchange):
         mine = slice(rank * local, (rank + 1) * local)
         rows = RowMap.build([row[mine] for row in counts_WE], [row[mine] for row in offsets_WE], rank, tiles.block_m,
                             rows_ND.device)
-        most = max(sum(row) for row in counts_WE)
-        buffer_rows = 1 << max(0, (most - 1).bit_length())  # a power of two: few sizes, few allocations
-        return self._run(rows_ND, buffer_rows, rows, tiles)
+        return self._run(rows_ND, self._buffer_rows(layout, rows_ND.shape[0]), rows, tiles)
 
     def grouped_on_device(self, rows_ND: torch.Tensor, layout: GroupedOnDevice) -> torch.Tensor:
         """The dropless layout with the counts left on the device: the map is built there, sized for
@@ -194,13 +259,16 @@ class Comet(Exchange):
             raise ValueError(f"Comet's exchange got {rows_ND.shape[0]} rows, the layout says {layout.rows}")
         rows = RowMap.on_device(layout.counts_WE, self.peers.rank, self.ctx.placement.num_local, tiles.block_m,
                                 layout.most_received)
-        return self._run(rows_ND, layout.rows, rows, tiles)
+        return self._run(rows_ND, self._buffer_rows(layout, rows_ND.shape[0]), rows, tiles)
 
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles) -> torch.Tensor:
         experts = self.ctx.experts
         dtype = experts.compute_dtype(rows_ND)
-        w1, w2, w3 = (None if w is None else w.to(dtype) for w in experts.weights())
+        w1, w2, w3 = experts.weights()
         plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND),
                          self.ctx.tuning)
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
-            return CometExperts.apply(rows_ND.to(dtype).contiguous(), w1, w2, w3, plan)
+            rows_ND = rows_ND.to(dtype).contiguous()
+            link, act, *saved = CometLayer0.apply(rows_ND, w1.to(dtype), None if w3 is None else w3.to(dtype), plan)
+            # w2 cast after layer0: a cast's backward then runs before layer0's, and dW2 leaves first
+            return CometLayer1.apply(link, act, w2.to(dtype), plan, rows_ND.detach(), *saved)
