@@ -1,6 +1,7 @@
 """The Triton row kernels of dispatch and combine (weft.kernels.rows) against their PyTorch
 references, run in Triton's CPU interpreter in a spawned process (TRITON_INTERPRET=1 must be set
-before Triton is imported), and the fused dispatch/combine against the index-op path."""
+before Triton is imported), and the fused dispatch/combine against the index-op path, also
+written into given buffers (`dispatch_rows(..., into_RD)`, `combine_rows(..., grad_into_RD)`)."""
 from __future__ import annotations
 
 import pytest
@@ -61,20 +62,36 @@ def kernels_worker() -> list[str]:
     x = torch.randn(T, D, generator=gen)
     w = torch.randn(D, D, generator=gen)
     results = []
-    for fused in (False, True):
+    # staged: the rows and their gradient written into rows of bigger buffers (as into Comet's peer buffers)
+    rows_buffer, grads_buffer = torch.full((E * C + 3, D), float("nan")), torch.full((E * C + 3, D), float("nan"))
+    for fused, staged in ((False, False), (True, False), (True, True)):
         xi, gi = x.clone().requires_grad_(), gates.clone().requires_grad_()
         if fused:
             slot_rows = SlotRows.padded(rows_S, kept_S, E * C, k)
-            out = dispatch_rows(xi, slot_rows) @ w
-            y = combine_rows(out, gi.view(T, k), slot_rows, torch.float32)
+            into, grad_into = (rows_buffer[: E * C], grads_buffer[: E * C]) if staged else (None, None)
+            dispatched = dispatch_rows(xi, slot_rows, into)
+            expect(not staged or dispatched.data_ptr() == rows_buffer.data_ptr(), "dispatch_rows wrote elsewhere")
+            out = dispatched @ w
+            out.register_hook(lambda grad, staged=staged: expect(
+                not staged or grad.data_ptr() == grads_buffer.data_ptr(), "combine_rows' gradient made elsewhere"))
+            y = combine_rows(out, gi.view(T, k), slot_rows, torch.float32, grad_into)
         else:
             target = torch.where(kept_S, rows_S, E * C)
             out = dispatch_padded(xi, token_ids_S, target, E * C) @ w
             y = combine(out, target.clamp(max=E * C - 1), token_ids_S, gi, T, kept_S)
         y.backward(torch.randn(T, D, generator=torch.Generator().manual_seed(1)))
         results.append((y.detach(), xi.grad, gi.grad))
-    for name, a_, b_ in zip(("output", "input grad", "gate grad"), *results):
-        expect(torch.allclose(a_, b_, rtol=1e-5, atol=1e-5), f"fused {name} differs: {(a_ - b_).abs().max()}")
+    for name, *values in zip(("output", "input grad", "gate grad"), *results):
+        for label, got in zip(("fused", "fused and staged"), values[1:]):
+            expect(torch.allclose(got, values[0], rtol=1e-5, atol=1e-5),
+                   f"{label} {name} differs: {(got - values[0]).abs().max()}")
+    expect(bool(rows_buffer[E * C:].isnan().all() and grads_buffer[E * C:].isnan().all()),
+           "staged rows written past their slice")
+    try:
+        R.gather_rows(src, index[:-1], out=torch.empty(3, 700))
+        expect(False, "gather_rows into an out of the wrong shape did not raise")
+    except ValueError as e:
+        expect("out must be" in str(e), f"gather_rows' error: {e}")
     return failures
 
 
