@@ -285,8 +285,9 @@ part_cometfused() {
 import json, statistics, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "loss" in r]
 late = [r for r in rows if r["step"] > 5]
-print(f"{sys.argv[2]}: median tokens/s {statistics.median(r['tokens_per_s'] for r in late):,.0f}, losses "
-      + " ".join(f"{r['loss']:.4f}" for r in rows))
+peak = max((r.get("peak_mem_gib") or 0) for r in rows)
+print(f"{sys.argv[2]}: median tokens/s {statistics.median(r['tokens_per_s'] for r in late):,.0f}, peak "
+      f"{peak:.2f} GiB, losses " + " ".join(f"{r['loss']:.4f}" for r in rows))
 PY
   done
 }
