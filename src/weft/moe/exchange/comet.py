@@ -5,10 +5,12 @@ chunks: layer0 (`weft.kernels.comet.pull_gemm`) reads each expert's rows from th
 buffers while it computes x @ w1, local rows first; layer1 (`gemm_push`) computes h @ w2 and
 stores each finished tile into the buffer of the rank the rows came from, where the layer's
 combine then does the top-k sum. The buffers are peer memory (`weft.comm.peers`): symmetric memory
-on GPUs, shared files across CPU processes. The backward runs the same two patterns: the output
-gradient's rows are pulled by the experts' ranks under dY @ w2^T (Comet's layer1 in reverse), and
-the input gradient dH @ w1^T is pushed home tile by tile; the weight gradients are GEMMs over
-rows that are then local.
+on GPUs, shared files across CPU processes; the layer's Triton dispatch writes the rows straight
+into this rank's buffer and the combine's backward their gradient (`Comet.staging`). The backward
+runs the same two patterns: the output gradient's rows are pulled by the experts' ranks under
+dY @ w2^T (Comet's layer1 in reverse), and the input gradient dH @ w1^T is pushed home tile by
+tile; the weight gradients are GEMMs over rows that are then local, each accumulated as soon as
+it is made (layer0 and layer1 are two autograd functions).
 
 Both layouts: padded (every rank's buffer holds E * C rows; the map from gathered rows to buffer
 rows is fixed and kept with the group's buffers) and dropless (each rank's routed rows sorted by
