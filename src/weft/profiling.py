@@ -2,7 +2,8 @@
 `weft.dispatch` range while a profiler is recording, and costs one C call otherwise;
 `seconds(fn, device)`, the one timer of a call that measuring code shares (`seconds_per_call` for
 kernels timed back to back); and
-`time_candidates`, the interleaved timing of equivalent settings that measured choices share.
+`time_candidates` / `interleaved_samples`, the interleaved timing of equivalent settings that
+measured choices share.
 
 `weft.bench.breakdown` attributes every GPU kernel to the innermost stage that launched it,
 forward and backward (a backward op inherits the stage of the forward op it differentiates).
@@ -80,17 +81,28 @@ def slowest_rank(values: Sequence[float], device: torch.device, group: dist.Proc
     return agreed.tolist()
 
 
+def interleaved_samples(step: Callable[[object], None], candidates: Sequence, device: torch.device, trials: int,
+                        warmup: int, timer: Callable[[Callable[[], object], torch.device], float] = wall_seconds
+                        ) -> list[list[float]]:
+    """`timer(step(candidate))` for every candidate in turn, round by round (drifts of clocks and
+    allocator spread over all of them), after `warmup` untimed rounds: each candidate's `trials`
+    samples, this rank's."""
+    if trials < 1 or warmup < 0:
+        raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
+    for _ in range(warmup):
+        for candidate in candidates:
+            step(candidate)
+    samples: list[list[float]] = [[] for _ in candidates]
+    for _ in range(trials):
+        for i, candidate in enumerate(candidates):
+            samples[i].append(timer(lambda c=candidate: step(c), device))
+    return samples
+
+
 def time_candidates(step: Callable[[object], None], candidates: Sequence, device: torch.device, trials: int = 3,
                     warmup: int = 1) -> list[float]:
     """Median wall seconds of `step(candidate)` per candidate, timed round by round with the
-    candidates interleaved (drifts of clocks and allocator spread over all of them), after `warmup`
-    untimed rounds; the slowest rank's median (`slowest_rank`)."""
-    if trials < 1 or warmup < 0:
-        raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
-    samples: list[list[float]] = [[] for _ in candidates]
-    for round_ in range(warmup + trials):
-        for i, candidate in enumerate(candidates):
-            elapsed = wall_seconds(lambda c=candidate: step(c), device)
-            if round_ >= warmup:
-                samples[i].append(elapsed)
+    candidates interleaved (`interleaved_samples`), after `warmup` untimed rounds; the slowest
+    rank's median (`slowest_rank`)."""
+    samples = interleaved_samples(step, candidates, device, trials, warmup)
     return slowest_rank([statistics.median(s) for s in samples], device)

@@ -380,8 +380,7 @@ class MoE(nn.Module):
         staging = None
         with stage("dispatch"):
             if slot_rows is not None:
-                staging = exchange.staging(layout, torch.Size((num_rows, tokens_TD.shape[1])), tokens_TD.dtype,
-                                           tokens_TD.device)
+                staging = exchange.staging(layout, num_rows, tokens_TD)
                 rows_ND = dispatch_rows(tokens_TD, slot_rows, None if staging is None else staging.rows_ND)
             else:
                 rows_ND = rows_of_tokens(tokens_TD)

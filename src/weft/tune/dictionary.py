@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import group_rank, group_size
-from weft.profiling import seconds_per_call, slowest_rank, time_candidates
+from weft.profiling import interleaved_samples, seconds_per_call, slowest_rank, time_candidates
 
 DEGREES = (1, 2, 4, 8)
 
@@ -180,13 +180,9 @@ class TuningDictionary:
             return entry["best"]
         if len(candidates) == 1:
             return candidates[0]
-        for candidate in candidates:
-            run(candidate)
-        times = {str(candidate): [] for candidate in candidates}
-        for _ in range(self.trials):
-            for candidate in candidates:
-                times[str(candidate)].append(seconds_per_call(lambda: run(candidate), device) * 1e3)
-                self.measurements += 1
+        samples = interleaved_samples(run, candidates, device, self.trials, warmup=1, timer=seconds_per_call)
+        self.measurements += self.trials * len(candidates)
+        times = {str(c): [t * 1e3 for t in ts] for c, ts in zip(candidates, samples)}
         best = min(candidates, key=lambda c: min(times[str(c)]))
         self.kernels[key] = {"times_ms": times, "best": best}
         if self.path is not None and group_rank(group) == 0:

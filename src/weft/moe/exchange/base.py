@@ -185,10 +185,10 @@ class Exchange(ABC):
     def __init__(self, ctx: ExchangeContext):
         self.ctx = ctx
 
-    def staging(self, layout: Layout, rows_ND: torch.Size, dtype: torch.dtype, device: torch.device) -> Staging | None:
-        """Where this exchange wants `rows_ND`-shaped rows of `dtype` (and their gradient), if
-        anywhere (`Staging`); None, as here: anywhere. Writing there is an option, not a
-        contract: the exchange takes rows wherever they are."""
+    def staging(self, layout: Layout, num_rows: int, like: torch.Tensor) -> Staging | None:
+        """Where this exchange wants `num_rows` rows of `like`'s width, dtype and device (and their
+        gradient), if anywhere (`Staging`); None, as here: anywhere. Writing there is an option,
+        not a contract: the exchange takes rows wherever they are."""
         return None
 
     def __call__(self, rows: torch.Tensor, layout: Layout) -> torch.Tensor:

@@ -33,7 +33,7 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
 from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
-from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice, Layout, Padded, Staging
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice, Layout, Staging
 from weft.moe.experts import activate
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
@@ -205,19 +205,19 @@ class Comet(Exchange):
         super().__init__(ctx)
         self.peers = peers
 
-    def staging(self, layout: Layout, rows_ND: torch.Size, dtype: torch.dtype, device: torch.device) -> Staging | None:
+    def staging(self, layout: Layout, num_rows: int, like: torch.Tensor) -> Staging | None:
         """This rank's rows of the "send" and "grad_send" buffers: the dispatch writes its rows
         where the other ranks read them, the combine's backward its gradient, and `share` copies
         nothing (two copies of the rows fewer a call, forward and backward). Rows of another
         dtype than the experts compute in are cast on the way in, so they are not staged."""
-        if self.ctx.experts.compute_dtype(torch.empty(0, dtype=dtype, device=device)) != dtype:
+        dtype, dim = like.dtype, like.shape[1]
+        if self.ctx.experts.compute_dtype(like) != dtype:
             return None
-        rows, dim = rows_ND
-        buffer_rows = self._buffer_rows(layout, rows)
-        send = comet_buffer(self.peers, "send", buffer_rows, dim, dtype)
+        buffer_rows = self._buffer_rows(layout, num_rows)
+        send = comet_buffer(self.peers, "send", buffer_rows, dim, dtype).local[:num_rows]
         if not torch.is_grad_enabled():  # no backward: no gradient buffer (allocating is collective: same on all ranks)
-            return Staging(send.local[:rows], None)
-        return Staging(send.local[:rows], comet_buffer(self.peers, "grad_send", buffer_rows, dim, dtype).local[:rows])
+            return Staging(send, None)
+        return Staging(send, comet_buffer(self.peers, "grad_send", buffer_rows, dim, dtype).local[:num_rows])
 
     @staticmethod
     def _buffer_rows(layout: Layout, rows: int) -> int:
@@ -236,7 +236,7 @@ class Comet(Exchange):
         world, local = self.peers.world, self.ctx.placement.num_local
         rows = self.peers.memo(key, lambda: RowMap.padded(world, local, capacity, self.peers.rank, tiles.block_m,
                                                           rows_RD.device))
-        return self._run(rows_RD, self._buffer_rows(Padded(capacity), rows_RD.shape[0]), rows, tiles)
+        return self._run(rows_RD, rows_RD.shape[0], rows, tiles)
 
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
