@@ -164,19 +164,20 @@ def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
     cases = [(dtype, shape, transposed, on_device)
              for dtype, shape, transposed in itertools.product((torch.float32, torch.bfloat16), shapes, (False, True))
              for on_device in ((False, True) if shape[2] <= 0 else (False,))]
-    by_engine = eligible = 0
+    by_engine = with_runs = 0
     for case, (dtype, (world, local, cap, dim, hidden), transposed, on_device) in enumerate(cases):
         activation = list(K.ACTIVATIONS)[case % len(K.ACTIVATIONS)]  # layer0's fused epilogue, in turn
-        direct = (case // 2) % 2 == 0  # layer0 reads its own rows in place (or every row after its copy)
-        label = (f"{dtype} W={world} El={local} C={cap} dim={dim} hidden={hidden} w^T={transposed} "
-                 f"map on the device {on_device} own rows in place {direct}")
-        tiles = dataclasses.replace(K.CometTiles.for_device(torch.device(device), dtype=dtype), direct_local=direct)
+        tiles = K.CometTiles.for_device(torch.device(device), dtype=dtype)
         maps, rows = rank_maps(K, world, local, cap, tiles.block_m, device, gen, on_device)
-        eligible += direct and maps[0].runs is not None
-        if direct and maps[0].runs is not None and eligible % 2:  # every other one: the other ranks' rows by the
-            tiles = dataclasses.replace(tiles, copy_engine=True)  # copy engine
-            label += " by the copy engine"
-            by_engine += 1
+        if maps[0].runs is None:  # layer0 reads its own rows in place, or every row after its copy, in turn
+            direct, engine = (case // 2) % 2 == 0, False
+        else:  # a map the copy engine can serve: in place with the other ranks' rows by the copy engine,
+            direct, engine = ((True, True), (True, False), (False, False))[with_runs % 3]  # in place, copied
+            with_runs += 1
+        tiles = dataclasses.replace(tiles, direct_local=direct, copy_engine=engine)
+        by_engine += engine
+        label = (f"{dtype} W={world} El={local} C={cap} dim={dim} hidden={hidden} w^T={transposed} "
+                 f"map on the device {on_device} own rows in place {direct}{' by the copy engine' * engine}")
         sends = [torch.randn(rows, dim, generator=gen).to(device, dtype) for _ in range(world)]
         table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=device)
         outs = [torch.zeros(rows, hidden, dtype=dtype, device=device) for _ in range(world)]
@@ -314,6 +315,45 @@ def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatc
              ("topk", None, 2, "silu", torch.bfloat16))
     flat = run_checks(staged_comet_worker, world_size, args=(cases,), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+def gradient_order_worker() -> list[str]:
+    """Each expert weight's gradient is accumulated before the next one is made, as the plain
+    layer's separate products give them (one weight gradient alive beyond the accumulated ones at
+    the peak): `segment_wgrad` records which weights already have their `.grad` when it is asked
+    for the next one. relu: dW2, then dW1; swiglu: dW2, dW3 (`CometW3Grad`), then dW1."""
+    from weft.moe.exchange import comet as exchange
+
+    world, failures = dist.get_world_size(), []
+    real = exchange.segment_wgrad
+    for activation, expected in (("relu", [[], ["w2"]]), ("swiglu", [[], ["w2"], ["w2", "w3"]])):
+        torch.manual_seed(0)
+        moe = MoE(16, 24, 2 * world, top_k=2, capacity_factor=1.0, activation=activation, kernels="comet")
+        weights = {name: w for name, w in (("w1", moe.experts.w1), ("w2", moe.experts.w2), ("w3", moe.experts.w3))
+                   if w is not None}
+        seen = []
+
+        def recording(x_RK, dy_RN, rows):
+            seen.append(sorted(name for name, w in weights.items() if w.grad is not None))
+            return real(x_RK, dy_RN, rows)
+
+        exchange.segment_wgrad = recording
+        try:
+            moe(torch.randn(20, 16, requires_grad=True)).square().sum().backward()
+        finally:
+            exchange.segment_wgrad = real
+        if seen != expected:
+            failures.append(f"rank {dist.get_rank()} {activation}: weights already accumulated at each weight "
+                            f"gradient {seen}, expected {expected}")
+        if any(w.grad is None for w in weights.values()):
+            failures.append(f"rank {dist.get_rank()} {activation}: a weight got no gradient")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_weight_gradient_is_accumulated_before_the_next_is_made(world_size):
+    flat = run_checks(gradient_order_worker, world_size, timeout=300)
+    assert not flat, "\n".join(flat)
 
 
 def test_dropless_calls_run_through_comet():

@@ -130,14 +130,16 @@ class CometLayer0(torch.autograd.Function):
     """Layer0 (Comet 3.1, fig. 4): rows (N, dim) dispatched by this rank -> their experts' act(h),
     pulled from the source ranks under x @ w1 with the activation in the epilogue.
 
-    Returns (link, act, *saved). `act` and `saved` go to `CometLayer1` as plain tensors: `saved`
-    is what act'(h) needs besides act(h) (nothing for relu, h for gelu / silu, (h1, h3) for
-    swiglu). `link`, a broadcast zero of h's shape (no memory), is what carries the gradient back:
-    layer1's backward runs the backward's layer0, whose epilogue already multiplies by act'(h), so
-    the gradient it returns for `link` is dh, and this function's backward takes it as such. Two
-    functions, not one, so that each weight's gradient leaves autograd (and is accumulated) as soon
-    as it is made: one function returning both held both at once, one weight gradient more than
-    the plain layer at its peak."""
+    Returns (link, gathered, act, *saved). `act` and `saved` go to `CometLayer1` as plain tensors:
+    `saved` is what act'(h) needs besides act(h) (nothing for relu, h for gelu / silu, (h1, h3)
+    for swiglu). `link`, a broadcast zero of h's shape (no memory), is what carries the gradient
+    back: layer1's backward runs the backward's layer0, whose epilogue already multiplies by
+    act'(h), so the gradient it returns for `link` is dh, and this function's backward takes it as
+    such. Two functions, not one, so that each weight's gradient leaves autograd (and is
+    accumulated) as soon as it is made: one function returning both held both at once, one weight
+    gradient more than the plain layer at its peak. For the same reason swiglu's w3 gets its
+    gradient from `CometW3Grad` between the two (from `gathered`, not differentiable), and this
+    function's backward makes only dW1 and the rows' gradient."""
 
     @staticmethod
     def forward(ctx, rows_ND, w1, w3, plan: CometPlan):
@@ -154,23 +156,43 @@ class CometLayer0(torch.autograd.Function):
         link = act.new_zeros(()).expand(act.shape[0], hidden)
         ctx.plan, ctx.rows_like = plan, torch.empty_like(rows_ND, device="meta")
         ctx.save_for_backward(gathered, w1, w3)
-        ctx.mark_non_differentiable(act, *saved)
-        ctx.set_materialize_grads(False)  # act and saved get no gradient: no zeros made for them
-        return link, act, *saved
+        ctx.mark_non_differentiable(gathered, act, *saved)
+        ctx.set_materialize_grads(False)  # gathered, act and saved get no gradient: no zeros made for them
+        return link, gathered, act, *saved
 
     @staticmethod
     def backward(ctx, grad_h, *_):
         plan = ctx.plan
         gathered, w1, w3 = ctx.saved_tensors
-        if w3 is None:
-            grad_w1, grad_w3 = segment_wgrad(gathered, grad_h, plan.rows), None
-        else:  # [dh1 | dh3]: dX = dh1 @ w1^T + dh3 @ w3^T, one GEMM over the joined hidden dimension
-            hidden = w1.shape[2]
-            grad_w1 = segment_wgrad(gathered, grad_h[:, :hidden], plan.rows)
-            grad_w3 = segment_wgrad(gathered, grad_h[:, hidden:], plan.rows)
+        hidden = w1.shape[2]  # swiglu: grad_h is [dh1 | dh3]; dW3 was made by `CometW3Grad`
+        grad_w1 = segment_wgrad(gathered, grad_h if w3 is None else grad_h[:, :hidden], plan.rows)
+        # swiglu: dX = dh1 @ w1^T + dh3 @ w3^T, one GEMM over the joined hidden dimension
         grad_rows = plan.push(grad_h, w1.transpose(1, 2), "grad_out", ctx.rows_like,
                               None if w3 is None else w3.transpose(1, 2))
-        return grad_rows, grad_w1, grad_w3, None
+        return grad_rows, grad_w1, None, None
+
+
+class CometW3Grad(torch.autograd.Function):
+    """swiglu's dW3 = gathered^T @ dh3 on a node of its own, between `CometLayer1` and
+    `CometLayer0` in the backward: the link's gradient [dh1 | dh3] passes through unchanged, and
+    dW3 is accumulated (and freed) before layer0's backward makes dW1, as the plain layer's
+    separate x @ w1 and x @ w3 give them one at a time."""
+
+    @staticmethod
+    def forward(ctx, link, gathered, w3, rows: RowMap):
+        ctx.rows = rows
+        ctx.save_for_backward(gathered)
+        ctx.set_materialize_grads(False)
+        return link.new_zeros(()).expand(link.shape)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        if grad_h is None:
+            return None, None, None, None
+        (gathered,) = ctx.saved_tensors
+        hidden = grad_h.shape[1] // 2
+        grad_w3 = segment_wgrad(gathered, grad_h[:, hidden:], ctx.rows) if ctx.needs_input_grad[2] else None
+        return grad_h, None, grad_w3, None
 
 
 class CometLayer1(torch.autograd.Function):
@@ -271,6 +293,12 @@ class Comet(Exchange):
                          self.ctx.tuning)
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
             rows_ND = rows_ND.to(dtype).contiguous()
-            link, act, *saved = CometLayer0.apply(rows_ND, w1.to(dtype), None if w3 is None else w3.to(dtype), plan)
+            w3 = None if w3 is None else w3.to(dtype)
+            # swiglu: layer0 reads w3's values only (its gradient comes from `CometW3Grad`, and an
+            # edge to w3 would hold w3's accumulation until layer0's backward has made dW1 too)
+            link, gathered, act, *saved = CometLayer0.apply(rows_ND, w1.to(dtype), None if w3 is None else w3.detach(),
+                                                            plan)
+            if w3 is not None:  # swiglu: dW3 leaves autograd before layer0's backward makes dW1
+                link = CometW3Grad.apply(link, gathered, w3, plan.rows)
             # w2 cast after layer0: a cast's backward then runs before layer0's, and dW2 leaves first
             return CometLayer1.apply(link, act, w2.to(dtype), plan, rows_ND.detach(), *saved)
