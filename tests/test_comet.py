@@ -24,7 +24,7 @@ from weft import MoE
 from weft.comm.peers import held_peer_bytes, peer_buffers, peers_unavailable
 from weft.testing import run_checks, run_distributed
 
-COMET_BUFFERS = ["comet.grad_out", "comet.grad_send", "comet.out", "comet.send"]
+COMET_BUFFERS = ["comet.pulled", "comet.pushed"]  # the forward's and the backward's roles share each
 
 
 def rank_maps(K, world: int, local: int, cap: int, block_m: int, device, gen, on_device: bool = False) -> list:
@@ -281,7 +281,7 @@ def test_comet_layer_matches_dense_reference(world_size):
 
 def staged_comet_worker(cases) -> list[str]:
     """`comet_worker`, counting where `CometPlan.share` found its rows: the row kernels' dispatch
-    writes them into the "send" buffer and the combine's backward their gradient into "grad_send"
+    writes them into the "send" role's buffer and the combine's backward their gradient into "grad_send"
     (`Comet.staging`), so every share, forward and backward, finds them there and copies nothing."""
     from weft.moe.exchange import comet as exchange
 

@@ -38,11 +38,22 @@ from weft.moe.experts import activate
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
 
+# Each role's buffer: what layer0 pulls ("send": the dispatched rows in the forward; "grad_send":
+# their output gradient in the backward) and what layer1 pushes home ("out", "grad_out").
+BUFFER_OF_ROLE = {"send": "pulled", "grad_send": "pulled", "out": "pushed", "grad_out": "pushed"}
 
-def comet_buffer(peers: PeerBuffers, name: str, rows: int, dim: int, dtype: torch.dtype) -> PeerBuffer:
-    """The group's buffer `name` of (rows, dim): "send" and "grad_send" hold each rank's rows and
-    their gradient where the others pull them, "out" and "grad_out" what layer1 pushes back."""
-    return peers.get(f"comet.{name}", (rows, dim), dtype)
+
+def comet_buffer(peers: PeerBuffers, role: str, rows: int, dim: int, dtype: torch.dtype) -> PeerBuffer:
+    """The group's buffer of (rows, dim) for `role` (`BUFFER_OF_ROLE`). The forward's and the
+    backward's roles share one buffer, two in all instead of four, because every rank's calls run
+    the same sequence of barriers (B1 after "send" is written, B2 after "out" is pushed, B3 after
+    "grad_send", B4 after "grad_out") and each content is read before the next barrier on every
+    reader: the other ranks pull "send" between B1 and B2, and the backward writes "grad_send"
+    after B2; each rank copies its "out" out between B2 and B3, and the backward pushes
+    "grad_out" after B3; the next call writes after B4 (B2 without a backward). This holds
+    while a group's Comet calls run one after another on one stream, as they must anyway (the
+    roles' names are the same for every call)."""
+    return peers.get(f"comet.{BUFFER_OF_ROLE[role]}", (rows, dim), dtype)
 
 
 @dataclass(frozen=True)
@@ -60,13 +71,13 @@ class CometPlan:
     use_kernels: bool
     tuning: TuningDictionary | None = None
 
-    def buffer(self, name: str, like: torch.Tensor) -> PeerBuffer:
-        return comet_buffer(self.peers, name, self.buffer_rows, like.shape[1], like.dtype)
+    def buffer(self, role: str, like: torch.Tensor) -> PeerBuffer:
+        return comet_buffer(self.peers, role, self.buffer_rows, like.shape[1], like.dtype)
 
-    def share(self, name: str, rows_ND: torch.Tensor) -> PeerBuffer:
-        """Write this rank's rows into its buffer `name` (nothing to copy where they were made
+    def share(self, role: str, rows_ND: torch.Tensor) -> PeerBuffer:
+        """Write this rank's rows into its buffer for `role` (nothing to copy where they were made
         there: `Comet.staging`), then wait until every rank has."""
-        buffer = self.buffer(name, rows_ND)
+        buffer = self.buffer(role, rows_ND)
         if rows_ND.data_ptr() != buffer.local.data_ptr():
             buffer.local[: rows_ND.shape[0]].copy_(rows_ND)
         self.peers.barrier()
@@ -113,11 +124,12 @@ class CometPlan:
                                       source.local.device, self.peers.group)
         return tiles if n_comm is None else dataclasses.replace(tiles, n_comm=n_comm)
 
-    def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, name: str, like: torch.Tensor,
+    def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, role: str, like: torch.Tensor,
              b2_EKN: torch.Tensor | None = None) -> torch.Tensor:
         """Layer1: a @ b's rows (with b2: a @ [b; b2], joined along K) into the ranks they came
-        from; returns this rank's rows (a copy)."""
-        dest = self.buffer(name, like)
+        from, in `role`'s buffer; returns this rank's rows (a copy: the buffer's next role
+        overwrites them)."""
+        dest = self.buffer(role, like)
         if self.use_kernels:
             kernels.gemm_push(a_RK.contiguous(), b_EKN, dest.table, dest.local, self.rows, self.tiles, b2_EKN)
         else:
@@ -228,7 +240,7 @@ class Comet(Exchange):
         self.peers = peers
 
     def staging(self, layout: Layout, num_rows: int, like: torch.Tensor) -> Staging | None:
-        """This rank's rows of the "send" and "grad_send" buffers: the dispatch writes its rows
+        """This rank's rows of the "send" and "grad_send" roles' buffer: the dispatch writes its rows
         where the other ranks read them, the combine's backward its gradient, and `share` copies
         nothing (two copies of the rows fewer a call, forward and backward). Rows of another
         dtype than the experts compute in are cast on the way in, so they are not staged."""
