@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from weft.graphs import CaptureError, GraphedStep, time_graphed
+from weft.graphs import CaptureError, GraphedStep, time_graphed, warm_up
 
 
 def test_cpu_steps_cannot_be_captured_and_time_as_infinite():
@@ -32,6 +32,38 @@ def test_cpu_steps_cannot_be_captured_and_time_as_infinite():
             seconds = time_graphed(step_of, (1, 2), (x,), [weight], trials=1, accumulate=accumulate)
         assert seconds == [math.inf, math.inf] and len(warned) == 2
         assert weight.grad is None
+
+
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_the_warm_up_starts_each_call_from_the_gradients_the_captured_step_starts_from(accumulate):
+    """`GraphedStep`'s warm-up (run here on the CPU): with `accumulate` each call adds into the
+    same zeroed `.grad` tensors, as the captured step will; without, each call starts with no
+    `.grad` (the captured backward makes its own), so no call holds a whole set of kept gradients
+    beside the ones it makes. Each call's gradients are the step's own either way."""
+    weight, bias = torch.randn(4, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    weight.grad = torch.full_like(weight, 7.0)  # left by an earlier step
+    x = torch.randn(5, 4, requires_grad=True)
+    found = []
+
+    def step(x_in: torch.Tensor) -> None:
+        found.append([None if t.grad is None else (t.grad, t.grad.clone()) for t in (weight, bias, x_in)])
+        (x_in @ weight + bias).square().sum().backward()
+
+    warm_up(step, [x], [weight, bias, x], 3, accumulate)
+    expected = torch.autograd.grad((x @ weight + bias).square().sum(), [weight, bias, x])
+    for call, grads in enumerate(found):
+        if not accumulate:
+            assert grads == [None, None, None], f"call {call} started from kept gradients"
+            continue
+        for i, kept in enumerate(grads):
+            if call == 0 and i > 0:
+                assert kept is None  # nothing to zero yet: the first backward makes them
+            else:
+                assert kept is not None and not kept[1].any(), f"call {call}: .grad {i} not zeroed"
+        if call > 0:  # the same tensors every call: the step accumulates in place
+            assert all(g[0] is p[0] for g, p in zip(grads, found[1]))
+    for t, want in zip((weight, bias, x), expected):
+        assert torch.allclose(t.grad, want)  # the last call's gradients alone
 
 
 def released_after_each_call(capacity_factor) -> list[str]:

@@ -69,6 +69,23 @@ def live_gradient_accumulators(tensors: Iterable[torch.Tensor]) -> list[int]:
     return held
 
 
+def warm_up(fn: Callable[..., Any], args: Sequence[torch.Tensor], tensors: Iterable[torch.Tensor], calls: int,
+            accumulate: bool) -> None:
+    """`calls` eager calls of `fn(*args)`, each starting from the gradients the captured step
+    starts from: `tensors`' `.grad` zeroed (`accumulate`: the step adds into them) or dropped (the
+    step's backward makes its own; zeroed ones kept would make every call after the first add into
+    a whole set of gradients the captured step never holds, memory it would need at no other time)."""
+    tensors = list(tensors)
+    for _ in range(calls):
+        for t in tensors:
+            if t.grad is not None:
+                if accumulate:
+                    t.grad.zero_()
+                else:
+                    t.grad = None
+        fn(*args)
+
+
 class GraphedStep:
     """`fn(*args)` (a forward and backward of static shapes on CUDA) replayed as one CUDA graph.
 
@@ -102,9 +119,7 @@ class GraphedStep:
         side = stream if stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(warmup):
-                self._clear_grads()
-                fn(*self.static_args)
+            warm_up(fn, self.static_args, [*self.grads_of, *self.static_args], warmup, accumulate)
         torch.cuda.current_stream().wait_stream(side)
         self._clear_grads()
         written = [*self.grads_of, *(a for a in self.static_args if a.requires_grad)]
