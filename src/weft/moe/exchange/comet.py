@@ -240,18 +240,18 @@ class Comet(Exchange):
         self.peers = peers
 
     def staging(self, layout: Layout, num_rows: int, like: torch.Tensor) -> Staging | None:
-        """This rank's rows of the "send" and "grad_send" roles' buffer: the dispatch writes its rows
-        where the other ranks read them, the combine's backward its gradient, and `share` copies
-        nothing (two copies of the rows fewer a call, forward and backward). Rows of another
-        dtype than the experts compute in are cast on the way in, so they are not staged."""
+        """This rank's rows of the "send" and "grad_send" roles' buffer (one buffer,
+        `BUFFER_OF_ROLE`): the dispatch writes its rows where the other ranks read them, the
+        combine's backward its gradient, and `share` copies nothing (two copies of the rows fewer
+        a call, forward and backward). Rows of another dtype than the experts compute in are cast
+        on the way in, so they are not staged."""
         dtype, dim = like.dtype, like.shape[1]
         if self.ctx.experts.compute_dtype(like) != dtype:
             return None
         buffer_rows = self._buffer_rows(layout, num_rows)
-        send = comet_buffer(self.peers, "send", buffer_rows, dim, dtype).local[:num_rows]
-        if not torch.is_grad_enabled():  # no backward: no gradient buffer (allocating is collective: same on all ranks)
-            return Staging(send, None)
-        return Staging(send, comet_buffer(self.peers, "grad_send", buffer_rows, dim, dtype).local[:num_rows])
+        send, grad_send = (comet_buffer(self.peers, role, buffer_rows, dim, dtype).local[:num_rows]
+                           for role in ("send", "grad_send"))
+        return Staging(send, grad_send)
 
     @staticmethod
     def _buffer_rows(layout: Layout, rows: int) -> int:
