@@ -20,6 +20,7 @@ from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker, graph_profile_captures_worker, graphed_schedule_worker
+from test_routing_kernel import one_pass_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
@@ -151,6 +152,12 @@ def differences(label: str, actual: list[torch.Tensor], expected: list[torch.Ten
 def test_two_runs_are_bitwise_equal_on_nccl():
     flat = _check_on_every_gpu(determinism_worker)
     assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_one_pass_routing_matches_its_reference_on_cuda():
+    failures = run_distributed(one_pass_worker, 1, args=("cuda",), timeout=600)[0]
+    assert not failures, "\n".join(failures)
 
 
 @needs_cuda

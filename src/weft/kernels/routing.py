@@ -88,6 +88,16 @@ def topk_positions(scores_TE: torch.Tensor, k: int, order_T: torch.Tensor | None
     return experts_TK, positions_TK, seen[-1].long()
 
 
+def expert_order(experts_TK: torch.Tensor, positions_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """(T*k,) slot ids t*k + j in (expert, position) order: slot t*k + j goes to row
+    start(expert) + position, start(e) the slots of the experts before e."""
+    starts = counts_E.cumsum(0) - counts_E
+    sort_index = torch.empty(experts_TK.numel(), dtype=torch.long, device=experts_TK.device)
+    sort_index[(starts[experts_TK] + positions_TK).reshape(-1)] = torch.arange(experts_TK.numel(),
+                                                                              device=experts_TK.device)
+    return sort_index
+
+
 if triton is not None:
 
     @triton.jit

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from weft.distributed import group_size
+from weft.kernels.routing import expert_order
 
 COUNTING_LIMIT = 1 << 24  # T * E elements of int32 (64 MiB) at most for the counting path
 
@@ -65,16 +66,6 @@ def _counted_positions(experts: torch.Tensor, num_experts: int, with_sort_index:
     counts = seen[:, -1].long() if num_tokens else experts.new_zeros(num_experts)
     sort_index = expert_order(experts, positions, counts) if with_sort_index else None
     return SlotPositions(positions, counts, sort_index)
-
-
-def expert_order(experts_TK: torch.Tensor, positions_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-    """(T*k,) slot ids t*k + j in (expert, position) order: slot t*k + j goes to row
-    start(expert) + position, start(e) the slots of the experts before e."""
-    starts = counts_E.cumsum(0) - counts_E
-    sort_index = torch.empty(experts_TK.numel(), dtype=torch.long, device=experts_TK.device)
-    sort_index[(starts[experts_TK] + positions_TK).reshape(-1)] = torch.arange(experts_TK.numel(),
-                                                                              device=experts_TK.device)
-    return sort_index
 
 
 def ceil_exact(value: float) -> int:

@@ -428,10 +428,12 @@ class MoE(nn.Module):
                                     same_tokens=call.capacity_factor > 0, local_first=setting.overlap_degree == 2)
             layout = Padded(cap)
             with stage("dispatch"):
-                rows_S = routing.experts_S * cap + routing.positions_S
-                slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k) if fused else None
-                if not fused and routing.kept_S is not None:
-                    rows_S = torch.where(routing.kept_S, rows_S, num_rows)
+                slot_rows = routing.slot_rows if fused else None
+                if slot_rows is None:
+                    rows_S = routing.experts_S * cap + routing.positions_S
+                    slot_rows = SlotRows.padded(rows_S, routing.kept_S, num_rows, call.top_k) if fused else None
+                    if not fused and routing.kept_S is not None:
+                        rows_S = torch.where(routing.kept_S, rows_S, num_rows)
             exchange = self.exchange_for(layout, call, plain_algo(setting), tokens_TD.device)
             out_RD, staging = self._exchange_rows(
                 exchange, layout, tokens_TD, slot_rows, num_rows,

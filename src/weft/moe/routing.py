@@ -14,15 +14,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from weft.kernels.routing import topk_positions
+from weft.kernels.routing import expert_order, topk_positions
+from weft.kernels.token_choice import route_topk
 from weft.moe.capacity import (
     SlotPositions,
     capacity_bound,
     capacity_for,
     expert_choice_capacity,
-    expert_order,
     slot_positions,
 )
+from weft.moe.dispatch import SlotRows
 from weft.moe.gates import (
     TokenChoice,
     choice_scores,
@@ -38,6 +39,9 @@ from weft.moe.gates import (
 # The gates whose slots the fused routing kernels compute: every token-choice gate (expert choice
 # lets each expert pick its tokens instead).
 FUSED_ROUTING_GATES = ("topk", "cosine", "bpr", "random")
+# The gates routed in one pass from the logits (`weft.kernels.token_choice`): those that rank the
+# experts by probability in token order, when no sampling offsets are drawn.
+ONE_PASS_GATES = ("topk", "cosine")
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,7 @@ class Routing:
     counts_E: torch.Tensor  # slots routed to each expert before dropping
     order_S: torch.Tensor | None  # dropless: slot ids grouped by expert (stable); may be None otherwise
     summary: RoutingSummary | None  # None for a partition (see CarriedRouting.finish)
+    slot_rows: SlotRows | None = None  # the padded layout's rows of the slots, where routing made them
 
     def sent_experts(self, num_experts: int) -> torch.Tensor:
         """(S,) the expert of each slot, `num_experts` where the slot was dropped."""
@@ -113,12 +118,15 @@ class Router:
         the layer's expert-selection bias (see `token_choice`), or None. `fused`: the experts and
         slot positions of the FUSED_ROUTING_GATES by the Triton kernels of weft.kernels.routing
         (the same integers as the PyTorch path). `sample`: a training call (see `temperature`)."""
-        probs_TE = F.softmax(logits_TE, dim=-1)
-        z_loss = router_z_loss(logits_TE)
         if self.gate == "expert_choice":
-            return self._expert_choice(probs_TE, top_k, capacity_factor, z_loss)
+            return self._expert_choice(F.softmax(logits_TE, dim=-1), top_k, capacity_factor, router_z_loss(logits_TE))
         num_tokens, device = logits_TE.shape[0], logits_TE.device
         noise_TE = self.draw(num_tokens, device, sample)
+        if fused and self.gate in ONE_PASS_GATES and noise_TE is None and (capacity_factor is None
+                                                                            or capacity_factor > 0):
+            return self._one_pass(logits_TE, top_k, capacity_factor, bias_E)
+        probs_TE = F.softmax(logits_TE, dim=-1)
+        z_loss = router_z_loss(logits_TE)
         # The order of slots by expert is needed by the dropless layout only.
         dropless = capacity_factor is None
         if fused and self.gate in FUSED_ROUTING_GATES:
@@ -141,6 +149,23 @@ class Router:
         kept = positions < cap
         summary = RoutingSummary(aux_loss, z_loss, MoEStats(slots.counts, (~kept).sum(), cap))
         return Routing(token_ids, experts, positions, gates * kept, kept, cap, slots.counts, slots.sort_index, summary)
+
+    def _one_pass(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None,
+                  bias_E: torch.Tensor | None) -> Routing:
+        """`route`'s Routing by the one-pass kernels (`weft.kernels.token_choice.route_topk`): the
+        same slots, drops and integers as the PyTorch path, its gates, losses and logit gradient
+        to rounding, and the padded layout's slot rows made on the way."""
+        num_tokens = logits_TE.shape[0]
+        cap = None if capacity_factor is None else capacity_bound(top_k, capacity_factor, num_tokens,
+                                                                  self.num_experts)
+        r = route_topk(logits_TE, top_k, self.normalize_gates, cap, bias_E)
+        token_ids = torch.arange(num_tokens, device=logits_TE.device).repeat_interleave(top_k)
+        experts, positions, gates = r.experts_TK.reshape(-1), r.positions_TK.reshape(-1), r.gates_TK.reshape(-1)
+        summary = RoutingSummary(r.aux_loss, r.z_loss, MoEStats(r.counts_E, r.dropped, cap))
+        if cap is None:
+            return Routing(token_ids, experts, positions, gates, None, None, r.counts_E, r.order_S, summary)
+        return Routing(token_ids, experts, positions, gates, r.kept_TK.reshape(-1), cap, r.counts_E, None, summary,
+                       SlotRows(r.rows_TK, r.slot_of_row_R))
 
     def _expert_choice(self, probs_TE, top_k, capacity_factor, z_loss) -> Routing:
         num_tokens, num_experts, device = probs_TE.shape[0], self.num_experts, probs_TE.device
