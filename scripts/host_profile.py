@@ -1,0 +1,125 @@
+"""Where the eager layer step's host time goes: `weft bench layer`'s step (forward, backward, SGD)
+for one config and mode, run eagerly; prints the wall time per step beside the GPU's busy time
+(CUDA events around the same steps), the host synchronisations one step makes (torch's sync debug
+mode), and the Python functions that take the host's time (cProfile, by own time and by
+cumulative time within weft).
+    torchrun --standalone --nproc_per_node=1 scripts/host_profile.py --config qwen2 --modes plain comet
+Run it where weft is importable (PYTHONPATH=src)."""
+import argparse
+import cProfile
+import io
+import pstats
+import time
+import warnings
+
+import torch
+
+from weft.bench.layer import CONFIGS, _eager, _optimizer, mode_forward
+from weft.distributed import init_distributed
+from weft.moe import MoE
+
+
+def build_step(moe: MoE, mode: str, inputs, grads, optimizer: str):
+    fwd_bwd = _eager(mode_forward(mode, moe))
+    params = list(moe.parameters())
+    opt = _optimizer(optimizer, params)
+
+    def step(i: int) -> None:
+        for p in params:
+            p.grad = None
+        fwd_bwd(inputs[i % len(inputs)], grads[i % len(grads)])
+        if opt is not None:
+            opt.step()
+
+    return step
+
+
+def wall_and_gpu_ms(step, steps: int, device) -> tuple[float, float]:
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for i in range(steps):
+        step(i)
+    end.record()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3 / steps, start.elapsed_time(end) / steps
+
+
+def gpu_busy_ms(step, steps: int) -> float:
+    """The step's kernels' summed time per step (the profiler's device time), no host in it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / steps
+
+
+def count_syncs(step) -> list[str]:
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step(0)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return [f"{w.filename}:{w.lineno} {str(w.message).splitlines()[0][:100]}" for w in caught]
+
+
+def python_profile(step, steps: int, top: int) -> str:
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    for i in range(steps):
+        step(i)
+    torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats("weft", top)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="qwen2", choices=sorted(CONFIGS))
+    parser.add_argument("--modes", nargs="+", default=["plain"])
+    parser.add_argument("--capacity", default="1.0", help="a capacity factor or 'dropless'")
+    parser.add_argument("--activation", default="relu")
+    parser.add_argument("--optimizer", default="sgd")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=30)
+    args = parser.parse_args()
+    ctx = init_distributed()
+    cfg = CONFIGS[args.config]
+    cf = None if args.capacity == "dropless" else float(args.capacity)
+    torch.manual_seed(0)
+    moe = MoE(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k, capacity_factor=cf, activation=args.activation,
+              device=ctx.device, dtype=torch.bfloat16, parallel="adaptive", a2a_algo="auto")
+    gen = torch.Generator(device=ctx.device).manual_seed(1000 + ctx.rank)
+    shape = (cfg.tokens_per_rank, cfg.dim)
+    inputs = [torch.randn(shape, device=ctx.device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    grads = [torch.randn(shape, device=ctx.device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    for mode in args.modes:
+        step = build_step(moe, mode, inputs, grads, args.optimizer)
+        for i in range(5):
+            step(i)
+        wall, gpu = wall_and_gpu_ms(step, args.steps, ctx.device)
+        wall2, gpu2 = wall_and_gpu_ms(step, args.steps, ctx.device)
+        busy = gpu_busy_ms(step, 5)
+        syncs = count_syncs(step)
+        if ctx.rank == 0:
+            print(f"== {args.config} {mode} cf {args.capacity} {args.activation}: wall {wall:.3f} / {wall2:.3f} ms a "
+                  f"step, GPU (events) {gpu:.3f} / {gpu2:.3f}, kernels busy {busy:.3f}; "
+                  f"{len(syncs)} host synchronisations a step")
+            for message in syncs:
+                print("   sync:", message)
+            print(python_profile(step, args.steps, args.top))
+
+
+if __name__ == "__main__":
+    main()
