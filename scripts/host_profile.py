@@ -4,11 +4,13 @@ for one config and mode, run eagerly; prints the wall time per step beside the G
 mode), and the Python functions that take the host's time (cProfile, by own time and by
 cumulative time within weft).
     torchrun --standalone --nproc_per_node=1 scripts/host_profile.py --config qwen2 --modes plain comet
+    torchrun --standalone --nproc_per_node=1 scripts/host_profile.py --modes plain --ab-one-pass 5
 Run it where weft is importable (PYTHONPATH=src)."""
 import argparse
 import cProfile
 import io
 import pstats
+import statistics
 import time
 import warnings
 
@@ -84,6 +86,29 @@ def python_profile(step, steps: int, top: int) -> str:
     return out.getvalue()
 
 
+def ab_one_pass(moe: MoE, args, inputs, grads, ctx) -> None:
+    """Wall ms a step with the routing composition and with the one-pass kernels, alternating in
+    one process (the host's speed moves between processes more than the difference)."""
+    import weft.moe.routing as routing
+
+    one_pass_gates = routing.ONE_PASS_GATES
+    for mode in args.modes:
+        step = build_step(moe, mode, inputs, grads, args.optimizer)
+        walls = {"composition": [], "one pass": []}
+        for _ in range(args.ab_one_pass):
+            for variant, gates in (("composition", ()), ("one pass", one_pass_gates)):
+                routing.ONE_PASS_GATES = gates
+                for i in range(3):
+                    step(i)
+                walls[variant].append(wall_and_gpu_ms(step, args.steps, ctx.device)[0])
+        routing.ONE_PASS_GATES = one_pass_gates
+        if ctx.rank == 0:
+            old, new = (statistics.median(walls[v]) for v in ("composition", "one pass"))
+            print(f"== {args.config} {mode} cf {args.capacity}: wall ms a step, composition "
+                  f"{', '.join(f'{x:.3f}' for x in walls['composition'])}; one pass "
+                  f"{', '.join(f'{x:.3f}' for x in walls['one pass'])}; medians' ratio {new / old:.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="qwen2", choices=sorted(CONFIGS))
@@ -93,6 +118,9 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--ab-one-pass", type=int, default=0, metavar="ROUNDS",
+                        help="instead of profiling: ROUNDS rounds alternating the routing composition "
+                             "(weft.moe.routing.ONE_PASS_GATES emptied) and the one-pass kernels, wall ms a step")
     args = parser.parse_args()
     ctx = init_distributed()
     cfg = CONFIGS[args.config]
@@ -104,6 +132,9 @@ def main() -> None:
     shape = (cfg.tokens_per_rank, cfg.dim)
     inputs = [torch.randn(shape, device=ctx.device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
     grads = [torch.randn(shape, device=ctx.device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    if args.ab_one_pass:
+        ab_one_pass(moe, args, inputs, grads, ctx)
+        return
     for mode in args.modes:
         step = build_step(moe, mode, inputs, grads, args.optimizer)
         for i in range(5):
