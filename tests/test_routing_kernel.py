@@ -144,6 +144,10 @@ def one_pass_worker(device: str = "cpu") -> list[str]:
                     failures.append(f"{case}: {name} differs beyond rounding")
             if not close_to_rounding(grads[0], grads[1]):
                 failures.append(f"{case}: the logits' gradient differs by {(grads[0] - grads[1]).abs().max():.2e}")
+    empty = route_topk(torch.zeros(0, 4, device=device), 2, True, 3)  # an empty batch: no slots, no loss
+    if not (empty.experts_TK.shape == (0, 2) and empty.slot_of_row_R.tolist() == [-1] * 12
+            and float(empty.aux_loss) == 0.0 and float(empty.z_loss) == 0.0 and int(empty.dropped) == 0):
+        failures.append(f"an empty batch: {empty}")
     for bad, message in (((5, False, None), "k must be in [1, 4]"), ((2, False, 0), "capacity must be at least 1")):
         try:
             route_topk(torch.randn(3, 4, device=device), *bad)

@@ -85,9 +85,12 @@ def route_topk_reference(logits_TE: torch.Tensor, k: int, normalize: bool, capac
     gates_TK = probs_TE.gather(1, experts_TK)
     if normalize and k > 1:
         gates_TK = gates_TK / gates_TK.sum(dim=1, keepdim=True)
-    f_E = counts_E.float() / max(num_tokens * k, 1)
-    aux_loss = num_experts * (f_E * probs_TE.mean(dim=0)).sum()
-    z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean()
+    if num_tokens == 0:  # no tokens, no loss (a mean over none would be NaN)
+        aux_loss = z_loss = logits_TE.new_zeros(())
+    else:
+        f_E = counts_E.float() / (num_tokens * k)
+        aux_loss = num_experts * (f_E * probs_TE.mean(dim=0)).sum()
+        z_loss = torch.logsumexp(logits_TE, dim=-1).square().mean()
     if capacity is None:
         return TopkRouting(experts_TK, positions_TK, counts_E, gates_TK, None, None, None,
                            counts_E.new_zeros(()), aux_loss, z_loss, expert_order(experts_TK, positions_TK, counts_E))
