@@ -1,6 +1,6 @@
 """Row movement of MoE dispatch and combine as Triton kernels, each beside its PyTorch reference.
 
-Three primitives cover the forward and backward of both (docs/moe.md, "Fast path"):
+Three primitives cover the forward and backward of both (docs/moe.md, "Data movement"):
 
 - `gather_rows(src_ND, index_R, scale_I, divisor)`: with i = index[r], out[r] =
   scale[i] * src[i // divisor], zero where i < 0 (dispatch forward with i a slot id t * k + j and

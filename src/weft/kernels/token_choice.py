@@ -1,9 +1,9 @@
 """Token-choice routing in one pass: gates, slots, capacity drops, slot rows and both router losses
-from the router's logits, as four Triton kernels forward and one backward, beside the PyTorch
-reference they are tested against (the issue "Hardware speed": routing fused; docs/moe.md, "Fast
-path"). The composition of PyTorch ops it replaces launched ~40 small kernels in a forward and
-~20 in the backward, and on a GPU the host's time to launch them, not their work, set an eager
-layer step's pace (docs/benchmarks.md, twenty-sixth session).
+from the router's logits, as three Triton kernels forward and one backward, beside the PyTorch
+reference they are tested against (the issue "Hardware speed": routing fused; docs/moe.md, "Data
+movement"). The composition of PyTorch ops it replaces, with the padded layout's row maps, made 58
+small launches a forward and backward (qwen2's shapes), and on a GPU the host's time to launch
+them, not their work, set an eager layer step's pace (docs/benchmarks.md, twenty-sixth session).
 
 `route_topk(logits_TE, k, normalize, capacity, bias_E)`, for the gates that rank experts by
 probability (topk, cosine; no sampling offsets, tokens in id order):
@@ -15,8 +15,8 @@ probability (topk, cosine; no sampling offsets, tokens in id order):
   k when asked), the block's histogram of choices per round j (H[j, block, e], as
   `weft.kernels.routing`), and the block's partial sums for the losses: sum_t p[t, e] and
   sum_t logsumexp(logits_t)^2;
-- an exclusive cumulative sum of H over (j, block) per expert (torch): where each (j, block)
-  starts counting;
+- the cumulative sum of H over (j, block) per expert (torch; less H: where each (j, block)
+  starts counting);
 - `_slots_kernel`, one program per block: each slot's position in its expert (GShard/Tutel
   priority: round j first, then token order), and with a capacity C whether it is kept (position
   < C), its row in the padded layout (expert * C + position, -1 dropped), which slot each row
