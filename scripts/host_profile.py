@@ -16,24 +16,16 @@ import warnings
 
 import torch
 
-from weft.bench.layer import CONFIGS, _eager, _optimizer, mode_forward
+from weft.bench.layer import CONFIGS, _eager, _optimizer, _step_fn, mode_forward
 from weft.distributed import init_distributed
 from weft.moe import MoE
 
 
 def build_step(moe: MoE, mode: str, inputs, grads, optimizer: str):
-    fwd_bwd = _eager(mode_forward(mode, moe))
+    """`weft bench layer`'s eager step for `mode`: forward, backward and the optimizer, from no gradients."""
     params = list(moe.parameters())
     opt = _optimizer(optimizer, params)
-
-    def step(i: int) -> None:
-        for p in params:
-            p.grad = None
-        fwd_bwd(inputs[i % len(inputs)], grads[i % len(grads)])
-        if opt is not None:
-            opt.step()
-
-    return step
+    return _step_fn(_eager(mode_forward(mode, moe)), params, inputs, grads, opt, graphed=False)
 
 
 def wall_and_gpu_ms(step, steps: int, device) -> tuple[float, float]:

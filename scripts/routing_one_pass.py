@@ -9,53 +9,37 @@ Run it where weft is importable (PYTHONPATH=src)."""
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 import weft.kernels.token_choice as token_choice
 import weft.moe.routing as routing
+from weft.graphs import GraphedStep
+from weft.profiling import seconds_per_call, wall_seconds
 
 SHAPES = {"qwen2": (4096, 64, 4), "phi35": (4096, 16, 2), "mixtral": (4096, 8, 2), "deepseek-like": (4096, 256, 8)}
 
 
-def step_of(router, logits, k: int, cf: float | None):
-    def step():
-        lg = logits.detach().requires_grad_()
-        r = router.route(lg, k, cf, fused=True)
+def step_of(router, k: int, cf: float | None):
+    def step(logits):
+        r = router.route(logits, k, cf, fused=True)
         (r.gates_S.sum() + 0.01 * r.summary.aux_loss + 0.001 * r.summary.z_loss).backward()
         return r
 
     return step
 
 
-def eager_ms(step, calls: int) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3 / calls
+def eager_ms(step, logits, calls: int) -> float:
+    """Back-to-back eager calls, wall ms a call (the host's time where it is the slower side)."""
+    run = lambda: [step(logits.detach().requires_grad_()) for _ in range(calls)]  # noqa: E731
+    return wall_seconds(run, logits.device) * 1e3 / calls
 
 
-def graph_ms(step, calls: int) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(calls):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
+def graph_ms(step, logits, calls: int) -> float:
+    """ms a replay of the step captured as a CUDA graph (the GPU's time alone)."""
+    graph = GraphedStep(step, [logits.detach().requires_grad_()], accumulate=False)
+    captured = graph.inputs[0]  # replayed on its own input: no copy into it
+    return seconds_per_call(lambda: graph(captured), logits.device, calls) * 1e3
 
 
 def main() -> None:
@@ -85,15 +69,15 @@ def main() -> None:
             for _ in range(args.rounds):
                 for v in variants:
                     variant(v)
-                    step = step_of(router, logits, k, cf)
-                    r = step()
+                    step = step_of(router, k, cf)
+                    r = step(logits.detach().requires_grad_())
                     if reference is None:
                         reference = r
                     elif not (torch.equal(r.experts_S, reference.experts_S)
                               and torch.equal(r.positions_S, reference.positions_S)):
                         raise SystemExit(f"{name} cf={cf} {v}: the slots differ from the composition's")
-                    results[v][0].append(eager_ms(step, args.calls))
-                    results[v][1].append(graph_ms(step, args.calls))
+                    results[v][0].append(eager_ms(step, logits, args.calls))
+                    results[v][1].append(graph_ms(step, logits, args.calls))
             for v in variants:
                 eager, graph = results[v]
                 label = v if v == "composition" else f"one pass, BLOCK_T {v or 'default'}"
