@@ -6,6 +6,7 @@ produces C slots per expert. Routing math runs in float32 whatever the input dty
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -20,6 +21,14 @@ EXPERT_BIAS_GATES = ("topk", "bpr", "cosine")
 SAMPLING_GATES = EXPERT_BIAS_GATES
 
 
+def float32_region(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Autocast switched off where it is on (it would route in bf16); else nothing to enter (an
+    autocast region costs the host tens of microseconds a call)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class LinearRouter(nn.Module):
     """`logits = x.float() @ weight.T`; `weight` is (E, dim) and always kept in float32, initialised
     N(0, init_scale^2 / dim): logits of standard deviation ~init_scale for unit-RMS inputs (0.1:
@@ -31,7 +40,7 @@ class LinearRouter(nn.Module):
         nn.init.normal_(self.weight, std=init_scale * dim**-0.5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):  # autocast would route in bf16
+        with float32_region(x):
             return x.float() @ self.weight.float().t()
 
     def _apply(self, fn, recurse=True):
@@ -62,7 +71,7 @@ class CosineRouter(LinearRouter):
         self.log_scale = nn.Parameter(torch.tensor([math.log(init_scale / init_temperature)]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
+        with float32_region(x):
             h = F.normalize(x.float() @ self.proj.weight.float().t(), dim=-1)
             emb = F.normalize(self.weight.float(), dim=-1)
             return (h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp()

@@ -8,6 +8,7 @@ onto a layer.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +70,12 @@ class RoutingSummary:
 
 @dataclass(frozen=True)
 class Routing:
-    """The routed slots of a batch: slot i sends token `token_ids[i]` to expert `experts[i]` at
-    capacity position `positions[i]` with gate `gates[i]` (0 where dropped). Token choice: slot
-    ids t*k + j; expert choice: e*C + position."""
+    """The routed slots of a batch: slot i sends token `token_ids_S[i]` to expert `experts_S[i]` at
+    capacity position `positions_S[i]` with gate `gates_S[i]` (0 where dropped). Token choice: slot
+    ids t*k + j, so slot i is token i // k (`chosen_tokens_S` None; the ids are made only where a
+    path reads them); expert choice: slot e*C + position, its token in `chosen_tokens_S`."""
 
-    token_ids_S: torch.Tensor
+    top_k: int
     experts_S: torch.Tensor  # global expert ids
     positions_S: torch.Tensor
     gates_S: torch.Tensor
@@ -83,6 +85,16 @@ class Routing:
     order_S: torch.Tensor | None  # dropless: slot ids grouped by expert (stable); may be None otherwise
     summary: RoutingSummary | None  # None for a partition (see CarriedRouting.finish)
     slot_rows: SlotRows | None = None  # the padded layout's rows of the slots, where routing made them
+    chosen_tokens_S: torch.Tensor | None = None  # expert choice: the token of each slot
+
+    @functools.cached_property
+    def token_ids_S(self) -> torch.Tensor:
+        """(S,) the token of each slot (made at the first read for token choice: the Triton paths
+        never read it)."""
+        if self.chosen_tokens_S is not None:
+            return self.chosen_tokens_S
+        num_tokens = self.experts_S.shape[0] // self.top_k
+        return torch.arange(num_tokens, device=self.experts_S.device).repeat_interleave(self.top_k)
 
     def sent_experts(self, num_experts: int) -> torch.Tensor:
         """(S,) the expert of each slot, `num_experts` where the slot was dropped."""
@@ -140,15 +152,14 @@ class Router:
             choice = token_choice(self.gate, probs_TE, top_k, self.normalize_gates, noise_TE, bias_E)
             slots = slot_positions(choice.experts, self.num_experts, choice.order, dropless)
         aux_loss = load_balancing_loss(probs_TE, slots.counts, num_tokens * top_k)
-        token_ids = torch.arange(num_tokens, device=device).repeat_interleave(top_k)
         experts, positions, gates = choice.experts.reshape(-1), slots.positions.reshape(-1), choice.gates.reshape(-1)
         if capacity_factor is None:
             summary = RoutingSummary(aux_loss, z_loss, MoEStats(slots.counts, slots.counts.new_zeros(()), None))
-            return Routing(token_ids, experts, positions, gates, None, None, slots.counts, slots.sort_index, summary)
+            return Routing(top_k, experts, positions, gates, None, None, slots.counts, slots.sort_index, summary)
         cap = capacity_for(capacity_factor, top_k, num_tokens, self.num_experts, slots.counts, self.group)
         kept = positions < cap
         summary = RoutingSummary(aux_loss, z_loss, MoEStats(slots.counts, (~kept).sum(), cap))
-        return Routing(token_ids, experts, positions, gates * kept, kept, cap, slots.counts, slots.sort_index, summary)
+        return Routing(top_k, experts, positions, gates * kept, kept, cap, slots.counts, slots.sort_index, summary)
 
     def _one_pass(self, logits_TE: torch.Tensor, top_k: int, capacity_factor: float | None,
                   bias_E: torch.Tensor | None) -> Routing:
@@ -159,12 +170,11 @@ class Router:
         cap = None if capacity_factor is None else capacity_bound(top_k, capacity_factor, num_tokens,
                                                                   self.num_experts)
         r = route_topk(logits_TE, top_k, self.normalize_gates, cap, bias_E)
-        token_ids = torch.arange(num_tokens, device=logits_TE.device).repeat_interleave(top_k)
         experts, positions, gates = r.experts_TK.reshape(-1), r.positions_TK.reshape(-1), r.gates_TK.reshape(-1)
         summary = RoutingSummary(r.aux_loss, r.z_loss, MoEStats(r.counts_E, r.dropped, cap))
         if cap is None:
-            return Routing(token_ids, experts, positions, gates, None, None, r.counts_E, r.order_S, summary)
-        return Routing(token_ids, experts, positions, gates, r.kept_TK.reshape(-1), cap, r.counts_E, None, summary,
+            return Routing(top_k, experts, positions, gates, None, None, r.counts_E, r.order_S, summary)
+        return Routing(top_k, experts, positions, gates, r.kept_TK.reshape(-1), cap, r.counts_E, None, summary,
                        SlotRows(r.rows_TK, r.slot_of_row_R))
 
     def _expert_choice(self, probs_TE, top_k, capacity_factor, z_loss) -> Routing:
@@ -178,8 +188,8 @@ class Router:
         summary = RoutingSummary(probs_TE.new_zeros(()), z_loss, MoEStats(counts, (taken == 0).sum(), cap))
         experts = torch.arange(num_experts, device=device).repeat_interleave(cap)
         positions = torch.arange(cap, device=device).repeat(num_experts)
-        return Routing(chosen_EC.reshape(-1), experts, positions, gates_EC.reshape(-1), None, cap, counts, None,
-                       summary)
+        return Routing(top_k, experts, positions, gates_EC.reshape(-1), None, cap, counts, None, summary,
+                       chosen_tokens_S=chosen_EC.reshape(-1))
 
     def can_route_in_parts(self, top_k: int, capacity_factor: float | None) -> bool:
         """True when routing a batch partition by partition (capacity carried) keeps and drops the
@@ -245,8 +255,7 @@ class CarriedRouting:
             kept = positions < self._limit
             self._dropped = self._dropped + (~kept).sum()
             gates = gates * kept
-        token_ids = torch.arange(size, device=logits_TE.device).repeat_interleave(k)
-        return Routing(token_ids, experts, positions, gates, kept, None, slots.counts, None, None)
+        return Routing(k, experts, positions, gates, kept, None, slots.counts, None, None)
 
     def finish(self) -> RoutingSummary:
         """After the last partition: the losses and statistics of the whole batch."""
