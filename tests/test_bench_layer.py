@@ -385,10 +385,34 @@ def test_auto_as_a_graph_on_a_dropless_layer_runs_the_fastest_of_eager_auto_and_
     assert not failures, "\n".join(failures)
 
 
-def test_dropless_graphs_only_for_the_fixed_size_exchange():
-    """A CUDA graph of a dropless call needs one that reads nothing on the host: `dedup-fixed`."""
-    LayerBenchConfig("tiny", 16, capacity=(None,), modes=("plain", "dedup-fixed+graph", "auto+graph")).validate()
-    allowed = ("dedup-fixed, dedup-fixed-d2, dedup-fixed-d4, dedup-fixed-own, dedup-fixed-own-d2, comet, auto graph "
-               "dropless")
-    with pytest.raises(ValueError, match=f"a CUDA graph needs static shapes.*{allowed}"):
-        LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph")).validate()
+def blocker_worker() -> list[str]:
+    """`dropless_graph_blocker` on two ranks: the fixed-size exchanges graph, the others read their
+    counts on the host (and Comet's here, on CPU processes, as no GPU graph runs)."""
+    from weft.moe.experts import Experts
+
+    Experts.offsets_stay_on_device = lambda self, dtype: True  # as on an H200: not what decides on 2 ranks
+    moe = MoE(16, 32, 4, top_k=2, capacity_factor=None)
+    checks = Checks(f"rank {torch.distributed.get_rank()}")
+    for mode in ("dedup-fixed", "dedup-fixed-own+graph", "auto+graph"):
+        checks.expect(layer.dropless_graph_blocker(mode, moe) is None, f"{mode} cannot graph on 2 ranks")
+    for mode in ("plain+graph", "d2+graph", "comet+graph"):
+        blocker = layer.dropless_graph_blocker(mode, moe)
+        checks.expect(blocker is not None and "host" in blocker, f"{mode} graphs on 2 ranks: {blocker}")
+    return checks.failures
+
+
+def test_dropless_graphs_on_several_ranks_only_for_the_exchanges_that_read_nothing_on_the_host(monkeypatch):
+    """A CUDA graph of a dropless call needs one that reads nothing on the host: on several ranks
+    `dedup-fixed` (and Comet's where the GPUs map each other's memory); on one rank every mode
+    (nothing to exchange), where the grouped GEMM takes its groups' ends from the device."""
+    from weft.moe.experts import Experts
+
+    LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph", "auto+graph")).validate()
+    moe = MoE(16, 32, 4, top_k=2, capacity_factor=None)
+    blocker = layer.dropless_graph_blocker("plain+graph", moe)
+    assert blocker is not None and "on 1 ranks reads its counts" in blocker  # float32 experts on the CPU
+    monkeypatch.setattr(Experts, "offsets_stay_on_device", lambda self, dtype: True)
+    assert all(layer.dropless_graph_blocker(m, moe) is None for m in ("plain+graph", "d2+graph", "no-comm+graph"))
+    assert "comet" in layer.dropless_graph_blocker("comet+graph", moe)  # Comet's needs 2+ ranks
+    failures = run_checks(blocker_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)

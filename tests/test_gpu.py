@@ -196,7 +196,8 @@ def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int =
                  capacity_factor: float | None = 1.0, kernels_of_all: str | None = None) -> list[str]:
     """The layer's forward and backward replayed as one CUDA graph (weft.graphs.GraphedStep) give
     the eager step's outputs, input gradients and parameter gradients on new inputs (padded
-    capacity, or dropless with `capacity_factor` None and a2a_algo "dedup-fixed"; token and expert
+    capacity, or dropless with `capacity_factor` None where the call reads nothing on the host:
+    a2a_algo "dedup-fixed", Comet's, or one GPU's; token and expert
     choice; bitwise with the Triton kernels, whose results are deterministic; the torch path's
     atomics only promise rounding). A graph that accumulates adds two replays' gradients as two
     eager backwards do; one that owns its gradients holds the last replay's only, as an eager
@@ -261,15 +262,16 @@ def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int =
     return failures
 
 
-def comet_syncs_worker(device) -> list[str]:
-    """A dropless `kernels="comet"` call (forward and backward, bf16) after the first: no
-    synchronisation of the stream with the host (PyTorch's sync debug mode)."""
+def dropless_syncs_worker(device, kernels: str = "comet") -> list[str]:
+    """A dropless call with `kernels` (forward and backward, bf16) after the first: no
+    synchronisation of the stream with the host (PyTorch's sync debug mode). Comet's on 2+ GPUs;
+    any on one."""
     from test_moe_exchange import _count_syncs
 
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     moe = MoE(256, 512, 16, top_k=4, capacity_factor=None, activation="gelu", dtype=torch.bfloat16, device=device,
-              kernels="comet")
+              kernels=kernels)
     gen = torch.Generator(device=device).manual_seed(10 + rank)
     xs = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
 
@@ -279,7 +281,7 @@ def comet_syncs_worker(device) -> list[str]:
     call()  # the first: the ranks agree, layer0's copy programs timed
     call()
     syncs = _count_syncs(call)
-    return [f"rank {rank}: a dropless Comet call synchronised {len(syncs)} times: {syncs}"] if syncs else []
+    return [f"rank {rank}: a dropless {kernels} call synchronised {len(syncs)} times: {syncs}"] if syncs else []
 
 
 @needs_cuda
@@ -291,9 +293,23 @@ def test_dropless_comet_replays_as_a_cuda_graph_and_never_synchronises():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs: one rank's dropless call has no exchange")
     world = torch.cuda.device_count()
-    flat = run_checks(comet_syncs_worker, world, args=("cuda",), backend="nccl", timeout=600)
+    flat = run_checks(dropless_syncs_worker, world, args=("cuda",), backend="nccl", timeout=600)
     flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "linear", 1, None, "comet"),
                        backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_one_gpu_dropless_replays_as_a_cuda_graph_and_never_synchronises():
+    """Dropless on one GPU: nothing to exchange, so the grouped GEMM takes the groups' ends from the
+    device: no host synchronisation in a call (Triton and torch kernels), and the step captured
+    as one CUDA graph equal to the eager step over new inputs (topk k 1 and 4 bitwise, bpr k 2
+    with torch's kernels)."""
+    flat = []
+    for kernels in ("auto", "torch"):
+        flat += run_checks(dropless_syncs_worker, 1, args=("cuda", kernels), backend="nccl", timeout=600)
+    flat += run_checks(graph_worker, 1, args=((torch.bfloat16,), "cuda", "linear", 1, None), backend="nccl",
+                       timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 
@@ -433,9 +449,11 @@ def train_tiny(tmp_path, name: str, *args: str) -> tuple[str, list[float]]:
 
 @needs_cuda
 def test_dropless_training_at_auto_runs_the_faster_of_eager_and_the_fixed_size_graph_with_the_plain_losses(tmp_path):
-    """`weft train` of a dropless model with `--a2a-algo auto` (every GPU): `--cuda-graphs auto`
-    times the eager step (the layers' own tuning) against dedup-fixed as CUDA graphs (degrees 1
-    and 2) and says what it measured; `--cuda-graphs on` runs the faster dedup-fixed graph; both
+    """`weft train` of a dropless model with `--a2a-algo auto` (every GPU): on several GPUs
+    `--cuda-graphs auto` times the eager step (the layers' own tuning) against dedup-fixed as CUDA
+    graphs (degrees 1 and 2) and says what it measured, and `--cuda-graphs on` runs the faster
+    dedup-fixed graph; on one GPU, with nothing to exchange, both replay the plain call as a graph
+    (it reads nothing on the host); all
     log the losses of the linear all-to-all run eagerly (to bf16 rounding: the first step's loss,
     from the same weights, to 2e-3; the dropless steps' sums in another order drift the later ones
     by a few 1e-3 on H100s)."""
@@ -445,9 +463,14 @@ def test_dropless_training_at_auto_runs_the_faster_of_eager_and_the_fixed_size_g
     for algo, graphs in (("auto", "auto"), ("auto", "on"), ("linear", "off")):
         logs[graphs], losses[graphs] = train_tiny(tmp_path, f"{algo}-{graphs}", "--config", str(config),
                                                   "--a2a-algo", algo, "--cuda-graphs", graphs)
-    assert "measured: eager with a2a_algo auto" in logs["auto"], logs["auto"]
-    assert ("replays as one CUDA graph" in logs["auto"]) == ("runs a2a_algo=dedup-fixed" in logs["auto"]), logs["auto"]
-    assert "runs a2a_algo=dedup-fixed" in logs["on"] and "replays as one CUDA graph" in logs["on"], logs["on"]
+    if torch.cuda.device_count() == 1:  # nothing to exchange: the plain call reads nothing on the host, and graphs
+        for graphs in ("auto", "on"):
+            assert "replays as one CUDA graph" in logs[graphs] and "dedup-fixed" not in logs[graphs], logs[graphs]
+    else:
+        assert "measured: eager with a2a_algo auto" in logs["auto"], logs["auto"]
+        assert ("replays as one CUDA graph" in logs["auto"]) == ("runs a2a_algo=dedup-fixed" in logs["auto"]), \
+            logs["auto"]
+        assert "runs a2a_algo=dedup-fixed" in logs["on"] and "replays as one CUDA graph" in logs["on"], logs["on"]
     assert len(losses["on"]) == 8
     for graphs in ("auto", "on"):
         assert losses[graphs][0] == pytest.approx(losses["off"][0], abs=2e-3), losses

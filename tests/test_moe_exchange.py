@@ -259,3 +259,49 @@ def test_a_dropless_call_reads_the_device_once(world_size):
     come from that copy."""
     failures = run_checks(reads_worker, world_size, timeout=300)
     assert not failures, "\n".join(failures[:10])
+
+
+def test_one_rank_dropless_call_keeps_its_counts_on_the_device(monkeypatch):
+    """One rank has nothing to exchange: its dropless call takes the groups' ends from the device
+    (`Experts.forward_offsets`) instead of every rank's counts on the host (`gather_layout`, never
+    called here), with the host layout's outputs and gradients, bit for bit; it claims a CUDA
+    graph can hold it only where the grouped GEMM runs on the GPU (not this CPU's float32
+    experts), and never for Pro-Prophet's or Comet's calls."""
+    import weft.moe.dedup as dedup
+    from weft.moe.experts import Experts
+
+    def host_layout(*args, **kwargs):
+        raise AssertionError("a one-rank dropless call read every rank's counts on the host")
+
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, kernels="torch")
+    x = torch.randn(24, DIM)
+    x[:, 0] += 2.0
+    ends = []
+    offsets = Experts.forward_offsets
+    monkeypatch.setattr(Experts, "forward_offsets",
+                        lambda self, rows, offs: ends.append(offs) or offsets(self, rows, offs))
+
+    def step(on_device: bool) -> list[torch.Tensor]:
+        with monkeypatch.context() as m:
+            if on_device:
+                m.setattr(dedup, "gather_layout", host_layout)
+            else:
+                m.setattr(MoE, "_counts_stay_on_device", lambda *args: False)
+            xi = x.clone().requires_grad_()
+            y = moe(xi)
+            y.square().sum().backward()
+            out = [y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()]
+            moe.zero_grad()
+            return out
+
+    on_host = step(False)
+    assert not ends, "the host layout's call took the device path"
+    on_device = step(True)
+    assert len(ends) == 1 and ends[0].tolist() == moe.stats.expert_counts.cumsum(0).tolist()
+    assert all(torch.equal(a, b) for a, b in zip(on_device, on_host))
+    assert not moe.counts_stay_on_device()  # float32 experts on the CPU: the ends are read to loop over the groups
+    monkeypatch.setattr(Experts, "offsets_stay_on_device", lambda self, dtype: True)
+    assert moe.counts_stay_on_device()
+    assert not MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, kernels="comet").counts_stay_on_device()
+    assert not MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, balance="pro-prophet").counts_stay_on_device()

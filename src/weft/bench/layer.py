@@ -128,17 +128,37 @@ COPY_MODE = "balance-copy"
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
-# (weft.graphs); the same kernels without their host launch cost. Padded capacity only (dropless
-# reads its counts on the host), except `dedup-fixed` and `comet` (`GRAPHS_DROPLESS`). "auto+graph" times each
-# of auto's candidate settings as a graph and captures the fastest (`graphed_auto`; auto's eager
-# tuning synchronises, so it cannot run inside a capture, and it would time launch costs a replay
-# does not pay).
+# (weft.graphs); the same kernels without their host launch cost. Dropless on several ranks reads
+# its counts on the host, except `dedup-fixed` and `comet` (`GRAPHS_DROPLESS`); on one rank every
+# mode graphs (`dropless_graph_blocker`). "auto+graph" times each of auto's candidate settings as
+# a graph and captures the fastest (`graphed_auto`; auto's eager tuning synchronises, so it cannot
+# run inside a capture, and it would time launch costs a replay does not pay).
 GRAPH_SUFFIX = "+graph"
 # the modes whose dropless calls read nothing on the host (dedup-fixed's; comet's, where the GPUs reach
 # each other's memory: `MoE.counts_stay_on_device`), and auto, which graphs dedup-fixed (at degree 1 or 2,
 # or with the own pairs apart) where that is faster than its eager call (`graphed_auto_dropless`)
 GRAPHS_DROPLESS = (*(mode for mode, call in MODES.items() if call.get("a2a_algo") in FIXED_SIZE_ALGOS), "comet",
                    "auto")
+
+
+def dropless_graph_blocker(mode: str, moe: MoE) -> str | None:
+    """Why `mode`'s dropless call cannot be a CUDA graph on this layer (None: it can): a graph
+    needs a call that reads nothing on the host. One rank's calls read nothing (no exchange to
+    size); on several ranks, dedup-fixed's fixed-size exchanges and Comet's counts left on the
+    GPUs (where they map each other's memory: `MoE.graphs_dropless_comet`) read nothing."""
+    base = base_mode(mode)
+    if base == "comet":
+        return None if moe.graphs_dropless_comet() else (
+            "a dropless comet call is a CUDA graph only on 2+ CUDA ranks that map each other's memory (its counts "
+            "stay on the GPUs); here it reads them on the host")
+    if base in GRAPHS_DROPLESS or moe.counts_stay_on_device():
+        return None
+    allowed = ", ".join(GRAPHS_DROPLESS)
+    return (f"--modes {mode}: a CUDA graph needs a call that reads nothing on the host; a dropless call on "
+            f"{moe.ep_size} ranks reads its counts there ({allowed} graph dropless on several ranks, every mode "
+            "on one)")
+
+
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
 FwdBwd = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -316,10 +336,6 @@ class LayerBenchConfig:
         for mode in filter(is_graphed, self.modes):
             if base_mode(mode) not in MODES:
                 raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes (not a peer or balance)")
-            if None in self.capacity and base_mode(mode) not in GRAPHS_DROPLESS:
-                allowed = ", ".join(GRAPHS_DROPLESS)
-                raise ValueError(f"--modes {mode}: a CUDA graph needs static shapes; dropless capacity reads its "
-                                 f"counts on the host (drop 'dropless' from --capacity; {allowed} graph dropless)")
         if self.baseline not in self.modes:
             raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
 
@@ -449,9 +465,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 forward, row["candidates_ms"] = graphed_auto(moe, x0, grads[0])
                 row["tuned"] = [min(row["candidates_ms"], key=row["candidates_ms"].get)]
                 description = f"weft auto: {row['tuned'][0]}, the fastest of its candidates as CUDA graphs"
-            if graphed and base_mode(mode) == "comet" and cf is None and not moe.graphs_dropless_comet():
-                raise ValueError("a dropless comet call is a CUDA graph only on 2+ CUDA ranks that map each "
-                                 "other's memory (its counts stay on the GPUs); here it reads them on the host")
+            blocker = dropless_graph_blocker(mode, moe) if graphed and cf is None else None
+            if blocker is not None:
+                raise ValueError(blocker)
             row["graphed"] = graphed
             fwd_bwd = _eager(forward)
             if graphed:

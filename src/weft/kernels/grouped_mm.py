@@ -14,6 +14,14 @@ def use_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     return w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0
 
 
+def grouped_mm_on(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
+    """Whether `use_grouped_mm` holds for experts of widths (dim, hidden) whose rows and weights
+    are `dtype` on `device`, asked before any rows exist."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9 and dim % 8 == 0 and hidden % 8 == 0
+
+
 def _cuda_kernel_takes(*operands: torch.Tensor) -> bool:
     """torch._grouped_mm's CUDA kernel: bfloat16 operands on an sm90+ GPU."""
     if not hasattr(torch, "_grouped_mm") or any(t.dtype != torch.bfloat16 for t in operands):

@@ -19,7 +19,7 @@ from torch import nn
 
 from weft.hostcopy import offsets
 from weft.kernels.activation import activate
-from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
+from weft.kernels.grouped_mm import grouped_mm_on, grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
 from weft.ops import wgrad
 from weft.profiling import stage
 
@@ -200,6 +200,12 @@ class Experts(nn.Module):
             counts = [b - a for a, b in zip([0] + ends, ends)]
             out = self._forward_grouped(x[:ends[-1]], counts, None)
             return torch.cat([out, out.new_zeros(x.shape[0] - ends[-1], out.shape[1])])
+
+    def offsets_stay_on_device(self, dtype: torch.dtype) -> bool:
+        """Whether `forward_offsets` on rows of `dtype` reads nothing on the host (the grouped GEMM
+        on the GPU, no Lancet scheduler), so that a CUDA graph can hold it."""
+        w1 = self.w1
+        return self.wgrad_scheduler is None and grouped_mm_on(w1.device, dtype, w1.shape[1], w1.shape[2])
 
     def forward_offsets_part(self, x: torch.Tensor, offs_E: torch.Tensor, parts: GroupedWeightGradParts,
                              weights: tuple[torch.Tensor | None, ...], call: PartCall = PartCall()) -> torch.Tensor:

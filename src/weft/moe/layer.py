@@ -461,7 +461,7 @@ class MoE(nn.Module):
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
                                 self.experts.compute_dtype(tokens_TD))
         pairs = pairs_WW = None
-        if on_device:  # Comet's map is built from the counts on the device: nothing read on the host
+        if on_device:  # one rank's grouped GEMM, or Comet's map, from the counts on the device: no host read
             slots = routing.order_S.numel()
             layout = gather_counts_on_device(routing.counts_E, self.group, slots,
                                              self.ep_size * min(slots, tokens_TD.shape[0] * self.num_local_experts))
@@ -491,7 +491,7 @@ class MoE(nn.Module):
                 return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S),
                                tokens_TD.shape[0])
 
-        if on_device:  # the call's own setting, Comet's: no tuning bucket, no load history
+        if on_device:  # the call's own setting (one rank: the only exchange): no tuning bucket, no load history
             return run(untuned_setting(call), tokens_TD)
         # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
         out_TD = self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
@@ -505,10 +505,18 @@ class MoE(nn.Module):
         return out_TD
 
     def counts_stay_on_device(self) -> bool:
-        """Whether this layer's own dropless calls read nothing on the host: Comet's, as
-        `_counts_stay_on_device` says, so that a CUDA graph can hold them."""
-        call = self.default_call()
-        return call.dropless and self._counts_stay_on_device(call, None, self.experts.w1.device)
+        """Whether this layer's own dropless calls read nothing on the host (one rank's, or
+        Comet's, as `_counts_stay_on_device` says), so that a CUDA graph can hold them. One rank's
+        also need its grouped GEMM on the GPU (bf16 on sm90+; the experts' own dtype, or bf16
+        under autocast now), which takes the groups' ends from the device."""
+        call, weight = self.default_call(), self.experts.w1
+        if not (call.dropless and self._counts_stay_on_device(call, None, weight.device)):
+            return False
+        if self.ep_size > 1:
+            return True
+        on = weight.device.type
+        dtype = torch.get_autocast_dtype(on) if on == "cuda" and torch.is_autocast_enabled(on) else weight.dtype
+        return self.experts.offsets_stay_on_device(dtype)
 
     def graphs_dropless_comet(self) -> bool:
         """Whether this layer's dropless calls with Comet's kernels at its plain setting (d = 1,
@@ -520,15 +528,22 @@ class MoE(nn.Module):
         return device.type == "cuda" and call.dropless and self._counts_stay_on_device(call, None, device)
 
     def _counts_stay_on_device(self, call: MoECall, transfer: Transfer | None, device: torch.device) -> bool:
-        """Whether a dropless call leaves every rank's counts on the device (`GroupedOnDevice`): its
-        own setting is Comet's (`kernels="comet"`, not tuned, degree 1, r = 1) on ranks that address
-        each other's memory, with no Pro-Prophet copies and no Lancet scheduler. Comet's exchange
-        then builds its map there and the call reads nothing on the host, so a CUDA graph can hold
-        it; every rank must route as many tokens (the buffers' size, `_check_ranks_agree`)."""
-        return (call.kernels == "comet" and call.communicate and self.ep_size > 1 and self.expert_shards == 1
-                and self.balancer is None and transfer is None and self.wgrad_scheduler is None
-                and not is_tuned(call, self.parallel, self.ep_size) and untuned_setting(call).comet
-                and peers_unavailable(self.group, device) is None)
+        """Whether a dropless call leaves the counts on the device (`GroupedOnDevice`), so that it
+        reads nothing on the host and a CUDA graph can hold it. Two cases, neither with Lancet's
+        scheduler (its deferred weight gradients read the groups on the host) nor Pro-Prophet:
+
+        - one rank (W = 1) not running Comet's kernels: nothing to exchange, no splits to know; the
+          grouped GEMM takes the groups' ends on the device (`Experts.forward_offsets`);
+        - Comet's own setting (`kernels="comet"`, not tuned, degree 1, r = 1) on two or more ranks
+          that address each other's memory: its exchange builds its map there; every rank must
+          route as many tokens (the buffers' size, `_check_ranks_agree`)."""
+        if self.wgrad_scheduler is not None or transfer is not None or self.balancer is not None:
+            return False
+        if self.ep_size == 1:
+            return not untuned_setting(call).comet
+        return (call.kernels == "comet" and call.communicate and self.expert_shards == 1
+                and not is_tuned(call, self.parallel, self.ep_size)
+                and untuned_setting(call).comet and peers_unavailable(self.group, device) is None)
 
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it

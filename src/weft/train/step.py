@@ -56,9 +56,9 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     all-to-alls with it. A tensor-parallel step is captured with its all-reduces, Domino's
     asynchronous ones and their side streams included (`weft bench tp --modes domino+graph` on 2
     GPUs: docs/tp.md). `--a2a-algo auto` is captured with the all-to-all whose graph replays
-    fastest (linear or dedup). Dropless layers with `--a2a-algo dedup-fixed`, or with `--kernels
-    comet` where the GPUs reach each other's memory (`MoE.counts_stay_on_device`), read nothing on
-    the host and are captured too; `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
+    fastest (linear or dedup). Dropless layers on one GPU, with `--a2a-algo dedup-fixed`, or with
+    `--kernels comet` where the GPUs reach each other's memory (`MoE.counts_stay_on_device`), read
+    nothing on the host and are captured too; `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
     would time dedup (`MoE.tunes_dedup`) ran dedup-fixed, which that setting may choose
     (`choose_fixed_size`)."""
     if device.type != "cuda":
@@ -71,7 +71,7 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
         cf = moe.capacity_factor
         fixed = cf is None and (moe.a2a_algo in FIXED_SIZE_ALGOS  # dropless in fixed-size exchanges
                                 or fixed_size and moe.a2a_algo == "auto" and moe.tunes_dedup()
-                                or overlap != "lancet" and moe.counts_stay_on_device())  # Comet's
+                                or overlap != "lancet" and moe.counts_stay_on_device())  # one GPU's, Comet's
         if moe.gate != "expert_choice" and (cf is None or cf <= 0) and not fixed:
             return (f"MoE layer {i} runs capacity_factor={cf} ({'dropless' if cf is None else 'no-drop'}): its "
                     "sizes are read on the host every step" + (" (--a2a-algo dedup-fixed reads none, nor does "

@@ -5,13 +5,14 @@ experts compute on the received rows where they lie, by source rank then expert 
 one batched matmul per source (`Experts.forward_by_source`), the function of Tutel's Flexible
 layout (El, W * C, dim) without copying the rows into it and back. Grouped (dropless): the splits come from every rank's
 counts, which the layout holds on the host, then exactly the routed rows go (all-to-allv), and
-the local experts run one grouped GEMM.
+the local experts run one grouped GEMM; on one rank the counts stay on the device
+(`GroupedOnDevice`) and the grouped GEMM takes its groups' ends from there.
 """
 from __future__ import annotations
 
 import torch
 
-from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped
+from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice
 
 
 class AllToAll(Exchange):
@@ -38,6 +39,13 @@ class AllToAll(Exchange):
         recv = ctx.all_to_all(rows_ND, recv_splits, send_splits)  # rows by [source][local expert]
         out = experts_on_received(ctx.experts, recv, recv_counts, received)
         return ctx.all_to_all(out, send_splits, recv_splits)
+
+    def grouped_on_device(self, rows_ND: torch.Tensor, layout: GroupedOnDevice) -> torch.Tensor:
+        """One rank: nothing to exchange, so nothing to know on the host; the grouped GEMM takes
+        the groups' ends on the device. Several ranks need the splits on the host (`Grouped`)."""
+        if self.ctx.placement.ep_size > 1:
+            return super().grouped_on_device(rows_ND, layout)
+        return self.ctx.experts.forward_offsets(rows_ND, layout.counts_E.cumsum(0).to(torch.int32))
 
 
 def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,

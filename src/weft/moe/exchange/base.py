@@ -93,12 +93,11 @@ def gather_counts_on_device(counts_E: torch.Tensor, group: dist.ProcessGroup | N
     """Every rank's `counts_E` gathered over `group` on the device (one all-gather of W * E
     numbers; nothing read on the host)."""
     world = group_size(group)
-    gathered = counts_E.new_empty(world, counts_E.numel())
     if world == 1:
-        gathered.copy_(counts_E.view(1, -1))
-    else:
-        with stage("all_to_all"):
-            ALL_GATHER(gathered.view(-1), counts_E.contiguous(), group=group)
+        return GroupedOnDevice(counts_E, counts_E.view(1, -1), 0, rows, most_received)
+    gathered = counts_E.new_empty(world, counts_E.numel())
+    with stage("all_to_all"):
+        ALL_GATHER(gathered.view(-1), counts_E.contiguous(), group=group)
     return GroupedOnDevice(counts_E, gathered, group_rank(group), rows, most_received)
 
 
