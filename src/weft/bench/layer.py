@@ -306,7 +306,8 @@ class LayerBenchConfig:
                                              "(default 1.0,dropless)", parse=capacity_list)
     activation: str = arg("relu", "expert activation", choices=ACTIVATION_CHOICES)
     dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
-    optimizer: str = arg("none", "also time an optimizer step (Tutel's reference numbers include SGD)",
+    optimizer: str = arg("none", "also time an optimizer step (Tutel's reference numbers include SGD; "
+                         "sgd: single-tensor updates, adamw: torch's default)",
                          choices=("none", "sgd", "adamw"))
     steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
     warmup: int = arg(5, "untimed rounds first", parse=positive_int)
@@ -612,7 +613,10 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]):
     if name == "none":
         return None
     if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-6)
+        # Single-tensor updates: one elementwise kernel per parameter. The same weights, bit for bit,
+        # as torch's default foreach step, which runs qwen2's few large expert tensors through
+        # multi-tensor launches 24% slower on an H200 (docs/benchmarks.md, "The SGD step").
+        return torch.optim.SGD(params, lr=1e-6, foreach=False)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-6)
     raise ValueError(f"unknown optimizer {name!r}; choose none, sgd or adamw")
