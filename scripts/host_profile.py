@@ -63,7 +63,7 @@ def count_syncs(step) -> list[str]:
     return [f"{w.filename}:{w.lineno} {str(w.message).splitlines()[0][:100]}" for w in caught]
 
 
-def python_profile(step, steps: int, top: int) -> str:
+def python_profile(step, steps: int, top: int, dump: str | None = None) -> str:
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     profiler.enable()
@@ -71,11 +71,80 @@ def python_profile(step, steps: int, top: int) -> str:
         step(i)
     torch.cuda.synchronize()
     profiler.disable()
+    if dump:
+        profiler.dump_stats(dump)
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(top)
     stats.sort_stats("cumulative").print_stats("weft", top)
     return out.getvalue()
+
+
+def host_ops_table(step, steps: int, trace: str | None = None) -> str:
+    """The host's operators over `steps` steps by the torch profiler: calls and CPU time of each
+    (aten ops, autograd nodes, Triton launches), most host time first; `trace`: also a Chrome trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=80, max_name_column_width=70)
+
+
+def host_split(step, steps: int) -> list[tuple[str, float, int]]:
+    """The host's milliseconds a step inside each of the layer step's parts (inclusive: a part's
+    time holds the parts it calls), by wall-clock timers wrapped around them; no profiler in the
+    way, and the step issues no synchronisation, so each is the host's own time. (name, ms a step,
+    calls a step), slowest first."""
+    import torch.autograd
+    import torch.optim
+
+    from weft.kernels.token_choice import _RouteTopk
+    from weft.moe import dispatch, experts, gates, layer, routing
+    from weft.moe.exchange.base import Exchange
+
+    parts = [(layer.MoE, "forward"), (layer.MoE, "route"), (gates.LinearRouter, "forward"),
+             (routing.Router, "route"), (layer.MoE, "exchange_for"), (layer.MoE, "_exchange_rows"),
+             (layer, "dispatch_rows"), (Exchange, "__call__"), (experts.Experts, "forward"),
+             (experts.Experts, "forward_by_source"), (layer, "combine_rows"), (torch.autograd, "backward"),
+             (_RouteTopk, "forward"), (_RouteTopk, "backward"), (dispatch._CombineRows, "backward"),
+             (dispatch._DispatchRows, "backward"), (torch.optim.SGD, "step")]
+    totals: dict[str, list[float]] = {}
+    saved = []
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry = totals.setdefault(name, [0.0, 0])
+                entry[0] += time.perf_counter() - t0
+                entry[1] += 1
+        return wrapper
+
+    for owner, attr in parts:
+        raw = owner.__dict__[attr]
+        name = f"{getattr(owner, '__name__', owner)}.{attr}".replace("weft.moe.", "")
+        fn = raw.__func__ if isinstance(raw, staticmethod) else raw
+        wrapped = timed(name, fn)
+        setattr(owner, attr, staticmethod(wrapped) if isinstance(raw, staticmethod) else wrapped)
+        saved.append((owner, attr, raw))
+    try:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        wall = time.perf_counter() - t0
+        torch.cuda.synchronize()
+    finally:
+        for owner, attr, raw in saved:
+            setattr(owner, attr, raw)
+    rows = [(name, total * 1e3 / steps, calls // steps) for name, (total, calls) in totals.items()]
+    return [("step (wall)", wall * 1e3 / steps, 1)] + sorted(rows, key=lambda r: -r[1])
 
 
 def ab_one_pass(moe: MoE, args, inputs, grads, ctx) -> None:
@@ -110,6 +179,11 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=30)
+    parser.add_argument("--split", action="store_true",
+                        help="also print the host's ms a step inside each part of the step (wall-clock timers)")
+    parser.add_argument("--dump", default=None, metavar="DIR",
+                        help="also write DIR/<config>-<mode>.pstats (cProfile), .ops.txt (the host's operators "
+                             "by the torch profiler) and .trace.json (two steps)")
     parser.add_argument("--ab-one-pass", type=int, default=0, metavar="ROUNDS",
                         help="instead of profiling: ROUNDS rounds alternating the routing composition "
                              "(weft.moe.routing.ONE_PASS_GATES emptied) and the one-pass kernels, wall ms a step")
@@ -141,7 +215,15 @@ def main() -> None:
                   f"{len(syncs)} host synchronisations a step")
             for message in syncs:
                 print("   sync:", message)
-            print(python_profile(step, args.steps, args.top))
+            if args.split:
+                for name, ms, calls in host_split(step, args.steps):
+                    print(f"   host {name:34s} {ms:7.3f} ms a step ({calls} calls)")
+            stem = None if args.dump is None else f"{args.dump}/{args.config}-{mode}"
+            print(python_profile(step, args.steps, args.top, stem and stem + ".pstats"))
+            if stem:
+                with open(stem + ".ops.txt", "w") as f:
+                    f.write(host_ops_table(step, args.steps))
+                host_ops_table(step, 2, stem + ".trace.json")
 
 
 if __name__ == "__main__":
