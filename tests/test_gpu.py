@@ -20,7 +20,7 @@ from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
 from test_overlap_passes import both_passes_worker, graph_profile_captures_worker, graphed_schedule_worker
-from test_routing_kernel import one_pass_worker
+from test_routing_kernel import one_pass_worker, routing_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
@@ -157,6 +157,14 @@ def test_two_runs_are_bitwise_equal_on_nccl():
 @needs_cuda
 def test_one_pass_routing_matches_its_reference_on_cuda():
     failures = run_distributed(one_pass_worker, 1, args=("cuda",), timeout=600)[0]
+    assert not failures, "\n".join(failures)
+
+
+@needs_cuda
+def test_routing_kernels_match_the_reference_and_the_torch_path_on_cuda():
+    """`topk_positions` (the choose and slots kernels without the one pass's outputs) and every
+    gate's fused routing on one GPU, as the CPU suite checks them under the interpreter."""
+    failures = run_distributed(routing_kernels_worker, 1, args=("cuda",), timeout=600)[0]
     assert not failures, "\n".join(failures)
 
 

@@ -17,7 +17,9 @@ def close_to_rounding(x: torch.Tensor, y: torch.Tensor) -> bool:
     return bool((x - y).abs().max() <= 1e-4 * x.abs().max() + 1e-7)
 
 
-def routing_kernels_worker() -> list[str]:
+def routing_kernels_worker(device: str = "cpu") -> list[str]:
+    """`topk_positions` against its reference and the layer's PyTorch path, and `Router.route`
+    fused against unfused, every gate (on `device`: the CPU's interpreter, or CUDA)."""
     from weft.kernels.routing import topk_positions, topk_positions_reference
     from weft.moe.capacity import slot_positions
     from weft.moe.gates import topk_desc
@@ -35,6 +37,7 @@ def routing_kernels_worker() -> list[str]:
     for T, E, k in ((1, 4, 1), (300, 8, 2), (257, 64, 4), (100, 3, 3), (129, 32, 1), (70, 200, 8), (40, 5, 5)):
         scores = torch.rand(T, E, generator=gen)
         scores[:, : E // 2] = torch.round(scores[:, : E // 2] * 4) / 4  # many ties: the lower id wins
+        scores = scores.to(device)
         got = topk_positions(scores, k)
         want = topk_positions_reference(scores, k)
         for name, a, b in zip(("experts", "positions", "counts"), got, want):
@@ -42,7 +45,7 @@ def routing_kernels_worker() -> list[str]:
         # ... and from the layer's PyTorch path (sorted top-k; sort or counting positions), in
         # token order and in a priority order (batch-prioritized routing)
         experts = topk_desc(scores, k)
-        for order in (None, torch.randperm(T, generator=gen)):
+        for order in (None, torch.randperm(T, generator=gen).to(device)):
             got = topk_positions(scores, k, order)
             slots = slot_positions(experts, E, order)
             expect(all(torch.equal(a, b) for a, b in zip(got, topk_positions_reference(scores, k, order))),
@@ -50,16 +53,16 @@ def routing_kernels_worker() -> list[str]:
             expect(torch.equal(got[0], experts) and torch.equal(got[1], slots.positions)
                    and torch.equal(got[2], slots.counts),
                    f"the layer's torch path differs at {(T, E, k)} with order={order is not None}")
-    flat = torch.ones(20, 6)  # every score tied: experts 0..k-1 for each token
+    flat = torch.ones(20, 6, device=device)  # every score tied: experts 0..k-1 for each token
     experts, positions, counts = topk_positions(flat, 2)
-    expect(torch.equal(experts, torch.tensor([[0, 1]] * 20)), "all-tied scores pick the lowest ids")
-    expect(torch.equal(positions[:, 0], torch.arange(20)) and torch.equal(counts, torch.tensor([20, 20, 0, 0, 0, 0])),
-           "all-tied positions")
-    e0, p0, c0 = topk_positions(torch.zeros(0, 4), 2)
-    expect(e0.shape == (0, 2) and p0.shape == (0, 2) and torch.equal(c0, torch.zeros(4, dtype=torch.long)),
+    expect(torch.equal(experts.cpu(), torch.tensor([[0, 1]] * 20)), "all-tied scores pick the lowest ids")
+    expect(torch.equal(positions[:, 0].cpu(), torch.arange(20))
+           and torch.equal(counts.cpu(), torch.tensor([20, 20, 0, 0, 0, 0])), "all-tied positions")
+    e0, p0, c0 = topk_positions(torch.zeros(0, 4, device=device), 2)
+    expect(e0.shape == (0, 2) and p0.shape == (0, 2) and torch.equal(c0.cpu(), torch.zeros(4, dtype=torch.long)),
            "an empty batch")
     try:
-        topk_positions(torch.rand(3, 4), 5)
+        topk_positions(torch.rand(3, 4, device=device), 5)
         expect(False, "k > E must be an error")
     except ValueError as e:
         expect("k must be in [1, 4]" in str(e), f"k > E message: {e}")
@@ -70,14 +73,14 @@ def routing_kernels_worker() -> list[str]:
             ("topk", 1.0, False, False, 0), ("topk", None, True, True, 0), ("cosine", 0.5, False, True, 0),
             ("topk", 0.0, True, False, 0), ("bpr", 1.0, True, False, 0), ("bpr", None, False, True, 0),
             ("random", 0.5, False, False, 0), ("topk", 1.0, False, False, 0.7), ("bpr", None, False, True, 0.5)):
-        logits = torch.randn(96, 16, generator=gen)
-        bias = torch.randn(16, generator=gen) * 0.05 if with_bias else None
+        logits = torch.randn(96, 16, generator=gen).to(device)
+        bias = torch.randn(16, generator=gen).to(device) * 0.05 if with_bias else None
         routings, grads = [], []
         for fused in (False, True):
             lg = logits.clone().requires_grad_()
             torch.manual_seed(7)  # the random gate's draw, or the sampling offsets
             r = Router(gate, 16, normalize, None, temperature).route(lg, 2, cf, bias, fused=fused, sample=True)
-            (r.gates_S * torch.arange(r.gates_S.numel())).sum().backward()
+            (r.gates_S * torch.arange(r.gates_S.numel(), device=device)).sum().backward()
             routings.append(r)
             grads.append(lg.grad)
         a, b = routings

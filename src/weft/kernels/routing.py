@@ -9,15 +9,17 @@ many of those went to the same expert (docs/moe.md, "Slot priority"); with a pri
 to each expert (E,). The layer's PyTorch path (a sort per token, then a sort or a running count over
 the slots: ~80 small kernels for a forward) computes the same integers.
 
-- `_topk_histogram_kernel`, one program per block of BLOCK_T tokens: the k experts of each token
-  by k rounds of argmax (leftmost on ties) with the chosen expert masked out after each, and the
-  block's histogram of choices per round j: H[j, block, e].
-- an exclusive cumulative sum of H over (j, block) per expert (torch): where each (j, block)
-  starts counting in each expert;
-- `_positions_kernel`, one program per block: within-block ranks by a cumulative sum of the
-  one-hot choices down the block, plus that start.
+- `choose_kernel`, one program per block of BLOCK_T tokens: the k experts of each token by k
+  rounds of argmax (leftmost on ties) with the chosen expert masked out after each, and the
+  block's histogram of choices per round j: H[j, block, e];
+- an inclusive cumulative sum of H over (j, block) per expert (torch): less H, where each
+  (j, block) starts counting in each expert;
+- `slots_kernel`, one program per block: within-block ranks by a cumulative sum of the one-hot
+  choices down the block, plus that start.
 
-The scores are not differentiable here: the gates are gathered from the probabilities outside
+The same two kernels, with their `ONE_PASS` / `LAYOUT` switches, are `weft.kernels.token_choice`'s
+one-pass routing (gates, losses, capacity drops and the layouts' row maps on the way). Here the
+scores are not differentiable: the gates are gathered from the probabilities outside
 (`weft.moe.gates`). Integers only, every output written once: deterministic. The kernels run on
 CUDA tensors, and on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how
 the CPU suite tests them.
@@ -35,6 +37,10 @@ except ImportError:  # CPU-only installs: the PyTorch reference remains
     triton = None
 
 MAX_EXPERTS = 1024  # one program holds a (BLOCK_T, next_pow2(E)) tile; wider routers use the reference
+TILE_ELEMENTS = 2048  # a program's (tokens x experts) tile at most (`tiles`)
+# `slots_kernel`'s outputs beside the positions: none, the padded layout's (capacity drops, row
+# maps, masked gates), or the dropless layout's expert order
+POSITIONS, PADDED, DROPLESS = 0, 1, 2
 
 
 def topk_positions_reference(scores_TE: torch.Tensor, k: int, order_T: torch.Tensor | None = None,
@@ -72,20 +78,29 @@ def topk_positions(scores_TE: torch.Tensor, k: int, order_T: torch.Tensor | None
     if num_tokens == 0 or num_experts > MAX_EXPERTS:
         return topk_positions_reference(scores_TE, k)
     scores_TE = scores_TE.float().contiguous()
-    block_e = triton.next_power_of_2(num_experts)
-    block_t = max(16, min(128, 8192 // block_e))
-    num_blocks = triton.cdiv(num_tokens, block_t)
+    meta = tiles(num_tokens, num_experts, k)
+    num_blocks = triton.cdiv(num_tokens, meta["BLOCK_T"])
     device = scores_TE.device
     experts_TK = torch.empty(num_tokens, k, dtype=torch.long, device=device)
     hist = torch.empty(k * num_blocks, num_experts, dtype=torch.int32, device=device)
-    _topk_histogram_kernel[(num_blocks,)](scores_TE, experts_TK, hist, num_tokens, num_experts, num_blocks,
-                                          K=k, BLOCK_T=block_t, BLOCK_E=block_e)
+    unused = scores_TE  # the pointers of outputs this call does not make; never read or written
+    choose_kernel[(num_blocks,)](unused, scores_TE, unused, experts_TK, unused, unused, hist, unused, unused,
+                                  num_tokens, num_experts, num_blocks, HAS_BIAS=False, NORMALIZE=False,
+                                  ONE_PASS=False, **meta)
     seen = cumsum_down(hist, torch.int32)  # inclusive over (j, block), per expert
-    starts = seen - hist
     positions_TK = torch.empty_like(experts_TK)
-    _positions_kernel[(num_blocks,)](experts_TK, starts, positions_TK, num_tokens, num_experts, num_blocks,
-                                     K=k, BLOCK_T=block_t, BLOCK_E=block_e)
+    slots_kernel[(num_blocks,)](experts_TK, seen, hist, unused, positions_TK, unused, unused, unused, unused, unused,
+                                 num_tokens, num_experts, num_blocks, 0, LAYOUT=POSITIONS, **meta)
     return experts_TK, positions_TK, seen[-1].long()
+
+
+def tiles(num_tokens: int, num_experts: int, k: int) -> dict:
+    """The programs' tiles: BLOCK_T tokens by BLOCK_E (E rounded up to a power of two) experts,
+    TILE_ELEMENTS at most (16 tokens at least), so that a 4096-token batch makes 128 programs for
+    64 experts and 64 for 8."""
+    block_e = triton.next_power_of_2(num_experts)
+    return dict(K=k, KP=triton.next_power_of_2(k), BLOCK_T=max(16, min(64, TILE_ELEMENTS // block_e)),
+                BLOCK_E=block_e)
 
 
 def expert_order(experts_TK: torch.Tensor, positions_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -99,36 +114,98 @@ def expert_order(experts_TK: torch.Tensor, positions_TK: torch.Tensor, counts_E:
 
 
 if triton is not None:
+    _PADDED, _DROPLESS = tl.constexpr(PADDED), tl.constexpr(DROPLESS)  # as the kernels read them
 
     @triton.jit
-    def _tile(T, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        """This program's block id, its token rows (int64), the expert columns, and which rows exist."""
+    def token_block(T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """This program's block id, its token rows (int64), the expert columns and their masks."""
         block = tl.program_id(0)
         rows = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        return block, rows, tl.arange(0, BLOCK_E), rows < T
+        cols = tl.arange(0, BLOCK_E)
+        return block, rows, cols, rows < T, cols < E
 
     @triton.jit
-    def _topk_histogram_kernel(scores, experts, hist, T, E, num_blocks,
-                               K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        block, rows, cols, row_ok = _tile(T, BLOCK_T, BLOCK_E)
-        col_ok = cols < E
-        s = tl.load(scores + rows[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=float("-inf"))
+    def column_of(tile, kcols, j):
+        """Column j of a (BLOCK_T, KP) tile."""
+        return tl.sum(tl.where(kcols[None, :] == j, tile, 0), axis=1)
+
+    @triton.jit
+    def choose_kernel(logits, probs, bias, experts, gates, lse_out, hist, psum, zsum, T, E, num_blocks,
+                       HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, ONE_PASS: tl.constexpr, K: tl.constexpr,
+                       KP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Each token's k experts by the scores `probs` (+ `bias`) and the block's histogram of
+        choices per round; `ONE_PASS` (weft.kernels.token_choice): `probs` are the probabilities of
+        `logits`, and the gates (p at the experts, renormalised over the k when NORMALIZE) and the
+        block's partial sums of both losses are made too (logits, bias, gates, lse_out, psum and
+        zsum are not touched otherwise)."""
+        block, rows, cols, row_ok, col_ok = token_block(T, E, BLOCK_T, BLOCK_E)
+        ok = row_ok[:, None] & col_ok[None, :]
+        offsets = rows[:, None] * E + cols[None, :]
+        p = tl.load(probs + offsets, mask=ok, other=0.0)
+        if ONE_PASS:
+            logit = tl.load(logits + offsets, mask=ok, other=float("-inf"))
+            top = tl.where(row_ok, tl.max(logit, axis=1), 0.0)
+            lse = top + tl.log(tl.where(row_ok, tl.sum(tl.exp(logit - top[:, None]), axis=1), 1.0))
+            tl.store(lse_out + rows, lse, mask=row_ok)
+            tl.store(zsum + block, tl.sum(tl.where(row_ok, lse * lse, 0.0), axis=0))
+            tl.store(psum + block * E + cols, tl.sum(p, axis=0), mask=col_ok)
+        scores = p
+        if HAS_BIAS:
+            scores = p + tl.load(bias + cols, mask=col_ok, other=0.0)[None, :]
+        scores = tl.where(ok, scores, float("-inf"))
+        kcols = tl.arange(0, KP)
+        chosen_TK = tl.zeros((BLOCK_T, KP), dtype=tl.int64)
+        gates_TK = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
         for j in tl.static_range(K):
-            chosen = tl.argmax(s, axis=1, tie_break_left=True)
-            tl.store(experts + rows * K + j, chosen.to(tl.int64), mask=row_ok)
+            chosen = tl.argmax(scores, axis=1, tie_break_left=True)
             hit = (cols[None, :] == chosen[:, None]) & row_ok[:, None]
             tl.store(hist + (j * num_blocks + block) * E + cols, tl.sum(hit.to(tl.int32), axis=0), mask=col_ok)
-            s = tl.where(hit, float("-inf"), s)
+            chosen_TK = tl.where(kcols[None, :] == j, chosen[:, None].to(tl.int64), chosen_TK)
+            if ONE_PASS:
+                gate = tl.sum(tl.where(hit, p, 0.0), axis=1)
+                gates_TK = tl.where(kcols[None, :] == j, gate[:, None], gates_TK)
+            scores = tl.where(hit, float("-inf"), scores)
+        out = rows[:, None] * K + kcols[None, :]
+        out_ok = row_ok[:, None] & (kcols[None, :] < K)
+        tl.store(experts + out, chosen_TK, mask=out_ok)
+        if ONE_PASS:
+            if NORMALIZE:  # correctly rounded, as torch divides (Triton's `/` on CUDA is not)
+                total = tl.broadcast_to(tl.where(row_ok, tl.sum(gates_TK, axis=1), 1.0)[:, None], (BLOCK_T, KP))
+                gates_TK = tl.math.div_rn(gates_TK, total)
+            tl.store(gates + out, gates_TK, mask=out_ok)
 
     @triton.jit
-    def _positions_kernel(experts, starts, positions, T, E, num_blocks,
-                          K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        block, rows, cols, row_ok = _tile(T, BLOCK_T, BLOCK_E)
+    def slots_kernel(experts, seen, hist, gates, positions, kept, rows_out, slot_of_row, gates_kept, order, T, E,
+                      num_blocks, cap, LAYOUT: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Each slot's position in its expert: where its (round, block) starts counting (`seen`,
+        the inclusive cumulative sum of `hist` over (round, block), less `hist`) plus its rank
+        down the block. LAYOUT PADDED: with capacity `cap`, whether it is kept, its row (expert *
+        cap + position, -1 dropped), the slot each row holds and the gate with the drop applied;
+        DROPLESS: the slots in (expert, position) order (`expert_order`); POSITIONS: nothing more
+        (the pointers of the other outputs are not touched)."""
+        block, rows, cols, row_ok, col_ok = token_block(T, E, BLOCK_T, BLOCK_E)
+        if LAYOUT == _DROPLESS:  # where each expert's slots start in (expert, position) order
+            total = tl.load(seen + (K * num_blocks - 1) * E + cols, mask=col_ok, other=0)
+            expert_start = (tl.cumsum(total, axis=0) - total).to(tl.int64)
         for j in tl.static_range(K):
-            chosen = tl.load(experts + rows * K + j, mask=row_ok, other=-1)
+            slot = rows * K + j
+            chosen = tl.load(experts + slot, mask=row_ok, other=-1)
             hit = cols[None, :] == chosen[:, None]  # no hit on rows past T
-            seen = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive, down the block
-            rank = tl.sum(tl.where(hit, seen, 0), axis=1) - 1
-            start = tl.load(starts + (j * num_blocks + block) * E + tl.where(row_ok, chosen, 0), mask=row_ok, other=0)
-            tl.store(positions + rows * K + j, (start + rank).to(tl.int64), mask=row_ok)
+            running = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive, down the block
+            rank = tl.sum(tl.where(hit, running, 0), axis=1) - 1
+            at = (j * num_blocks + block) * E + tl.where(row_ok, chosen, 0)  # where (j, block) starts counting
+            start = tl.load(seen + at, mask=row_ok, other=0) - tl.load(hist + at, mask=row_ok, other=0)
+            position = (start + rank).to(tl.int64)
+            tl.store(positions + slot, position, mask=row_ok)
+            if LAYOUT == _PADDED:
+                keep = position < cap
+                row = tl.where(keep, chosen * cap + position, -1)
+                tl.store(kept + slot, keep.to(tl.uint8), mask=row_ok)
+                tl.store(rows_out + slot, row, mask=row_ok)
+                tl.store(slot_of_row + tl.where(keep, row, 0), slot, mask=row_ok & keep)
+                gate = tl.load(gates + slot, mask=row_ok, other=0.0)
+                tl.store(gates_kept + slot, tl.where(keep, gate, 0.0), mask=row_ok)
+            if LAYOUT == _DROPLESS:
+                start_of_expert = tl.sum(tl.where(hit, expert_start[None, :], 0), axis=1)
+                tl.store(order + start_of_expert + position, slot, mask=row_ok)

@@ -10,14 +10,15 @@ probability (topk, cosine; no sampling offsets, tokens in id order):
 
 - probabilities `p = softmax(logits)` by torch's own kernel, so the experts chosen (and every
   integer below) are those of the PyTorch path, bit for bit;
-- `_choose_kernel`, one program per block of BLOCK_T tokens: each token's k experts (k rounds of
+- `choose_kernel` (`weft.kernels.routing`'s, which ranks any scores the same way; here with
+  ONE_PASS), one program per block of BLOCK_T tokens: each token's k experts (k rounds of
   argmax over p + bias, leftmost on ties), their gates (p at the experts, renormalised over the
-  k when asked), the block's histogram of choices per round j (H[j, block, e], as
-  `weft.kernels.routing`), and the block's partial sums for the losses: sum_t p[t, e] and
-  sum_t logsumexp(logits_t)^2;
+  k when asked), the block's histogram of choices per round j (H[j, block, e]), and the block's
+  partial sums for the losses: sum_t p[t, e] and sum_t logsumexp(logits_t)^2;
 - the cumulative sum of H over (j, block) per expert (torch; less H: where each (j, block)
   starts counting);
-- `_slots_kernel`, one program per block: each slot's position in its expert (GShard/Tutel
+- `slots_kernel` (`weft.kernels.routing`'s too; LAYOUT PADDED or DROPLESS), one program per
+  block: each slot's position in its expert (GShard/Tutel
   priority: round j first, then token order), and with a capacity C whether it is kept (position
   < C), its row in the padded layout (expert * C + position, -1 dropped), which slot each row
   holds (`SlotRows`), and the gate with the drop applied; dropless, the slots in (expert,
@@ -39,7 +40,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.kernels.routing import MAX_EXPERTS, expert_order, topk_positions_reference
+from weft.kernels.routing import (
+    DROPLESS,
+    MAX_EXPERTS,
+    PADDED,
+    expert_order,
+    tiles,
+    topk_positions_reference,
+)
 from weft.kernels.scan import cumsum_down
 
 try:
@@ -47,9 +55,10 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the PyTorch reference remains
     triton = None
+if triton is not None:  # the kernels shared with `topk_positions`
+    from weft.kernels.routing import choose_kernel, column_of, slots_kernel, token_block
 
 FINISH_CHUNK = 64  # token blocks the finishing program sums at a time
-TILE_ELEMENTS = 2048  # a program's (tokens x experts) tile at most (`_tiles`)
 
 
 @dataclass(frozen=True)
@@ -122,15 +131,6 @@ def route_topk(logits_TE: torch.Tensor, k: int, normalize: bool, capacity: int |
     return TopkRouting(experts, positions, counts, gates, kept, rows, slot_of_row, dropped, aux, z)
 
 
-def _tiles(num_tokens: int, num_experts: int, k: int) -> dict:
-    """The programs' tiles: BLOCK_T tokens by BLOCK_E (E rounded up to a power of two) experts,
-    TILE_ELEMENTS at most (16 tokens at least), so that a 4096-token batch makes 128 programs for
-    64 experts and 64 for 8."""
-    block_e = triton.next_power_of_2(num_experts)
-    return dict(K=k, KP=triton.next_power_of_2(k), BLOCK_T=max(16, min(64, TILE_ELEMENTS // block_e)),
-                BLOCK_E=block_e)
-
-
 class _RouteTopk(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits_TE, bias_E, k, normalize, capacity):
@@ -138,7 +138,7 @@ class _RouteTopk(torch.autograd.Function):
         num_tokens, num_experts = logits_TE.shape
         device = logits_TE.device
         probs_TE = F.softmax(logits_TE, dim=-1)  # the PyTorch path's kernel: the same experts
-        meta = _tiles(num_tokens, num_experts, k)
+        meta = tiles(num_tokens, num_experts, k)
         num_blocks = triton.cdiv(num_tokens, meta["BLOCK_T"])
         experts = torch.empty(num_tokens, k, dtype=torch.long, device=device)
         gates = torch.empty(num_tokens, k, dtype=torch.float32, device=device)
@@ -147,9 +147,9 @@ class _RouteTopk(torch.autograd.Function):
         psum = torch.empty(num_blocks, num_experts, dtype=torch.float32, device=device)
         zsum = torch.empty(num_blocks, dtype=torch.float32, device=device)
         bias = probs_TE if bias_E is None else bias_E.float().contiguous()
-        _choose_kernel[(num_blocks,)](logits_TE, probs_TE, bias, experts, gates, lse, hist, psum, zsum,
+        choose_kernel[(num_blocks,)](logits_TE, probs_TE, bias, experts, gates, lse, hist, psum, zsum,
                                       num_tokens, num_experts, num_blocks, HAS_BIAS=bias_E is not None,
-                                      NORMALIZE=normalize and k > 1, **meta)
+                                      NORMALIZE=normalize and k > 1, ONE_PASS=True, **meta)
         seen = cumsum_down(hist, torch.int32)  # inclusive over (j, block), per expert
         has_cap = capacity is not None
         cap = capacity if has_cap else 0
@@ -161,8 +161,9 @@ class _RouteTopk(torch.autograd.Function):
         slot_of_row = torch.full((num_rows,), -1, dtype=torch.long, device=device)
         gates_kept = torch.empty_like(gates) if has_cap else gates
         order = torch.empty(0 if has_cap else num_tokens * k, dtype=torch.long, device=device)
-        _slots_kernel[(num_blocks,)](experts, seen, hist, gates, positions, kept, rows, slot_of_row, gates_kept,
-                                     order, num_tokens, num_experts, num_blocks, cap, HAS_CAP=has_cap, **meta)
+        slots_kernel[(num_blocks,)](experts, seen, hist, gates, positions, kept, rows, slot_of_row, gates_kept,
+                                     order, num_tokens, num_experts, num_blocks, cap,
+                                     LAYOUT=PADDED if has_cap else DROPLESS, **meta)
         counts = torch.empty(num_experts, dtype=torch.long, device=device)
         aux = torch.empty((), dtype=torch.float32, device=device)
         z = torch.empty((), dtype=torch.float32, device=device)
@@ -186,7 +187,7 @@ class _RouteTopk(torch.autograd.Function):
         probs_TE, lse, experts, gates, kept, counts = ctx.saved_tensors
         num_tokens, num_experts = probs_TE.shape
         k = experts.shape[1]
-        meta = _tiles(num_tokens, num_experts, k)
+        meta = tiles(num_tokens, num_experts, k)
         grad_logits = torch.empty_like(probs_TE)
         dummy = probs_TE  # a pointer for the absent gradients; never read
         _backward_kernel[(triton.cdiv(num_tokens, meta["BLOCK_T"]),)](
@@ -201,85 +202,6 @@ class _RouteTopk(torch.autograd.Function):
 
 
 if triton is not None:
-
-    @triton.jit
-    def _block(T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        """This program's block id, its token rows (int64), the expert columns and their masks."""
-        block = tl.program_id(0)
-        rows = (block * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        cols = tl.arange(0, BLOCK_E)
-        return block, rows, cols, rows < T, cols < E
-
-    @triton.jit
-    def _column(tile, kcols, j):
-        """Column j of a (BLOCK_T, KP) tile."""
-        return tl.sum(tl.where(kcols[None, :] == j, tile, 0), axis=1)
-
-    @triton.jit
-    def _choose_kernel(logits, probs, bias, experts, gates, lse_out, hist, psum, zsum, T, E, num_blocks,
-                       HAS_BIAS: tl.constexpr, NORMALIZE: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                       BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        block, rows, cols, row_ok, col_ok = _block(T, E, BLOCK_T, BLOCK_E)
-        ok = row_ok[:, None] & col_ok[None, :]
-        offsets = rows[:, None] * E + cols[None, :]
-        logit = tl.load(logits + offsets, mask=ok, other=float("-inf"))
-        p = tl.load(probs + offsets, mask=ok, other=0.0)
-        top = tl.where(row_ok, tl.max(logit, axis=1), 0.0)
-        lse = top + tl.log(tl.where(row_ok, tl.sum(tl.exp(logit - top[:, None]), axis=1), 1.0))
-        tl.store(lse_out + rows, lse, mask=row_ok)
-        tl.store(zsum + block, tl.sum(tl.where(row_ok, lse * lse, 0.0), axis=0))
-        tl.store(psum + block * E + cols, tl.sum(p, axis=0), mask=col_ok)
-        scores = p
-        if HAS_BIAS:
-            scores = p + tl.load(bias + cols, mask=col_ok, other=0.0)[None, :]
-        scores = tl.where(ok, scores, float("-inf"))
-        kcols = tl.arange(0, KP)
-        chosen_TK = tl.zeros((BLOCK_T, KP), dtype=tl.int64)
-        gates_TK = tl.zeros((BLOCK_T, KP), dtype=tl.float32)
-        for j in tl.static_range(K):
-            chosen = tl.argmax(scores, axis=1, tie_break_left=True)
-            hit = (cols[None, :] == chosen[:, None]) & row_ok[:, None]
-            tl.store(hist + (j * num_blocks + block) * E + cols, tl.sum(hit.to(tl.int32), axis=0), mask=col_ok)
-            gate = tl.sum(tl.where(hit, p, 0.0), axis=1)
-            chosen_TK = tl.where(kcols[None, :] == j, chosen[:, None].to(tl.int64), chosen_TK)
-            gates_TK = tl.where(kcols[None, :] == j, gate[:, None], gates_TK)
-            scores = tl.where(hit, float("-inf"), scores)
-        if NORMALIZE:
-            gates_TK = gates_TK / tl.where(row_ok, tl.sum(gates_TK, axis=1), 1.0)[:, None]
-        out = rows[:, None] * K + kcols[None, :]
-        out_ok = row_ok[:, None] & (kcols[None, :] < K)
-        tl.store(experts + out, chosen_TK, mask=out_ok)
-        tl.store(gates + out, gates_TK, mask=out_ok)
-
-    @triton.jit
-    def _slots_kernel(experts, seen, hist, gates, positions, kept, rows_out, slot_of_row, gates_kept, order, T, E,
-                      num_blocks, cap, HAS_CAP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        block, rows, cols, row_ok, col_ok = _block(T, E, BLOCK_T, BLOCK_E)
-        if not HAS_CAP:  # where each expert's slots start in (expert, position) order
-            total = tl.load(seen + (K * num_blocks - 1) * E + cols, mask=col_ok, other=0)
-            expert_start = (tl.cumsum(total, axis=0) - total).to(tl.int64)
-        for j in tl.static_range(K):
-            slot = rows * K + j
-            chosen = tl.load(experts + slot, mask=row_ok, other=-1)
-            hit = cols[None, :] == chosen[:, None]  # no hit on rows past T
-            running = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive, down the block
-            rank = tl.sum(tl.where(hit, running, 0), axis=1) - 1
-            at = (j * num_blocks + block) * E + tl.where(row_ok, chosen, 0)  # where (j, block) starts counting
-            start = tl.load(seen + at, mask=row_ok, other=0) - tl.load(hist + at, mask=row_ok, other=0)
-            position = (start + rank).to(tl.int64)
-            tl.store(positions + slot, position, mask=row_ok)
-            if HAS_CAP:
-                keep = position < cap
-                row = tl.where(keep, chosen * cap + position, -1)
-                tl.store(kept + slot, keep.to(tl.uint8), mask=row_ok)
-                tl.store(rows_out + slot, row, mask=row_ok)
-                tl.store(slot_of_row + tl.where(keep, row, 0), slot, mask=row_ok & keep)
-                gate = tl.load(gates + slot, mask=row_ok, other=0.0)
-                tl.store(gates_kept + slot, tl.where(keep, gate, 0.0), mask=row_ok)
-            else:
-                start_of_expert = tl.sum(tl.where(hit, expert_start[None, :], 0), axis=1)
-                tl.store(order + start_of_expert + position, slot, mask=row_ok)
 
     @triton.jit
     def _finish_kernel(psum, zsum, counts_in, counts_out, aux, z, dropped, T, E, num_blocks, cap, inv_tokens, inv_slots,
@@ -310,7 +232,7 @@ if triton is not None:
                          inv_tokens, inv_slots, HAS_DGATES: tl.constexpr, HAS_DAUX: tl.constexpr, HAS_DZ: tl.constexpr,
                          NORMALIZE: tl.constexpr, HAS_CAP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-        block, rows, cols, row_ok, col_ok = _block(T, E, BLOCK_T, BLOCK_E)
+        block, rows, cols, row_ok, col_ok = token_block(T, E, BLOCK_T, BLOCK_E)
         ok = row_ok[:, None] & col_ok[None, :]
         offsets = rows[:, None] * E + cols[None, :]
         p = tl.load(probs + offsets, mask=ok, other=0.0)
@@ -330,13 +252,13 @@ if triton is not None:
                 g_TK = tl.load(gates + slots, mask=slot_ok, other=0.0)
                 total = tl.zeros((BLOCK_T,), dtype=tl.float32)
                 for j in tl.static_range(K):
-                    chosen = _column(chosen_TK, kcols, j)
+                    chosen = column_of(chosen_TK, kcols, j)
                     total += tl.sum(tl.where(cols[None, :] == chosen[:, None], p, 0.0), axis=1)
                 dot = tl.sum(dg_TK * g_TK, axis=1)
                 dg_TK = (dg_TK - dot[:, None]) / tl.where(row_ok, total, 1.0)[:, None]
             for j in tl.static_range(K):
-                chosen = _column(chosen_TK, kcols, j)
-                dp += tl.where(cols[None, :] == chosen[:, None], _column(dg_TK, kcols, j)[:, None], 0.0)
+                chosen = column_of(chosen_TK, kcols, j)
+                dp += tl.where(cols[None, :] == chosen[:, None], column_of(dg_TK, kcols, j)[:, None], 0.0)
         dlogit = p * (dp - tl.sum(p * dp, axis=1)[:, None])
         if HAS_DZ:  # z = mean_t lse_t^2
             scale = 2.0 * inv_tokens * tl.load(grad_z) * tl.load(lse + rows, mask=row_ok, other=0.0)
