@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "on this machine at the start) or nominal (H200-class constants)")
     tr.add_argument("--cuda-graphs", default=None, choices=list(CUDA_GRAPHS),
                     help="GPUs: replay each micro-step's forward and backward as one CUDA graph (no launch cost); "
-                         "auto (default): where the shapes are static (padded capacity or dropless in fixed-size "
-                         "exchanges; --overlap tutel at the degree whose graph is fastest, --overlap lancet with its "
+                         "auto (default): where the shapes are static (padded capacity; dropless on one GPU, in "
+                         "fixed-size exchanges or with Comet's kernels; --overlap tutel at the degree whose graph "
+                         "is fastest, --overlap lancet with its "
                          "dW schedule only, kept if its graph is faster), "
                          "on: an error where they are not, off: eager")
     tr.add_argument("--master-weights", default=None, choices=list(MASTER_WEIGHTS),
