@@ -209,3 +209,5 @@ if triton is not None:
             if LAYOUT == _DROPLESS:
                 start_of_expert = tl.sum(tl.where(hit, expert_start[None, :], 0), axis=1)
                 tl.store(order + start_of_expert + position, slot, mask=row_ok)
+else:  # CPU-only installs: no kernels (the names `weft.kernels.token_choice` imports)
+    token_block = column_of = choose_kernel = slots_kernel = None

@@ -40,12 +40,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from weft.kernels.routing import (
+from weft.kernels.routing import (  # the choose and slots kernels are shared with `topk_positions`
     DROPLESS,
     MAX_EXPERTS,
     PADDED,
+    choose_kernel,
+    column_of,
     expert_order,
+    slots_kernel,
     tiles,
+    token_block,
     topk_positions_reference,
 )
 from weft.kernels.scan import cumsum_down
@@ -55,8 +59,6 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs: the PyTorch reference remains
     triton = None
-if triton is not None:  # the kernels shared with `topk_positions`
-    from weft.kernels.routing import choose_kernel, column_of, slots_kernel, token_block
 
 FINISH_CHUNK = 64  # token blocks the finishing program sums at a time
 
