@@ -424,8 +424,9 @@ def test_the_layer_benchmark_captures_auto_at_the_candidate_whose_graph_is_faste
 @needs_cuda
 def test_the_layer_benchmark_runs_dropless_auto_as_the_faster_of_its_eager_call_and_the_fixed_size_graph(tmp_path):
     """`weft bench layer --capacity dropless --modes plain,auto+graph` on every GPU: auto's eager
-    call (tuned) and dedup-fixed's graphs at degrees 1 and 2 all timed, the fastest run, checked
-    against plain."""
+    call (tuned) and dedup-fixed's graphs at degrees 1 and 2 and with the own pairs apart all timed
+    (and Comet's graph where the GPUs map each other's memory; on one GPU the plain call's), the
+    fastest run, checked against plain."""
     out = tmp_path / "auto.json"
     cfg = layer.LayerBenchConfig("qwen2", 1024, capacity=(None,), modes=("plain", "auto+graph"), steps=3, warmup=1,
                                  json=str(out), profile_steps=0)
@@ -433,8 +434,9 @@ def test_the_layer_benchmark_runs_dropless_auto_as_the_faster_of_its_eager_call_
     auto = {r["mode"]: r for r in json.loads(out.read_text())["results"]}["auto+graph"]
     assert auto["median_ms"] > 0 and auto["max_abs_error"] < 3e-2, auto
     times = auto["candidates_ms"]
-    assert list(times) == ["auto (eager)", "dedup-fixed (graph)", "dedup-fixed-d2 (graph)",
-                           "dedup-fixed-own (graph)"], auto
+    one_rank = ["plain (graph)"] if torch.cuda.device_count() == 1 else []  # nothing to exchange: it graphs
+    fixed = ["dedup-fixed (graph)", "dedup-fixed-d2 (graph)", "dedup-fixed-own (graph)"]
+    assert list(times) in (["auto (eager)", *one_rank, *fixed], ["auto (eager)", *fixed, "comet (graph)"]), auto
     assert all(map(math.isfinite, times.values())), auto
     assert auto["graphed"] == (min(times.values()) < times["auto (eager)"]), auto
 

@@ -197,9 +197,10 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
                                                               dict[str, float]]:
     """auto+graph on a dropless layer: auto's eager call (sizes read on the host, linear or dedup
     tuned per call; `eager_timer(step, args)`, default `tuned_eager_seconds`) against dedup-fixed
-    (fixed-size exchanges, nothing read on the host) in each of `FIXED_SIZE_FORMS` and, where the
-    GPUs reach each other's memory, Comet's call (its counts left on the device:
-    `MoE.graphs_dropless_comet`; `comet` True or False overrides that test), each timed as a CUDA
+    (fixed-size exchanges, nothing read on the host) in each of `FIXED_SIZE_FORMS`, where the
+    GPUs reach each other's memory Comet's call (its counts left on the device:
+    `MoE.graphs_dropless_comet`; `comet` True or False overrides that test), and on one rank the
+    plain call (`MoE.counts_stay_on_device`: nothing to exchange), each timed as a CUDA
     graph (`timer`); the fastest runs, as `weft train --a2a-algo auto` chooses among eager and the
     fixed-size forms (weft.train.step.choose_fixed_size). Returns its forward, whether it is to be
     captured, and the milliseconds of each."""
@@ -209,6 +210,8 @@ def graphed_auto_dropless(moe: MoE, x: torch.Tensor, grad: torch.Tensor, timer: 
     if comet is None:
         comet = moe.graphs_dropless_comet()
     forms = (*FIXED_SIZE_FORMS, "comet") if comet else FIXED_SIZE_FORMS
+    if moe.ep_size == 1 and moe.counts_stay_on_device():  # one rank: its plain call graphs too
+        forms = ("plain", *forms)
     args = [x.detach().requires_grad_(), grad]
     eager_s = (eager_timer or functools.partial(tuned_eager_seconds, moe=moe))(step_of("auto"), args)
     graph_s = dict(zip(forms, timer(step_of, forms, args=args, grads_of=list(moe.parameters()))))
