@@ -37,7 +37,8 @@
 #            NVLink, and qwen2-moe-2l dropless training, batch 8: --kernels triton / comet (14 steps), --a2a-algo auto /
 #            --kernels comet (30 steps, medians of steps 16-30)
 #   cometfused  Comet with the activation in layer0's epilogue (issues: Comet, Hardware speed; ~8 min): its GPU
-#            tests on 2 GPUs (with the one-pass routing's and the plain layer's topk equivalence), layer0 across NVLink with its own rows read in place against every row copied first
+#            tests on 2 GPUs (with the one-pass routing's and the plain layer's topk equivalence, the routing
+#            kernels on CUDA, and the bench's dropless auto+graph with Comet's candidate), layer0 across NVLink with its own rows read in place against every row copied first
 #            (scripts/comet_nvlink.py), the issue's layer tables for qwen2, phi35 and mixtral (cf 1.0: plain+graph /
 #            comet+graph / no-comm+graph / comet+graph; dropless: plain / comet+graph / comet+graph), and
 #            qwen2-moe-2l training, batch 8, --kernels triton / comet, padded (the preset's cf 1.25, swiglu:
@@ -260,7 +261,7 @@ PY
 }
 
 part_cometfused() {
-  gpu_tests "$1" "dropless_comet_replays or comet_two_runs or (comet_matches and topk) or one_pass or (matches_dense_reference_on_nccl and topk)"
+  gpu_tests "$1" "dropless_comet_replays or comet_two_runs or (comet_matches and topk) or one_pass or (matches_dense_reference_on_nccl and topk) or routing_kernels_match or runs_dropless_auto"
   # layer0 across NVLink with its own rows read in place (remote copies first) against every row copied first
   torchrun --standalone --nproc_per_node=2 scripts/comet_nvlink.py --configs qwen2 phi35 mixtral --n-comm 32 \
     --block-copy 128 > "$1/nvlink.log" 2>&1
