@@ -9,9 +9,7 @@ import torch
 
 def use_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
     """torch._grouped_mm needs CUDA sm90+, bf16 and 16-byte aligned row strides."""
-    if not (x.is_cuda and _cuda_kernel_takes(x, w1, w2)):
-        return False
-    return w1.shape[1] % 8 == 0 and w1.shape[2] % 8 == 0
+    return w1.dtype == w2.dtype == x.dtype and grouped_mm_on(x.device, x.dtype, w1.shape[1], w1.shape[2])
 
 
 def grouped_mm_on(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:

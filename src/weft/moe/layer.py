@@ -512,11 +512,7 @@ class MoE(nn.Module):
         call, weight = self.default_call(), self.experts.w1
         if not (call.dropless and self._counts_stay_on_device(call, None, weight.device)):
             return False
-        if self.ep_size > 1:
-            return True
-        on = weight.device.type
-        dtype = torch.get_autocast_dtype(on) if on == "cuda" and torch.is_autocast_enabled(on) else weight.dtype
-        return self.experts.offsets_stay_on_device(dtype)
+        return self.ep_size > 1 or self.experts.offsets_stay_on_device(self.experts.compute_dtype(weight))
 
     def graphs_dropless_comet(self) -> bool:
         """Whether this layer's dropless calls with Comet's kernels at its plain setting (d = 1,
