@@ -434,9 +434,12 @@ def test_the_layer_benchmark_runs_dropless_auto_as_the_faster_of_its_eager_call_
     auto = {r["mode"]: r for r in json.loads(out.read_text())["results"]}["auto+graph"]
     assert auto["median_ms"] > 0 and auto["max_abs_error"] < 3e-2, auto
     times = auto["candidates_ms"]
-    one_rank = ["plain (graph)"] if torch.cuda.device_count() == 1 else []  # nothing to exchange: it graphs
     fixed = ["dedup-fixed (graph)", "dedup-fixed-d2 (graph)", "dedup-fixed-own (graph)"]
-    assert list(times) in (["auto (eager)", *one_rank, *fixed], ["auto (eager)", *fixed, "comet (graph)"]), auto
+    if torch.cuda.device_count() == 1:  # nothing to exchange: the plain call graphs
+        assert list(times) == ["auto (eager)", "plain (graph)", *fixed], auto
+    else:  # Comet's graph where the GPUs map each other's memory
+        comet = ["comet (graph)"] if "comet (graph)" in times else []
+        assert list(times) == ["auto (eager)", *fixed, *comet], auto
     assert all(map(math.isfinite, times.values())), auto
     assert auto["graphed"] == (min(times.values()) < times["auto (eager)"]), auto
 
