@@ -394,14 +394,17 @@ def test_auto_as_a_graph_on_a_dropless_layer_runs_the_fastest_of_eager_auto_and_
 
 
 def blocker_worker() -> list[str]:
-    """`dropless_graph_blocker` on two ranks: the fixed-size exchanges graph, the others read their
-    counts on the host (and Comet's here, on CPU processes, as no GPU graph runs)."""
+    """`dropless_graph_blocker` on two ranks: the fixed-size exchanges graph, and no-comm where the
+    grouped GEMM runs on the GPU; the others read their counts on the host (and Comet's here, on
+    CPU processes, as no GPU graph runs)."""
     from weft.moe.experts import Experts
 
-    Experts.offsets_stay_on_device = lambda self, dtype: True  # as on an H200: not what decides on 2 ranks
     moe = MoE(16, 32, 4, top_k=2, capacity_factor=None)
     checks = Checks(f"rank {torch.distributed.get_rank()}")
-    for mode in ("dedup-fixed", "dedup-fixed-own+graph", "auto+graph"):
+    blocker = layer.dropless_graph_blocker("no-comm+graph", moe)  # float32 experts on the CPU
+    checks.expect(blocker is not None and "no-comm on several" in blocker, f"no-comm+graph on the CPU: {blocker}")
+    Experts.offsets_stay_on_device = lambda self, dtype: True  # as on an H200
+    for mode in ("dedup-fixed", "dedup-fixed-own+graph", "auto+graph", "no-comm+graph"):
         checks.expect(layer.dropless_graph_blocker(mode, moe) is None, f"{mode} cannot graph on 2 ranks")
     for mode in ("plain+graph", "d2+graph", "comet+graph"):
         blocker = layer.dropless_graph_blocker(mode, moe)
@@ -412,7 +415,8 @@ def blocker_worker() -> list[str]:
 def test_dropless_graphs_on_several_ranks_only_for_the_exchanges_that_read_nothing_on_the_host(monkeypatch):
     """A CUDA graph of a dropless call needs one that reads nothing on the host: on several ranks
     `dedup-fixed` (and Comet's where the GPUs map each other's memory); on one rank every mode
-    (nothing to exchange), where the grouped GEMM takes its groups' ends from the device."""
+    (nothing to exchange), and no-comm on several, where the grouped GEMM takes its groups' ends
+    from the device."""
     from weft.moe.experts import Experts
 
     LayerBenchConfig("tiny", 16, capacity=(None, 1.0), modes=("plain", "plain+graph", "auto+graph")).validate()

@@ -270,10 +270,10 @@ def graph_worker(dtypes, device, a2a_algo: str = "linear", overlap_degree: int =
     return failures
 
 
-def dropless_syncs_worker(device, kernels: str = "comet") -> list[str]:
+def dropless_syncs_worker(device, kernels: str = "comet", communicate: bool = True) -> list[str]:
     """A dropless call with `kernels` (forward and backward, bf16) after the first: no
     synchronisation of the stream with the host (PyTorch's sync debug mode). Comet's on 2+ GPUs;
-    any on one."""
+    any on one; any not communicating (`communicate=False`, the no-comm bound) on several."""
     from test_moe_exchange import _count_syncs
 
     rank = torch.distributed.get_rank()
@@ -284,7 +284,7 @@ def dropless_syncs_worker(device, kernels: str = "comet") -> list[str]:
     xs = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(3)]
 
     def call():
-        moe(xs.pop().requires_grad_()).float().square().sum().backward()
+        moe(xs.pop().requires_grad_(), communicate=communicate).float().square().sum().backward()
 
     call()  # the first: the ranks agree, layer0's copy programs timed
     call()
@@ -305,6 +305,24 @@ def test_dropless_comet_replays_as_a_cuda_graph_and_never_synchronises():
     flat += run_checks(graph_worker, world, args=((torch.bfloat16,), "cuda", "linear", 1, None, "comet"),
                        backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_no_comm_dropless_call_on_several_gpus_never_synchronises_and_graphs_in_the_bench(tmp_path):
+    """The no-comm bound's dropless call on every GPU: nothing crosses a rank, so its grouped GEMM
+    takes the groups' ends from the device (no host synchronisation in a call), and `weft bench
+    layer --capacity dropless --modes no-comm,no-comm+graph` runs both rows (the graph captured)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs: one GPU's dropless calls are test_one_gpu_dropless_replays_...")
+    world = torch.cuda.device_count()
+    flat = run_checks(dropless_syncs_worker, world, args=("cuda", "auto", False), backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
+    out = tmp_path / "no_comm.json"
+    cfg = layer.LayerBenchConfig("qwen2", 1024, capacity=(None,), modes=("no-comm", "no-comm+graph"), steps=3,
+                                 warmup=1, json=str(out), profile_steps=0)
+    run_distributed(layer.run, world, args=(cfg,), backend="nccl", timeout=600)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"no-comm", "no-comm+graph"} and all(r["median_ms"] > 0 for r in rows.values()), rows
 
 
 @needs_cuda

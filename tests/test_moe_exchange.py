@@ -305,3 +305,73 @@ def test_one_rank_dropless_call_keeps_its_counts_on_the_device(monkeypatch):
     assert moe.counts_stay_on_device()
     assert not MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, kernels="comet").counts_stay_on_device()
     assert not MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, balance="pro-prophet").counts_stay_on_device()
+
+
+def no_comm_on_device_worker() -> list[str]:
+    """A dropless call that does not communicate (the benchmarks' no-comm bound) on several ranks,
+    its counts left on the device, against the same call through the host layout, bit for bit."""
+    import weft.moe.dedup as dedup
+    from weft.moe.experts import Experts
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = []
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, kernels="torch")
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(12 + 5 * rank, DIM, generator=gen)  # uneven counts on every rank
+    x[:, 0] += 2.0
+    ends, offsets, host_layout, stays = [], Experts.forward_offsets, dedup.gather_layout, MoE._counts_stay_on_device
+
+    def no_host_layout(*args, **kwargs):
+        raise AssertionError("a no-comm dropless call with its counts on the device read them on the host")
+
+    def step(on_device: bool) -> list[torch.Tensor]:
+        if on_device:
+            dedup.gather_layout = no_host_layout
+        else:
+            MoE._counts_stay_on_device = lambda *args: False
+        try:
+            xi = x.clone().requires_grad_()
+            y = moe(xi, communicate=False)
+            y.square().sum().backward()
+            out = [y.detach(), xi.grad] + [p.grad.clone() for p in moe.parameters()]
+            moe.zero_grad()
+            return out
+        finally:
+            dedup.gather_layout, MoE._counts_stay_on_device = host_layout, stays
+
+    Experts.forward_offsets = lambda self, rows, offs: ends.append(offs) or offsets(self, rows, offs)
+    try:
+        on_host, on_device = step(False), step(True)
+    finally:
+        Experts.forward_offsets = offsets
+    local = moe.num_local_experts
+    expected = moe.stats.expert_counts.view(world, local).sum(0).cumsum(0).tolist()
+    if len(ends) != 1 or ends[0].tolist() != expected:
+        failures.append(f"rank {rank}: the grouped GEMM's ends {[e.tolist() for e in ends]}, not {expected} "
+                        "(each local expert's rows from every rank's block)")
+    if not all(torch.equal(a, b) for a, b in zip(on_device, on_host)):
+        failures.append(f"rank {rank}: no-comm with its counts on the device differs from the host layout's call")
+    no_comm = moe.call_with(communicate=False)
+    if moe.counts_stay_on_device(no_comm):
+        failures.append(f"rank {rank}: float32 experts on the CPU claim a graph-safe no-comm call")
+    claims = Experts.offsets_stay_on_device
+    Experts.offsets_stay_on_device = lambda self, dtype: True  # as on an H200
+    try:
+        if not moe.counts_stay_on_device(no_comm):
+            failures.append(f"rank {rank}: no-comm with a GPU grouped GEMM does not claim its counts stay")
+        if moe.counts_stay_on_device():
+            failures.append(f"rank {rank}: a communicating plain call on {world} ranks claims its counts stay")
+    finally:
+        Experts.offsets_stay_on_device = claims
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_no_comm_dropless_call_on_several_ranks_keeps_its_counts_on_the_device(world_size):
+    """Where no rank communicates, nothing needs every rank's counts: the no-comm bound's dropless
+    call groups its own rows by local expert on the device and runs the grouped GEMM on the
+    ends there (so `weft bench layer` can graph `no-comm+graph` dropless on several ranks), with
+    the host layout's outputs and gradients bit for bit. (One rank: the test above.)"""
+    failures = run_checks(no_comm_on_device_worker, world_size, timeout=120)
+    assert not failures, "\n".join(failures)

@@ -129,8 +129,8 @@ NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
 # (weft.graphs); the same kernels without their host launch cost. Dropless on several ranks reads
-# its counts on the host, except `dedup-fixed` and `comet` (`GRAPHS_DROPLESS`); on one rank every
-# mode graphs (`dropless_graph_blocker`). "auto+graph" times each of auto's candidate settings as
+# its counts on the host, except `dedup-fixed` and `comet` (`GRAPHS_DROPLESS`) and `no-comm`; on one
+# rank every mode graphs (`dropless_graph_blocker`). "auto+graph" times each of auto's candidate settings as
 # a graph and captures the fastest (`graphed_auto`; auto's eager tuning synchronises, so it cannot
 # run inside a capture, and it would time launch costs a replay does not pay).
 GRAPH_SUFFIX = "+graph"
@@ -144,19 +144,21 @@ GRAPHS_DROPLESS = (*(mode for mode, call in MODES.items() if call.get("a2a_algo"
 def dropless_graph_blocker(mode: str, moe: MoE) -> str | None:
     """Why `mode`'s dropless call cannot be a CUDA graph on this layer (None: it can): a graph
     needs a call that reads nothing on the host. One rank's calls read nothing (no exchange to
-    size); on several ranks, dedup-fixed's fixed-size exchanges and Comet's counts left on the
-    GPUs (where they map each other's memory: `MoE.graphs_dropless_comet`) read nothing."""
+    size), nor do no-comm's on several ranks (nothing crosses a rank), where the grouped GEMM runs
+    on the GPU (`MoE.counts_stay_on_device`); on several ranks, dedup-fixed's fixed-size exchanges
+    and Comet's counts left on the GPUs (where they map each other's memory:
+    `MoE.graphs_dropless_comet`) read nothing."""
     base = base_mode(mode)
     if base == "comet":
         return None if moe.graphs_dropless_comet() else (
             "a dropless comet call is a CUDA graph only on 2+ CUDA ranks that map each other's memory (its counts "
             "stay on the GPUs); here it reads them on the host")
-    if base in GRAPHS_DROPLESS or moe.counts_stay_on_device():
+    if base in GRAPHS_DROPLESS or moe.counts_stay_on_device(moe.call_with(**MODES[base]) if base in MODES else None):
         return None
     allowed = ", ".join(GRAPHS_DROPLESS)
     return (f"--modes {mode}: a CUDA graph needs a call that reads nothing on the host; a dropless call on "
-            f"{moe.ep_size} ranks reads its counts there ({allowed} graph dropless on several ranks, every mode "
-            "on one)")
+            f"{moe.ep_size} ranks reads its counts there ({allowed} graph dropless on several ranks; every mode "
+            "on one, and no-comm on several, where the grouped GEMM runs on the GPU: bf16 on sm90+)")
 
 
 # A mode's forward and backward: (x, output gradient) -> (y, input gradient), detached.
@@ -301,8 +303,9 @@ class LayerBenchConfig:
                                  "copied to every rank in every call, whatever the plan), comet (Comet's fused "
                                  "expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
-                                 "CUDA graph; padded capacity, dedup-fixed, or auto: dropless, the fastest of its "
-                                 "eager call and the dedup-fixed forms as graphs) (default plain,no-comm)",
+                                 "CUDA graph; padded capacity; dropless: dedup-fixed, comet, no-comm, every mode "
+                                 "on one GPU, and auto, the fastest of its eager call and the dedup-fixed and "
+                                 "comet forms as graphs) (default plain,no-comm)",
                                  parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "

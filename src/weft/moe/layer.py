@@ -461,9 +461,9 @@ class MoE(nn.Module):
             transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
                                 self.experts.compute_dtype(tokens_TD))
         pairs = pairs_WW = None
-        if on_device:  # one rank's grouped GEMM, or Comet's map, from the counts on the device: no host read
+        if on_device:  # a grouped GEMM, or Comet's map, from the counts on the device: no host read
             slots = routing.order_S.numel()
-            layout = gather_counts_on_device(routing.counts_E, self.group, slots,
+            layout = gather_counts_on_device(routing.counts_E, self.group if call.communicate else None, slots,
                                              self.ep_size * min(slots, tokens_TD.shape[0] * self.num_local_experts))
         else:
             # Every rank's counts on the host (with each rank's token-rank pairs where the call may
@@ -504,15 +504,17 @@ class MoE(nn.Module):
             self.balancer.plan_ahead(scheduled)
         return out_TD
 
-    def counts_stay_on_device(self) -> bool:
-        """Whether this layer's own dropless calls read nothing on the host (one rank's, or
-        Comet's, as `_counts_stay_on_device` says), so that a CUDA graph can hold them. One rank's
-        also need its grouped GEMM on the GPU (bf16 on sm90+; the experts' own dtype, or bf16
-        under autocast now), which takes the groups' ends from the device."""
-        call, weight = self.default_call(), self.experts.w1
+    def counts_stay_on_device(self, call: MoECall | None = None) -> bool:
+        """Whether this layer's dropless calls (`call`, default: its own) read nothing on the host
+        (as `_counts_stay_on_device` says), so that a CUDA graph can hold them. Those that run the
+        grouped GEMM on the counts left on the device (one rank's; no-comm's) also need it on the
+        GPU (bf16 on sm90+; the experts' own dtype, or bf16 under autocast now); Comet's map does
+        not."""
+        call, weight = call or self.default_call(), self.experts.w1
         if not (call.dropless and self._counts_stay_on_device(call, None, weight.device)):
             return False
-        return self.ep_size > 1 or self.experts.offsets_stay_on_device(self.experts.compute_dtype(weight))
+        comet_map = self.ep_size > 1 and call.communicate
+        return comet_map or self.experts.offsets_stay_on_device(self.experts.compute_dtype(weight))
 
     def graphs_dropless_comet(self) -> bool:
         """Whether this layer's dropless calls with Comet's kernels at its plain setting (d = 1,
@@ -530,13 +532,19 @@ class MoE(nn.Module):
 
         - one rank (W = 1) not running Comet's kernels: nothing to exchange, no splits to know; the
           grouped GEMM takes the groups' ends on the device (`Experts.forward_offsets`);
+        - a call that does not communicate (`communicate=False`, the benchmarks' no-comm bound) on
+          several ranks, whole experts per rank, r = 1: likewise nothing crosses a rank, each
+          rank's local experts take its own rows (`AllToAll.grouped_on_device`);
         - Comet's own setting (`kernels="comet"`, not tuned, degree 1, r = 1) on two or more ranks
           that address each other's memory: its exchange builds its map there; every rank must
           route as many tokens (the buffers' size, `_check_ranks_agree`)."""
         if self.wgrad_scheduler is not None or transfer is not None or self.balancer is not None:
             return False
+        setting = untuned_setting(call)
         if self.ep_size == 1:
-            return not untuned_setting(call).comet
+            return not setting.comet
+        if not call.communicate:
+            return self.expert_shards == 1 and setting.parallel == 1 and not setting.comet
         return (call.kernels == "comet" and call.communicate and self.expert_shards == 1
                 and not is_tuned(call, self.parallel, self.ep_size)
                 and untuned_setting(call).comet and peers_unavailable(self.group, device) is None)

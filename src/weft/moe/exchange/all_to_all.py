@@ -5,8 +5,9 @@ experts compute on the received rows where they lie, by source rank then expert 
 one batched matmul per source (`Experts.forward_by_source`), the function of Tutel's Flexible
 layout (El, W * C, dim) without copying the rows into it and back. Grouped (dropless): the splits come from every rank's
 counts, which the layout holds on the host, then exactly the routed rows go (all-to-allv), and
-the local experts run one grouped GEMM; on one rank the counts stay on the device
-(`GroupedOnDevice`) and the grouped GEMM takes its groups' ends from there.
+the local experts run one grouped GEMM; on one rank (or where no rank communicates: the no-comm
+bound) the counts stay on the device (`GroupedOnDevice`) and the grouped GEMM takes its groups'
+ends from there.
 """
 from __future__ import annotations
 
@@ -41,11 +42,21 @@ class AllToAll(Exchange):
         return ctx.all_to_all(out, send_splits, recv_splits)
 
     def grouped_on_device(self, rows_ND: torch.Tensor, layout: GroupedOnDevice) -> torch.Tensor:
-        """One rank: nothing to exchange, so nothing to know on the host; the grouped GEMM takes
-        the groups' ends on the device. Several ranks need the splits on the host (`Grouped`)."""
-        if self.ctx.placement.ep_size > 1:
+        """One rank, or several that do not communicate: nothing to exchange, so nothing to know
+        on the host; the grouped GEMM takes the groups' ends on the device. Not communicating,
+        a rank's rows for rank s's local expert i stay and its own local expert i takes them, as
+        they would arrive from source s (`grouped`). Several communicating ranks need the splits
+        on the host (`Grouped`)."""
+        ctx, placement = self.ctx, self.ctx.placement
+        if placement.ep_size == 1:
+            return ctx.experts.forward_offsets(rows_ND, layout.counts_E.cumsum(0).to(torch.int32))
+        if ctx.communicate:
             return super().grouped_on_device(rows_ND, layout)
-        return self.ctx.experts.forward_offsets(rows_ND, layout.counts_E.cumsum(0).to(torch.int32))
+        local = placement.num_local
+        by_expert = local_expert_order(layout.counts_E, placement.ep_size, local, rows_ND.shape[0])
+        offs_E = layout.counts_E.view(placement.ep_size, local).sum(0).cumsum(0).to(torch.int32)
+        out = ctx.experts.forward_offsets(rows_ND.index_select(0, by_expert), offs_E)
+        return torch.zeros_like(out).index_copy(0, by_expert, out)
 
 
 def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
@@ -64,6 +75,13 @@ def by_local_expert(recv_counts: torch.Tensor, received: list[list[int]], total:
     local expert instead (stable: sources in order within an expert), and the rows per local
     expert."""
     ep, local = len(received), len(received[0])
-    expert_of_row = torch.arange(local, device=recv_counts.device).repeat(ep)
-    expert_of_row = expert_of_row.repeat_interleave(recv_counts, output_size=total)
-    return torch.sort(expert_of_row, stable=True).indices, [sum(r[i] for r in received) for i in range(local)]
+    return local_expert_order(recv_counts, ep, local, total), [sum(r[i] for r in received) for i in range(local)]
+
+
+def local_expert_order(counts_WE: torch.Tensor, ep: int, local: int, total: int) -> torch.Tensor:
+    """Rows grouped [source rank][local expert] (`counts_WE`, W * El counts as a flat device
+    tensor summing to `total`) -> the permutation that groups them by local expert (stable:
+    sources in order within an expert). Reads nothing on the host."""
+    expert_of_row = torch.arange(local, device=counts_WE.device).repeat(ep)
+    expert_of_row = expert_of_row.repeat_interleave(counts_WE, output_size=total)
+    return torch.sort(expert_of_row, stable=True).indices

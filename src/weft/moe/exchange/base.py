@@ -78,8 +78,9 @@ class GroupedOnDevice:
     (W, E), gathered by one all-gather and never read on the host, so a CUDA graph can hold the
     call. Every rank dispatches `rows` rows (T * k, the same on every rank: the layer checks that
     the ranks route as many tokens), and a rank's experts receive at most `most_received` (W *
-    min(T * k, T * El)). Only an exchange that places rows by counts on the device takes it
-    (Comet's, which reads the rows from the sources' buffers by address)."""
+    min(T * k, T * El)). Only an exchange that places rows by counts on the device takes it:
+    Comet's, which reads the rows from the sources' buffers by address, and the all-to-all's where
+    nothing crosses a rank (one rank, or no-comm), whose grouped GEMM takes the groups' ends there."""
 
     counts_E: torch.Tensor
     counts_WE: torch.Tensor
