@@ -96,6 +96,18 @@ def test_benchmark_rows_print_their_breakdown(capsys):
     assert "plain (rank 0): GPU window 0.205 ms/step" in out and "none" not in out
 
 
+def test_the_experts_stage_gives_the_expert_matmuls_rate():
+    """`weft bench layer --breakdown`'s experts rate: the routed matmuls' FLOPs over the experts
+    stage's forward and backward kernel time (here 0.030 + 0.025 ms a step); none where no
+    kernel was attributed to that stage (a graph replay, or no profile)."""
+    from weft.bench.layer import experts_stage_tflops
+
+    stages = breakdown(_trace(), steps=2).to_dict()
+    assert experts_stage_tflops(stages, 55e9) == pytest.approx(55e9 / 0.055e-3 / 1e12)
+    graphed = breakdown({"traceEvents": [_op("nvjet_gemm", 0, 100, 7, None, cat="kernel")]}).to_dict()
+    assert experts_stage_tflops(graphed, 55e9) is None and experts_stage_tflops(None, 55e9) is None
+
+
 def test_a_real_profile_of_the_layer_maps_its_ops_to_stages():
     torch.manual_seed(0)
     moe = MoE(16, 32, 4, top_k=2, capacity_factor=1.0, kernels="torch")

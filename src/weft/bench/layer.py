@@ -273,6 +273,16 @@ def expert_flops(cfg: LayerConfig, tokens: int, activation: str) -> float:
     return 3 * 2 * tokens * cfg.top_k * cfg.dim * cfg.hidden_dim * mats
 
 
+def experts_stage_tflops(breakdown: dict | None, flops: float) -> float | None:
+    """The routed expert matmuls' `flops` over the GPU time of the profiler's "experts" stage
+    (forward and backward kernels: the GEMMs, their activation and, in Comet's modes, the
+    exchange fused into them), in TFLOP/s per rank; None without that stage (no breakdown, or a
+    `+graph` mode, whose replayed kernels have no launching op to name their stage)."""
+    experts = ((breakdown or {}).get("stages") or {}).get("experts")
+    ms = experts["forward_ms"] + experts["backward_ms"] if experts else 0.0
+    return flops / (ms * 1e-3) / 1e12 if ms > 0 else None
+
+
 def _max_error(fwd_bwd: FwdBwd, x: torch.Tensor, grad: torch.Tensor, reference) -> float:
     y, x_grad = fwd_bwd(x, grad)
     err = max(float((y.float() - reference[0]).abs().max()), float((x_grad.float() - reference[1]).abs().max()))
@@ -533,6 +543,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 path = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
             run.switch()
             row.update(profile_parts(lambda: run.step(0), profile_steps, path, with_breakdown))
+            row["experts_tflops_per_rank"] = experts_stage_tflops(row.get("breakdown"),
+                                                                  expert_flops(cfg, tokens, activation))
     return rows
 
 
@@ -737,5 +749,11 @@ def print_table(report: dict) -> None:
     if held:
         print(f"peer buffers (Comet's exchange: each rank's rows where the others read them): {held:.1f} MiB a "
               f"rank, held once for every mode that uses them and not in the peak MiB column")
-    print_breakdowns(rows, lambda r: f"{r['mode']}, " + (
-        "dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}"))
+    def label(r: dict) -> str:
+        return f"{r['mode']}, " + ("dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}")
+
+    print_breakdowns(rows, label)
+    staged = [r for r in rows if r.get("experts_tflops_per_rank")]
+    if staged:
+        print("experts stage (the routed matmuls' FLOPs over its kernels' time, forward and backward; eager modes): "
+              + "; ".join(f"{label(r)} {r['experts_tflops_per_rank']:.0f} TFLOP/s" for r in staged))
