@@ -2,6 +2,7 @@
 # The 2-GPU measurements the open issues wait on, in parts that each fit one device call (<= 600 s)
 # on nvidia-h200-x2. Logs and JSON under $OUT/<part>/; each part's tables are printed last.
 #   PARTS="tests balance" OUT=$OUT bash scripts/x2_pending.sh
+# A device call returns at most 8 files: PACK=1 (below) packs them into two.
 # The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
 #   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models, of
@@ -27,6 +28,11 @@
 #            `weft train --preset gpt3-2.7b --tp 2` graphed with --tp-overlap none and domino (and
 #            domino-copy with NVLink), NVLink and NCCL_P2P_DISABLE=1 (tokens/s and MFU, medians after step 4;
 #            one regime per call: REGIMES=nvlink)
+#   settle   what Comet's and Hardware speed's Done-when still wait on (~5 min; PACK=1): every Comet GPU test and
+#            the no-comm dropless graph's on 2 GPUs, the dropless layer for qwen2, phi35 and mixtral against the
+#            dropless no-comm bound as a graph (comet+graph / no-comm+graph / dedup-fixed-own+graph, Comet and
+#            no-comm twice), and the expert matmuls' rate at cf 1.0 (no-comm / plain / comet eager with
+#            --breakdown: the experts stage's TFLOP/s, the issue's >= 600 for no-comm), NVLink
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
@@ -36,11 +42,13 @@
 #            dedup-fixed+graph / no-comm, then auto+graph, which times Comet's graph) for qwen2, phi35 and mixtral with
 #            NVLink, and qwen2-moe-2l dropless training, batch 8: --kernels triton / comet (14 steps), --a2a-algo auto /
 #            --kernels comet (30 steps, medians of steps 16-30)
-#   cometfused  Comet with the activation in layer0's epilogue (issues: Comet, Hardware speed; ~8 min): its GPU
-#            tests on 2 GPUs (with the one-pass routing's and the plain layer's topk equivalence, the routing
-#            kernels on CUDA, and the bench's dropless auto+graph with Comet's candidate), layer0 across NVLink with its own rows read in place against every row copied first
-#            (scripts/comet_nvlink.py), the issue's layer tables for qwen2, phi35 and mixtral (cf 1.0: plain+graph /
-#            comet+graph / no-comm+graph / comet+graph; dropless: plain / comet+graph / comet+graph), and
+#   cometfused  Comet with the activation in layer0's epilogue (issues: Comet, Hardware speed; over 10 min in all:
+#            split it with COMET_NVLINK=0, COMET_CONFIGS, COMET_TRAIN=0): every Comet GPU test on 2 GPUs (with
+#            the one-pass routing's and the plain layer's topk equivalence, the routing kernels on CUDA, the
+#            bench's dropless auto+graph with Comet's candidate and the no-comm dropless graph), layer0 across NVLink
+#            with its own rows read in place against every row copied first (scripts/comet_nvlink.py), the issue's
+#            layer tables for qwen2, phi35 and mixtral (cf 1.0: plain+graph / comet+graph / no-comm+graph /
+#            comet+graph; dropless: plain / comet+graph / no-comm+graph / comet+graph), and
 #            qwen2-moe-2l training, batch 8, --kernels triton / comet, padded (the preset's cf 1.25, swiglu:
 #            its backward fused) and dropless (12 steps, medians of steps 6-12)
 #   overlap  Tutel's pipelining and Lancet (issue: overlap that pays): the layer (plain / auto / d2 /
@@ -260,14 +268,30 @@ PY
   done
 }
 
-part_cometfused() {
-  gpu_tests "$1" "dropless_comet_replays or comet_two_runs or (comet_matches and topk) or one_pass or (matches_dense_reference_on_nccl and topk) or routing_kernels_match or runs_dropless_auto"
-  # layer0 across NVLink with its own rows read in place (remote copies first) against every row copied first
-  torchrun --standalone --nproc_per_node=2 scripts/comet_nvlink.py --configs qwen2 phi35 mixtral --n-comm 32 \
-    --block-copy 128 > "$1/nvlink.log" 2>&1
-  grep -E "^[a-z0-9]+:|pull .* in place|push " "$1/nvlink.log"
+part_settle() {
+  gpu_tests "$1" "comet or no_comm_dropless"
   for config in qwen2 phi35 mixtral; do
-    for run in "1.0 plain+graph,comet+graph,no-comm+graph,comet+graph" "dropless plain,comet+graph,comet+graph"; do
+    $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
+      --modes comet+graph,no-comm+graph,dedup-fixed-own+graph,comet+graph,no-comm+graph --baseline no-comm+graph \
+      --steps 20 --warmup 5 --json "$1/dropless_$config.json" > "$1/dropless_$config.log" 2>&1
+    grep -v "$QUIET" "$1/dropless_$config.log" | grep -A 6 "capacity  *mode"
+    $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+      --modes no-comm,plain,comet --steps 10 --warmup 3 --profile-steps 2 --breakdown \
+      --json "$1/experts_$config.json" > "$1/experts_$config.log" 2>&1
+    grep -v "$QUIET" "$1/experts_$config.log" | grep -A 4 "capacity  *mode\|^experts stage"
+  done
+}
+
+part_cometfused() {
+  gpu_tests "$1" "comet or one_pass or (matches_dense_reference_on_nccl and topk) or routing_kernels_match or runs_dropless_auto or no_comm_dropless"
+  # layer0 across NVLink with its own rows read in place (remote copies first) against every row copied first
+  if [ "${COMET_NVLINK:-1}" = 1 ]; then
+    torchrun --standalone --nproc_per_node=2 scripts/comet_nvlink.py --configs qwen2 phi35 mixtral --n-comm 32 \
+      --block-copy 128 > "$1/nvlink.log" 2>&1
+    grep -E "^[a-z0-9]+:|pull .* in place|push " "$1/nvlink.log"
+  fi
+  for config in ${COMET_CONFIGS:-qwen2 phi35 mixtral}; do
+    for run in "1.0 plain+graph,comet+graph,no-comm+graph,comet+graph" "dropless plain,comet+graph,no-comm+graph,comet+graph"; do
       read -r cap modes <<< "$run"
       $RUN bench layer --config "$config" --capacity "$cap" --dtype bf16 --activation relu --optimizer sgd \
         --modes "$modes" --baseline "${modes%%,*}" --steps 20 --warmup 5 --json "$1/${config}_$cap.json" \
@@ -275,6 +299,7 @@ part_cometfused() {
       grep -v "$QUIET" "$1/${config}_$cap.log" | grep -A 5 "capacity  *mode"
     done
   done
+  [ "${COMET_TRAIN:-1}" = 1 ] || return 0
   printf '[model]\ncapacity_factor = "dropless"\n[train]\nckpt_interval = 1000\n' > "$1/dropless.toml"
   printf '[train]\nckpt_interval = 1000\n' > "$1/padded.toml"
   for run in "padded triton" "padded comet" "dropless triton" "dropless comet"; do
@@ -520,6 +545,16 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
+# Only 8 files come back from a device call: PACK=1 runs the parts under a time limit (PACK_S, default 540 s)
+# and leaves $OUT holding two files, the printed tables (summary.txt) and every log and JSON (x2.tgz).
+if [ "${PACK:-0}" = 1 ]; then
+  PACK=0 timeout "${PACK_S:-540}" bash "$0" > /tmp/x2_summary.txt 2>&1
+  echo "(exit $?)" >> /tmp/x2_summary.txt
+  tar czf /tmp/x2.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/x2.tgz "$OUT/"
+  cp /tmp/x2_summary.txt "$OUT/summary.txt"
+  cat /tmp/x2_summary.txt
+  exit 0
+fi
 for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet cometdropless cometfused overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
