@@ -319,7 +319,8 @@ def test_no_comm_dropless_call_on_several_gpus_never_synchronises_and_graphs_in_
     assert not flat, "\n".join(flat[:15])
     out = tmp_path / "no_comm.json"
     cfg = layer.LayerBenchConfig("qwen2", 1024, capacity=(None,), modes=("no-comm", "no-comm+graph"), steps=3,
-                                 warmup=1, json=str(out), profile_steps=0)
+                                 warmup=1, json=str(out), profile_steps=0, baseline="no-comm")
+    cfg.validate()
     run_distributed(layer.run, world, args=(cfg,), backend="nccl", timeout=600)
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {"no-comm", "no-comm+graph"} and all(r["median_ms"] > 0 for r in rows.values()), rows
