@@ -263,6 +263,33 @@ def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, c
     assert re.search(r"peer buffers .*: [0-9.]+ MiB a rank", out)
 
 
+def test_the_table_says_what_the_gpu_ran_at(monkeypatch, capsys):
+    """`gpu_state`: NVML's clock, power and temperature on CUDA, None off it or without NVML (an
+    optional readout, never an error); the table prints it per capacity where a row has it."""
+    from weft.bench import timing
+
+    cuda = torch.device("cuda", 0)
+    assert timing.gpu_state(torch.device("cpu")) is None
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("nvidia-ml-py does not seem to be installed")
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", no_nvml)
+    assert timing.gpu_state(cuda) is None
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda device: 1755)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda device: 689_500)
+    monkeypatch.setattr(torch.cuda, "temperature", lambda device: 67)
+    state = timing.gpu_state(cuda)
+    assert state == {"sm_clock_mhz": 1755, "power_w": 689.5, "temperature_c": 67}
+    row = {"mode": "plain", "capacity_factor": None, "median_ms": 2.0, "iqr_ms": 0.1, "ratio": 1.0,
+           "max_abs_error": 0.0, "tflops_per_rank": 1.0, "gpu_after_timing": state}
+    meta = {"config": "tiny", "num_experts": 8, "top_k": 2, "dim": 64, "hidden_dim": 128, "world_size": 2,
+            "device": "cuda", "dtype": "bfloat16", "tokens_per_rank": 256, "activation": "relu", "optimizer": "none",
+            "p2p_disabled": False, "baseline": "plain"}
+    layer.print_table({"meta": meta, "results": [row]})
+    assert "timed rounds (rank 0): dropless SM 1755 MHz, 690 W, 67 C" in capsys.readouterr().out
+
+
 def graphed_auto_worker() -> list[str]:
     """`auto+graph` (`layer.graphed_auto`): every candidate of the layer's auto call run as the
     graph would capture it, here by a stand-in timer that runs each step eagerly (a capture needs

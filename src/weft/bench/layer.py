@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
-from weft.bench.timing import ProgressLog, Run, interleaved_ms, quartiles, slowest
+from weft.bench.timing import ProgressLog, Run, format_gpu_state, gpu_state, interleaved_ms, quartiles, slowest
 from weft.cliargs import (
     ACTIVATION_CHOICES,
     DTYPES,
@@ -522,7 +522,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             row["tuned"] = moe.tuning.chosen()
         runs.append(Run(switch, step))
     samples = interleaved_ms(runs, steps, warmup, device, progress=progress.round)[:, 0] if runs else []
+    state = gpu_state(device)  # what the timed rounds ran at (this rank's GPU)
     for row, sample in zip(timed, samples):  # no runs: every mode failed to build; their rows say why
+        row["gpu_after_timing"] = state
         q1, row["median_ms"], q3 = quartiles(sample)
         row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
@@ -749,6 +751,11 @@ def print_table(report: dict) -> None:
     if held:
         print(f"peer buffers (Comet's exchange: each rank's rows where the others read them): {held:.1f} MiB a "
               f"rank, held once for every mode that uses them and not in the peak MiB column")
+    states = {r["capacity_factor"]: r["gpu_after_timing"] for r in rows if r.get("gpu_after_timing")}
+    if states:
+        print("GPU at the end of the timed rounds (rank 0): " + "; ".join(
+            f"{'dropless' if cf is None else f'cf {cf:g}'} {format_gpu_state(state)}" for cf, state in states.items()))
+
     def label(r: dict) -> str:
         return f"{r['mode']}, " + ("dropless" if r["capacity_factor"] is None else f"cf {r['capacity_factor']:g}")
 

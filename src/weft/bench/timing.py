@@ -58,6 +58,25 @@ class Timer:
         return self._between(self.start, end)
 
 
+def gpu_state(device: torch.device) -> dict | None:
+    """The GPU's SM clock (MHz), power draw (W) and temperature (C), NVML's readings over its last
+    sample period (1/6 s to 1 s): what a timed run ran at. Under sustained GEMM load an H200 lowers
+    its clock to stay within its power limit, so the same mode can time differently beside modes
+    that leave the GPU idle (waiting on a slow link) and beside modes that keep it busy. None off
+    CUDA, or where NVML (nvidia-ml-py) cannot be read: the readout is optional, never an error."""
+    if device.type != "cuda":
+        return None
+    try:
+        return {"sm_clock_mhz": torch.cuda.clock_rate(device), "power_w": torch.cuda.power_draw(device) / 1e3,
+                "temperature_c": torch.cuda.temperature(device)}
+    except Exception:  # noqa: BLE001  (no nvidia-ml-py, no driver, an NVML error: no readout)
+        return None
+
+
+def format_gpu_state(state: dict) -> str:
+    return f"SM {state['sm_clock_mhz']:.0f} MHz, {state['power_w']:.0f} W, {state['temperature_c']:.0f} C"
+
+
 def slowest(value: float, device: torch.device) -> float:
     """The largest `value` over the ranks of the default group (the value itself without one)."""
     t = torch.tensor([value], device=device, dtype=torch.float64)
