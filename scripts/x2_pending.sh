@@ -33,6 +33,10 @@
 #            dropless no-comm bound as a graph (comet+graph / no-comm+graph / dedup-fixed-own+graph, Comet and
 #            no-comm twice), and the expert matmuls' rate at cf 1.0 (no-comm / plain / comet eager with
 #            --breakdown: the experts stage's TFLOP/s, the issue's >= 600 for no-comm), NVLink
+#   p2ptrace where phi35's pipelined step loses to the link (issue: Overlap that pays; ~2 min): phi35 at cf 1.0 with
+#            NCCL_P2P_DISABLE=1, plain+graph / d2+graph / no-comm+graph, one profiled step each kept as a trace and
+#            d2's and plain's kernel timelines per stream printed (scripts/trace_timeline.py). A link-bound model of
+#            d2 (two full exchanges each way at ~1.4 ms, the experts under them) gives ~6.9 ms; it ran 8.5-8.6
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
@@ -281,6 +285,18 @@ part_settle() {
     grep -v "$QUIET" "$1/experts_$config.log" | grep -A 4 "capacity  *mode\|^experts stage"
   done
   mkdir -p "$1/kernels" && gpu_tests "$1/kernels" comet_kernels_match  # last: ~300 s alone
+}
+
+part_p2ptrace() {
+  set_regime p2p_disabled
+  $RUN bench layer --config phi35 --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
+    --modes plain+graph,d2+graph,no-comm+graph --baseline plain+graph --steps 10 --warmup 3 --profile-steps 1 \
+    --trace /tmp/weft_p2ptrace > "$1/phi35.log" 2>&1  # the traces stay there (large); their timelines are printed
+  grep -v "$QUIET" "$1/phi35.log" | grep -A 5 "capacity  *mode"
+  for mode in d2+graph plain+graph; do
+    python3 scripts/trace_timeline.py "/tmp/weft_p2ptrace/phi35_cf1_${mode}_rank0.json" | head -n 60
+  done
+  unset NCCL_P2P_DISABLE
 }
 
 part_cometfused() {
