@@ -2,7 +2,7 @@
 # The 2-GPU measurements the open issues wait on, in parts that each fit one device call (<= 600 s)
 # on nvidia-h200-x2. Logs and JSON under $OUT/<part>/; each part's tables are printed last.
 #   PARTS="tests balance" OUT=$OUT bash scripts/x2_pending.sh
-# A device call returns at most 8 files: PACK=1 (below) packs them into two.
+# A device call returns at most 8 files: by default (PACK=1, below) the run is packed into two; PACK=0 streams.
 # The peers of the domino part come as wheels: `bash scripts/peer_wheels.sh` here, then carry .whl.
 # Parts:
 #   tests    the GPU tests of Pro-Prophet's copies and block-wise schedule, of TP for MoE models, of
@@ -28,7 +28,7 @@
 #            `weft train --preset gpt3-2.7b --tp 2` graphed with --tp-overlap none and domino (and
 #            domino-copy with NVLink), NVLink and NCCL_P2P_DISABLE=1 (tokens/s and MFU, medians after step 4;
 #            one regime per call: REGIMES=nvlink)
-#   settle   what Comet's and Hardware speed's Done-when still wait on (~9 min: PACK=1 PACK_S=570, call timeout
+#   settle   what Comet's and Hardware speed's Done-when still wait on (~9 min: PACK_S=570, call timeout
 #            600): every Comet GPU test (comet_kernels_match, ~300 s, last) and the no-comm dropless graph's on 2 GPUs, the dropless layer for qwen2, phi35 and mixtral against the
 #            dropless no-comm bound as a graph (comet+graph / no-comm+graph / dedup-fixed-own+graph, Comet and
 #            no-comm twice), and the expert matmuls' rate at cf 1.0 (no-comm / plain / comet eager with
@@ -109,11 +109,22 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}"
+OUT=${OUT:-./x2_out}
+# Only 8 files come back from a device call: PACK=1 (the default) runs the parts under a time limit (PACK_S, default 540 s)
+# and leaves $OUT holding two files, the printed tables (summary.txt) and every log and JSON (x2.tgz).
+if [ "${PACK:-1}" = 1 ]; then
+  mkdir -p "$OUT"
+  PACK=0 timeout "${PACK_S:-540}" bash "$0" > /tmp/x2_summary.txt 2>&1
+  echo "(exit $?)" >> /tmp/x2_summary.txt
+  tar czf /tmp/x2.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/x2.tgz "$OUT/"
+  cp /tmp/x2_summary.txt "$OUT/summary.txt"
+  cat /tmp/x2_summary.txt
+  exit 0
+fi
 if ls .whl/*.whl > /dev/null 2>&1; then  # optional peers (megatron-core, deepspeed), carried as wheels (bench/peers.py)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-OUT=${OUT:-./x2_out}
 export WEFT_CACHE=${WEFT_CACHE:-/tmp/weft_cache}
 RUN="torchrun --standalone --nproc_per_node=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))') -m weft"
 QUIET='^W1\|^\[W\|OMP_NUM\|UserWarning\|warnings.warn\|return func'
@@ -562,16 +573,6 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-# Only 8 files come back from a device call: PACK=1 runs the parts under a time limit (PACK_S, default 540 s)
-# and leaves $OUT holding two files, the printed tables (summary.txt) and every log and JSON (x2.tgz).
-if [ "${PACK:-0}" = 1 ]; then
-  PACK=0 timeout "${PACK_S:-540}" bash "$0" > /tmp/x2_summary.txt 2>&1
-  echo "(exit $?)" >> /tmp/x2_summary.txt
-  tar czf /tmp/x2.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/x2.tgz "$OUT/"
-  cp /tmp/x2_summary.txt "$OUT/summary.txt"
-  cat /tmp/x2_summary.txt
-  exit 0
-fi
 for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet cometdropless cometfused overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
