@@ -263,6 +263,36 @@ def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, c
     assert re.search(r"peer buffers .*: [0-9.]+ MiB a rank", out)
 
 
+TABLE_META = {"config": "tiny", "num_experts": 8, "top_k": 2, "dim": 64, "hidden_dim": 128, "world_size": 2,
+              "device": "cuda", "dtype": "bfloat16", "tokens_per_rank": 256, "activation": "relu", "optimizer": "none",
+              "p2p_disabled": False, "baseline": "plain"}
+
+
+def test_the_share_of_the_exchange_hidden_comes_from_plain_and_no_comm_of_the_same_kind(capsys):
+    """(plain - mode) / (plain - no-comm): graphed rows against the graphed references, eager rows
+    against the eager ones, per capacity; none where a reference is missing, for the references
+    themselves, or where no-comm is not faster than plain."""
+    def row(mode, cf, ms):
+        return {"mode": mode, "capacity_factor": cf, "median_ms": ms}
+
+    rows = [row("plain+graph", 1.0, 2.549), row("comet+graph", 1.0, 1.966), row("no-comm+graph", 1.0, 1.923),
+            row("comet+graph", 1.0, 1.972), row("plain", 1.0, 4.0), row("no-comm", 1.0, 3.0), row("d2", 1.0, 3.5),
+            row("plain", None, 5.881), row("comet+graph", None, 2.116), row("no-comm", None, 4.9),
+            row("plain", 2.0, 3.0), row("no-comm", 2.0, 3.1), row("d2", 2.0, 2.9)]
+    layer.exchange_hidden(rows)
+    hidden = {(r["mode"], r["capacity_factor"], r["median_ms"]): r.get("exchange_hidden") for r in rows}
+    assert hidden["comet+graph", 1.0, 1.966] == pytest.approx((2.549 - 1.966) / (2.549 - 1.923))
+    assert hidden["comet+graph", 1.0, 1.972] == pytest.approx((2.549 - 1.972) / (2.549 - 1.923))
+    assert hidden["d2", 1.0, 3.5] == pytest.approx(0.5)
+    assert hidden["comet+graph", None, 2.116] is None  # no graphed dropless no-comm in this run
+    assert hidden["d2", 2.0, 2.9] is None  # no-comm no faster than plain: nothing to hide
+    assert all(hidden[m] is None for m in hidden if m[0] in ("plain", "plain+graph", "no-comm", "no-comm+graph"))
+    table = [{**r, "iqr_ms": 0.0, "ratio": 1.0, "max_abs_error": 0.0, "tflops_per_rank": 1.0} for r in rows[:3]]
+    layer.print_table({"meta": TABLE_META, "results": table})
+    assert "(plain - mode) / (plain - no-comm), +graph rows against +graph: cf 1 comet+graph 93%" in \
+        capsys.readouterr().out
+
+
 def test_the_table_says_what_the_gpu_ran_at(monkeypatch, capsys):
     """`gpu_state`: NVML's clock, power and temperature on CUDA, None off it or without NVML (an
     optional readout, never an error); the table prints it per capacity where a row has it."""
@@ -283,10 +313,7 @@ def test_the_table_says_what_the_gpu_ran_at(monkeypatch, capsys):
     assert state == {"sm_clock_mhz": 1755, "power_w": 689.5, "temperature_c": 67}
     row = {"mode": "plain", "capacity_factor": None, "median_ms": 2.0, "iqr_ms": 0.1, "ratio": 1.0,
            "max_abs_error": 0.0, "tflops_per_rank": 1.0, "gpu_after_timing": state}
-    meta = {"config": "tiny", "num_experts": 8, "top_k": 2, "dim": 64, "hidden_dim": 128, "world_size": 2,
-            "device": "cuda", "dtype": "bfloat16", "tokens_per_rank": 256, "activation": "relu", "optimizer": "none",
-            "p2p_disabled": False, "baseline": "plain"}
-    layer.print_table({"meta": meta, "results": [row]})
+    layer.print_table({"meta": TABLE_META, "results": [row]})
     assert "timed rounds (rank 0): dropless SM 1755 MHz, 690 W, 67 C" in capsys.readouterr().out
 
 
