@@ -72,7 +72,16 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.layer import load_imbalance, write_report, zipf_bias
-from weft.bench.timing import ProgressLog, Run, Timer, graphs_must_fit, interleaved_ms, quartiles
+from weft.bench.timing import (
+    ProgressLog,
+    Run,
+    Timer,
+    format_gpu_state,
+    gpu_state,
+    graphs_must_fit,
+    interleaved_ms,
+    quartiles,
+)
 from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import build_moe_groups, group_rank, init_distributed
 from weft.models import GPT, GPTConfig
@@ -394,6 +403,7 @@ def run(bench: ModelBenchConfig) -> dict:
     # (row, iteration/forward/fwd_bwd, round)
     with must_fit():
         times = interleaved_ms(runs, steps, warmup, device, timer, progress=progress.round)
+    gpu_after_timing = gpu_state(device)  # what the timed rounds ran at (this rank's GPU)
 
     rows = []
     for i, mode in enumerate(modes):
@@ -435,7 +445,7 @@ def run(bench: ModelBenchConfig) -> dict:
                        "device": name, "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
                        "timing": "interleaved", "rounds": steps, "warmup_rounds": warmup,
-                       "cuda_graphs": bench.cuda_graphs,
+                       "cuda_graphs": bench.cuda_graphs, "gpu_after_timing": gpu_after_timing,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
               "results": rows}
     if ctx.rank == 0:
@@ -455,6 +465,8 @@ def print_table(report: dict) -> None:
     graphs = "; each mode's forward and backward one CUDA graph" if meta.get("cuda_graphs") == "on" else ""
     print(f"timing: {meta['timing']}, median of {meta['rounds']} rounds after {meta['warmup_rounds']} warm-up "
           f"rounds; min and iqr (q3 - q1) show the noise{graphs}")
+    if meta.get("gpu_after_timing"):
+        print(f"GPU at the end of the timed rounds (rank 0): {format_gpu_state(meta['gpu_after_timing'])}")
     print(f"{'mode':>12} {'iter ms':>9} {'min':>8} {'iqr':>7} {'speedup':>8} {'fwd+bwd':>9} {'iqr':>7} "
           f"{'predicted':>10} {'pred err':>9} {'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7}")
     for r in report["results"]:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, profile_parts
 from weft.bench.peers import TP_PEERS, build_tp_peer
-from weft.bench.timing import ProgressLog, Run, graphs_must_fit, interleaved_ms, quartiles
+from weft.bench.timing import ProgressLog, Run, format_gpu_state, gpu_state, graphs_must_fit, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
@@ -177,6 +177,7 @@ def run(bench: TPBenchConfig) -> dict:
         runs = [Run(lambda: None, lambda r, s=steps[m]: s()) for m in timed]
         samples = iter(interleaved_ms(runs, bench.steps, bench.warmup, device, progress=progress.round)[:, 0]
                        if runs else [])
+        gpu_after_timing = gpu_state(device)  # what the timed rounds ran at (this rank's GPU)
     flops = flops_per_step(shape, bench.layers, bench.batch_size, seq) / world
     rows = []
     for i, mode in enumerate(bench.modes):
@@ -203,7 +204,7 @@ def run(bench: TPBenchConfig) -> dict:
                        "batch_size": bench.batch_size, "p1": bench.p1, "p2": bench.p2, "tp": world, "device": name,
                        "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,
                        "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1", "timing": "interleaved",
-                       "rounds": bench.steps, "warmup_rounds": bench.warmup,
+                       "rounds": bench.steps, "warmup_rounds": bench.warmup, "gpu_after_timing": gpu_after_timing,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")},
               "results": rows}
     if ctx.rank == 0:
@@ -245,6 +246,8 @@ def print_table(report: dict) -> None:
           f"{meta['n_head']} heads), batch {meta['batch_size']} x {meta['seq_len']}, TP {meta['tp']} x "
           f"{meta['device']}, {meta['dtype']}, domino p1 {meta['p1']} p2 {meta['p2']}, fwd+bwd"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
+    if meta.get("gpu_after_timing"):
+        print(f"GPU at the end of the timed rounds (rank 0): {format_gpu_state(meta['gpu_after_timing'])}")
     labels = [r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "") for r in report["results"]]
     width = max([10, *map(len, labels)])
     print(f"{'mode':>{width}} {'median ms':>10} {'iqr':>6} {'min':>8} {'speedup':>8} {'no-comm':>8} {'max err':>9} "
