@@ -36,7 +36,8 @@
 #   p2ptrace where phi35's pipelined step loses to the link (issue: Overlap that pays; ~2 min): phi35 at cf 1.0 with
 #            NCCL_P2P_DISABLE=1, plain+graph / d2+graph / no-comm+graph, one profiled step each kept as a trace and
 #            d2's and plain's kernel timelines per stream printed (scripts/trace_timeline.py). A link-bound model of
-#            d2 (two full exchanges each way at ~1.4 ms, the experts under them) gives ~6.9 ms; it ran 8.5-8.6
+#            d2 (two full exchanges each way at the measured ~1.53 ms, the experts and weight gradients under them,
+#            then SGD) gives ~7.3 ms; it ran 8.5-8.6
 #   comet    Comet: its GPU tests on 2 GPUs (symmetric memory), the layer (plain+graph / comet+graph /
 #            no-comm+graph, NVLink, cf 1.0) for qwen2, phi35 and mixtral, qwen2 dropless (plain /
 #            comet / auto, which times comet as a candidate; eager), and qwen2-moe-2l training
