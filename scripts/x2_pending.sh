@@ -290,7 +290,7 @@ part_settle() {
     $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
       --modes comet+graph,no-comm+graph,dedup-fixed-own+graph,comet+graph,no-comm+graph --baseline no-comm+graph \
       --steps 20 --warmup 5 --json "$1/dropless_$config.json" > "$1/dropless_$config.log" 2>&1
-    grep -v "$QUIET" "$1/dropless_$config.log" | grep -A 6 "capacity  *mode"
+    grep -v "$QUIET" "$1/dropless_$config.log" | grep -A 6 "capacity  *mode\\|^exchange hidden\\|^GPU at the end"
     $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
       --modes no-comm,plain,comet --steps 10 --warmup 3 --profile-steps 2 --breakdown \
       --json "$1/experts_$config.json" > "$1/experts_$config.log" 2>&1
@@ -304,7 +304,7 @@ part_p2ptrace() {
   $RUN bench layer --config phi35 --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
     --modes plain+graph,d2+graph,no-comm+graph --baseline plain+graph --steps 10 --warmup 3 --profile-steps 1 \
     --trace /tmp/weft_p2ptrace > "$1/phi35.log" 2>&1  # the traces stay there (large); their timelines are printed
-  grep -v "$QUIET" "$1/phi35.log" | grep -A 5 "capacity  *mode"
+  grep -v "$QUIET" "$1/phi35.log" | grep -A 5 "capacity  *mode\\|^exchange hidden\\|^GPU at the end"
   for mode in d2+graph plain+graph; do
     python3 scripts/trace_timeline.py "/tmp/weft_p2ptrace/phi35_cf1_${mode}_rank0.json" | head -n 60
   done
@@ -325,7 +325,7 @@ part_cometfused() {
       $RUN bench layer --config "$config" --capacity "$cap" --dtype bf16 --activation relu --optimizer sgd \
         --modes "$modes" --baseline "${modes%%,*}" --steps 20 --warmup 5 --json "$1/${config}_$cap.json" \
         > "$1/${config}_$cap.log" 2>&1
-      grep -v "$QUIET" "$1/${config}_$cap.log" | grep -A 5 "capacity  *mode"
+      grep -v "$QUIET" "$1/${config}_$cap.log" | grep -A 5 "capacity  *mode\\|^exchange hidden\\|^GPU at the end"
     done
   done
   [ "${COMET_TRAIN:-1}" = 1 ] || return 0
@@ -406,12 +406,12 @@ part_autograph() {
       $RUN bench layer --config "$config" --capacity 1.0 --dtype bf16 --activation relu --optimizer sgd \
         --modes "$modes" --baseline plain+graph --steps 20 --warmup 5 \
         --json "$1/graph_${config}_$regime.json" > "$1/graph_${config}_$regime.log" 2>&1
-      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | grep -A 8 "capacity  *mode"
+      grep -v "$QUIET" "$1/graph_${config}_$regime.log" | grep -A 8 "capacity  *mode\\|^exchange hidden\\|^GPU at the end"
       [ "$regime" = p2p_disabled ] || continue
       $RUN bench layer --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
         --modes plain,auto+graph,no-comm,plain --steps 20 --warmup 5 \
         --json "$1/dropless_${config}_$regime.json" > "$1/dropless_${config}_$regime.log" 2>&1
-      grep -v "$QUIET" "$1/dropless_${config}_$regime.log" | grep -A 6 "capacity  *mode"
+      grep -v "$QUIET" "$1/dropless_${config}_$regime.log" | grep -A 6 "capacity  *mode\\|^exchange hidden\\|^GPU at the end"
     done
   done
   unset NCCL_P2P_DISABLE
