@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
-from weft.bench.timing import ProgressLog, Run, format_gpu_state, gpu_state, interleaved_ms, quartiles, slowest
+from weft.bench.timing import ProgressLog, Run, gpu_state, gpu_state_line, interleaved_ms, quartiles, slowest
 from weft.cliargs import (
     ACTIVATION_CHOICES,
     DTYPES,
@@ -609,7 +609,7 @@ def exchange_hidden(rows: list[dict]) -> None:
 
     for row in rows:
         base, suffix = base_mode(row["mode"]), GRAPH_SUFFIX if is_graphed(row["mode"]) else ""
-        if base in ("plain", "no-comm") or base in NOT_THE_LAYER_FUNCTION or not row.get("median_ms"):
+        if base == "plain" or base in NOT_THE_LAYER_FUNCTION or not row.get("median_ms"):  # no-comm's among them
             continue
         cf = row["capacity_factor"]
         plain, bound = first("plain" + suffix, cf), first("no-comm" + suffix, cf)
@@ -783,10 +783,9 @@ def print_table(report: dict) -> None:
     if hidden:
         print("exchange hidden, (plain - mode) / (plain - no-comm), +graph rows against +graph: " + "; ".join(
             f"{capacity_label(r['capacity_factor'])} {r['mode']} {r['exchange_hidden']:.0%}" for r in hidden))
-    states = {r["capacity_factor"]: r["gpu_after_timing"] for r in rows if r.get("gpu_after_timing")}
+    states = {capacity_label(r["capacity_factor"]): r["gpu_after_timing"] for r in rows if r.get("gpu_after_timing")}
     if states:
-        print("GPU at the end of the timed rounds (rank 0): " + "; ".join(
-            f"{capacity_label(cf)} {format_gpu_state(state)}" for cf, state in states.items()))
+        print(gpu_state_line(states))
 
     def label(r: dict) -> str:
         return f"{r['mode']}, {capacity_label(r['capacity_factor'])}"

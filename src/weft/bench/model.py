@@ -76,8 +76,8 @@ from weft.bench.timing import (
     ProgressLog,
     Run,
     Timer,
-    format_gpu_state,
     gpu_state,
+    gpu_state_line,
     graphs_must_fit,
     interleaved_ms,
     quartiles,
@@ -466,7 +466,7 @@ def print_table(report: dict) -> None:
     print(f"timing: {meta['timing']}, median of {meta['rounds']} rounds after {meta['warmup_rounds']} warm-up "
           f"rounds; min and iqr (q3 - q1) show the noise{graphs}")
     if meta.get("gpu_after_timing"):
-        print(f"GPU at the end of the timed rounds (rank 0): {format_gpu_state(meta['gpu_after_timing'])}")
+        print(gpu_state_line({"": meta["gpu_after_timing"]}))
     print(f"{'mode':>12} {'iter ms':>9} {'min':>8} {'iqr':>7} {'speedup':>8} {'fwd+bwd':>9} {'iqr':>7} "
           f"{'predicted':>10} {'pred err':>9} {'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7}")
     for r in report["results"]:

@@ -73,8 +73,12 @@ def gpu_state(device: torch.device) -> dict | None:
         return None
 
 
-def format_gpu_state(state: dict) -> str:
-    return f"SM {state['sm_clock_mhz']:.0f} MHz, {state['power_w']:.0f} W, {state['temperature_c']:.0f} C"
+def gpu_state_line(states: dict[str, dict]) -> str:
+    """The benchmarks' line of `gpu_state` readings, each after its label ("" for none)."""
+    readings = (f"SM {s['sm_clock_mhz']:.0f} MHz, {s['power_w']:.0f} W, {s['temperature_c']:.0f} C"
+                for s in states.values())
+    return "GPU at the end of the timed rounds (rank 0): " + "; ".join(
+        f"{label} {reading}" if label else reading for label, reading in zip(states, readings))
 
 
 def slowest(value: float, device: torch.device) -> float:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, profile_parts
 from weft.bench.peers import TP_PEERS, build_tp_peer
-from weft.bench.timing import ProgressLog, Run, format_gpu_state, gpu_state, graphs_must_fit, interleaved_ms, quartiles
+from weft.bench.timing import ProgressLog, Run, gpu_state, gpu_state_line, graphs_must_fit, interleaved_ms, quartiles
 from weft.cliargs import DTYPES, arg, names, non_negative_int, positive_int
 from weft.distributed import init_distributed
 from weft.graphs import GraphedStep
@@ -247,7 +247,7 @@ def print_table(report: dict) -> None:
           f"{meta['device']}, {meta['dtype']}, domino p1 {meta['p1']} p2 {meta['p2']}, fwd+bwd"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
     if meta.get("gpu_after_timing"):
-        print(f"GPU at the end of the timed rounds (rank 0): {format_gpu_state(meta['gpu_after_timing'])}")
+        print(gpu_state_line({"": meta["gpu_after_timing"]}))
     labels = [r["mode"] + (f"#{r['repeat'] + 1}" if r["repeat"] else "") for r in report["results"]]
     width = max([10, *map(len, labels)])
     print(f"{'mode':>{width}} {'median ms':>10} {'iqr':>6} {'min':>8} {'speedup':>8} {'no-comm':>8} {'max err':>9} "

@@ -15,16 +15,14 @@ def use_grouped_mm(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
 def grouped_mm_on(device: torch.device, dtype: torch.dtype, dim: int, hidden: int) -> bool:
     """Whether `use_grouped_mm` holds for experts of widths (dim, hidden) whose rows and weights
     are `dtype` on `device`, asked before any rows exist."""
-    if device.type != "cuda" or dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9 and dim % 8 == 0 and hidden % 8 == 0
+    return device.type == "cuda" and _cuda_kernel_on(device, dtype) and dim % 8 == 0 and hidden % 8 == 0
 
 
-def _cuda_kernel_takes(*operands: torch.Tensor) -> bool:
+def _cuda_kernel_on(device: torch.device, dtype: torch.dtype) -> bool:
     """torch._grouped_mm's CUDA kernel: bfloat16 operands on an sm90+ GPU."""
-    if not hasattr(torch, "_grouped_mm") or any(t.dtype != torch.bfloat16 for t in operands):
-        return False
-    return torch.cuda.get_device_capability(operands[0].device)[0] >= 9
+    return (hasattr(torch, "_grouped_mm") and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
 
 _GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # torch._grouped_mm's on the CPU
 
@@ -36,7 +34,7 @@ def grouped_mm_takes(a: torch.Tensor, b: torch.Tensor) -> bool:
     aligned data and leading strides."""
     if not hasattr(torch, "_grouped_mm") or a.dtype != b.dtype or a.dtype not in _GROUPED_MM_DTYPES:
         return False
-    if a.is_cuda and not _cuda_kernel_takes(a, b):
+    if a.is_cuda and not _cuda_kernel_on(a.device, a.dtype):  # b's dtype is a's (above)
         return False
     return _aligned(a) and _aligned(b)
 

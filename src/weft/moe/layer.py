@@ -545,8 +545,8 @@ class MoE(nn.Module):
             return not setting.comet
         if not call.communicate:
             return self.expert_shards == 1 and setting.parallel == 1 and not setting.comet
-        return (call.kernels == "comet" and self.expert_shards == 1 and not is_tuned(call, self.parallel, self.ep_size)
-                and setting.comet and peers_unavailable(self.group, device) is None)
+        return (setting.comet and self.expert_shards == 1 and not is_tuned(call, self.parallel, self.ep_size)
+                and peers_unavailable(self.group, device) is None)
 
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it
