@@ -49,8 +49,6 @@ from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
-
-    from weft.kernels.wgrad import dot
 try:  # the copy engine's flags (layer0 with `CometTiles.copy_engine`): torch's symmetric-memory ops
     from torch._C._distributed_c10d import _SymmetricMemory
 except ImportError:
@@ -343,6 +341,14 @@ def gemm_push_reference(a_RK: torch.Tensor, b_EKN: torch.Tensor, dests: list[tor
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b in float32: IEEE products for fp32 inputs (not TF32); 16-bit inputs in float32 under
+        the interpreter, whose dot of bfloat16 tiles is wrong (Triton 3.6)."""
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a, b, acc)
+
+    @triton.jit
     def _work_item(q, n_tiles, n_nt, GROUP: tl.constexpr):
         """Work item q -> (row tile, column tile), GROUP row tiles at a time across every column
         tile: the programs running together share B's column tiles and A's row tiles in L2."""
@@ -387,7 +393,7 @@ if triton is not None:
                     b_tile = tl.load(b_ptr)
                 else:
                     b_tile = tl.load(b_ptr, mask=(k[:, None] < K) & (n[None, :] < N), other=0.0)
-            acc = dot(a_tile, b_tile, acc, IEEE)
+            acc = _dot(a_tile, b_tile, acc, IEEE)
         return acc
 
     @triton.jit
