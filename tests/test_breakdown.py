@@ -9,6 +9,7 @@ import torch
 from weft import MoE
 from weft.bench.breakdown import Breakdown, _op_contexts, breakdown, format_breakdown, kernel_label, print_breakdowns
 from weft.bench.trace import profile_trace
+from weft.profiling import stage
 
 
 def _op(name, ts, dur, tid, ext, seq=None, cat="cpu_op"):
@@ -59,6 +60,30 @@ def test_kernels_go_to_the_stage_that_launched_them_forward_and_backward():
     assert b.idle_ms == pytest.approx(0.180 / 2)
     table = format_breakdown(b, "t")
     assert table.index("dispatch") < table.index("experts") < table.index("comm") < table.index("other")
+
+
+def test_a_backward_op_takes_the_stage_of_the_forward_op_that_made_its_node():
+    """An op records the sequence number the next autograd node will take, so an op that makes no
+    node (an integer cumsum in the exchange, before the experts' GEMM) carries the GEMM's number:
+    the backward belongs to the last forward op with that number. Before, the first one won and a
+    dropless layer's grouped-GEMM backward was counted as the exchange's on a GPU."""
+    def step(x, w, counts):
+        with stage("exchange"):
+            counts.cumsum(0).to(torch.int32)  # no node: it records the number the matmul's node takes
+            with stage("experts"):
+                y = x @ w
+        y.sum().backward()
+
+    w = torch.randn(8, 8, requires_grad=True)
+    trace = profile_trace(lambda: step(torch.randn(4, 8), w, torch.tensor([3, 4, 5])), steps=2)
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    contexts, _ = _op_contexts(events)
+    numbers = [e["args"].get("Sequence number") for e in events if e["name"] in ("aten::cumsum", "aten::mm")
+               and e.get("cat") == "cpu_op" and "Sequence number" in e["args"]]
+    assert len(set(numbers)) < len(numbers)  # the case itself: the cumsum shares the mm's number
+    stages = {contexts[e["args"]["External id"]] for e in events
+              if e.get("cat") == "cpu_op" and e["name"] == "aten::mm" and "External id" in e["args"]}
+    assert stages == {("experts", False), ("experts", True)}
 
 
 def test_kernels_are_summed_by_name_which_is_all_a_graph_replay_leaves():

@@ -5,7 +5,8 @@ all_to_all, experts, combine; the model: attention, mlp, head; the benchmarks: l
 From a Chrome trace of the profiled steps, every GPU kernel (and memcpy / memset) is attributed
 through its launching op (`External id`) to the innermost stage range around that op; an op run
 by the autograd engine inherits the stage of the forward op it differentiates (the two share a
-`Sequence number`), unless a stage range opened inside the backward is closer. Communication
+`Sequence number`; of the forward ops carrying a number, the last one made the node), unless a
+stage range opened inside the backward is closer. Communication
 kernels (NCCL) form their own row, `comm`, whatever launched them.
 
 Host (CPU) time per stage: in forward the time inside the stage's ranges without the stage
@@ -122,7 +123,9 @@ def _op_contexts(events: list[dict]) -> tuple[dict[int, tuple[str, bool]], dict[
                 stage = _innermost(stack, seq_stage)
                 seq = args.get("Sequence number")
                 if pass_ == 1 and seq is not None and not in_backward and stage is not None:
-                    seq_stage.setdefault(seq, stage)
+                    # the last forward op with this number made the node: an op records the number the
+                    # next node will take, so ops before it that make none (an integer cumsum) carry it too
+                    seq_stage[seq] = stage
                 if pass_ == 2 and "External id" in args:
                     contexts[args["External id"]] = (stage or "other", in_backward or name.startswith(BACKWARD_PREFIX))
                 if e.get("cat") == "user_annotation" and name.startswith(PREFIX):
