@@ -375,3 +375,42 @@ def test_no_comm_dropless_call_on_several_ranks_keeps_its_counts_on_the_device(w
     the host layout's outputs and gradients bit for bit. (One rank: the test above.)"""
     failures = run_checks(no_comm_on_device_worker, world_size, timeout=120)
     assert not failures, "\n".join(failures)
+
+
+def test_received_rows_are_regrouped_by_a_permutation_without_a_fill_or_an_add():
+    """The dropless exchange groups the rows it receives ([source][local expert]) by local expert
+    for the grouped GEMM and puts the outputs back (`experts_on_received`, and the no-comm call on
+    the device). `permute_rows` does both ways as gathers, forward and backward, bit for bit what
+    index_select and zeros_like(...).index_copy gave, without their fills and index_add of every
+    row."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from weft.moe.exchange.all_to_all import experts_on_received, inverse_permutation, permute_rows
+
+    torch.manual_seed(0)
+    x = torch.randn(9, DIM, requires_grad=True)
+    perm = torch.randperm(9)
+    upstream = torch.randn(9, DIM)
+    permute_rows(x, perm, inverse_permutation(perm)).backward(upstream)
+    x_ref = x.detach().clone().requires_grad_()
+    y_ref = x_ref.index_select(0, perm)
+    y_ref.backward(upstream)
+    assert torch.equal(permute_rows(x, perm, inverse_permutation(perm)), y_ref)
+    assert torch.equal(x.grad, x_ref.grad)
+
+    moe = MoE(DIM, HIDDEN, 3, top_k=2, capacity_factor=None, kernels="torch")
+    received = [[2, 0, 3], [1, 4, 2]]  # rows from 2 sources for 3 local experts
+    recv = torch.randn(12, DIM, requires_grad=True)
+    recv_counts = torch.tensor([n for row in received for n in row])
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        out = experts_on_received(moe.experts, recv, recv_counts, received)
+        out.backward(torch.ones_like(out))
+    by_expert = torch.tensor([0, 1, 5, 6, 7, 8, 9, 2, 3, 4, 10, 11])  # grouped by expert, sources in order
+    grouped = recv.detach().index_select(0, by_expert)
+    expected = torch.zeros(12, DIM)
+    expected[by_expert] = moe.experts.forward_grouped(grouped, [3, 4, 5]).detach()
+    assert torch.equal(out.detach(), expected)
+    row_writes = [e.key for e in prof.events() if e.key in ("aten::index_add_", "aten::index_add", "aten::index_copy",
+                                                            "aten::index_copy_", "aten::zeros_like")
+                  and [12, DIM] in e.input_shapes]
+    assert not row_writes, row_writes

@@ -54,9 +54,10 @@ class AllToAll(Exchange):
             return super().grouped_on_device(rows_ND, layout)
         local = placement.num_local
         by_expert = local_expert_order(layout.counts_E, placement.ep_size, local, rows_ND.shape[0])
+        back = inverse_permutation(by_expert)
         offs_E = layout.counts_E.view(placement.ep_size, local).sum(0).cumsum(0).to(torch.int32)
-        out = ctx.experts.forward_offsets(rows_ND.index_select(0, by_expert), offs_E)
-        return torch.zeros_like(out).index_copy(0, by_expert, out)
+        out = ctx.experts.forward_offsets(permute_rows(rows_ND, by_expert, back), offs_E)
+        return permute_rows(out, back, by_expert)
 
 
 def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
@@ -65,8 +66,9 @@ def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
     (`received[s][i]` rows from source s for local expert i; `recv_counts` the same as a flat
     tensor); the output rows come back in the same order."""
     by_expert, per_expert = by_local_expert(recv_counts, received, recv.shape[0])
-    out = experts.forward_grouped(recv.index_select(0, by_expert), per_expert)
-    return torch.zeros_like(out).index_copy(0, by_expert, out)
+    back = inverse_permutation(by_expert)
+    out = experts.forward_grouped(permute_rows(recv, by_expert, back), per_expert)
+    return permute_rows(out, back, by_expert)
 
 
 def by_local_expert(recv_counts: torch.Tensor, received: list[list[int]], total: int) -> tuple[torch.Tensor, list[int]]:
@@ -85,3 +87,28 @@ def local_expert_order(counts_WE: torch.Tensor, ep: int, local: int, total: int)
     expert_of_row = torch.arange(local, device=counts_WE.device).repeat(ep)
     expert_of_row = expert_of_row.repeat_interleave(counts_WE, output_size=total)
     return torch.sort(expert_of_row, stable=True).indices
+
+
+def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `perm` (inverse[perm[i]] = i), on its device, nothing read on the host."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype))
+
+
+def permute_rows(x: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """x[perm] for a permutation `perm` of x's rows (`inverse` = `inverse_permutation(perm)`),
+    differentiable: the backward is the gather dy[inverse]. `index_select`'s backward adds dy into a
+    zero tensor of x's size, and `zeros_like(y).index_copy(0, perm, y)` (the way back) fills one:
+    each a write of every row that a permutation does not need."""
+    return _PermuteRows.apply(x, perm, inverse)
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (inverse,) = ctx.saved_tensors
+        return dy.index_select(0, inverse), None, None
