@@ -54,10 +54,8 @@ class AllToAll(Exchange):
             return super().grouped_on_device(rows_ND, layout)
         local = placement.num_local
         by_expert = local_expert_order(layout.counts_E, placement.ep_size, local, rows_ND.shape[0])
-        back = inverse_permutation(by_expert)
         offs_E = layout.counts_E.view(placement.ep_size, local).sum(0).cumsum(0).to(torch.int32)
-        out = ctx.experts.forward_offsets(permute_rows(rows_ND, by_expert, back), offs_E)
-        return permute_rows(out, back, by_expert)
+        return in_expert_order(rows_ND, by_expert, lambda rows: ctx.experts.forward_offsets(rows, offs_E))
 
 
 def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
@@ -66,9 +64,7 @@ def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
     (`received[s][i]` rows from source s for local expert i; `recv_counts` the same as a flat
     tensor); the output rows come back in the same order."""
     by_expert, per_expert = by_local_expert(recv_counts, received, recv.shape[0])
-    back = inverse_permutation(by_expert)
-    out = experts.forward_grouped(permute_rows(recv, by_expert, back), per_expert)
-    return permute_rows(out, back, by_expert)
+    return in_expert_order(recv, by_expert, lambda rows: experts.forward_grouped(rows, per_expert))
 
 
 def by_local_expert(recv_counts: torch.Tensor, received: list[list[int]], total: int) -> tuple[torch.Tensor, list[int]]:
@@ -87,6 +83,13 @@ def local_expert_order(counts_WE: torch.Tensor, ep: int, local: int, total: int)
     expert_of_row = torch.arange(local, device=counts_WE.device).repeat(ep)
     expert_of_row = expert_of_row.repeat_interleave(counts_WE, output_size=total)
     return torch.sort(expert_of_row, stable=True).indices
+
+
+def in_expert_order(rows: torch.Tensor, by_expert: torch.Tensor, experts_on) -> torch.Tensor:
+    """`experts_on(rows[by_expert])` (rows grouped by local expert) with its output rows put back
+    in `rows`' order: the permutation and its inverse, both ways by gathers (`permute_rows`)."""
+    back = inverse_permutation(by_expert)
+    return permute_rows(experts_on(permute_rows(rows, by_expert, back)), back, by_expert)
 
 
 def inverse_permutation(perm: torch.Tensor) -> torch.Tensor:
