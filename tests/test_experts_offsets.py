@@ -88,10 +88,13 @@ def test_leave_sms_sets_the_matmul_sm_carveout_inside_and_restores_it_after():
     from weft.kernels.grouped_mm import leave_sms
 
     before = torch._C._get_sm_carveout_experimental()
+    backend = torch.backends.cuda.preferred_blas_library()
     with leave_sms(0):
         assert torch._C._get_sm_carveout_experimental() == before
     with leave_sms(16):
         assert torch._C._get_sm_carveout_experimental() == 16
+        if not torch.cuda.is_available():  # cuBLASLt for cuBLAS's matmuls: CUDA only (test_gpu.py)
+            assert torch.backends.cuda.preferred_blas_library() == backend
         with leave_sms(8):
             assert torch._C._get_sm_carveout_experimental() == 8
         assert torch._C._get_sm_carveout_experimental() == 16
@@ -100,6 +103,7 @@ def test_leave_sms_sets_the_matmul_sm_carveout_inside_and_restores_it_after():
         with leave_sms(4):
             raise RuntimeError("inside")
     assert torch._C._get_sm_carveout_experimental() == before
+    assert torch.backends.cuda.preferred_blas_library() == backend
 
 
 @pytest.mark.parametrize("activation", ["relu", "swiglu"])

@@ -56,6 +56,25 @@ def test_every_exchange_computes_the_expert_function_on_nccl(activation):
 
 
 @needs_cuda
+def test_leave_sms_sends_cublas_matmuls_through_cublaslt_and_restores_the_backend():
+    """cuBLAS proper ignores PyTorch's SM carveout; inside `leave_sms` a `bmm` goes through
+    cuBLASLt, which honours it, with the same product; both settings are back on exit."""
+    from weft.kernels.grouped_mm import leave_sms
+
+    backend, carveout = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    a_GMK = torch.randn(8, 512, 256, device="cuda", dtype=torch.bfloat16)
+    b_GKN = torch.randn(8, 256, 384, device="cuda", dtype=torch.bfloat16)
+    with leave_sms(8):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        assert torch._C._get_sm_carveout_experimental() == 8
+        inside = torch.bmm(a_GMK, b_GKN)
+    assert torch.backends.cuda.preferred_blas_library() == backend
+    assert torch._C._get_sm_carveout_experimental() == carveout
+    reference = torch.bmm(a_GMK.float(), b_GKN.float())
+    torch.testing.assert_close(inside.float(), reference, rtol=2e-2, atol=2e-2)
+
+
+@needs_cuda
 def test_pipelined_exchange_matches_degree_one_on_nccl():
     flat = _check_on_every_gpu(pipeline_worker)
     assert not flat, "\n".join(flat[:15])

@@ -80,24 +80,31 @@ def grouped_weights_mm(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Te
 
 @contextlib.contextmanager
 def leave_sms(count: int) -> Iterator[None]:
-    """Matmuls launched inside (`torch._grouped_mm`'s CUTLASS kernel, cuBLASLt) run on all but
+    """Matmuls launched inside (`torch._grouped_mm`'s CUTLASS kernel, `mm` / `bmm`) run on all but
     `count` of the GPU's SMs, left to kernels of other streams (0: all SMs, nothing changed).
 
     Why: these GEMMs are persistent kernels, one block per SM looping over the tiles; beside an
     NCCL kernel that holds a few SMs, the blocks that find no free SM start only when it ends,
     and the GEMM ends that much later (docs/benchmarks.md: an exchange's 0.8 ms added to each
-    overlapped GEMM). Comet's adaptive assignment (sec. 3.2.2) splits the SMs the same way.
-    The setting is PyTorch's process-wide SM carveout, read when a matmul is launched (a CUDA
-    graph keeps the value of its capture), and restored on exit."""
+    overlapped GEMM). Launched just before an exchange's kernel, such a GEMM takes every SM and
+    the exchange waits for its end. Comet's adaptive assignment (sec. 3.2.2) splits the SMs the
+    same way. The setting is PyTorch's process-wide SM carveout, read when a matmul is launched (a
+    CUDA graph keeps the value of its capture), and restored on exit. cuBLAS proper ignores it, so
+    inside, PyTorch's cuBLAS matmuls go through cuBLASLt, which honours it (CUDA builds only)."""
     if count <= 0:
         yield
         return
     previous = torch._C._get_sm_carveout_experimental()
+    backend = torch.backends.cuda.preferred_blas_library() if torch.cuda.is_available() else None
     torch._C._set_sm_carveout_experimental(count)  # PyTorch logs once that the setting is experimental
     try:
+        if backend is not None:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
         yield
     finally:
         torch._C._set_sm_carveout_experimental(previous)
+        if backend is not None:
+            torch.backends.cuda.preferred_blas_library(backend)
 
 
 def _no_host_read_in_capture(x: torch.Tensor) -> None:
