@@ -75,6 +75,19 @@ def test_leave_sms_sends_cublas_matmuls_through_cublaslt_and_restores_the_backen
 
 
 @needs_cuda
+def test_lancet_dw_items_under_a_collective_leave_it_sms():
+    """A dW item that Lancet's scheduler runs under a collective launches its matmuls on all but
+    `EXCHANGE_SM_MARGIN` SMs (cuBLASLt with PyTorch's carveout); both settings are back after."""
+    from test_overlap_wgrad import items_under_a_collective_see
+    from weft.kernels.grouped_mm import EXCHANGE_SM_MARGIN
+
+    before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
+    inside, after = items_under_a_collective_see("cuda")
+    assert inside == (EXCHANGE_SM_MARGIN, torch._C._BlasBackend.Cublaslt)
+    assert after == before
+
+
+@needs_cuda
 def test_pipelined_exchange_matches_degree_one_on_nccl():
     flat = _check_on_every_gpu(pipeline_worker)
     assert not flat, "\n".join(flat[:15])

@@ -440,3 +440,27 @@ def test_an_input_without_grad_is_not_deferred_but_gets_its_gradient_and_hook_on
     F.linear(x, ref).square().sum().backward()
     torch.testing.assert_close(w.grad, ref.grad)
     torch.testing.assert_close(fired[0], ref.grad)
+
+
+def items_under_a_collective_see(device: str) -> list[tuple]:
+    """(SM carveout, preferred BLAS backend) inside each dW item that a collective runs, and after."""
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0, in_place=False)
+    weight = torch.zeros(4, device=device, requires_grad=True)
+    seen = []
+
+    def item() -> None:
+        seen.append((torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library()))
+
+    with scheduler.backward():
+        scheduler.times["item"] = 1e-6  # timed, so the collective's best fit takes it
+        scheduler.defer("item", item, weight)
+        scheduler.communicate("all_to_all", 1024, None)
+        assert scheduler.stats.run_under_comm == 1
+    return seen + [(torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())]
+
+
+def test_items_under_a_collective_on_the_cpu_change_no_matmul_setting():
+    """The SM margin that dW items leave a collective (`weft.kernels.grouped_mm.leave_sms`) is for
+    CUDA only (tests/test_gpu.py): on the CPU the items run with the settings as they were."""
+    before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
+    assert items_under_a_collective_see("cpu") == [before, before]

@@ -78,6 +78,13 @@ def grouped_weights_mm(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Te
     return out
 
 
+# SMs that matmuls launched just after an exchange leave to it (`leave_sms`): NCCL's all-to-all
+# kernel held 4 SMs on 2 x H200 (P2P disabled and NVLink); launched a few microseconds after a
+# persistent GEMM that took every SM, it started only when the GEMM ended (docs/benchmarks.md,
+# thirtieth session).
+EXCHANGE_SM_MARGIN = 8
+
+
 @contextlib.contextmanager
 def leave_sms(count: int) -> Iterator[None]:
     """Matmuls launched inside (`torch._grouped_mm`'s CUTLASS kernel, `mm` / `bmm`) run on all but

@@ -19,14 +19,8 @@ import torch.nn.functional as F
 
 from weft.comm.two_dim import start_exchange_2dh
 from weft.distributed import group_size
-from weft.kernels.grouped_mm import leave_sms
+from weft.kernels.grouped_mm import EXCHANGE_SM_MARGIN, leave_sms
 from weft.moe.experts import activate
-
-# SMs the weight gradients leave to the last input gradients' exchange, launched just before
-# them (`weft.kernels.grouped_mm.leave_sms`): NCCL's kernel holds 4 on 2 x H200; without the
-# margin the persistent GEMM that follows took every SM first and the exchange started when it
-# ended (docs/benchmarks.md, thirtieth session: 0.55 ms later on the phi35-like layer).
-WEIGHT_GRAD_SM_MARGIN = 8
 
 
 def chunk_bounds(capacity: int, degree: int) -> list[tuple[int, int]]:
@@ -170,8 +164,9 @@ class PipelinedExchange(torch.autograd.Function):
                 ffn.dy[:, rows].view(local, ep, width, dim).copy_(recv.view(ep, local, width, dim).transpose(0, 1))
                 back = ffn.backward(rows).view(local, ep, width, dim).transpose(0, 1).contiguous()
                 sent.append(_launch(back, *ctx.comm))
-            # The weight gradients run while the last input gradients are still in flight.
-            with leave_sms(WEIGHT_GRAD_SM_MARGIN if sent[-1][1] is not None and grad.is_cuda else 0):
+            # The weight gradients run while the last input gradients are still in flight, leaving
+            # that exchange its SMs (without: 0.55 ms of phi35's step, P2P disabled).
+            with leave_sms(EXCHANGE_SM_MARGIN if sent[-1][1] is not None and grad.is_cuda else 0):
                 dw1, dw2, dw3 = ffn.weight_grads()
         for _, handle in sent:
             _wait(handle)

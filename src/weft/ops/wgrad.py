@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.hostcopy import offsets
-from weft.kernels.grouped_mm import use_grouped_mm
+from weft.kernels.grouped_mm import EXCHANGE_SM_MARGIN, leave_sms, use_grouped_mm
 
 __all__ = ["Linear", "WGradScheduler", "WGradStats", "best_fit", "bmm", "grouped_mm", "linear", "plan_in_place"]
 
@@ -141,7 +141,10 @@ class WGradScheduler:
     gives no collective run where they are produced, and a weight none of whose items any
     collective takes goes back to plain autograd from the next forward on
     (`through_autograd(weight)`; the plan is static while the model and the times are). False defers
-    every item (what no collective takes runs at the end).
+    every item (what no collective takes runs at the end). On CUDA the items run under a
+    collective leave it `EXCHANGE_SM_MARGIN` SMs (`weft.kernels.grouped_mm.leave_sms`): the
+    collective's kernel is launched first but would start only after a persistent GEMM that took
+    every SM.
     """
 
     def __init__(self, comm_time: Callable[[int], float] | None = None, in_place: bool = True):
@@ -259,7 +262,10 @@ class WGradScheduler:
         self.stats.comm_budget += budget
         self.stats.placed_time += sum(self.times.get(item.key, 0.0) for item in items)
         self.stats.run_under_comm += len(items)
-        with torch.no_grad():
+        # On CUDA the items' matmuls leave the collective launched just before them its SMs: a
+        # persistent GEMM launched first takes every SM, and the collective would start after it.
+        margin = EXCHANGE_SM_MARGIN if items and items[0].param.is_cuda else 0
+        with torch.no_grad(), leave_sms(margin):
             for item in items:
                 self._run(item)
         return len(items)
