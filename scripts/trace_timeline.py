@@ -5,8 +5,10 @@
 For `weft bench layer --profile-steps 1 --trace DIR` (one file per mode and rank): per stream,
 its busy milliseconds; then each run of kernels on one stream (gaps under 30 us merged, NCCL
 kernels apart from the rest) with its start, length, busy time, kernel count, its longest
-kernel's name and, for NCCL kernels, their grid (the SMs they hold). This is how the pipelined
-fixed-size exchange's overlap was read (docs/benchmarks.md, tenth session).
+kernel's name and, for NCCL kernels, their grid (the SMs they hold); last, the stretches where no
+communication kernel runs, with the compute in each. This is how the pipelined fixed-size
+exchange's overlap was read (docs/benchmarks.md, tenth session), and how the pipelined layer's
+last exchange was found waiting behind a GEMM (thirtieth session).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import json
 import sys
 from collections import defaultdict
 
-from weft.bench.trace import stream_timeline
+from weft.bench.trace import comm_idle, stream_timeline
 
 
 def timeline(path: str) -> list[str]:
@@ -36,6 +38,21 @@ def timeline(path: str) -> list[str]:
     return lines
 
 
+def idle_link(path: str) -> list[str]:
+    """The stretches where no communication kernel runs (`weft.bench.trace.comm_idle`): in a
+    link-bound step, where its time goes beside the exchanges."""
+    trace = json.load(open(path))
+    stretches = comm_idle(trace)
+    if not stretches:
+        return []
+    t0 = min(r.start for r in stream_timeline(trace))
+    total = sum(s.end - s.start for s in stretches)
+    lines = [f"  no communication for {total / 1e3:.2f} ms in {len(stretches)} stretches of 50 us or more:"]
+    lines += [f"    {(s.start - t0) / 1e3:8.3f} +{(s.end - s.start) / 1e3:7.3f} ms, compute busy "
+              f"{s.compute / 1e3:6.3f} ms" for s in stretches]
+    return lines
+
+
 if __name__ == "__main__":
     for trace in sys.argv[1:]:
-        print("\n".join(timeline(trace)))
+        print("\n".join(timeline(trace) + idle_link(trace)))

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from weft.bench.trace import (
+    CommIdle,
+    comm_idle,
     decompose,
     is_comm_kernel,
     kernel_intervals,
@@ -77,6 +79,25 @@ def test_stream_timeline_merges_each_streams_back_to_back_kernels_and_keeps_nccl
                    (7, True, 600, 620, 20, 1, "ncclDevKernel_SendRecv", [4, 1, 1]),
                    (7, False, 700, 750, 50, 1, "gemm_c", None)]
     assert stream_timeline({"traceEvents": []}) == []
+
+
+def test_comm_idle_lists_the_stretches_without_communication_and_the_compute_in_them():
+    """`comm_idle`: between the step's first and last kernel, every stretch of at least `min_us`
+    with no communication kernel (overlapping NCCL kernels merged), in time order, with the
+    computation kernels' time inside it; shorter gaps are left out; no communication, none."""
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
+
+    trace = {"traceEvents": [
+        kernel("routing", 0, 80), kernel("ncclDevKernel_SendRecv", 100, 400),  # head: 100 us, 80 busy
+        kernel("ncclDevKernel_SendRecv", 450, 100),  # overlaps the first: one busy stretch to 550
+        kernel("gemm", 300, 500),  # 550-800 without communication, all of it compute
+        kernel("ncclDevKernel_SendRecv", 800, 200), kernel("ncclDevKernel_SendRecv", 1030, 100),  # 30 us gap
+        kernel("sgd", 1200, 60),  # tail 1130-1260, 60 us busy
+    ]}
+    assert comm_idle(trace) == [CommIdle(0, 100, 80), CommIdle(550, 800, 250), CommIdle(1130, 1260, 60)]
+    assert comm_idle(trace, min_us=200) == [CommIdle(550, 800, 250)]
+    assert comm_idle({"traceEvents": [kernel("gemm", 0, 10)]}) == []
 
 
 def test_the_profile_records_the_steps_after_an_unrecorded_warm_up():

@@ -155,6 +155,33 @@ def stream_timeline(trace: dict, gap_us: float = 30.0) -> list[KernelRun]:
     return runs
 
 
+@dataclass
+class CommIdle:
+    """A stretch (us, trace time) of a profiled step where no communication kernel runs, and how
+    much of it computation kernels fill: in a link-bound step (an exchange pipelined with the
+    experts) these stretches, not the kernels, are what the step could still lose."""
+
+    start: float
+    end: float
+    compute: float
+
+
+def comm_idle(trace: dict, min_us: float = 50.0) -> list[CommIdle]:
+    """The stretches of at least `min_us` between the first and the last GPU kernel of `trace`
+    where no communication kernel runs (`is_comm_kernel`), in time order, with the computation in
+    each: the routing before the first exchange, a gap between two exchanges, the tail after the
+    last. Empty when there is no communication."""
+    comm, compute = kernel_intervals(trace)
+    if not comm:
+        return []
+    c, k = merge(comm), merge(compute)
+    first = min(c[0][0], k[0][0]) if k else c[0][0]
+    last = max(c[-1][1], k[-1][1]) if k else c[-1][1]
+    edges = [first] + [t for interval in c for t in interval] + [last]
+    gaps = [(a, b) for a, b in zip(edges[::2], edges[1::2]) if b - a >= min_us]
+    return [CommIdle(a, b, overlap_length([(a, b)], k)) for a, b in gaps]
+
+
 def _idle_and_together() -> None:
     """Every rank's GPU idle and every rank at the same point (a barrier where torch.distributed runs)."""
     if torch.cuda.is_available():
