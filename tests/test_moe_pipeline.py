@@ -86,6 +86,55 @@ def test_dropless_pipelining_matches_degree_one(world_size):
     assert not failures, "\n".join(failures[:10])
 
 
+def no_fill_worker() -> list[str]:
+    """One pipelined dropless exchange (degree 2, 2 ranks with 2 experts each, uneven segments)
+    under the profiler: its output equals the experts on each destination's rows grouped by
+    expert, and neither forward nor backward writes a row-sized zero tensor or index_copies into
+    one (the rows go back by the inverse permutations)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from weft.moe.pipeline import dropless_pipelined_exchange
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, activation="gelu", kernels="torch")
+    sent_by_rank = ([[1, 2], [3, 0]], [[2, 1], [0, 4]])  # [source][destination rank][its local expert]
+    sent, received = sent_by_rank[rank], [rows[rank] for rows in sent_by_rank]
+    send = torch.randn(sum(map(sum, sent)), DIM, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    upstream = torch.randn(send.shape, generator=torch.Generator().manual_seed(5 + rank))
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = dropless_pipelined_exchange(send, moe.experts, dist.group.WORLD, sent, received, 2)
+        out.backward(upstream)
+    reference = _run_reference_exchange(send.detach(), moe, sent, received)
+    error = float((out - reference).abs().max())
+    failures = [] if error <= 1e-6 else [f"rank {rank}: output differs by {error:.2e}"]
+    writes = sorted({e.key for e in prof.events() if e.key in ("aten::zeros", "aten::zeros_like", "aten::index_copy_",
+                                                                "aten::index_copy", "aten::index_add_")})
+    return failures + ([f"rank {rank}: row writes {writes}"] if writes else [])
+
+
+def _run_reference_exchange(send: torch.Tensor, moe: MoE, sent: list[list[int]], received: list[list[int]]):
+    """The experts' outputs for the sent rows, by an all-to-all of every row (degree 1)."""
+    world = dist.get_world_size()
+    recv = torch.empty(sum(map(sum, received)), send.shape[1])
+    dist.all_to_all_single(recv, send, [sum(row) for row in received], [sum(row) for row in sent])
+    local = len(received[0])
+    segments = recv.split([n for row in received for n in row])  # [source][expert]
+    by_expert = torch.cat([segments[s * local + e] for e in range(local) for s in range(world)])
+    out_grouped = moe.experts.forward_grouped(by_expert, [sum(row[e] for row in received) for e in range(local)])
+    parts = iter(out_grouped.detach().split([received[s][e] for e in range(local) for s in range(world)]))
+    by_source = {(s, e): next(parts) for e in range(local) for s in range(world)}
+    back = torch.cat([by_source[(s, e)] for s in range(world) for e in range(local)])
+    out = torch.empty_like(send)
+    dist.all_to_all_single(out, back, [sum(row) for row in sent], [sum(row) for row in received])
+    return out
+
+
+def test_the_pipelined_dropless_exchange_regroups_rows_without_a_fill():
+    failures = run_checks(no_fill_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)
+
+
 def two_dim_worker() -> list[str]:
     rank = dist.get_rank()
     failures = []

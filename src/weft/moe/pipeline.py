@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from weft.comm.two_dim import start_exchange_2dh
 from weft.distributed import group_size
 from weft.kernels.grouped_mm import EXCHANGE_SM_MARGIN, leave_sms
+from weft.moe.exchange.all_to_all import inverse_permutation
 from weft.moe.experts import activate
 
 
@@ -222,11 +223,13 @@ def dropless_plan(sent: list[list[int]], received: list[list[int]], degree: int,
                  for s in range(ep)]
         expert_of_row = torch.tensor([e for s in range(ep) for e in range(local) for _ in range(sizes[s][e])],
                                      dtype=torch.long)
+        by_expert = torch.sort(expert_of_row, stable=True).indices.to(device)
         plans.append({
             "index": torch.cat(index).to(device),
             "send_splits": send_splits,
             "recv_splits": [sum(row) for row in sizes],
-            "by_expert": torch.sort(expert_of_row, stable=True).indices.to(device),
+            "by_expert": by_expert,
+            "to_received": inverse_permutation(by_expert),  # expert order -> the received rows' order
             "per_expert": [sum(sizes[s][e] for s in range(ep)) for e in range(local)],
         })
     return plans
@@ -242,7 +245,10 @@ def _launch_v(x: torch.Tensor, group, out_splits: list[int], in_splits: list[int
 
 
 class DroplessPipelinedExchange(torch.autograd.Function):
-    """send (N, dim) rows grouped by destination expert -> expert outputs in the same order."""
+    """send (N, dim) rows grouped by destination expert -> expert outputs in the same order. The
+    outputs go back to the received rows' order and then to the sent rows' order by gathers
+    with the inverse permutations (each chunk's `to_received`, the chunks' joined rows'
+    `to_sent`), forward and backward, with no row-sized zero tensor to index_copy into."""
 
     @staticmethod
     def forward(ctx, send, experts, group, plans, track, *params):
@@ -257,14 +263,13 @@ class DroplessPipelinedExchange(torch.autograd.Function):
                 out = experts.forward_grouped(inp, plan["per_expert"])
             ctx.inputs.append(inp)
             ctx.outputs.append(out)
-            back = torch.zeros_like(out).index_copy_(0, plan["by_expert"], out.detach())
+            back = out.detach().index_select(0, plan["to_received"])
             results.append(_launch_v(back, group, plan["send_splits"], plan["recv_splits"]))
         for _, handle in results:
             _wait(handle)
-        index = torch.cat([p["index"] for p in plans])
-        rows = torch.cat([r for r, _ in results])
-        out = torch.zeros(send.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
-        return out.index_copy_(0, index, rows)
+        # the chunks' rows, joined, are a permutation of the sent rows (each in exactly one chunk)
+        ctx.to_sent = inverse_permutation(torch.cat([p["index"] for p in plans]))
+        return torch.cat([r for r, _ in results]).index_select(0, ctx.to_sent)
 
     @staticmethod
     def backward(ctx, grad):
@@ -280,15 +285,13 @@ class DroplessPipelinedExchange(torch.autograd.Function):
             for i, g in enumerate(grads[1:]):
                 if g is not None:
                     param_grads[i] = g if param_grads[i] is None else param_grads[i] + g
-            back = torch.zeros_like(grads[0]).index_copy_(0, plan["by_expert"], grads[0])
+            back = grads[0].index_select(0, plan["to_received"])
             sent.append(_launch_v(back, group, plan["send_splits"], plan["recv_splits"]))
         for _, handle in sent:
             _wait(handle)
-        index = torch.cat([p["index"] for p in plans])
-        rows = torch.cat([r for r, _ in sent])
-        grad_send = torch.zeros(grad.shape[0], rows.shape[1], dtype=rows.dtype, device=rows.device)
+        grad_send = torch.cat([r for r, _ in sent]).index_select(0, ctx.to_sent)
         ctx.inputs = ctx.outputs = None
-        return (grad_send.index_copy_(0, index, rows), None, None, None, None, *param_grads)
+        return (grad_send, None, None, None, None, *param_grads)
 
 
 def dropless_pipelined_exchange(send: torch.Tensor, experts, group, sent: list[list[int]],
