@@ -19,8 +19,8 @@ from collections import defaultdict
 from weft.bench.trace import comm_idle, stream_timeline
 
 
-def timeline(path: str) -> list[str]:
-    runs = stream_timeline(json.load(open(path)))
+def timeline(path: str, runs: list) -> list[str]:
+    """Per stream, its busy time, then its runs of kernels (`stream_timeline`'s `runs`)."""
     if not runs:
         return [f"== {path}: no kernels"]
     t0, t1 = runs[0].start, max(r.end for r in runs)
@@ -38,14 +38,12 @@ def timeline(path: str) -> list[str]:
     return lines
 
 
-def idle_link(path: str) -> list[str]:
-    """The stretches where no communication kernel runs (`weft.bench.trace.comm_idle`): in a
-    link-bound step, where its time goes beside the exchanges."""
-    trace = json.load(open(path))
+def idle_link(trace: dict, t0: float) -> list[str]:
+    """The stretches where no communication kernel runs (`weft.bench.trace.comm_idle`), times from
+    `t0`: in a link-bound step, where its time goes beside the exchanges."""
     stretches = comm_idle(trace)
     if not stretches:
         return []
-    t0 = min(r.start for r in stream_timeline(trace))
     total = sum(s.end - s.start for s in stretches)
     lines = [f"  no communication for {total / 1e3:.2f} ms in {len(stretches)} stretches of 50 us or more:"]
     lines += [f"    {(s.start - t0) / 1e3:8.3f} +{(s.end - s.start) / 1e3:7.3f} ms, compute busy "
@@ -54,5 +52,7 @@ def idle_link(path: str) -> list[str]:
 
 
 if __name__ == "__main__":
-    for trace in sys.argv[1:]:
-        print("\n".join(timeline(trace) + idle_link(trace)))
+    for path in sys.argv[1:]:
+        trace = json.load(open(path))
+        runs = stream_timeline(trace)
+        print("\n".join(timeline(path, runs) + (idle_link(trace, runs[0].start) if runs else [])))

@@ -114,17 +114,13 @@ def no_fill_worker() -> list[str]:
 
 
 def _run_reference_exchange(send: torch.Tensor, moe: MoE, sent: list[list[int]], received: list[list[int]]):
-    """The experts' outputs for the sent rows, by an all-to-all of every row (degree 1)."""
-    world = dist.get_world_size()
+    """The experts' outputs for the sent rows by one all-to-all each way (degree 1)."""
+    from weft.moe.exchange.all_to_all import experts_on_received
+
     recv = torch.empty(sum(map(sum, received)), send.shape[1])
     dist.all_to_all_single(recv, send, [sum(row) for row in received], [sum(row) for row in sent])
-    local = len(received[0])
-    segments = recv.split([n for row in received for n in row])  # [source][expert]
-    by_expert = torch.cat([segments[s * local + e] for e in range(local) for s in range(world)])
-    out_grouped = moe.experts.forward_grouped(by_expert, [sum(row[e] for row in received) for e in range(local)])
-    parts = iter(out_grouped.detach().split([received[s][e] for e in range(local) for s in range(world)]))
-    by_source = {(s, e): next(parts) for e in range(local) for s in range(world)}
-    back = torch.cat([by_source[(s, e)] for s in range(world) for e in range(local)])
+    recv_counts = torch.tensor([n for row in received for n in row])
+    back = experts_on_received(moe.experts, recv, recv_counts, received).detach()
     out = torch.empty_like(send)
     dist.all_to_all_single(out, back, [sum(row) for row in sent], [sum(row) for row in received])
     return out
