@@ -652,9 +652,8 @@ def test_lancet_training_replays_as_cuda_graphs_with_the_plain_losses(tmp_path):
     """`weft train --overlap lancet --cuda-graphs on` (every GPU): the dW schedule and the plain
     step are timed as CUDA graphs, the faster captured (the log says which and why), with bf16
     master weights as `--overlap none` (the dW schedule writes each weight's gradient once, in
-    bf16); the losses are those of `--overlap none` run eagerly: the first step's from the same
-    weights to 1e-4, the later ones to bf16 drift (GEMMs summed in another order where the
-    schedule is kept, which the timing decides: 2.6e-3 by step 7 on 2 x H200; 5e-3)."""
+    bf16); the losses are those of `--overlap none` run eagerly (bf16 GEMMs summed in another
+    order: 2e-3)."""
     losses, logs = {}, {}
     for overlap, graphs in (("lancet", "on"), ("none", "off")):
         logs[overlap], losses[overlap] = train_tiny(tmp_path, overlap, "--overlap", overlap, "--cuda-graphs", graphs)
@@ -662,8 +661,7 @@ def test_lancet_training_replays_as_cuda_graphs_with_the_plain_losses(tmp_path):
     assert "replays as one CUDA graph" in logs["lancet"], logs["lancet"]
     assert "stored in bf16 with float32 masters" in logs["lancet"], logs["lancet"]
     assert len(losses["lancet"]) == 8
-    assert losses["lancet"][0] == pytest.approx(losses["none"][0], abs=1e-4), losses
-    assert losses["lancet"] == pytest.approx(losses["none"], abs=5e-3), losses
+    assert losses["lancet"] == pytest.approx(losses["none"], abs=2e-3), losses
 
 
 @needs_cuda
