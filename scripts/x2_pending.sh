@@ -34,14 +34,6 @@
 #            dropless no-comm bound as a graph (comet+graph / no-comm+graph / dedup-fixed-own+graph, Comet and
 #            no-comm twice), and the expert matmuls' rate at cf 1.0 (no-comm / plain / comet eager with
 #            --breakdown: the experts stage's TFLOP/s, the issue's >= 600 for no-comm), NVLink
-#   recheck  the thirtieth session's changes made after its device time (~10 min: RECHECK_MODEL=0 leaves out the model; PACK_S=560): their GPU tests (the
-#            SM margin of Lancet's dW items, the fixed-size dropless graphs with the records sorted while the
-#            rows travel, the pipelined dropless exchange, Lancet's dW schedule and graphed training), the
-#            dropless layer with P2P disabled (plain / dedup-fixed-own+graph / dedup-fixed-own+graph / plain) for
-#            phi35 and mixtral, the own pairs' weight-gradient share in their backward (the library) and in the
-#            tap (scripts/own_share_probe.py, OWN_SHARE=tap), phi35's graphs traced (no-communication stretches), and
-#            gpt2-s-moe iterations as graphs with P2P disabled (bench model none / lancet / none: does the dW
-#            schedule now replay faster?)
 #   p2ptrace where phi35's pipelined step loses to the link (issue: Overlap that pays; ~2 min): phi35 at cf 1.0 with
 #            NCCL_P2P_DISABLE=1, plain+graph / d2+graph / no-comm+graph, one profiled step each kept as a trace and
 #            d2's and plain's kernel timelines per stream printed (scripts/trace_timeline.py). A link-bound model of
@@ -308,33 +300,6 @@ part_settle() {
   if [ "${SETTLE_KERNELS:-0}" = 1 ]; then  # a one-GPU test: passed on one H200 at a969514 (388 s)
     mkdir -p "$1/kernels" && gpu_tests "$1/kernels" comet_kernels_match
   fi
-}
-
-part_recheck() {
-  gpu_tests "$1" "lancet_dw_items or dedup_in_fixed_size or own_pairs_apart or dropless_pipelining or lancets_dw_schedule or lancet_training_replays"
-  set_regime p2p_disabled
-  local gpus
-  gpus=$(python3 -c 'import torch; print(max(1, torch.cuda.device_count()))')
-  for config in phi35 mixtral; do
-    for share in own tap; do  # the own pairs' weight-gradient share in their backward (the library) or in the tap
-      trace=()
-      [ "$config" = phi35 ] && trace=(--profile-steps 1 --trace "/tmp/weft_recheck_$share")
-      echo "-- $config, OWN_SHARE=$share"
-      OWN_SHARE=$share torchrun --standalone --nproc_per_node="$gpus" scripts/own_share_probe.py bench layer \
-        --config "$config" --capacity dropless --dtype bf16 --activation relu --optimizer sgd \
-        --modes plain,dedup-fixed-own+graph,dedup-fixed-own+graph,plain --steps 20 --warmup 5 "${trace[@]}" \
-        --json "$1/dropless_${config}_$share.json" > "$1/dropless_${config}_$share.log" 2>&1
-      grep -v "$QUIET" "$1/dropless_${config}_$share.log" | grep -A 6 "capacity  *mode\\|^GPU at the end"
-    done
-  done
-  for share in own tap; do
-    python3 scripts/trace_timeline.py "/tmp/weft_recheck_$share/"*dedup-fixed-own+graph_rank0.json | tail -n 9
-  done
-  [ "${RECHECK_MODEL:-1}" = 1 ] || { unset NCCL_P2P_DISABLE; return 0; }
-  timeout "${MODEL_TIMEOUT:-280}" $RUN bench model --preset gpt2-s-moe --gate topk --batch-size 8 --cuda-graphs on \
-    --modes none,lancet,none --steps 10 --warmup 3 --json "$1/model_gpt2-s-moe.json" > "$1/model_gpt2-s-moe.log" 2>&1
-  grep -v "$QUIET\|^weft bench model: round" "$1/model_gpt2-s-moe.log" | tail -n 12
-  unset NCCL_P2P_DISABLE
 }
 
 part_p2ptrace() {

@@ -322,7 +322,7 @@ def pipelined_fixed_order_worker() -> list[str]:
     return checks.failures
 
 
-def own_apart_order_worker(degree: int, share_now: bool = True) -> list[str]:
+def own_apart_order_worker(degree: int) -> list[str]:
     """dedup-fixed-own runs in the order its docstring gives (relu: w1 and w2; M = OVERLAP_SM_MARGIN):
     forward, every chunk's rows launched, then per chunk its wait, the others' experts and the
     launch of their sums, then the own pairs' experts leaving M SMs, the waits; backward, the
@@ -331,18 +331,15 @@ def own_apart_order_worker(degree: int, share_now: bool = True) -> list[str]:
     others' backward (their rows kept) and the launch of their rows' gradient, then the tap's
     two weight gradients (the others' product, leaving M SMs) before those exchanges are waited
     for. The others' matmuls run on every SM at one chunk (nothing beside them), leave M SMs at
-    two (the next chunk's exchange beside them). `share_now` False
-    (`dedup.OWN_SHARE_IN_OWN_BACKWARD`): the own pairs' backward keeps its rows instead, for the
-    tap's one product per weight."""
+    two (the next chunk's exchange beside them)."""
     checks = Checks(f"rank {dist.get_rank()}")
-    dedup.OWN_SHARE_IN_OWN_BACKWARD = share_now
     forward, backward = fixed_call_order(a2a_algo="dedup-fixed-own", overlap_degree=degree)
     margin = dedup.OVERLAP_SM_MARGIN
     mm, others = f"mm@{margin}", f"mm@{margin if degree > 1 else 0}"
     want_forward = (["launch"] * degree + ["wait", "experts", others, others, "launch"] * degree
                     + ["experts", mm, mm] + ["wait"] * degree)
     checks.expect(forward == want_forward, f"forward {forward}")
-    own = [f"dW@{margin}" if share_now else "kept", mm] * 2
+    own = [f"dW@{margin}", mm] * 2
     expected = (["launch"] * degree + own + ["wait", "kept", others, "kept", others, "launch"] * degree
                 + ["weight grad", f"dW@{margin}", "weight grad", f"dW@{margin}"] + ["wait"] * degree)
     checks.expect(backward == expected, f"backward {backward}")
@@ -355,10 +352,9 @@ def test_dedup_fixed_pipelines_its_chunks_exchanges_with_their_experts():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world_size, degree, share_now", [(2, 1, True), (4, 1, True), (2, 2, True), (2, 1, False),
-                                                        (2, 2, False)])
-def test_dedup_fixed_own_computes_the_own_pairs_under_the_others_exchanges(world_size, degree, share_now):
-    failures = run_checks(own_apart_order_worker, world_size, args=(degree, share_now), timeout=300)
+@pytest.mark.parametrize("world_size, degree", [(2, 1), (4, 1), (2, 2)])
+def test_dedup_fixed_own_computes_the_own_pairs_under_the_others_exchanges(world_size, degree):
+    failures = run_checks(own_apart_order_worker, world_size, args=(degree,), timeout=300)
     assert not failures, "\n".join(failures)
 
 

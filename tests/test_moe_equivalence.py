@@ -282,23 +282,6 @@ def test_dedup_in_fixed_size_exchanges_with_the_own_pairs_apart_matches_dense_re
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
-def own_share_in_the_tap_worker(*args) -> list[str]:
-    """`equivalence_worker` with the own pairs' rows kept for the tap's one product per weight
-    instead of their share computed in their backward (`OWN_SHARE_IN_OWN_BACKWARD = False`, the
-    form `scripts/own_share_probe.py` times against the library's)."""
-    from weft.moe import dedup
-
-    dedup.OWN_SHARE_IN_OWN_BACKWARD = False
-    return equivalence_worker(*args)
-
-
-@pytest.mark.parametrize("world_size, degree", [(2, 1), (4, 1), (2, 2)])
-def test_own_pairs_apart_with_their_share_in_the_tap_matches_dense_reference(world_size, degree):
-    flat = run_checks(own_share_in_the_tap_worker, world_size,
-                      args=("topk", DTYPES, "cpu", "auto", ("relu", "swiglu"), "dedup-fixed-own", degree), timeout=600)
-    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
-
-
 @pytest.mark.parametrize("world_size, degree", [(1, 2), (2, 2), (4, 3)])
 def test_pipelined_dedup_with_the_own_pairs_apart_matches_dense_reference(world_size, degree):
     """a2a_algo="dedup-fixed-own" at overlap_degree > 1: the others' pairs in `degree` chunks of

@@ -69,12 +69,6 @@ from weft.profiling import stage
 # (`weft.kernels.grouped_mm.leave_sms`): NCCL's all-to-all kernel held 4 SMs on 2 x H100 with P2P
 # disabled; of margins 0, 16 and 32 on the phi35-like layer, 16 was fastest (docs/benchmarks.md).
 OVERLAP_SM_MARGIN = 16
-# dedup-fixed-own: the own pairs' backward computes their share of each weight's gradient (under
-# the returned gradient's exchange; the tap adds it, one weight-sized add per weight under the
-# last exchange) rather than keeping their rows for the tap's one product (a gather, no add).
-# The first is the library's choice since the eleventh session; `scripts/own_share_probe.py`
-# times the other against it (docs/benchmarks.md, thirtieth session).
-OWN_SHARE_IN_OWN_BACKWARD = True
 
 
 @dataclass(frozen=True)
@@ -575,7 +569,7 @@ def _dropless_fixed_own_apart(tokens_TD: torch.Tensor, routing: Routing, experts
         # every chunk's own block, one call
         own_PD = fixed_experts(_joined([c.sent_PD[cut:] for c, cut in zip(chunks, cuts)]), own_order,
                                _joined([c.gate_R[cut * K:] for c, cut in zip(chunks, cuts)]),
-                               compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=OWN_SHARE_IN_OWN_BACKWARD)),
+                               compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=True)),
                                fused)
         with stage("all_to_all"):
             backs = [wait_all_to_all(back_PD, pending) for back_PD, pending in returning]
