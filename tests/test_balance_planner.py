@@ -87,6 +87,8 @@ def test_greedy_copies_the_hot_expert_where_its_tokens_are():
     # device 0 keeps its own 100 slots of expert 0 and all 40 of expert 1; the others add their own 100
     assert torch.equal(h, torch.tensor([140.0, 180.0, 180.0, 180.0], dtype=torch.float64))
     assert plan.predicted_s < plan.plain_s
+    # the busiest device over the mean, plain (440 of 680 / 4) and placed (180 of 680 / 4)
+    assert plan.plain_rank_load == pytest.approx(440 / 170) and plan.rank_load == pytest.approx(180 / 170)
     # n = 3: only the one device sending the most inputs for the expert gets a copy
     tokens = skewed_tokens()
     tokens[2, 0] += 50
@@ -98,6 +100,7 @@ def test_greedy_keeps_the_plain_placement_when_moving_weights_costs_more():
     huge = model(expert_param_bytes=1e9, expert_grad_bytes=1e9)  # Trans/Agg far above what they save
     plan = greedy_placement(skewed_tokens(), OWNERS, huge, n=1, alpha=0.5)
     assert plan.placement.replicated == [] and plan.predicted_s == plan.plain_s
+    assert plan.rank_load == plan.plain_rank_load == pytest.approx(440 / 170)  # the copies it tried are not kept
     balanced = torch.full((4, 8), 10.0)
     assert greedy_placement(balanced, OWNERS, model(), n=1).placement.replicated == []
 

@@ -169,7 +169,7 @@ def test_skew_makes_the_expert_load_uneven(tmp_path):
     assert 1.0 <= loads[0.0][1] < loads[1.5][1] < loads[1.5][0]
 
 
-def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
+def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path, capsys):
     out = tmp_path / "balance.json"
     # 4 experts, top-1, Zipf(2): the hottest expert takes ~3x its share and its rank ~all the rows.
     # Planned with the paper's model alone: on the CPU a copy of these tiny experts costs more than it
@@ -182,6 +182,14 @@ def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path):
     balanced = rows[None, "balance"]
     assert balanced["median_ms"] > 0 and balanced["max_abs_error"] < 1e-5
     assert balanced["copied_experts"], "the skewed check call copied no expert"
+    # the plan's rank loads: plain, on the counts of the input it planned from (the checked one,
+    # so the plain rows' measured load), and with the copies, lower
+    plain_load, placed_load = balanced["planned_plain_rank_load"], balanced["planned_rank_load"]
+    assert plain_load == pytest.approx(rows[None, "plain"]["rank_load_max_over_mean"])
+    assert 1.0 <= placed_load < plain_load
+    capsys.readouterr()
+    layer.print_table(json.loads(out.read_text()))
+    assert f"(rank load {plain_load:.2f} -> {placed_load:.2f})" in capsys.readouterr().out
 
 
 def test_balance_copy_mode_copies_the_heaviest_expert_in_every_call(tmp_path, capsys):

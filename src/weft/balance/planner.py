@@ -141,11 +141,22 @@ class LayerCostModel:
 
 @dataclass(frozen=True)
 class Plan:
-    """A placement with the model's time for it and for the plain placement."""
+    """A placement with the model's time for it and for the plain placement, and the busiest
+    device's inputs over the mean (`rank_load`) under each, on the counts the plan was made from:
+    what the placement evens out of the load (with each token sent to its nearest copy, a copy
+    takes only its holder's own tokens of the expert)."""
 
     placement: Placement
     predicted_s: float
     plain_s: float
+    rank_load: float = 1.0
+    plain_rank_load: float = 1.0
+
+
+def max_over_mean(h_D: Sequence[float]) -> float:
+    """max / mean of the devices' computed inputs (1.0 where there are none)."""
+    total = sum(h_D)
+    return max(h_D) * len(h_D) / total if total > 0 else 1.0
 
 
 def is_balanced(h_D: torch.Tensor | Sequence[float], total_inputs: float, num_experts: int, alpha: float) -> bool:
@@ -175,6 +186,7 @@ def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...],
     plain = Placement(tuple(owner_E))
     h_D, r_D = host_loads(tokens, plain)
     plain_s = best_s = model.layer_s(r_D, h_D, 0, n, scheduled)
+    plain_load = best_load = max_over_mean(h_D)
     chosen: list[tuple[int, frozenset[int]]] = []
     best_count = 0
     used: set[int] = set()
@@ -194,5 +206,5 @@ def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...],
         h_D, r_D = host_loads(tokens, Placement(plain.owner_E, dict(chosen)))
         changed_s = model.layer_s(r_D, h_D, len(chosen), n, scheduled)
         if changed_s < best_s:
-            best_s, best_count = changed_s, len(chosen)
-    return Plan(Placement(plain.owner_E, dict(chosen[:best_count])), best_s, plain_s)
+            best_s, best_count, best_load = changed_s, len(chosen), max_over_mean(h_D)
+    return Plan(Placement(plain.owner_E, dict(chosen[:best_count])), best_s, plain_s, best_load, plain_load)

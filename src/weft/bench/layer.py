@@ -506,6 +506,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             plan = forward.balancer.last_plan
             if plan is not None:
                 row.update(predicted_ms=plan.predicted_s * 1e3, plain_predicted_ms=plan.plain_s * 1e3,
+                           planned_rank_load=plan.rank_load, planned_plain_rank_load=plan.plain_rank_load,
                            cost_model=dataclasses.asdict(forward.balancer.model))
         if not graphed:  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
@@ -762,6 +763,8 @@ def print_table(report: dict) -> None:
             tuned += " (" + ", ".join(f"{name} {ms:.2f}" for name, ms in r["candidates_ms"].items()) + " ms)"
         if r.get("copied_experts") is not None:
             tuned += f"  copied experts {r['copied_experts']} in the checked call"
+        if r.get("copied_experts") and r.get("planned_rank_load") is not None:
+            tuned += f" (rank load {r['planned_plain_rank_load']:.2f} -> {r['planned_rank_load']:.2f})"
         if r.get("comet_copy_programs"):
             tuned += "  copy programs " + "/".join(map(str, sorted(set(r["comet_copy_programs"].values()))))
         if r.get("prediction_error") is not None:
