@@ -569,8 +569,7 @@ def _dropless_fixed_own_apart(tokens_TD: torch.Tensor, routing: Routing, experts
         # every chunk's own block, one call
         own_PD = fixed_experts(_joined([c.sent_PD[cut:] for c, cut in zip(chunks, cuts)]), own_order,
                                _joined([c.gate_R[cut * K:] for c, cut in zip(chunks, cuts)]),
-                               compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=True)),
-                               fused)
+                               compute(PartCall(OVERLAP_SM_MARGIN, weight_grad_now=True)), fused)
         with stage("all_to_all"):
             backs = [wait_all_to_all(back_PD, pending) for back_PD, pending in returning]
     with stage("combine"):

@@ -262,8 +262,7 @@ class WGradScheduler:
         self.stats.comm_budget += budget
         self.stats.placed_time += sum(self.times.get(item.key, 0.0) for item in items)
         self.stats.run_under_comm += len(items)
-        # On CUDA the items' matmuls leave the collective launched just before them its SMs: a
-        # persistent GEMM launched first takes every SM, and the collective would start after it.
+        # the SMs of the collective launched just before them (class docstring)
         margin = EXCHANGE_SM_MARGIN if items and items[0].param.is_cuda else 0
         with torch.no_grad(), leave_sms(margin):
             for item in items:
