@@ -16,6 +16,11 @@
 #            iterations of qwen2-moe-2l, dropless, skewed (none / balance / balance-inline: the share
 #            of Trans and Agg under computation); BALANCE_LAYERS (config:skew) and BALANCE_MODEL=0 to split it,
 #            BALANCE_STEPS (default 20) for less noise (the no-skew cost, goal <= 2%, sat inside the IQR at 20)
+#   slots    Pro-Prophet's copies in replica slots on Comet's dropless path: its GPU test (with Pro-Prophet's
+#            NCCL copies' and Comet's dropless graph's), and the layer as CUDA graphs, comet+graph against
+#            balance-comet+graph twice each, for SLOTS_LAYERS (config:skew; phi35 at 1.2, 2 and 0, qwen2 and
+#            mixtral at 2; config:skew:rounds for --balance-rounds), NVLink; SLOTS_TESTS=0 skips the tests,
+#            SLOTS_PROFILE=1 SLOTS_TRACE=1 keep one profiled step's traces
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
 #            graphed, domino-copy with NVLink; wheels carried in .whl/), and the
@@ -168,6 +173,22 @@ part_balance() {
   $RUN bench model --preset qwen2-moe-2l --capacity dropless --skew 1 --batch-size 2 \
     --modes none,balance,balance-inline,balance --steps 10 --warmup 3 --json "$1/model.json" > "$1/model.log" 2>&1
   grep -v "$QUIET" "$1/model.log" | tail -n 14
+}
+
+part_slots() {
+  if [ "${SLOTS_TESTS:-1}" = 1 ]; then
+    python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+      -k "replica_slots or replicated_experts or dropless_comet_replays" > "$1/tests.log" 2>&1
+    tail -n 15 "$1/tests.log"
+  fi
+  for layer in ${SLOTS_LAYERS:-phi35:1.2 phi35:2 phi35:0 qwen2:2 mixtral:2 phi35:1.2:2 phi35:2:2 phi35:2:3}; do
+    IFS=: read -r config skew rounds <<< "$layer"; rounds=${rounds:-1}; name="${config}_skew${skew}_r$rounds"
+    timeout ${SLOTS_RUN_S:-150} $RUN bench layer --config "$config" --capacity dropless --skew "$skew" --balance-rounds "$rounds" \
+      --modes "comet+graph,balance-comet+graph,comet+graph,balance-comet+graph" --baseline comet+graph \
+      --dtype bf16 --activation relu --optimizer sgd --steps ${SLOTS_STEPS:-20} --profile-steps ${SLOTS_PROFILE:-0} \
+      ${SLOTS_TRACE:+--trace "$1/trace"} --json "$1/slots_$name.json" > "$1/slots_$name.log" 2>&1
+    echo "-- $name"; grep -v "$QUIET" "$1/slots_$name.log" | grep -A4 "capacity  *mode"
+  done
 }
 
 part_domino() {
@@ -577,7 +598,7 @@ part_quality() {
     OUT="$1" bash scripts/quality_runs.sh | tail -n 12
 }
 
-for part in ${PARTS:-tests balance balancetrain domino dominopreset tpmoe tpgraph comet cometdropless cometfused overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
+for part in ${PARTS:-tests balance slots balancetrain domino dominopreset tpmoe tpgraph comet cometdropless cometfused overlap dedup autograph kernels deduptrain fixed tutel lancet modelgraph mfu ckpt quality}; do
   dir="$OUT/$part"
   mkdir -p "$dir"
   echo "== $part"

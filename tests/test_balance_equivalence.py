@@ -26,6 +26,29 @@ def copies_pay(world: int) -> LayerCostModel:
                           expert_param_bytes=1.0, expert_grad_bytes=1.0)
 
 
+def step_and_compare(layers, optimizers, x: torch.Tensor, grad_out: torch.Tensor, label: str, tolerance: float,
+                     expect) -> None:
+    """One SGD step of the plain layer and of the balanced one (`layers`) on the same input: their
+    routed counts must be equal, their outputs, input gradients and every parameter's gradient
+    equal within `tolerance` (relative): the copies' gradients are summed in another order than
+    the owner's local sum, equal to float32 rounding, which the steps then carry into the weights."""
+    results = []
+    for layer, optimizer in zip(layers, optimizers):
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        y.backward(grad_out)
+        grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        results.append((y.detach(), xi.grad, grads, layer.stats.expert_counts.clone()))
+        optimizer.step()
+        optimizer.zero_grad()
+    (y0, gx0, g0, c0), (y1, gx1, g1, c1) = results
+    expect(torch.equal(c0, c1), f"{label}: routed counts differ")
+    for name, a, b in [("output", y0, y1), ("input gradient", gx0, gx1)] + [
+            (f"gradient of {n}", g0[n], g1[n]) for n in g0]:
+        error = float((a - b).norm() / b.norm().clamp_min(1e-12))
+        expect(error < tolerance, f"{label}: {name} differs (relative error {error:.1e})")
+
+
 def balance_worker(num_experts: int, activation: str, device: str = "cpu", tolerance: float = 1e-5,
                    n: int = 1) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -53,24 +76,7 @@ def balance_worker(num_experts: int, activation: str, device: str = "cpu", toler
         x = torch.randn(20 + 3 * rank, DIM, generator=gen)  # uneven token counts: dropless accepts them
         x[:, 0] += 1.0 + 0.5 * step  # the skew grows: the plans differ from step to step
         grad_out = torch.randn(x.shape, generator=gen)
-        x, grad_out = x.to(device), grad_out.to(device)
-        results = []
-        for layer, optimizer in zip(layers, optimizers):
-            xi = x.clone().requires_grad_()
-            y = layer(xi)
-            y.backward(grad_out)
-            grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
-            results.append((y.detach(), xi.grad, grads, layer.stats.expert_counts.clone()))
-            optimizer.step()
-            optimizer.zero_grad()
-        (y0, gx0, g0, c0), (y1, gx1, g1, c1) = results
-        # The copies' gradients are summed in another order than the owner's local sum: equal to
-        # float32 rounding, which the SGD steps then carry into the weights.
-        expect(torch.equal(c0, c1), f"step {step}: routed counts differ")
-        for name, a, b in [("output", y0, y1), ("input gradient", gx0, gx1)] + [
-                (f"gradient of {n}", g0[n], g1[n]) for n in g0]:
-            error = float((a - b).norm() / b.norm().clamp_min(1e-12))
-            expect(error < tolerance, f"step {step}: {name} differs (relative error {error:.1e})")
+        step_and_compare(layers, optimizers, x.to(device), grad_out.to(device), f"step {step}", tolerance, expect)
         plan = balanced.balancer.last_plan
         copied_over_steps.append(tuple(plan.placement.replicated) if plan else ())
         if plan:  # n > 1: each copy to the W - n ranks sending its expert the most rows

@@ -66,27 +66,32 @@ def fit_worker() -> list[str]:
     return checks.failures
 
 
-def unpriced_time_worker(plain_s: float, copy_s: float) -> list[str]:
+def unpriced_time_worker(plain_s: float, copy_s: float, kernels: str = "auto") -> list[str]:
     """`measure_unpriced_time` on given timings: the copy overhead is the measured difference of
     the two calls less the paper model's own difference between the placements, the rest the
     call with no copy less the model's time for it; neither below 0. Installed, the model
-    predicts the timed plain call."""
+    predicts the timed plain call. `kernels="comet"`: the timed calls are the layer's calls on
+    Comet's path, the copy placed in the replica slots."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
-    ran = []
+    ran, placed = [], []
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet",
+              kernels=kernels)
 
     def fake_time_candidates(step, candidates, device, trials, warmup):
         for copies in candidates:  # each call runs for real: plain, then with expert 0 copied
             step(copies)
             ran.append(copies)
+            if moe._replica_slots is not None:
+                placed.append(moe._replica_slots.copied)
         return [plain_s, copy_s]
 
     balance_model.time_candidates = fake_time_candidates  # this spawned process's module only
-    torch.manual_seed(0)
-    moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet")
     x = torch.randn(40, DIM, generator=torch.Generator().manual_seed(rank))
-    unpriced = balance_model.measure_unpriced_time(moe, x)
+    unpriced = balance_model.measure_unpriced_time(moe, x, overrides={"kernels": kernels})
     checks.expect(ran == [{}, {0: frozenset(range(1, world))}], f"timed placements {ran}")
+    checks.expect(placed == ([[], [0]] if kernels == "comet" else []), f"slots held {placed}")
     checks.expect(all(p.grad is None for p in moe.parameters()), "gradients left on the layer")
     cost, tokens, owners = moe.balancer.model, moe.balancer.history.predict_counts(), moe.balancer.owner_E
     h, r = host_loads(tokens, Placement(owners))
@@ -112,6 +117,11 @@ def unpriced_time_worker(plain_s: float, copy_s: float) -> list[str]:
 @pytest.mark.parametrize("plain_s, copy_s", [(1.0, 3.0), (1.0, 1.0)])
 def test_copy_overhead_and_rest_are_what_the_model_does_not_price(world_size, plain_s, copy_s):
     failures = run_checks(unpriced_time_worker, world_size, args=(plain_s, copy_s), timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def test_the_copy_overhead_of_the_replica_slots_is_timed_on_their_calls():
+    failures = run_checks(unpriced_time_worker, 2, args=(1.0, 3.0, "comet"), timeout=300)
     assert not failures, "\n".join(failures)
 
 

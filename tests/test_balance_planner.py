@@ -149,6 +149,28 @@ def test_greedy_keeps_only_the_best_prefix_of_copies():
     assert copied(dear) == [0] and copied(cheap) == [0, 2, 4, 6]
 
 
+def test_more_rounds_let_a_hot_device_give_away_several_experts():
+    """On 2 devices whose first holds both hot experts, Alg. 1 (rounds=1) copies one of them and
+    stops when device 0 comes up again; rounds=2 copies the second too, where the model says it
+    pays, and evens the loads out further. Hand-computed rows: with expert 0 copied, device 0 its
+    own 80 of experts 0 and 1 and device 1's 30 of expert 1 (110), device 1 its own 50 of expert 0
+    and both devices' 20 of experts 2 and 3 (70); with both copied, 80 and 100."""
+    owners = (0, 0, 1, 1)
+    tokens = torch.tensor([[50.0, 30.0, 5.0, 5.0], [50.0, 30.0, 5.0, 5.0]])
+    two = model(num_devices=2)
+    one_round = greedy_placement(tokens, owners, two, n=1, alpha=0.5)
+    assert one_round.placement.replicated == [0]  # device 1's 50 rows of expert 0 stay there
+    assert loads(tokens, one_round.placement)[0].tolist() == [110.0, 70.0]
+    two_rounds = greedy_placement(tokens, owners, two, n=1, alpha=0.5, rounds=2)
+    assert two_rounds.placement.replicated == [0, 1]
+    assert loads(tokens, two_rounds.placement)[0].tolist() == [80.0, 100.0]
+    assert two_rounds.predicted_s < one_round.predicted_s and two_rounds.rank_load < one_round.rank_load
+    with pytest.raises(ValueError, match="rounds must be a positive int"):
+        greedy_placement(tokens, owners, two, rounds=0)
+    with pytest.raises(ValueError, match="balance rounds must be a positive int"):
+        ExpertBalancer(4, 2, two, rounds=0)
+
+
 def test_greedy_checks_its_inputs():
     with pytest.raises(ValueError, match="n must be in \\[1, 3\\]"):
         greedy_placement(skewed_tokens(), OWNERS, model(), n=0)

@@ -14,6 +14,7 @@ import torch
 
 from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
+from test_balance_slots import slots_graph_worker, slots_worker
 from test_comet import kernels_worker, map_kernel_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
@@ -136,6 +137,19 @@ def test_replicated_experts_compute_the_plain_layer_on_nccl():
     # Pro-Prophet's Trans (all-gather) and Agg (reduce-scatter) on NCCL, fp32, placements changing per step.
     world = torch.cuda.device_count()
     flat = run_checks(balance_worker, world, args=(2 * world, "swiglu", "cuda", 1e-4), backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_copies_in_replica_slots_compute_the_plain_layer_and_replay_as_a_graph():
+    # Pro-Prophet on Comet's dropless path: Trans and Agg by address through symmetric memory, the
+    # slots' rows between layer0 and layer1; fp32 against the plain layer over changing placements,
+    # then bf16 captured as one CUDA graph, bitwise as the eager step.
+    world = torch.cuda.device_count()
+    flat = run_checks(slots_worker, world, args=(2 * world, "swiglu", False, 5, "cuda", 64, 1e-4), backend="nccl",
+                      timeout=600)
+    flat += run_checks(slots_graph_worker, world, backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

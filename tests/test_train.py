@@ -651,6 +651,22 @@ def test_pro_prophet_balancing_trains_with_the_plain_losses(corpus, tmp_path):
     assert all(abs(after[s] - rows_before[s]) <= 1e-4 * abs(rows_before[s]) for s in range(7, 13))
 
 
+def test_pro_prophet_on_comets_path_trains_with_the_plain_losses(corpus, tmp_path):
+    """--balance pro-prophet --kernels comet: the copies go into replica slots on Comet's dropless
+    path (peer memory: shared files between the CPU processes) and the run logs the plain run's
+    losses (float rounding), with experts copied on the way."""
+    dropless = {**SMALL_MODEL, "capacity_factor": "dropless", "moe_every": 1}
+    cache = tmp_path / "cache"
+    run(config(corpus, tmp_path / "plain", steps=8, model=dropless), 2, cache)
+    run(config(corpus, tmp_path / "slots", steps=8, model=dropless, kernels="comet", balance="pro-prophet",
+               balance_model="nominal"), 2, cache)
+    plain, balanced = losses(tmp_path / "plain"), losses(tmp_path / "slots")
+    assert sorted(balanced) == list(range(1, 9))
+    assert all(abs(plain[s] - balanced[s]) <= 1e-4 * abs(plain[s]) for s in plain), (plain, balanced)
+    rows = [json.loads(line) for line in (tmp_path / "slots" / "metrics.jsonl").read_text().splitlines()]
+    assert any(experts for r in rows if "loss" in r for experts in r["copied_experts"]), "no expert was copied"
+
+
 def test_a_balanced_checkpoint_resumes_on_another_world_size_with_the_same_losses(corpus, tmp_path):
     """Pro-Prophet's copies live for one call, so a balanced run's checkpoint is a plain one: saved
     by 2 ranks (batch 4 each) that copied experts, it resumes on 4 ranks (batch 2 each: the same

@@ -32,17 +32,21 @@ class ExpertBalancer:
     """Plans each call's copied experts for one layer of `num_experts` experts over an
     expert-parallel group of `ep_size` ranks (expert e owned by rank e // (E / W)); each copied
     expert goes to the W - n ranks sending it the most rows (Pro-Prophet's n, counting the owner:
-    1, the default, copies to every rank)."""
+    1, the default, copies to every rank); `rounds`: the times the search may take one rank
+    (`greedy_placement`; 1, the paper's)."""
 
     def __init__(self, num_experts: int, ep_size: int, model: LayerCostModel, window: int = 1, alpha: float = 1.0,
-                 n: int = 1):
+                 n: int = 1, rounds: int = 1):
         if num_experts % ep_size:
             raise ValueError(f"balancing needs whole experts per rank: {num_experts} experts over {ep_size} ranks")
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max(1, ep_size - 1):
             raise ValueError(f"balance n must be in [1, {max(1, ep_size - 1)}] for {ep_size} ranks (the ranks, owner "
                              f"included, that get no copy of a copied expert), got {n!r}")
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+            raise ValueError(f"balance rounds must be a positive int (the times Alg. 1 may take a rank), "
+                             f"got {rounds!r}")
         local = num_experts // ep_size
-        self.ep_size, self.n = ep_size, n
+        self.ep_size, self.n, self.rounds = ep_size, n, rounds
         self.owner_E = tuple(e // local for e in range(num_experts))
         self.model, self.alpha = model, alpha
         self.history = LoadHistory(window)
@@ -77,7 +81,7 @@ class ExpertBalancer:
         if self.ep_size == 1 or not len(self.history) or scheduled in self._plans:
             return
         self._plans[scheduled] = greedy_placement(self.history.predict_counts(), self.owner_E, self.model,
-                                                  n=self.n, alpha=self.alpha, scheduled=scheduled)
+                                                  n=self.n, alpha=self.alpha, scheduled=scheduled, rounds=self.rounds)
 
     def record(self, counts_WE: Sequence[Sequence[int]]) -> None:
         """This call's slot counts, `counts_WE[r][e]` of every rank r of the expert-parallel group

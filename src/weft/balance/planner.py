@@ -166,7 +166,7 @@ def is_balanced(h_D: torch.Tensor | Sequence[float], total_inputs: float, num_ex
 
 
 def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...], model: LayerCostModel, n: int = 1,
-                     alpha: float = 1.0, scheduled: bool = True) -> Plan:
+                     alpha: float = 1.0, scheduled: bool = True, rounds: int = 1) -> Plan:
     """Alg. 1: while the load is not balanced (eq. 7), take the most loaded device, copy its
     heaviest expert (most routed inputs) to the D - n devices that send it the most inputs (the
     owner and the n - 1 devices sending the fewest keep none: BottomK), and evaluate the model;
@@ -174,7 +174,9 @@ def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...],
     those copies with the lowest predicted time (none when nothing beats the plain placement).
 
     `n` is the paper's "devices a selected expert is not transferred to", counting the owner
-    (which has it): 1 <= n <= D - 1."""
+    (which has it): 1 <= n <= D - 1. `rounds` (not in the paper, which stops at the second
+    coming: 1): the times a device may come up, so that a hot device can give away several of
+    its experts (on 2 devices Alg. 1 copies at most one expert each way)."""
     tokens = host_counts(tokens_DE)
     num_devices, num_experts = len(tokens), len(tokens[0])
     if len(owner_E) != num_experts or not all(0 <= o < num_devices for o in owner_E):
@@ -187,14 +189,16 @@ def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...],
     h_D, r_D = host_loads(tokens, plain)
     plain_s = best_s = model.layer_s(r_D, h_D, 0, n, scheduled)
     plain_load = best_load = max_over_mean(h_D)
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     chosen: list[tuple[int, frozenset[int]]] = []
     best_count = 0
-    used: set[int] = set()
+    comings = [0] * num_devices
     while not is_balanced(h_D, total, num_experts, alpha):
         device = max(range(num_devices), key=lambda d: (h_D[d], -d))  # the first of the most loaded
-        if device in used:
+        if comings[device] == rounds:
             break
-        used.add(device)
+        comings[device] += 1
         taken = {e for e, _ in chosen}
         candidates = [e for e in range(num_experts) if owner_E[e] == device and e not in taken]
         if not candidates:

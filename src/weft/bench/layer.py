@@ -125,6 +125,10 @@ BALANCE_MODE = "balance"
 # ... and that twin with the load's heaviest expert copied to every other rank in every call, the
 # planner overruled: what one copy costs, beside `plain`, and with --breakdown where it goes.
 COPY_MODE = "balance-copy"
+# ... and that twin's calls on Comet's dropless path (kernels="comet"), the copies in replica slots
+# through peer memory, nothing read on the host: "+graph" applies (beside comet+graph, its plain form).
+SLOTS_MODE = "balance-comet"
+BALANCE_MODES = (BALANCE_MODE, COPY_MODE, SLOTS_MODE)
 NOT_THE_LAYER_FUNCTION = {"no-comm", "torchtitan", "megatron"}
 PEER_MODES = ("torchtitan", "megatron")
 # "<mode>+graph": the mode's forward and backward captured once as a CUDA graph and replayed
@@ -149,7 +153,7 @@ def dropless_graph_blocker(mode: str, moe: MoE) -> str | None:
     and Comet's counts left on the GPUs (where they map each other's memory:
     `MoE.graphs_dropless_comet`) read nothing."""
     base = base_mode(mode)
-    if base == "comet":
+    if base in ("comet", SLOTS_MODE):
         return None if moe.graphs_dropless_comet() else (
             "a dropless comet call is a CUDA graph only on 2+ CUDA ranks that map each other's memory (its counts "
             "stay on the GPUs); here it reads them on the host")
@@ -310,7 +314,8 @@ class LayerBenchConfig:
                                  "r0 (data-parallel experts), r1/r2/r4/r8 "
                                  "(Tutel's r with fewer experts than ranks), auto (tuning dictionary), balance "
                                  "(Pro-Prophet's replicated experts, dropless), balance-copy (the heaviest expert "
-                                 "copied to every rank in every call, whatever the plan), comet (Comet's fused "
+                                 "copied to every rank in every call, whatever the plan), balance-comet (balance "
+                                 "on Comet's path, the copies in replica slots; graphs), comet (Comet's fused "
                                  "expert kernels "
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
                                  "CUDA graph; padded capacity; dropless: dedup-fixed, comet, no-comm, every mode "
@@ -340,19 +345,23 @@ class LayerBenchConfig:
                              "beyond its model (each copy's overhead, the rest of the call), measured on the layer "
                              "('measured'), or plans with the paper's model alone, eqs. 1-8 ('none')",
                              choices=("measured", "none"))
+    balance_rounds: int = arg(1, "balance modes: the times Pro-Prophet's greedy search may take one rank (1: the "
+                              "paper's Alg. 1, one copy from each rank; more let a hot rank give away several)",
+                              parse=positive_int)
 
     def validate(self) -> None:
         """ValueError naming the flag of the first bad setting."""
         if self.config not in CONFIGS:
             raise ValueError(f"unknown --config {self.config!r}; choose from {', '.join(CONFIGS)}")
-        known = list(MODES) + [BALANCE_MODE, COPY_MODE] + list(PEER_MODES)
+        known = list(MODES) + list(BALANCE_MODES) + list(PEER_MODES)
         unknown = [m for m in self.modes if base_mode(m) not in known]
         if not self.modes or unknown:
             raise ValueError(f"--modes {','.join(self.modes)!r}: choose from {', '.join(known)}, each optionally "
                              f"with {GRAPH_SUFFIX} (unknown modes {unknown})")
         for mode in filter(is_graphed, self.modes):
-            if base_mode(mode) not in MODES:
-                raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes (not a peer or balance)")
+            if base_mode(mode) not in (*MODES, SLOTS_MODE):
+                raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes and {SLOTS_MODE} "
+                                 f"(not a peer, {BALANCE_MODE} or {COPY_MODE})")
         if self.baseline not in self.modes:
             raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
 
@@ -377,7 +386,7 @@ def run(bench: LayerBenchConfig) -> dict:
     for cf in bench.capacity:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
                                    bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx,
-                                   copy_overhead=bench.copy_overhead == "measured")
+                                   copy_overhead=bench.copy_overhead == "measured", balance_rounds=bench.balance_rounds)
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
@@ -441,7 +450,8 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
 
 
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
-                    profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True) -> list[dict]:
+                    profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True,
+                    balance_rounds: int = 1) -> list[dict]:
     device = ctx.device
     progress = ProgressLog("layer", ctx.rank)
     torch.manual_seed(0)
@@ -471,7 +481,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         rows.append(row)
         try:
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
-                                                         ctx.world_size, x0, copy_overhead)
+                                                         ctx.world_size, x0, copy_overhead, balance_rounds)
             graphed = is_graphed(mode)
             if graphed and base_mode(mode) == "auto" and cf is None:
                 _need_cuda(device)
@@ -490,7 +500,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             fwd_bwd = _eager(forward)
             if graphed:
                 _warm(fwd_bwd, params, x0, grads[0])
-                moe.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
+                twin = getattr(forward, "twin", None)  # balance-comet's layer
+                for layer in (moe,) if twin is None else (moe, twin):
+                    layer.record(None)  # its aux loss keeps an eager call's autograd graph alive (see weft.graphs)
                 fwd_bwd, row["peak_mib"] = _graphed(forward, params, x0, grads[0], device)
                 description += " as one CUDA graph"
         except Exception as e:  # a peer that cannot run here is reported, not fatal
@@ -501,13 +513,14 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         row["max_abs_error"] = _max_error(fwd_bwd, x0, grads[0], reference) if check else None
         if base_mode(mode) == COPY_MODE:
             row["copied_experts"] = sorted(forward.copies)
-        if base_mode(mode) == BALANCE_MODE:  # what the checked call copied, and the time its plan predicted
-            row["copied_experts"] = forward.balancer.last_copied
-            plan = forward.balancer.last_plan
+        if base_mode(mode) in (BALANCE_MODE, SLOTS_MODE):  # what the checked call copied, and its plan's time
+            balancer = forward.twin.balancer if base_mode(mode) == SLOTS_MODE else forward.balancer
+            row["copied_experts"] = balancer.last_copied
+            plan = balancer.last_plan
             if plan is not None:
                 row.update(predicted_ms=plan.predicted_s * 1e3, plain_predicted_ms=plan.plain_s * 1e3,
                            planned_rank_load=plan.rank_load, planned_plain_rank_load=plan.plain_rank_load,
-                           cost_model=dataclasses.asdict(forward.balancer.model))
+                           cost_model=dataclasses.asdict(balancer.model))
         if not graphed:  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
         built[mode] = (fwd_bwd, params)
@@ -552,7 +565,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     return rows
 
 
-def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_overhead: bool = True) -> MoE:
+def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_overhead: bool = True,
+                  rounds: int = 1, overrides: dict | None = None) -> MoE:
     """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
     its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`, and with
     `copy_overhead` `with_unpriced_time`; the nominal one on a single rank), after an untimed
@@ -561,13 +575,14 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
     measured = measure_layer_cost_model(moe, warm_input)[0] if moe.ep_size > 1 else None
     twin = MoE(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, moe.gate, None, moe.experts.activation,
-               group=moe.group, balance="pro-prophet", balance_model=measured, device=warm_input.device,
+               group=moe.group, balance="pro-prophet", balance_model=measured, balance_rounds=rounds,
+               device=warm_input.device,
                dtype=moe.experts.w1.dtype)
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
         twin(warm_input)
-    if copy_overhead and moe.ep_size > 1:  # what a copy and the rest of the call cost beyond the
-        with_unpriced_time(twin, warm_input)  # model, on this input, whose load its calls leave in the history
+    if copy_overhead and moe.ep_size > 1:  # what a copy and the rest of the call (with `overrides`) cost
+        with_unpriced_time(twin, warm_input, overrides=overrides)  # beyond the model, on this input
     return twin
 
 
@@ -589,6 +604,23 @@ class HeaviestCopied:
         twin = self.twin
         transfer = Transfer(twin.experts, twin.placement, self.copies, twin.group, twin.experts.compute_dtype(x))
         return twin(x, transfer=transfer)
+
+
+class InSlots:
+    """The balanced layer `twin`'s forward on Comet's dropless path (`kernels="comet"`): its copies
+    in replica slots, planned from the loads of its earlier calls (`weft.moe.exchange.replica_slots`),
+    with each copy's overhead measured on such calls (`--copy-overhead measured`: eager calls, so
+    the host's time too, which a graph does not spend)."""
+
+    OVERRIDES = {"kernels": "comet"}
+
+    def __init__(self, twin: MoE):
+        if not twin.copies_in_slots(twin.call_with(**self.OVERRIDES)):
+            raise ValueError(f"{SLOTS_MODE} needs 2+ ranks that map each other's memory (Comet's dropless path)")
+        self.twin = twin
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.twin(x, **self.OVERRIDES)
 
 
 def capacity_label(cf: float | None) -> str:
@@ -643,12 +675,17 @@ def _peak_mib(run: Run, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated(device) - before) / 2**20
 
 
-def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0, copy_overhead: bool):
+def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0, copy_overhead: bool,
+                  rounds: int = 1):
     if mode in MODES:
         return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
     if mode == BALANCE_MODE:
-        twin = balanced_twin(moe, cf, x0, copy_overhead)
+        twin = balanced_twin(moe, cf, x0, copy_overhead, rounds)
         return twin, list(twin.parameters()), "weft plain + Pro-Prophet's replicated experts"
+    if mode == SLOTS_MODE:
+        twin = balanced_twin(moe, cf, x0, copy_overhead, rounds, overrides=InSlots.OVERRIDES)
+        return (InSlots(twin), list(twin.parameters()),
+                "weft comet + Pro-Prophet's copies in replica slots (peer memory, nothing read on the host)")
     if mode == COPY_MODE:
         twin = balanced_twin(moe, cf, x0, copy_overhead=False)
         forward = HeaviestCopied(twin)

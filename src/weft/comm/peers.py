@@ -64,6 +64,11 @@ class PeerBuffers(ABC):
             self._memo[key] = build()
         return self._memo[key]
 
+    def ordinal(self, kind: str, owner: object) -> int:
+        """A number for `owner` among the owners of `kind` asked for so far, the same number on
+        every rank where every rank asks in the same order (e.g. a name for a layer's buffers)."""
+        return self.memo((kind, id(owner)), lambda: sum(1 for key in self._memo if key[0] == kind))
+
     def names(self) -> list[str]:
         """The buffers allocated so far, by the names they were asked for."""
         return sorted({name for name, _, _ in self._buffers})

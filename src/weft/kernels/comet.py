@@ -147,18 +147,23 @@ class RowMap:
                         sum(-(-c // block_m) for c in segments), segments)
 
     @staticmethod
-    def on_device(counts_WE: torch.Tensor, rank: int, num_local: int, block_m: int, max_rows: int) -> RowMap:
+    def on_device(counts_WE: torch.Tensor, rank: int, num_local: int, block_m: int, max_rows: int,
+                  served_WE: torch.Tensor | None = None) -> RowMap:
         """The dropless map from every rank's counts left on the device (`counts_WE[s][e]`: the rows
         source s dispatched to expert e, each source's rows sorted by expert from row 0 of its
         buffer): nothing is read on the host, so a CUDA graph can hold the call. Its arrays are
         sized for `max_rows`, the most rows this rank's experts can receive (W * min(T * k, T * El)
         for T tokens a rank), and the tiles for the most such rows can take (max_rows / block_m + El);
-        the kernels skip the empty tiles and the rows past the last end."""
+        the kernels skip the empty tiles and the rows past the last end. `served_WE` (bool, on the
+        device): source s's rows of expert e are left out of the map where it is True (Pro-Prophet:
+        s computes them itself, with a copy of e), their buffer rows skipped."""
         world = counts_WE.shape[0]
         counts_WE = counts_WE.to(torch.int64)
         mine = slice(rank * num_local, (rank + 1) * num_local)
-        count_IS = counts_WE[:, mine].t().reshape(-1)  # expert-major, then source
         offset_IS = (torch.cumsum(counts_WE, 1) - counts_WE)[:, mine].t().reshape(-1)
+        if served_WE is not None:
+            counts_WE = counts_WE.masked_fill(served_WE, 0)
+        count_IS = counts_WE[:, mine].t().reshape(-1)  # expert-major, then source
         return _row_map(count_IS, offset_IS, world, rank, block_m, max_rows, -(-max_rows // block_m) + num_local)
 
     @staticmethod

@@ -205,10 +205,18 @@ def run_units(units: Sequence[Unit], x: torch.Tensor, balance_schedule: str = "b
     - "inline": each layer copies its experts at its own call (Trans and Agg in the layer's path);
     - "off": no layer copies (the plain layer's work; the loads are still recorded and planned).
 
-    The same function in every case: the copies compute exactly what their owners would."""
+    Layers whose calls place their copies in replica slots on Comet's path (`MoE.copies_in_slots`)
+    copy inside their calls under "blockwise" too. The same function in every case: the copies
+    compute exactly what their owners would."""
     if balance_schedule not in BALANCE_SCHEDULES:
         raise ValueError(f"unknown balance_schedule {balance_schedule!r}; choose from {', '.join(BALANCE_SCHEDULES)}")
-    balanced = [u for u in units if isinstance(u, MoEUnit) and u.moe.balancer is not None]
+
+    def scheduled(unit: Unit) -> bool:
+        if not (isinstance(unit, MoEUnit) and unit.moe.balancer is not None):
+            return False
+        return balance_schedule == "off" or not unit.moe.copies_in_slots(unit.moe.call_with(**unit.overrides))
+
+    balanced = [u for u in units if scheduled(u)]
     if balance_schedule == "inline" or not balanced:
         for unit in units:
             x = unit(x)
@@ -218,7 +226,7 @@ def run_units(units: Sequence[Unit], x: torch.Tensor, balance_schedule: str = "b
     following = {id(a): b for a, b in zip(balanced, balanced[1:])}
     transfer = start(balanced[0])
     for unit in units:
-        if not (isinstance(unit, MoEUnit) and unit.moe.balancer is not None):
+        if not scheduled(unit):
             x = unit(x)
             continue
         after = following.get(id(unit))

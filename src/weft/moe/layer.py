@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import warnings
+from collections.abc import Collection, Mapping
 from types import EllipsisType
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from weft.balance import ExpertBalancer, LayerCostModel, nominal_cost_model
 from weft.comm.peers import PeerBuffers, peer_buffers, peers_unavailable
 from weft.distributed import group_rank, group_size, hierarchical_groups, resolve_group, side_group
+from weft.hostcopy import host_tensor_async
 from weft.kernels.rows import use_triton
 from weft.moe import dedup
 from weft.moe.config import (
@@ -54,6 +56,7 @@ from weft.moe.exchange import (
     tuning_key,
     untuned_setting,
 )
+from weft.moe.exchange.replica_slots import ReplicaCall, ReplicaSlots
 from weft.moe.exchange.select import is_tuned, plain_algo
 from weft.moe.experts import Experts
 from weft.moe.gates import EXPERT_BIAS_GATES, CosineRouter, LinearRouter, expert_bias_step
@@ -113,6 +116,10 @@ class MoE(nn.Module):
         balance_n: Pro-Prophet's n, the ranks (the owner included) that get no copy of a copied
             expert: 1 (default) copies to every other rank (one all-gather), n > 1 to the W - n
             ranks sending the expert the most rows (point-to-point sends). 1 <= n <= W - 1.
+        balance_rounds: the times the greedy search may take one rank and copy its heaviest
+            expert left (1, default: Pro-Prophet's Alg. 1, at most one copy from each rank; more
+            let a hot rank give away several, which pays where copies are cheap: Comet's path,
+            whose replica slots hold `balance_rounds * (W - 1)` copies a rank).
         expert_bias: keep a per-expert selection bias (buffer `expert_bias`, zeros at start) that
             is added to the router probabilities when choosing experts, never to the gates;
             `update_expert_bias` moves it after each training step (DeepSeek-V3's
@@ -142,7 +149,8 @@ class MoE(nn.Module):
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
                  kernels: str = "auto", expert_bias: bool = False, routing_temperature: float = 0.0,
                  router_init_scale: float = 1.0, balance: str | None = None,
-                 balance_model: LayerCostModel | None = None, balance_n: int = 1, dtype: torch.dtype | None = None,
+                 balance_model: LayerCostModel | None = None, balance_n: int = 1, balance_rounds: int = 1,
+                 dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
         self.group = resolve_group(group)
@@ -164,7 +172,7 @@ class MoE(nn.Module):
         # Pro-Prophet: plans each dropless call's copied experts from the earlier calls' loads.
         self.balancer = None if balance is None else ExpertBalancer(
             num_experts, ep_size, balance_model or nominal_cost_model(dim, hidden_dim, activation == "swiglu", ep_size),
-            n=balance_n)
+            n=balance_n, rounds=balance_rounds)
         # Trans and Agg launched ahead (`start_transfer`) fly on a communicator of their own, beside
         # the all-to-alls (built here: creating a process group is a collective).
         self.transfer_group = side_group(self.group) if balance is not None and ep_size > 1 else None
@@ -196,6 +204,10 @@ class MoE(nn.Module):
         # Lancet's backward (weft.overlap.optimize installs it): runs deferred weight gradients
         # while this layer's backward all-to-alls are in flight.
         self.wgrad_scheduler = None
+        # Pro-Prophet on Comet's path: the replica slots (made at the first such call) and the last
+        # call's counts on their way to the host (`_replicas`).
+        self._replica_slots: ReplicaSlots | None = None
+        self._pending_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
     @property
     def groups_2dh(self):
@@ -304,12 +316,15 @@ class MoE(nn.Module):
                 and peers_unavailable(self.group, device) is None)
 
     # -- the stages ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, transfer: Transfer | None = None, **overrides) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, transfer: Transfer | None = None,
+                copies: Mapping[int, Collection[int]] | None = None, **overrides) -> torch.Tensor:
         """y = MoE(x); keyword arguments (see `call_with`) override the layer's settings for this call.
 
         `transfer` (balanced layers): the copies this call uses, launched ahead by
         `start_transfer()` (Pro-Prophet's block-wise schedule); `Transfer.none()` runs the call
-        unbalanced. Left None, a balanced dropless call plans and copies its experts itself."""
+        unbalanced. Left None, a balanced dropless call plans and copies its experts itself.
+        `copies` (balanced calls on Comet's path, `copies_in_slots`): the copies this call places
+        in its replica slots (expert -> the ranks that get one; {} none) instead of the plan's."""
         call = self.call_with(**overrides) if overrides else self.default_call()
         self._check_input(x)
         tokens_TD = x.reshape(-1, self.dim)
@@ -320,7 +335,7 @@ class MoE(nn.Module):
         # Dispatch in the experts' compute dtype (bf16 under autocast): half the all-to-all bytes.
         tokens_TD = tokens_TD.to(self.experts.compute_dtype(tokens_TD))
         if routing.capacity is None:
-            y_TD = self._dropless(tokens_TD, routing, call, x.dtype, transfer)
+            y_TD = self._dropless(tokens_TD, routing, call, x.dtype, transfer, copies)
         else:
             y_TD = self._padded(tokens_TD, routing, call, x.dtype)
         return y_TD.to(x.dtype).reshape(x.shape)
@@ -448,7 +463,8 @@ class MoE(nn.Module):
         return self._run_tuned(call, run, tokens_TD, cap)
 
     def _dropless(self, tokens_TD: torch.Tensor, routing: Routing, call: MoECall,
-                  out_dtype: torch.dtype, transfer: Transfer | None) -> torch.Tensor:
+                  out_dtype: torch.dtype, transfer: Transfer | None,
+                  copies: Mapping[int, Collection[int]] | None = None) -> torch.Tensor:
         order_S = routing.order_S  # slot ids (t*k + j) grouped by expert
         fused = use_triton(call.kernels, tokens_TD)
         if call.a2a_algo in FIXED_SIZE_ALGOS and call.communicate:  # fixed-size exchanges: nothing read on the host
@@ -456,15 +472,22 @@ class MoE(nn.Module):
                                         degree=call.overlap_degree, own_apart=call.a2a_algo == OWN_APART_ALGO)
         on_device = self._counts_stay_on_device(call, transfer, tokens_TD.device)
         scheduled = transfer is not None  # the caller launched the copies ahead (Alg. 2)
+        replicas = None
+        if copies is not None and not (self.balancer is not None and on_device and call.communicate):
+            raise ValueError("copies= applies to a balanced layer's dropless calls on Comet's path (kernels='comet' on "
+                             "ranks that map each other's memory); the NCCL path takes a Transfer")
         if self.balancer is not None and transfer is None and call.communicate:
-            # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
-            transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False), self.group,
-                                self.experts.compute_dtype(tokens_TD))
+            if on_device:  # Comet's map: the copies in replica slots, through peer memory (no host read)
+                replicas = self._replicas(tokens_TD, routing.order_S.numel(), copies)
+            else:  # not launched ahead: plan (from the earlier calls' loads) and copy now, on the EP group
+                transfer = Transfer(self.experts, self.placement, self.balancer.next_copies(scheduled=False),
+                                    self.group, self.experts.compute_dtype(tokens_TD))
         pairs = pairs_WW = None
         if on_device:  # a grouped GEMM, or Comet's map, from the counts on the device: no host read
             slots = routing.order_S.numel()
             layout = gather_counts_on_device(routing.counts_E, self.group if call.communicate else None, slots,
-                                             self.ep_size * min(slots, tokens_TD.shape[0] * self.num_local_experts))
+                                             self.ep_size * min(slots, tokens_TD.shape[0] * self.num_local_experts),
+                                             replicas)
         else:
             # Every rank's counts on the host (with each rank's token-rank pairs where the call may
             # deduplicate): the call's one read of the device (the splits, the tuning bucket and
@@ -491,8 +514,12 @@ class MoE(nn.Module):
                 return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S),
                                tokens_TD.shape[0])
 
-        if on_device:  # the call's own setting (one rank: the only exchange): no tuning bucket, no load history
-            return run(untuned_setting(call), tokens_TD)
+        if on_device:  # the call's own setting (one rank: the only exchange): no tuning bucket
+            out_TD = run(untuned_setting(call), tokens_TD)
+            if replicas is not None and not _capturing(tokens_TD):
+                # this call's loads, to the host without a wait; the next call records them
+                self._pending_counts = host_tensor_async(layout.counts_WE)
+            return out_TD
         # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
         out_TD = self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
         if self.balancer is not None and call.communicate:
@@ -503,6 +530,28 @@ class MoE(nn.Module):
             self.balancer.record(layout.counts_WE)
             self.balancer.plan_ahead(scheduled)
         return out_TD
+
+    def _replicas(self, tokens_TD: torch.Tensor, rows: int,
+                  copies: Mapping[int, Collection[int]] | None = None) -> ReplicaCall:
+        """A balanced dropless call on Comet's path: the earlier call's loads (copied to the host
+        during that call) join the history, and the plan made from them (or `copies`) places this
+        call's copies in the layer's replica slots. While a CUDA graph is captured the placement
+        stays as it is (a graph replays the placement it found; see
+        `weft.moe.exchange.replica_slots`)."""
+        if self._replica_slots is None:
+            peers = peer_buffers(self.group, tokens_TD.device)
+            self._replica_slots = ReplicaSlots(peers, str(peers.ordinal("replica-slots", self)), self.num_experts,
+                                               tokens_TD.device, self.balancer.rounds)
+        slots = self._replica_slots
+        if not _capturing(tokens_TD):
+            if self._pending_counts is not None:
+                counts_WE, ready = self._pending_counts
+                if ready is not None:
+                    ready.synchronize()
+                self.balancer.record(counts_WE.tolist())
+                self._pending_counts = None
+            slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies)
+        return ReplicaCall(slots, min(rows, slots.per_rank * tokens_TD.shape[0]))
 
     def counts_stay_on_device(self, call: MoECall | None = None) -> bool:
         """Whether this layer's dropless calls (`call`, default: its own) read nothing on the host
@@ -537,16 +586,27 @@ class MoE(nn.Module):
           rank's local experts take its own rows (`AllToAll.grouped_on_device`);
         - Comet's own setting (`kernels="comet"`, not tuned, degree 1, r = 1) on two or more ranks
           that address each other's memory: its exchange builds its map there; every rank must
-          route as many tokens (the buffers' size, `_check_ranks_agree`)."""
-        if self.wgrad_scheduler is not None or transfer is not None or self.balancer is not None:
+          route as many tokens (the buffers' size, `_check_ranks_agree`). Pro-Prophet's copies
+          (balanced layers whose calls get no `transfer`) go into replica slots there.
+
+        Pro-Prophet's other calls read the counts for its all-to-allv and plan from them."""
+        if self.wgrad_scheduler is not None or transfer is not None:
             return False
         setting = untuned_setting(call)
+        comet = (setting.comet and self.ep_size > 1 and call.communicate and self.expert_shards == 1
+                 and not is_tuned(call, self.parallel, self.ep_size) and peers_unavailable(self.group, device) is None)
+        if self.balancer is not None or comet:
+            return comet
         if self.ep_size == 1:
             return not setting.comet
-        if not call.communicate:
-            return self.expert_shards == 1 and setting.parallel == 1 and not setting.comet
-        return (setting.comet and self.expert_shards == 1 and not is_tuned(call, self.parallel, self.ep_size)
-                and peers_unavailable(self.group, device) is None)
+        return not call.communicate and self.expert_shards == 1 and setting.parallel == 1 and not setting.comet
+
+    def copies_in_slots(self, call: MoECall | None = None) -> bool:
+        """Whether this balanced layer's calls (`call`, default: its own) place their copies in
+        replica slots on Comet's path, inside the call (so the block-wise schedule launches no
+        `start_transfer` for them)."""
+        call, device = call or self.default_call(), self.experts.w1.device
+        return self.balancer is not None and call.dropless and self._counts_stay_on_device(call, None, device)
 
     def _check_ranks_agree(self, call: MoECall, tokens_TD: torch.Tensor) -> None:
         """Once, at the first forward: every rank of the EP group built the same layer and calls it
@@ -589,3 +649,8 @@ class MoE(nn.Module):
             raise TypeError(f"MoE input must be a floating-point tensor, got dtype {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != self.dim:
             raise ValueError(f"MoE input's last dimension must be dim={self.dim}, got shape {tuple(x.shape)}")
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on x's device's current stream."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +119,7 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
         unit.moe.balancer.model = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
         # what a copy costs beyond its bytes, on the layer's own call (random rows of the batch's size)
         rows = torch.randn(tokens, unit.moe.dim, device=idx.device)
-        fitted.append(with_unpriced_time(unit.moe, rows, autocast))
+        fitted.append(with_unpriced_time(unit.moe, rows, autocast, overrides=unit.overrides))
         since = u
     return fitted
 
@@ -134,12 +134,14 @@ class UnpricedTime:
 
 
 def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                          trials: int = 5) -> UnpricedTime:
+                          trials: int = 5, overrides: Mapping[str, object] | None = None) -> UnpricedTime:
     """What a balanced call of `moe` (built with balance="pro-prophet", its planner's model
     already fitted) spends beyond what the paper's model prices: the layer's forward and backward
-    on `x` (..., dim), timed with no copy and with expert 0 copied to every other rank (the call
-    copying it itself, as a call not launched ahead does), interleaved, wall time, the slowest
-    rank's median. `rest_s`: the call with no copy less the model's time for it on the input's own
+    on `x` (..., dim), with the call settings `overrides` (e.g. kernels="comet": the copies in
+    replica slots, `MoE.copies_in_slots`), timed with no copy and with expert 0 copied to every
+    other rank (the call copying it itself, as a call not launched ahead does), interleaved, wall
+    time, the slowest rank's median (eager calls: for a call that a CUDA graph holds, an upper
+    bound on its host time). `rest_s`: the call with no copy less the model's time for it on the input's own
     load (eqs. 1-3: the all-to-alls and the experts); `copy_overhead_s`: the difference of the two
     calls less the model's difference between the placements (eqs. 1-6: the moved rows, Trans and
     Agg unhidden). Neither below 0. A collective over every rank (the timing agrees over the
@@ -154,11 +156,16 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
         dtype = moe.experts.compute_dtype(x)
     copies = {0: frozenset(range(1, world))}
     grad = torch.randn_like(x)
+    overrides = dict(overrides or {})
+    in_slots = moe.copies_in_slots(moe.call_with(**overrides))
 
     def call(copied: dict) -> None:
-        transfer = Transfer(moe.experts, moe.placement, copied, moe.group, dtype) if copied else Transfer.none()
         with ctx():
-            y = moe(x.detach().requires_grad_(), transfer=transfer)
+            if in_slots:
+                y = moe(x.detach().requires_grad_(), copies=copied, **overrides)
+            else:
+                transfer = Transfer(moe.experts, moe.placement, copied, moe.group, dtype) if copied else Transfer.none()
+                y = moe(x.detach().requires_grad_(), transfer=transfer, **overrides)
         y.backward(grad)
         moe.zero_grad(set_to_none=True)
 
@@ -176,10 +183,10 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
 
 
 def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                       trials: int = 5) -> LayerCostModel:
+                       trials: int = 5, overrides: Mapping[str, object] | None = None) -> LayerCostModel:
     """Give the balanced layer `moe`'s planner its measured `rest_s` and `copy_overhead_s`
-    (`measure_unpriced_time` on `x`); returns the model."""
-    unpriced = measure_unpriced_time(moe, x, autocast, trials)
+    (`measure_unpriced_time` on `x`, calls with `overrides`); returns the model."""
+    unpriced = measure_unpriced_time(moe, x, autocast, trials, overrides)
     moe.balancer.model = dataclasses.replace(moe.balancer.model, rest_s=unpriced.rest_s,
                                              copy_overhead_s=unpriced.copy_overhead_s)
     return moe.balancer.model

@@ -63,6 +63,8 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     (`choose_fixed_size`)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
+    if model.balanced:  # a graph would replay the placement of its capture
+        return "--balance pro-prophet plans each call's copies on the host from the earlier calls' loads"
     if overlap == "lancet":
         if model.unit_runner is not None:
             return "--overlap lancet's partitioned forward ranges read their all-to-allv sizes on the host"

@@ -23,6 +23,7 @@ from weft.comm import all_to_all
 from weft.comm.all_to_all import ALL_GATHER
 from weft.distributed import HierarchicalGroups, group_rank, group_size
 from weft.hostcopy import device_tensor
+from weft.moe.exchange.replica_slots import ReplicaCall
 from weft.moe.experts import Experts
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
@@ -87,19 +88,20 @@ class GroupedOnDevice:
     rank: int
     rows: int
     most_received: int
+    replicas: ReplicaCall | None = None
 
 
 def gather_counts_on_device(counts_E: torch.Tensor, group: dist.ProcessGroup | None, rows: int,
-                            most_received: int) -> GroupedOnDevice:
+                            most_received: int, replicas: ReplicaCall | None = None) -> GroupedOnDevice:
     """Every rank's `counts_E` gathered over `group` on the device (one all-gather of W * E
-    numbers; nothing read on the host)."""
+    numbers; nothing read on the host). `replicas`: the call's Pro-Prophet copies (Comet's path)."""
     world = group_size(group)
     if world == 1:
         return GroupedOnDevice(counts_E, counts_E.view(1, -1), 0, rows, most_received)
     gathered = counts_E.new_empty(world, counts_E.numel())
     with stage("all_to_all"):
         ALL_GATHER(gathered.view(-1), counts_E.contiguous(), group=group)
-    return GroupedOnDevice(counts_E, gathered, group_rank(group), rows, most_received)
+    return GroupedOnDevice(counts_E, gathered, group_rank(group), rows, most_received, replicas)
 
 
 Layout = Padded | Grouped | GroupedOnDevice

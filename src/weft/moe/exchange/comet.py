@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from weft.kernels import comet as kernels
 from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
 from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice, Layout, Staging
+from weft.moe.exchange.replica_slots import ReplicaCall, aggregate, fork, merge, slot_experts
 from weft.moe.experts import activate
 from weft.profiling import stage
 from weft.tune.dictionary import TuningDictionary
@@ -293,11 +295,45 @@ class Comet(Exchange):
         tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
         if rows_ND.shape[0] != layout.rows:
             raise ValueError(f"Comet's exchange got {rows_ND.shape[0]} rows, the layout says {layout.rows}")
+        replicas = layout.replicas if layout.replicas is not None and layout.replicas.slots.copied else None
+        served = None if replicas is None else replicas.slots.served_WE()
         rows = RowMap.on_device(layout.counts_WE, self.peers.rank, self.ctx.placement.num_local, tiles.block_m,
-                                layout.most_received)
-        return self._run(rows_ND, self._buffer_rows(layout, rows_ND.shape[0]), rows, tiles)
+                                layout.most_received, served)
+        buffer_rows = self._buffer_rows(layout, rows_ND.shape[0])
+        if replicas is None:
+            return self._run(rows_ND, buffer_rows, rows, tiles)
+        return self._run_replicated(rows_ND, buffer_rows, rows, tiles, replicas, layout.counts_WE)
 
-    def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles) -> torch.Tensor:
+    def _run_replicated(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
+                        replicas: ReplicaCall, counts_WE: torch.Tensor) -> torch.Tensor:
+        """Pro-Prophet's copies (`weft.moe.exchange.replica_slots`): Trans, then Comet on the rows
+        the map keeps, with this rank's served rows (if its slots hold copies) computed by its slots
+        between layer0 and layer1; Agg queued by the output's backward."""
+        experts, slots = self.ctx.experts, replicas.slots
+        dtype = experts.compute_dtype(rows_ND)
+        params = experts.weights()
+        with stage("trans"):
+            held = slots.transfer(params, dtype)
+        if not slots.holds_here:
+            out_ND = self._run(rows_ND, buffer_rows, rows, tiles)
+        else:
+            with torch.autocast(rows_ND.device.type, enabled=False):
+                slot_rows = slots.slot_rows(counts_WE, replicas.most_rows)
+                rows_ND, x_MD = fork(rows_ND.to(dtype).contiguous(), slot_rows)
+            outputs = []
+
+            def between() -> None:
+                outputs.append(slot_experts(x_MD, slot_rows, slots, experts.activation, held, params))
+
+            out_ND = self._run(rows_ND, buffer_rows, rows, tiles, between)
+            with torch.autocast(out_ND.device.type, enabled=False):
+                out_ND = merge(out_ND, outputs[0], slot_rows)
+        return aggregate(out_ND, slots, params, dtype)
+
+    def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
+             between: Callable[[], None] | None = None) -> torch.Tensor:
+        """Layer0 and layer1 through autograd (`between`: run between the two, in forward and,
+        being created there, in backward)."""
         experts = self.ctx.experts
         dtype = experts.compute_dtype(rows_ND)
         w1, w2, w3 = experts.weights()
@@ -312,5 +348,7 @@ class Comet(Exchange):
                                                             plan)
             if w3 is not None:  # swiglu: dW3 leaves autograd before layer0's backward makes dW1
                 link = CometW3Grad.apply(link, gathered, w3, plan.rows)
+            if between is not None:
+                between()
             # w2 cast after layer0: a cast's backward then runs before layer0's, and dW2 leaves first
             return CometLayer1.apply(link, act, w2.to(dtype), plan, rows_ND.detach(), *saved)

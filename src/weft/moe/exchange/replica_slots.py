@@ -1,0 +1,306 @@
+"""Pro-Prophet's copies (sec. IV-A, fig. 6) on Comet's dropless path, where nothing is read on the
+host and a CUDA graph holds the call.
+
+Every rank has R = rounds * (W - 1) replica slots per layer: Alg. 1 comes to each owner at most
+`rounds` times (the paper: once), so a rank holds at most that many copies from each other rank.
+The placement is a small tensor on the device, `expert_WR[h, j]` (the expert in rank h's slot j,
+or -1), the same on every rank, written from the host's plan before the call (a CUDA graph
+replays the placement of its capture). A call with copies:
+
+- Trans: each owner writes its copied experts' weights into the holders' slots, by address
+  (`weft.kernels.replica.push_copies`), between two barriers;
+- Comet's map leaves out each holder's own rows of the experts it holds (`RowMap.on_device`'s
+  `served_WE`): the owner neither pulls them nor pushes their outputs back;
+- a holder computes those rows itself, with the copies (`_SlotExperts`: grouped GEMMs over the
+  rows gathered from its own dispatched rows), between Comet's layer0 and layer1, where a cold
+  rank otherwise waits for the hot one at layer1's barrier, and in backward between layer1's and
+  layer0's, for the same reason (autograd runs ready nodes latest-created first); their outputs
+  and input gradients are written into Comet's at those rows (in place, the slots' rows only). A
+  rank whose slots hold nothing (the host knows the placement) runs none of this;
+- Agg: the holders' slot gradients go to a peer buffer, and at the end of the backward pass
+  (autograd's final callback, queued on every rank by the output's backward, after the owners'
+  own weight gradients are accumulated) each owner adds them into its weights' `.grad`
+  (`pull_add_grads`), between two barriers.
+
+Same function as the plain layer: outputs, every gradient (the copies' shares summed into the
+owner's, in another order: equal to rounding) and the routed counts. No parameter or optimizer
+state is added, so checkpoints are plain ones. Invariant (as Comet's buffers need): a layer's
+calls run one after another on one stream, each call's backward (if any) before the layer's
+next call.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weft.comm.peers import PeerBuffer, PeerBuffers
+from weft.hostcopy import device_tensor
+from weft.kernels.comet import activation_epilogue_reference
+from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm
+from weft.kernels.replica import pull_add_grads, push_copies
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """This rank's dispatched rows that its slots compute, on the device, in fixed sizes (a graph
+    holds them). `idx_M` (int64, M): slot row m is dispatched row idx_M[m], slot j's rows ending
+    at `ends_R[j]` (int32, the grouped GEMM's offsets); `used_M`: m is one of them (the rest are
+    padding, row 0). `write_M`: where slot row m's values go among the dispatched rows: idx_M[m],
+    or for padding a row no slot computes, which gets its own value back (duplicates of equal
+    values: deterministic)."""
+
+    idx_M: torch.Tensor
+    ends_R: torch.Tensor
+    used_M: torch.Tensor
+    write_M: torch.Tensor
+
+
+class ReplicaSlots:
+    """One balanced layer's replica slots on its expert-parallel group: the placement on the
+    device, the slots' weights and gradients in peer buffers (named by `key`, one set per layer),
+    and Trans and Agg."""
+
+    def __init__(self, peers: PeerBuffers, key: str, num_experts: int, device: torch.device, rounds: int = 1):
+        self.peers, self.key = peers, key
+        self.world, self.rank = peers.world, peers.rank
+        self.per_rank = rounds * max(1, self.world - 1)
+        self.num_experts, self.num_local = num_experts, num_experts // self.world
+        self.expert_WR = torch.full((self.world, self.per_rank), -1, dtype=torch.int64, device=device)
+        self._placed: tuple[tuple[int, ...], ...] = ((),) * self.world
+
+    @property
+    def copied(self) -> list[int]:
+        """The experts some slot holds (host view of the placement)."""
+        return sorted({e for held in self._placed for e in held})
+
+    def place(self, copies: Mapping[int, Collection[int]]) -> None:
+        """Hold `copies` (expert -> the ranks that get a copy) from the next call on: each rank's
+        copies in its slots by expert id. Written to the device without a host wait; not while a
+        CUDA graph is captured (a graph replays the placement it found)."""
+        held: list[list[int]] = [[] for _ in range(self.world)]
+        for e in sorted(copies):
+            owner = e // self.num_local
+            for h in sorted(copies[e]):
+                if h == owner or not 0 <= h < self.world:
+                    raise ValueError(f"expert {e} (owned by rank {owner}) copied to rank {h}")
+                held[h].append(e)
+        if any(len(h) > self.per_rank for h in held):
+            raise ValueError(f"more copies on one rank than its {self.per_rank} replica slots: {held}")
+        placed = tuple(tuple(h) for h in held)
+        if placed == self._placed:
+            return
+        if self.expert_WR.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a replica placement cannot change while a CUDA graph is captured")
+        values = [e for h in held for e in h + [-1] * (self.per_rank - len(h))]
+        self.expert_WR.copy_(device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank))
+        self._placed = placed
+
+    def served_WE(self) -> torch.Tensor:
+        """(W, E) bool: rank w computes its own rows of expert e (a slot of w holds e)."""
+        experts = torch.arange(self.num_experts, device=self.expert_WR.device)
+        return (self.expert_WR[:, :, None] == experts).any(1)
+
+    @property
+    def holds_here(self) -> bool:
+        """Whether a slot of this rank holds a copy (host view of the placement): only then does it
+        compute slot rows."""
+        return bool(self._placed[self.rank])
+
+    def slot_rows(self, counts_WE: torch.Tensor, bound: int) -> SlotRows:
+        """Where this rank's slot rows are among its dispatched rows (sorted by expert, its row of
+        `counts_WE`), at most `bound` of them (R * T for T tokens: a token picks an expert once).
+        Small ops over the experts, slots and `bound` rows: deterministic, no host read."""
+        device, E = counts_WE.device, self.num_experts
+        counts_E = counts_WE[self.rank].to(torch.int64)
+        firsts_E = torch.cumsum(counts_E, 0) - counts_E
+        expert_R = self.expert_WR[self.rank]
+        held_E = (torch.arange(E, device=device)[:, None] == expert_R[None, :]).any(1)
+        count_R = torch.where(expert_R >= 0, counts_E[expert_R.clamp(min=0)], 0)
+        ends_R = torch.cumsum(count_R, 0)
+        m = torch.arange(bound, device=device)
+        j_M = torch.searchsorted(ends_R, m, right=True).clamp(max=self.per_rank - 1)
+        used_M = m < ends_R[-1]
+        idx_M = torch.where(used_M, firsts_E[expert_R.clamp(min=0)][j_M] + m - (ends_R - count_R)[j_M], 0)
+        # padding writes to the first row of an expert no slot holds (there is one wherever there is padding)
+        free = firsts_E.index_select(0, ((counts_E > 0) & ~held_E).to(torch.int32).argmax().view(1))
+        return SlotRows(idx_M, ends_R.to(torch.int32), used_M, torch.where(used_M, idx_M, free))
+
+    def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PeerBuffer:
+        return self.peers.get(f"replica.{self.key}.{name}", (self.per_rank, *shape), dtype)
+
+    def transfer(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+        """Trans: the slots' weights (R, K, N) in `dtype` on this rank, each weight of the
+        experts' (El, K, N) written by its owner (the slots' gradient buffers made beside them, on
+        every rank: making a peer buffer is collective). The first barrier keeps the writes after
+        every rank's earlier reads of its slots (the last call's backward, or forward without one)."""
+        self.peers.barrier()
+        held = []
+        for i, w in enumerate(weights):
+            if w is None:
+                held.append(None)
+                continue
+            buffer = self._buffer(f"w{i}", tuple(w.shape[1:]), dtype)
+            self._buffer(f"g{i}", tuple(w.shape[1:]), dtype)
+            push_copies(w.detach(), buffer.peers, buffer.table, self.expert_WR, self.rank)
+            held.append(buffer.local)
+        self.peers.barrier()
+        return tuple(held)
+
+    def keep_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        """The slots' weight gradients (R, K, N), from their backward, into the peer buffers Agg
+        reads (made by `transfer`)."""
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                self._buffer(f"g{i}", tuple(grad.shape[1:]), grad.dtype).local.copy_(grad)
+
+    def queue_aggregate(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> None:
+        """Agg at the end of this backward pass (autograd's final callback, after the owners' own
+        weight gradients are accumulated): each owner adds the slots' gradients of its experts
+        into its `params[i].grad`, between two barriers (every rank queues it: they are collective)."""
+        buffers = [(p, self._buffer(f"g{i}", tuple(p.shape[1:]), dtype)) for i, p in enumerate(params)
+                   if p is not None and p.requires_grad]
+
+        def add_copies() -> None:
+            self.peers.barrier()
+            for param, buffer in buffers:
+                if param.grad is None:  # the weight got no other gradient in this backward
+                    param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                pull_add_grads(param.grad, buffer.peers, buffer.table, self.expert_WR, self.rank)
+            self.peers.barrier()
+
+        torch.autograd.Variable._execution_engine.queue_callback(add_copies)
+
+
+class _Fork(torch.autograd.Function):
+    """The dispatched rows (N, D) for Comet (the same tensor: Comet finds them in its buffer) and
+    the slot rows gathered from them; backward, Comet's gradient (a tensor of its own, stale at the
+    served rows, which its map skips) with the served rows' taken from the slots, in place."""
+
+    @staticmethod
+    def forward(ctx, rows_ND, rows: SlotRows):
+        ctx.rows, ctx.rows_shape = rows, rows_ND.shape
+        return rows_ND.view_as(rows_ND), rows_ND.index_select(0, rows.idx_M)
+
+    @staticmethod
+    def backward(ctx, grad_ND, grad_MD):
+        rows = ctx.rows
+        if grad_MD is None:
+            return grad_ND, None
+        if grad_ND is None:
+            grad_ND = grad_MD.new_zeros(ctx.rows_shape)
+        return _write_rows(grad_ND, grad_MD, rows), None
+
+
+def _write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, rows: SlotRows) -> torch.Tensor:
+    """`into_ND` with the slot rows' values (the used ones of `rows_MD`) written at their rows, in
+    place; padding rows write their target's own value back."""
+    values = torch.where(rows.used_M[:, None], rows_MD.to(into_ND.dtype), into_ND.index_select(0, rows.write_M))
+    return into_ND.index_copy_(0, rows.write_M, values)
+
+
+class _SlotExperts(torch.autograd.Function):
+    """The slots' experts on this rank's slot rows (M, D): grouped GEMMs with the copies' weights,
+    the activation between them, as the plain experts compute it. The owners' weights are inputs
+    too (not read), so that backward runs, and Agg with it, whenever they need a gradient."""
+
+    @staticmethod
+    def forward(ctx, x_MD, ends_R, slots: ReplicaSlots, activation: str, held: tuple, params: tuple, *owner_weights):
+        w1, w2, w3 = held
+        h1 = grouped_rows_mm(x_MD, w1, ends_R)
+        if w3 is None:
+            act, kept = activation_epilogue_reference(activation, h1)
+            saved = (act,) if kept is None else (kept,)
+        else:
+            h3 = grouped_rows_mm(x_MD, w3, ends_R)
+            act, saved = torch.nn.functional.silu(h1) * h3, (h1, h3)
+        ctx.slots, ctx.activation, ctx.held, ctx.params = slots, activation, held, params
+        ctx.num_owner = len(owner_weights)
+        ctx.save_for_backward(x_MD, ends_R, *saved)
+        return grouped_rows_mm(act, w2, ends_R)
+
+    @staticmethod
+    def backward(ctx, dy_MD):
+        x_MD, ends_R, *saved = ctx.saved_tensors
+        w1, w2, w3 = ctx.held
+        dy_MD = dy_MD.to(x_MD.dtype).contiguous()
+        grad_act = grouped_rows_mm(dy_MD, w2.transpose(1, 2), ends_R)
+        grad_h, act = activation_epilogue_reference(ctx.activation, grad_act, tuple(saved))
+        act = saved[0] if act is None else act  # relu kept act(h)
+        grad_w2 = grouped_weights_mm(act, dy_MD, ends_R)
+        if w3 is None:
+            grad_w1, grad_w3 = grouped_weights_mm(x_MD, grad_h, ends_R), None
+            grad_x = grouped_rows_mm(grad_h, w1.transpose(1, 2), ends_R)
+        else:
+            hidden = w1.shape[2]
+            grad_h1, grad_h3 = grad_h[:, :hidden].contiguous(), grad_h[:, hidden:].contiguous()
+            grad_w1, grad_w3 = grouped_weights_mm(x_MD, grad_h1, ends_R), grouped_weights_mm(x_MD, grad_h3, ends_R)
+            grad_x = grouped_rows_mm(grad_h1, w1.transpose(1, 2), ends_R) + \
+                grouped_rows_mm(grad_h3, w3.transpose(1, 2), ends_R)
+        ctx.slots.keep_grads((grad_w1, grad_w2, grad_w3))
+        return grad_x, None, None, None, None, None, *(None,) * ctx.num_owner
+
+
+class _Merge(torch.autograd.Function):
+    """Comet's outputs (N, D, a tensor of its own) with the served rows written from the slots'
+    (M, D), in place; backward, the gradient as it is to Comet (its map skips the served rows; it
+    may be Comet's staged buffer) and gathered to the slot rows."""
+
+    @staticmethod
+    def forward(ctx, out_ND, y_MD, rows: SlotRows):
+        ctx.rows = rows
+        ctx.mark_dirty(out_ND)
+        return _write_rows(out_ND, y_MD, rows)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        return grad_ND, grad_ND.index_select(0, ctx.rows.idx_M), None
+
+
+class _Aggregate(torch.autograd.Function):
+    """The layer's output, unchanged; its backward queues Agg (`ReplicaSlots.queue_aggregate`) on
+    every rank, holder or not. The owners' weights are inputs (not read), so that backward runs
+    whenever they need a gradient."""
+
+    @staticmethod
+    def forward(ctx, out_ND, slots: ReplicaSlots, params: tuple, dtype: torch.dtype, *owner_weights):
+        ctx.slots, ctx.params, ctx.dtype, ctx.num_owner = slots, params, dtype, len(owner_weights)
+        return out_ND.view_as(out_ND)
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        ctx.slots.queue_aggregate(ctx.params, ctx.dtype)
+        return grad_ND, None, None, None, *(None,) * ctx.num_owner
+
+
+def fork(rows_ND: torch.Tensor, rows: SlotRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the rows for Comet, the slot rows (M, D)): `_Fork`."""
+    return _Fork.apply(rows_ND, rows)
+
+
+def slot_experts(x_MD: torch.Tensor, rows: SlotRows, slots: ReplicaSlots, activation: str,
+                 held: tuple[torch.Tensor | None, ...], params: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
+    """The slot rows' outputs (M, D) with the held copies (`_SlotExperts`); `params` the owners'
+    expert weights (their gradient's share goes to Agg's buffers)."""
+    owner = tuple(p for p in params if p is not None)
+    return _SlotExperts.apply(x_MD, rows.ends_R, slots, activation, held, params, *owner)
+
+
+def merge(out_ND: torch.Tensor, y_MD: torch.Tensor, rows: SlotRows) -> torch.Tensor:
+    """Comet's rows with the served ones from the slots (`_Merge`)."""
+    return _Merge.apply(out_ND, y_MD, rows)
+
+
+def aggregate(out_ND: torch.Tensor, slots: ReplicaSlots, params: tuple[torch.Tensor | None, ...],
+              dtype: torch.dtype) -> torch.Tensor:
+    """`out_ND`, whose backward queues Agg of `params`' copies (slot gradients in `dtype`)."""
+    return _Aggregate.apply(out_ND, slots, params, dtype, *(p for p in params if p is not None))
+
+
+@dataclass(frozen=True)
+class ReplicaCall:
+    """A dropless call's copies: the layer's slots and the most slot rows this rank can have."""
+
+    slots: ReplicaSlots
+    most_rows: int

@@ -1,0 +1,236 @@
+"""Pro-Prophet's copies in replica slots on Comet's dropless path (`weft.moe.exchange.replica_slots`,
+`weft.kernels.replica`): nothing read on the host, so a CUDA graph holds the call.
+
+- Trans and Agg's kernels (`push_copies`, `pull_add_grads`) in Triton's CPU interpreter against
+  their PyTorch references, every rank's slots in one process.
+- `SlotRows` against a loop over the dispatched rows.
+- `weft.MoE(kernels="comet", balance="pro-prophet")` against the plain layer on 2 and 4 gloo
+  processes sharing their buffers through files in shared memory, over SGD steps whose growing
+  skew changes the copies: outputs, input gradients, every parameter's gradient (the holders'
+  shares added into the owners') and the routed counts; through the kernels' references and
+  through the Triton kernels (interpreter).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_balance_equivalence import copies_pay, step_and_compare
+from test_moe_exchange import _count_reads
+from weft import MoE
+from weft.testing import Checks, run_checks, run_distributed
+
+DIM, HIDDEN, TOP_K, TOKENS = 16, 32, 2, 24
+
+
+def _peers(world: int, per_rank: int, shape: tuple[int, ...], dtype: torch.dtype, gen) -> tuple[list, torch.Tensor]:
+    slots = [torch.randn(per_rank, *shape, generator=gen).to(dtype) for _ in range(world)]
+    return slots, torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64)
+
+
+def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
+    """Every rank's Trans writes exactly the slots holding its experts (the others keep their
+    values), and Agg adds every slot's gradient of each of its experts into its rows, in slot
+    order in float32 (slots of `dtype`, gradients float32), leaving the other rows alone: the Triton
+    kernels bitwise as the references."""
+    from weft.kernels import replica
+
+    replica.BLOCK = 64  # several programs per expert in the interpreter
+    failures = []
+    gen = torch.Generator().manual_seed(world)
+    local, per_rank, shape = 3, world - 1, (5, 37)
+    expert_WR = torch.full((world, per_rank), -1, dtype=torch.int64)
+    for h in range(world):  # a copy of one expert of each of the other ranks
+        for j, owner in enumerate(r for r in range(world) if r != h):
+            expert_WR[h, j] = owner * local + (h + j) % local
+    if world > 2:  # an empty slot; two holders of one expert (ranks 2's and 3's slot 0 hold rank 0's)
+        expert_WR[1, per_rank - 1] = -1
+        expert_WR[2, 0] = expert_WR[3, 0] = 1
+    weights = [torch.randn(local, *shape, generator=gen).to(dtype) for _ in range(world)]
+    for rank in range(world):
+        slots, table = _peers(world, per_rank, shape, dtype, gen)
+        expected = [s.clone() for s in slots]
+        replica.push_copies_reference(weights[rank], expected, expert_WR, rank)
+        replica.push_copies(weights[rank], slots, table, expert_WR, rank)
+        failures += [f"rank {rank}: Trans into rank {h}'s slots differs" for h in range(world)
+                     if not torch.equal(slots[h], expected[h])]
+        grad = torch.randn(local, *shape, generator=gen)  # float32: the interpreter truncates bf16 stores
+        before, expected_grad = grad.clone(), grad.clone()
+        replica.pull_add_grads_reference(expected_grad, slots, expert_WR, rank)
+        replica.pull_add_grads(grad, slots, table, expert_WR, rank)
+        if not torch.equal(grad, expected_grad):
+            failures.append(f"rank {rank}: Agg differs from its reference")
+        mine = {int(e) - rank * local for e in expert_WR.flatten() if e >= 0 and e // local == rank}
+        if not mine:
+            failures.append(f"rank {rank} owns no copied expert: the case tests little")
+        if torch.equal(grad, before):
+            failures.append(f"rank {rank}: Agg added nothing")
+        failures += [f"rank {rank}: Agg wrote expert {i}'s rows, which no slot holds" for i in range(local)
+                     if i not in mine and not torch.equal(grad[i], before[i])]
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_replica_kernels_match_their_references(world, dtype, monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(replica_kernels_worker, 1, args=(world, dtype), timeout=300)[0]
+    assert not failures, "\n".join(failures)
+
+
+def test_slot_rows_follow_the_placement():
+    """Slot j's rows are the rank's dispatched rows of the expert it holds, in order; every other
+    row is left to Comet; rows past the slots' are padding."""
+    from weft.comm.peers import LocalPeers
+    from weft.moe.exchange.replica_slots import ReplicaSlots
+
+    class TwoRanks(LocalPeers):  # the placement's arithmetic only: no buffer is allocated
+        def __init__(self):
+            super().__init__(None, torch.device("cpu"))
+            self.world, self.rank = 4, 2
+
+    slots = ReplicaSlots(TwoRanks(), "0", 8, torch.device("cpu"))
+    slots.place({1: {2, 3}, 6: {2}, 7: {0}})
+    counts_WE = torch.randint(0, 5, (4, 8), generator=torch.Generator().manual_seed(0))
+    counts_WE[2, 6] = 0  # a slot whose expert has no rows here
+    rows = int(counts_WE[2].sum())
+    assert not _count_reads(lambda: slots.slot_rows(counts_WE, rows)), "slot_rows read the device on the host"
+    got = slots.slot_rows(counts_WE, rows)
+    starts = torch.cumsum(counts_WE[2], 0) - counts_WE[2]
+    expected = [int(starts[1]) + i for i in range(int(counts_WE[2, 1]))]
+    total = len(expected)
+    assert got.idx_M[:total].tolist() == expected and not got.idx_M[total:].any()
+    assert got.used_M.tolist() == [True] * total + [False] * (rows - total)
+    assert got.ends_R.tolist() == [total, total, total]
+    free = int(got.write_M[-1])  # padding's target: a row of an expert no slot holds
+    assert got.write_M.tolist() == expected + [free] * (rows - total) and free not in expected
+    assert counts_WE[2, 0] == 0 or free == 0
+    assert slots.served_WE().nonzero().tolist() == [[0, 7], [2, 1], [2, 6], [3, 1]]
+    with pytest.raises(ValueError, match="replica slots"):
+        slots.place({0: {2}, 1: {2}, 3: {2}, 7: {2}})
+    with pytest.raises(ValueError, match="copied to rank 0"):
+        slots.place({1: {0}})
+
+
+def slots_worker(num_experts: int, activation: str, triton: bool, steps: int = 5, device: str = "cpu",
+                 dim: int = DIM, tolerance: float = 1e-5, rounds: int = 1) -> list[str]:
+    """The balanced Comet layer against the plain one over `steps` SGD steps (see the module
+    docstring); every rank routes TOKENS tokens (Comet's dropless path sizes its buffers by it).
+    `rounds` > 1: experts 0 and 1 (both rank 0's) hot, so that rank 0 gives away both."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    checks = Checks(f"rank {rank}")
+    expect = checks.expect
+    layers = []
+    for kernels, balance in (("torch", None), ("comet", "pro-prophet")):
+        torch.manual_seed(0)
+        layers.append(MoE(dim, 2 * dim, num_experts, TOP_K, capacity_factor=None, activation=activation,
+                          kernels=kernels, balance=balance, balance_model=copies_pay(world), device=device,
+                          balance_rounds=rounds))
+    for layer in layers:
+        with torch.no_grad():
+            layer.router.weight[1, 0] += 10.0  # expert 1 (on rank 0) hot, through x[:, 0]
+            if rounds > 1:
+                layer.router.weight[0, 0] += 9.0
+    plain, balanced = layers
+    expect(balanced.copies_in_slots(), "the balanced Comet layer does not place its copies in slots")
+    optimizers = [torch.optim.SGD(layer.parameters(), lr=0.05) for layer in layers]
+    copied = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + 10 * step + rank)
+        x = torch.randn(TOKENS, dim, generator=gen)
+        x[:, 0] += 1.0 + 0.5 * step  # the skew grows: the plans differ from step to step
+        grad_out = torch.randn(x.shape, generator=gen)
+        step_and_compare(layers, optimizers, x.to(device), grad_out.to(device), f"step {step}", tolerance, expect)
+        copied.append(tuple(balanced._replica_slots.copied))
+    expect(copied[0] == (), f"the first call has no history to plan from, yet copied {copied[0]}")
+    expect(any(copied), f"no expert was ever copied ({copied}): the test exercised nothing")
+    expect(all(1 in c for c in copied if c), f"the hot expert 1 was not among the copies: {copied}")
+    if rounds > 1:
+        expect(any({0, 1} <= set(c) for c in copied), f"rank 0 never gave away both hot experts: {copied}")
+    if triton:  # the call went through the Triton kernels (interpreter)
+        from weft.kernels.rows import triton_usable
+        expect(triton_usable(torch.zeros(1)), "TRITON_INTERPRET did not reach the worker")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_copies_in_slots_compute_the_plain_layer(world_size, activation):
+    flat = run_checks(slots_worker, world_size, args=(2 * world_size, activation, False), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+def test_several_copies_from_one_rank_compute_the_plain_layer():
+    """balance_rounds=2 on 2 ranks: rank 0 gives away both of its hot experts (two slots a rank)."""
+    flat = run_checks(slots_worker, 2, args=(4, "gelu", False, 5, "cpu", DIM, 1e-5, 2), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_copies_in_slots_through_the_triton_kernels(world_size, monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(slots_worker, world_size, args=(2 * world_size, "relu", True, 3), timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+def slots_graph_worker(device: str = "cuda") -> list[str]:
+    """On GPUs, bf16: a balanced Comet layer's step with copies in its slots, captured as one CUDA
+    graph (its placement as the capture found it), replays the eager step's outputs, input
+    gradient and parameter gradients bitwise on new inputs (Comet's, the slots' and Agg's kernels
+    are deterministic)."""
+    from weft.graphs import GraphedStep
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{torch.cuda.current_device()}"
+    checks = Checks(f"rank {rank}")
+    torch.manual_seed(0)
+    moe = MoE(256, 512, 4 * world, TOP_K, capacity_factor=None, activation="gelu", dtype=torch.bfloat16,
+              device=device, kernels="comet", balance="pro-prophet", balance_model=copies_pay(world))
+    with torch.no_grad():
+        moe.router.weight[1, 0] += 10.0
+    params = list(moe.parameters())
+    gen = torch.Generator(device=device).manual_seed(10 + rank)
+    xs = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    dys = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
+    for x in xs:
+        x[:, 0] += 2.0
+
+    def fwd_bwd(x, dy):
+        y = moe(x)
+        y.backward(dy)
+        return y.detach()
+
+    for x, dy in zip(xs[:2], dys[:2]):  # a load to plan from, then a call with the copies placed
+        fwd_bwd(x.clone().requires_grad_(), dy)
+    for p in params:
+        p.grad = None
+    moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
+    checks.expect(bool(moe._replica_slots.copied), "the warm-up calls placed no copy: the graph tests nothing")
+    graphed = GraphedStep(fwd_bwd, [xs[0].clone().requires_grad_(), dys[0]], grads_of=params, accumulate=False)
+    for x, dy in zip(xs[2:], dys[2:]):
+        y = graphed(x, dy)
+        replayed = [y.clone(), graphed.inputs[0].grad.clone()] + [p.grad.clone() for p in params]
+        kept = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        xi = x.clone().requires_grad_()
+        eager = [fwd_bwd(xi, dy), xi.grad] + [p.grad.clone() for p in params]
+        for p, grad in zip(params, kept):
+            p.grad = grad
+        for i, (a, b) in enumerate(zip(replayed, eager)):
+            checks.expect(torch.equal(a, b), f"tensor {i} of the replayed step differs from the eager one "
+                                             f"(max {float((a.float() - b.float()).abs().max()):.2e})")
+    return checks.failures
+
+
+def test_copies_apply_to_the_replica_slots_only():
+    """`copies=` places a call's copies in replica slots; a call off Comet's path (here one rank,
+    where nothing is copied) refuses it with a one-line error instead of ignoring it."""
+    moe = MoE(DIM, HIDDEN, 4, TOP_K, capacity_factor=None, balance="pro-prophet")
+    with pytest.raises(ValueError, match="copies= applies to a balanced layer's dropless calls on Comet's path"):
+        moe(torch.randn(8, DIM), copies={0: {1}})
