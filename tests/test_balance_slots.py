@@ -92,7 +92,11 @@ def test_slot_rows_follow_the_placement():
             self.world, self.rank = 4, 2
 
     slots = ReplicaSlots(TwoRanks(), "0", 8, torch.device("cpu"))
+    before = slots.expert_WR
     slots.place({1: {2, 3}, 6: {2}, 7: {0}})
+    # a new tensor: a graph captured with the earlier placement keeps reading its own
+    assert (before == -1).all() and slots.expert_WR is not before
+    assert slots.expert_WR.tolist() == [[7, -1, -1], [-1, -1, -1], [1, 6, -1], [1, -1, -1]]
     counts_WE = torch.randint(0, 5, (4, 8), generator=torch.Generator().manual_seed(0))
     counts_WE[2, 6] = 0  # a slot whose expert has no rows here
     rows = int(counts_WE[2].sum())

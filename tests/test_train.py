@@ -642,6 +642,11 @@ def test_pro_prophet_balancing_trains_with_the_plain_losses(corpus, tmp_path):
     copied = [r["copied_experts"] for r in rows if "loss" in r]
     assert all(len(layers) == 2 for layers in copied)  # one list per MoE layer
     assert any(experts for layers in copied for experts in layers), "no expert was copied in 12 steps"
+    # each layer's plan: the busiest rank over the mean, plain and with the copies (lower where it copies)
+    planned = [(experts, load) for r in rows if "loss" in r
+               for experts, load in zip(r["copied_experts"], r["planned_rank_load"])]
+    assert all(load is None or 1.0 <= load[1] <= load[0] for _, load in planned), planned
+    assert all(load[1] < load[0] for experts, load in planned if experts), planned
     # a balanced run's checkpoint is a plain one: it resumes without balancing
     resumed = config(corpus, tmp_path / "balanced", steps=12, model=dropless, resume=True, balance="none")
     rows_before = losses(tmp_path / "balanced")

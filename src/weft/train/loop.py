@@ -539,6 +539,8 @@ class PendingStep:
     ready: torch.cuda.Event | None
     num_moes: int
     copied_experts: list | None  # Pro-Prophet: per layer, the experts its last call copied
+    # ... and the busiest rank's rows over the mean its plan predicted, [plain, with the copies] (None: no plan yet)
+    planned_rank_load: list | None = None
 
 
 def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: TrainConfig,
@@ -577,8 +579,14 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         for moe, counts_E in zip(model.moe_layers(), stats[4:].view(num_moes, model.config.num_experts)):
             moe.update_expert_bias(counts_E * finite, model.config.expert_bias_rate)
     copied = [list(moe.balancer.last_copied) for moe in model.moe_layers()] if model.balanced else None
+    rank_loads = [_planned_rank_load(moe.balancer.last_plan) for moe in model.moe_layers()] if model.balanced else None
     values, ready = host_tensor_async(torch.cat([stats, norm.view(1).to(stats.dtype)]))
-    return finished, PendingStep(step, lr, values, ready, num_moes, copied)
+    return finished, PendingStep(step, lr, values, ready, num_moes, copied, rank_loads)
+
+
+def _planned_rank_load(plan) -> list[float] | None:
+    """A Pro-Prophet plan's busiest rank over the mean, [plain, with its copies] (None: no plan)."""
+    return None if plan is None else [round(plan.plain_rank_load, 4), round(plan.rank_load, 4)]
 
 
 def _read_step(pending: PendingStep, model: GPT, optimizer, cfg: TrainConfig) -> dict:
@@ -610,4 +618,5 @@ def _read_step(pending: PendingStep, model: GPT, optimizer, cfg: TrainConfig) ->
         "expert_load": counts.long().tolist(),
         "imbalance": (counts.amax(1) / mean).tolist() if num_moes else [],
         **({"copied_experts": pending.copied_experts} if pending.copied_experts is not None else {}),
+        **({"planned_rank_load": pending.planned_rank_load} if pending.planned_rank_load is not None else {}),
     }

@@ -77,8 +77,10 @@ class ReplicaSlots:
 
     def place(self, copies: Mapping[int, Collection[int]]) -> None:
         """Hold `copies` (expert -> the ranks that get a copy) from the next call on: each rank's
-        copies in its slots by expert id. Written to the device without a host wait; not while a
-        CUDA graph is captured (a graph replays the placement it found)."""
+        copies in its slots by expert id, in a new device tensor (written without a host wait), so
+        that a CUDA graph captured earlier keeps replaying the placement it was captured with, to
+        which its work is shaped (a rank whose slots held nothing captured no slot rows). Not while
+        a graph is captured."""
         held: list[list[int]] = [[] for _ in range(self.world)]
         for e in sorted(copies):
             owner = e // self.num_local
@@ -94,7 +96,7 @@ class ReplicaSlots:
         if self.expert_WR.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a replica placement cannot change while a CUDA graph is captured")
         values = [e for h in held for e in h + [-1] * (self.per_rank - len(h))]
-        self.expert_WR.copy_(device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank))
+        self.expert_WR = device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank)
         self._placed = placed
 
     def served_WE(self) -> torch.Tensor:
