@@ -157,10 +157,12 @@ class ReplicaSlots:
             if grad is not None:
                 self._buffer(f"g{i}", tuple(grad.shape[1:]), grad.dtype).local.copy_(grad)
 
-    def queue_aggregate(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> None:
+    def queue_aggregate(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
+                        expert_WR: torch.Tensor) -> None:
         """Agg at the end of this backward pass (autograd's final callback, after the owners' own
         weight gradients are accumulated): each owner adds the slots' gradients of its experts
-        into its `params[i].grad`, between two barriers (every rank queues it: they are collective)."""
+        (placed by `expert_WR`, the forward's placement) into its `params[i].grad`, between two
+        barriers (every rank queues it: they are collective)."""
         buffers = [(p, self._buffer(f"g{i}", tuple(p.shape[1:]), dtype)) for i, p in enumerate(params)
                    if p is not None and p.requires_grad]
 
@@ -169,7 +171,7 @@ class ReplicaSlots:
             for param, buffer in buffers:
                 if param.grad is None:  # the weight got no other gradient in this backward
                     param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                pull_add_grads(param.grad, buffer.peers, buffer.table, self.expert_WR, self.rank)
+                pull_add_grads(param.grad, buffer.peers, buffer.table, expert_WR, self.rank)
             self.peers.barrier()
 
         torch.autograd.Variable._execution_engine.queue_callback(add_copies)
@@ -268,11 +270,12 @@ class _Aggregate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out_ND, slots: ReplicaSlots, params: tuple, dtype: torch.dtype, *owner_weights):
         ctx.slots, ctx.params, ctx.dtype, ctx.num_owner = slots, params, dtype, len(owner_weights)
+        ctx.expert_WR = slots.expert_WR  # the forward's placement (a later one is a new tensor)
         return out_ND.view_as(out_ND)
 
     @staticmethod
     def backward(ctx, grad_ND):
-        ctx.slots.queue_aggregate(ctx.params, ctx.dtype)
+        ctx.slots.queue_aggregate(ctx.params, ctx.dtype, ctx.expert_WR)
         return grad_ND, None, None, None, *(None,) * ctx.num_owner
 
 
