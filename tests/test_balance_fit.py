@@ -125,6 +125,13 @@ def test_the_copy_overhead_of_the_replica_slots_is_timed_on_their_calls():
     assert not failures, "\n".join(failures)
 
 
+def test_graphed_overhead_timing_needs_calls_in_replica_slots_on_cuda():
+    torch.manual_seed(0)
+    moe = MoE(DIM, HIDDEN, 4, top_k=2, capacity_factor=None, balance="pro-prophet")
+    with pytest.raises(ValueError, match="graphed=True\\) times calls in replica slots on CUDA"):
+        balance_model.measure_unpriced_time(moe, torch.randn(8, DIM), graphed=True)
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_cost_model_constants_come_from_the_measurements(world_size):
     failures = run_checks(fit_worker, world_size, timeout=300)

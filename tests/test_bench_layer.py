@@ -212,6 +212,29 @@ def test_balance_copy_mode_copies_the_heaviest_expert_in_every_call(tmp_path, ca
     assert re.search(rf"balance-copy .* copied experts \[{hottest}\]", capsys.readouterr().out)
 
 
+def test_balance_comet_mode_places_the_copies_in_replica_slots(tmp_path, capsys):
+    """`balance-comet`: the balanced twin on Comet's dropless path (the ranks' buffers shared
+    through files on the CPU), its copies in replica slots, computing the plain layer; planned by
+    the paper's model alone it copies the hot expert, with the copy overhead measured on its eager
+    calls (the default) these tiny CPU experts stay home; `+graph` needs CUDA."""
+    out = tmp_path / "slots.json"
+    cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(None,), steps=2, warmup=1,
+                           json=str(out), skew=2.0, modes=("comet", "balance-comet", "balance-comet+graph"),
+                           baseline="comet", copy_overhead="none")
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    slots, comet = rows["balance-comet"], rows["comet"]
+    assert slots["median_ms"] > 0 and slots["max_abs_error"] == 0.0 and comet["max_abs_error"] == 0.0
+    hottest = int(layer.zipf_bias(4, 2.0).argmax())
+    assert slots["copied_experts"] == [hottest] and "replica slots" in slots["description"]
+    assert "need CUDA" in rows["balance-comet+graph"]["error"]
+    measured = dataclasses.replace(cfg, modes=("comet", "balance-comet"), copy_overhead="measured")
+    run_distributed(layer.run, 2, args=(measured,), timeout=300)
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["balance-comet"]["copied_experts"] == [] and rows["balance-comet"]["max_abs_error"] == 0.0
+    assert rows["balance-comet"]["cost_model"]["copy_overhead_s"] > 0
+
+
 def slow_copy_bench_worker(cfg: LayerBenchConfig, extra_s: float) -> dict:
     """`layer.run` where a copy costs `extra_s` seconds beyond its bytes: the copy overhead's timing
     adds them to the call that copies (this spawned process's module only)."""

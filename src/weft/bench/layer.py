@@ -480,9 +480,10 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                "expert_load_max_over_mean": imbalance, "rank_load_max_over_mean": rank_imbalance}
         rows.append(row)
         try:
-            forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
-                                                         ctx.world_size, x0, copy_overhead, balance_rounds)
             graphed = is_graphed(mode)
+            forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
+                                                         ctx.world_size, x0, copy_overhead, balance_rounds,
+                                                         graphed and cf is None)
             if graphed and base_mode(mode) == "auto" and cf is None:
                 _need_cuda(device)
                 forward, graphed, row["candidates_ms"] = graphed_auto_dropless(moe, x0, grads[0])
@@ -566,7 +567,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
 
 
 def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_overhead: bool = True,
-                  rounds: int = 1, overrides: dict | None = None) -> MoE:
+                  rounds: int = 1, overrides: dict | None = None, graphed: bool = False) -> MoE:
     """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
     its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`, and with
     `copy_overhead` `with_unpriced_time`; the nominal one on a single rank), after an untimed
@@ -581,8 +582,8 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
         twin(warm_input)
-    if copy_overhead and moe.ep_size > 1:  # what a copy and the rest of the call (with `overrides`) cost
-        with_unpriced_time(twin, warm_input, overrides=overrides)  # beyond the model, on this input
+    if copy_overhead and moe.ep_size > 1:  # what a copy and the rest of the call (with `overrides`, as a
+        with_unpriced_time(twin, warm_input, overrides=overrides, graphed=graphed)  # graph if `graphed`) cost
     return twin
 
 
@@ -609,8 +610,8 @@ class HeaviestCopied:
 class InSlots:
     """The balanced layer `twin`'s forward on Comet's dropless path (`kernels="comet"`): its copies
     in replica slots, planned from the loads of its earlier calls (`weft.moe.exchange.replica_slots`),
-    with each copy's overhead measured on such calls (`--copy-overhead measured`: eager calls, so
-    the host's time too, which a graph does not spend)."""
+    with each copy's overhead measured on such calls (`--copy-overhead measured`; `+graph`: each
+    placement's step timed as a CUDA graph, as the mode's graph pays it)."""
 
     OVERRIDES = {"kernels": "comet"}
 
@@ -676,14 +677,16 @@ def _peak_mib(run: Run, device: torch.device) -> float | None:
 
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0, copy_overhead: bool,
-                  rounds: int = 1):
+                  rounds: int = 1, graphed: bool = False):
     if mode in MODES:
         return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
     if mode == BALANCE_MODE:
         twin = balanced_twin(moe, cf, x0, copy_overhead, rounds)
         return twin, list(twin.parameters()), "weft plain + Pro-Prophet's replicated experts"
     if mode == SLOTS_MODE:
-        twin = balanced_twin(moe, cf, x0, copy_overhead, rounds, overrides=InSlots.OVERRIDES)
+        if graphed:
+            _need_cuda(device)
+        twin = balanced_twin(moe, cf, x0, copy_overhead, rounds, InSlots.OVERRIDES, graphed)
         return (InSlots(twin), list(twin.parameters()),
                 "weft comet + Pro-Prophet's copies in replica slots (peer memory, nothing read on the host)")
     if mode == COPY_MODE:

@@ -27,6 +27,7 @@ from weft.balance import LayerCostModel
 from weft.balance.planner import Placement, host_loads
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
+from weft.graphs import time_graphed
 from weft.models.gpt import MoEUnit
 from weft.moe.exchange import Transfer
 from weft.moe.layer import MoE
@@ -134,20 +135,28 @@ class UnpricedTime:
 
 
 def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                          trials: int = 5, overrides: Mapping[str, object] | None = None) -> UnpricedTime:
+                          trials: int = 5, overrides: Mapping[str, object] | None = None,
+                          graphed: bool = False) -> UnpricedTime:
     """What a balanced call of `moe` (built with balance="pro-prophet", its planner's model
     already fitted) spends beyond what the paper's model prices: the layer's forward and backward
     on `x` (..., dim), with the call settings `overrides` (e.g. kernels="comet": the copies in
     replica slots, `MoE.copies_in_slots`), timed with no copy and with expert 0 copied to every
     other rank (the call copying it itself, as a call not launched ahead does), interleaved, wall
-    time, the slowest rank's median (eager calls: for a call that a CUDA graph holds, an upper
-    bound on its host time). `rest_s`: the call with no copy less the model's time for it on the input's own
-    load (eqs. 1-3: the all-to-alls and the experts); `copy_overhead_s`: the difference of the two
-    calls less the model's difference between the placements (eqs. 1-6: the moved rows, Trans and
-    Agg unhidden). Neither below 0. A collective over every rank (the timing agrees over the
-    default group)."""
+    time, the slowest rank's median. Eager calls pay the host's launches too, which a CUDA graph
+    does not: `graphed` (calls in replica slots, on CUDA) times each placement's step captured as
+    a graph instead (`weft.graphs.time_graphed`), as a graphed call will pay it. `rest_s`: the
+    call with no copy less the model's time for it on the input's own load (eqs. 1-3: the
+    all-to-alls and the experts); `copy_overhead_s`: the difference of the two calls less the
+    model's difference between the placements (eqs. 1-6: the moved rows, Trans and Agg
+    unhidden). Neither below 0. A collective over every rank (the timing agrees over the default
+    group)."""
     if moe.balancer is None:
         raise ValueError("measure_unpriced_time: the layer does not balance (build it with balance='pro-prophet')")
+    overrides = dict(overrides or {})
+    in_slots = moe.copies_in_slots(moe.call_with(**overrides))
+    if graphed and not (in_slots and x.is_cuda):
+        raise ValueError("measure_unpriced_time(graphed=True) times calls in replica slots on CUDA "
+                         "(kernels='comet' on GPUs that map each other's memory)")
     world, model = moe.ep_size, moe.balancer.model
     if world < 2:
         return UnpricedTime(0.0, 0.0)
@@ -156,20 +165,31 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
         dtype = moe.experts.compute_dtype(x)
     copies = {0: frozenset(range(1, world))}
     grad = torch.randn_like(x)
-    overrides = dict(overrides or {})
-    in_slots = moe.copies_in_slots(moe.call_with(**overrides))
 
-    def call(copied: dict) -> None:
+    def forward_backward(x_in: torch.Tensor, grad_in: torch.Tensor, copied: dict) -> None:
         with ctx():
             if in_slots:
-                y = moe(x.detach().requires_grad_(), copies=copied, **overrides)
+                y = moe(x_in, copies=copied, **overrides)
             else:
                 transfer = Transfer(moe.experts, moe.placement, copied, moe.group, dtype) if copied else Transfer.none()
-                y = moe(x.detach().requires_grad_(), transfer=transfer, **overrides)
-        y.backward(grad)
+                y = moe(x_in, transfer=transfer, **overrides)
+        y.backward(grad_in)
+
+    def call(copied: dict) -> None:
+        forward_backward(x.detach().requires_grad_(), grad, copied)
         moe.zero_grad(set_to_none=True)
 
-    plain_s, copy_s = time_candidates(call, [{}, copies], x.device, trials, warmup=2)
+    def graph_step(copied: dict) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def step(x_in: torch.Tensor, grad_in: torch.Tensor) -> None:
+            forward_backward(x_in, grad_in, copied)
+            moe.record(None)  # its aux loss would keep an eager warm-up call's autograd graph alive
+        return step
+
+    if graphed:
+        plain_s, copy_s = time_graphed(graph_step, [{}, copies], [x.detach().requires_grad_(), grad], moe.parameters(),
+                                       trials, warmup=2, accumulate=False)
+    else:
+        plain_s, copy_s = time_candidates(call, [{}, copies], x.device, trials, warmup=2)
     # the model's own difference between the two placements, on this input's load (every rank's
     # counts, recorded by the calls just timed), without any overhead term
     tokens, owner_E, n = moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.n
@@ -183,10 +203,11 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
 
 
 def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                       trials: int = 5, overrides: Mapping[str, object] | None = None) -> LayerCostModel:
+                       trials: int = 5, overrides: Mapping[str, object] | None = None,
+                       graphed: bool = False) -> LayerCostModel:
     """Give the balanced layer `moe`'s planner its measured `rest_s` and `copy_overhead_s`
-    (`measure_unpriced_time` on `x`, calls with `overrides`); returns the model."""
-    unpriced = measure_unpriced_time(moe, x, autocast, trials, overrides)
+    (`measure_unpriced_time` on `x`, calls with `overrides`, `graphed`); returns the model."""
+    unpriced = measure_unpriced_time(moe, x, autocast, trials, overrides, graphed)
     moe.balancer.model = dataclasses.replace(moe.balancer.model, rest_s=unpriced.rest_s,
                                              copy_overhead_s=unpriced.copy_overhead_s)
     return moe.balancer.model
