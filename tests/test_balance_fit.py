@@ -153,3 +153,5 @@ def test_train_balance_settings_are_checked():
         TrainConfig(balance_model="guessed").validate()
     with pytest.raises(ValueError, match="train.balance_n must be a positive integer"):
         TrainConfig(balance_n=0).validate()
+    with pytest.raises(ValueError, match="train.balance_rounds must be a positive integer"):
+        TrainConfig(balance_rounds=0).validate()

@@ -657,14 +657,14 @@ def test_pro_prophet_balancing_trains_with_the_plain_losses(corpus, tmp_path):
 
 
 def test_pro_prophet_on_comets_path_trains_with_the_plain_losses(corpus, tmp_path):
-    """--balance pro-prophet --kernels comet: the copies go into replica slots on Comet's dropless
-    path (peer memory: shared files between the CPU processes) and the run logs the plain run's
-    losses (float rounding), with experts copied on the way."""
+    """--balance pro-prophet --kernels comet --balance-rounds 2: the copies go into replica slots
+    on Comet's dropless path (peer memory: shared files between the CPU processes) and the run
+    logs the plain run's losses (float rounding), with experts copied on the way."""
     dropless = {**SMALL_MODEL, "capacity_factor": "dropless", "moe_every": 1}
     cache = tmp_path / "cache"
     run(config(corpus, tmp_path / "plain", steps=8, model=dropless), 2, cache)
     run(config(corpus, tmp_path / "slots", steps=8, model=dropless, kernels="comet", balance="pro-prophet",
-               balance_model="nominal"), 2, cache)
+               balance_model="nominal", balance_rounds=2), 2, cache)
     plain, balanced = losses(tmp_path / "plain"), losses(tmp_path / "slots")
     assert sorted(balanced) == list(range(1, 9))
     assert all(abs(plain[s] - balanced[s]) <= 1e-4 * abs(plain[s]) for s in plain), (plain, balanced)

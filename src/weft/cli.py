@@ -103,7 +103,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
                 "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "keep_last", "async_checkpoint",
                 "cuda_graphs",
-                "master_weights", "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2")
+                "master_weights", "balance", "balance_model", "balance_n", "balance_rounds", "tp", "tp_overlap",
+                "domino_p1", "domino_p2")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -251,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--balance-n", type=positive_int, default=None,
                     help="with --balance pro-prophet, Pro-Prophet's n: each copied expert goes to all ranks but n "
                          "(its owner counted; default 1: every other rank); 1 <= n < ranks")
+    tr.add_argument("--balance-rounds", type=positive_int, default=None,
+                    help="with --balance pro-prophet, the times the greedy search may take one rank and copy its "
+                         "heaviest expert left (default 1: Pro-Prophet's Alg. 1, one copy from each rank)")
     tr.add_argument("--balance-model", default=None, choices=list(BALANCE_MODELS),
                     help="with --balance pro-prophet, the planner's performance model: measured (default: profiled "
                          "on this machine at the start) or nominal (H200-class constants)")

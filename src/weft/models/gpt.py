@@ -264,7 +264,7 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None, kernels: str = "auto",
-                 balance: str | None = None, balance_n: int = 1):
+                 balance: str | None = None, balance_n: int = 1, balance_rounds: int = 1):
         super().__init__()
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config, kernels)
@@ -275,6 +275,7 @@ class Block(nn.Module):
                 config.capacity_factor, config.activation, group=group, kernels=kernels,
                 expert_bias=config.expert_bias_rate > 0, routing_temperature=config.routing_temperature,
                 router_init_scale=config.router_init_scale, balance=balance, balance_n=balance_n,
+                balance_rounds=balance_rounds,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)
@@ -312,20 +313,20 @@ class GPT(nn.Module):
     (None = the default group if initialised, as for weft.MoE). `kernels`: "auto" (Triton's
     rotary and MoE dispatch/combine on CUDA), "triton" or "torch" (PyTorch ops only); the same
     function either way. `balance`: None, or "pro-prophet" for every MoE layer (weft.MoE's
-    balance and `balance_n`; dropless models only); the same function either way. `tp_group`: the blocks are
-    split over this tensor-parallel group (weft.tp, Megatron's split: attention and dense MLPs
-    cut, MoE layers expert-parallel over `group` and fed 1 / tp of the tokens by each rank) and
-    run by `tp_schedule` (weft.tp.Sequential by default, weft.tp.Domino to overlap the
-    all-reduces); every rank of the group gets the same tokens. The weights are those of the
-    unsplit model (the same seed gives the same model for any TP size). With MoE layers, the aux
-    and z losses are the mean over the TP group of each rank's share's, as in data parallelism
-    over the shares. Balanced layers of a tensor-parallel model plan and copy their experts in
-    each call (inline: the block-wise schedule runs over sub-layer units, which TP blocks run as
-    one stack)."""
+    balance, `balance_n` and `balance_rounds`; dropless models only); the same function either
+    way. `tp_group`: the blocks are split over this tensor-parallel group (weft.tp, Megatron's
+    split: attention and dense MLPs cut, MoE layers expert-parallel over `group` and fed 1 / tp
+    of the tokens by each rank) and run by `tp_schedule` (weft.tp.Sequential by default,
+    weft.tp.Domino to overlap the all-reduces); every rank of the group gets the same tokens.
+    The weights are those of the unsplit model (the same seed gives the same model for any TP
+    size). With MoE layers, the aux and z losses are the mean over the TP group of each rank's
+    share's, as in data parallelism over the shares. Balanced layers of a tensor-parallel model
+    plan and copy their experts in each call (inline: the block-wise schedule runs over
+    sub-layer units, which TP blocks run as one stack)."""
 
     def __init__(self, config: GPTConfig, group: dist.ProcessGroup | None = None, kernels: str = "auto",
                  balance: str | None = None, tp_group: dist.ProcessGroup | None = None, tp_schedule=None,
-                 balance_n: int = 1):
+                 balance_n: int = 1, balance_rounds: int = 1):
         super().__init__()
         config.validate()
         if kernels not in KERNELS:
@@ -336,8 +337,8 @@ class GPT(nn.Module):
         self.config = config
         self.balanced = balance is not None and config.moe_every > 0
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
-        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels, balance, balance_n)
-                                    for i in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels, balance, balance_n,
+                                          balance_rounds) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied, as in GPT-2

@@ -81,6 +81,8 @@ class TrainConfig:
     balance_model: str = "measured"
     # Pro-Prophet's n: the ranks (owner included) that get no copy of a copied expert (1: copy to all)
     balance_n: int = 1
+    # the times Pro-Prophet's greedy search may take one rank (1: the paper's Alg. 1, one copy from each rank)
+    balance_rounds: int = 1
     keep_last: int = 0  # keep the newest N complete checkpoints, delete older ones (0: keep all)
     # checkpoints written by a background thread while training goes on (weft.train.checkpoint.CheckpointWriter:
     # the state copied to host memory at the step, the files written, checksummed and published after); false:
@@ -166,6 +168,8 @@ class TrainConfig:
             raise ValueError(f"train.balance must be 'none' or 'pro-prophet', got {self.balance!r}")
         if isinstance(self.balance_n, bool) or not isinstance(self.balance_n, int) or self.balance_n < 1:
             raise ValueError(f"train.balance_n must be a positive integer, got {self.balance_n!r}")
+        if isinstance(self.balance_rounds, bool) or not isinstance(self.balance_rounds, int) or self.balance_rounds < 1:
+            raise ValueError(f"train.balance_rounds must be a positive integer, got {self.balance_rounds!r}")
         if self.balance_model not in BALANCE_MODELS:
             raise ValueError(f"train.balance_model must be 'measured' or 'nominal', got {self.balance_model!r}")
         if self.cuda_graphs not in CUDA_GRAPHS:
@@ -263,7 +267,8 @@ FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_i
                             "sample_tokens", "sample_prompt", "overlap", "on_nonfinite", "out",
                             "kernels", "a2a_algo", "fused_optimizer", "master_weights", "keep_last", "async_checkpoint",
                             "cuda_graphs",
-                            "balance", "balance_model", "balance_n", "tp", "tp_overlap", "domino_p1", "domino_p2"})
+                            "balance", "balance_model", "balance_n", "balance_rounds", "tp", "tp_overlap",
+                            "domino_p1", "domino_p2"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

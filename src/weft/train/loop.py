@@ -295,7 +295,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
 
     torch.manual_seed(cfg.seed)
     model = GPT(model_cfg, group=groups.ep, kernels=cfg.kernels,
-                balance=None if cfg.balance == "none" else cfg.balance, balance_n=cfg.balance_n, tp_group=groups.tp,
+                balance=None if cfg.balance == "none" else cfg.balance, balance_n=cfg.balance_n,
+                balance_rounds=cfg.balance_rounds, tp_group=groups.tp,
                 tp_schedule=make_schedule("none" if cfg.tp_overlap == "auto" else cfg.tp_overlap, cfg.domino_p1,
                                           cfg.domino_p2)).to(device)
     set_layers(model, "a2a_algo", cfg.a2a_algo)
