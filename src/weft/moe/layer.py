@@ -56,7 +56,7 @@ from weft.moe.exchange import (
     tuning_key,
     untuned_setting,
 )
-from weft.moe.exchange.replica_slots import ReplicaCall, ReplicaSlots
+from weft.moe.exchange.replica_slots import PendingTransfer, ReplicaCall, ReplicaSlots
 from weft.moe.exchange.select import is_tuned, plain_algo
 from weft.moe.experts import Experts
 from weft.moe.gates import EXPERT_BIAS_GATES, CosineRouter, LinearRouter, expert_bias_step
@@ -551,7 +551,11 @@ class MoE(nn.Module):
                 self.balancer.record(counts_WE.tolist())
                 self._pending_counts = None
             slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies)
-        return ReplicaCall(slots, min(rows, slots.per_rank * tokens_TD.shape[0]))
+        # Trans now, before the dispatch: on CUDA it flies under the dispatch and Comet's layer0
+        # (no copies: nothing to move, and the call runs plain Comet)
+        transfer = slots.start_transfer(self.experts.weights(), self.experts.compute_dtype(tokens_TD)) \
+            if slots.copied else PendingTransfer((), None)
+        return ReplicaCall(slots, min(rows, slots.per_rank * tokens_TD.shape[0]), transfer)
 
     def counts_stay_on_device(self, call: MoECall | None = None) -> bool:
         """Whether this layer's dropless calls (`call`, default: its own) read nothing on the host

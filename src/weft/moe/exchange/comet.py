@@ -306,16 +306,17 @@ class Comet(Exchange):
 
     def _run_replicated(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
                         replicas: ReplicaCall, counts_WE: torch.Tensor) -> torch.Tensor:
-        """Pro-Prophet's copies (`weft.moe.exchange.replica_slots`): Trans, then Comet on the rows
-        the map keeps, with this rank's served rows (if its slots hold copies) computed by its slots
-        between layer0 and layer1; Agg queued by the output's backward."""
+        """Pro-Prophet's copies (`weft.moe.exchange.replica_slots`): Comet on the rows the map
+        keeps, with this rank's served rows (if its slots hold copies) computed by its slots between
+        layer0 and layer1, once the call's Trans (`replicas.transfer`, launched by the layer before
+        the dispatch) is joined; Agg queued by the output's backward."""
         experts, slots = self.ctx.experts, replicas.slots
         dtype = experts.compute_dtype(rows_ND)
         params = experts.weights()
-        with stage("trans"):
-            held = slots.transfer(params, dtype)
+        transfer = replicas.transfer  # Trans, launched by the layer before the dispatch (on CUDA, in flight)
         if not slots.holds_here:
             out_ND = self._run(rows_ND, buffer_rows, rows, tiles)
+            transfer.wait()
         else:
             with torch.autocast(rows_ND.device.type, enabled=False):
                 slot_rows = slots.slot_rows(counts_WE, replicas.most_rows)
@@ -323,7 +324,7 @@ class Comet(Exchange):
             outputs = []
 
             def between() -> None:
-                outputs.append(slot_experts(x_MD, slot_rows, slots, experts.activation, held, params))
+                outputs.append(slot_experts(x_MD, slot_rows, slots, experts.activation, transfer.wait(), params))
 
             out_ND = self._run(rows_ND, buffer_rows, rows, tiles, between)
             with torch.autocast(out_ND.device.type, enabled=False):

@@ -30,6 +30,7 @@ next call.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,10 @@ from weft.hostcopy import device_tensor
 from weft.kernels.comet import activation_epilogue_reference
 from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm
 from weft.kernels.replica import pull_add_grads, push_copies
+
+# The peers' barrier channel of Trans, on its side stream beside Comet's barriers (channel 0) and
+# the TP copy all-reduce's (1)
+TRANS_CHANNEL = 2
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,7 @@ class ReplicaSlots:
         self.num_experts, self.num_local = num_experts, num_experts // self.world
         self.expert_WR = torch.full((self.world, self.per_rank), -1, dtype=torch.int64, device=device)
         self._placed: tuple[tuple[int, ...], ...] = ((),) * self.world
+        self._side: torch.cuda.Stream | None = None  # Trans's stream (CUDA), made at the first one
 
     @property
     def copied(self) -> list[int]:
@@ -132,23 +138,40 @@ class ReplicaSlots:
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PeerBuffer:
         return self.peers.get(f"replica.{self.key}.{name}", (self.per_rank, *shape), dtype)
 
-    def transfer(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+    def start_transfer(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> PendingTransfer:
         """Trans: the slots' weights (R, K, N) in `dtype` on this rank, each weight of the
         experts' (El, K, N) written by its owner (the slots' gradient buffers made beside them, on
         every rank: making a peer buffer is collective). The first barrier keeps the writes after
-        every rank's earlier reads of its slots (the last call's backward, or forward without one)."""
-        self.peers.barrier()
-        held = []
+        every rank's earlier reads of its slots (the last call's backward, or forward without one).
+
+        On CUDA it runs on a side stream of its own (its barriers on `TRANS_CHANNEL`), forked from
+        the current stream now, so that it flies under the work launched until `wait()` joins it
+        (the call's routing, dispatch and Comet's layer0; Alg. 2's Trans under the work before
+        the copies are used); elsewhere at once."""
+        pushes, held = [], []
         for i, w in enumerate(weights):
             if w is None:
                 held.append(None)
                 continue
-            buffer = self._buffer(f"w{i}", tuple(w.shape[1:]), dtype)
             self._buffer(f"g{i}", tuple(w.shape[1:]), dtype)
-            push_copies(w.detach(), buffer.peers, buffer.table, self.expert_WR, self.rank)
+            buffer = self._buffer(f"w{i}", tuple(w.shape[1:]), dtype)
+            pushes.append((w.detach(), w.detach().to(dtype), buffer))  # cast here, on the current stream
             held.append(buffer.local)
-        self.peers.barrier()
-        return tuple(held)
+        side = None
+        if self.expert_WR.is_cuda:
+            current = torch.cuda.current_stream(self.expert_WR.device)
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.expert_WR.device)
+            side = self._side
+            side.wait_stream(current)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self.peers.barrier(TRANS_CHANNEL)
+            for weight, src, buffer in pushes:
+                if side is not None and src is not weight:
+                    src.record_stream(side)  # the cast: its memory not reused before the side stream is done
+                push_copies(src, buffer.peers, buffer.table, self.expert_WR, self.rank)
+            self.peers.barrier(TRANS_CHANNEL)
+        return PendingTransfer(tuple(held), None if side is None else (current, side))
 
     def keep_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         """The slots' weight gradients (R, K, N), from their backward, into the peer buffers Agg
@@ -175,6 +198,23 @@ class ReplicaSlots:
             self.peers.barrier()
 
         torch.autograd.Variable._execution_engine.queue_callback(add_copies)
+
+
+@dataclass
+class PendingTransfer:
+    """A Trans in flight: `wait()` joins its side stream into the stream it was forked from (once;
+    every Trans must be joined, also by a rank that uses no copy, or a CUDA graph's capture fails)
+    and returns the slots' weights."""
+
+    held: tuple[torch.Tensor | None, ...]
+    streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None
+
+    def wait(self) -> tuple[torch.Tensor | None, ...]:
+        if self.streams is not None:
+            current, side = self.streams
+            current.wait_stream(side)
+            self.streams = None
+        return self.held
 
 
 class _Fork(torch.autograd.Function):
@@ -305,7 +345,9 @@ def aggregate(out_ND: torch.Tensor, slots: ReplicaSlots, params: tuple[torch.Ten
 
 @dataclass(frozen=True)
 class ReplicaCall:
-    """A dropless call's copies: the layer's slots and the most slot rows this rank can have."""
+    """A dropless call's copies: the layer's slots, the most slot rows this rank can have, and the
+    call's Trans, in flight."""
 
     slots: ReplicaSlots
     most_rows: int
+    transfer: PendingTransfer
