@@ -19,7 +19,8 @@
 #   slots    Pro-Prophet's copies in replica slots on Comet's dropless path: its GPU test (with Pro-Prophet's
 #            NCCL copies' and Comet's dropless graph's), and the layer as CUDA graphs, comet+graph against
 #            balance-comet+graph twice each, for SLOTS_LAYERS (config:skew; phi35 at 1.2, 2 and 0, qwen2 and
-#            mixtral at 2; config:skew:rounds for --balance-rounds), NVLink; SLOTS_TESTS=0 skips the tests,
+#            mixtral at 2; config:skew:rounds for --balance-rounds), NVLink; SLOTS_OVERHEAD=none plans without
+#            the copy overhead (default measured: for +graph timed as graphs); SLOTS_TESTS=0 skips the tests,
 #            SLOTS_PROFILE=1 SLOTS_TRACE=1 keep one profiled step's traces
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
@@ -184,6 +185,7 @@ part_slots() {
   for layer in ${SLOTS_LAYERS:-phi35:1.2 phi35:2 phi35:0 qwen2:2 mixtral:2 phi35:1.2:2 phi35:2:2 phi35:2:3}; do
     IFS=: read -r config skew rounds <<< "$layer"; rounds=${rounds:-1}; name="${config}_skew${skew}_r$rounds"
     timeout ${SLOTS_RUN_S:-150} $RUN bench layer --config "$config" --capacity dropless --skew "$skew" --balance-rounds "$rounds" \
+      --copy-overhead ${SLOTS_OVERHEAD:-measured} \
       --modes "comet+graph,balance-comet+graph,comet+graph,balance-comet+graph" --baseline comet+graph \
       --dtype bf16 --activation relu --optimizer sgd --steps ${SLOTS_STEPS:-20} --profile-steps ${SLOTS_PROFILE:-0} \
       ${SLOTS_TRACE:+--trace "$1/trace"} --json "$1/slots_$name.json" > "$1/slots_$name.log" 2>&1
