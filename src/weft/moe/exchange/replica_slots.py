@@ -175,7 +175,7 @@ class ReplicaSlots:
 
     def keep_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         """The slots' weight gradients (R, K, N), from their backward, into the peer buffers Agg
-        reads (made by `transfer`)."""
+        reads (made by `start_transfer`)."""
         for i, grad in enumerate(grads):
             if grad is not None:
                 self._buffer(f"g{i}", tuple(grad.shape[1:]), grad.dtype).local.copy_(grad)
