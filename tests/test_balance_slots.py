@@ -86,12 +86,12 @@ def test_slot_rows_follow_the_placement():
     from weft.comm.peers import LocalPeers
     from weft.moe.exchange.replica_slots import ReplicaSlots
 
-    class TwoRanks(LocalPeers):  # the placement's arithmetic only: no buffer is allocated
+    class RankTwoOfFour(LocalPeers):  # the placement's arithmetic only: no buffer is allocated
         def __init__(self):
             super().__init__(None, torch.device("cpu"))
             self.world, self.rank = 4, 2
 
-    slots = ReplicaSlots(TwoRanks(), "0", 8, torch.device("cpu"))
+    slots = ReplicaSlots(RankTwoOfFour(), "0", 8, torch.device("cpu"))
     before = slots.expert_WR
     slots.place({1: {2, 3}, 6: {2}, 7: {0}})
     # a new tensor: a graph captured with the earlier placement keeps reading its own
