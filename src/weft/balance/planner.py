@@ -183,14 +183,14 @@ def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...],
         raise ValueError(f"owner_E must give one device in [0, {num_devices}) per expert ({num_experts})")
     if not 1 <= n <= num_devices - 1:
         raise ValueError(f"n must be in [1, {num_devices - 1}] for {num_devices} devices, got {n}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     per_expert_E = [sum(column) for column in zip(*tokens)]
     total = sum(per_expert_E)
     plain = Placement(tuple(owner_E))
     h_D, r_D = host_loads(tokens, plain)
     plain_s = best_s = model.layer_s(r_D, h_D, 0, n, scheduled)
     plain_load = best_load = max_over_mean(h_D)
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive int, got {rounds!r}")
     chosen: list[tuple[int, frozenset[int]]] = []
     best_count = 0
     comings = [0] * num_devices

@@ -317,19 +317,20 @@ class Comet(Exchange):
         if not slots.holds_here:
             out_ND = self._run(rows_ND, buffer_rows, rows, tiles)
             transfer.wait()
-        else:
-            with torch.autocast(rows_ND.device.type, enabled=False):
-                slot_rows = slots.slot_rows(counts_WE, replicas.most_rows)
-                rows_ND, x_MD = fork(rows_ND.to(dtype).contiguous(), slot_rows)
-            outputs = []
+            return aggregate(out_ND, slots, params, dtype)
+        with torch.autocast(rows_ND.device.type, enabled=False):
+            slot_rows = slots.slot_rows(counts_WE, replicas.most_rows)
+            rows_ND, x_MD = fork(rows_ND.to(dtype).contiguous(), slot_rows)
+        outputs = []
 
-            def between() -> None:
-                outputs.append(slot_experts(x_MD, slot_rows, slots, experts.activation, transfer.wait(), params))
+        def between() -> None:
+            outputs.append(slot_experts(x_MD, slot_rows, experts.activation, transfer.wait()))
 
-            out_ND = self._run(rows_ND, buffer_rows, rows, tiles, between)
-            with torch.autocast(out_ND.device.type, enabled=False):
-                out_ND = merge(out_ND, outputs[0], slot_rows)
-        return aggregate(out_ND, slots, params, dtype)
+        out_ND = self._run(rows_ND, buffer_rows, rows, tiles, between)
+        (y_MD, slot_weights), = outputs
+        with torch.autocast(out_ND.device.type, enabled=False):
+            out_ND = merge(out_ND, y_MD, slot_rows)
+        return aggregate(out_ND, slots, params, dtype, slot_weights)
 
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
              between: Callable[[], None] | None = None) -> torch.Tensor:

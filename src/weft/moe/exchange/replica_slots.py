@@ -11,8 +11,9 @@ replays the placement of its capture). A call with copies:
   (`weft.kernels.replica.push_copies`), between two barriers;
 - Comet's map leaves out each holder's own rows of the experts it holds (`RowMap.on_device`'s
   `served_WE`): the owner neither pulls them nor pushes their outputs back;
-- a holder computes those rows itself, with the copies (`_SlotExperts`: grouped GEMMs over the
-  rows gathered from its own dispatched rows), between Comet's layer0 and layer1, where a cold
+- a holder computes those rows itself, with the copies (`slot_experts`: the experts' grouped
+  GEMMs and activation, through autograd, over the rows gathered from its own dispatched rows),
+  between Comet's layer0 and layer1, where a cold
   rank otherwise waits for the hot one at layer1's barrier, and in backward between layer1's and
   layer0's, for the same reason (autograd runs ready nodes latest-created first); their outputs
   and input gradients are written into Comet's at those rows (in place, the slots' rows only). A
@@ -38,8 +39,8 @@ import torch
 
 from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.hostcopy import device_tensor
-from weft.kernels.comet import activation_epilogue_reference
-from weft.kernels.grouped_mm import grouped_rows_mm, grouped_weights_mm
+from weft.kernels.activation import activate
+from weft.kernels.grouped_mm import grouped_rows_mm
 from weft.kernels.replica import pull_add_grads, push_copies
 
 # The peers' barrier channel of Trans, on its side stream beside Comet's barriers (channel 0) and
@@ -173,25 +174,24 @@ class ReplicaSlots:
             self.peers.barrier(TRANS_CHANNEL)
         return PendingTransfer(tuple(held), None if side is None else (current, side))
 
-    def keep_grads(self, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """The slots' weight gradients (R, K, N), from their backward, into the peer buffers Agg
-        reads (made by `start_transfer`)."""
-        for i, grad in enumerate(grads):
-            if grad is not None:
-                self._buffer(f"g{i}", tuple(grad.shape[1:]), grad.dtype).local.copy_(grad)
-
     def queue_aggregate(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
-                        expert_WR: torch.Tensor) -> None:
+                        expert_WR: torch.Tensor, slot_weights: tuple[torch.Tensor | None, ...] = ()) -> None:
         """Agg at the end of this backward pass (autograd's final callback, after the owners' own
-        weight gradients are accumulated): each owner adds the slots' gradients of its experts
-        (placed by `expert_WR`, the forward's placement) into its `params[i].grad`, between two
-        barriers (every rank queues it: they are collective)."""
-        buffers = [(p, self._buffer(f"g{i}", tuple(p.shape[1:]), dtype)) for i, p in enumerate(params)
+        weight gradients and the slots' are accumulated): a holder's slot gradients (the `.grad` of
+        `slot_weights`, the leaves its slot experts ran on) into the peer buffers, then each owner
+        adds the slots' gradients of its experts (placed by `expert_WR`, the forward's placement)
+        into its `params[i].grad`, between two barriers (every rank queues it: they are
+        collective)."""
+        buffers = [(i, p, self._buffer(f"g{i}", tuple(p.shape[1:]), dtype)) for i, p in enumerate(params)
                    if p is not None and p.requires_grad]
 
         def add_copies() -> None:
+            for i, _, buffer in buffers:
+                held = slot_weights[i] if slot_weights else None
+                if held is not None:  # no gradient reached the slot: it adds nothing
+                    buffer.local.copy_(held.grad) if held.grad is not None else buffer.local.zero_()
             self.peers.barrier()
-            for param, buffer in buffers:
+            for _, param, buffer in buffers:
                 if param.grad is None:  # the weight got no other gradient in this backward
                     param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
                 pull_add_grads(param.grad, buffer.peers, buffer.table, expert_WR, self.rank)
@@ -244,48 +244,6 @@ def _write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, rows: SlotRows) ->
     return into_ND.index_copy_(0, rows.write_M, values)
 
 
-class _SlotExperts(torch.autograd.Function):
-    """The slots' experts on this rank's slot rows (M, D): grouped GEMMs with the copies' weights,
-    the activation between them, as the plain experts compute it. The owners' weights are inputs
-    too (not read), so that backward runs, and Agg with it, whenever they need a gradient."""
-
-    @staticmethod
-    def forward(ctx, x_MD, ends_R, slots: ReplicaSlots, activation: str, held: tuple, params: tuple, *owner_weights):
-        w1, w2, w3 = held
-        h1 = grouped_rows_mm(x_MD, w1, ends_R)
-        if w3 is None:
-            act, kept = activation_epilogue_reference(activation, h1)
-            saved = (act,) if kept is None else (kept,)
-        else:
-            h3 = grouped_rows_mm(x_MD, w3, ends_R)
-            act, saved = torch.nn.functional.silu(h1) * h3, (h1, h3)
-        ctx.slots, ctx.activation, ctx.held, ctx.params = slots, activation, held, params
-        ctx.num_owner = len(owner_weights)
-        ctx.save_for_backward(x_MD, ends_R, *saved)
-        return grouped_rows_mm(act, w2, ends_R)
-
-    @staticmethod
-    def backward(ctx, dy_MD):
-        x_MD, ends_R, *saved = ctx.saved_tensors
-        w1, w2, w3 = ctx.held
-        dy_MD = dy_MD.to(x_MD.dtype).contiguous()
-        grad_act = grouped_rows_mm(dy_MD, w2.transpose(1, 2), ends_R)
-        grad_h, act = activation_epilogue_reference(ctx.activation, grad_act, tuple(saved))
-        act = saved[0] if act is None else act  # relu kept act(h)
-        grad_w2 = grouped_weights_mm(act, dy_MD, ends_R)
-        if w3 is None:
-            grad_w1, grad_w3 = grouped_weights_mm(x_MD, grad_h, ends_R), None
-            grad_x = grouped_rows_mm(grad_h, w1.transpose(1, 2), ends_R)
-        else:
-            hidden = w1.shape[2]
-            grad_h1, grad_h3 = grad_h[:, :hidden].contiguous(), grad_h[:, hidden:].contiguous()
-            grad_w1, grad_w3 = grouped_weights_mm(x_MD, grad_h1, ends_R), grouped_weights_mm(x_MD, grad_h3, ends_R)
-            grad_x = grouped_rows_mm(grad_h1, w1.transpose(1, 2), ends_R) + \
-                grouped_rows_mm(grad_h3, w3.transpose(1, 2), ends_R)
-        ctx.slots.keep_grads((grad_w1, grad_w2, grad_w3))
-        return grad_x, None, None, None, None, None, *(None,) * ctx.num_owner
-
-
 class _Merge(torch.autograd.Function):
     """Comet's outputs (N, D, a tensor of its own) with the served rows written from the slots'
     (M, D), in place; backward, the gradient as it is to Comet (its map skips the served rows; it
@@ -308,15 +266,17 @@ class _Aggregate(torch.autograd.Function):
     whenever they need a gradient."""
 
     @staticmethod
-    def forward(ctx, out_ND, slots: ReplicaSlots, params: tuple, dtype: torch.dtype, *owner_weights):
+    def forward(ctx, out_ND, slots: ReplicaSlots, params: tuple, dtype: torch.dtype, slot_weights: tuple,
+                *owner_weights):
         ctx.slots, ctx.params, ctx.dtype, ctx.num_owner = slots, params, dtype, len(owner_weights)
         ctx.expert_WR = slots.expert_WR  # the forward's placement (a later one is a new tensor)
+        ctx.slot_weights = slot_weights
         return out_ND.view_as(out_ND)
 
     @staticmethod
     def backward(ctx, grad_ND):
-        ctx.slots.queue_aggregate(ctx.params, ctx.dtype, ctx.expert_WR)
-        return grad_ND, None, None, None, *(None,) * ctx.num_owner
+        ctx.slots.queue_aggregate(ctx.params, ctx.dtype, ctx.expert_WR, ctx.slot_weights)
+        return grad_ND, None, None, None, None, *(None,) * ctx.num_owner
 
 
 def fork(rows_ND: torch.Tensor, rows: SlotRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -324,12 +284,16 @@ def fork(rows_ND: torch.Tensor, rows: SlotRows) -> tuple[torch.Tensor, torch.Ten
     return _Fork.apply(rows_ND, rows)
 
 
-def slot_experts(x_MD: torch.Tensor, rows: SlotRows, slots: ReplicaSlots, activation: str,
-                 held: tuple[torch.Tensor | None, ...], params: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-    """The slot rows' outputs (M, D) with the held copies (`_SlotExperts`); `params` the owners'
-    expert weights (their gradient's share goes to Agg's buffers)."""
-    owner = tuple(p for p in params if p is not None)
-    return _SlotExperts.apply(x_MD, rows.ends_R, slots, activation, held, params, *owner)
+def slot_experts(x_MD: torch.Tensor, rows: SlotRows, activation: str, held: tuple[torch.Tensor | None, ...]
+                 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """The slot rows' outputs (M, D) with the held copies: the experts' grouped GEMMs and
+    activation, through autograd, on leaves made of the slots' weights (returned: Agg reads their
+    `.grad`). Rows past the slots' last end are padding (undefined on GPUs), as in the experts'
+    grouped GEMM; the grouped GEMMs' weight gradients leave them out."""
+    leaves = tuple(None if w is None else w.detach().requires_grad_() for w in held)
+    w1, w2, w3 = leaves
+    h3 = None if w3 is None else grouped_rows_mm(x_MD, w3, rows.ends_R)
+    return grouped_rows_mm(activate(activation, grouped_rows_mm(x_MD, w1, rows.ends_R), h3), w2, rows.ends_R), leaves
 
 
 def merge(out_ND: torch.Tensor, y_MD: torch.Tensor, rows: SlotRows) -> torch.Tensor:
@@ -338,9 +302,10 @@ def merge(out_ND: torch.Tensor, y_MD: torch.Tensor, rows: SlotRows) -> torch.Ten
 
 
 def aggregate(out_ND: torch.Tensor, slots: ReplicaSlots, params: tuple[torch.Tensor | None, ...],
-              dtype: torch.dtype) -> torch.Tensor:
-    """`out_ND`, whose backward queues Agg of `params`' copies (slot gradients in `dtype`)."""
-    return _Aggregate.apply(out_ND, slots, params, dtype, *(p for p in params if p is not None))
+              dtype: torch.dtype, slot_weights: tuple[torch.Tensor | None, ...] = ()) -> torch.Tensor:
+    """`out_ND`, whose backward queues Agg of `params`' copies (slot gradients in `dtype`, from the
+    `.grad` of this rank's `slot_weights`, if it holds copies)."""
+    return _Aggregate.apply(out_ND, slots, params, dtype, slot_weights, *(p for p in params if p is not None))
 
 
 @dataclass(frozen=True)
