@@ -1,8 +1,9 @@
 """Pro-Prophet's copies in replica slots on Comet's dropless path (`weft.moe.exchange.replica_slots`,
 `weft.kernels.replica`): nothing read on the host, so a CUDA graph holds the call.
 
-- Trans and Agg's kernels (`push_copies`, `pull_add_grads`) in Triton's CPU interpreter against
-  their PyTorch references, every rank's slots in one process.
+- The owners' kernels of Trans and Agg (`stage_copies`, `add_grads`) and the slot rows' writes
+  (`write_rows`) in Triton's CPU interpreter against their PyTorch references, every rank's
+  buffers in one process.
 - `SlotRows` against a loop over the dispatched rows.
 - `weft.MoE(kernels="comet", balance="pro-prophet")` against the plain layer on 2 and 4 gloo
   processes sharing their buffers through files in shared memory, over SGD steps whose growing
@@ -24,16 +25,19 @@ from weft.testing import Checks, run_checks, run_distributed
 DIM, HIDDEN, TOP_K, TOKENS = 16, 32, 2, 24
 
 
-def _peers(world: int, per_rank: int, shape: tuple[int, ...], dtype: torch.dtype, gen) -> tuple[list, torch.Tensor]:
-    slots = [torch.randn(per_rank, *shape, generator=gen).to(dtype) for _ in range(world)]
-    return slots, torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64)
+class _TwoRanks:
+    """Rank 0 of 2 for `ReplicaSlots`' placement arithmetic (no buffer is allocated)."""
+
+    world, rank = 2, 0
 
 
 def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
-    """Every rank's Trans writes exactly the slots holding its experts (the others keep their
-    values), and Agg adds every slot's gradient of each of its experts into its rows, in slot
-    order in float32 (slots of `dtype`, gradients float32), leaving the other rows alone: the Triton
-    kernels bitwise as the references."""
+    """Trans: every owner stages exactly its copied experts at their entries of its box (the other
+    entries keep their values), so that every holder, reading each slot's expert at the entry
+    `entries` gives, finds that expert's weight. Agg: with the holders' gradients written at their
+    entries, each owner adds its box's gradients of each of its experts into its rows, in slot
+    order in float32 (boxes of `dtype`, gradients float32), leaving the other rows alone. Every
+    rank's buffers in one process; the Triton kernels bitwise as the references."""
     from weft.kernels import replica
 
     replica.BLOCK = 64  # several programs per expert in the interpreter
@@ -47,28 +51,75 @@ def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
     if world > 2:  # an empty slot; two holders of one expert (ranks 2's and 3's slot 0 hold rank 0's)
         expert_WR[1, per_rank - 1] = -1
         expert_WR[2, 0] = expert_WR[3, 0] = 1
+    entry = replica.entries(expert_WR, local)
     weights = [torch.randn(local, *shape, generator=gen).to(dtype) for _ in range(world)]
-    for rank in range(world):
-        slots, table = _peers(world, per_rank, shape, dtype, gen)
-        expected = [s.clone() for s in slots]
-        replica.push_copies_reference(weights[rank], expected, expert_WR, rank)
-        replica.push_copies(weights[rank], slots, table, expert_WR, rank)
-        failures += [f"rank {rank}: Trans into rank {h}'s slots differs" for h in range(world)
-                     if not torch.equal(slots[h], expected[h])]
+    boxes = [torch.randn(per_rank, *shape, generator=gen).to(dtype) for _ in range(world)]
+    for rank in range(world):  # Trans, the owners' part
+        expected = boxes[rank].clone()
+        replica.stage_copies_reference(weights[rank], expected, expert_WR, rank)
+        replica.stage_copies(weights[rank], boxes[rank], expert_WR, rank)
+        if not torch.equal(boxes[rank], expected):
+            failures.append(f"rank {rank}: staging differs from its reference")
+    for slot, e in enumerate(expert_WR.flatten().tolist()):  # the holders' reads
+        if e >= 0 and not torch.equal(boxes[e // local][entry[slot]], weights[e // local][e % local]):
+            failures.append(f"slot {slot} would not read expert {e} from its owner's box")
+    grads = torch.randn(world * per_rank, *shape, generator=gen).to(dtype)  # the slots' dtype
+    for slot, e in enumerate(expert_WR.flatten().tolist()):  # the holders' writes
+        if e >= 0:
+            boxes[e // local][entry[slot]].copy_(grads[slot])
+    for rank in range(world):  # Agg, the owners' part
         grad = torch.randn(local, *shape, generator=gen)  # float32: the interpreter truncates bf16 stores
         before, expected_grad = grad.clone(), grad.clone()
-        replica.pull_add_grads_reference(expected_grad, slots, expert_WR, rank)
-        replica.pull_add_grads(grad, slots, table, expert_WR, rank)
+        replica.add_grads_reference(expected_grad, boxes[rank], expert_WR, rank)
+        replica.add_grads(grad, boxes[rank], expert_WR, rank)
         if not torch.equal(grad, expected_grad):
             failures.append(f"rank {rank}: Agg differs from its reference")
         mine = {int(e) - rank * local for e in expert_WR.flatten() if e >= 0 and e // local == rank}
         if not mine:
             failures.append(f"rank {rank} owns no copied expert: the case tests little")
-        if torch.equal(grad, before):
-            failures.append(f"rank {rank}: Agg added nothing")
-        failures += [f"rank {rank}: Agg wrote expert {i}'s rows, which no slot holds" for i in range(local)
-                     if i not in mine and not torch.equal(grad[i], before[i])]
+        for i in range(local):
+            sent = [grads[f] for f, e in enumerate(expert_WR.flatten().tolist()) if e == rank * local + i]
+            want = before[i] + sum(g.float() for g in sent) if sent else before[i]
+            if not torch.allclose(grad[i], want, rtol=1e-5, atol=1e-5):
+                failures.append(f"rank {rank}: expert {i}'s rows are not its own plus {len(sent)} copies' gradients")
     return failures
+
+
+def write_rows_worker() -> list[str]:
+    """The holder's slot rows written among its dispatched rows by the Triton kernel (the used
+    rows only) and by the PyTorch path (every row, padding writing its target's own value back):
+    both exactly the loop's result."""
+    from weft.kernels import replica
+    from weft.moe.exchange import replica_slots
+
+    gen = torch.Generator().manual_seed(3)
+    counts_WE = torch.randint(0, 6, (2, 6), generator=gen)
+    slots = replica_slots.ReplicaSlots(_TwoRanks(), "0", 6, torch.device("cpu"), rounds=2)
+    slots.place({4: {0}, 5: {0}})
+    rows = slots.slot_rows(counts_WE, int(counts_WE[0].sum()))
+    into = torch.randn(int(counts_WE[0].sum()), 40, generator=gen)
+    values = torch.randn(rows.idx_M.shape[0], 40, generator=gen).to(torch.bfloat16)
+    used = int(rows.ends_R[-1])
+    expected = into.clone()
+    expected[rows.idx_M[:used]] = values[:used].float()
+    failures = [] if used and used < rows.idx_M.shape[0] else [f"{used} used rows: the case tests little"]
+    got = into.clone()
+    replica.write_rows(got, values, rows.idx_M, rows.ends_R)
+    if not torch.equal(got, expected):
+        failures.append("write_rows differs from the loop")
+    torch_path = into.clone()
+    replica_slots.triton_usable = lambda x: False
+    replica_slots._write_rows(torch_path, values, rows)
+    if not torch.equal(torch_path, expected):
+        failures.append("the PyTorch path differs from the loop")
+    return failures
+
+
+def test_slot_rows_are_written_alike_by_the_kernel_and_the_torch_path(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(write_rows_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("world", [2, 4])

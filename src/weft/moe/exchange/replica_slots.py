@@ -7,8 +7,9 @@ The placement is a small tensor on the device, `expert_WR[h, j]` (the expert in 
 or -1), the same on every rank, written from the host's plan before the call (a CUDA graph
 replays the placement of its capture). A call with copies:
 
-- Trans: each owner writes its copied experts' weights into the holders' slots, by address
-  (`weft.kernels.replica.push_copies`), between two barriers;
+- Trans: each owner copies its copied experts' weights into a box of its own peer memory
+  (`weft.kernels.replica.stage_copies`), and after a barrier each holder reads its slots' experts
+  from their owners' boxes by the copy engine, then a second barrier;
 - Comet's map leaves out each holder's own rows of the experts it holds (`RowMap.on_device`'s
   `served_WE`): the owner neither pulls them nor pushes their outputs back;
 - a holder computes those rows itself, with the copies (`slot_experts`: the experts' grouped
@@ -18,10 +19,18 @@ replays the placement of its capture). A call with copies:
   layer0's, for the same reason (autograd runs ready nodes latest-created first); their outputs
   and input gradients are written into Comet's at those rows (in place, the slots' rows only). A
   rank whose slots hold nothing (the host knows the placement) runs none of this;
-- Agg: the holders' slot gradients go to a peer buffer, and at the end of the backward pass
-  (autograd's final callback, queued on every rank by the output's backward, after the owners'
-  own weight gradients are accumulated) each owner adds them into its weights' `.grad`
-  (`pull_add_grads`), between two barriers.
+- Agg: at the end of the backward pass (autograd's final callback, queued on every rank by the
+  output's backward, after the owners' own weight gradients are accumulated) each holder writes
+  its slots' gradients into their owners' boxes by the copy engine (Trans is done with them),
+  sent as soon as the backward pass has made them, under the rest of it; after a barrier each
+  owner adds its box into its weights' `.grad` (`add_grads`), then a second barrier.
+
+The holders move the bytes across the link and the owners touch only their own memory: an owner
+is the hot rank that the copies are made to relieve, a holder the cold one that would otherwise
+wait for it. The link's bytes go by the copy engine, which takes no SMs from the GEMMs they fly
+beside (Triton programs that moved them did, and lost: docs/balance.md). The copies' addresses
+come from the host's view of the placement, so a CUDA graph replays the placement it was captured
+with (as its shape already does).
 
 Same function as the plain layer: outputs, every gradient (the copies' shares summed into the
 owner's, in another order: equal to rounding) and the routed counts. No parameter or optimizer
@@ -33,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,7 +50,8 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.hostcopy import device_tensor
 from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_rows_mm
-from weft.kernels.replica import pull_add_grads, push_copies
+from weft.kernels.replica import add_grads, entries, stage_copies, write_rows
+from weft.kernels.rows import triton_usable
 
 # The peers' barrier channel of Trans, on its side stream beside Comet's barriers (channel 0) and
 # the TP copy all-reduce's (1)
@@ -65,8 +75,8 @@ class SlotRows:
 
 class ReplicaSlots:
     """One balanced layer's replica slots on its expert-parallel group: the placement on the
-    device, the slots' weights and gradients in peer buffers (named by `key`, one set per layer),
-    and Trans and Agg."""
+    device (and its host view), the slots' weights and the owners' boxes in peer buffers (named by
+    `key`, one set per layer), and Trans and Agg."""
 
     def __init__(self, peers: PeerBuffers, key: str, num_experts: int, device: torch.device, rounds: int = 1):
         self.peers, self.key = peers, key
@@ -76,6 +86,7 @@ class ReplicaSlots:
         self.expert_WR = torch.full((self.world, self.per_rank), -1, dtype=torch.int64, device=device)
         self._placed: tuple[tuple[int, ...], ...] = ((),) * self.world
         self._side: torch.cuda.Stream | None = None  # Trans's stream (CUDA), made at the first one
+        self._reads: tuple[tuple[int, int, int], ...] = ()  # this rank's (slot, owner, entry in the owner's box)
 
     @property
     def copied(self) -> list[int]:
@@ -97,12 +108,18 @@ class ReplicaSlots:
                 held[h].append(e)
         if any(len(h) > self.per_rank for h in held):
             raise ValueError(f"more copies on one rank than its {self.per_rank} replica slots: {held}")
+        sent = [sum(e // self.num_local == o for h in held for e in h) for o in range(self.world)]
+        if max(sent) > self.per_rank:
+            raise ValueError(f"more copies of one rank's experts ({sent}) than the {self.per_rank} entries of its box")
         placed = tuple(tuple(h) for h in held)
         if placed == self._placed:
             return
         if self.expert_WR.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a replica placement cannot change while a CUDA graph is captured")
         values = [e for h in held for e in h + [-1] * (self.per_rank - len(h))]
+        entry = entries(torch.tensor(values).view(self.world, self.per_rank), self.num_local)
+        self._reads = tuple((j, e // self.num_local, entry[self.rank * self.per_rank + j])
+                            for j, e in enumerate(held[self.rank]))
         self.expert_WR = device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank)
         self._placed = placed
 
@@ -140,64 +157,123 @@ class ReplicaSlots:
         return self.peers.get(f"replica.{self.key}.{name}", (self.per_rank, *shape), dtype)
 
     def start_transfer(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> PendingTransfer:
-        """Trans: the slots' weights (R, K, N) in `dtype` on this rank, each weight of the
-        experts' (El, K, N) written by its owner (the slots' gradient buffers made beside them, on
-        every rank: making a peer buffer is collective). The first barrier keeps the writes after
-        every rank's earlier reads of its slots (the last call's backward, or forward without one).
+        """Trans: the slots' weights (R, K, N) in `dtype` on this rank. Each owner stages its
+        copied experts of each weight (El, K, N) in its box, a barrier, each holder copies its
+        slots' from the boxes (the copy engine), a barrier (the boxes are made here, on every rank:
+        making a peer buffer is collective). The first barrier keeps the reads after the owners'
+        staging, the second keeps this call's Agg, which reuses the boxes for gradients, and the
+        next call's staging after these reads; a holder's slots are written after its own earlier
+        reads of them (the last call's backward), being later on its stream.
 
         On CUDA it runs on a side stream of its own (its barriers on `TRANS_CHANNEL`), forked from
         the current stream now, so that it flies under the work launched until `wait()` joins it
         (the call's routing, dispatch and Comet's layer0; Alg. 2's Trans under the work before
         the copies are used); elsewhere at once."""
-        pushes, held = [], []
+        moves, held = [], []
         for i, w in enumerate(weights):
             if w is None:
                 held.append(None)
                 continue
-            self._buffer(f"g{i}", tuple(w.shape[1:]), dtype)
-            buffer = self._buffer(f"w{i}", tuple(w.shape[1:]), dtype)
-            pushes.append((w.detach(), w.detach().to(dtype), buffer))  # cast here, on the current stream
-            held.append(buffer.local)
-        side = None
-        if self.expert_WR.is_cuda:
-            current = torch.cuda.current_stream(self.expert_WR.device)
-            if self._side is None:
-                self._side = torch.cuda.Stream(self.expert_WR.device)
-            side = self._side
-            side.wait_stream(current)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            shape = tuple(w.shape[1:])
+            box, slots = self._buffer(f"b{i}", shape, dtype), self._buffer(f"w{i}", shape, dtype)
+            moves.append((w.detach(), w.detach().to(dtype), box, slots))  # cast here, on the current stream
+            held.append(slots.local)
+        streams = self._fork_side()
+        with torch.cuda.stream(streams[1]) if streams is not None else contextlib.nullcontext():
+            for weight, src, box, _ in moves:
+                if streams is not None and src is not weight:
+                    src.record_stream(streams[1])  # the cast: its memory not reused before the side stream is done
+                stage_copies(src, box.local, self.expert_WR, self.rank)
             self.peers.barrier(TRANS_CHANNEL)
-            for weight, src, buffer in pushes:
-                if side is not None and src is not weight:
-                    src.record_stream(side)  # the cast: its memory not reused before the side stream is done
-                push_copies(src, buffer.peers, buffer.table, self.expert_WR, self.rank)
+            for _, _, box, slots in moves:
+                for j, owner, k in self._reads:  # the copy engine, across the link
+                    slots.local[j].copy_(box.peers[owner][k])
             self.peers.barrier(TRANS_CHANNEL)
-        return PendingTransfer(tuple(held), None if side is None else (current, side))
+        return PendingTransfer(tuple(held), streams)
+
+    def _fork_side(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+        """(the current stream, the side stream of Trans and the holders' Agg sends, made to wait
+        for it), on CUDA; None elsewhere."""
+        if not self.expert_WR.is_cuda:
+            return None
+        current = torch.cuda.current_stream(self.expert_WR.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.expert_WR.device)
+        self._side.wait_stream(current)
+        return current, self._side
+
+    def send_grads_when_ready(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
+                              slot_weights: tuple[torch.Tensor | None, ...]) -> GradSends:
+        """Agg, a holder's part, as early as it can run: as soon as the backward pass has
+        accumulated a slot weight's gradient (the `.grad` of `slot_weights[i]`, the leaf its slot
+        experts ran on; between Comet's layer1 and layer0 backward), its slots' gradients go to
+        their owners' boxes by the copy engine (placed by this forward's placement), on the side
+        stream on CUDA, so that they fly under the rest of the backward pass (Alg. 2's Agg under
+        the backward computation). The final callback (`queue_aggregate`) joins them."""
+        sends = GradSends(self._reads)
+        for i, (param, held) in enumerate(zip(params, slot_weights)):
+            if held is None or param is None or not param.requires_grad:
+                continue
+            box = self._buffer(f"b{i}", tuple(param.shape[1:]), dtype)
+
+            def push(leaf: torch.Tensor, i: int = i, box: PeerBuffer = box) -> None:
+                streams = self._fork_side()
+                with torch.cuda.stream(streams[1]) if streams is not None else contextlib.nullcontext():
+                    if streams is not None:
+                        leaf.grad.record_stream(streams[1])  # not reused before the side stream is done
+                    for j, owner, k in sends.reads:  # the copy engine, across the link
+                        box.peers[owner][k].copy_(leaf.grad[j])
+                sends.sent[i] = box
+                sends.streams = streams or sends.streams
+
+            held.register_post_accumulate_grad_hook(push)
+            sends.expected[i] = box
+        return sends
 
     def queue_aggregate(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
-                        expert_WR: torch.Tensor, slot_weights: tuple[torch.Tensor | None, ...] = ()) -> None:
+                        expert_WR: torch.Tensor, sends: GradSends | None = None) -> None:
         """Agg at the end of this backward pass (autograd's final callback, after the owners' own
-        weight gradients and the slots' are accumulated): a holder's slot gradients (the `.grad` of
-        `slot_weights`, the leaves its slot experts ran on) into the peer buffers, then each owner
-        adds the slots' gradients of its experts (placed by `expert_WR`, the forward's placement)
-        into its `params[i].grad`, between two barriers (every rank queues it: they are
-        collective)."""
-        buffers = [(i, p, self._buffer(f"g{i}", tuple(p.shape[1:]), dtype)) for i, p in enumerate(params)
-                   if p is not None and p.requires_grad]
+        weight gradients and the slots' are accumulated): a holder's slot gradients, sent early
+        (`sends`, joined here; a slot weight no gradient reached sends zeros now), then a barrier,
+        then each owner adds its box's gradients of its experts (placed by `expert_WR`, the
+        forward's placement) into its `params[i].grad`, and a barrier (every rank queues it: they
+        are collective). The boxes are Trans's, free again once the holders have read their
+        weights; the second barrier keeps the next call's staging after these reads."""
+        boxes = [(p, self._buffer(f"b{i}", tuple(p.shape[1:]), dtype)) for i, p in enumerate(params)
+                 if p is not None and p.requires_grad]
 
         def add_copies() -> None:
-            for i, _, buffer in buffers:
-                held = slot_weights[i] if slot_weights else None
-                if held is not None:  # no gradient reached the slot: it adds nothing
-                    buffer.local.copy_(held.grad) if held.grad is not None else buffer.local.zero_()
+            if sends is not None:
+                sends.finish()
             self.peers.barrier()
-            for _, param, buffer in buffers:
+            for param, box in boxes:
                 if param.grad is None:  # the weight got no other gradient in this backward
                     param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-                pull_add_grads(param.grad, buffer.peers, buffer.table, expert_WR, self.rank)
+                add_grads(param.grad, box.local, expert_WR, self.rank)
             self.peers.barrier()
 
         torch.autograd.Variable._execution_engine.queue_callback(add_copies)
+
+
+@dataclass
+class GradSends:
+    """A holder's Agg sends of one backward pass: the boxes each slot weight's gradients go to
+    (`expected`, by weight), those already sent (`sent`), and the streams to join."""
+
+    reads: tuple[tuple[int, int, int], ...] = ()  # the forward's (slot, owner, entry)
+    expected: dict[int, PeerBuffer] = field(default_factory=dict)
+    sent: dict[int, PeerBuffer] = field(default_factory=dict)
+    streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+
+    def finish(self) -> None:
+        """Send zeros for each weight whose slots got no gradient, then join the sends."""
+        for i, box in self.expected.items():
+            if i not in self.sent:
+                for _, owner, k in self.reads:
+                    box.peers[owner][k].zero_()
+        if self.streams is not None:
+            current, side = self.streams
+            current.wait_stream(side)
 
 
 @dataclass
@@ -239,7 +315,11 @@ class _Fork(torch.autograd.Function):
 
 def _write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, rows: SlotRows) -> torch.Tensor:
     """`into_ND` with the slot rows' values (the used ones of `rows_MD`) written at their rows, in
-    place; padding rows write their target's own value back."""
+    place: by `write_rows` where Triton runs (the used rows only); else in PyTorch ops over all
+    rows, the padding rows writing their target's own value back."""
+    if triton_usable(into_ND):
+        write_rows(into_ND, rows_MD, rows.idx_M, rows.ends_R)
+        return into_ND
     values = torch.where(rows.used_M[:, None], rows_MD.to(into_ND.dtype), into_ND.index_select(0, rows.write_M))
     return into_ND.index_copy_(0, rows.write_M, values)
 
@@ -270,12 +350,12 @@ class _Aggregate(torch.autograd.Function):
                 *owner_weights):
         ctx.slots, ctx.params, ctx.dtype, ctx.num_owner = slots, params, dtype, len(owner_weights)
         ctx.expert_WR = slots.expert_WR  # the forward's placement (a later one is a new tensor)
-        ctx.slot_weights = slot_weights
+        ctx.sends = slots.send_grads_when_ready(params, dtype, slot_weights) if slot_weights else None
         return out_ND.view_as(out_ND)
 
     @staticmethod
     def backward(ctx, grad_ND):
-        ctx.slots.queue_aggregate(ctx.params, ctx.dtype, ctx.expert_WR, ctx.slot_weights)
+        ctx.slots.queue_aggregate(ctx.params, ctx.dtype, ctx.expert_WR, ctx.sends)
         return grad_ND, None, None, None, None, *(None,) * ctx.num_owner
 
 
