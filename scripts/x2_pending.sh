@@ -21,6 +21,7 @@
 #            balance-comet+graph twice each, for SLOTS_LAYERS (config:skew; phi35 at 1.2, 2 and 0, qwen2 and
 #            mixtral at 2; config:skew:rounds for --balance-rounds), NVLink; SLOTS_OVERHEAD=none plans without
 #            the copy overhead (default measured: for +graph timed as graphs); SLOTS_TESTS=0 skips the tests,
+#            SLOTS_TESTS_K picks them (pytest -k),
 #            SLOTS_PROFILE=1 SLOTS_TRACE=1 keep one profiled step's traces
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
@@ -179,7 +180,7 @@ part_balance() {
 part_slots() {
   if [ "${SLOTS_TESTS:-1}" = 1 ]; then
     python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-      -k "replica_slots or replicated_experts or dropless_comet_replays" > "$1/tests.log" 2>&1
+      -k "${SLOTS_TESTS_K:-replica_slots or replicated_experts or dropless_comet_replays}" > "$1/tests.log" 2>&1
     tail -n 15 "$1/tests.log"
   fi
   for layer in ${SLOTS_LAYERS:-phi35:1.2 phi35:2 phi35:0 qwen2:2 mixtral:2 phi35:1.2:2 phi35:2:2 phi35:2:3}; do

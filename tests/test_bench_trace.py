@@ -112,3 +112,25 @@ def test_the_profile_records_the_steps_after_an_unrecorded_warm_up():
     trace = profile_trace(step, steps=2)
     names = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("step")}
     assert len(calls) == 3 and names == {"step1", "step2"}
+
+
+def test_the_replica_slots_trans_and_agg_are_their_peer_copies():
+    """On Comet's path (`transfer_intervals(..., peer_copies=True)`) Trans and Agg are the copies
+    between GPUs: a peer copy under a GEMM counts as hidden, one alone as exposed; the barrier and
+    the collective kernels are not theirs (in neither list), the local copy is computation."""
+    from weft.bench.breakdown import transfer_intervals
+
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "_pull_gemm_kernel", "ts": 0, "dur": 300},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy PtoP (Device -> Device)", "ts": 400, "dur": 50},
+        {"ph": "X", "cat": "kernel", "name": "c10d::symmetric_memory::barrier_kernel(unsigned int**)",
+         "ts": 500, "dur": 40},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 600, "dur": 20},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 700, "dur": 10},
+    ]}
+    moved, compute = transfer_intervals(trace, peer_copies=True)
+    assert moved == [(0.0, 100.0), (400.0, 450.0)] and compute == [(0.0, 300.0), (700.0, 710.0)]
+    d = decompose(moved, compute)
+    assert d.hidden_share == pytest.approx(100 / 150)
+    assert transfer_intervals(trace)[0] == []  # by their launching stage: none here

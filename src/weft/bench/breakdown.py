@@ -224,10 +224,15 @@ def format_breakdown(b: Breakdown, title: str, top: int = 8) -> str:
 
 
 
-def transfer_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
+def transfer_intervals(trace: dict, peer_copies: bool = False) -> tuple[list[Interval], list[Interval]]:
     """`kernel_intervals` with Pro-Prophet's Trans and Agg as the communication: the collectives
     launched in their profiler stages (`weft.moe.exchange.replicated`), told by their launching op,
-    not by name (the dropless layer's all-gather of the counts is an all-gather too)."""
+    not by name (the dropless layer's all-gather of the counts is an all-gather too); with
+    `peer_copies`, the copies between GPUs ("Memcpy PtoP"), which on Comet's path are the replica
+    slots' Trans and Agg and nothing else (`weft.moe.exchange.replica_slots`; a CUDA graph's replay
+    carries no op to tell them by)."""
+    if peer_copies:
+        return kernel_intervals(trace, lambda event: "memcpy ptop" in event.get("name", "").lower())
     contexts, _ = _op_contexts([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"])
 
     def in_transfer(event: dict) -> bool:
@@ -238,14 +243,14 @@ def transfer_intervals(trace: dict) -> tuple[list[Interval], list[Interval]]:
 
 
 def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path | None = None,
-                  with_breakdown: bool = False) -> dict:
+                  with_breakdown: bool = False, slot_copies: bool = False) -> dict:
     """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
     (communication hidden or exposed, `weft.bench.trace`), "transfer_decomposition" where the step
-    ran Pro-Prophet's Trans and Agg (the same for their kernels alone: `transfer_intervals`) and,
-    when asked, "breakdown"."""
+    ran Pro-Prophet's Trans and Agg (the same for their kernels alone: `transfer_intervals`, told
+    as peer copies where `slot_copies`: the replica slots' path) and, when asked, "breakdown"."""
     trace = profile_trace(step, steps, trace_path)
     parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}
-    transfers, compute = transfer_intervals(trace)
+    transfers, compute = transfer_intervals(trace, peer_copies=slot_copies)
     if transfers:
         parts["transfer_decomposition"] = decompose(transfers, compute, steps=steps).to_dict()
     if with_breakdown:

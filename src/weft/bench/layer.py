@@ -560,7 +560,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                 cap = "dropless" if cf is None else f"cf{cf:g}"
                 path = Path(trace_dir) / f"{config}_{cap}_{row['mode']}_rank{ctx.rank}.json"
             run.switch()
-            row.update(profile_parts(lambda: run.step(0), profile_steps, path, with_breakdown))
+            row.update(profile_parts(lambda: run.step(0), profile_steps, path, with_breakdown,
+                                     slot_copies=row["mode"].startswith("balance-comet")))
             row["experts_tflops_per_rank"] = experts_stage_tflops(row.get("breakdown"),
                                                                   expert_flops(cfg, tokens, activation))
     return rows
@@ -832,6 +833,12 @@ def print_table(report: dict) -> None:
 
     def label(r: dict) -> str:
         return f"{r['mode']}, {capacity_label(r['capacity_factor'])}"
+
+    moved = [r for r in rows if (r.get("transfer_decomposition") or {}).get("hidden_share") is not None]
+    if moved:
+        print("Trans and Agg (profiled steps): " + "; ".join(
+            f"{label(r)} {r['transfer_decomposition']['comm_ms']:.3f} ms a step, "
+            f"{r['transfer_decomposition']['hidden_share']:.0%} under computation" for r in moved))
 
     print_breakdowns(rows, label)
     staged = [r for r in rows if r.get("experts_tflops_per_rank")]
