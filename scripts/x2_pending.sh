@@ -21,7 +21,8 @@
 #            balance-comet+graph twice each, for SLOTS_LAYERS (config:skew; phi35 at 1.2, 2 and 0, qwen2 and
 #            mixtral at 2; config:skew:rounds for --balance-rounds), NVLink; SLOTS_OVERHEAD=none plans without
 #            the copy overhead (default measured: for +graph timed as graphs); SLOTS_TESTS=0 skips the tests,
-#            SLOTS_TESTS_K picks them (pytest -k),
+#            SLOTS_TESTS_K picks them (pytest -k), SLOTS_PLACEMENT=updated times the graph shaped for any
+#            placement (as graphed training runs it),
 #            SLOTS_PROFILE=1 SLOTS_TRACE=1 keep one profiled step's traces
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
@@ -105,9 +106,11 @@
 #   mfu      weft train's MFU (issue: Hardware speed): qwen2-moe-2l batch 12 and gpt2-s-moe batch 16,
 #            bf16 master weights on and off
 #   balancetrain  Pro-Prophet in training (issue: Pro-Prophet): qwen2-moe-2l dropless, batch 2, `weft train
-#            --balance` none / pro-prophet / none / pro-prophet (BALANCE_RUNS), eager (a dropless layer reads its
-#            counts), bf16 master weights in both; tokens/s (median after step 5), the copies, the losses (~200 s on
-#            4 x H100: run it on every GPU of the machine, where the rank loads are higher)
+#            --balance` none / pro-prophet / none / pro-prophet (BALANCE_RUNS), bf16 master weights in both;
+#            tokens/s (median after step 5), the copies, the losses (~200 s on 4 x H100: run it on every GPU of the
+#            machine, where the rank loads are higher); BALANCE_TRAIN_KERNELS=comet: Comet's path, where both
+#            runs replay CUDA graphs (the balanced one's copies following the loads), else eager (a dropless layer
+#            reads its counts); BALANCE_TRAIN_BATCH
 #   ckpt     how long a checkpoint holds training, in the step against in the background (the main job):
 #            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
 #            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,
@@ -189,6 +192,7 @@ part_slots() {
       --copy-overhead ${SLOTS_OVERHEAD:-measured} \
       --modes "comet+graph,balance-comet+graph,comet+graph,balance-comet+graph" --baseline comet+graph \
       --dtype bf16 --activation relu --optimizer sgd --steps ${SLOTS_STEPS:-20} --profile-steps ${SLOTS_PROFILE:-0} \
+      --graph-placement ${SLOTS_PLACEMENT:-captured} \
       ${SLOTS_TRACE:+--trace "$1/trace"} --json "$1/slots_$name.json" > "$1/slots_$name.log" 2>&1
     echo "-- $name"; grep -v "$QUIET" "$1/slots_$name.log" | grep -A4 "capacity  *mode"
   done
@@ -561,8 +565,10 @@ part_balancetrain() {
   i=0
   for balance in ${BALANCE_RUNS:-none pro-prophet none pro-prophet}; do
     i=$((i + 1)); run=/tmp/weft_x2/balance_${i}_$balance; rm -rf "$run"
-    $RUN train --preset qwen2-moe-2l --config "$1/dropless.toml" --balance "$balance" --batch-size 2 \
+    $RUN train --preset qwen2-moe-2l --config "$1/dropless.toml" --balance "$balance" \
+      --batch-size ${BALANCE_TRAIN_BATCH:-2} --kernels ${BALANCE_TRAIN_KERNELS:-auto} \
       --steps ${BALANCE_TRAIN_STEPS:-14} --sample-tokens 0 --out "$run" > "$1/run${i}_$balance.log" 2>&1
+    grep "weft train: \(eager\|every\|graph\)" "$1/run${i}_$balance.log" | head -n 3
     keep_metrics "$run" "$1/run${i}_$balance"
     python3 - "$1/run${i}_$balance/metrics.jsonl" "$balance" <<'PY'
 import json, statistics, sys

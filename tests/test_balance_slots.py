@@ -1,17 +1,22 @@
 """Pro-Prophet's copies in replica slots on Comet's dropless path (`weft.moe.exchange.replica_slots`,
 `weft.kernels.replica`): nothing read on the host, so a CUDA graph holds the call.
 
-- The owners' kernels of Trans and Agg (`stage_copies`, `add_grads`) and the slot rows' writes
-  (`write_rows`) in Triton's CPU interpreter against their PyTorch references, every rank's
-  buffers in one process.
+- Trans and Agg's kernels (the owners' `stage_copies`, `add_grads`; the holders' `pull_copies`,
+  `push_grads`) and the slot rows' writes (`write_rows`) in Triton's CPU interpreter against
+  their PyTorch references, every rank's buffers in one process.
 - `SlotRows` against a loop over the dispatched rows.
 - `weft.MoE(kernels="comet", balance="pro-prophet")` against the plain layer on 2 and 4 gloo
   processes sharing their buffers through files in shared memory, over SGD steps whose growing
   skew changes the copies: outputs, input gradients, every parameter's gradient (the holders'
   shares added into the owners') and the routed counts; through the kernels' references and
   through the Triton kernels (interpreter).
+- `graph_placement="updated"`, every call taken for a graph's replay (the slot path on every
+  rank, the copies by the link kernels, the placement written in place by `update_placement()`
+  after each), against the plain layer likewise.
 """
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -34,13 +39,15 @@ class _TwoRanks:
 def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
     """Trans: every owner stages exactly its copied experts at their entries of its box (the other
     entries keep their values), so that every holder, reading each slot's expert at the entry
-    `entries` gives, finds that expert's weight. Agg: with the holders' gradients written at their
-    entries, each owner adds its box's gradients of each of its experts into its rows, in slot
-    order in float32 (boxes of `dtype`, gradients float32), leaving the other rows alone. Every
-    rank's buffers in one process; the Triton kernels bitwise as the references."""
+    `entries` gives (the copy engine's way) or by `pull_copies` (the device's placement), finds
+    that expert's weight; empty slots keep theirs. Agg: the holders' gradients land at their
+    entries (`push_grads`), and each owner adds its box's gradients of each of its experts into its
+    rows, in slot order in float32 (boxes of `dtype`, gradients float32), leaving the other rows
+    alone. Every rank's buffers in one process; the Triton kernels bitwise as the references."""
     from weft.kernels import replica
 
     replica.BLOCK = 64  # several programs per expert in the interpreter
+    replica.LINK_PROGRAMS, replica.LINK_BLOCK = 2, 64  # and the link's programs take several chunks in turn
     failures = []
     gen = torch.Generator().manual_seed(world)
     local, per_rank, shape = 3, world - 1, (5, 37)
@@ -60,13 +67,30 @@ def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
         replica.stage_copies(weights[rank], boxes[rank], expert_WR, rank)
         if not torch.equal(boxes[rank], expected):
             failures.append(f"rank {rank}: staging differs from its reference")
-    for slot, e in enumerate(expert_WR.flatten().tolist()):  # the holders' reads
+    for slot, e in enumerate(expert_WR.flatten().tolist()):  # the holders' reads by the copy engine's entries
         if e >= 0 and not torch.equal(boxes[e // local][entry[slot]], weights[e // local][e % local]):
             failures.append(f"slot {slot} would not read expert {e} from its owner's box")
+    table = torch.tensor([b.data_ptr() for b in boxes], dtype=torch.int64)
+    for rank in range(world):  # the holders' reads by the link kernel (placed on the device)
+        slots = torch.randn(per_rank, *shape, generator=gen).to(dtype)
+        expected = slots.clone()
+        replica.link_reference(expected, boxes, expert_WR, rank, local, pull=True)
+        replica.pull_copies(slots, table, boxes, expert_WR, rank, local)
+        if not torch.equal(slots, expected):
+            failures.append(f"rank {rank}: pull_copies differs from its reference")
+        failures += [f"rank {rank}'s slot {j} does not hold expert {e}" for j, e in enumerate(expert_WR[rank].tolist())
+                     if e >= 0 and not torch.equal(slots[j], weights[e // local][e % local])]
     grads = torch.randn(world * per_rank, *shape, generator=gen).to(dtype)  # the slots' dtype
-    for slot, e in enumerate(expert_WR.flatten().tolist()):  # the holders' writes
-        if e >= 0:
-            boxes[e // local][entry[slot]].copy_(grads[slot])
+    expected_boxes = [b.clone() for b in boxes]
+    for rank in range(world):  # the holders' writes: the link kernel, and the copy engine's entries
+        mine = grads[rank * per_rank:(rank + 1) * per_rank]
+        replica.link_reference(mine, expected_boxes, expert_WR, rank, local, pull=False)
+        replica.push_grads(mine, table, boxes, expert_WR, rank, local)
+    for slot, e in enumerate(expert_WR.flatten().tolist()):
+        if e >= 0 and not torch.equal(boxes[e // local][entry[slot]], grads[slot]):
+            failures.append(f"slot {slot}'s gradient is not at its entry of its owner's box")
+    failures += [f"rank {o}'s box differs from the reference after the holders' gradients" for o in range(world)
+                 if not torch.equal(boxes[o], expected_boxes[o])]
     for rank in range(world):  # Agg, the owners' part
         grad = torch.randn(local, *shape, generator=gen)  # float32: the interpreter truncates bf16 stores
         before, expected_grad = grad.clone(), grad.clone()
@@ -233,54 +257,162 @@ def test_copies_in_slots_through_the_triton_kernels(world_size, monkeypatch):
     assert not flat, "\n".join(flat[:15])
 
 
+def slots_updated_worker(num_experts: int, triton: bool, steps: int = 7) -> list[str]:
+    """`graph_placement="updated"` as a CUDA graph runs it, on the CPU: after one eager call (which
+    makes the buffers), every call is taken for a capture's replay (`_capturing` true: the layer
+    places nothing itself, every rank runs the slot path, the copies read the placement on the
+    device) and `update_placement()` between the steps plans from the loads a replay behind and
+    writes the placement in place. Outputs, gradients and counts equal the plain layer's at every
+    step, while the copies change, including steps where a rank holds nothing."""
+    import weft.moe.layer as layer_module
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    layers = []
+    for kernels, balance, extra in (("torch", None, {}), ("comet", "pro-prophet", {"graph_placement": "updated"})):
+        torch.manual_seed(0)
+        layers.append(MoE(DIM, 2 * DIM, num_experts, TOP_K, capacity_factor=None, activation="relu", kernels=kernels,
+                          balance=balance, balance_model=copies_pay(world), **extra))
+    for layer in layers:
+        with torch.no_grad():
+            layer.router.weight[1, 0] += 10.0  # expert 1 (on rank 0) hot
+    plain, balanced = layers
+    optimizers = [torch.optim.SGD(layer.parameters(), lr=0.05) for layer in layers]
+    placements, slots_WR = [], None
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(100 + 10 * step + rank)
+        x = torch.randn(TOKENS, DIM, generator=gen)
+        x[:, 0] += 1.0 + 0.5 * step
+        step_and_compare(layers, optimizers, x, torch.randn(x.shape, generator=gen), f"step {step}", 1e-5,
+                         checks.expect)
+        if step == 0:  # from here on, the calls are a graph's replays
+            layer_module._capturing = lambda x: True
+            slots_WR = balanced._replica_slots.expert_WR
+        else:
+            balanced.update_placement()
+        placements.append(balanced._replica_slots.expert_WR.tolist())
+    checks.expect(balanced._replica_slots.expert_WR is slots_WR, "a placement was not written where the graph reads it")
+    copied = [p for p in placements if any(e >= 0 for row in p for e in row)]
+    checks.expect(len(copied) >= 2, f"too few steps with copies to test anything: {placements}")
+    checks.expect(len({str(p) for p in placements}) >= 2, f"the placement never changed: {placements}")
+    checks.expect(any(e == 1 for p in placements for row in p for e in row), f"hot expert 1 never copied: {placements}")
+    if triton:
+        from weft.kernels.rows import triton_usable
+        checks.expect(triton_usable(torch.zeros(1)), "TRITON_INTERPRET did not reach the worker")
+    with pytest.raises(RuntimeError, match="graph_placement='updated'"):
+        plain.update_placement()
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_updated_placements_compute_the_plain_layer(world_size):
+    flat = run_checks(slots_updated_worker, world_size, args=(2 * world_size, False), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
+def test_updated_placements_through_the_triton_kernels(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(slots_updated_worker, 2, args=(4, True), timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+def _graph_layer(calls: int, **settings) -> tuple[MoE, list, list]:
+    """On this rank's GPU, bf16: a balanced Comet layer (`settings` added) whose expert 1 (rank
+    0's) is hot, and `calls` inputs and output gradients."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{torch.cuda.current_device()}"
+    torch.manual_seed(0)
+    moe = MoE(256, 512, 4 * world, TOP_K, capacity_factor=None, activation="gelu", dtype=torch.bfloat16,
+              device=device, kernels="comet", balance="pro-prophet", balance_model=copies_pay(world), **settings)
+    with torch.no_grad():
+        moe.router.weight[1, 0] += 10.0
+    gen = torch.Generator(device=device).manual_seed(10 + rank)
+    xs = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(calls)]
+    dys = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(calls)]
+    for x in xs:
+        x[:, 0] += 2.0
+    return moe, xs, dys
+
+
 def slots_graph_worker(device: str = "cuda") -> list[str]:
     """On GPUs, bf16: a balanced Comet layer's step with copies in its slots, captured as one CUDA
     graph (its placement as the capture found it), replays the eager step's outputs, input
     gradient and parameter gradients bitwise on new inputs (Comet's, the slots' and Agg's kernels
     are deterministic)."""
-    from weft.graphs import GraphedStep
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = f"cuda:{torch.cuda.current_device()}"
-    checks = Checks(f"rank {rank}")
-    torch.manual_seed(0)
-    moe = MoE(256, 512, 4 * world, TOP_K, capacity_factor=None, activation="gelu", dtype=torch.bfloat16,
-              device=device, kernels="comet", balance="pro-prophet", balance_model=copies_pay(world))
-    with torch.no_grad():
-        moe.router.weight[1, 0] += 10.0
+    checks = Checks(f"rank {dist.get_rank()}")
+    moe, xs, dys = _graph_layer(4)
     params = list(moe.parameters())
-    gen = torch.Generator(device=device).manual_seed(10 + rank)
-    xs = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-    dys = [torch.randn(1024, 256, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(4)]
-    for x in xs:
-        x[:, 0] += 2.0
 
     def fwd_bwd(x, dy):
         y = moe(x)
         y.backward(dy)
         return y.detach()
 
-    for x, dy in zip(xs[:2], dys[:2]):  # a load to plan from, then a call with the copies placed
+    graphed = _capture(moe, fwd_bwd, xs, dys)
+    checks.expect(bool(moe._replica_slots.copied), "the warm-up calls placed no copy: the graph tests nothing")
+    for x, dy in zip(xs[2:], dys[2:]):
+        _replay_as_eager(checks, graphed, fwd_bwd, params, x, dy, "")
+    return checks.failures
+
+
+def slots_updated_graph_worker() -> list[str]:
+    """On GPUs, bf16: a balanced Comet layer built with `graph_placement="updated"`, its step
+    captured once as a CUDA graph, replays with the placements `update_placement(copies=...)`
+    writes after each replay (a copy to every other rank, none, copies both ways): each replay
+    bitwise as the eager step with the same copies (`moe(x, copies=...)`), outputs, input gradient
+    and parameter gradients."""
+    world = dist.get_world_size()
+    checks = Checks(f"rank {dist.get_rank()}")
+    moe, xs, dys = _graph_layer(5, graph_placement="updated")
+    params, experts = list(moe.parameters()), moe.num_experts
+
+    def fwd_bwd(x, dy, copies=None):
+        y = moe(x, copies=copies)
+        y.backward(dy)
+        return y.detach()
+
+    graphed = _capture(moe, fwd_bwd, xs, dys)
+    graphed(xs[1], dys[1])  # a first replay (its placement: the warm-up's plan), after which it updates
+    others = set(range(1, world))
+    placements = [{1: others}, {}, {1: others, experts - 1: {0}}]
+    for x, dy, copies in zip(xs[2:], dys[2:], placements):
+        moe.update_placement(copies)
+        _replay_as_eager(checks, graphed, functools.partial(fwd_bwd, copies=copies), params, x, dy,
+                         f"copies {copies}: ")
+    return checks.failures
+
+
+def _capture(moe: MoE, fwd_bwd, xs: list, dys: list):
+    """Two eager calls (a load to plan from, then a call with the copies placed), then `fwd_bwd`
+    captured (`weft.graphs.GraphedStep`, owning the gradients)."""
+    from weft.graphs import GraphedStep
+
+    for x, dy in zip(xs[:2], dys[:2]):
         fwd_bwd(x.clone().requires_grad_(), dy)
+    params = list(moe.parameters())
     for p in params:
         p.grad = None
     moe.record(None)  # the last call's aux loss keeps its autograd graph alive (see weft.graphs)
-    checks.expect(bool(moe._replica_slots.copied), "the warm-up calls placed no copy: the graph tests nothing")
-    graphed = GraphedStep(fwd_bwd, [xs[0].clone().requires_grad_(), dys[0]], grads_of=params, accumulate=False)
-    for x, dy in zip(xs[2:], dys[2:]):
-        y = graphed(x, dy)
-        replayed = [y.clone(), graphed.inputs[0].grad.clone()] + [p.grad.clone() for p in params]
-        kept = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        xi = x.clone().requires_grad_()
-        eager = [fwd_bwd(xi, dy), xi.grad] + [p.grad.clone() for p in params]
-        for p, grad in zip(params, kept):
-            p.grad = grad
-        for i, (a, b) in enumerate(zip(replayed, eager)):
-            checks.expect(torch.equal(a, b), f"tensor {i} of the replayed step differs from the eager one "
-                                             f"(max {float((a.float() - b.float()).abs().max()):.2e})")
-    return checks.failures
+    return GraphedStep(fwd_bwd, [xs[0].clone().requires_grad_(), dys[0]], grads_of=params, accumulate=False)
+
+
+def _replay_as_eager(checks: Checks, graphed, fwd_bwd, params: list, x: torch.Tensor, dy: torch.Tensor,
+                     label: str) -> None:
+    """A replay on (x, dy) against the eager step: output, input gradient and every parameter's
+    gradient bitwise equal (the graph's gradients put back after)."""
+    y = graphed(x, dy)
+    replayed = [y.clone(), graphed.inputs[0].grad.clone()] + [p.grad.clone() for p in params]
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    xi = x.clone().requires_grad_()
+    eager = [fwd_bwd(xi, dy), xi.grad] + [p.grad.clone() for p in params]
+    for p, grad in zip(params, kept):
+        p.grad = grad
+    for i, (a, b) in enumerate(zip(replayed, eager)):
+        checks.expect(torch.equal(a, b), f"{label}tensor {i} of the replay differs from the eager step "
+                                         f"(max {float((a.float() - b.float()).abs().max()):.2e})")
 
 
 def test_copies_apply_to_the_replica_slots_only():

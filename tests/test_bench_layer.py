@@ -216,7 +216,8 @@ def test_balance_comet_mode_places_the_copies_in_replica_slots(tmp_path, capsys)
     """`balance-comet`: the balanced twin on Comet's dropless path (the ranks' buffers shared
     through files on the CPU), its copies in replica slots, computing the plain layer; planned by
     the paper's model alone it copies the hot expert, with the copy overhead measured on its eager
-    calls (the default) these tiny CPU experts stay home; `+graph` needs CUDA."""
+    calls (the default) these tiny CPU experts stay home; `+graph` needs CUDA; `--graph-placement
+    updated` builds the twin whose graphs follow the placement (eagerly the same calls)."""
     out = tmp_path / "slots.json"
     cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(None,), steps=2, warmup=1,
                            json=str(out), skew=2.0, modes=("comet", "balance-comet", "balance-comet+graph"),
@@ -233,6 +234,11 @@ def test_balance_comet_mode_places_the_copies_in_replica_slots(tmp_path, capsys)
     rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["balance-comet"]["copied_experts"] == [] and rows["balance-comet"]["max_abs_error"] == 0.0
     assert rows["balance-comet"]["cost_model"]["copy_overhead_s"] > 0
+    updated = dataclasses.replace(cfg, modes=("comet", "balance-comet"), graph_placement="updated")
+    run_distributed(layer.run, 2, args=(updated,), timeout=300)
+    row = {r["mode"]: r for r in json.loads(out.read_text())["results"]}["balance-comet"]
+    assert row["copied_experts"] == [hottest] and row["max_abs_error"] == 0.0
+    assert "shaped for any placement" in row["description"]
 
 
 def slow_copy_bench_worker(cfg: LayerBenchConfig, extra_s: float) -> dict:

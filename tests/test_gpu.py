@@ -14,7 +14,7 @@ import torch
 
 from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
-from test_balance_slots import slots_graph_worker, slots_worker
+from test_balance_slots import slots_graph_worker, slots_updated_graph_worker, slots_worker
 from test_comet import kernels_worker, map_kernel_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
@@ -150,6 +150,15 @@ def test_copies_in_replica_slots_compute_the_plain_layer_and_replay_as_a_graph()
     flat = run_checks(slots_worker, world, args=(2 * world, "swiglu", False, 5, "cuda", 64, 1e-4), backend="nccl",
                       timeout=600)
     flat += run_checks(slots_graph_worker, world, backend="nccl", timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_replica_slots_graph_follows_updated_placements():
+    # graph_placement="updated": one capture, replays with placements written in place between
+    # them (the link kernels read them on the device), each bitwise as the eager step's copies.
+    flat = run_checks(slots_updated_graph_worker, torch.cuda.device_count(), backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

@@ -508,17 +508,25 @@ def _comet_blocker_worker() -> list:
     cuda = torch.device("cuda")  # the checks before the device's (the layers' peers: shared files here)
     plain = graph_blocker(gpt, cuda, "none")
     set_layers(gpt, "kernels", "comet")
-    return [plain, graph_blocker(gpt, cuda, "none"), graph_blocker(gpt, cuda, "lancet")]
+    balanced = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, "capacity_factor": None}), kernels="torch",
+                   balance="pro-prophet")
+    off_comet = graph_blocker(balanced, cuda, "none")
+    set_layers(balanced, "kernels", "comet")
+    return [plain, graph_blocker(gpt, cuda, "none"), graph_blocker(gpt, cuda, "lancet"), off_comet,
+            graph_blocker(balanced, cuda, "none")]
 
 
 def test_dropless_comet_steps_can_be_graphed():
     """Dropless layers read their counts on the host, except with Comet's kernels where the ranks
     reach each other's memory (2 gloo ranks: shared files): their steps can be captured, unless
-    Lancet's scheduler takes the exchange (it runs the all-to-allv)."""
-    plain, comet, lancet = run_distributed(_comet_blocker_worker, 2, timeout=120)[0]
+    Lancet's scheduler takes the exchange (it runs the all-to-allv); Pro-Prophet's copies too,
+    in replica slots on that path only."""
+    plain, comet, lancet, off_comet, balanced = run_distributed(_comet_blocker_worker, 2, timeout=120)[0]
     assert plain.startswith("MoE layer 0 runs capacity_factor=None (dropless)"), plain
     assert comet is None
     assert lancet == plain
+    assert off_comet.startswith("--balance pro-prophet plans each call's copies on the host"), off_comet
+    assert balanced is None
 
 
 def test_lancets_partitioned_forward_keeps_the_step_eager():
@@ -670,6 +678,63 @@ def test_pro_prophet_on_comets_path_trains_with_the_plain_losses(corpus, tmp_pat
     assert all(abs(plain[s] - balanced[s]) <= 1e-4 * abs(plain[s]) for s in plain), (plain, balanced)
     rows = [json.loads(line) for line in (tmp_path / "slots" / "metrics.jsonl").read_text().splitlines()]
     assert any(experts for r in rows if "loss" in r for experts in r["copied_experts"]), "no expert was copied"
+
+
+def _follow_loads_worker(steps: int) -> list[str]:
+    """A balanced model's micro-step as `weft train` graphs it (`follow_loads`), on the CPU: after
+    an eager first step every step is taken for a replay of a capture (`_capturing` true), the
+    layers at `graph_placement="updated"`, the placement planned after each step for the next.
+    The losses and every gradient equal the unbalanced model's, step by step, while experts are
+    copied."""
+    import torch.distributed as dist
+
+    import weft.moe.layer as layer_module
+    from test_balance_equivalence import copies_pay
+    from weft.train.step import eager_micro_step, follow_loads
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = GPTConfig.from_dict({**SMALL_MODEL, "capacity_factor": None, "moe_every": 1})
+    runs, copied = [], []
+    for balance in (None, "pro-prophet"):
+        torch.manual_seed(0)
+        gpt = GPT(cfg, kernels="comet", balance=balance)
+        with torch.no_grad():
+            gpt.tok_emb.weight[:, 0] += 3.0  # every token leans on dimension 0 ...
+        for moe in gpt.moe_layers():
+            with torch.no_grad():
+                moe.router.weight[1, 0] += 5.0  # ... which sends it to expert 1 (rank 0's): a hot rank
+            if balance:
+                moe.graph_placement, moe.balancer.model = "updated", copies_pay(world)
+        optimizer = torch.optim.SGD(gpt.parameters(), lr=0.1)
+        eager = eager_micro_step(gpt, 1)
+        graphed = follow_loads(eager, gpt)
+        trace = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            tokens = torch.randint(0, cfg.vocab_size, (4, cfg.block_size + 1), generator=gen)
+            losses, _ = (eager if step == 0 else graphed)(tokens[:, :-1], tokens[:, 1:])
+            trace.append((float(losses[0]), [p.grad.clone() for p in gpt.parameters()]))
+            optimizer.step()
+            optimizer.zero_grad()
+            if balance:
+                copied.append([moe._replica_slots.expert_WR.tolist() for moe in gpt.moe_layers()])
+                layer_module._capturing = lambda x: True  # from the second step on: a capture's replays
+        runs.append(trace)
+    failures = []
+    for step, ((plain_loss, plain_grads), (loss, grads)) in enumerate(zip(*runs)):
+        if abs(plain_loss - loss) > 1e-5 * abs(plain_loss):
+            failures.append(f"rank {rank} step {step}: loss {loss} against {plain_loss}")
+        failures += [f"rank {rank} step {step}: gradient {i} differs"
+                     for i, (a, b) in enumerate(zip(plain_grads, grads))
+                     if float((a - b).norm()) > 1e-4 * float(b.norm()) + 1e-12]
+    if not any(e >= 0 for layers in copied for rows in layers for row in rows for e in row):
+        failures.append(f"rank {rank}: no expert was copied: {copied}")
+    return failures
+
+
+def test_a_balanced_step_that_follows_the_loads_has_the_plain_losses():
+    flat = [f for failures in run_distributed(_follow_loads_worker, 2, args=(6,), timeout=300) for f in failures]
+    assert not flat, "\n".join(flat[:15])
 
 
 def test_a_balanced_checkpoint_resumes_on_another_world_size_with_the_same_losses(corpus, tmp_path):

@@ -41,7 +41,7 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
-from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS
+from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
 from weft.overlap import measure_layer_cost_model, with_unpriced_time
 from weft.profiling import stage
@@ -348,6 +348,11 @@ class LayerBenchConfig:
     balance_rounds: int = arg(1, "balance modes: the times Pro-Prophet's greedy search may take one rank (1: the "
                               "paper's Alg. 1, one copy from each rank; more let a hot rank give away several)",
                               parse=positive_int)
+    graph_placement: str = arg("captured", "balance-comet+graph: the graph replays the placement of its capture, "
+                               "only the holders computing slot rows, the copies by the copy engine ('captured'), "
+                               "or is shaped for any placement as graphed training runs it, every rank running the "
+                               "slot path, the copies by SM kernels ('updated'; weft.MoE's graph_placement)",
+                               choices=GRAPH_PLACEMENTS)
 
     def validate(self) -> None:
         """ValueError naming the flag of the first bad setting."""
@@ -386,7 +391,8 @@ def run(bench: LayerBenchConfig) -> dict:
     for cf in bench.capacity:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
                                    bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx,
-                                   copy_overhead=bench.copy_overhead == "measured", balance_rounds=bench.balance_rounds)
+                                   copy_overhead=bench.copy_overhead == "measured", balance_rounds=bench.balance_rounds,
+                                   graph_placement=bench.graph_placement)
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
@@ -451,7 +457,7 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
 
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
                     profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True,
-                    balance_rounds: int = 1) -> list[dict]:
+                    balance_rounds: int = 1, graph_placement: str = "captured") -> list[dict]:
     device = ctx.device
     progress = ProgressLog("layer", ctx.rank)
     torch.manual_seed(0)
@@ -483,7 +489,7 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             graphed = is_graphed(mode)
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
                                                          ctx.world_size, x0, copy_overhead, balance_rounds,
-                                                         graphed and cf is None)
+                                                         graphed and cf is None, graph_placement)
             if graphed and base_mode(mode) == "auto" and cf is None:
                 _need_cuda(device)
                 forward, graphed, row["candidates_ms"] = graphed_auto_dropless(moe, x0, grads[0])
@@ -678,7 +684,7 @@ def _peak_mib(run: Run, device: torch.device) -> float | None:
 
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0, copy_overhead: bool,
-                  rounds: int = 1, graphed: bool = False):
+                  rounds: int = 1, graphed: bool = False, graph_placement: str = "captured"):
     if mode in MODES:
         return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
     if mode == BALANCE_MODE:
@@ -688,8 +694,10 @@ def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0,
         if graphed:
             _need_cuda(device)
         twin = balanced_twin(moe, cf, x0, copy_overhead, rounds, InSlots.OVERRIDES, graphed)
+        twin.graph_placement = graph_placement  # before the mode's graph is captured
+        shape = "" if graph_placement == "captured" else "; its graph shaped for any placement"
         return (InSlots(twin), list(twin.parameters()),
-                "weft comet + Pro-Prophet's copies in replica slots (peer memory, nothing read on the host)")
+                f"weft comet + Pro-Prophet's copies in replica slots (peer memory, nothing read on the host{shape})")
     if mode == COPY_MODE:
         twin = balanced_twin(moe, cf, x0, copy_overhead=False)
         forward = HeaviestCopied(twin)

@@ -9,16 +9,23 @@ order) hold an expert of the same owner. An owner has at most R entries (`Replic
 checks it), so every rank's box of R entries (a peer buffer of (R, P) values, P an expert
 weight's elements, one per weight) holds them.
 
-The owners' parts, here, touch only their own memory; the holders move the bytes across the link
-(`weft.moe.exchange.replica_slots`, by the copy engine, at the entries `entries` gives):
+The owners' parts touch only their own memory; the holders move the bytes across the link, by
+the copy engine at the entries `entries` gives where the host's view of the placement may fix
+the copies' addresses (`weft.moe.exchange.replica_slots`), else by the link kernels here, which
+read the placement on the device (a CUDA graph that follows the placement):
 
 - Trans: `stage_copies` (the owner copies each of its copied experts into its box), a barrier,
-  then the holders read their slots' experts from the boxes.
-- Agg: the holders write their slots' gradients into their owners' boxes, a barrier, then
-  `add_grads` (each owner adds its box's gradients of each expert into its own gradient rows, in
-  slot order, accumulated in float32, one program per element range of an expert (the first slot
-  holding it sums for all): no atomics, deterministic).
+  then the holders read their slots' experts from the boxes (`pull_copies`).
+- Agg: the holders write their slots' gradients into their owners' boxes (`push_grads`), a
+  barrier, then `add_grads` (each owner adds its box's gradients of each expert into its own
+  gradient rows, in slot order, accumulated in float32, one program per element range of an
+  expert (the first slot holding it sums for all): no atomics, deterministic).
 - `write_rows`: a holder's slot rows written among its dispatched rows (the used ones only).
+
+The link kernels run on few programs (`LINK_PROGRAMS`), each taking the used slots' chunks in
+turn, `LINK_BLOCK` elements at a time, so that they leave most SMs to the GEMMs they fly beside
+(on 2 x H200 they reached ~200-370 GB/s; the copy engine, which takes no SMs, is faster where it
+can be used: docs/balance.md).
 
 The Triton kernels run on CUDA tensors, and on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1), where the references are their oracle.
@@ -34,6 +41,9 @@ if triton is not None:
 
 BLOCK = 4096  # elements a program moves
 ROW_BLOCK = 512  # columns a program of `write_rows` moves
+LINK_PROGRAMS = 32  # programs of a link kernel
+LINK_BLOCK = 16384  # elements a link program moves at a time
+LINK_WARPS = 8
 
 
 def _flat(w: torch.Tensor) -> torch.Tensor:
@@ -60,6 +70,16 @@ def _grid(slots: int, elements: int) -> tuple[int, int]:
     return slots, triton.cdiv(elements, BLOCK)
 
 
+def _link_launch(slots: int, elements: int) -> dict:
+    """A link kernel's grid and loop: `LINK_PROGRAMS` programs (fewer where there are fewer chunks)
+    taking the slots' chunks in turn (`CHUNKS` a slot, `ITERS` turns), so that the slots that
+    hold an expert get every program, wherever they are."""
+    chunks = triton.cdiv(elements, LINK_BLOCK)
+    programs = max(1, min(LINK_PROGRAMS, slots * chunks))
+    return dict(grid=(programs,), PROGRAMS=programs, CHUNKS=chunks, ITERS=triton.cdiv(slots * chunks, programs),
+                BLOCK=LINK_BLOCK, num_warps=LINK_WARPS)
+
+
 def stage_copies(w_EKN: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor, rank: int) -> None:
     """Trans, the owner's part for one weight: each slot holding one of this rank's experts gets
     that expert's `w` (El, K, N), cast to the box's dtype (as `Tensor.to` rounds), at its entry of
@@ -80,6 +100,47 @@ def stage_copies_reference(w_EKN: torch.Tensor, box: torch.Tensor, expert_WR: to
     for e, k in zip(expert_WR.flatten().tolist(), entries(expert_WR, local)):
         if e >= 0 and e // local == rank:
             box[k].copy_(w_EKN[e - rank * local])
+
+
+def pull_copies(slots: torch.Tensor, table: torch.Tensor, boxes: list[torch.Tensor], expert_WR: torch.Tensor,
+                rank: int, local: int) -> None:
+    """Trans, a holder's part for one weight, placed on the device: this rank's slots (R, K, N)
+    read their experts from their owners' boxes (`boxes[o]` as this process addresses rank o's,
+    `table` their addresses), `local` experts a rank. Empty slots keep their values."""
+    _link(slots, table, boxes, expert_WR, rank, local, pull=True)
+
+
+def push_grads(grads: torch.Tensor, table: torch.Tensor, boxes: list[torch.Tensor], expert_WR: torch.Tensor,
+               rank: int, local: int) -> None:
+    """Agg, a holder's part for one weight, placed on the device: the gradient of each of this
+    rank's slots (`grads`, (R, K, N)) goes to its entry of its owner's box, cast to the boxes'
+    dtype. Empty slots send nothing."""
+    _link(grads.contiguous(), table, boxes, expert_WR, rank, local, pull=False)
+
+
+def _link(mine: torch.Tensor, table: torch.Tensor, boxes: list[torch.Tensor], expert_WR: torch.Tensor, rank: int,
+          local: int, pull: bool) -> None:
+    """This rank's slots' values (`mine`, (R, ...)) from (`pull`) or to their entries of the
+    owners' boxes: `_link_kernel`, or the reference."""
+    world, per_rank = expert_WR.shape
+    flat = _flat(mine)
+    if triton_usable(flat):
+        launch = _link_launch(per_rank, flat.shape[1])
+        _link_kernel[launch.pop("grid")](flat, table, boxes[rank], expert_WR, rank, flat.shape[1], LOCAL=local,
+                                         R=per_rank, SLOTS=world * per_rank,
+                                         BLOCK_S=triton.next_power_of_2(world * per_rank), PULL=pull, **launch)
+        return
+    link_reference(mine, boxes, expert_WR, rank, local, pull)
+
+
+def link_reference(mine: torch.Tensor, boxes: list[torch.Tensor], expert_WR: torch.Tensor, rank: int, local: int,
+                   pull: bool) -> None:
+    """`pull_copies` (`pull`) or `push_grads` in PyTorch ops (reads the placement on the host)."""
+    per_rank = expert_WR.shape[1]
+    placed = entries(expert_WR, local)[rank * per_rank:(rank + 1) * per_rank]
+    for j, (e, k) in enumerate(zip(expert_WR[rank].tolist(), placed)):
+        if e >= 0:
+            (mine[j].copy_(boxes[e // local][k]) if pull else boxes[e // local][k].copy_(mine[j]))
 
 
 def add_grads(grad_EKN: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor, rank: int) -> None:
@@ -124,6 +185,34 @@ def write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, index_M: torch.Tens
 
 
 if triton is not None:
+
+    @triton.jit
+    def _base(addr, like):
+        """A peer buffer's address (int64) as a pointer to `like`'s dtype, 16-byte aligned."""
+        return tl.multiple_of(addr.to(tl.pointer_type(like.dtype.element_ty)), 16)
+
+    @triton.jit
+    def _link_kernel(mine, table, like, expert_WR, rank, P, LOCAL: tl.constexpr, R: tl.constexpr,
+                     SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                     CHUNKS: tl.constexpr, ITERS: tl.constexpr, PULL: tl.constexpr):
+        """Program i takes chunks i, i + PROGRAMS, ... of this rank's slots (slot-major): a chunk
+        of a slot j that holds an expert is read from its entry of the owner's box into `mine`
+        (PULL) or written there from `mine`. Reference: `link_reference`."""
+        for it in range(ITERS):
+            item = it * PROGRAMS + tl.program_id(0)
+            j = item // CHUNKS
+            slot = rank * R + j
+            e = tl.load(expert_WR + slot, mask=j < R, other=-1)
+            if e >= 0:
+                k = _entry(expert_WR, slot, LOCAL, SLOTS, BLOCK_S)
+                offs = (item % CHUNKS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < P
+                box = _base(tl.load(table + e // LOCAL), like) + k.to(tl.int64) * P + offs
+                local = mine + j.to(tl.int64) * P + offs
+                if PULL:
+                    tl.store(local, tl.load(box, mask=mask).to(mine.dtype.element_ty), mask=mask)
+                else:
+                    tl.store(box, tl.load(local, mask=mask).to(like.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _entry(expert_WR, slot, LOCAL: tl.constexpr, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr):

@@ -16,6 +16,8 @@ from weft.kernels.rows import KERNELS
 from weft.moe.gates import GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
+# weft.MoE's graph_placement: what a CUDA graph of a balanced call on Comet's path replays
+GRAPH_PLACEMENTS = ("captured", "updated")
 
 A2A_ALGOS = ("linear", "2dh", "dedup", "dedup-fixed", "dedup-fixed-own", "auto")
 # dropless dedup in exchanges of a fixed size (T rows, T * k records per rank pair): nothing read on

@@ -31,6 +31,7 @@ from weft.moe.config import (
     BALANCE_CHOICES,
     DEDUP_ALGOS,
     FIXED_SIZE_ALGOS,
+    GRAPH_PLACEMENTS,
     OWN_APART_ALGO,
     MoECall,
     check_layer,
@@ -120,6 +121,12 @@ class MoE(nn.Module):
             expert left (1, default: Pro-Prophet's Alg. 1, at most one copy from each rank; more
             let a hot rank give away several, which pays where copies are cheap: Comet's path,
             whose replica slots hold `balance_rounds * (W - 1)` copies a rank).
+        graph_placement: what a CUDA graph of a balanced layer's calls on Comet's path replays:
+            "captured" (default) the placement of its capture, its work shaped to it (only the
+            ranks holding copies compute slot rows; the copies by the copy engine: the fastest,
+            for a steady load); "updated" the placement `update_placement()` writes after each
+            replay (every rank runs the slot path; the copies by SM kernels that read the
+            placement on the device), so that a graphed training step's copies follow the load.
         expert_bias: keep a per-expert selection bias (buffer `expert_bias`, zeros at start) that
             is added to the router probabilities when choosing experts, never to the gates;
             `update_expert_bias` moves it after each training step (DeepSeek-V3's
@@ -150,7 +157,7 @@ class MoE(nn.Module):
                  kernels: str = "auto", expert_bias: bool = False, routing_temperature: float = 0.0,
                  router_init_scale: float = 1.0, balance: str | None = None,
                  balance_model: LayerCostModel | None = None, balance_n: int = 1, balance_rounds: int = 1,
-                 dtype: torch.dtype | None = None,
+                 graph_placement: str = "captured", dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
         super().__init__()
         self.group = resolve_group(group)
@@ -166,6 +173,9 @@ class MoE(nn.Module):
             raise ValueError(f"unknown parallel {parallel!r}; choose 'ep' or 'adaptive'")
         if balance not in BALANCE_CHOICES:
             raise ValueError(f"unknown balance {balance!r}; choose None or 'pro-prophet'")
+        if graph_placement not in GRAPH_PLACEMENTS:
+            raise ValueError(f"unknown graph_placement {graph_placement!r}; choose "
+                             f"{' or '.join(map(repr, GRAPH_PLACEMENTS))}")
         if balance and num_experts < ep_size:
             raise ValueError(f"balance='pro-prophet' needs whole experts per rank ({num_experts} experts, "
                              f"{ep_size} ranks)")
@@ -208,6 +218,9 @@ class MoE(nn.Module):
         # call's counts on their way to the host (`_replicas`).
         self._replica_slots: ReplicaSlots | None = None
         self._pending_counts: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        # graph_placement="updated": the counts a captured call leaves on the device at each replay
+        self.graph_placement = graph_placement
+        self._graph_counts_WE: torch.Tensor | None = None
 
     @property
     def groups_2dh(self):
@@ -519,6 +532,8 @@ class MoE(nn.Module):
             if replicas is not None and not _capturing(tokens_TD):
                 # this call's loads, to the host without a wait; the next call records them
                 self._pending_counts = host_tensor_async(layout.counts_WE)
+            elif replicas is not None and replicas.on_device:
+                self._graph_counts_WE = layout.counts_WE  # where each replay leaves its loads (`update_placement`)
             return out_TD
         # the tuning bucket: the most rows any rank dispatches, so that every rank keys the same entry
         out_TD = self._run_tuned(call, run, tokens_TD, -(-layout.most_slots() // self.num_experts))
@@ -536,26 +551,53 @@ class MoE(nn.Module):
         """A balanced dropless call on Comet's path: the earlier call's loads (copied to the host
         during that call) join the history, and the plan made from them (or `copies`) places this
         call's copies in the layer's replica slots. While a CUDA graph is captured the placement
-        stays as it is (a graph replays the placement it found; see
-        `weft.moe.exchange.replica_slots`)."""
+        stays as it is: a graph replays the placement it found (`graph_placement="captured"`), or
+        the call is shaped for any placement and reads the one `update_placement()` writes after
+        each replay ("updated"; see `weft.moe.exchange.replica_slots`)."""
+        capturing = _capturing(tokens_TD)
         if self._replica_slots is None:
             peers = peer_buffers(self.group, tokens_TD.device)
             self._replica_slots = ReplicaSlots(peers, str(peers.ordinal("replica-slots", self)), self.num_experts,
                                                tokens_TD.device, self.balancer.rounds)
         slots = self._replica_slots
-        if not _capturing(tokens_TD):
-            if self._pending_counts is not None:
-                counts_WE, ready = self._pending_counts
-                if ready is not None:
-                    ready.synchronize()
-                self.balancer.record(counts_WE.tolist())
-                self._pending_counts = None
+        slots.in_place = self.graph_placement == "updated"  # (a setting that may change before a capture)
+        if not capturing:
+            self._record_pending_counts()
             slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies)
+            if self.graph_placement == "updated":  # a later capture's buffers (made eagerly: collective)
+                slots.make_buffers(self.experts.weights(), self.experts.compute_dtype(tokens_TD))
+        on_device = capturing and self.graph_placement == "updated"
         # Trans now, before the dispatch: on CUDA it flies under the dispatch and Comet's layer0
         # (no copies: nothing to move, and the call runs plain Comet)
-        transfer = slots.start_transfer(self.experts.weights(), self.experts.compute_dtype(tokens_TD)) \
-            if slots.copied else PendingTransfer((), None)
-        return ReplicaCall(slots, min(rows, slots.per_rank * tokens_TD.shape[0]), transfer)
+        transfer = slots.start_transfer(self.experts.weights(), self.experts.compute_dtype(tokens_TD), on_device) \
+            if slots.copied or on_device else PendingTransfer((), None)
+        return ReplicaCall(slots, min(rows, slots.per_rank * tokens_TD.shape[0]), transfer, on_device)
+
+    def _record_pending_counts(self) -> None:
+        """The loads on their way to the host (`_pending_counts`) join Pro-Prophet's history."""
+        if self._pending_counts is None:
+            return
+        counts_WE, ready = self._pending_counts
+        if ready is not None:
+            ready.synchronize()
+        self.balancer.record(counts_WE.tolist())
+        self._pending_counts = None
+
+    def update_placement(self, copies: Mapping[int, Collection[int]] | None = None) -> None:
+        """After each replay of a CUDA graph that holds this layer's balanced calls on Comet's path
+        (built with `graph_placement="updated"`), for the next: the replay's loads go to the host
+        without a wait, those of the replay before join Pro-Prophet's history (the planner stays a
+        replay behind, so that the host never waits for the GPU), and the plan made from the
+        history (or `copies`, expert -> ranks) is written where the graph reads its placement, on
+        the current stream (after this replay's reads of it). Call it after a replay only: before
+        the first, the graph's loads are not written yet. A no-op for a layer with no such call."""
+        if self.graph_placement != "updated":
+            raise RuntimeError("update_placement() moves the copies of graphs built with graph_placement='updated'")
+        if self._replica_slots is None or self._graph_counts_WE is None:
+            return
+        self._record_pending_counts()
+        self._pending_counts = host_tensor_async(self._graph_counts_WE)
+        self._replica_slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies)
 
     def counts_stay_on_device(self, call: MoECall | None = None) -> bool:
         """Whether this layer's dropless calls (`call`, default: its own) read nothing on the host

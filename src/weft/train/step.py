@@ -58,13 +58,16 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     GPUs: docs/tp.md). `--a2a-algo auto` is captured with the all-to-all whose graph replays
     fastest (linear or dedup). Dropless layers on one GPU, with `--a2a-algo dedup-fixed`, or with
     `--kernels comet` where the GPUs reach each other's memory (`MoE.counts_stay_on_device`), read
-    nothing on the host and are captured too; `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
+    nothing on the host and are captured too, Pro-Prophet's copies with them (`--balance
+    pro-prophet`: in replica slots, whose placement each replay reads on the device, written
+    after each replay by `follow_loads`); `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
     would time dedup (`MoE.tunes_dedup`) ran dedup-fixed, which that setting may choose
     (`choose_fixed_size`)."""
     if device.type != "cuda":
         return "CUDA graphs need a GPU"
-    if model.balanced:  # a graph would replay the placement of its capture
-        return "--balance pro-prophet plans each call's copies on the host from the earlier calls' loads"
+    if model.balanced and not all(moe.copies_in_slots() for moe in _balanced_layers(model)):
+        return ("--balance pro-prophet plans each call's copies on the host from the earlier calls' loads (a graph "
+                "holds them with --kernels comet where the GPUs reach each other's memory)")
     if overlap == "lancet":
         if model.unit_runner is not None:
             return "--overlap lancet's partitioned forward ranges read their all-to-allv sizes on the host"
@@ -80,6 +83,29 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
                                                                 "--kernels comet where the GPUs reach each other's "
                                                                 "memory)" if cf is None else ""))
     return None
+
+
+def _balanced_layers(model: GPT) -> list:
+    return [moe for moe in model.moe_layers() if moe.balancer is not None]
+
+
+def follow_loads(step: MicroStep, model: GPT) -> MicroStep:
+    """A graphed micro-step of a balanced model (`graph_placement="updated"`): after each replay,
+    every balanced layer's `update_placement()` plans its copies for the next one from the loads
+    of the replays before and writes them where the graph reads its placement (Pro-Prophet's plan
+    per iteration, a replay behind, so that the host never waits for the GPU; the first replay
+    runs the placement the warm-up's last eager call planned)."""
+    layers = _balanced_layers(model)
+    if not layers:
+        return step
+
+    def run(x: torch.Tensor, y: torch.Tensor):
+        out = step(x, y)
+        for moe in layers:
+            moe.update_placement()
+        return out
+
+    return run
 
 
 def lancet_partitions_forward(model: GPT, device: torch.device, cuda_graphs: str) -> bool:
@@ -332,6 +358,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
             log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; measured: {measured})")
         blocker = graph_blocker(model, device, overlap)
     if blocker is None:
+        # balanced layers: their graphs read the placement `follow_loads` writes between replays
+        for moe in _balanced_layers(model):
+            moe.graph_placement = "updated"
         try:
             for setting in GRAPH_TUNED:
                 if not any(getattr(moe, setting) == "auto" for moe in model.moe_layers()):
@@ -352,7 +381,8 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                 if not kept:
                     eager, scheduled = eager_micro_step(model, grad_accum), False
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
-            return MicroSteps(graph, graphed=True, owns_grads=not accumulate, wgrad_scheduled=scheduled)
+            return MicroSteps(follow_loads(graph, model), graphed=True, owns_grads=not accumulate,
+                              wgrad_scheduled=scheduled)
         except CaptureError as e:
             if mode == "on":
                 raise

@@ -307,14 +307,15 @@ class Comet(Exchange):
     def _run_replicated(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
                         replicas: ReplicaCall, counts_WE: torch.Tensor) -> torch.Tensor:
         """Pro-Prophet's copies (`weft.moe.exchange.replica_slots`): Comet on the rows the map
-        keeps, with this rank's served rows (if its slots hold copies) computed by its slots between
-        layer0 and layer1, once the call's Trans (`replicas.transfer`, launched by the layer before
-        the dispatch) is joined; Agg queued by the output's backward."""
+        keeps, with this rank's served rows (if its slots hold copies, or on every rank for a call
+        shaped for any placement) computed by its slots between layer0 and layer1, once the call's
+        Trans (`replicas.transfer`, launched by the layer before the dispatch) is joined; Agg
+        queued by the output's backward."""
         experts, slots = self.ctx.experts, replicas.slots
         dtype = experts.compute_dtype(rows_ND)
         params = experts.weights()
         transfer = replicas.transfer  # Trans, launched by the layer before the dispatch (on CUDA, in flight)
-        if not slots.holds_here:
+        if not (slots.holds_here or replicas.on_device):
             out_ND = self._run(rows_ND, buffer_rows, rows, tiles)
             transfer.wait()
             return aggregate(out_ND, slots, params, dtype)
@@ -330,7 +331,7 @@ class Comet(Exchange):
         (y_MD, slot_weights), = outputs
         with torch.autocast(out_ND.device.type, enabled=False):
             out_ND = merge(out_ND, y_MD, slot_rows)
-        return aggregate(out_ND, slots, params, dtype, slot_weights)
+        return aggregate(out_ND, slots, params, dtype, slot_weights, replicas.on_device)
 
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
              between: Callable[[], None] | None = None) -> torch.Tensor:

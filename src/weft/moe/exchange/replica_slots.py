@@ -4,8 +4,8 @@ host and a CUDA graph holds the call.
 Every rank has R = rounds * (W - 1) replica slots per layer: Alg. 1 comes to each owner at most
 `rounds` times (the paper: once), so a rank holds at most that many copies from each other rank.
 The placement is a small tensor on the device, `expert_WR[h, j]` (the expert in rank h's slot j,
-or -1), the same on every rank, written from the host's plan before the call (a CUDA graph
-replays the placement of its capture). A call with copies:
+or -1), the same on every rank, written from the host's plan before the call. A call with
+copies:
 
 - Trans: each owner copies its copied experts' weights into a box of its own peer memory
   (`weft.kernels.replica.stage_copies`), and after a barrier each holder reads its slots' experts
@@ -32,6 +32,12 @@ beside (Triton programs that moved them did, and lost: docs/balance.md). The cop
 come from the host's view of the placement, so a CUDA graph replays the placement it was captured
 with (as its shape already does).
 
+A call shaped for any placement (`ReplicaCall.on_device`: a capture of a layer built with
+`graph_placement="updated"`) instead runs the slot path on every rank (empty groups where a
+rank's slots hold nothing) and moves the link's bytes by the kernels that read the placement on
+the device (`pull_copies`, `push_grads`); placements are then written in place (`in_place`) into
+the one tensor its graph reads, after each replay.
+
 Same function as the plain layer: outputs, every gradient (the copies' shares summed into the
 owner's, in another order: equal to rounding) and the routed counts. No parameter or optimizer
 state is added, so checkpoints are plain ones. Invariant (as Comet's buffers need): a layer's
@@ -41,7 +47,7 @@ next call.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +56,7 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.hostcopy import device_tensor
 from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_rows_mm
-from weft.kernels.replica import add_grads, entries, stage_copies, write_rows
+from weft.kernels.replica import add_grads, entries, pull_copies, push_grads, stage_copies, write_rows
 from weft.kernels.rows import triton_usable
 
 # The peers' barrier channel of Trans, on its side stream beside Comet's barriers (channel 0) and
@@ -78,7 +84,8 @@ class ReplicaSlots:
     device (and its host view), the slots' weights and the owners' boxes in peer buffers (named by
     `key`, one set per layer), and Trans and Agg."""
 
-    def __init__(self, peers: PeerBuffers, key: str, num_experts: int, device: torch.device, rounds: int = 1):
+    def __init__(self, peers: PeerBuffers, key: str, num_experts: int, device: torch.device, rounds: int = 1,
+                 in_place: bool = False):
         self.peers, self.key = peers, key
         self.world, self.rank = peers.world, peers.rank
         self.per_rank = rounds * max(1, self.world - 1)
@@ -87,6 +94,7 @@ class ReplicaSlots:
         self._placed: tuple[tuple[int, ...], ...] = ((),) * self.world
         self._side: torch.cuda.Stream | None = None  # Trans's stream (CUDA), made at the first one
         self._reads: tuple[tuple[int, int, int], ...] = ()  # this rank's (slot, owner, entry in the owner's box)
+        self.in_place = in_place  # placements written into `expert_WR` (graphs follow them), not new tensors
 
     @property
     def copied(self) -> list[int]:
@@ -95,10 +103,11 @@ class ReplicaSlots:
 
     def place(self, copies: Mapping[int, Collection[int]]) -> None:
         """Hold `copies` (expert -> the ranks that get a copy) from the next call on: each rank's
-        copies in its slots by expert id, in a new device tensor (written without a host wait), so
-        that a CUDA graph captured earlier keeps replaying the placement it was captured with, to
-        which its work is shaped (a rank whose slots held nothing captured no slot rows). Not while
-        a graph is captured."""
+        copies in its slots by expert id, written to the device without a host wait. Each placement
+        is a new device tensor, so that a CUDA graph captured earlier keeps replaying the placement
+        it was captured with, to which its work is shaped (a rank whose slots held nothing captured
+        no slot rows); `in_place`: written into the one tensor every call and graph reads (a graph
+        whose work is shaped for any placement follows it). Not while a graph is captured."""
         held: list[list[int]] = [[] for _ in range(self.world)]
         for e in sorted(copies):
             owner = e // self.num_local
@@ -120,7 +129,11 @@ class ReplicaSlots:
         entry = entries(torch.tensor(values).view(self.world, self.per_rank), self.num_local)
         self._reads = tuple((j, e // self.num_local, entry[self.rank * self.per_rank + j])
                             for j, e in enumerate(held[self.rank]))
-        self.expert_WR = device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank)
+        written = device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank)
+        if self.in_place:
+            self.expert_WR.copy_(written)
+        else:
+            self.expert_WR = written
         self._placed = placed
 
     def served_WE(self) -> torch.Tensor:
@@ -156,7 +169,17 @@ class ReplicaSlots:
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PeerBuffer:
         return self.peers.get(f"replica.{self.key}.{name}", (self.per_rank, *shape), dtype)
 
-    def start_transfer(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype) -> PendingTransfer:
+    def make_buffers(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype
+                     ) -> list[tuple[PeerBuffer, PeerBuffer] | None]:
+        """Each weight's (box, slots) peer buffers in `dtype`, made at the first call (collective,
+        on every rank; not while a CUDA graph is captured, so a call that captures needs an
+        earlier eager one)."""
+        return [None if w is None else (self._buffer(f"b{i}", tuple(w.shape[1:]), dtype),
+                                        self._buffer(f"w{i}", tuple(w.shape[1:]), dtype))
+                for i, w in enumerate(weights)]
+
+    def start_transfer(self, weights: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
+                       on_device: bool = False) -> PendingTransfer:
         """Trans: the slots' weights (R, K, N) in `dtype` on this rank. Each owner stages its
         copied experts of each weight (El, K, N) in its box, a barrier, each holder copies its
         slots' from the boxes (the copy engine), a barrier (the boxes are made here, on every rank:
@@ -168,14 +191,15 @@ class ReplicaSlots:
         On CUDA it runs on a side stream of its own (its barriers on `TRANS_CHANNEL`), forked from
         the current stream now, so that it flies under the work launched until `wait()` joins it
         (the call's routing, dispatch and Comet's layer0; Alg. 2's Trans under the work before
-        the copies are used); elsewhere at once."""
+        the copies are used); elsewhere at once. `on_device`: the holders' copies by the link
+        kernel (`pull_copies`), which reads the placement on the device, instead of by the copy
+        engine at addresses the host's view fixes (a graph that follows the placement)."""
         moves, held = [], []
-        for i, w in enumerate(weights):
+        for w, buffers in zip(weights, self.make_buffers(weights, dtype)):
             if w is None:
                 held.append(None)
                 continue
-            shape = tuple(w.shape[1:])
-            box, slots = self._buffer(f"b{i}", shape, dtype), self._buffer(f"w{i}", shape, dtype)
+            box, slots = buffers
             moves.append((w.detach(), w.detach().to(dtype), box, slots))  # cast here, on the current stream
             held.append(slots.local)
         streams = self._fork_side()
@@ -186,6 +210,9 @@ class ReplicaSlots:
                 stage_copies(src, box.local, self.expert_WR, self.rank)
             self.peers.barrier(TRANS_CHANNEL)
             for _, _, box, slots in moves:
+                if on_device:
+                    pull_copies(slots.local, box.table, box.peers, self.expert_WR, self.rank, self.num_local)
+                    continue
                 for j, owner, k in self._reads:  # the copy engine, across the link
                     slots.local[j].copy_(box.peers[owner][k])
             self.peers.barrier(TRANS_CHANNEL)
@@ -203,14 +230,24 @@ class ReplicaSlots:
         return current, self._side
 
     def send_grads_when_ready(self, params: tuple[torch.Tensor | None, ...], dtype: torch.dtype,
-                              slot_weights: tuple[torch.Tensor | None, ...]) -> GradSends:
+                              slot_weights: tuple[torch.Tensor | None, ...], on_device: bool = False) -> GradSends:
         """Agg, a holder's part, as early as it can run: as soon as the backward pass has
         accumulated a slot weight's gradient (the `.grad` of `slot_weights[i]`, the leaf its slot
         experts ran on; between Comet's layer1 and layer0 backward), its slots' gradients go to
-        their owners' boxes by the copy engine (placed by this forward's placement), on the side
-        stream on CUDA, so that they fly under the rest of the backward pass (Alg. 2's Agg under
-        the backward computation). The final callback (`queue_aggregate`) joins them."""
-        sends = GradSends(self._reads)
+        their owners' boxes, placed by this forward's placement, by the copy engine (or with
+        `on_device` the link kernel `push_grads`), on the side stream on CUDA, so that they fly
+        under the rest of the backward pass (Alg. 2's Agg under the backward computation). The
+        final callback (`queue_aggregate`) joins them."""
+        reads, expert_WR = self._reads, self.expert_WR
+
+        def send(grads: torch.Tensor, box: PeerBuffer) -> None:
+            if on_device:
+                push_grads(grads, box.table, box.peers, expert_WR, self.rank, self.num_local)
+                return
+            for j, owner, k in reads:  # the copy engine, across the link
+                box.peers[owner][k].copy_(grads[j])
+
+        sends = GradSends(send)
         for i, (param, held) in enumerate(zip(params, slot_weights)):
             if held is None or param is None or not param.requires_grad:
                 continue
@@ -221,8 +258,7 @@ class ReplicaSlots:
                 with torch.cuda.stream(streams[1]) if streams is not None else contextlib.nullcontext():
                     if streams is not None:
                         leaf.grad.record_stream(streams[1])  # not reused before the side stream is done
-                    for j, owner, k in sends.reads:  # the copy engine, across the link
-                        box.peers[owner][k].copy_(leaf.grad[j])
+                    send(leaf.grad, box)
                 sends.sent[i] = box
                 sends.streams = streams or sends.streams
 
@@ -257,10 +293,11 @@ class ReplicaSlots:
 
 @dataclass
 class GradSends:
-    """A holder's Agg sends of one backward pass: the boxes each slot weight's gradients go to
-    (`expected`, by weight), those already sent (`sent`), and the streams to join."""
+    """A holder's Agg sends of one backward pass: how a weight's slot gradients are sent (`send`),
+    the boxes each slot weight's gradients go to (`expected`, by weight), those already sent
+    (`sent`), and the streams to join."""
 
-    reads: tuple[tuple[int, int, int], ...] = ()  # the forward's (slot, owner, entry)
+    send: Callable[[torch.Tensor, PeerBuffer], None]
     expected: dict[int, PeerBuffer] = field(default_factory=dict)
     sent: dict[int, PeerBuffer] = field(default_factory=dict)
     streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
@@ -269,8 +306,7 @@ class GradSends:
         """Send zeros for each weight whose slots got no gradient, then join the sends."""
         for i, box in self.expected.items():
             if i not in self.sent:
-                for _, owner, k in self.reads:
-                    box.peers[owner][k].zero_()
+                self.send(torch.zeros_like(box.local), box)
         if self.streams is not None:
             current, side = self.streams
             current.wait_stream(side)
@@ -347,16 +383,16 @@ class _Aggregate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out_ND, slots: ReplicaSlots, params: tuple, dtype: torch.dtype, slot_weights: tuple,
-                *owner_weights):
+                on_device: bool, *owner_weights):
         ctx.slots, ctx.params, ctx.dtype, ctx.num_owner = slots, params, dtype, len(owner_weights)
         ctx.expert_WR = slots.expert_WR  # the forward's placement (a later one is a new tensor)
-        ctx.sends = slots.send_grads_when_ready(params, dtype, slot_weights) if slot_weights else None
+        ctx.sends = slots.send_grads_when_ready(params, dtype, slot_weights, on_device) if slot_weights else None
         return out_ND.view_as(out_ND)
 
     @staticmethod
     def backward(ctx, grad_ND):
         ctx.slots.queue_aggregate(ctx.params, ctx.dtype, ctx.expert_WR, ctx.sends)
-        return grad_ND, None, None, None, None, *(None,) * ctx.num_owner
+        return grad_ND, None, None, None, None, None, *(None,) * ctx.num_owner
 
 
 def fork(rows_ND: torch.Tensor, rows: SlotRows) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,17 +418,23 @@ def merge(out_ND: torch.Tensor, y_MD: torch.Tensor, rows: SlotRows) -> torch.Ten
 
 
 def aggregate(out_ND: torch.Tensor, slots: ReplicaSlots, params: tuple[torch.Tensor | None, ...],
-              dtype: torch.dtype, slot_weights: tuple[torch.Tensor | None, ...] = ()) -> torch.Tensor:
+              dtype: torch.dtype, slot_weights: tuple[torch.Tensor | None, ...] = (),
+              on_device: bool = False) -> torch.Tensor:
     """`out_ND`, whose backward queues Agg of `params`' copies (slot gradients in `dtype`, from the
-    `.grad` of this rank's `slot_weights`, if it holds copies)."""
-    return _Aggregate.apply(out_ND, slots, params, dtype, slot_weights, *(p for p in params if p is not None))
+    `.grad` of this rank's `slot_weights`, if it computed slot rows; sent by the link kernel with
+    `on_device`)."""
+    return _Aggregate.apply(out_ND, slots, params, dtype, slot_weights, on_device,
+                            *(p for p in params if p is not None))
 
 
 @dataclass(frozen=True)
 class ReplicaCall:
-    """A dropless call's copies: the layer's slots, the most slot rows this rank can have, and the
-    call's Trans, in flight."""
+    """A dropless call's copies: the layer's slots, the most slot rows this rank can have, the
+    call's Trans, in flight, and whether the call is shaped for any placement (`on_device`: every
+    rank runs the slot path, the copies read the placement on the device; a CUDA graph of it
+    follows the placements written in place between its replays)."""
 
     slots: ReplicaSlots
     most_rows: int
     transfer: PendingTransfer
+    on_device: bool = False
