@@ -108,9 +108,9 @@
 #   balancetrain  Pro-Prophet in training (issue: Pro-Prophet): qwen2-moe-2l dropless, batch 2, `weft train
 #            --balance` none / pro-prophet / none / pro-prophet (BALANCE_RUNS), bf16 master weights in both;
 #            tokens/s (median after step 5), the copies, the losses (~200 s on 4 x H100: run it on every GPU of the
-#            machine, where the rank loads are higher); BALANCE_TRAIN_KERNELS=comet: Comet's path, where both
-#            runs replay CUDA graphs (the balanced one's copies following the loads), else eager (a dropless layer
-#            reads its counts); BALANCE_TRAIN_BATCH
+#            machine, where the rank loads are higher); BALANCE_TRAIN_KERNELS=comet BALANCE_TRAIN_ARGS="--cuda-graphs
+#            on": Comet's path, where both runs replay CUDA graphs (the balanced one's copies following the loads),
+#            else eager (a dropless layer reads its counts); BALANCE_TRAIN_BATCH
 #   ckpt     how long a checkpoint holds training, in the step against in the background (the main job):
 #            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
 #            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,
@@ -566,7 +566,7 @@ part_balancetrain() {
   for balance in ${BALANCE_RUNS:-none pro-prophet none pro-prophet}; do
     i=$((i + 1)); run=/tmp/weft_x2/balance_${i}_$balance; rm -rf "$run"
     $RUN train --preset qwen2-moe-2l --config "$1/dropless.toml" --balance "$balance" \
-      --batch-size ${BALANCE_TRAIN_BATCH:-2} --kernels ${BALANCE_TRAIN_KERNELS:-auto} \
+      --batch-size ${BALANCE_TRAIN_BATCH:-2} --kernels ${BALANCE_TRAIN_KERNELS:-auto} ${BALANCE_TRAIN_ARGS:-} \
       --steps ${BALANCE_TRAIN_STEPS:-14} --sample-tokens 0 --out "$run" > "$1/run${i}_$balance.log" 2>&1
     grep "weft train: \(eager\|every\|graph\)" "$1/run${i}_$balance.log" | head -n 3
     keep_metrics "$run" "$1/run${i}_$balance"

@@ -502,7 +502,7 @@ def test_cuda_graphs_say_why_a_step_cannot_be_graphed(model, overlap, reason):
 
 
 def _comet_blocker_worker() -> list:
-    from weft.train.step import graph_blocker, set_layers
+    from weft.train.step import graph_blocker, lancet_partitions_forward, set_layers
 
     gpt = GPT(GPTConfig.from_dict({**SMALL_MODEL, "moe_every": 2, "capacity_factor": None}))
     cuda = torch.device("cuda")  # the checks before the device's (the layers' peers: shared files here)
@@ -513,20 +513,24 @@ def _comet_blocker_worker() -> list:
     off_comet = graph_blocker(balanced, cuda, "none")
     set_layers(balanced, "kernels", "comet")
     return [plain, graph_blocker(gpt, cuda, "none"), graph_blocker(gpt, cuda, "lancet"), off_comet,
-            graph_blocker(balanced, cuda, "none")]
+            graph_blocker(balanced, cuda, "none"),
+            [lancet_partitions_forward(balanced, cuda, mode) for mode in ("auto", "on")]]
 
 
 def test_dropless_comet_steps_can_be_graphed():
     """Dropless layers read their counts on the host, except with Comet's kernels where the ranks
     reach each other's memory (2 gloo ranks: shared files): their steps can be captured, unless
     Lancet's scheduler takes the exchange (it runs the all-to-allv); Pro-Prophet's copies too,
-    in replica slots on that path only."""
-    plain, comet, lancet, off_comet, balanced = run_distributed(_comet_blocker_worker, 2, timeout=120)[0]
+    in replica slots on that path only, and then with --cuda-graphs on only (auto keeps the
+    balanced step eager, so Lancet plans its partitioned forward there)."""
+    plain, comet, lancet, off_comet, balanced, partitions = run_distributed(_comet_blocker_worker, 2,
+                                                                            timeout=120)[0]
     assert plain.startswith("MoE layer 0 runs capacity_factor=None (dropless)"), plain
     assert comet is None
     assert lancet == plain
     assert off_comet.startswith("--balance pro-prophet plans each call's copies on the host"), off_comet
     assert balanced is None
+    assert partitions == [True, False]
 
 
 def test_lancets_partitioned_forward_keeps_the_step_eager():

@@ -60,7 +60,8 @@ def graph_blocker(model: GPT, device: torch.device, overlap: str, fixed_size: bo
     `--kernels comet` where the GPUs reach each other's memory (`MoE.counts_stay_on_device`), read
     nothing on the host and are captured too, Pro-Prophet's copies with them (`--balance
     pro-prophet`: in replica slots, whose placement each replay reads on the device, written
-    after each replay by `follow_loads`); `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
+    after each replay by `follow_loads`; `--cuda-graphs auto` keeps that step eager:
+    `_auto_blocker`); `fixed_size`: as if the dropless layers at `--a2a-algo auto` that
     would time dedup (`MoE.tunes_dedup`) ran dedup-fixed, which that setting may choose
     (`choose_fixed_size`)."""
     if device.type != "cuda":
@@ -112,7 +113,17 @@ def lancet_partitions_forward(model: GPT, device: torch.device, cuda_graphs: str
     """Whether `--overlap lancet` plans its partitioned forward: only where the steps run eagerly
     (`--cuda-graphs off`, or a step no graph can hold); a step that can replay as a CUDA graph
     gets the dW schedule only (its partitions would read all-to-allv sizes on the host)."""
-    return cuda_graphs == "off" or graph_blocker(model, device, "none") is not None
+    return cuda_graphs == "off" or graph_blocker(model, device, "none") is not None or \
+        cuda_graphs == "auto" and _auto_blocker(model) is not None
+
+
+def _auto_blocker(model: GPT) -> str | None:
+    """Why `--cuda-graphs auto` runs a step eagerly that a graph could hold: a balanced model's
+    graph whose copies follow the load (`follow_loads`) replays only when asked for."""
+    if model.balanced:
+        return ("--cuda-graphs auto keeps a --balance pro-prophet step eager; --cuda-graphs on replays it as a CUDA "
+                "graph whose copies follow the load")
+    return None
 
 
 # The dropless form of Comet's kernels over the linear all-to-all: its counts stay on the GPU, so
@@ -339,6 +350,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()),
                                     accumulate=accumulate)
     blocker = graph_blocker(model, device, overlap)
+    if blocker is None and mode == "auto" and _auto_blocker(model) is not None:
+        log(f"weft train: eager steps ({_auto_blocker(model)})")
+        return MicroSteps(eager, wgrad_scheduled=scheduled)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
         if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
             forms = dropless_forms(model)
