@@ -574,17 +574,19 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
 
 
 def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_overhead: bool = True,
-                  rounds: int = 1, overrides: dict | None = None, graphed: bool = False) -> MoE:
+                  rounds: int = 1, overrides: dict | None = None, graphed: bool = False,
+                  graph_placement: str = "captured") -> MoE:
     """`moe`'s weights in a layer built with balance="pro-prophet" (ValueError unless dropless),
     its planner's cost model measured here (`weft.overlap.measure_layer_cost_model`, and with
-    `copy_overhead` `with_unpriced_time`; the nominal one on a single rank), after an untimed
-    call on `warm_input` so that the next call has a load to plan from."""
+    `copy_overhead` `with_unpriced_time`, timing graphs of `graph_placement`'s shape where
+    `graphed`; the nominal one on a single rank), after an untimed call on `warm_input` so that
+    the next call has a load to plan from."""
     if cf is not None:
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
     measured = measure_layer_cost_model(moe, warm_input)[0] if moe.ep_size > 1 else None
     twin = MoE(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, moe.gate, None, moe.experts.activation,
                group=moe.group, balance="pro-prophet", balance_model=measured, balance_rounds=rounds,
-               device=warm_input.device,
+               graph_placement=graph_placement, device=warm_input.device,
                dtype=moe.experts.w1.dtype)
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
@@ -693,8 +695,7 @@ def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0,
     if mode == SLOTS_MODE:
         if graphed:
             _need_cuda(device)
-        twin = balanced_twin(moe, cf, x0, copy_overhead, rounds, InSlots.OVERRIDES, graphed)
-        twin.graph_placement = graph_placement  # before the mode's graph is captured
+        twin = balanced_twin(moe, cf, x0, copy_overhead, rounds, InSlots.OVERRIDES, graphed, graph_placement)
         shape = "" if graph_placement == "captured" else "; its graph shaped for any placement"
         return (InSlots(twin), list(twin.parameters()),
                 f"weft comet + Pro-Prophet's copies in replica slots (peer memory, nothing read on the host{shape})")
