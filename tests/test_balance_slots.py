@@ -191,6 +191,8 @@ def test_slot_rows_follow_the_placement():
         slots.place({0: {2}, 1: {2}, 3: {2}, 7: {2}})
     with pytest.raises(ValueError, match="copied to rank 0"):
         slots.place({1: {0}})
+    with pytest.raises(ValueError, match="entries of its box"):  # rank 0's experts: 4 copies, 3 entries
+        slots.place({0: {1, 2, 3}, 1: {1}})
 
 
 def slots_worker(num_experts: int, activation: str, triton: bool, steps: int = 5, device: str = "cpu",
