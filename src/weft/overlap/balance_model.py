@@ -85,7 +85,8 @@ def measure_layer_cost_model(moe: MoE, x: torch.Tensor, all_to_all: CommCostMode
 
 
 def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | None = None,
-                       autocast: Callable[[], object] | None = None, repeats: int = 5) -> list[LayerCostModel]:
+                       autocast: Callable[[], object] | None = None, repeats: int = 5,
+                       graphed: bool = False) -> list[LayerCostModel]:
     """Profile `model` (a weft GPT built with balance="pro-prophet") on token ids `idx` (batch,
     seq) and give every balanced layer's planner its measured model; returns them in layer order.
     The non-MoE time that hides a layer's Trans (eq. 8) is the forward computation of the
@@ -93,7 +94,8 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
     less that layer's experts (eq. 8 adds the experts' time itself); its Agg's, the backward of
     the sub-layers between that are not MoE layers. A collective: every rank, the same batch
     shape. Each layer's `copy_overhead_s` and `rest_s` are then measured on its own call
-    (`measure_unpriced_time`)."""
+    (`measure_unpriced_time`; with `graphed`, for layers whose copies go into replica slots on
+    CUDA, as CUDA graphs of the layer's `graph_placement`, as a graphed step pays them)."""
     if not model.balanced:
         raise ValueError("fit_balance_models: the model does not balance (build it with balance='pro-prophet')")
     was_training = model.training
@@ -120,7 +122,8 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
         unit.moe.balancer.model = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
         # what a copy costs beyond its bytes, on the layer's own call (random rows of the batch's size)
         rows = torch.randn(tokens, unit.moe.dim, device=idx.device)
-        fitted.append(with_unpriced_time(unit.moe, rows, autocast, overrides=unit.overrides))
+        in_graphs = graphed and rows.is_cuda and unit.moe.copies_in_slots(unit.moe.call_with(**unit.overrides))
+        fitted.append(with_unpriced_time(unit.moe, rows, autocast, overrides=unit.overrides, graphed=in_graphs))
         since = u
     return fitted
 

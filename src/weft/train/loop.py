@@ -439,7 +439,8 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
                            rank: int, ep_size: int) -> None:
     """--balance pro-prophet with --balance-model measured: Pro-Prophet's performance model of
     every MoE layer measured on this machine (weft.overlap.fit_balance_models) before the first
-    step."""
+    step; with --cuda-graphs on, a copy's cost timed as CUDA graphs shaped as the step's
+    (`graph_placement="updated"`) where the copies go into replica slots."""
     if not model.balanced or cfg.balance_model != "measured" or ep_size == 1:
         return
     if model.tp is not None:  # the measured model times sub-layer units, which TP blocks do not have
@@ -448,7 +449,12 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
                   "blocks (run as one stack) do not give: Pro-Prophet plans with the nominal model", flush=True)
         return
     x, _ = batches.get(start + 1, 0)
-    fitted = fit_balance_models(model, x.to(device), autocast=functools.partial(training_autocast, device))
+    graphed = cfg.cuda_graphs == "on" and device.type == "cuda"  # a balanced step replays only when asked
+    if graphed:  # the copies' cost timed as the step's graphs will pay it (`weft.train.step.follow_loads`)
+        for moe in model.moe_layers():
+            moe.graph_placement = "updated"
+    fitted = fit_balance_models(model, x.to(device), autocast=functools.partial(training_autocast, device),
+                                graphed=graphed)
     if rank == 0 and fitted:
         first = fitted[0]
         print(f"weft train: Pro-Prophet's model measured: all-to-all {first.bandwidth / 1e9:.2f} GB/s per rank, "
