@@ -66,8 +66,13 @@ def entries(expert_WR: torch.Tensor, local: int) -> list[int]:
     return out
 
 
-def _grid(slots: int, elements: int) -> tuple[int, int]:
-    return slots, triton.cdiv(elements, BLOCK)
+def _owner_launch(kernel, weights: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor, rank: int) -> None:
+    """An owner's kernel (`_stage_copies_kernel`, `_add_grads_kernel`) over its experts' flat
+    weights or gradients (El, P): a program per (slot, chunk of `BLOCK` elements)."""
+    world, per_rank = expert_WR.shape
+    grid = (world * per_rank, triton.cdiv(weights.shape[1], BLOCK))
+    kernel[grid](weights, box, expert_WR, rank, weights.shape[1], LOCAL=weights.shape[0], SLOTS=world * per_rank,
+                 BLOCK_S=triton.next_power_of_2(world * per_rank), BLOCK=BLOCK)
 
 
 def _link_launch(slots: int, elements: int) -> dict:
@@ -85,11 +90,8 @@ def stage_copies(w_EKN: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor
     that expert's `w` (El, K, N), cast to the box's dtype (as `Tensor.to` rounds), at its entry of
     this rank's box (R, K, N). Local memory only."""
     src = _flat(w_EKN.to(box.dtype))
-    world, per_rank = expert_WR.shape
     if triton_usable(src):
-        _stage_copies_kernel[_grid(world * per_rank, src.shape[1])](
-            src, box, expert_WR, rank, src.shape[1], LOCAL=src.shape[0], SLOTS=world * per_rank,
-            BLOCK_S=triton.next_power_of_2(world * per_rank), BLOCK=BLOCK)
+        _owner_launch(_stage_copies_kernel, src, box, expert_WR, rank)
         return
     stage_copies_reference(w_EKN, box, expert_WR, rank)
 
@@ -136,11 +138,27 @@ def _link(mine: torch.Tensor, table: torch.Tensor, boxes: list[torch.Tensor], ex
 def link_reference(mine: torch.Tensor, boxes: list[torch.Tensor], expert_WR: torch.Tensor, rank: int, local: int,
                    pull: bool) -> None:
     """`pull_copies` (`pull`) or `push_grads` in PyTorch ops (reads the placement on the host)."""
+    copy_entries(mine, boxes, holder_entries(expert_WR, rank, local), pull)
+
+
+def holder_entries(expert_WR: torch.Tensor, rank: int, local: int) -> list[tuple[int, int, int]]:
+    """This rank's slots that hold an expert, as (slot j, its owner, its entry in the owner's
+    box), on the host."""
     per_rank = expert_WR.shape[1]
-    placed = entries(expert_WR, local)[rank * per_rank:(rank + 1) * per_rank]
-    for j, (e, k) in enumerate(zip(expert_WR[rank].tolist(), placed)):
-        if e >= 0:
-            (mine[j].copy_(boxes[e // local][k]) if pull else boxes[e // local][k].copy_(mine[j]))
+    entry = entries(expert_WR, local)
+    return [(j, e // local, entry[rank * per_rank + j]) for j, e in enumerate(expert_WR[rank].tolist()) if e >= 0]
+
+
+def copy_entries(mine: torch.Tensor, boxes: list[torch.Tensor], held: list[tuple[int, int, int]] | tuple,
+                 pull: bool) -> None:
+    """Slot j of `mine` (R, ...) from (`pull`) or to its entry k of owner o's box, for each
+    (j, o, k) of `held` (`holder_entries`): tensor copies, which on CUDA between peer buffers run
+    on the GPU's copy engine, at addresses the host fixes."""
+    for j, owner, k in held:
+        if pull:
+            mine[j].copy_(boxes[owner][k])
+        else:
+            boxes[owner][k].copy_(mine[j])
 
 
 def add_grads(grad_EKN: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor, rank: int) -> None:
@@ -149,11 +167,8 @@ def add_grads(grad_EKN: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor
     and stored in grad's dtype, in place (rounded to nearest even on GPUs; Triton's CPU
     interpreter truncates a float32 sum stored as bfloat16). Local memory only."""
     dst = _flat(grad_EKN)
-    world, per_rank = expert_WR.shape
     if triton_usable(dst):
-        _add_grads_kernel[_grid(world * per_rank, dst.shape[1])](
-            dst, box, expert_WR, rank, dst.shape[1], LOCAL=dst.shape[0], SLOTS=world * per_rank,
-            BLOCK_S=triton.next_power_of_2(world * per_rank), BLOCK=BLOCK)
+        _owner_launch(_add_grads_kernel, dst, box, expert_WR, rank)
         return
     add_grads_reference(grad_EKN, box, expert_WR, rank)
 

@@ -56,7 +56,15 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.hostcopy import device_tensor
 from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_rows_mm
-from weft.kernels.replica import add_grads, entries, pull_copies, push_grads, stage_copies, write_rows
+from weft.kernels.replica import (
+    add_grads,
+    copy_entries,
+    holder_entries,
+    pull_copies,
+    push_grads,
+    stage_copies,
+    write_rows,
+)
 from weft.kernels.rows import triton_usable
 
 # The peers' barrier channel of Trans, on its side stream beside Comet's barriers (channel 0) and
@@ -126,9 +134,8 @@ class ReplicaSlots:
         if self.expert_WR.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("a replica placement cannot change while a CUDA graph is captured")
         values = [e for h in held for e in h + [-1] * (self.per_rank - len(h))]
-        entry = entries(torch.tensor(values).view(self.world, self.per_rank), self.num_local)
-        self._reads = tuple((j, e // self.num_local, entry[self.rank * self.per_rank + j])
-                            for j, e in enumerate(held[self.rank]))
+        self._reads = tuple(holder_entries(torch.tensor(values).view(self.world, self.per_rank), self.rank,
+                                           self.num_local))
         written = device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank)
         if self.in_place:
             self.expert_WR.copy_(written)
@@ -212,9 +219,8 @@ class ReplicaSlots:
             for _, _, box, slots in moves:
                 if on_device:
                     pull_copies(slots.local, box.table, box.peers, self.expert_WR, self.rank, self.num_local)
-                    continue
-                for j, owner, k in self._reads:  # the copy engine, across the link
-                    slots.local[j].copy_(box.peers[owner][k])
+                else:  # the copy engine, across the link
+                    copy_entries(slots.local, box.peers, self._reads, pull=True)
             self.peers.barrier(TRANS_CHANNEL)
         return PendingTransfer(tuple(held), streams)
 
@@ -243,9 +249,8 @@ class ReplicaSlots:
         def send(grads: torch.Tensor, box: PeerBuffer) -> None:
             if on_device:
                 push_grads(grads, box.table, box.peers, expert_WR, self.rank, self.num_local)
-                return
-            for j, owner, k in reads:  # the copy engine, across the link
-                box.peers[owner][k].copy_(grads[j])
+            else:  # the copy engine, across the link
+                copy_entries(grads, box.peers, reads, pull=False)
 
         sends = GradSends(send)
         for i, (param, held) in enumerate(zip(params, slot_weights)):
