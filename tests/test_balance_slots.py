@@ -265,7 +265,10 @@ def slots_updated_worker(num_experts: int, triton: bool, steps: int = 7) -> list
     places nothing itself, every rank runs the slot path, the copies read the placement on the
     device) and `update_placement()` between the steps plans from the loads a replay behind and
     writes the placement in place. Outputs, gradients and counts equal the plain layer's at every
-    step, while the copies change, including steps where a rank holds nothing."""
+    step, while the copies change, including steps where a rank holds nothing; and every rank
+    takes the slot path at every such step, copies or none (a graph captured with none placed
+    must still replay the placements written after it)."""
+    import weft.moe.exchange.comet as comet_module
     import weft.moe.layer as layer_module
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -280,13 +283,24 @@ def slots_updated_worker(num_experts: int, triton: bool, steps: int = 7) -> list
             layer.router.weight[1, 0] += 10.0  # expert 1 (on rank 0) hot
     plain, balanced = layers
     optimizers = [torch.optim.SGD(layer.parameters(), lr=0.05) for layer in layers]
-    placements, slots_WR = [], None
+    placements, slots_WR, slot_calls = [], None, []
+    run_slots = comet_module.slot_experts
+
+    def counted(*args, **kwargs):
+        slot_calls[-1] += 1
+        return run_slots(*args, **kwargs)
+
+    comet_module.slot_experts = counted  # (a spawned worker: its modules die with it)
     for step in range(steps):
         gen = torch.Generator().manual_seed(100 + 10 * step + rank)
         x = torch.randn(TOKENS, DIM, generator=gen)
         x[:, 0] += 1.0 + 0.5 * step
+        slot_calls.append(0)
         step_and_compare(layers, optimizers, x, torch.randn(x.shape, generator=gen), f"step {step}", 1e-5,
                          checks.expect)
+        if step > 0:
+            checks.expect(slot_calls[-1] == 1, f"step {step} (placement {placements[-1]}) ran the slot path "
+                                               f"{slot_calls[-1]} times, not once")
         if step == 0:  # from here on, the calls are a graph's replays
             layer_module._capturing = lambda x: True
             slots_WR = balanced._replica_slots.expert_WR
@@ -358,12 +372,12 @@ def slots_graph_worker(device: str = "cuda") -> list[str]:
     return checks.failures
 
 
-def slots_updated_graph_worker() -> list[str]:
+def slots_updated_graph_worker(capture_copies: dict | None = None) -> list[str]:
     """On GPUs, bf16: a balanced Comet layer built with `graph_placement="updated"`, its step
-    captured once as a CUDA graph, replays with the placements `update_placement(copies=...)`
-    writes after each replay (a copy to every other rank, none, copies both ways): each replay
-    bitwise as the eager step with the same copies (`moe(x, copies=...)`), outputs, input gradient
-    and parameter gradients."""
+    captured once as a CUDA graph (with the planner's copies in place, or `capture_copies`, e.g.
+    none), replays with the placements `update_placement(copies=...)` writes after each replay (a
+    copy to every other rank, none, copies both ways): each replay bitwise as the eager step with
+    the same copies (`moe(x, copies=...)`), outputs, input gradient and parameter gradients."""
     world = dist.get_world_size()
     checks = Checks(f"rank {dist.get_rank()}")
     moe, xs, dys = _graph_layer(5, graph_placement="updated")
@@ -374,7 +388,7 @@ def slots_updated_graph_worker() -> list[str]:
         y.backward(dy)
         return y.detach()
 
-    graphed = _capture(moe, fwd_bwd, xs, dys)
+    graphed = _capture(moe, functools.partial(fwd_bwd, copies=capture_copies), xs, dys)
     graphed(xs[1], dys[1])  # a first replay (its placement: the warm-up's plan), after which it updates
     others = set(range(1, world))
     placements = [{1: others}, {}, {1: others, experts - 1: {0}}]

@@ -155,10 +155,13 @@ def test_copies_in_replica_slots_compute_the_plain_layer_and_replay_as_a_graph()
 
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_replica_slots_graph_follows_updated_placements():
-    # graph_placement="updated": one capture, replays with placements written in place between
-    # them (the link kernels read them on the device), each bitwise as the eager step's copies.
-    flat = run_checks(slots_updated_graph_worker, torch.cuda.device_count(), backend="nccl", timeout=600)
+@pytest.mark.parametrize("capture_copies", [None, {}], ids=["captured-with-copies", "captured-with-none"])
+def test_replica_slots_graph_follows_updated_placements(capture_copies):
+    # graph_placement="updated": one capture (with the planner's copies placed, or none), replays
+    # with placements written in place between them (the link kernels read them on the device),
+    # each bitwise as the eager step's copies.
+    flat = run_checks(slots_updated_graph_worker, torch.cuda.device_count(), args=(capture_copies,),
+                      backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

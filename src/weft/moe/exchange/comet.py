@@ -295,7 +295,11 @@ class Comet(Exchange):
         tiles = kernels.CometTiles.for_device(rows_ND.device, dtype=self.ctx.experts.compute_dtype(rows_ND))
         if rows_ND.shape[0] != layout.rows:
             raise ValueError(f"Comet's exchange got {rows_ND.shape[0]} rows, the layout says {layout.rows}")
-        replicas = layout.replicas if layout.replicas is not None and layout.replicas.slots.copied else None
+        # a call shaped for any placement (`on_device`) takes the slot path even when nothing is
+        # copied now: a graph captured so replays the placements written after it
+        replicas = layout.replicas
+        if replicas is not None and not (replicas.slots.copied or replicas.on_device):
+            replicas = None
         served = None if replicas is None else replicas.slots.served_WE()
         rows = RowMap.on_device(layout.counts_WE, self.peers.rank, self.ctx.placement.num_local, tiles.block_m,
                                 layout.most_received, served)
