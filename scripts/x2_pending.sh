@@ -23,7 +23,8 @@
 #            the copy overhead (default measured: for +graph timed as graphs); SLOTS_TESTS=0 skips the tests,
 #            SLOTS_TESTS_K picks them (pytest -k), SLOTS_PLACEMENT=updated times the graph shaped for any
 #            placement (as graphed training runs it),
-#            SLOTS_PROFILE=1 SLOTS_TRACE=1 keep one profiled step's traces
+#            SLOTS_PROFILE=1 SLOTS_TRACE=1 keep one profiled step's traces; SLOTS_TOKENS (tokens per rank, default the
+#            bench's 4096)
 #   domino   Domino: gpt3-2.7b iterations with TP 2 (tp / domino / no-comm) and 4 of its blocks beside
 #            Megatron-Core's block and DeepSpeed's Domino (bench tp, batch 8, weft's schedules eager and
 #            graphed, domino-copy with NVLink; wheels carried in .whl/), and the
@@ -110,7 +111,9 @@
 #            tokens/s (median after step 5), the copies, the losses (~200 s on 4 x H100: run it on every GPU of the
 #            machine, where the rank loads are higher); BALANCE_TRAIN_KERNELS=comet BALANCE_TRAIN_ARGS="--cuda-graphs
 #            on": Comet's path, where both runs replay CUDA graphs (the balanced one's copies following the loads),
-#            else eager (a dropless layer reads its counts); BALANCE_TRAIN_BATCH
+#            else eager (a dropless layer reads its counts); BALANCE_TRAIN_BATCH, BALANCE_TRAIN_STEPS,
+#            BALANCE_TRAIN_PRESET (default qwen2-moe-2l), BALANCE_TRAIN_SKEW (the model's routing_skew: a
+#            Zipf(S) prior on the routers' logits, a load that stays skewed; default 0)
 #   ckpt     how long a checkpoint holds training, in the step against in the background (the main job):
 #            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
 #            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,
@@ -192,7 +195,7 @@ part_slots() {
       --copy-overhead ${SLOTS_OVERHEAD:-measured} \
       --modes "comet+graph,balance-comet+graph,comet+graph,balance-comet+graph" --baseline comet+graph \
       --dtype bf16 --activation relu --optimizer sgd --steps ${SLOTS_STEPS:-20} --profile-steps ${SLOTS_PROFILE:-0} \
-      --graph-placement ${SLOTS_PLACEMENT:-captured} \
+      --graph-placement ${SLOTS_PLACEMENT:-captured} ${SLOTS_TOKENS:+--tokens-per-rank "$SLOTS_TOKENS"} \
       ${SLOTS_TRACE:+--trace "$1/trace"} --json "$1/slots_$name.json" > "$1/slots_$name.log" 2>&1
     echo "-- $name"; grep -v "$QUIET" "$1/slots_$name.log" | grep -A4 "capacity  *mode"
   done
@@ -561,22 +564,31 @@ part_modelgraph() {
 }
 
 part_balancetrain() {
-  printf '[model]\ncapacity_factor = "dropless"\n' > "$1/dropless.toml"
+  printf '[model]\ncapacity_factor = "dropless"\nrouting_skew = %s\n' "${BALANCE_TRAIN_SKEW:-0}" > "$1/dropless.toml"
   i=0
   for balance in ${BALANCE_RUNS:-none pro-prophet none pro-prophet}; do
     i=$((i + 1)); run=/tmp/weft_x2/balance_${i}_$balance; rm -rf "$run"
-    $RUN train --preset qwen2-moe-2l --config "$1/dropless.toml" --balance "$balance" \
+    $RUN train --preset ${BALANCE_TRAIN_PRESET:-qwen2-moe-2l} --config "$1/dropless.toml" --balance "$balance" \
       --batch-size ${BALANCE_TRAIN_BATCH:-2} --kernels ${BALANCE_TRAIN_KERNELS:-auto} ${BALANCE_TRAIN_ARGS:-} \
       --steps ${BALANCE_TRAIN_STEPS:-14} --sample-tokens 0 --out "$run" > "$1/run${i}_$balance.log" 2>&1
     grep "weft train: \(eager\|every\|graph\)" "$1/run${i}_$balance.log" | head -n 3
     keep_metrics "$run" "$1/run${i}_$balance"
-    python3 - "$1/run${i}_$balance/metrics.jsonl" "$balance" <<'PY'
-import json, statistics, sys
+    python3 - "$1/run${i}_$balance/metrics.jsonl" "$balance" "$RUN" <<'PY'
+import json, re, statistics, sys
 rows = [r for r in map(json.loads, open(sys.argv[1])) if "tokens_per_s" in r]
 late = [r for r in rows if r["step"] > 5]
 copied = sum(bool(e) for r in rows for e in (r.get("copied_experts") or []))
+world = int(re.search(r"nproc_per_node=(\d+)", sys.argv[3]).group(1))
+
+def rank_load(counts):  # max / mean of the slots each rank's experts were routed
+    per = len(counts) // world
+    sums = [sum(counts[w * per:(w + 1) * per]) for w in range(world)]
+    return max(sums) / (sum(sums) / world)
+
+loads = [statistics.median(rank_load(r["expert_load"][i]) for r in late) for i in range(len(late[0]["expert_load"]))]
 print(f"--balance {sys.argv[2]:<12} tokens/s {statistics.median(r['tokens_per_s'] for r in late):>10,.0f}  "
-      f"layer-steps with copies {copied:>3}  losses {[round(r['loss'], 4) for r in rows[:6]]}")
+      f"rank load (median, by layer) {[round(v, 2) for v in loads]}  layer-steps with copies {copied:>3}  "
+      f"losses {[round(r['loss'], 4) for r in rows[:6]]}")
 PY
   done
 }

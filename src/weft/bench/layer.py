@@ -43,6 +43,7 @@ from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
+from weft.moe.gates import zipf_bias
 from weft.overlap import measure_layer_cost_model, with_unpriced_time
 from weft.profiling import stage
 from weft.tune import Setting, run_until_tuned, tuned_seconds
@@ -422,14 +423,6 @@ def _meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx) -> d
         "p2p_disabled": os.environ.get("NCCL_P2P_DISABLE") == "1",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-
-
-def zipf_bias(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
-    """(E,) float64 logit bias b_e = -skew * ln(rank_e), ranks 1..E of a random permutation drawn
-    from `seed` (the same on every rank): routing prefers expert e by the factor rank_e^-skew,
-    Zipf(skew) shaped, hot experts spread over the ranks."""
-    ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed)) + 1
-    return -skew * torch.log(ranks.to(torch.float64))
 
 
 def zipf_shift(router_weight_ED: torch.Tensor, skew: float, seed: int = 0) -> torch.Tensor:

@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
-from weft.bench.layer import load_imbalance, write_report, zipf_bias
+from weft.bench.layer import load_imbalance, write_report
 from weft.bench.timing import (
     ProgressLog,
     Run,
@@ -86,7 +86,7 @@ from weft.cliargs import arg, names, non_negative_int, positive_int
 from weft.distributed import build_moe_groups, group_rank, init_distributed
 from weft.models import GPT, GPTConfig
 from weft.models.presets import PresetChoice
-from weft.moe.gates import EXPERT_BIAS_GATES
+from weft.moe.gates import EXPERT_BIAS_GATES, zipf_bias
 from weft.ops.wgrad import WGradScheduler
 from weft.overlap import fit_balance_models, passes
 from weft.overlap.forward import Range

@@ -66,6 +66,9 @@ class GPTConfig:
     routing_temperature: float = 0.0
     # the routers' initial logit scale (weft.MoE's router_init_scale; 0.1: nearly uniform at start)
     router_init_scale: float = 1.0
+    # > 0: a fixed Zipf(S) prior on the routers' logits (weft.MoE's routing_skew): a model whose
+    # load stays skewed, to measure load balancing on (a different model, not a transform)
+    routing_skew: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
@@ -118,8 +121,8 @@ class GPTConfig:
                              f"({', '.join(EXPERT_BIAS_GATES)}), not {self.gate!r}")
         if self.moe_every:
             check_router_settings(self.gate, self.expert_bias_rate > 0, self.routing_temperature,
-                                  self.router_init_scale)
-        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "routing_temperature"):
+                                  self.router_init_scale, self.routing_skew)
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate", "routing_temperature", "routing_skew"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -274,8 +277,8 @@ class Block(nn.Module):
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
                 config.capacity_factor, config.activation, group=group, kernels=kernels,
                 expert_bias=config.expert_bias_rate > 0, routing_temperature=config.routing_temperature,
-                router_init_scale=config.router_init_scale, balance=balance, balance_n=balance_n,
-                balance_rounds=balance_rounds,
+                router_init_scale=config.router_init_scale, routing_skew=config.routing_skew, balance=balance,
+                balance_n=balance_n, balance_rounds=balance_rounds,
             )
         else:
             self.ffn = MLP(config.dim, config.dense_hidden)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from weft.kernels.activation import ACTIVATIONS
 from weft.kernels.rows import KERNELS
-from weft.moe.gates import GATES, SAMPLING_GATES
+from weft.moe.gates import EXPERT_BIAS_GATES, GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
 # weft.MoE's graph_placement: what a CUDA graph of a balanced call on Comet's path replays
@@ -88,8 +88,14 @@ def check_layer(dim: int, hidden_dim: int, num_experts: int, gate: str, activati
         )
 
 
-def check_router_settings(gate: str, expert_bias: bool, temperature: float, init_scale: float) -> None:
-    """ValueError naming what is wrong with a layer's `routing_temperature` or `router_init_scale`."""
+def check_router_settings(gate: str, expert_bias: bool, temperature: float, init_scale: float,
+                          skew: float = 0.0) -> None:
+    """ValueError naming what is wrong with a layer's `routing_temperature`, `router_init_scale` or
+    `routing_skew`."""
+    if isinstance(skew, bool) or not isinstance(skew, (int, float)) or not math.isfinite(skew) or skew < 0:
+        raise ValueError(f"routing_skew must be a finite number >= 0, got {skew!r}")
+    if skew and gate not in EXPERT_BIAS_GATES:
+        raise ValueError(f"routing_skew biases the router's logits: gate {', '.join(EXPERT_BIAS_GATES)}, not {gate!r}")
     if isinstance(init_scale, bool) or not isinstance(init_scale, (int, float)) or not math.isfinite(init_scale) \
             or init_scale <= 0:
         raise ValueError(f"router_init_scale must be a finite number > 0, got {init_scale!r}")

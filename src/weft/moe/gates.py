@@ -29,19 +29,39 @@ def float32_region(x: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
+def zipf_bias(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
+    """(E,) float64 logit bias b_e = -skew * ln(rank_e), ranks 1..E of a random permutation drawn
+    from `seed` (the same on every rank): routing prefers expert e by the factor rank_e^-skew,
+    Zipf(skew) shaped, hot experts spread over the ranks."""
+    ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed)) + 1
+    return -skew * torch.log(ranks.to(torch.float64))
+
+
 class LinearRouter(nn.Module):
     """`logits = x.float() @ weight.T`; `weight` is (E, dim) and always kept in float32, initialised
     N(0, init_scale^2 / dim): logits of standard deviation ~init_scale for unit-RMS inputs (0.1:
-    nearly uniform probabilities at the start, Switch Transformer sec. 2.4's smaller router init)."""
+    nearly uniform probabilities at the start, Switch Transformer sec. 2.4's smaller router init).
 
-    def __init__(self, dim: int, num_experts: int, init_scale: float = 1.0):
+    `skew` > 0 adds a fixed Zipf prior to the logits (`zipf_bias`; buffer `prior_E`, not saved: it
+    follows from the setting): a router skewed on purpose, so that load balancing can be studied
+    on a model whose load stays skewed. It is part of the model (it changes routing and gates)."""
+
+    def __init__(self, dim: int, num_experts: int, init_scale: float = 1.0, skew: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=torch.float32))
         nn.init.normal_(self.weight, std=init_scale * dim**-0.5)
+        self._register_prior(num_experts, skew)
+
+    def _register_prior(self, num_experts: int, skew: float) -> None:
+        prior = zipf_bias(num_experts, skew).float() if skew else None
+        self.register_buffer("prior_E", prior, persistent=False)
+
+    def _with_prior(self, logits_TE: torch.Tensor) -> torch.Tensor:
+        return logits_TE if self.prior_E is None else logits_TE + self.prior_E
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with float32_region(x):
-            return x.float() @ self.weight.float().t()
+            return self._with_prior(x.float() @ self.weight.float().t())
 
     def _apply(self, fn, recurse=True):
         # Routing decisions are discrete: keep them in float32 even when the model is cast.
@@ -63,18 +83,19 @@ class CosineRouter(LinearRouter):
     max_log_scale = math.log(1.0 / 0.01)
 
     def __init__(self, dim: int, num_experts: int, proj_dim: int = 256, init_temperature: float = 0.5,
-                 init_scale: float = 1.0):
+                 init_scale: float = 1.0, skew: float = 0.0):
         nn.Module.__init__(self)
         self.proj = nn.Linear(dim, proj_dim, bias=False, dtype=torch.float32)
         self.weight = nn.Parameter(torch.empty(num_experts, proj_dim, dtype=torch.float32))
         nn.init.normal_(self.weight, std=proj_dim**-0.5)
         self.log_scale = nn.Parameter(torch.tensor([math.log(init_scale / init_temperature)]))
+        self._register_prior(num_experts, skew)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with float32_region(x):
             h = F.normalize(x.float() @ self.proj.weight.float().t(), dim=-1)
             emb = F.normalize(self.weight.float(), dim=-1)
-            return (h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp()
+            return self._with_prior((h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp())
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

@@ -140,6 +140,10 @@ class MoE(nn.Module):
         router_init_scale: the router's initial logits scale (1: standard deviation ~1 for unit-RMS
             inputs; 0.1: nearly uniform probabilities at the start). Argmax routing does not
             depend on it at the start; sampled routing (`routing_temperature`) and learning do.
+        routing_skew: S > 0 adds a fixed Zipf(S) prior -S ln(rank_e) to the router's logits (a
+            random ranking of the experts, the same on every rank and layer): routing skewed on
+            purpose, to study load balancing (Pro-Prophet) on a load that stays skewed. It is a
+            different model, not a transform: routing and gates change.
 
     In the padded modes with cf > 0 and for expert choice, every rank of the EP group must pass
     the same number of tokens (the all-to-all's size comes from the local token count, as in
@@ -155,7 +159,7 @@ class MoE(nn.Module):
                  group: dist.ProcessGroup | None = None, *, overlap_degree: int | str = 1, a2a_algo: str = "linear",
                  tuning: TuningDictionary | None = None, parallel: str = "ep", cosine_proj_dim: int = 256,
                  kernels: str = "auto", expert_bias: bool = False, routing_temperature: float = 0.0,
-                 router_init_scale: float = 1.0, balance: str | None = None,
+                 router_init_scale: float = 1.0, routing_skew: float = 0.0, balance: str | None = None,
                  balance_model: LayerCostModel | None = None, balance_n: int = 1, balance_rounds: int = 1,
                  graph_placement: str = "captured", dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None):
@@ -166,7 +170,7 @@ class MoE(nn.Module):
         if expert_bias and gate not in EXPERT_BIAS_GATES:
             raise ValueError(f"expert_bias needs a token-choice gate that ranks experts by probability "
                              f"({', '.join(EXPERT_BIAS_GATES)}), not {gate!r}")
-        check_router_settings(gate, expert_bias, routing_temperature, router_init_scale)
+        check_router_settings(gate, expert_bias, routing_temperature, router_init_scale, routing_skew)
         # The selection bias: a buffer (saved with the model, the same on every rank), or None.
         self.register_buffer("expert_bias", torch.zeros(num_experts, device=device) if expert_bias else None)
         if parallel not in ("ep", "adaptive"):
@@ -202,8 +206,10 @@ class MoE(nn.Module):
                         for r in self.parallel_choices() if r > 0 and self.expert_shards // r > 1}
         self.placement = ExpertPlacement(self.group, ep_size, num_experts, self.num_local_experts,
                                          self.expert_shards, groups_2dh, slice_groups)
-        self.router = (CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim, init_scale=router_init_scale)
-                       if gate == "cosine" else LinearRouter(dim, num_experts, router_init_scale)).to(device)
+        self.router = (CosineRouter(dim, num_experts, proj_dim=cosine_proj_dim, init_scale=router_init_scale,
+                                    skew=routing_skew)
+                       if gate == "cosine" else LinearRouter(dim, num_experts, router_init_scale, routing_skew)
+                       ).to(device)
         self.gate_rule = Router(gate, num_experts, normalize_gates, self.group, routing_temperature)
         rank, shards = group_rank(self.group), self.expert_shards
         first = rank // shards if shards > 1 else rank * self.num_local_experts
