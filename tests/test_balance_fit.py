@@ -66,62 +66,93 @@ def fit_worker() -> list[str]:
     return checks.failures
 
 
-def unpriced_time_worker(plain_s: float, copy_s: float, kernels: str = "auto") -> list[str]:
-    """`measure_unpriced_time` on given timings: the copy overhead is the measured difference of
-    the two calls less the paper model's own difference between the placements, the rest the
-    call with no copy less the model's time for it; neither below 0. Installed, the model
-    predicts the timed plain call. `kernels="comet"`: the timed calls are the layer's calls on
-    Comet's path, the copy placed in the replica slots."""
+def unpriced_time_worker(timings: tuple[float, float, float], kernels: str = "auto") -> list[str]:
+    """`measure_unpriced_time` on given timings of its three placements (none; expert 0 on every
+    rank; and the last expert too): the calls run for real on an input whose every token picks
+    expert 0; `expert_scale` s and `copy_overhead_s` c solve d_i = s dE_i + dO_i + i c against the
+    paper model's terms on the recorded loads (s within its bounds, c >= 0), `rest_s` is the
+    plain call less the model's time for it with s; installed, the model predicts the timed plain
+    call. `kernels="comet"`: the timed calls are the layer's calls on Comet's path, the copies
+    placed in the replica slots."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
-    ran, placed = [], []
+    ran, placed, loads = [], [], []
     torch.manual_seed(0)
     moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet",
               kernels=kernels)
 
     def fake_time_candidates(step, candidates, device, trials, warmup):
-        for copies in candidates:  # each call runs for real: plain, then with expert 0 copied
+        for copies in candidates:  # each call runs for real
             step(copies)
             ran.append(copies)
+            loads.append(moe.stats.expert_counts.clone())
             if moe._replica_slots is not None:
                 placed.append(moe._replica_slots.copied)
-        return [plain_s, copy_s]
+        return list(timings)
 
     balance_model.time_candidates = fake_time_candidates  # this spawned process's module only
     x = torch.randn(40, DIM, generator=torch.Generator().manual_seed(rank))
     unpriced = balance_model.measure_unpriced_time(moe, x, overrides={"kernels": kernels})
-    checks.expect(ran == [{}, {0: frozenset(range(1, world))}], f"timed placements {ran}")
-    checks.expect(placed == ([[], [0]] if kernels == "comet" else []), f"slots held {placed}")
+    last = moe.num_experts - 1
+    others = {e: frozenset(r for r in range(world) if r != e // 2) for e in (0, last)}
+    checks.expect(ran == [{}, {0: others[0]}, others], f"timed placements {ran}")
+    checks.expect(placed == ([[], [0], [0, last]] if kernels == "comet" else []), f"slots held {placed}")
+    checks.expect(all(int(c[0]) == x.shape[0] for c in loads), f"expert 0 not picked by every token: {loads}")
     checks.expect(all(p.grad is None for p in moe.parameters()), "gradients left on the layer")
     cost, tokens, owners = moe.balancer.model, moe.balancer.history.predict_counts(), moe.balancer.owner_E
-    h, r = host_loads(tokens, Placement(owners))
-    plain_model = cost.layer_s(r, h, 0, 1, scheduled=False)
-    h, r = host_loads(tokens, Placement(owners, {0: frozenset(range(1, world))}))
-    copy_model = cost.layer_s(r, h, 1, 1, scheduled=False)
-    expected = max(0.0, (copy_s - plain_s) - (copy_model - plain_model))
-    checks.expect(abs(unpriced.copy_overhead_s - expected) <= 1e-12 * max(1.0, expected),
-                  f"overhead {unpriced.copy_overhead_s}, expected {expected}")
-    rest = max(0.0, plain_s - plain_model)
-    checks.expect(abs(unpriced.rest_s - rest) <= 1e-12 * max(1.0, rest), f"rest {unpriced.rest_s}, expected {rest}")
+    paper = [balance_model.paper_terms(cost, tokens, owners, copies, 1) for copies in ran]
+    (e0, o0), (e1, o1), (e2, o2) = paper
+    d1, d2 = timings[1] - timings[0] - (o1 - o0), timings[2] - timings[0] - (o2 - o0)
+    checks.expect(e2 < e0, f"the copies did not take rows off the busiest rank: {paper}")
+    low, high = balance_model.EXPERT_SCALE_BOUNDS
+    scale = min(high, max(low, (2 * d1 - d2) / (2 * (e1 - e0) - (e2 - e0))))
+    checks.expect(abs(unpriced.expert_scale - scale) <= 1e-9, f"expert_scale {unpriced.expert_scale}, expected {scale}")
+    overhead = max(0.0, d1 - scale * (e1 - e0))
+    checks.expect(abs(unpriced.copy_overhead_s - overhead) <= 1e-9 * max(1.0, overhead),
+                  f"overhead {unpriced.copy_overhead_s}, expected {overhead}")
+    rest = max(0.0, timings[0] - o0 - scale * e0)
+    checks.expect(abs(unpriced.rest_s - rest) <= 1e-9 * max(1.0, rest), f"rest {unpriced.rest_s}, expected {rest}")
     installed = balance_model.with_unpriced_time(moe, x)
     checks.expect(installed is moe.balancer.model and installed.copy_overhead_s == unpriced.copy_overhead_s
-                  and installed.rest_s == unpriced.rest_s, f"installed model {installed}")
+                  and installed.rest_s == unpriced.rest_s and installed.expert_scale == unpriced.expert_scale,
+                  f"installed model {installed}")
     h, r = host_loads(tokens, Placement(owners))
-    if plain_s > plain_model:  # the installed model prices the plain call as it was timed
+    if timings[0] > o0 + scale * e0:  # the installed model prices the plain call as it was timed
         predicted = installed.layer_s(r, h, 0, 1, scheduled=False)
-        checks.expect(abs(predicted - plain_s) <= 1e-9 * plain_s, f"predicted {predicted} for a {plain_s} s call")
+        checks.expect(abs(predicted - timings[0]) <= 1e-9 * timings[0],
+                      f"predicted {predicted} for a {timings[0]} s call")
     return checks.failures
 
 
+def test_the_fit_recovers_the_scale_and_overhead_of_made_up_timings():
+    """Timings made from a known slope and overhead over the model's terms give them back; noise
+    past the bounds is clamped; copies that move no rows leave the paper's slope."""
+    terms = [(10e-3, 2e-3), (6e-3, 2.5e-3), (6.2e-3, 3e-3)]  # (experts, rest) of no copy, one, two
+
+    def timed(scale, overhead, rest=1e-3):
+        return [rest + o + scale * e + i * overhead for i, (e, o) in enumerate(terms)]
+
+    fitted = balance_model.fit_unpriced_time(timed(0.3, 0.2e-3), terms)
+    assert abs(fitted.expert_scale - 0.3) < 1e-9 and abs(fitted.copy_overhead_s - 0.2e-3) < 1e-12
+    assert abs(fitted.rest_s - 1e-3) < 1e-12
+    fitted = balance_model.fit_unpriced_time(timed(5.0, 0.0), terms)
+    assert fitted.expert_scale == balance_model.EXPERT_SCALE_BOUNDS[1]
+    flat = [(10e-3, 2e-3), (10e-3, 2.5e-3), (10e-3, 3e-3)]
+    fitted = balance_model.fit_unpriced_time([3e-3, 4e-3, 5e-3], flat)
+    assert fitted.expert_scale == 1.0 and abs(fitted.copy_overhead_s - 0.5e-3) < 1e-12
+    fitted = balance_model.fit_unpriced_time([3e-3, float("inf"), float("inf")], terms)
+    assert fitted.copy_overhead_s == float("inf")  # a placement that could not be timed never pays
+
+
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("plain_s, copy_s", [(1.0, 3.0), (1.0, 1.0)])
-def test_copy_overhead_and_rest_are_what_the_model_does_not_price(world_size, plain_s, copy_s):
-    failures = run_checks(unpriced_time_worker, world_size, args=(plain_s, copy_s), timeout=300)
+@pytest.mark.parametrize("timings", [(1.0, 3.0, 5.0), (1.0, 1.0, 1.0), (1.0, 0.5, 0.6)])
+def test_copy_overhead_scale_and_rest_are_what_the_model_does_not_price(world_size, timings):
+    failures = run_checks(unpriced_time_worker, world_size, args=(timings,), timeout=300)
     assert not failures, "\n".join(failures)
 
 
 def test_the_copy_overhead_of_the_replica_slots_is_timed_on_their_calls():
-    failures = run_checks(unpriced_time_worker, 2, args=(1.0, 3.0, "comet"), timeout=300)
+    failures = run_checks(unpriced_time_worker, 2, args=((1.0, 3.0, 5.0), "comet"), timeout=300)
     assert not failures, "\n".join(failures)
 
 

@@ -244,14 +244,14 @@ def test_balance_comet_mode_places_the_copies_in_replica_slots(tmp_path, capsys)
 
 def slow_copy_bench_worker(cfg: LayerBenchConfig, extra_s: float) -> dict:
     """`layer.run` where a copy costs `extra_s` seconds beyond its bytes: the copy overhead's timing
-    adds them to the call that copies (this spawned process's module only)."""
+    adds them to the calls that copy, per copied expert (this spawned process's module only)."""
     from weft.overlap import balance_model
 
     timed = balance_model.time_candidates
 
     def time_with_slow_copies(step, candidates, device, trials, warmup):
-        plain_s, copy_s = timed(step, candidates, device, trials, warmup)
-        return [plain_s, copy_s + extra_s]
+        return [t + extra_s * len(copies) for t, copies in zip(timed(step, candidates, device, trials, warmup),
+                                                                  candidates)]
 
     balance_model.time_candidates = time_with_slow_copies
     return layer.run(cfg)

@@ -85,14 +85,17 @@ class LayerCostModel:
     expert's parameters and gradients, and the non-MoE forward and backward time of a block, which
     hides Trans and Agg in the scheduled form (eq. 8).
 
-    Two terms extend the paper's model, both measured on the layer's own call
-    (`weft.overlap.measure_unpriced_time`) and 0 in the paper's model: `copy_overhead_s`, the
-    seconds a call spends per copied expert beyond what eqs. 1-5 price (its rows cut out of the
-    exchange and computed apart, the replicated exchange's extra kernels and host work), which no
-    schedule hides; and `rest_s`, the call's time outside the experts and the all-to-alls
+    Three terms extend the paper's model, measured on the layer's own call
+    (`weft.overlap.measure_unpriced_time`; 0, 0 and 1 in the paper's model): `copy_overhead_s`,
+    the seconds a call spends per copied expert beyond what eqs. 1-5 price (its rows cut out of
+    the exchange and computed apart, the replicated exchange's extra kernels and host work), which
+    no schedule hides; `rest_s`, the call's time outside the experts and the all-to-alls
     (routing, dispatch, combine, the host's share of an eager call), the same under every
     placement, so it moves every plan's time alike and changes no choice, but makes the
-    predicted time the layer's."""
+    predicted time the layer's; and `expert_scale`, how much of eqs. 2-3's time the call gains
+    per row taken off its busiest device (1: all of it, as the paper assumes; a fused call whose
+    time is set by more than its busiest device's rows, such as Comet's graph on many small
+    experts, gains less, so copies that move rows save less than eq. 2 says)."""
 
     num_devices: int
     bandwidth: float
@@ -104,14 +107,15 @@ class LayerCostModel:
     backward_non_moe_s: float = 0.0
     copy_overhead_s: float = 0.0
     rest_s: float = 0.0
+    expert_scale: float = 1.0
 
     def all_to_all_s(self, r_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 1: the slowest device's receive time."""
         return max(_floats(r_D)) * self.row_bytes / self.bandwidth
 
     def forward_experts_s(self, h_D: torch.Tensor | Sequence[float]) -> float:
-        """Eq. 2: the most loaded device's forward expert computation."""
-        return max(_floats(h_D)) / self.throughput
+        """Eq. 2: the most loaded device's forward expert computation (times `expert_scale`)."""
+        return self.expert_scale * max(_floats(h_D)) / self.throughput
 
     def backward_experts_s(self, h_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 3: twice the forward."""

@@ -30,6 +30,7 @@ from weft.distributed import group_size
 from weft.graphs import time_graphed
 from weft.models.gpt import MoEUnit
 from weft.moe.exchange import Transfer
+from weft.moe.gates import LinearRouter
 from weft.moe.layer import MoE
 from weft.overlap import planner
 from weft.overlap.profile import (
@@ -131,28 +132,58 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
 @dataclass(frozen=True)
 class UnpricedTime:
     """What a balanced layer's call spends beyond the paper's model (`LayerCostModel.rest_s` and
-    `copy_overhead_s`), in seconds."""
+    `copy_overhead_s`, in seconds), and how much of eqs. 2-3's expert time it follows the busiest
+    device's rows by (`expert_scale`)."""
 
     rest_s: float
     copy_overhead_s: float
+    expert_scale: float = 1.0
+
+
+# `expert_scale` is fitted within these bounds (a timing's noise can put it anywhere)
+EXPERT_SCALE_BOUNDS = (0.0, 2.0)
+
+
+def hot_expert_input(moe: MoE, x: torch.Tensor, expert: int = 0) -> torch.Tensor:
+    """`x` (..., dim) with one shift added to every row so that the router ranks `expert` first
+    for every token: its logit raised by the logits' whole spread (u with W u = b, b the raise at
+    `expert`, least squares, exact for E <= dim). Where the router is not linear (cosine), `x`
+    as it is."""
+    router = moe.router
+    if type(router) is not LinearRouter:
+        return x
+    with torch.no_grad():
+        logits = router(x.reshape(-1, moe.dim))
+        raise_E = torch.zeros(moe.num_experts, dtype=torch.float64)
+        raise_E[expert] = float(logits.max() - logits.min()) + 1.0
+        weight = router.weight.detach().to("cpu", torch.float64)
+        shift = (torch.linalg.pinv(weight) @ raise_E).to(x.device, x.dtype)
+    return x + shift
 
 
 def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
                           trials: int = 5, overrides: Mapping[str, object] | None = None,
                           graphed: bool = False) -> UnpricedTime:
     """What a balanced call of `moe` (built with balance="pro-prophet", its planner's model
-    already fitted) spends beyond what the paper's model prices: the layer's forward and backward
-    on `x` (..., dim), with the call settings `overrides` (e.g. kernels="comet": the copies in
-    replica slots, `MoE.copies_in_slots`), timed with no copy and with expert 0 copied to every
-    other rank (the call copying it itself, as a call not launched ahead does), interleaved, wall
-    time, the slowest rank's median. Eager calls pay the host's launches too, which a CUDA graph
-    does not: `graphed` (calls in replica slots, on CUDA) times each placement's step captured as
-    a graph instead (`weft.graphs.time_graphed`), as a graphed call will pay it. `rest_s`: the
-    call with no copy less the model's time for it on the input's own load (eqs. 1-3: the
-    all-to-alls and the experts); `copy_overhead_s`: the difference of the two calls less the
-    model's difference between the placements (eqs. 1-6: the moved rows, Trans and Agg
-    unhidden). Neither below 0. A collective over every rank (the timing agrees over the default
-    group)."""
+    already fitted) spends beyond what the paper's model prices, and how closely its time follows
+    the busiest device's rows: the layer's forward and backward on `x` (..., dim) with its rows
+    shifted so that every token picks expert 0 (`hot_expert_input`: its owner, rank 0, is hot),
+    with the call settings `overrides` (e.g. kernels="comet": the copies in replica slots,
+    `MoE.copies_in_slots`), timed under three placements, interleaved, wall time, the slowest
+    rank's median: no copy; expert 0 copied to every other rank (each holder then computes its
+    own rows of it: rows leave the hot rank); and besides, the last expert copied to every rank
+    but its owner (the rows it moves are few: mostly a second copy's cost). The calls copy their
+    experts themselves, as a call not launched ahead does. Eager calls pay the host's launches
+    too, which a CUDA graph does not: `graphed` (calls in replica slots, on CUDA) times each
+    placement's step captured as a graph instead (`weft.graphs.time_graphed`), as a graphed call
+    will pay it.
+
+    With the paper's model split into its expert term E (eqs. 2-3) and the rest O, on the input's
+    own load for each placement, the two copying calls' differences from the plain one give two
+    equations, d_i = s dE_i + dO_i + i c (i copies), for `expert_scale` s and `copy_overhead_s` c
+    (s within `EXPERT_SCALE_BOUNDS`, c >= 0; where the placements hardly differ in E, s = 1 and
+    c from the first copy alone). `rest_s`: the plain call less the model's time for it, s
+    applied (>= 0). A collective over every rank (the timing agrees over the default group)."""
     if moe.balancer is None:
         raise ValueError("measure_unpriced_time: the layer does not balance (build it with balance='pro-prophet')")
     overrides = dict(overrides or {})
@@ -166,7 +197,8 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
     ctx = autocast or contextlib.nullcontext
     with ctx():
         dtype = moe.experts.compute_dtype(x)
-    copies = {0: frozenset(range(1, world))}
+    x = hot_expert_input(moe, x.detach())
+    placements = copy_placements(moe.balancer.owner_E, world)
     grad = torch.randn_like(x)
 
     def forward_backward(x_in: torch.Tensor, grad_in: torch.Tensor, copied: dict) -> None:
@@ -189,28 +221,62 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
         return step
 
     if graphed:
-        plain_s, copy_s = time_graphed(graph_step, [{}, copies], [x.detach().requires_grad_(), grad], moe.parameters(),
-                                       trials, warmup=2, accumulate=False)
+        timed = time_graphed(graph_step, placements, [x.detach().requires_grad_(), grad], moe.parameters(),
+                             trials, warmup=2, accumulate=False)
     else:
-        plain_s, copy_s = time_candidates(call, [{}, copies], x.device, trials, warmup=2)
-    # the model's own difference between the two placements, on this input's load (every rank's
-    # counts, recorded by the calls just timed), without any overhead term
+        timed = time_candidates(call, placements, x.device, trials, warmup=2)
+    # the model's terms under each placement, on this input's load (every rank's counts, recorded
+    # by the calls just timed), without the terms measured here
     tokens, owner_E, n = moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.n
-    paper = dataclasses.replace(model, copy_overhead_s=0.0, rest_s=0.0)
-    h_D, r_D = host_loads(tokens, Placement(owner_E))
-    plain_model_s = paper.layer_s(r_D, h_D, 0, n, scheduled=False)
+    paper = dataclasses.replace(model, copy_overhead_s=0.0, rest_s=0.0, expert_scale=1.0)
+    terms = [paper_terms(paper, tokens, owner_E, copies, n) for copies in placements]
+    return fit_unpriced_time(timed, terms)
+
+
+def copy_placements(owner_E: tuple[int, ...], world: int) -> list[dict[int, frozenset[int]]]:
+    """The placements `measure_unpriced_time` times: none; expert 0 on every rank; and besides,
+    the last expert on every rank (each copy to every rank but its owner's)."""
+    last = len(owner_E) - 1
+    others = {e: frozenset(r for r in range(world) if r != owner_E[e]) for e in (0, last)}
+    return [{}, {0: others[0]}, others]
+
+
+def paper_terms(paper: LayerCostModel, tokens, owner_E: tuple[int, ...], copies: dict, n: int) -> tuple[float, float]:
+    """(eqs. 2-3's expert time, the rest of the model's time) of `paper` on `tokens` (the ranks'
+    counts) under `copies`, the call copying its experts itself (eq. 6)."""
     h_D, r_D = host_loads(tokens, Placement(owner_E, copies))
-    copy_model_s = paper.layer_s(r_D, h_D, 1, n, scheduled=False)
-    return UnpricedTime(max(0.0, plain_s - plain_model_s),
-                        max(0.0, (copy_s - plain_s) - (copy_model_s - plain_model_s)))
+    experts_s = paper.forward_experts_s(h_D) + paper.backward_experts_s(h_D)
+    return experts_s, paper.layer_s(r_D, h_D, len(copies), n, scheduled=False) - experts_s
+
+
+def fit_unpriced_time(timed: list[float], terms: list[tuple[float, float]]) -> UnpricedTime:
+    """`UnpricedTime` from the timed calls (no copy, one, two) and the paper model's (expert,
+    rest) terms for each: d_i = s dE_i + dO_i + i c solved for s and c (see
+    `measure_unpriced_time`)."""
+    (plain_s, one_s, two_s), ((e0, o0), (e1, o1), (e2, o2)) = timed, terms
+    d1, d2 = one_s - plain_s - (o1 - o0), two_s - plain_s - (o2 - o0)
+    de1, de2 = e1 - e0, e2 - e0
+    determinant = 2 * de1 - de2
+    low, high = EXPERT_SCALE_BOUNDS
+    if abs(determinant) > 0.05 * max(e0, 1e-12) and all(map(_finite, (d1, d2))):
+        scale = min(high, max(low, (2 * d1 - d2) / determinant))
+    else:  # the copies moved too few rows to tell the slope from the noise
+        scale = 1.0
+    overhead = max(0.0, d1 - scale * de1) if _finite(d1) else d1
+    return UnpricedTime(max(0.0, plain_s - o0 - scale * e0), overhead, scale)
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
 
 
 def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
                        trials: int = 5, overrides: Mapping[str, object] | None = None,
                        graphed: bool = False) -> LayerCostModel:
-    """Give the balanced layer `moe`'s planner its measured `rest_s` and `copy_overhead_s`
+    """Give the balanced layer `moe`'s planner its measured `rest_s`, `copy_overhead_s` and `expert_scale`
     (`measure_unpriced_time` on `x`, calls with `overrides`, `graphed`); returns the model."""
     unpriced = measure_unpriced_time(moe, x, autocast, trials, overrides, graphed)
     moe.balancer.model = dataclasses.replace(moe.balancer.model, rest_s=unpriced.rest_s,
-                                             copy_overhead_s=unpriced.copy_overhead_s)
+                                             copy_overhead_s=unpriced.copy_overhead_s,
+                                             expert_scale=unpriced.expert_scale)
     return moe.balancer.model

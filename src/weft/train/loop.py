@@ -460,7 +460,9 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
         print(f"weft train: Pro-Prophet's model measured: all-to-all {first.bandwidth / 1e9:.2f} GB/s per rank, "
               f"experts {first.throughput:,.0f} rows/s per rank (layer 0), non-MoE forward / backward hiding "
               "Trans / Agg " + ", ".join(f"{m.forward_non_moe_s * 1e3:.2f} / {m.backward_non_moe_s * 1e3:.2f}"
-                                         for m in fitted) + " ms per layer", flush=True)
+                                         for m in fitted) + " ms per layer; a copy's overhead " +
+              ", ".join(f"{m.copy_overhead_s * 1e3:.2f}" for m in fitted) + " ms, the rows' scale " +
+              ", ".join(f"{m.expert_scale:.2f}" for m in fitted) + " per layer", flush=True)
 
 
 def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
