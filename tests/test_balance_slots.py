@@ -112,10 +112,13 @@ def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
 def write_rows_worker() -> list[str]:
     """The holder's slot rows written among its dispatched rows by the Triton kernel (the used
     rows only) and by the PyTorch path (every row, padding writing its target's own value back):
-    both exactly the loop's result."""
+    both exactly the loop's result; gathered by `read_rows`, the used rows as `index_select`'s;
+    with 3 programs down the rows (each looping over its rows), and with nothing placed (nothing
+    written)."""
     from weft.kernels import replica
     from weft.moe.exchange import replica_slots
 
+    replica.ROW_PROGRAMS = 3  # (a spawned worker: its modules die with it)
     gen = torch.Generator().manual_seed(3)
     counts_WE = torch.randint(0, 6, (2, 6), generator=gen)
     slots = replica_slots.ReplicaSlots(_TwoRanks(), "0", 6, torch.device("cpu"), rounds=2)
@@ -131,15 +134,26 @@ def write_rows_worker() -> list[str]:
     replica.write_rows(got, values, rows.idx_M, rows.ends_R)
     if not torch.equal(got, expected):
         failures.append("write_rows differs from the loop")
+    gathered = replica.read_rows(into, rows.idx_M, rows.ends_R)
+    if gathered.shape != values.shape or not torch.equal(gathered[:used], into.index_select(0, rows.idx_M[:used])):
+        failures.append("read_rows differs from index_select on the used rows")
+    slots.place({})
+    empty = slots.slot_rows(counts_WE, int(counts_WE[0].sum()))
+    untouched = into.clone()
+    replica.write_rows(untouched, values, empty.idx_M, empty.ends_R)
+    if int(empty.ends_R[-1]) != 0 or not torch.equal(untouched, into):
+        failures.append("write_rows wrote rows with nothing placed")
     torch_path = into.clone()
     replica_slots.triton_usable = lambda x: False
     replica_slots._write_rows(torch_path, values, rows)
     if not torch.equal(torch_path, expected):
         failures.append("the PyTorch path differs from the loop")
+    if not torch.equal(replica_slots._read_rows(into, rows), into.index_select(0, rows.idx_M)):
+        failures.append("the PyTorch gather differs from index_select")
     return failures
 
 
-def test_slot_rows_are_written_alike_by_the_kernel_and_the_torch_path(monkeypatch):
+def test_slot_rows_are_written_and_read_alike_by_the_kernels_and_the_torch_path(monkeypatch):
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(write_rows_worker, 1, timeout=300)[0]

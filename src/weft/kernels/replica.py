@@ -20,7 +20,10 @@ read the placement on the device (a CUDA graph that follows the placement):
   barrier, then `add_grads` (each owner adds its box's gradients of each expert into its own
   gradient rows, in slot order, accumulated in float32, one program per element range of an
   expert (the first slot holding it sums for all): no atomics, deterministic).
-- `write_rows`: a holder's slot rows written among its dispatched rows (the used ones only).
+- `write_rows` / `read_rows`: a holder's slot rows written among its dispatched rows, and
+  gathered from them, the used ones only (the rows below the slots' last end, read on the device:
+  a call shaped for any placement bounds its slot rows by the most there can be, and where
+  nothing is copied nothing moves).
 
 The link kernels run on few programs (`LINK_PROGRAMS`), each taking the used slots' chunks in
 turn, `LINK_BLOCK` elements at a time, so that they leave most SMs to the GEMMs they fly beside
@@ -40,7 +43,8 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK = 4096  # elements a program moves
-ROW_BLOCK = 512  # columns a program of `write_rows` moves
+ROW_BLOCK = 512  # columns a program of `write_rows` / `read_rows` moves
+ROW_PROGRAMS = 1024  # programs down the rows of `write_rows` / `read_rows`, each taking every ROW_PROGRAMS-th row
 LINK_PROGRAMS = 32  # programs of a link kernel
 LINK_BLOCK = 16384  # elements a link program moves at a time
 LINK_WARPS = 8
@@ -194,9 +198,33 @@ def write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, index_M: torch.Tens
     Triton kernel (CUDA, or the CPU interpreter); callers elsewhere write with PyTorch ops."""
     if rows_MD.shape[0] == 0:
         return
-    grid = (rows_MD.shape[0], triton.cdiv(into_ND.shape[1], ROW_BLOCK))
+    grid = _rows_grid(rows_MD.shape[0], into_ND.shape[1])
     _write_rows_kernel[grid](into_ND, rows_MD.contiguous(), index_M, ends_R, into_ND.shape[1], into_ND.stride(0),
-                             R=ends_R.shape[0], BLOCK=ROW_BLOCK)
+                             R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=grid[0],
+                             ITERS=triton.cdiv(rows_MD.shape[0], grid[0]))
+
+
+def read_rows(from_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor) -> torch.Tensor:
+    """(M, D): row m = from[index[m]] for the m below the slots' last end (`ends_R[-1]`, on the
+    device), the rows past it (padding) left undefined, as the grouped GEMM leaves its own: the
+    holder's slot rows gathered from its dispatched rows without moving the padding. A Triton
+    kernel (CUDA, or the CPU interpreter); its reference is `from.index_select(0, index)` on the
+    rows below the end."""
+    out_MD = from_ND.new_empty(index_M.shape[0], from_ND.shape[1])
+    if index_M.shape[0] == 0:
+        return out_MD
+    grid = _rows_grid(index_M.shape[0], from_ND.shape[1])
+    _read_rows_kernel[grid](out_MD, from_ND, index_M, ends_R, from_ND.shape[1], from_ND.stride(0),
+                            R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=grid[0],
+                            ITERS=triton.cdiv(index_M.shape[0], grid[0]))
+    return out_MD
+
+
+def _rows_grid(rows: int, columns: int) -> tuple[int, int]:
+    """`write_rows` / `read_rows`' grid: up to `ROW_PROGRAMS` programs down the rows (each taking
+    every ROW_PROGRAMS-th row, moving those below the end, read on the device: past it, nothing
+    moves), one per column block across."""
+    return min(rows, ROW_PROGRAMS), triton.cdiv(columns, ROW_BLOCK)
 
 
 if triton is not None:
@@ -273,12 +301,31 @@ if triton is not None:
             tl.store(row, total.to(grad.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _write_rows_kernel(into, rows, index, ends, D, stride_into, R: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (m, column block): row m, if below the last end, into its index's row."""
-        m = tl.program_id(0)
-        if m < tl.load(ends + R - 1):
-            cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            inside = cols < D
-            values = tl.load(rows + m.to(tl.int64) * D + cols, mask=inside)
-            target = tl.load(index + m).to(tl.int64)
-            tl.store(into + target * stride_into + cols, values.to(into.dtype.element_ty), mask=inside)
+    def _write_rows_kernel(into, rows, index, ends, D, stride_into, R: tl.constexpr, BLOCK: tl.constexpr,
+                           PROGRAMS: tl.constexpr, ITERS: tl.constexpr):
+        """Program (i, column block): rows i, i + PROGRAMS, ... (`ITERS` of them) below the last
+        end, each into its index's row."""
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < D
+        end = tl.load(ends + R - 1)
+        for it in range(ITERS):
+            m = it * PROGRAMS + tl.program_id(0)
+            if m < end:
+                values = tl.load(rows + m.to(tl.int64) * D + cols, mask=inside)
+                target = tl.load(index + m).to(tl.int64)
+                tl.store(into + target * stride_into + cols, values.to(into.dtype.element_ty), mask=inside)
+
+    @triton.jit
+    def _read_rows_kernel(out, source, index, ends, D, stride_source, R: tl.constexpr, BLOCK: tl.constexpr,
+                          PROGRAMS: tl.constexpr, ITERS: tl.constexpr):
+        """Program (i, column block): rows i, i + PROGRAMS, ... (`ITERS` of them) below the last
+        end, each from its index's row."""
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < D
+        end = tl.load(ends + R - 1)
+        for it in range(ITERS):
+            m = it * PROGRAMS + tl.program_id(0)
+            if m < end:
+                target = tl.load(index + m).to(tl.int64)
+                values = tl.load(source + target * stride_source + cols, mask=inside)
+                tl.store(out + m.to(tl.int64) * D + cols, values, mask=inside)

@@ -62,6 +62,7 @@ from weft.kernels.replica import (
     holder_entries,
     pull_copies,
     push_grads,
+    read_rows,
     stage_copies,
     write_rows,
 )
@@ -342,7 +343,7 @@ class _Fork(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows_ND, rows: SlotRows):
         ctx.rows, ctx.rows_shape = rows, rows_ND.shape
-        return rows_ND.view_as(rows_ND), rows_ND.index_select(0, rows.idx_M)
+        return rows_ND.view_as(rows_ND), _read_rows(rows_ND, rows)
 
     @staticmethod
     def backward(ctx, grad_ND, grad_MD):
@@ -352,6 +353,15 @@ class _Fork(torch.autograd.Function):
         if grad_ND is None:
             grad_ND = grad_MD.new_zeros(ctx.rows_shape)
         return _write_rows(grad_ND, grad_MD, rows), None
+
+
+def _read_rows(from_ND: torch.Tensor, rows: SlotRows) -> torch.Tensor:
+    """The slot rows (M, D) gathered from `from_ND`: by `read_rows` where Triton runs (the used rows
+    only; padding undefined, as the grouped GEMM leaves its own); else `index_select` (padding:
+    copies of row 0)."""
+    if triton_usable(from_ND):
+        return read_rows(from_ND, rows.idx_M, rows.ends_R)
+    return from_ND.index_select(0, rows.idx_M)
 
 
 def _write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, rows: SlotRows) -> torch.Tensor:
@@ -378,7 +388,7 @@ class _Merge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_ND):
-        return grad_ND, grad_ND.index_select(0, ctx.rows.idx_M), None
+        return grad_ND, _read_rows(grad_ND, ctx.rows), None
 
 
 class _Aggregate(torch.autograd.Function):
