@@ -198,10 +198,7 @@ def write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, index_M: torch.Tens
     Triton kernel (CUDA, or the CPU interpreter); callers elsewhere write with PyTorch ops."""
     if rows_MD.shape[0] == 0:
         return
-    grid = _rows_grid(rows_MD.shape[0], into_ND.shape[1])
-    _write_rows_kernel[grid](into_ND, rows_MD.contiguous(), index_M, ends_R, into_ND.shape[1], into_ND.stride(0),
-                             R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=grid[0],
-                             ITERS=triton.cdiv(rows_MD.shape[0], grid[0]))
+    _rows_launch(rows_MD.contiguous(), into_ND, index_M, ends_R, write=True)
 
 
 def read_rows(from_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor) -> torch.Tensor:
@@ -213,19 +210,20 @@ def read_rows(from_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor
     out_MD = from_ND.new_empty(index_M.shape[0], from_ND.shape[1])
     if index_M.shape[0] == 0:
         return out_MD
-    grid = _rows_grid(index_M.shape[0], from_ND.shape[1])
-    _read_rows_kernel[grid](out_MD, from_ND, index_M, ends_R, from_ND.shape[1], from_ND.stride(0),
-                            R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=grid[0],
-                            ITERS=triton.cdiv(index_M.shape[0], grid[0]))
+    _rows_launch(out_MD, from_ND, index_M, ends_R, write=False)
     return out_MD
 
 
-def _rows_grid(rows: int, columns: int) -> tuple[int, int]:
-    """`write_rows` / `read_rows`' grid: up to `ROW_PROGRAMS` programs down the rows (each taking
-    every ROW_PROGRAMS-th row, moving those below the end, read on the device: past it, nothing
-    moves), one per column block across."""
-    return min(rows, ROW_PROGRAMS), triton.cdiv(columns, ROW_BLOCK)
-
+def _rows_launch(dense_MD: torch.Tensor, sparse_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor,
+                 write: bool) -> None:
+    """`_rows_kernel` over the M rows of `dense_MD`: up to `ROW_PROGRAMS` programs down the rows
+    (each taking every ROW_PROGRAMS-th row, moving those below the end, read on the device: past
+    it, nothing moves), one per column block across."""
+    programs = min(dense_MD.shape[0], ROW_PROGRAMS)
+    grid = (programs, triton.cdiv(sparse_ND.shape[1], ROW_BLOCK))
+    _rows_kernel[grid](dense_MD, sparse_ND, index_M, ends_R, sparse_ND.shape[1], sparse_ND.stride(0),
+                       R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=programs,
+                       ITERS=triton.cdiv(dense_MD.shape[0], programs), WRITE=write)
 
 if triton is not None:
 
@@ -301,31 +299,20 @@ if triton is not None:
             tl.store(row, total.to(grad.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _write_rows_kernel(into, rows, index, ends, D, stride_into, R: tl.constexpr, BLOCK: tl.constexpr,
-                           PROGRAMS: tl.constexpr, ITERS: tl.constexpr):
-        """Program (i, column block): rows i, i + PROGRAMS, ... (`ITERS` of them) below the last
-        end, each into its index's row."""
+    def _rows_kernel(dense, sparse, index, ends, D, stride_sparse, R: tl.constexpr, BLOCK: tl.constexpr,
+                     PROGRAMS: tl.constexpr, ITERS: tl.constexpr, WRITE: tl.constexpr):
+        """Program (i, column block): rows m = i, i + PROGRAMS, ... (`ITERS` of them) below the
+        last end: `dense` row m into `sparse` row index[m] (WRITE, cast to its dtype), or from it.
+        References: `write_rows`' PyTorch path and `index_select`."""
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < D
         end = tl.load(ends + R - 1)
         for it in range(ITERS):
             m = it * PROGRAMS + tl.program_id(0)
             if m < end:
-                values = tl.load(rows + m.to(tl.int64) * D + cols, mask=inside)
-                target = tl.load(index + m).to(tl.int64)
-                tl.store(into + target * stride_into + cols, values.to(into.dtype.element_ty), mask=inside)
-
-    @triton.jit
-    def _read_rows_kernel(out, source, index, ends, D, stride_source, R: tl.constexpr, BLOCK: tl.constexpr,
-                          PROGRAMS: tl.constexpr, ITERS: tl.constexpr):
-        """Program (i, column block): rows i, i + PROGRAMS, ... (`ITERS` of them) below the last
-        end, each from its index's row."""
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        inside = cols < D
-        end = tl.load(ends + R - 1)
-        for it in range(ITERS):
-            m = it * PROGRAMS + tl.program_id(0)
-            if m < end:
-                target = tl.load(index + m).to(tl.int64)
-                values = tl.load(source + target * stride_source + cols, mask=inside)
-                tl.store(out + m.to(tl.int64) * D + cols, values, mask=inside)
+                near = dense + m.to(tl.int64) * D + cols
+                far = sparse + tl.load(index + m).to(tl.int64) * stride_sparse + cols
+                if WRITE:
+                    tl.store(far, tl.load(near, mask=inside).to(sparse.dtype.element_ty), mask=inside)
+                else:
+                    tl.store(near, tl.load(far, mask=inside), mask=inside)
