@@ -113,7 +113,8 @@
 #            on": Comet's path, where both runs replay CUDA graphs (the balanced one's copies following the loads),
 #            else eager (a dropless layer reads its counts); BALANCE_TRAIN_BATCH, BALANCE_TRAIN_STEPS,
 #            BALANCE_TRAIN_PRESET (default qwen2-moe-2l), BALANCE_TRAIN_SKEW (the model's routing_skew: a
-#            Zipf(S) prior on the routers' logits, a load that stays skewed; default 0)
+#            Zipf(S) prior on the routers' logits, a load that stays skewed; default 0), BALANCE_TRAIN_AUX (its
+#            aux_loss_coef, default 0.01: 0 leaves nothing pushing the load back to balance)
 #   ckpt     how long a checkpoint holds training, in the step against in the background (the main job):
 #            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
 #            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,
@@ -564,7 +565,8 @@ part_modelgraph() {
 }
 
 part_balancetrain() {
-  printf '[model]\ncapacity_factor = "dropless"\nrouting_skew = %s\n' "${BALANCE_TRAIN_SKEW:-0}" > "$1/dropless.toml"
+  printf '[model]\ncapacity_factor = "dropless"\nrouting_skew = %s\naux_loss_coef = %s\n' "${BALANCE_TRAIN_SKEW:-0}" \
+    "${BALANCE_TRAIN_AUX:-0.01}" > "$1/dropless.toml"
   i=0
   for balance in ${BALANCE_RUNS:-none pro-prophet none pro-prophet}; do
     i=$((i + 1)); run=/tmp/weft_x2/balance_${i}_$balance; rm -rf "$run"
