@@ -153,10 +153,48 @@ def write_rows_worker() -> list[str]:
     return failures
 
 
-def test_slot_rows_are_written_and_read_alike_by_the_kernels_and_the_torch_path(monkeypatch):
+def activate_rows_worker() -> list[str]:
+    """The slot rows' activation by the Triton kernel (`activate_rows`) against `activate` and its
+    autograd, on the rows below the slots' last end, every activation, float32, with 3 programs
+    looping down the rows and two column blocks; with nothing below the end it runs (nothing to
+    compare: the rows are padding)."""
+    from weft.kernels import replica
+    from weft.kernels.activation import ACTIVATIONS, activate
+
+    replica.ROW_PROGRAMS = 3  # (a spawned worker: its modules die with it)
+    failures = []
+    gen = torch.Generator().manual_seed(5)
+    ends_R = torch.tensor([3, 7], dtype=torch.int32)
+    for activation in ACTIVATIONS:
+        h1 = torch.randn(10, 700, generator=gen)
+        h3 = torch.randn(10, 700, generator=gen) if activation == "swiglu" else None
+        grad = torch.randn(10, 700, generator=gen)
+        inputs = [t.clone().requires_grad_() for t in (h1, h3) if t is not None]
+        got = replica.activate_rows(activation, *inputs, ends_R) if h3 is not None else \
+            replica.activate_rows(activation, inputs[0], None, ends_R)
+        got.backward(grad)
+        refs = [t.clone().requires_grad_() for t in (h1, h3) if t is not None]
+        want = activate(activation, *refs)
+        want.backward(grad)
+        pairs = [(got, want)] + [(a.grad, b.grad) for a, b in zip(inputs, refs)]
+        for i, (a, b) in enumerate(pairs):
+            if not torch.allclose(a[:7], b[:7], rtol=1e-6, atol=1e-6):
+                failures.append(f"{activation}: tensor {i} differs on the used rows "
+                                f"(max {float((a[:7] - b[:7]).abs().max()):.2e})")
+        none = replica.activate_rows(activation, h1.clone().requires_grad_(), None if h3 is None else h3.clone(),
+                                     torch.zeros(2, dtype=torch.int32))
+        if none.shape != h1.shape:
+            failures.append(f"{activation}: shape {tuple(none.shape)} with nothing used")
+    return failures
+
+
+@pytest.mark.parametrize("worker", [write_rows_worker, activate_rows_worker], ids=["written-and-read", "activated"])
+def test_the_slot_rows_kernels_match_their_references(worker, monkeypatch):
+    # write_rows / read_rows against the loop, index_select and the PyTorch path; activate_rows
+    # against activate and its autograd
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(write_rows_worker, 1, timeout=300)[0]
+    failures = run_distributed(worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
 
 

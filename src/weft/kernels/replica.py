@@ -37,10 +37,14 @@ from __future__ import annotations
 
 import torch
 
+from weft.kernels.activation import activate
+from weft.kernels.comet import ACTIVATIONS as ACTIVATION_CODES
 from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
+
+    from weft.kernels.comet import _activation, _activation_grad
 
 BLOCK = 4096  # elements a program moves
 ROW_BLOCK = 512  # columns a program of `write_rows` / `read_rows` moves
@@ -225,6 +229,57 @@ def _rows_launch(dense_MD: torch.Tensor, sparse_ND: torch.Tensor, index_M: torch
                        R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=programs,
                        ITERS=triton.cdiv(dense_MD.shape[0], programs), WRITE=write)
 
+
+def activate_rows(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor | None,
+                  ends_R: torch.Tensor) -> torch.Tensor:
+    """`activate(activation, h1, h3)` (weft.kernels.activation) of the slot rows below the slots'
+    last end (`ends_R[-1]`, on the device), through autograd, each value rounded as PyTorch's ops
+    round it; the rows past the end (padding) are left undefined, in the output and in the
+    gradients, as the grouped GEMMs around it leave theirs. A Triton kernel where Triton runs
+    (CUDA, or the CPU interpreter); else `activate` on every row, its reference."""
+    if not triton_usable(h1_MH):
+        return activate(activation, h1_MH, h3_MH)
+    return _ActivateRows.apply(h1_MH.contiguous(), None if h3_MH is None else h3_MH.contiguous(), ends_R,
+                               activation)
+
+
+class _ActivateRows(torch.autograd.Function):
+    """`activate_rows` on Triton: forward act(h1) (swiglu: silu(h1) * h3); backward dh1 (and
+    dh3) from the saved h1 (and h3), as PyTorch's autograd of `activate` computes them."""
+
+    @staticmethod
+    def forward(ctx, h1_MH, h3_MH, ends_R, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(h1_MH, h3_MH, ends_R)
+        out_MH = h1_MH.new_empty(h1_MH.shape)
+        _activation_launch(activation, h1_MH, h3_MH, ends_R, out_MH)
+        return out_MH
+
+    @staticmethod
+    def backward(ctx, grad_MH):
+        h1_MH, h3_MH, ends_R = ctx.saved_tensors
+        dh1_MH = h1_MH.new_empty(h1_MH.shape)
+        dh3_MH = None if h3_MH is None else h3_MH.new_empty(h3_MH.shape)
+        _activation_launch(ctx.activation, h1_MH, h3_MH, ends_R, dh1_MH, grad_MH.contiguous(), dh3_MH)
+        return dh1_MH, dh3_MH, None, None
+
+
+def _activation_launch(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor | None, ends_R: torch.Tensor,
+                       out_MH: torch.Tensor, grad_MH: torch.Tensor | None = None,
+                       out3_MH: torch.Tensor | None = None) -> None:
+    """`_activation_rows_kernel` over the rows as `_rows_launch` takes them: the forward into
+    `out_MH`, or with `grad_MH` the backward into `out_MH` (dh1) and `out3_MH` (dh3)."""
+    rows, hidden = h1_MH.shape
+    if rows == 0:
+        return
+    programs = min(rows, ROW_PROGRAMS)
+    grid = (programs, triton.cdiv(hidden, ROW_BLOCK))
+    _activation_rows_kernel[grid](h1_MH, h1_MH if h3_MH is None else h3_MH, h1_MH if grad_MH is None else grad_MH,
+                                  out_MH, out_MH if out3_MH is None else out3_MH, ends_R, hidden,
+                                  R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=programs,
+                                  ITERS=triton.cdiv(rows, programs), ACT=ACTIVATION_CODES[activation],
+                                  GRAD=grad_MH is not None)
+
 if triton is not None:
 
     @triton.jit
@@ -316,3 +371,36 @@ if triton is not None:
                     tl.store(far, tl.load(near, mask=inside).to(sparse.dtype.element_ty), mask=inside)
                 else:
                     tl.store(near, tl.load(far, mask=inside), mask=inside)
+
+    @triton.jit
+    def _activation_rows_kernel(h1, h3, grad, out, out3, ends, H, R: tl.constexpr, BLOCK: tl.constexpr,
+                                PROGRAMS: tl.constexpr, ITERS: tl.constexpr, ACT: tl.constexpr,
+                                GRAD: tl.constexpr):
+        """Program (i, column block): rows m = i, i + PROGRAMS, ... (`ITERS` of them) below the
+        last end: out = act(h1) (swiglu: silu(h1), rounded, times h3), or with GRAD out = dh1 and
+        out3 = dh3 from grad, each product rounded to the dtype as PyTorch's autograd stores it
+        (Comet's layer0 epilogue does the same: `_store_activation_half`)."""
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < H
+        end = tl.load(ends + R - 1)
+        dtype = out.dtype.element_ty
+        for it in range(ITERS):
+            m = it * PROGRAMS + tl.program_id(0)
+            if m < end:
+                offs = m.to(tl.int64) * H + cols
+                s = tl.load(h1 + offs, mask=inside).to(tl.float32)
+                if ACT == 4:
+                    v3 = tl.load(h3 + offs, mask=inside).to(tl.float32)
+                    silu = _activation(s, 3).to(dtype).to(tl.float32)
+                    if GRAD:
+                        g = tl.load(grad + offs, mask=inside).to(tl.float32)
+                        tl.store(out + offs, _activation_grad((g * v3).to(dtype).to(tl.float32), s, 3).to(dtype),
+                                 mask=inside)
+                        tl.store(out3 + offs, (g * silu).to(dtype), mask=inside)
+                    else:
+                        tl.store(out + offs, (silu * v3).to(dtype), mask=inside)
+                elif GRAD:
+                    g = tl.load(grad + offs, mask=inside).to(tl.float32)
+                    tl.store(out + offs, _activation_grad(g, s, ACT).to(dtype), mask=inside)
+                else:
+                    tl.store(out + offs, _activation(s, ACT).to(dtype), mask=inside)

@@ -54,9 +54,9 @@ import torch
 
 from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.hostcopy import device_tensor
-from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_rows_mm
 from weft.kernels.replica import (
+    activate_rows,
     add_grads,
     copy_entries,
     holder_entries,
@@ -424,7 +424,8 @@ def slot_experts(x_MD: torch.Tensor, rows: SlotRows, activation: str, held: tupl
     leaves = tuple(None if w is None else w.detach().requires_grad_() for w in held)
     w1, w2, w3 = leaves
     h3 = None if w3 is None else grouped_rows_mm(x_MD, w3, rows.ends_R)
-    return grouped_rows_mm(activate(activation, grouped_rows_mm(x_MD, w1, rows.ends_R), h3), w2, rows.ends_R), leaves
+    hidden = activate_rows(activation, grouped_rows_mm(x_MD, w1, rows.ends_R), h3, rows.ends_R)
+    return grouped_rows_mm(hidden, w2, rows.ends_R), leaves
 
 
 def merge(out_ND: torch.Tensor, y_MD: torch.Tensor, rows: SlotRows) -> torch.Tensor:
