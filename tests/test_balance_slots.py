@@ -137,6 +137,15 @@ def write_rows_worker() -> list[str]:
     gathered = replica.read_rows(into, rows.idx_M, rows.ends_R)
     if gathered.shape != values.shape or not torch.equal(gathered[:used], into.index_select(0, rows.idx_M[:used])):
         failures.append("read_rows differs from index_select on the used rows")
+    strided = into.t().contiguous().t()  # the same values, a column stride of rows
+    if not torch.equal(replica.read_rows(strided, rows.idx_M, rows.ends_R)[:used], gathered[:used]):
+        failures.append("read_rows of a column-strided source differs")
+    try:
+        replica.write_rows(strided, values, rows.idx_M, rows.ends_R)
+        failures.append("write_rows wrote into a column-strided tensor")
+    except ValueError as e:
+        if "unit column stride" not in str(e):
+            failures.append(f"write_rows' error says {e}")
     slots.place({})
     empty = slots.slot_rows(counts_WE, int(counts_WE[0].sum()))
     untouched = into.clone()

@@ -202,6 +202,8 @@ def write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, index_M: torch.Tens
     Triton kernel (CUDA, or the CPU interpreter); callers elsewhere write with PyTorch ops."""
     if rows_MD.shape[0] == 0:
         return
+    if into_ND.stride(1) != 1:
+        raise ValueError(f"write_rows writes rows of unit column stride, got strides {into_ND.stride()}")
     _rows_launch(rows_MD.contiguous(), into_ND, index_M, ends_R, write=True)
 
 
@@ -214,6 +216,8 @@ def read_rows(from_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor
     out_MD = from_ND.new_empty(index_M.shape[0], from_ND.shape[1])
     if index_M.shape[0] == 0:
         return out_MD
+    if from_ND.stride(1) != 1:  # the kernel walks a row's columns one element apart
+        from_ND = from_ND.contiguous()
     _rows_launch(out_MD, from_ND, index_M, ends_R, write=False)
     return out_MD
 

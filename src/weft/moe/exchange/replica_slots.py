@@ -352,6 +352,8 @@ class _Fork(torch.autograd.Function):
             return grad_ND, None
         if grad_ND is None:
             grad_ND = grad_MD.new_zeros(ctx.rows_shape)
+        elif grad_ND.stride(-1) != 1:  # written in place by rows (an expanded gradient has stride 0)
+            grad_ND = grad_ND.contiguous()
         return _write_rows(grad_ND, grad_MD, rows), None
 
 
