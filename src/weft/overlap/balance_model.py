@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -258,16 +259,12 @@ def fit_unpriced_time(timed: list[float], terms: list[tuple[float, float]]) -> U
     de1, de2 = e1 - e0, e2 - e0
     determinant = 2 * de1 - de2
     low, high = EXPERT_SCALE_BOUNDS
-    if abs(determinant) > 0.05 * max(e0, 1e-12) and all(map(_finite, (d1, d2))):
+    if abs(determinant) > 0.05 * max(e0, 1e-12) and math.isfinite(d1) and math.isfinite(d2):
         scale = min(high, max(low, (2 * d1 - d2) / determinant))
     else:  # the copies moved too few rows to tell the slope from the noise
         scale = 1.0
-    overhead = max(0.0, d1 - scale * de1) if _finite(d1) else d1
+    overhead = max(0.0, d1 - scale * de1) if math.isfinite(d1) else math.inf  # a copy that was not timed never pays
     return UnpricedTime(max(0.0, plain_s - o0 - scale * e0), overhead, scale)
-
-
-def _finite(value: float) -> bool:
-    return value == value and abs(value) != float("inf")
 
 
 def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
