@@ -23,7 +23,8 @@ read the placement on the device (a CUDA graph that follows the placement):
 - `write_rows` / `read_rows`: a holder's slot rows written among its dispatched rows, and
   gathered from them, the used ones only (the rows below the slots' last end, read on the device:
   a call shaped for any placement bounds its slot rows by the most there can be, and where
-  nothing is copied nothing moves).
+  nothing is copied nothing moves); `activate_rows`: the slot experts' activation, forward and
+  backward, on those rows only.
 
 The link kernels run on few programs (`LINK_PROGRAMS`), each taking the used slots' chunks in
 turn, `LINK_BLOCK` elements at a time, so that they leave most SMs to the GEMMs they fly beside
