@@ -414,7 +414,7 @@ if triton is not None:
         tl.store(row_ptr[:, None] + n[None, :], right.to(dtype), mask=valid[:, None] & (n < N)[None, :])
 
     @triton.jit
-    def _activation(h, ACT: tl.constexpr):
+    def act_value(h, ACT: tl.constexpr):
         """relu / gelu (erf) / silu of float32 h, as PyTorch's kernels compute them."""
         if ACT == 1:
             return tl.maximum(h, 0.0)
@@ -424,7 +424,7 @@ if triton is not None:
             return h / (1.0 + tl.exp(-h))
 
     @triton.jit
-    def _activation_grad(g, s, ACT: tl.constexpr):
+    def act_grad(g, s, ACT: tl.constexpr):
         """dA * act'(h) in float32 from s (relu: act(h), whose sign is h's; else h), as PyTorch's
         threshold_backward / gelu_backward / silu_backward compute it."""
         if ACT == 1:
@@ -450,17 +450,17 @@ if triton is not None:
             s = tl.load(saved + offs, mask=mask, other=0.0).to(tl.float32)
             if ACT == 4:  # swiglu: [dh1 | dh3] into out's rows of 2N, act(h) = silu(h1) * h3 again
                 h3 = tl.load(saved3 + offs, mask=mask, other=0.0).to(tl.float32)
-                silu = _activation(s, 3).to(dtype).to(tl.float32)
+                silu = act_value(s, 3).to(dtype).to(tl.float32)
                 joint = m.to(tl.int64)[:, None] * (2 * N) + n[None, :]
-                tl.store(out + joint, _activation_grad((y * h3).to(dtype).to(tl.float32), s, 3).to(dtype), mask=mask)
+                tl.store(out + joint, act_grad((y * h3).to(dtype).to(tl.float32), s, 3).to(dtype), mask=mask)
                 tl.store(out + joint + N, (y * silu).to(dtype), mask=mask)
                 tl.store(extra + offs, (silu * h3).to(dtype), mask=mask)
             else:
-                tl.store(out + offs, _activation_grad(y, s, ACT).to(dtype), mask=mask)
+                tl.store(out + offs, act_grad(y, s, ACT).to(dtype), mask=mask)
                 if ACT != 1:
-                    tl.store(extra + offs, _activation(s, ACT).to(dtype), mask=mask)
+                    tl.store(extra + offs, act_value(s, ACT).to(dtype), mask=mask)
         else:
-            tl.store(out + offs, _activation(y, ACT).to(dtype), mask=mask)
+            tl.store(out + offs, act_value(y, ACT).to(dtype), mask=mask)
             if ACT != 1:
                 tl.store(extra + offs, y.to(dtype), mask=mask)
 

@@ -38,14 +38,15 @@ from __future__ import annotations
 
 import torch
 
+from weft.kernels import comet as comet_kernels
 from weft.kernels.activation import activate
-from weft.kernels.comet import ACTIVATIONS as ACTIVATION_CODES
 from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
     import triton.language as tl
 
-    from weft.kernels.comet import _activation, _activation_grad
+    # Comet's layer0 epilogue's activation helpers, as globals the kernels below call
+    act_value, act_grad = comet_kernels.act_value, comet_kernels.act_grad
 
 BLOCK = 4096  # elements a program moves
 ROW_BLOCK = 512  # columns a program of `write_rows` / `read_rows` moves
@@ -282,7 +283,7 @@ def _activation_launch(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor
     _activation_rows_kernel[grid](h1_MH, h1_MH if h3_MH is None else h3_MH, h1_MH if grad_MH is None else grad_MH,
                                   out_MH, out_MH if out3_MH is None else out3_MH, ends_R, hidden,
                                   R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=programs,
-                                  ITERS=triton.cdiv(rows, programs), ACT=ACTIVATION_CODES[activation],
+                                  ITERS=triton.cdiv(rows, programs), ACT=comet_kernels.ACTIVATIONS[activation],
                                   GRAD=grad_MH is not None)
 
 if triton is not None:
@@ -396,16 +397,16 @@ if triton is not None:
                 s = tl.load(h1 + offs, mask=inside).to(tl.float32)
                 if ACT == 4:
                     v3 = tl.load(h3 + offs, mask=inside).to(tl.float32)
-                    silu = _activation(s, 3).to(dtype).to(tl.float32)
+                    silu = act_value(s, 3).to(dtype).to(tl.float32)
                     if GRAD:
                         g = tl.load(grad + offs, mask=inside).to(tl.float32)
-                        tl.store(out + offs, _activation_grad((g * v3).to(dtype).to(tl.float32), s, 3).to(dtype),
+                        tl.store(out + offs, act_grad((g * v3).to(dtype).to(tl.float32), s, 3).to(dtype),
                                  mask=inside)
                         tl.store(out3 + offs, (g * silu).to(dtype), mask=inside)
                     else:
                         tl.store(out + offs, (silu * v3).to(dtype), mask=inside)
                 elif GRAD:
                     g = tl.load(grad + offs, mask=inside).to(tl.float32)
-                    tl.store(out + offs, _activation_grad(g, s, ACT).to(dtype), mask=inside)
+                    tl.store(out + offs, act_grad(g, s, ACT).to(dtype), mask=inside)
                 else:
-                    tl.store(out + offs, _activation(s, ACT).to(dtype), mask=inside)
+                    tl.store(out + offs, act_value(s, ACT).to(dtype), mask=inside)
