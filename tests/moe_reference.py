@@ -13,12 +13,17 @@ import torch.nn.functional as F
 
 
 def router_logits(x, params, gate):
+    """The router's logits, plus `routing_skew`'s fixed prior where `params` hold one
+    ("router.prior_E")."""
     x = x.float()
     if gate == "cosine":
         h = F.normalize(x @ params["router.proj.weight"].t(), dim=-1)
         emb = F.normalize(params["router.weight"], dim=-1)
-        return (h @ emb.t()) * params["router.log_scale"].clamp(max=math.log(100.0)).exp()
-    return x @ params["router.weight"].t()
+        logits = (h @ emb.t()) * params["router.log_scale"].clamp(max=math.log(100.0)).exp()
+    else:
+        logits = x @ params["router.weight"].t()
+    prior = params.get("router.prior_E")
+    return logits if prior is None else logits + prior
 
 
 def expert_fn(x, w1, w2, w3, activation):

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 import moe_reference as ref
 from weft import MoE
+from weft.moe.gates import zipf_bias
 from weft.testing import run_checks, run_distributed
 
 DIM, HIDDEN, EXPERTS = 16, 24, 8
@@ -60,16 +61,17 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", kernels="auto",
-               bias=None, temperature=0.0, a2a_algo="linear", overlap_degree=1) -> list[str]:
+               bias=None, temperature=0.0, a2a_algo="linear", overlap_degree=1, skew=0.0) -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     label = (f"W={world} rank={rank} gate={gate} cf={cap} k={k} act={activation} {dtype} norm={normalize} {kernels}"
              f" d{overlap_degree}-{a2a_algo}"
-             f"{'' if bias is None else ' expert bias'}{f' temperature {temperature}' if temperature else ''}")
+             f"{'' if bias is None else ' expert bias'}{f' temperature {temperature}' if temperature else ''}"
+             f"{f' skew {skew}' if skew else ''}")
     full = full_parameters(gate, activation)
     moe = MoE(DIM, HIDDEN, EXPERTS, top_k=k, gate=gate, capacity_factor=cap, activation=activation,
               normalize_gates=normalize, cosine_proj_dim=32, device=device, kernels=kernels,
               expert_bias=bias is not None, routing_temperature=temperature, a2a_algo=a2a_algo,
-              overlap_degree=overlap_degree)
+              overlap_degree=overlap_degree, routing_skew=skew)
     load_shard(moe, full, dtype, None if bias is None else bias.to(device))
     # dropless allows uneven token counts (not in fixed-size exchanges, nor Comet's buffers sized by them)
     fixed_size = a2a_algo in ("dedup-fixed", "dedup-fixed-own") or kernels == "comet"
@@ -86,6 +88,8 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
 
     params = {n: v.to(dtype).float().requires_grad_() if n.startswith("experts.") else v.clone().requires_grad_()
               for n, v in full.items()}
+    if skew:  # the fixed prior (a buffer: no gradient)
+        params["router.prior_E"] = zipf_bias(EXPERTS, skew).float()
     xr = x.detach().cpu().float().requires_grad_()
     cfg = {"gate": gate, "top_k": k, "num_experts": EXPERTS, "activation": activation, "normalize_gates": normalize}
     torch.manual_seed(1000 + rank)
@@ -105,7 +109,7 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
         cap_ref = ref.capacity(cap, k, num_tokens, EXPERTS, int(need))
     y_ref, aux, z, counts, dropped = ref.moe_forward(xr, params, cfg, cap_ref, scores, bias, offsets)
     loss_ref = (y_ref * dy).sum() + AUX_COEF * aux + Z_COEF * z
-    names = list(params)
+    names = [n for n in params if params[n].requires_grad]
     grads = dict(zip(names, torch.autograd.grad(loss_ref, [params[n] for n in names] + [xr])))
 
     failures = []
@@ -113,6 +117,11 @@ def check_case(gate, cap, k, activation, dtype, normalize=True, device="cpu", ke
         unbiased = ref.route(xr.detach(), params, gate, k, normalize, scores)[2]
         if torch.equal(unbiased, ref.route(xr.detach(), params, gate, k, normalize, scores, bias)[2]):
             failures.append(f"{label}: the test's bias routes like no bias")
+    if skew:  # the case has power: the prior changes the reference's choices
+        plain = {n: v for n, v in params.items() if n != "router.prior_E"}
+        if torch.equal(ref.route(xr.detach(), plain, gate, k, normalize, scores)[2],
+                       ref.route(xr.detach(), params, gate, k, normalize, scores)[2]):
+            failures.append(f"{label}: the test's prior routes like no prior")
     if temperature:  # the case has power: the draw changes the reference's choices
         argmax = ref.route(xr.detach(), params, gate, k, normalize)[2]
         if torch.equal(argmax, ref.route(xr.detach(), params, gate, k, normalize, offsets=offsets)[2]):
@@ -182,6 +191,8 @@ def equivalence_worker(gate: str, dtypes=DTYPES, device: str = "cpu", kernels: s
             failures += check_case(gate, cap, k, "gelu", dtypes[0], bias=EXPERT_BIAS, **case)
         for cap, k in itertools.product(caps, (1, 2)):  # experts sampled in training
             failures += check_case(gate, cap, k, "gelu", dtypes[0], temperature=0.7, **case)
+        for cap in caps:  # routing_skew's fixed prior on the logits
+            failures += check_case(gate, cap, 2, "gelu", dtypes[0], skew=1.5, **case)
     return failures
 
 
