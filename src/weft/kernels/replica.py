@@ -226,14 +226,20 @@ def read_rows(from_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor
 
 def _rows_launch(dense_MD: torch.Tensor, sparse_ND: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor,
                  write: bool) -> None:
-    """`_rows_kernel` over the M rows of `dense_MD`: up to `ROW_PROGRAMS` programs down the rows
-    (each taking every ROW_PROGRAMS-th row, moving those below the end, read on the device: past
-    it, nothing moves), one per column block across."""
-    programs = min(dense_MD.shape[0], ROW_PROGRAMS)
-    grid = (programs, triton.cdiv(sparse_ND.shape[1], ROW_BLOCK))
-    _rows_kernel[grid](dense_MD, sparse_ND, index_M, ends_R, sparse_ND.shape[1], sparse_ND.stride(0),
-                       R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=programs,
-                       ITERS=triton.cdiv(dense_MD.shape[0], programs), WRITE=write)
+    """`_rows_kernel` over the M rows of `dense_MD` (`_row_launch`)."""
+    launch = _row_launch(dense_MD.shape[0], sparse_ND.shape[1])
+    _rows_kernel[launch.pop("grid")](dense_MD, sparse_ND, index_M, ends_R, sparse_ND.shape[1], sparse_ND.stride(0),
+                                     R=ends_R.shape[0], WRITE=write, **launch)
+
+
+def _row_launch(rows: int, columns: int) -> dict:
+    """A row kernel's grid and loop (`_rows_kernel`, `_activation_rows_kernel`): up to
+    `ROW_PROGRAMS` programs down the rows, each taking every ROW_PROGRAMS-th row (`ITERS` turns)
+    and moving those below the slots' end, read on the device (past it, nothing moves), one
+    program per `ROW_BLOCK` columns across."""
+    programs = min(rows, ROW_PROGRAMS)
+    return dict(grid=(programs, triton.cdiv(columns, ROW_BLOCK)), BLOCK=ROW_BLOCK, PROGRAMS=programs,
+                ITERS=triton.cdiv(rows, programs))
 
 
 def activate_rows(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor | None,
@@ -273,18 +279,16 @@ class _ActivateRows(torch.autograd.Function):
 def _activation_launch(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor | None, ends_R: torch.Tensor,
                        out_MH: torch.Tensor, grad_MH: torch.Tensor | None = None,
                        out3_MH: torch.Tensor | None = None) -> None:
-    """`_activation_rows_kernel` over the rows as `_rows_launch` takes them: the forward into
-    `out_MH`, or with `grad_MH` the backward into `out_MH` (dh1) and `out3_MH` (dh3)."""
+    """`_activation_rows_kernel` over the rows (`_row_launch`): the forward into `out_MH`, or with
+    `grad_MH` the backward into `out_MH` (dh1) and `out3_MH` (dh3)."""
     rows, hidden = h1_MH.shape
     if rows == 0:
         return
-    programs = min(rows, ROW_PROGRAMS)
-    grid = (programs, triton.cdiv(hidden, ROW_BLOCK))
-    _activation_rows_kernel[grid](h1_MH, h1_MH if h3_MH is None else h3_MH, h1_MH if grad_MH is None else grad_MH,
-                                  out_MH, out_MH if out3_MH is None else out3_MH, ends_R, hidden,
-                                  R=ends_R.shape[0], BLOCK=ROW_BLOCK, PROGRAMS=programs,
-                                  ITERS=triton.cdiv(rows, programs), ACT=comet_kernels.ACTIVATIONS[activation],
-                                  GRAD=grad_MH is not None)
+    launch = _row_launch(rows, hidden)
+    _activation_rows_kernel[launch.pop("grid")](
+        h1_MH, h1_MH if h3_MH is None else h3_MH, h1_MH if grad_MH is None else grad_MH, out_MH,
+        out_MH if out3_MH is None else out3_MH, ends_R, hidden, R=ends_R.shape[0],
+        ACT=comet_kernels.ACTIVATIONS[activation], GRAD=grad_MH is not None, **launch)
 
 if triton is not None:
 

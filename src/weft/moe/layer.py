@@ -566,10 +566,10 @@ class MoE(nn.Module):
             self._replica_slots = ReplicaSlots(peers, str(peers.ordinal("replica-slots", self)), self.num_experts,
                                                tokens_TD.device, self.balancer.rounds)
         slots = self._replica_slots
-        slots.in_place = self.graph_placement == "updated"  # (a setting that may change before a capture)
         if not capturing:
             self._record_pending_counts()
-            slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies)
+            slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies,
+                        in_place=self.graph_placement == "updated")
             if self.graph_placement == "updated":  # a later capture's buffers (made eagerly: collective)
                 slots.make_buffers(self.experts.weights(), self.experts.compute_dtype(tokens_TD))
         on_device = capturing and self.graph_placement == "updated"
@@ -603,7 +603,8 @@ class MoE(nn.Module):
             return
         self._record_pending_counts()
         self._pending_counts = host_tensor_async(self._graph_counts_WE)
-        self._replica_slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies)
+        self._replica_slots.place(self.balancer.next_copies(scheduled=False) if copies is None else copies,
+                                  in_place=True)
 
     def counts_stay_on_device(self, call: MoECall | None = None) -> bool:
         """Whether this layer's dropless calls (`call`, default: its own) read nothing on the host

@@ -46,7 +46,14 @@ from weft.train.optim import (
     master_weights_blocker,
 )
 from weft.train.runlock import RunFolderInUse, RunLock, in_use
-from weft.train.step import MicroSteps, build_micro_step, graph_blocker, lancet_partitions_forward, set_layers
+from weft.train.step import (
+    MicroSteps,
+    build_micro_step,
+    graph_blocker,
+    lancet_partitions_forward,
+    set_layers,
+    shape_for_any_placement,
+)
 
 
 class DataError(ReportedError):
@@ -451,8 +458,7 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
     x, _ = batches.get(start + 1, 0)
     graphed = cfg.cuda_graphs == "on" and device.type == "cuda"  # a balanced step replays only when asked
     if graphed:  # the copies' cost timed as the step's graphs will pay it (`weft.train.step.follow_loads`)
-        for moe in model.moe_layers():
-            moe.graph_placement = "updated"
+        shape_for_any_placement(model)
     fitted = fit_balance_models(model, x.to(device), autocast=functools.partial(training_autocast, device),
                                 graphed=graphed)
     if rank == 0 and fitted:

@@ -90,6 +90,13 @@ def _balanced_layers(model: GPT) -> list:
     return [moe for moe in model.moe_layers() if moe.balancer is not None]
 
 
+def shape_for_any_placement(model: GPT) -> None:
+    """Every balanced layer's graphs shaped for any placement (`graph_placement="updated"`): what
+    a graphed step replays, its copies following the load (`follow_loads`)."""
+    for moe in _balanced_layers(model):
+        moe.graph_placement = "updated"
+
+
 def follow_loads(step: MicroStep, model: GPT) -> MicroStep:
     """A graphed micro-step of a balanced model (`graph_placement="updated"`): after each replay,
     every balanced layer's `update_placement()` plans its copies for the next one from the loads
@@ -372,9 +379,7 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
             log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; measured: {measured})")
         blocker = graph_blocker(model, device, overlap)
     if blocker is None:
-        # balanced layers: their graphs read the placement `follow_loads` writes between replays
-        for moe in _balanced_layers(model):
-            moe.graph_placement = "updated"
+        shape_for_any_placement(model)  # balanced layers read the placement `follow_loads` writes
         try:
             for setting in GRAPH_TUNED:
                 if not any(getattr(moe, setting) == "auto" for moe in model.moe_layers()):

@@ -93,8 +93,7 @@ class ReplicaSlots:
     device (and its host view), the slots' weights and the owners' boxes in peer buffers (named by
     `key`, one set per layer), and Trans and Agg."""
 
-    def __init__(self, peers: PeerBuffers, key: str, num_experts: int, device: torch.device, rounds: int = 1,
-                 in_place: bool = False):
+    def __init__(self, peers: PeerBuffers, key: str, num_experts: int, device: torch.device, rounds: int = 1):
         self.peers, self.key = peers, key
         self.world, self.rank = peers.world, peers.rank
         self.per_rank = rounds * max(1, self.world - 1)
@@ -103,14 +102,13 @@ class ReplicaSlots:
         self._placed: tuple[tuple[int, ...], ...] = ((),) * self.world
         self._side: torch.cuda.Stream | None = None  # Trans's stream (CUDA), made at the first one
         self._reads: tuple[tuple[int, int, int], ...] = ()  # this rank's (slot, owner, entry in the owner's box)
-        self.in_place = in_place  # placements written into `expert_WR` (graphs follow them), not new tensors
 
     @property
     def copied(self) -> list[int]:
         """The experts some slot holds (host view of the placement)."""
         return sorted({e for held in self._placed for e in held})
 
-    def place(self, copies: Mapping[int, Collection[int]]) -> None:
+    def place(self, copies: Mapping[int, Collection[int]], in_place: bool = False) -> None:
         """Hold `copies` (expert -> the ranks that get a copy) from the next call on: each rank's
         copies in its slots by expert id, written to the device without a host wait. Each placement
         is a new device tensor, so that a CUDA graph captured earlier keeps replaying the placement
@@ -138,7 +136,7 @@ class ReplicaSlots:
         self._reads = tuple(holder_entries(torch.tensor(values).view(self.world, self.per_rank), self.rank,
                                            self.num_local))
         written = device_tensor(values, self.expert_WR.device).view(self.world, self.per_rank)
-        if self.in_place:
+        if in_place:
             self.expert_WR.copy_(written)
         else:
             self.expert_WR = written
@@ -402,7 +400,9 @@ class _Aggregate(torch.autograd.Function):
     def forward(ctx, out_ND, slots: ReplicaSlots, params: tuple, dtype: torch.dtype, slot_weights: tuple,
                 on_device: bool, *owner_weights):
         ctx.slots, ctx.params, ctx.dtype, ctx.num_owner = slots, params, dtype, len(owner_weights)
-        ctx.expert_WR = slots.expert_WR  # the forward's placement (a later one is a new tensor)
+        # the forward's placement: a later one is a new tensor, or (written in place, a graph that
+        # follows the load) written after this backward, at the next call or replay
+        ctx.expert_WR = slots.expert_WR
         ctx.sends = slots.send_grads_when_ready(params, dtype, slot_weights, on_device) if slot_weights else None
         return out_ND.view_as(out_ND)
 
