@@ -4,12 +4,14 @@ layers get a model each (installed in their planners), with the overhead of a co
 on the layer's call, and `weft train --balance-model` is checked."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from weft import MoE
-from weft.balance.planner import Placement, host_loads
+from weft.balance.planner import Placement, host_loads, host_slot_rows
 from weft.comm.cost_model import CommCostModel
 from weft.models import GPT, GPTConfig
 from weft.overlap import balance_model, fit_balance_models, layer_cost_model, measure_layer_cost_model
@@ -66,20 +68,24 @@ def fit_worker() -> list[str]:
     return checks.failures
 
 
-def unpriced_time_worker(timings: tuple[float, float, float], kernels: str = "auto") -> list[str]:
-    """`measure_unpriced_time` on given timings of its three placements (none; expert 0 on every
-    rank; and the last expert too): the calls run for real on an input whose every token picks
-    expert 0; `expert_scale` s and `copy_overhead_s` c solve d_i = s dE_i + dO_i + i c against the
-    paper model's terms on the recorded loads (s within its bounds, c >= 0), `rest_s` is the
-    plain call less the model's time for it with s; installed, the model predicts the timed plain
-    call. `kernels="comet"`: the timed calls are the layer's calls on Comet's path, the copies
-    placed in the replica slots."""
+def unpriced_time_worker(truth: tuple[float, float, float], kernels: str = "auto") -> list[str]:
+    """`measure_unpriced_time` on calls that run for real on an input whose rows pick expert 0
+    and the last expert first, half each, under its four placements (none; expert 0 on every
+    other rank; and the last expert too; expert 1 alone), timed as if the layer followed the
+    model with `truth` = (expert_scale, slot_scale, copy_overhead_s) and a rest of 1 ms on the
+    loads the calls recorded: the fit gives them back, and installed, the model predicts every
+    timed call. `kernels="comet"`: the timed calls are the layer's calls on Comet's path, the
+    copies placed in the replica slots."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
-    ran, placed, loads = [], [], []
+    ran, placed, loads, timed = [], [], [], []
     torch.manual_seed(0)
     moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet",
               kernels=kernels)
+    scale, slot_scale, overhead = truth
+    # experts at 40 rows a millisecond: their terms as large as the timings' others, as on a GPU
+    moe.balancer.model = dataclasses.replace(moe.balancer.model, throughput=40e3)
+    paper = moe.balancer.model
 
     def fake_time_candidates(step, candidates, device, trials, warmup):
         for copies in candidates:  # each call runs for real
@@ -88,71 +94,73 @@ def unpriced_time_worker(timings: tuple[float, float, float], kernels: str = "au
             loads.append(moe.stats.expert_counts.clone())
             if moe._replica_slots is not None:
                 placed.append(moe._replica_slots.copied)
-        return list(timings)
+        tokens, owners = moe.balancer.history.predict_counts(), moe.balancer.owner_E
+        for copies in candidates:
+            terms = balance_model.placement_terms(paper, tokens, owners, copies, 1)
+            timed.append(1e-3 + terms.rest_s + terms.experts_s(scale, slot_scale) + terms.copies * overhead)
+        return list(timed)
 
     balance_model.time_candidates = fake_time_candidates  # this spawned process's module only
     x = torch.randn(40, DIM, generator=torch.Generator().manual_seed(rank))
     unpriced = balance_model.measure_unpriced_time(moe, x, overrides={"kernels": kernels})
     last = moe.num_experts - 1
-    others = {e: frozenset(r for r in range(world) if r != e // 2) for e in (0, last)}
-    checks.expect(ran == [{}, {0: others[0]}, others], f"timed placements {ran}")
-    checks.expect(placed == ([[], [0], [0, last]] if kernels == "comet" else []), f"slots held {placed}")
-    checks.expect(all(int(c[0]) == x.shape[0] for c in loads), f"expert 0 not picked by every token: {loads}")
+    others = {e: frozenset(r for r in range(world) if r != e // 2) for e in (0, 1, last)}
+    expected = [{}, {0: others[0]}, {0: others[0], last: others[last]}, {1: others[1]}]
+    checks.expect(ran == expected, f"timed placements {ran}")
+    checks.expect(placed == ([[], [0], [0, last], [1]] if kernels == "comet" else []), f"slots held {placed}")
+    checks.expect(all(int(c[0]) >= 20 and int(c[last]) >= 20 for c in loads),
+                  f"expert 0 and the last expert not picked by half the tokens each: {loads}")
     checks.expect(all(p.grad is None for p in moe.parameters()), "gradients left on the layer")
-    cost, tokens, owners = moe.balancer.model, moe.balancer.history.predict_counts(), moe.balancer.owner_E
-    paper = [balance_model.paper_terms(cost, tokens, owners, copies, 1) for copies in ran]
-    (e0, o0), (e1, o1), (e2, o2) = paper
-    d1, d2 = timings[1] - timings[0] - (o1 - o0), timings[2] - timings[0] - (o2 - o0)
-    checks.expect(e2 < e0, f"the copies did not take rows off the busiest rank: {paper}")
-    low, high = balance_model.EXPERT_SCALE_BOUNDS
-    scale = min(high, max(low, (2 * d1 - d2) / (2 * (e1 - e0) - (e2 - e0))))
-    checks.expect(abs(unpriced.expert_scale - scale) <= 1e-9, f"expert_scale {unpriced.expert_scale}, expected {scale}")
-    overhead = max(0.0, d1 - scale * (e1 - e0))
-    checks.expect(abs(unpriced.copy_overhead_s - overhead) <= 1e-9 * max(1.0, overhead),
-                  f"overhead {unpriced.copy_overhead_s}, expected {overhead}")
-    rest = max(0.0, timings[0] - o0 - scale * e0)
-    checks.expect(abs(unpriced.rest_s - rest) <= 1e-9 * max(1.0, rest), f"rest {unpriced.rest_s}, expected {rest}")
+    fitted = (unpriced.expert_scale, unpriced.slot_scale, unpriced.copy_overhead_s)
+    checks.expect(all(abs(a - b) <= 1e-9 for a, b in zip(fitted, truth)), f"fitted {fitted}, expected {truth}")
     installed = balance_model.with_unpriced_time(moe, x)
     checks.expect(installed is moe.balancer.model and installed.copy_overhead_s == unpriced.copy_overhead_s
-                  and installed.rest_s == unpriced.rest_s and installed.expert_scale == unpriced.expert_scale,
-                  f"installed model {installed}")
-    h, r = host_loads(tokens, Placement(owners))
-    if timings[0] > o0 + scale * e0:  # the installed model prices the plain call as it was timed
-        predicted = installed.layer_s(r, h, 0, 1, scheduled=False)
-        checks.expect(abs(predicted - timings[0]) <= 1e-9 * timings[0],
-                      f"predicted {predicted} for a {timings[0]} s call")
+                  and installed.rest_s == unpriced.rest_s and installed.expert_scale == unpriced.expert_scale
+                  and installed.slot_scale == unpriced.slot_scale, f"installed model {installed}")
+    tokens, owners = moe.balancer.history.predict_counts(), moe.balancer.owner_E
+    for copies, seconds in zip(ran, timed):
+        placement = Placement(owners, copies)
+        h, r = host_loads(tokens, placement)
+        predicted = installed.layer_s(r, h, len(copies), 1, scheduled=False, slot_D=host_slot_rows(tokens, placement))
+        checks.expect(abs(predicted - seconds) <= 1e-9 * seconds, f"predicted {predicted} for a {seconds} s call")
     return checks.failures
 
 
-def test_the_fit_recovers_the_scale_and_overhead_of_made_up_timings():
-    """Timings made from a known slope and overhead over the model's terms give them back; noise
-    past the bounds is clamped; copies that move no rows leave the paper's slope."""
-    terms = [(10e-3, 2e-3), (6e-3, 2.5e-3), (6.2e-3, 3e-3)]  # (experts, rest) of no copy, one, two
+def test_the_fit_recovers_the_scales_and_overhead_of_made_up_timings():
+    """Timings made from known scales and overhead over the model's terms give them back; noise
+    past the bounds is clamped; placements that cannot tell the scales apart leave the paper's."""
+    ms = 1e-3
+    terms = [balance_model.PlacementTerms(own, slot, rest * ms, copies) for own, slot, rest, copies in [
+        ((10 * ms, 10 * ms), (0.0, 0.0), 2, 0),  # no copy: both ranks hot
+        ((5 * ms, 10 * ms), (0.0, 5 * ms), 2.5, 1),  # expert 0's rows: half to rank 1's copy
+        ((5 * ms, 5 * ms), (5 * ms, 5 * ms), 3, 2),  # and the last expert's to rank 0's
+        ((9.8 * ms, 10 * ms), (0.0, 0.2 * ms), 2.6, 1),  # expert 1: few rows
+    ]]
 
-    def timed(scale, overhead, rest=1e-3):
-        return [rest + o + scale * e + i * overhead for i, (e, o) in enumerate(terms)]
+    def timed(scale, slot_scale, overhead, rest=1 * ms):
+        return [rest + t.rest_s + t.experts_s(scale, slot_scale) + t.copies * overhead for t in terms]
 
-    fitted = balance_model.fit_unpriced_time(timed(0.3, 0.2e-3), terms)
-    assert abs(fitted.expert_scale - 0.3) < 1e-9 and abs(fitted.copy_overhead_s - 0.2e-3) < 1e-12
-    assert abs(fitted.rest_s - 1e-3) < 1e-12
-    fitted = balance_model.fit_unpriced_time(timed(5.0, 0.0), terms)
-    assert fitted.expert_scale == balance_model.EXPERT_SCALE_BOUNDS[1]
-    flat = [(10e-3, 2e-3), (10e-3, 2.5e-3), (10e-3, 3e-3)]
-    fitted = balance_model.fit_unpriced_time([3e-3, 4e-3, 5e-3], flat)
-    assert fitted.expert_scale == 1.0 and abs(fitted.copy_overhead_s - 0.5e-3) < 1e-12
-    fitted = balance_model.fit_unpriced_time([3e-3, float("inf"), float("inf")], terms)
+    fitted = balance_model.fit_unpriced_time(timed(0.3, 1.7, 0.2 * ms), terms)
+    assert abs(fitted.expert_scale - 0.3) < 1e-9 and abs(fitted.slot_scale - 1.7) < 1e-9
+    assert abs(fitted.copy_overhead_s - 0.2 * ms) < 1e-12 and abs(fitted.rest_s - 1 * ms) < 1e-12
+    fitted = balance_model.fit_unpriced_time(timed(0.5, 3.0, 0.0), terms)
+    assert fitted.slot_scale == balance_model.SCALE_BOUNDS[1]
+    flat = [balance_model.PlacementTerms((10 * ms, 10 * ms), (0.0, 0.0), 2 * ms, copies) for copies in (0, 1, 2, 1)]
+    fitted = balance_model.fit_unpriced_time([3 * ms, 4 * ms, 5 * ms, 4 * ms], flat)
+    assert fitted.expert_scale == fitted.slot_scale == 1.0 and abs(fitted.copy_overhead_s - 1 * ms) < 1e-12
+    fitted = balance_model.fit_unpriced_time([3 * ms, float("inf"), float("inf"), float("inf")], terms)
     assert fitted.copy_overhead_s == float("inf")  # a placement that could not be timed never pays
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("timings", [(1.0, 3.0, 5.0), (1.0, 1.0, 1.0), (1.0, 0.5, 0.6)])
-def test_copy_overhead_scale_and_rest_are_what_the_model_does_not_price(world_size, timings):
-    failures = run_checks(unpriced_time_worker, world_size, args=(timings,), timeout=300)
+@pytest.mark.parametrize("truth", [(0.3, 1.7, 2e-3), (1.0, 1.0, 0.0), (0.0, 0.5, 1e-3)])
+def test_copy_overhead_scales_and_rest_are_what_the_model_does_not_price(world_size, truth):
+    failures = run_checks(unpriced_time_worker, world_size, args=(truth,), timeout=300)
     assert not failures, "\n".join(failures)
 
 
 def test_the_copy_overhead_of_the_replica_slots_is_timed_on_their_calls():
-    failures = run_checks(unpriced_time_worker, 2, args=((1.0, 3.0, 5.0), "comet"), timeout=300)
+    failures = run_checks(unpriced_time_worker, 2, args=((0.3, 1.7, 2e-3), "comet"), timeout=300)
     assert not failures, "\n".join(failures)
 
 

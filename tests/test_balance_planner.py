@@ -14,6 +14,7 @@ from weft.balance import (
     is_balanced,
     loads,
 )
+from weft.balance.planner import host_slot_rows
 
 # 4 devices, 8 experts, two per device: expert e lives on device e // 2.
 OWNERS = (0, 0, 1, 1, 2, 2, 3, 3)
@@ -72,6 +73,28 @@ def test_the_performance_model_is_eqs_1_to_8():
     assert dear.layer_s(r, h, 2, 1, scheduled=False) == pytest.approx(unscheduled + 0.5)
     assert dear.layer_s(r, h, 2, 1) == pytest.approx(4 * 0.03 + 12.0 + 0.5)
     assert dear.layer_s(r, h, 0, 1) == m.layer_s(r, h, 0, 1)  # nothing copied: nothing added
+
+
+def test_eq_2_weighs_own_and_copied_rows_by_their_measured_scales():
+    tokens = skewed_tokens()
+    placement = Placement(OWNERS, {0: frozenset({1, 3})})
+    slot = host_slot_rows(tokens.tolist(), placement)
+    assert slot == [0.0, 100.0, 0.0, 100.0]  # each holder computes its own 100 slots of expert 0
+    h, _ = loads(tokens, placement)  # [240, 180, 80, 180]: devices 1 and 3 compute 80 own rows each
+    assert model().forward_experts_s(h, slot) == model().forward_experts_s(h) == pytest.approx(24.0)  # the paper's
+    # own rows at 0.5, copied rows at 1.5: device 0 240 * 0.5 = 120, devices 1 and 3 80 * 0.5 + 100 * 1.5 = 190
+    scaled = model(expert_scale=0.5, slot_scale=1.5)
+    assert scaled.forward_experts_s(h, slot) == pytest.approx(19.0)
+    assert scaled.backward_experts_s(h, slot) == pytest.approx(38.0)
+    assert scaled.forward_experts_s(h) == pytest.approx(12.0)  # without slot rows every row is the owner's
+
+
+def test_greedy_keeps_copies_whose_rows_cost_more_where_they_land():
+    # copying expert 0 cuts device 0 from 440 to 140 rows and gives the others 100 copied rows each:
+    # at twice eq. 2's rate for copied rows, 80 own + 200 = 280 (less than 440), at five times 580
+    assert greedy_placement(skewed_tokens(), OWNERS, model(slot_scale=2.0), n=1, alpha=0.5).placement.replicated == [0]
+    plan = greedy_placement(skewed_tokens(), OWNERS, model(slot_scale=5.0), n=1, alpha=0.5)
+    assert plan.placement.replicated == [] and plan.predicted_s == plan.plain_s
 
 
 def test_balance_condition_is_eq_7():

@@ -70,6 +70,17 @@ def host_loads(tokens: Counts, placement: Placement) -> tuple[list[float], list[
     return h_D, [h - local for h, local in zip(h_D, local_D)]
 
 
+def host_slot_rows(tokens: Counts, placement: Placement) -> list[float]:
+    """The inputs each device computes for experts it holds a copy of (not owns): its own tokens
+    of them, as each token goes to its nearest copy. Part of `host_loads`'s H."""
+    num_devices = len(tokens)
+    slot_D = [0.0] * num_devices
+    for e, devices in placement.copies.items():
+        for d in devices:
+            slot_D[d] += tokens[d][e]
+    return slot_D
+
+
 def loads(tokens_DE: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, R) of Pro-Prophet's Table II under `placement`: H[d] the inputs device d computes, R[d]
     the inputs it receives from the other devices."""
@@ -85,8 +96,8 @@ class LayerCostModel:
     expert's parameters and gradients, and the non-MoE forward and backward time of a block, which
     hides Trans and Agg in the scheduled form (eq. 8).
 
-    Three terms extend the paper's model, measured on the layer's own call
-    (`weft.overlap.measure_unpriced_time`; 0, 0 and 1 in the paper's model): `copy_overhead_s`,
+    Four terms extend the paper's model, measured on the layer's own call
+    (`weft.overlap.measure_unpriced_time`; 0, 0, 1 and 1 in the paper's model): `copy_overhead_s`,
     the seconds a call spends per copied expert beyond what eqs. 1-5 price (its rows cut out of
     the exchange and computed apart, the replicated exchange's extra kernels and host work), which
     no schedule hides; `rest_s`, the call's time outside the experts and the all-to-alls
@@ -95,7 +106,11 @@ class LayerCostModel:
     predicted time the layer's; and `expert_scale`, how much of eqs. 2-3's time the call gains
     per row taken off its busiest device (1: all of it, as the paper assumes; a fused call whose
     time is set by more than its busiest device's rows, such as Comet's graph on many small
-    experts, gains less, so copies that move rows save less than eq. 2 says)."""
+    experts, gains less, so copies that move rows save less than eq. 2 says); and `slot_scale`,
+    what a row a device computes in a copy costs against eq. 2's rate (a copy's rows computed
+    apart from the owner's fused kernel, as on Comet's path, cost more). With them eq. 2 prices
+    device d at `expert_scale` H_own[d] + `slot_scale` H_slot[d] (`host_slot_rows`), the busiest
+    device setting the time: the paper's max(H) when both are 1."""
 
     num_devices: int
     bandwidth: float
@@ -108,18 +123,26 @@ class LayerCostModel:
     copy_overhead_s: float = 0.0
     rest_s: float = 0.0
     expert_scale: float = 1.0
+    slot_scale: float = 1.0
 
     def all_to_all_s(self, r_D: torch.Tensor | Sequence[float]) -> float:
         """Eq. 1: the slowest device's receive time."""
         return max(_floats(r_D)) * self.row_bytes / self.bandwidth
 
-    def forward_experts_s(self, h_D: torch.Tensor | Sequence[float]) -> float:
-        """Eq. 2: the most loaded device's forward expert computation (times `expert_scale`)."""
-        return self.expert_scale * max(_floats(h_D)) / self.throughput
+    def forward_experts_s(self, h_D: torch.Tensor | Sequence[float],
+                          slot_D: torch.Tensor | Sequence[float] | None = None) -> float:
+        """Eq. 2: the most loaded device's forward expert computation, its own experts' rows
+        (H - `slot_D`) weighed by `expert_scale` and its copies' rows (`slot_D`, none if not given)
+        by `slot_scale`."""
+        h = _floats(h_D)
+        slot = _floats(slot_D) if slot_D is not None else [0.0] * len(h)
+        return max(self.expert_scale * (rows - held) + self.slot_scale * held
+                   for rows, held in zip(h, slot)) / self.throughput
 
-    def backward_experts_s(self, h_D: torch.Tensor | Sequence[float]) -> float:
+    def backward_experts_s(self, h_D: torch.Tensor | Sequence[float],
+                           slot_D: torch.Tensor | Sequence[float] | None = None) -> float:
         """Eq. 3: twice the forward."""
-        return 2 * self.forward_experts_s(h_D)
+        return 2 * self.forward_experts_s(h_D, slot_D)
 
     def trans_s(self, s: int, n: int) -> float:
         """Eq. 4: `s` experts' parameters to the D - n devices without them."""
@@ -130,13 +153,13 @@ class LayerCostModel:
         return s * (self.num_devices - n) * self.expert_grad_bytes / (self.num_devices * self.bandwidth)
 
     def layer_s(self, r_D: torch.Tensor | Sequence[float], h_D: torch.Tensor | Sequence[float], s: int, n: int,
-                scheduled: bool = True) -> float:
+                scheduled: bool = True, slot_D: torch.Tensor | Sequence[float] | None = None) -> float:
         """The MoE layer's forward and backward time: eq. 8 with `scheduled` (Trans hidden behind the
         forward experts and the block's non-MoE forward, Agg behind the backward ones, Alg. 2), eq. 6
         without (a call that copies its experts itself waits for them); plus `copy_overhead_s` per
-        copied expert and `rest_s` in both."""
+        copied expert and `rest_s` in both. `slot_D`: the rows of H computed in copies (eq. 2)."""
         trans, agg = self.trans_s(s, n), self.agg_s(s, n)
-        fec, bec = self.forward_experts_s(h_D), self.backward_experts_s(h_D)
+        fec, bec = self.forward_experts_s(h_D, slot_D), self.backward_experts_s(h_D, slot_D)
         if scheduled:
             trans = max(0.0, trans - fec - self.forward_non_moe_s)
             agg = max(0.0, agg - bec - self.backward_non_moe_s)
@@ -211,8 +234,9 @@ def greedy_placement(tokens_DE: torch.Tensor | Counts, owner_E: tuple[int, ...],
         others = sorted((d for d in range(num_devices) if d != owner_E[expert]),
                         key=lambda d: (-tokens[d][expert], d))
         chosen.append((expert, frozenset(others[: num_devices - n])))
-        h_D, r_D = host_loads(tokens, Placement(plain.owner_E, dict(chosen)))
-        changed_s = model.layer_s(r_D, h_D, len(chosen), n, scheduled)
+        placement = Placement(plain.owner_E, dict(chosen))
+        h_D, r_D = host_loads(tokens, placement)
+        changed_s = model.layer_s(r_D, h_D, len(chosen), n, scheduled, host_slot_rows(tokens, placement))
         if changed_s < best_s:
             best_s, best_count, best_load = changed_s, len(chosen), max_over_mean(h_D)
     return Plan(Placement(plain.owner_E, dict(chosen[:best_count])), best_s, plain_s, best_load, plain_load)

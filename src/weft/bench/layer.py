@@ -814,7 +814,8 @@ def print_table(report: dict) -> None:
             tuned += f"  Pro-Prophet's model: {r['predicted_ms']:.3f} ms ({r['prediction_error']:+.0%})"
             cost = r.get("cost_model") or {}
             if cost.get("expert_scale") is not None:
-                tuned += (f" [rows' scale {cost['expert_scale']:.2f}, a copy's overhead "
+                tuned += (f" [rows' scale {cost['expert_scale']:.2f}, copied rows' "
+                          f"{cost.get('slot_scale', 1.0):.2f}, a copy's overhead "
                           f"{cost['copy_overhead_s'] * 1e3:.3f} ms]")
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
         print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "

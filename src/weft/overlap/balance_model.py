@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from weft.balance import LayerCostModel
-from weft.balance.planner import Placement, host_loads
+from weft.balance.planner import Placement, host_loads, host_slot_rows
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
 from weft.graphs import time_graphed
@@ -133,58 +133,62 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
 @dataclass(frozen=True)
 class UnpricedTime:
     """What a balanced layer's call spends beyond the paper's model (`LayerCostModel.rest_s` and
-    `copy_overhead_s`, in seconds), and how much of eqs. 2-3's expert time it follows the busiest
-    device's rows by (`expert_scale`)."""
+    `copy_overhead_s`, in seconds), how much of eqs. 2-3's expert time it follows the busiest
+    device's own rows by (`expert_scale`), and what a row computed in a copy costs against them
+    (`slot_scale`)."""
 
     rest_s: float
     copy_overhead_s: float
     expert_scale: float = 1.0
+    slot_scale: float = 1.0
 
 
-# `expert_scale` is fitted within these bounds (a timing's noise can put it anywhere)
-EXPERT_SCALE_BOUNDS = (0.0, 2.0)
+# `expert_scale` and `slot_scale` are fitted on a grid of this step within these bounds (a
+# timing's noise can put them anywhere)
+SCALE_BOUNDS = (0.0, 2.0)
+SCALE_STEP = 0.01
 
 
-def hot_expert_input(moe: MoE, x: torch.Tensor, expert: int = 0) -> torch.Tensor:
-    """`x` (..., dim) with one shift added to every row so that the router ranks `expert` first
-    for every token: its logit raised by the logits' whole spread (u with W u = b, b the raise at
-    `expert`, least squares, exact for E <= dim). Where the router is not linear (cosine), `x`
+def hot_experts_input(moe: MoE, x: torch.Tensor, experts: tuple[int, ...] = (0,)) -> torch.Tensor:
+    """`x` (..., dim) with its rows shifted so that the router ranks expert `experts[i % len]`
+    first for row i: its logit raised by the logits' whole spread (u with W u = b, b the raise at
+    that expert, least squares, exact for E <= dim). Where the router is not linear (cosine), `x`
     as it is."""
     router = moe.router
     if type(router) is not LinearRouter:
         return x
     with torch.no_grad():
-        logits = router(x.reshape(-1, moe.dim))
-        raise_E = torch.zeros(moe.num_experts, dtype=torch.float64)
-        raise_E[expert] = float(logits.max() - logits.min()) + 1.0
-        weight = router.weight.detach().to("cpu", torch.float64)
-        shift = (torch.linalg.pinv(weight) @ raise_E).to(x.device, x.dtype)
-    return x + shift
+        rows = x.reshape(-1, moe.dim)
+        logits = router(rows)
+        spread = float(logits.max() - logits.min()) + 1.0
+        pinv = torch.linalg.pinv(router.weight.detach().to("cpu", torch.float64))  # (dim, E)
+        shift_XD = (spread * pinv[:, list(experts)].T).to(x.device, x.dtype)
+        pick = torch.arange(rows.shape[0], device=x.device) % len(experts)
+        return (rows + shift_XD[pick]).reshape(x.shape)
 
 
 def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                          trials: int = 5, overrides: Mapping[str, object] | None = None,
+                          trials: int = 15, overrides: Mapping[str, object] | None = None,
                           graphed: bool = False) -> UnpricedTime:
     """What a balanced call of `moe` (built with balance="pro-prophet", its planner's model
-    already fitted) spends beyond what the paper's model prices, and how closely its time follows
-    the busiest device's rows: the layer's forward and backward on `x` (..., dim) with its rows
-    shifted so that every token picks expert 0 (`hot_expert_input`: its owner, rank 0, is hot),
-    with the call settings `overrides` (e.g. kernels="comet": the copies in replica slots,
-    `MoE.copies_in_slots`), timed under three placements, interleaved, wall time, the slowest
-    rank's median: no copy; expert 0 copied to every other rank (each holder then computes its
-    own rows of it: rows leave the hot rank); and besides, the last expert copied to every rank
-    but its owner (the rows it moves are few: mostly a second copy's cost). The calls copy their
-    experts themselves, as a call not launched ahead does. Eager calls pay the host's launches
-    too, which a CUDA graph does not: `graphed` (calls in replica slots, on CUDA) times each
-    placement's step captured as a graph instead (`weft.graphs.time_graphed`), as a graphed call
-    will pay it.
+    already fitted) spends beyond what the paper's model prices, and how its time follows the
+    rows: the layer's forward and backward on `x` (..., dim) with its rows shifted so that half
+    the tokens pick expert 0 first and half the last expert (`hot_experts_input`; their owners,
+    rank 0 and the last rank, are hot), with the call settings `overrides` (e.g.
+    kernels="comet": the copies in replica slots, `MoE.copies_in_slots`), timed under the
+    placements of `copy_placements`, interleaved, wall time, the slowest rank's median: no copy;
+    expert 0 on every other rank (its holders compute their own rows of it, which stay as
+    heavy as the last expert's owner: a copy's rows' cost); expert 0 and the last expert (rows
+    leave both hot ranks: the owners' saving); and, where there is one, expert 1 alone (few
+    rows: a copy's fixed cost). The calls copy their experts themselves, as a call not launched
+    ahead does. Eager calls pay the host's launches too, which a CUDA graph does not: `graphed`
+    (calls in replica slots, on CUDA) times each placement's step captured as a graph instead
+    (`weft.graphs.time_graphed`), as a graphed call will pay it.
 
-    With the paper's model split into its expert term E (eqs. 2-3) and the rest O, on the input's
-    own load for each placement, the two copying calls' differences from the plain one give two
-    equations, d_i = s dE_i + dO_i + i c (i copies), for `expert_scale` s and `copy_overhead_s` c
-    (s within `EXPERT_SCALE_BOUNDS`, c >= 0; where the placements hardly differ in E, s = 1 and
-    c from the first copy alone). `rest_s`: the plain call less the model's time for it, s
-    applied (>= 0). A collective over every rank (the timing agrees over the default group)."""
+    `fit_unpriced_time` then solves for the scales of eq. 2's own and copied rows and the
+    overhead of a copy against the paper model's terms of each placement on the recorded loads
+    (`placement_terms`); `rest_s` is the plain call less the model's time for it. A collective
+    over every rank (the timing agrees over the default group)."""
     if moe.balancer is None:
         raise ValueError("measure_unpriced_time: the layer does not balance (build it with balance='pro-prophet')")
     overrides = dict(overrides or {})
@@ -198,7 +202,7 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
     ctx = autocast or contextlib.nullcontext
     with ctx():
         dtype = moe.experts.compute_dtype(x)
-    x = hot_expert_input(moe, x.detach())
+    x = hot_experts_input(moe, x.detach(), (0, moe.num_experts - 1))
     placements = copy_placements(moe.balancer.owner_E, world)
     grad = torch.randn_like(x)
 
@@ -229,51 +233,87 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
     # the model's terms under each placement, on this input's load (every rank's counts, recorded
     # by the calls just timed), without the terms measured here
     tokens, owner_E, n = moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.n
-    paper = dataclasses.replace(model, copy_overhead_s=0.0, rest_s=0.0, expert_scale=1.0)
-    terms = [paper_terms(paper, tokens, owner_E, copies, n) for copies in placements]
-    return fit_unpriced_time(timed, terms)
+    paper = dataclasses.replace(model, copy_overhead_s=0.0, rest_s=0.0, expert_scale=1.0, slot_scale=1.0)
+    return fit_unpriced_time(timed, [placement_terms(paper, tokens, owner_E, copies, n) for copies in placements])
 
 
 def copy_placements(owner_E: tuple[int, ...], world: int) -> list[dict[int, frozenset[int]]]:
-    """The placements `measure_unpriced_time` times: none; expert 0 on every rank; and besides,
-    the last expert on every rank (each copy to every rank but its owner's)."""
+    """The placements `measure_unpriced_time` times: none; expert 0 on every rank; expert 0 and
+    the last expert; and where there are more than two experts, expert 1 alone (each copy on
+    every rank but its owner)."""
     last = len(owner_E) - 1
-    others = {e: frozenset(r for r in range(world) if r != owner_E[e]) for e in (0, last)}
-    return [{}, {0: others[0]}, others]
+    others = {e: frozenset(r for r in range(world) if r != owner_E[e]) for e in {0, 1, last}}
+    placements = [{}, {0: others[0]}, {0: others[0], last: others[last]}]
+    return placements + ([{1: others[1]}] if last > 1 else [])
 
 
-def paper_terms(paper: LayerCostModel, tokens, owner_E: tuple[int, ...], copies: dict, n: int) -> tuple[float, float]:
-    """(eqs. 2-3's expert time, the rest of the model's time) of `paper` on `tokens` (the ranks'
-    counts) under `copies`, the call copying its experts itself (eq. 6)."""
-    h_D, r_D = host_loads(tokens, Placement(owner_E, copies))
+@dataclass(frozen=True)
+class PlacementTerms:
+    """The paper model's terms of one placement (eq. 6: the call copying its experts itself):
+    each device's forward and backward expert seconds (eqs. 2-3) for its own experts' rows
+    (`own_D`) and for its copies' rows (`slot_D`), the rest of the model's time (`rest_s`), and
+    the experts copied."""
+
+    own_D: tuple[float, ...]
+    slot_D: tuple[float, ...]
+    rest_s: float
+    copies: int
+
+    def experts_s(self, expert_scale: float = 1.0, slot_scale: float = 1.0) -> float:
+        """Eqs. 2-3 with the rows weighed as `LayerCostModel.forward_experts_s` weighs them."""
+        return max(expert_scale * own + slot_scale * held for own, held in zip(self.own_D, self.slot_D))
+
+
+def placement_terms(paper: LayerCostModel, tokens, owner_E: tuple[int, ...], copies: dict, n: int) -> PlacementTerms:
+    """`PlacementTerms` of `paper` (both scales 1) on `tokens` (the ranks' counts) under `copies`."""
+    placement = Placement(owner_E, copies)
+    h_D, r_D = host_loads(tokens, placement)
+    slot_D = host_slot_rows(tokens, placement)
+    per_row = 3 / paper.throughput  # eq. 2 and eq. 3's twice it
     experts_s = paper.forward_experts_s(h_D) + paper.backward_experts_s(h_D)
-    return experts_s, paper.layer_s(r_D, h_D, len(copies), n, scheduled=False) - experts_s
+    rest_s = paper.layer_s(r_D, h_D, len(copies), n, scheduled=False, slot_D=slot_D) - experts_s
+    return PlacementTerms(tuple(per_row * (h - held) for h, held in zip(h_D, slot_D)),
+                          tuple(per_row * held for held in slot_D), rest_s, len(copies))
 
 
-def fit_unpriced_time(timed: list[float], terms: list[tuple[float, float]]) -> UnpricedTime:
-    """`UnpricedTime` from the timed calls (no copy, one, two) and the paper model's (expert,
-    rest) terms for each: d_i = s dE_i + dO_i + i c solved for s and c (see
-    `measure_unpriced_time`)."""
-    (plain_s, one_s, two_s), ((e0, o0), (e1, o1), (e2, o2)) = timed, terms
-    d1, d2 = one_s - plain_s - (o1 - o0), two_s - plain_s - (o2 - o0)
-    de1, de2 = e1 - e0, e2 - e0
-    determinant = 2 * de1 - de2
-    low, high = EXPERT_SCALE_BOUNDS
-    if abs(determinant) > 0.05 * max(e0, 1e-12) and math.isfinite(d1) and math.isfinite(d2):
-        scale = min(high, max(low, (2 * d1 - d2) / determinant))
-    else:  # the copies moved too few rows to tell the slope from the noise
-        scale = 1.0
-    overhead = max(0.0, d1 - scale * de1) if math.isfinite(d1) else math.inf  # a copy that was not timed never pays
-    return UnpricedTime(max(0.0, plain_s - o0 - scale * e0), overhead, scale)
+def fit_unpriced_time(timed: list[float], terms: list[PlacementTerms]) -> UnpricedTime:
+    """`UnpricedTime` from the timed calls (no copy first) and each placement's `terms`: each
+    copying call's difference from the plain one, d_i = E_i(s, k) - E_0(s, k) + dO_i + c_i c
+    (E the experts' time with own rows weighed by s and copied rows by k, O the rest, c_i the
+    experts copied), solved for s and k on a grid within `SCALE_BOUNDS` and for c >= 0 by least
+    squares at each (s, k). Where the placements cannot tell the scales apart (a router the
+    input cannot steer, cosine; copies that move no rows), of the best fits the one nearest the
+    paper's s = k = 1. A copy that was not timed (inf or nan) gets an infinite overhead."""
+    plain_s, plain = timed[0], terms[0]
+    if not all(math.isfinite(t) for t in timed):
+        return UnpricedTime(max(0.0, plain_s - plain.rest_s - plain.experts_s()), math.inf)
+    low, high = SCALE_BOUNDS
+    grid = torch.arange(low, high + SCALE_STEP / 2, SCALE_STEP, dtype=torch.float64)
+    own_PD = torch.tensor([t.own_D for t in terms], dtype=torch.float64)
+    slot_PD = torch.tensor([t.slot_D for t in terms], dtype=torch.float64)
+    experts_SKP = (grid[:, None, None, None] * own_PD + grid[None, :, None, None] * slot_PD).amax(-1)
+    d_P = torch.tensor([t - plain_s - (term.rest_s - plain.rest_s) for t, term in zip(timed[1:], terms[1:])],
+                       dtype=torch.float64)
+    copies_P = torch.tensor([float(term.copies) for term in terms[1:]], dtype=torch.float64)
+    left_SKP = d_P - (experts_SKP[..., 1:] - experts_SKP[..., :1])
+    overhead_SK = ((left_SKP * copies_P).sum(-1) / (copies_P * copies_P).sum()).clamp(min=0.0)
+    error_SK = (left_SKP - overhead_SK[..., None] * copies_P).square().sum(-1)
+    ties = error_SK <= error_SK.min() + 1e-9 * float(d_P.square().sum()) + 1e-30
+    distance_SK = (grid[:, None] - 1.0).square() + (grid[None, :] - 1.0).square()
+    best = int(torch.where(ties, distance_SK, math.inf).argmin())
+    i, j = divmod(best, grid.numel())
+    scale, slot_scale = float(grid[i]), float(grid[j])
+    return UnpricedTime(max(0.0, plain_s - plain.rest_s - plain.experts_s(scale, slot_scale)),
+                        float(overhead_SK[i, j]), scale, slot_scale)
 
 
 def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
-                       trials: int = 5, overrides: Mapping[str, object] | None = None,
+                       trials: int = 15, overrides: Mapping[str, object] | None = None,
                        graphed: bool = False) -> LayerCostModel:
-    """Give the balanced layer `moe`'s planner its measured `rest_s`, `copy_overhead_s` and `expert_scale`
+    """Give the balanced layer `moe`'s planner its measured `rest_s`, `copy_overhead_s`, `expert_scale` and `slot_scale`
     (`measure_unpriced_time` on `x`, calls with `overrides`, `graphed`); returns the model."""
     unpriced = measure_unpriced_time(moe, x, autocast, trials, overrides, graphed)
     moe.balancer.model = dataclasses.replace(moe.balancer.model, rest_s=unpriced.rest_s,
                                              copy_overhead_s=unpriced.copy_overhead_s,
-                                             expert_scale=unpriced.expert_scale)
+                                             expert_scale=unpriced.expert_scale, slot_scale=unpriced.slot_scale)
     return moe.balancer.model

@@ -468,7 +468,8 @@ def _measure_balance_model(model: GPT, cfg: TrainConfig, batches: BatchSampler, 
               "Trans / Agg " + ", ".join(f"{m.forward_non_moe_s * 1e3:.2f} / {m.backward_non_moe_s * 1e3:.2f}"
                                          for m in fitted) + " ms per layer; a copy's overhead " +
               ", ".join(f"{m.copy_overhead_s * 1e3:.2f}" for m in fitted) + " ms, the rows' scale " +
-              ", ".join(f"{m.expert_scale:.2f}" for m in fitted) + " per layer", flush=True)
+              ", ".join(f"{m.expert_scale:.2f}" for m in fitted) + ", the copied rows' scale " +
+              ", ".join(f"{m.slot_scale:.2f}" for m in fitted) + " per layer", flush=True)
 
 
 def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
