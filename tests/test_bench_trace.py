@@ -116,8 +116,9 @@ def test_the_profile_records_the_steps_after_an_unrecorded_warm_up():
 
 def test_the_replica_slots_trans_and_agg_are_their_peer_copies():
     """On Comet's path (`transfer_intervals(..., peer_copies=True)`) Trans and Agg are the copies
-    between GPUs: a peer copy under a GEMM counts as hidden, one alone as exposed; the barrier and
-    the collective kernels are not theirs (in neither list), the local copy is computation."""
+    between GPUs, the copy engine's or the link kernels': a peer copy under a GEMM counts as
+    hidden, one alone as exposed; the barrier and the collective kernels are not theirs (in neither
+    list), the local copy is computation."""
     from weft.bench.breakdown import transfer_intervals
 
     trace = {"traceEvents": [
@@ -128,9 +129,13 @@ def test_the_replica_slots_trans_and_agg_are_their_peer_copies():
          "ts": 500, "dur": 40},
         {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 600, "dur": 20},
         {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 700, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "_link_kernel", "ts": 800, "dur": 30},
+        {"ph": "X", "cat": "kernel", "name": "_grouped_mm_kernel", "ts": 790, "dur": 60},
+        {"ph": "X", "cat": "kernel", "name": "_link_kernel", "ts": 900, "dur": 20},
     ]}
     moved, compute = transfer_intervals(trace, peer_copies=True)
-    assert moved == [(0.0, 100.0), (400.0, 450.0)] and compute == [(0.0, 300.0), (700.0, 710.0)]
+    assert moved == [(0.0, 100.0), (400.0, 450.0), (800.0, 830.0), (900.0, 920.0)]
+    assert compute == [(0.0, 300.0), (700.0, 710.0), (790.0, 850.0)]
     d = decompose(moved, compute)
-    assert d.hidden_share == pytest.approx(100 / 150)
+    assert d.hidden_share == pytest.approx((100 + 30) / (150 + 50))
     assert transfer_intervals(trace)[0] == []  # by their launching stage: none here

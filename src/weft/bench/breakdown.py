@@ -224,15 +224,21 @@ def format_breakdown(b: Breakdown, title: str, top: int = 8) -> str:
 
 
 
+# the replica slots' moves between GPUs: the copy engine's, and the link kernels' (pulls and pushes)
+PEER_COPY_MARKERS = ("memcpy ptop", "_link_kernel")
+
+
 def transfer_intervals(trace: dict, peer_copies: bool = False) -> tuple[list[Interval], list[Interval]]:
     """`kernel_intervals` with Pro-Prophet's Trans and Agg as the communication: the collectives
     launched in their profiler stages (`weft.moe.exchange.replicated`), told by their launching op,
     not by name (the dropless layer's all-gather of the counts is an all-gather too); with
-    `peer_copies`, the copies between GPUs ("Memcpy PtoP"), which on Comet's path are the replica
-    slots' Trans and Agg and nothing else (`weft.moe.exchange.replica_slots`; a CUDA graph's replay
-    carries no op to tell them by)."""
+    `peer_copies`, the copies between GPUs, which on Comet's path are the replica slots' Trans and
+    Agg and nothing else (`weft.moe.exchange.replica_slots`; a CUDA graph's replay carries no op to
+    tell them by): the copy engine's ("Memcpy PtoP", where the placement was fixed at the capture)
+    and the link kernels' (`weft.kernels.replica`, where the graph follows the placement)."""
     if peer_copies:
-        return kernel_intervals(trace, lambda event: "memcpy ptop" in event.get("name", "").lower())
+        return kernel_intervals(trace, lambda event: any(mark in event.get("name", "").lower()
+                                                         for mark in PEER_COPY_MARKERS))
     contexts, _ = _op_contexts([e for e in trace.get("traceEvents", []) if e.get("ph") == "X"])
 
     def in_transfer(event: dict) -> bool:

@@ -1,8 +1,9 @@
 """Time decomposition of a profiled step (Lancet fig. 13): how much communication is hidden.
 
 GPU kernels from a PyTorch profiler trace are split into communication (NCCL and other
-collective kernels; copies between GPUs, "Memcpy PtoP", and symmetric memory's device barrier,
-which carry and wait for the peer-memory collectives of weft.tp's `copy_all_reduce_`) and
+collective kernels; copies between GPUs, "Memcpy PtoP" and the replica slots' link kernels
+(`weft.kernels.replica`), and symmetric memory's device barrier, which carry and wait for the
+peer-memory collectives of weft.tp's `copy_all_reduce_`) and
 computation (everything else). With C the union of communication
 intervals and K the union of computation intervals:
     overlapped = |C n K|, non-overlapped comm = |C| - overlapped,
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 Interval = tuple[float, float]
 COMM_KERNEL_MARKERS = ("nccl", "all_to_all", "alltoall", "allreduce", "all_reduce", "reduce_scatter", "allgather",
-                       "memcpy ptop", "symmetric_memory::barrier")
+                       "memcpy ptop", "_link_kernel", "symmetric_memory::barrier")
 
 
 @dataclass
