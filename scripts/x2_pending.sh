@@ -116,8 +116,8 @@
 #            Zipf(S) prior on the routers' logits, a load that stays skewed; default 0), BALANCE_TRAIN_AUX (its
 #            aux_loss_coef, default 0.01: 0 leaves nothing pushing the load back to balance); the 1.2x run of
 #            docs/balance.md: BALANCE_TRAIN_PRESET=phi35-moe-2l BALANCE_TRAIN_SKEW=1.5 BALANCE_TRAIN_AUX=0
-#            BALANCE_TRAIN_STEPS=16 with "--balance-rounds 2 --lr 3e-4" in BALANCE_TRAIN_ARGS (at the default
-#            lr 3e-3 its routers collapse onto one expert a rank by step 7)
+#            BALANCE_TRAIN_STEPS=16 with "--balance-rounds 2 --lr 3e-4" in BALANCE_TRAIN_ARGS (at the old
+#            default lr 3e-3 its routers collapsed onto one expert a rank by step 7; the default is now 1.9e-4)
 #   ckpt     how long a checkpoint holds training, in the step against in the background (the main job):
 #            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
 #            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,

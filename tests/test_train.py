@@ -792,3 +792,25 @@ def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path, capacity):
     auto, comet = losses(tmp_path / "auto"), losses(tmp_path / "comet")
     assert sorted(comet) == list(range(1, 9))
     assert all(abs(auto[s] - comet[s]) <= 1e-5 * abs(auto[s]) for s in auto), (auto, comet)
+
+
+def test_an_unset_learning_rate_falls_with_the_width_past_1024():
+    """`default_lr`: 3e-3 up to 1024 wide (the presets weft's runs were tuned at), then with the
+    width squared (the wide presets' loss jumped to 10-23 at step 2 with 3e-3); a set lr stays."""
+    from weft.train.config import default_lr
+    from weft.train.loop import lr_at
+
+    assert default_lr(128) == default_lr(768) == default_lr(1024) == 3e-3
+    assert default_lr(2048) == pytest.approx(7.5e-4) and default_lr(4096) == pytest.approx(1.875e-4)
+    assert TrainConfig(preset="gpt2-s-moe").peak_lr == 3e-3
+    assert TrainConfig(preset="phi35-moe-2l").peak_lr == pytest.approx(1.875e-4)
+    assert TrainConfig(preset="tiny", model={"dim": 2048}).peak_lr == pytest.approx(7.5e-4)  # the overrides' width
+    wide = TrainConfig(preset="qwen2-moe-2l", warmup_steps=10, steps=20)
+    assert lr_at(10, wide) == pytest.approx(7.5e-4) and lr_at(5, wide) == pytest.approx(3.75e-4)
+    assert TrainConfig(preset="qwen2-moe-2l", lr=1e-2).peak_lr == 1e-2
+
+
+@pytest.mark.parametrize("value", [0.0, -1e-3, "fast", True])
+def test_a_learning_rate_must_be_a_positive_number(value):
+    with pytest.raises(ValueError, match="train.lr must be finite and positive"):
+        TrainConfig(lr=value).validate()

@@ -32,6 +32,23 @@ BALANCE_MODELS = ("measured", "nominal")
 TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "dedup-fixed", "dedup-fixed-own", "auto")
 
 
+# The peak learning rate weft's runs were tuned at (byte-level data, batches of 16 sequences or
+# fewer, 40 warm-up steps: the presets up to 1024 wide), and the width above which it falls.
+BASE_LR = 3e-3
+BASE_LR_WIDTH = 1024
+
+
+def default_lr(dim: int) -> float:
+    """The peak learning rate of a run that sets none: `BASE_LR` up to `BASE_LR_WIDTH` wide, then
+    falling with the width squared. Adam's first steps move every weight by about the learning
+    rate, so a matrix's outputs move by about lr x its fan-in (muP, Yang et al. 2022, scales
+    Adam's hidden learning rates by 1 / width); measured on 12-step byte-level runs (CPU, 2-block
+    models with 16 experts, docs/benchmarks.md), 3e-3 took the loss from 5.2-5.7 to 10-23 at step 2
+    at 2048, 2560 and 4096 wide (the attention's update alone did it), while 7.5e-4 at 2048, 4.8e-4
+    at 2560 and 1e-4 or 3e-4 at 4096 trained smoothly (7.5e-4 at 4096 did not)."""
+    return BASE_LR * min(1.0, (BASE_LR_WIDTH / dim) ** 2)
+
+
 @dataclass
 class TrainConfig:
     """Everything a training run needs besides the model shape (which comes from `preset`)."""
@@ -43,7 +60,7 @@ class TrainConfig:
     steps: int = 400
     batch_size: int = 16  # sequences per rank per micro-step
     grad_accum: int = 1
-    lr: float = 3e-3
+    lr: float | None = None  # peak learning rate; None: `default_lr` of the model's width
     min_lr_ratio: float = 0.1
     warmup_steps: int = 40
     lr_decay_steps: int | None = None  # cosine horizon; None = steps (set it to stop a run early)
@@ -122,12 +139,17 @@ class TrainConfig:
         return GPTConfig.from_dict({**base, **overrides})
 
     @property
+    def peak_lr(self) -> float:
+        """`lr`, or where it is unset `default_lr` of the model's width."""
+        return self.lr if self.lr is not None else default_lr(self.model_config().dim)
+
+    @property
     def runs_on_cpu(self) -> bool:
         """Whether the run trains on CPUs: device "cpu", or left to choose on a machine with no GPU."""
         return self.device == "cpu" or (self.device is None and not torch.cuda.is_available())
 
     def validate(self) -> None:
-        numbers = ("lr", "min_lr_ratio", "weight_decay", "grad_clip", "val_fraction")
+        numbers = ("min_lr_ratio", "weight_decay", "grad_clip", "val_fraction")
         for name in numbers:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -145,8 +167,10 @@ class TrainConfig:
         for name in numbers:
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"train.{name} must be finite, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise ValueError(f"train.lr must be positive, got {self.lr}")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not math.isfinite(self.lr) or not self.lr > 0):
+            raise ValueError(f"train.lr must be finite and positive (or unset: the default for the model's "
+                             f"width), got {self.lr!r}")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"train.keep_last must be an integer >= 0 (0 keeps all), got {self.keep_last!r}")
         if not isinstance(self.async_checkpoint, bool):

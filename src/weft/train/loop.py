@@ -33,7 +33,7 @@ from weft.precision import training_autocast
 from weft.tp import make_schedule, sharded_parameters
 from weft.tp.search import choose_schedule
 from weft.train.checkpoint import CheckpointWriter, latest_checkpoint, load_checkpoint
-from weft.train.config import TrainConfig, config_changes, read_run_config, saved_train_config
+from weft.train.config import BASE_LR_WIDTH, TrainConfig, config_changes, read_run_config, saved_train_config
 from weft.train.data import BatchSampler, ByteTokenizer, prepare_data
 from weft.train.metrics import MetricsLog, Progress, peak_flops
 from weft.train.optim import (
@@ -80,14 +80,15 @@ def data_repeat_warning(train_tokens: int, tokens_per_step: int, steps: int) -> 
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at step
-    `lr_decay_steps` (default: the last step)."""
+    """Linear warmup to the peak learning rate (`cfg.peak_lr`), then cosine decay to it times
+    min_lr_ratio at step `lr_decay_steps` (default: the last step)."""
+    peak = cfg.peak_lr
     if step <= cfg.warmup_steps:
-        return cfg.lr * step / max(cfg.warmup_steps, 1)
+        return peak * step / max(cfg.warmup_steps, 1)
     horizon = cfg.lr_decay_steps or cfg.steps
     progress = (step - cfg.warmup_steps) / max(horizon - cfg.warmup_steps, 1)
     cosine = 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+    return peak * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
 
 
 def build_optimizer(model: GPT, cfg: TrainConfig, masters: MasterWeights | None = None) -> torch.optim.AdamW:
@@ -97,9 +98,9 @@ def build_optimizer(model: GPT, cfg: TrainConfig, masters: MasterWeights | None 
     switches to its multi-tensor one): the same update up to float rounding."""
     groups = decay_groups(model, cfg.weight_decay)
     if masters is not None and len(masters):
-        return MasterAdamW(groups, masters, lr=cfg.lr, betas=cfg.betas)
+        return MasterAdamW(groups, masters, lr=cfg.peak_lr, betas=cfg.betas)
     fused = cfg.fused_optimizer and all(p.is_cuda for p in model.parameters())
-    return ClippedAdamW(groups, lr=cfg.lr, betas=cfg.betas, fused=fused or None)
+    return ClippedAdamW(groups, lr=cfg.peak_lr, betas=cfg.betas, fused=fused or None)
 
 
 def build_master_weights(model: GPT, cfg: TrainConfig, device: torch.device, groups: MoEGroups,
@@ -337,6 +338,9 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
               f"{'' if groups.tp_size == 1 else f', tensor parallel over {groups.tp_size} ({cfg.tp_overlap})'}; "
               f"data: {data.source}, {data.num_tokens / 1e6:.1f}M tokens; run dir {run_dir}"
               + (f"; resumed from {ckpt.name}" if ckpt else ""), flush=True)
+        if cfg.lr is None and model_cfg.dim > BASE_LR_WIDTH:
+            print(f"weft train: peak learning rate {cfg.peak_lr:.2e}, the default for {model_cfg.dim}-wide models "
+                  f"(--lr sets it)", flush=True)
 
     plan = _setup_overlap(model, cfg, train_batches, start, device, ctx.rank)
     _measure_balance_model(model, cfg, train_batches, start, device, ctx.rank, groups.ep_size)
