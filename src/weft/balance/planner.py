@@ -81,6 +81,12 @@ def host_slot_rows(tokens: Counts, placement: Placement) -> list[float]:
     return slot_D
 
 
+def busiest_weighed(own_D: Sequence[float], slot_D: Sequence[float], expert_scale: float, slot_scale: float) -> float:
+    """max over the devices of `expert_scale` x own rows + `slot_scale` x copied rows (eq. 2's
+    busiest device, `LayerCostModel`'s weighing)."""
+    return max(expert_scale * own + slot_scale * held for own, held in zip(own_D, slot_D))
+
+
 def loads(tokens_DE: torch.Tensor, placement: Placement) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, R) of Pro-Prophet's Table II under `placement`: H[d] the inputs device d computes, R[d]
     the inputs it receives from the other devices."""
@@ -136,8 +142,8 @@ class LayerCostModel:
         by `slot_scale`."""
         h = _floats(h_D)
         slot = _floats(slot_D) if slot_D is not None else [0.0] * len(h)
-        return max(self.expert_scale * (rows - held) + self.slot_scale * held
-                   for rows, held in zip(h, slot)) / self.throughput
+        own = [rows - held for rows, held in zip(h, slot)]
+        return busiest_weighed(own, slot, self.expert_scale, self.slot_scale) / self.throughput
 
     def backward_experts_s(self, h_D: torch.Tensor | Sequence[float],
                            slot_D: torch.Tensor | Sequence[float] | None = None) -> float:

@@ -43,7 +43,7 @@ from weft.jsonfile import write_json
 from weft.moe import MoE
 from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
-from weft.moe.gates import zipf_bias
+from weft.moe.gates import logit_shift, zipf_bias
 from weft.overlap import measure_layer_cost_model, with_unpriced_time
 from weft.profiling import stage
 from weft.tune import Setting, run_until_tuned, tuned_seconds
@@ -429,8 +429,7 @@ def zipf_shift(router_weight_ED: torch.Tensor, skew: float, seed: int = 0) -> to
     """(dim,) the input shift u with W u = b for the router weight W (E, dim) and b the
     `zipf_bias`: softmax routing then prefers expert e by rank_e^-skew. Least squares (exact for
     E <= dim)."""
-    weight = router_weight_ED.detach().to("cpu", torch.float64)
-    return (torch.linalg.pinv(weight) @ zipf_bias(router_weight_ED.shape[0], skew, seed)).to(router_weight_ED.device)
+    return logit_shift(router_weight_ED, zipf_bias(router_weight_ED.shape[0], skew, seed))
 
 
 def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, float]:

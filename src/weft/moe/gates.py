@@ -37,6 +37,14 @@ def zipf_bias(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
     return -skew * torch.log(ranks.to(torch.float64))
 
 
+def logit_shift(router_weight_ED: torch.Tensor, bias_XE: torch.Tensor) -> torch.Tensor:
+    """(..., dim) the input shifts u with W u = b for the router weight W (E, dim) and each logit
+    bias b of `bias_XE` (..., E): a linear router's logits move by b. Least squares in float64
+    (exact for E <= dim), on `router_weight_ED`'s device."""
+    weight = router_weight_ED.detach().to("cpu", torch.float64)
+    return (bias_XE.to(torch.float64) @ torch.linalg.pinv(weight).T).to(router_weight_ED.device)
+
+
 class LinearRouter(nn.Module):
     """`logits = x.float() @ weight.T`; `weight` is (E, dim) and always kept in float32, initialised
     N(0, init_scale^2 / dim): logits of standard deviation ~init_scale for unit-RMS inputs (0.1:

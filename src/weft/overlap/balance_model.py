@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from weft.balance import LayerCostModel
-from weft.balance.planner import Placement, host_loads, host_slot_rows
+from weft.balance.planner import Placement, busiest_weighed, host_loads, host_slot_rows
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
 from weft.graphs import time_graphed
 from weft.models.gpt import MoEUnit
 from weft.moe.exchange import Transfer
-from weft.moe.gates import LinearRouter
+from weft.moe.gates import LinearRouter, logit_shift
 from weft.moe.layer import MoE
 from weft.overlap import planner
 from weft.overlap.profile import (
@@ -160,9 +160,9 @@ def hot_experts_input(moe: MoE, x: torch.Tensor, experts: tuple[int, ...] = (0,)
     with torch.no_grad():
         rows = x.reshape(-1, moe.dim)
         logits = router(rows)
-        spread = float(logits.max() - logits.min()) + 1.0
-        pinv = torch.linalg.pinv(router.weight.detach().to("cpu", torch.float64))  # (dim, E)
-        shift_XD = (spread * pinv[:, list(experts)].T).to(x.device, x.dtype)
+        raise_XE = torch.zeros(len(experts), moe.num_experts, dtype=torch.float64)
+        raise_XE[range(len(experts)), list(experts)] = float(logits.max() - logits.min()) + 1.0
+        shift_XD = logit_shift(router.weight, raise_XE).to(x.device, x.dtype)
         pick = torch.arange(rows.shape[0], device=x.device) % len(experts)
         return (rows + shift_XD[pick]).reshape(x.shape)
 
@@ -261,7 +261,7 @@ class PlacementTerms:
 
     def experts_s(self, expert_scale: float = 1.0, slot_scale: float = 1.0) -> float:
         """Eqs. 2-3 with the rows weighed as `LayerCostModel.forward_experts_s` weighs them."""
-        return max(expert_scale * own + slot_scale * held for own, held in zip(self.own_D, self.slot_D))
+        return busiest_weighed(self.own_D, self.slot_D, expert_scale, slot_scale)
 
 
 def placement_terms(paper: LayerCostModel, tokens, owner_E: tuple[int, ...], copies: dict, n: int) -> PlacementTerms:
