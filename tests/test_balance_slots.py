@@ -46,7 +46,7 @@ def replica_kernels_worker(world: int, dtype: torch.dtype) -> list[str]:
     alone. Every rank's buffers in one process; the Triton kernels bitwise as the references."""
     from weft.kernels import replica
 
-    replica.BLOCK = 64  # several programs per expert in the interpreter
+    replica.BLOCK, replica.OWNER_PROGRAMS = 64, 2  # an owner's programs take several chunks in turn
     replica.LINK_PROGRAMS, replica.LINK_BLOCK = 2, 64  # and the link's programs take several chunks in turn
     failures = []
     gen = torch.Generator().manual_seed(world)

@@ -48,7 +48,8 @@ if triton is not None:
     # Comet's layer0 epilogue's activation helpers, as globals the kernels below call
     act_value, act_grad = comet_kernels.act_value, comet_kernels.act_grad
 
-BLOCK = 4096  # elements a program moves
+BLOCK = 4096  # elements an owner's program moves at a time
+OWNER_PROGRAMS = 2048  # programs a slot of an owner's kernel, each taking every OWNER_PROGRAMS-th chunk
 ROW_BLOCK = 512  # columns a program of `write_rows` / `read_rows` moves
 ROW_PROGRAMS = 1024  # programs down the rows of `write_rows` / `read_rows`, each taking every ROW_PROGRAMS-th row
 LINK_PROGRAMS = 32  # programs of a link kernel
@@ -78,20 +79,27 @@ def entries(expert_WR: torch.Tensor, local: int) -> list[int]:
 
 def _owner_launch(kernel, weights: torch.Tensor, box: torch.Tensor, expert_WR: torch.Tensor, rank: int) -> None:
     """An owner's kernel (`_stage_copies_kernel`, `_add_grads_kernel`) over its experts' flat
-    weights or gradients (El, P): a program per (slot, chunk of `BLOCK` elements)."""
+    weights or gradients (El, P): up to `OWNER_PROGRAMS` programs a slot, each taking every
+    OWNER_PROGRAMS-th chunk of `BLOCK` elements (`ITERS` turns). A slot with nothing for this rank
+    exits at once: a grid of a program per chunk (12,800 for two slots of a phi35 expert) cost
+    ~16 us a launch with nothing to do, while 256 programs a slot kept too few loads in flight and
+    slowed the owners' real copies (both on 2 x H200: docs/balance.md)."""
     world, per_rank = expert_WR.shape
-    grid = (world * per_rank, triton.cdiv(weights.shape[1], BLOCK))
-    kernel[grid](weights, box, expert_WR, rank, weights.shape[1], LOCAL=weights.shape[0], SLOTS=world * per_rank,
-                 BLOCK_S=triton.next_power_of_2(world * per_rank), BLOCK=BLOCK)
+    chunks = triton.cdiv(weights.shape[1], BLOCK)
+    programs = min(chunks, OWNER_PROGRAMS)
+    kernel[(world * per_rank, programs)](weights, box, expert_WR, rank, weights.shape[1], LOCAL=weights.shape[0],
+                                         SLOTS=world * per_rank, BLOCK_S=triton.next_power_of_2(world * per_rank),
+                                         BLOCK=BLOCK, PROGRAMS=programs, ITERS=triton.cdiv(chunks, programs))
 
 
-def _link_launch(slots: int, elements: int) -> dict:
-    """A link kernel's grid and loop: `LINK_PROGRAMS` programs (fewer where there are fewer chunks)
-    taking the slots' chunks in turn (`CHUNKS` a slot, `ITERS` turns), so that the slots that
-    hold an expert get every program, wherever they are."""
+def _link_launch(elements: int) -> dict:
+    """A link kernel's grid and loop: `LINK_PROGRAMS` programs (fewer where a slot has fewer
+    chunks), each taking every PROGRAMS-th chunk (`CHUNKS` a slot, `ITERS` turns) of each slot
+    that holds an expert, slot after slot, so that those slots get every program, wherever they
+    are, and an empty slot costs one load."""
     chunks = triton.cdiv(elements, LINK_BLOCK)
-    programs = max(1, min(LINK_PROGRAMS, slots * chunks))
-    return dict(grid=(programs,), PROGRAMS=programs, CHUNKS=chunks, ITERS=triton.cdiv(slots * chunks, programs),
+    programs = max(1, min(LINK_PROGRAMS, chunks))
+    return dict(grid=(programs,), PROGRAMS=programs, CHUNKS=chunks, ITERS=triton.cdiv(chunks, programs),
                 BLOCK=LINK_BLOCK, num_warps=LINK_WARPS)
 
 
@@ -137,7 +145,7 @@ def _link(mine: torch.Tensor, table: torch.Tensor, boxes: list[torch.Tensor], ex
     world, per_rank = expert_WR.shape
     flat = _flat(mine)
     if triton_usable(flat):
-        launch = _link_launch(per_rank, flat.shape[1])
+        launch = _link_launch(flat.shape[1])
         _link_kernel[launch.pop("grid")](flat, table, boxes[rank], expert_WR, rank, flat.shape[1], LOCAL=local,
                                          R=per_rank, SLOTS=world * per_rank,
                                          BLOCK_S=triton.next_power_of_2(world * per_rank), PULL=pull, **launch)
@@ -301,24 +309,26 @@ if triton is not None:
     def _link_kernel(mine, table, like, expert_WR, rank, P, LOCAL: tl.constexpr, R: tl.constexpr,
                      SLOTS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
                      CHUNKS: tl.constexpr, ITERS: tl.constexpr, PULL: tl.constexpr):
-        """Program i takes chunks i, i + PROGRAMS, ... of this rank's slots (slot-major): a chunk
-        of a slot j that holds an expert is read from its entry of the owner's box into `mine`
-        (PULL) or written there from `mine`. Reference: `link_reference`."""
-        for it in range(ITERS):
-            item = it * PROGRAMS + tl.program_id(0)
-            j = item // CHUNKS
+        """For each of this rank's slots j that holds an expert, program i takes its chunks i,
+        i + PROGRAMS, ...: read from the slot's entry of the owner's box into `mine` (PULL) or
+        written there from `mine`. Reference: `link_reference`."""
+        for j in tl.static_range(R):
             slot = rank * R + j
-            e = tl.load(expert_WR + slot, mask=j < R, other=-1)
+            e = tl.load(expert_WR + slot)
             if e >= 0:
                 k = _entry(expert_WR, slot, LOCAL, SLOTS, BLOCK_S)
-                offs = (item % CHUNKS).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-                mask = offs < P
-                box = _base(tl.load(table + e // LOCAL), like) + k.to(tl.int64) * P + offs
-                local = mine + j.to(tl.int64) * P + offs
-                if PULL:
-                    tl.store(local, tl.load(box, mask=mask).to(mine.dtype.element_ty), mask=mask)
-                else:
-                    tl.store(box, tl.load(local, mask=mask).to(like.dtype.element_ty), mask=mask)
+                box_j = _base(tl.load(table + e // LOCAL), like) + k.to(tl.int64) * P
+                mine_j = mine + j * P.to(tl.int64)
+                for it in range(ITERS):
+                    chunk = it * PROGRAMS + tl.program_id(0)
+                    offs = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                    mask = (offs < P) & (chunk < CHUNKS)
+                    if PULL:
+                        tl.store(mine_j + offs, tl.load(box_j + offs, mask=mask).to(mine.dtype.element_ty),
+                                 mask=mask)
+                    else:
+                        tl.store(box_j + offs, tl.load(mine_j + offs, mask=mask).to(like.dtype.element_ty),
+                                 mask=mask)
 
     @triton.jit
     def _entry(expert_WR, slot, LOCAL: tl.constexpr, SLOTS: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -330,38 +340,43 @@ if triton is not None:
 
     @triton.jit
     def _stage_copies_kernel(src, box, expert_WR, rank, P, LOCAL: tl.constexpr, SLOTS: tl.constexpr,
-                             BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (slot, chunk): if the slot holds an expert of this rank, copy chunk of its
-        weight into this rank's box at the slot's entry. Reference: `stage_copies_reference`."""
+                             BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                             ITERS: tl.constexpr):
+        """Program (slot, i): if the slot holds an expert of this rank, copy chunks i,
+        i + PROGRAMS, ... of its weight into this rank's box at the slot's entry. Reference:
+        `stage_copies_reference`."""
         slot = tl.program_id(0)
         e = tl.load(expert_WR + slot)
         if (e >= 0) & (e // LOCAL == rank):
             k = _entry(expert_WR, slot, LOCAL, SLOTS, BLOCK_S)
-            offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < P
-            values = tl.load(src + (e - rank * LOCAL) * P + offs, mask=mask)
-            tl.store(box + k.to(tl.int64) * P + offs, values.to(box.dtype.element_ty), mask=mask)
+            for it in range(ITERS):
+                offs = (it * PROGRAMS + tl.program_id(1)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < P
+                values = tl.load(src + (e - rank * LOCAL) * P + offs, mask=mask)
+                tl.store(box + k.to(tl.int64) * P + offs, values.to(box.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _add_grads_kernel(grad, box, expert_WR, rank, P, LOCAL: tl.constexpr, SLOTS: tl.constexpr,
-                          BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
-        """Program (slot, chunk): the first slot holding an expert of this rank adds chunk of
-        every entry of that expert in this rank's box into grad, in slot order, in float32.
-        Reference: `add_grads_reference`."""
+                          BLOCK_S: tl.constexpr, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr,
+                          ITERS: tl.constexpr):
+        """Program (slot, i): the first slot holding an expert of this rank adds chunks i,
+        i + PROGRAMS, ... of every entry of that expert in this rank's box into grad, in slot
+        order, in float32. Reference: `add_grads_reference`."""
         slot = tl.program_id(0)
         e = tl.load(expert_WR + slot)
         s = tl.arange(0, BLOCK_S)
         earlier = tl.sum(((tl.load(expert_WR + s, mask=s < SLOTS, other=-1) == e) & (s < slot)).to(tl.int32))
         if (e >= 0) & (e // LOCAL == rank) & (earlier == 0):
-            offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < P
-            row = grad + (e - rank * LOCAL) * P + offs
-            total = tl.load(row, mask=mask).to(tl.float32)
-            for other in tl.static_range(SLOTS):
-                if tl.load(expert_WR + other) == e:
-                    k = _entry(expert_WR, other, LOCAL, SLOTS, BLOCK_S)
-                    total += tl.load(box + k.to(tl.int64) * P + offs, mask=mask).to(tl.float32)
-            tl.store(row, total.to(grad.dtype.element_ty), mask=mask)
+            for it in range(ITERS):
+                offs = (it * PROGRAMS + tl.program_id(1)).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                mask = offs < P
+                row = grad + (e - rank * LOCAL) * P + offs
+                total = tl.load(row, mask=mask).to(tl.float32)
+                for other in tl.static_range(SLOTS):
+                    if tl.load(expert_WR + other) == e:
+                        k = _entry(expert_WR, other, LOCAL, SLOTS, BLOCK_S)
+                        total += tl.load(box + k.to(tl.int64) * P + offs, mask=mask).to(tl.float32)
+                tl.store(row, total.to(grad.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rows_kernel(dense, sparse, index, ends, D, stride_sparse, R: tl.constexpr, BLOCK: tl.constexpr,
