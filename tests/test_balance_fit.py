@@ -69,16 +69,17 @@ def fit_worker() -> list[str]:
 
 
 def unpriced_time_worker(truth: tuple[float, float, float], kernels: str = "auto") -> list[str]:
-    """`measure_unpriced_time` on calls that run for real on an input whose rows pick expert 0
-    and the last expert first, half each, under its four placements (none; expert 0 on every
-    other rank; and the last expert too; expert 1 alone), timed as if the layer followed the
-    model with `truth` = (expert_scale, slot_scale, copy_overhead_s) and a rest of 1 ms on the
-    loads the calls recorded: the fit gives them back, and installed, the model predicts every
-    timed call. `kernels="comet"`: the timed calls are the layer's calls on Comet's path, the
-    copies placed in the replica slots."""
+    """`measure_unpriced_time` on calls that run for real: on the input itself, with no copy and
+    with the copies the paper's model plans for its load; then on the input with its rows shifted
+    to pick expert 0 and the last expert first, half each, under four placements (none; expert 0
+    on every other rank; and the last expert too; expert 1 alone); each timed as if the layer
+    followed the model with `truth` = (expert_scale, slot_scale, copy_overhead_s) and a rest of 1
+    ms on the load its input's calls recorded: the fit gives them back, and installed, the model
+    predicts every timed call. `kernels="comet"`: the timed calls are the layer's calls on Comet's
+    path, the copies placed in the replica slots."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
-    ran, placed, loads, timed = [], [], [], []
+    ran, placed, loads, timed, tokens_of = [], [], [], [], []
     torch.manual_seed(0)
     moe = MoE(DIM, HIDDEN, 2 * world, top_k=2, capacity_factor=None, activation="swiglu", balance="pro-prophet",
               kernels=kernels)
@@ -88,37 +89,51 @@ def unpriced_time_worker(truth: tuple[float, float, float], kernels: str = "auto
     paper = moe.balancer.model
 
     def fake_time_candidates(step, candidates, device, trials, warmup):
-        for copies in candidates:  # each call runs for real
+        for copies in candidates:  # each call runs for real, twice (a warm-up call and a timed one)
+            step(copies)
             step(copies)
             ran.append(copies)
             loads.append(moe.stats.expert_counts.clone())
             if moe._replica_slots is not None:
                 placed.append(moe._replica_slots.copied)
         tokens, owners = moe.balancer.history.predict_counts(), moe.balancer.owner_E
+        seconds = []
         for copies in candidates:
             terms = balance_model.placement_terms(paper, tokens, owners, copies, 1)
-            timed.append(1e-3 + terms.rest_s + terms.experts_s(scale, slot_scale) + terms.copies * overhead)
-        return list(timed)
+            seconds.append(1e-3 + terms.rest_s + terms.experts_s(scale, slot_scale) + terms.copies * overhead)
+            tokens_of.append(tokens)
+        timed.extend(seconds)
+        return seconds
 
     balance_model.time_candidates = fake_time_candidates  # this spawned process's module only
+    # a skewed input: every rank's rows lean to the experts of rank 0
     x = torch.randn(40, DIM, generator=torch.Generator().manual_seed(rank))
+    x = balance_model.hot_experts_input(moe, x, (0,))[:20].repeat(2, 1) * 0.5 + x * 0.5
     unpriced = balance_model.measure_unpriced_time(moe, x, overrides={"kernels": kernels})
     last = moe.num_experts - 1
     others = {e: frozenset(r for r in range(world) if r != e // 2) for e in (0, 1, last)}
-    expected = [{}, {0: others[0]}, {0: others[0], last: others[last]}, {1: others[1]}]
-    checks.expect(ran == expected, f"timed placements {ran}")
-    checks.expect(placed == ([[], [0], [0, last], [1]] if kernels == "comet" else []), f"slots held {placed}")
-    checks.expect(all(int(c[0]) >= 20 and int(c[last]) >= 20 for c in loads),
-                  f"expert 0 and the last expert not picked by half the tokens each: {loads}")
+    hot = [{}, {0: others[0]}, {0: others[0], last: others[last]}, {1: others[1]}]
+    checks.expect(len(ran) == 6 and ran[0] == {} and ran[1] and ran[2:] == hot,
+                  f"timed placements {ran}: not plain and the planned copies on the input, then the hot ones")
+    plan = balance_model.greedy_placement(tokens_of[0], moe.balancer.owner_E, paper, scheduled=False).placement
+    checks.expect(ran[1] == {e: r for e, r in plan.copies.items() if r}, f"planned {ran[1]}, Alg. 1 {plan.copies}")
+    checks.expect(tokens_of[0] == tokens_of[1] and tokens_of[2] != tokens_of[0], "each call's load not its input's")
+    if kernels == "comet":
+        checks.expect(placed[0] == [] and placed[1] == sorted(ran[1]) and placed[2:] == [[], [0], [0, last], [1]],
+                      f"slots held {placed}")
+    else:
+        checks.expect(placed == [], f"slots held {placed}")
+    checks.expect(all(int(c[0]) >= 20 and int(c[last]) >= 20 for c in loads[2:]),
+                  f"expert 0 and the last expert not picked by half the tokens each: {loads[2:]}")
     checks.expect(all(p.grad is None for p in moe.parameters()), "gradients left on the layer")
-    fitted = (unpriced.expert_scale, unpriced.slot_scale, unpriced.copy_overhead_s)
-    checks.expect(all(abs(a - b) <= 1e-9 for a, b in zip(fitted, truth)), f"fitted {fitted}, expected {truth}")
+    fitted = (unpriced.expert_scale, unpriced.slot_scale, unpriced.copy_overhead_s, unpriced.rest_s)
+    checks.expect(all(abs(a - b) <= 1e-9 for a, b in zip(fitted, (*truth, 1e-3))), f"fitted {fitted}, expected {truth}")
     installed = balance_model.with_unpriced_time(moe, x)
     checks.expect(installed is moe.balancer.model and installed.copy_overhead_s == unpriced.copy_overhead_s
                   and installed.rest_s == unpriced.rest_s and installed.expert_scale == unpriced.expert_scale
                   and installed.slot_scale == unpriced.slot_scale, f"installed model {installed}")
-    tokens, owners = moe.balancer.history.predict_counts(), moe.balancer.owner_E
-    for copies, seconds in zip(ran, timed):
+    owners = moe.balancer.owner_E
+    for copies, seconds, tokens in zip(ran, timed, tokens_of):
         placement = Placement(owners, copies)
         h, r = host_loads(tokens, placement)
         predicted = installed.layer_s(r, h, len(copies), 1, scheduled=False, slot_D=host_slot_rows(tokens, placement))
@@ -128,7 +143,9 @@ def unpriced_time_worker(truth: tuple[float, float, float], kernels: str = "auto
 
 def test_the_fit_recovers_the_scales_and_overhead_of_made_up_timings():
     """Timings made from known scales and overhead over the model's terms give them back; noise
-    past the bounds is clamped; placements that cannot tell the scales apart leave the paper's."""
+    past the bounds is clamped; a call weighed above the others is fitted closer; calls on two
+    inputs share the scales and overhead but not the rest; placements that cannot tell the scales
+    apart leave the paper's."""
     ms = 1e-3
     terms = [balance_model.PlacementTerms(own, slot, rest * ms, copies) for own, slot, rest, copies in [
         ((10 * ms, 10 * ms), (0.0, 0.0), 2, 0),  # no copy: both ranks hot
@@ -146,8 +163,26 @@ def test_the_fit_recovers_the_scales_and_overhead_of_made_up_timings():
     fitted = balance_model.fit_unpriced_time(timed(0.5, 3.0, 0.0), terms)
     assert fitted.slot_scale == balance_model.SCALE_BOUNDS[1]
     flat = [balance_model.PlacementTerms((10 * ms, 10 * ms), (0.0, 0.0), 2 * ms, copies) for copies in (0, 1, 2, 1)]
-    fitted = balance_model.fit_unpriced_time([3 * ms, 4 * ms, 5 * ms, 4 * ms], flat)
+    fitted = balance_model.fit_unpriced_time([13 * ms, 14 * ms, 15 * ms, 14 * ms], flat)
     assert fitted.expert_scale == fitted.slot_scale == 1.0 and abs(fitted.copy_overhead_s - 1 * ms) < 1e-12
+    # a call that fits no scale and overhead the others fit: weighed above them, it is fitted closer
+    off = timed(0.3, 1.7, 0.2 * ms)
+    off[0] += 0.5 * ms
+
+    def plain_error(fitted):
+        plain = fitted.rest_s + terms[0].rest_s + terms[0].experts_s(fitted.expert_scale, fitted.slot_scale)
+        return abs(plain - off[0])
+
+    alike = balance_model.fit_unpriced_time(off, terms)
+    heavy = balance_model.fit_unpriced_time(off, terms, [9, 1, 1, 1])
+    assert plain_error(heavy) < plain_error(alike) / 2
+    # calls on a second input, whose rest is its own: the scales and overhead are the calls' common
+    # ones, and the rest kept is the first input's
+    other = [dataclasses.replace(t, own_D=tuple(2 * v for v in t.own_D)) for t in terms]
+    both = timed(0.3, 1.7, 0.2 * ms) + [3 * ms + t.rest_s + t.experts_s(0.3, 1.7) + t.copies * 0.2 * ms for t in other]
+    fitted = balance_model.fit_unpriced_time(both, terms + other, inputs=["x"] * 4 + ["hot"] * 4)
+    assert abs(fitted.expert_scale - 0.3) < 1e-9 and abs(fitted.slot_scale - 1.7) < 1e-9
+    assert abs(fitted.copy_overhead_s - 0.2 * ms) < 1e-12 and abs(fitted.rest_s - 1 * ms) < 1e-12
     fitted = balance_model.fit_unpriced_time([3 * ms, float("inf"), float("inf"), float("inf")], terms)
     assert fitted.copy_overhead_s == float("inf")  # a placement that could not be timed never pays
 

@@ -50,6 +50,12 @@ class LoadHistory:
         n = len(self._loads)
         return [[sum(values) / n for values in zip(*rows)] for rows in zip(*self._loads)]
 
+    def last_counts(self) -> Counts:
+        """The latest recorded iteration's (D, E) load."""
+        if not self._loads:
+            raise ValueError("no load recorded yet")
+        return self._loads[-1]
+
     def predict(self) -> torch.Tensor:
         """`predict_counts()` as a float64 tensor."""
         return torch.tensor(self.predict_counts(), dtype=torch.float64)

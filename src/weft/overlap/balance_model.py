@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from weft.balance import LayerCostModel
-from weft.balance.planner import Placement, busiest_weighed, host_loads, host_slot_rows
+from weft.balance.planner import Placement, busiest_weighed, greedy_placement, host_loads, host_slot_rows
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
 from weft.graphs import time_graphed
@@ -143,6 +143,9 @@ class UnpricedTime:
     slot_scale: float = 1.0
 
 
+# How much more a timed call on the planned input weighs in the fit than one on the steered input
+STEERED_WEIGHT = 20.0
+
 # `expert_scale` and `slot_scale` are fitted on a grid of this step within these bounds (a
 # timing's noise can put them anywhere)
 SCALE_BOUNDS = (0.0, 2.0)
@@ -172,23 +175,34 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
                           graphed: bool = False) -> UnpricedTime:
     """What a balanced call of `moe` (built with balance="pro-prophet", its planner's model
     already fitted) spends beyond what the paper's model prices, and how its time follows the
-    rows: the layer's forward and backward on `x` (..., dim) with its rows shifted so that half
-    the tokens pick expert 0 first and half the last expert (`hot_experts_input`; their owners,
-    rank 0 and the last rank, are hot), with the call settings `overrides` (e.g.
-    kernels="comet": the copies in replica slots, `MoE.copies_in_slots`), timed under the
-    placements of `copy_placements`, interleaved, wall time, the slowest rank's median: no copy;
-    expert 0 on every other rank (its holders compute their own rows of it, which stay as
-    heavy as the last expert's owner: a copy's rows' cost); expert 0 and the last expert (rows
-    leave both hot ranks: the owners' saving); and, where there is one, expert 1 alone (few
-    rows: a copy's fixed cost). The calls copy their experts themselves, as a call not launched
-    ahead does. Eager calls pay the host's launches too, which a CUDA graph does not: `graphed`
-    (calls in replica slots, on CUDA) times each placement's step captured as a graph instead
-    (`weft.graphs.time_graphed`), as a graphed call will pay it.
+    rows: the layer's forward and backward, with the call settings `overrides` (e.g.
+    kernels="comet": the copies in replica slots, `MoE.copies_in_slots`), wall time, the slowest
+    rank's median, on two inputs:
 
-    `fit_unpriced_time` then solves for the scales of eq. 2's own and copied rows and the
-    overhead of a copy against the paper model's terms of each placement on the recorded loads
-    (`placement_terms`); `rest_s` is the plain call less the model's time for it. A collective
-    over every rank (the timing agrees over the default group)."""
+    - `x` (..., dim) itself, the load the planner will see: with no copy, and with the copies
+      Alg. 1 plans for it under the paper's model (none where that plans none). These anchor the
+      fit where its predictions are used: on 2 x H200 a fit on the steered input alone predicted
+      phi35's plain call 31-58% too slow at a Zipf load;
+    - `x` with its rows shifted so that half the tokens pick expert 0 first and half the last
+      expert (`hot_experts_input`; their owners, rank 0 and the last rank, are hot), under the
+      placements of `copy_placements`: no copy; expert 0 on every other rank (its holders compute
+      their own rows of it, which stay as heavy as the last expert's owner: a copy's rows'
+      cost); expert 0 and the last expert (rows leave both hot ranks: the owners' saving); and,
+      where there is one, expert 1 alone (few rows: a copy's fixed cost). These tell the own rows'
+      scale from the copied rows' and from a copy's overhead.
+
+    The calls copy their experts themselves, as a call not launched ahead does. Eager calls pay
+    the host's launches too, which a CUDA graph does not: `graphed` (calls in replica slots, on
+    CUDA) times each placement's step captured as a graph instead (`weft.graphs.time_graphed`),
+    as a graphed call will pay it.
+
+    `fit_unpriced_time` then solves for the overhead of a copy and the scales of eq. 2's own and
+    copied rows, common to both inputs, and each input's rest (the hot input's per-row rate is not
+    the input's: all its rows go to two experts), against the paper model's terms of each call's
+    placement on its input's recorded loads (`placement_terms`), each call on `x` weighing
+    `STEERED_WEIGHT` times a steered one, so that the fit meets the input's own calls where it can
+    and the steered ones settle what those leave open; the rest kept is the input's own. A
+    collective over every rank (the timing agrees over the default group)."""
     if moe.balancer is None:
         raise ValueError("measure_unpriced_time: the layer does not balance (build it with balance='pro-prophet')")
     overrides = dict(overrides or {})
@@ -196,15 +210,12 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
     if graphed and not (in_slots and x.is_cuda):
         raise ValueError("measure_unpriced_time(graphed=True) times calls in replica slots on CUDA "
                          "(kernels='comet' on GPUs that map each other's memory)")
-    world, model = moe.ep_size, moe.balancer.model
-    if world < 2:
+    balancer = moe.balancer
+    if moe.ep_size < 2:
         return UnpricedTime(0.0, 0.0)
     ctx = autocast or contextlib.nullcontext
     with ctx():
         dtype = moe.experts.compute_dtype(x)
-    x = hot_experts_input(moe, x.detach(), (0, moe.num_experts - 1))
-    placements = copy_placements(moe.balancer.owner_E, world)
-    grad = torch.randn_like(x)
 
     def forward_backward(x_in: torch.Tensor, grad_in: torch.Tensor, copied: dict) -> None:
         with ctx():
@@ -215,26 +226,46 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
                 y = moe(x_in, transfer=transfer, **overrides)
         y.backward(grad_in)
 
-    def call(copied: dict) -> None:
-        forward_backward(x.detach().requires_grad_(), grad, copied)
-        moe.zero_grad(set_to_none=True)
+    def timed_on(x_in: torch.Tensor, placements: list[dict]) -> tuple[list[float], list]:
+        """Each placement's time on `x_in`, and the input's load as the calls recorded it."""
+        grad = torch.randn_like(x_in)
+        if graphed:
+            def graph_step(copied: dict) -> Callable[[torch.Tensor, torch.Tensor], None]:
+                def step(x_step: torch.Tensor, grad_step: torch.Tensor) -> None:
+                    forward_backward(x_step, grad_step, copied)
+                    moe.record(None)  # its aux loss would keep an eager warm-up call's autograd graph alive
+                return step
 
-    def graph_step(copied: dict) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        def step(x_in: torch.Tensor, grad_in: torch.Tensor) -> None:
-            forward_backward(x_in, grad_in, copied)
-            moe.record(None)  # its aux loss would keep an eager warm-up call's autograd graph alive
-        return step
+            seconds = time_graphed(graph_step, placements, [x_in.detach().requires_grad_(), grad], moe.parameters(),
+                                   trials, warmup=2, accumulate=False)
+        else:
+            def call(copied: dict) -> None:
+                forward_backward(x_in.detach().requires_grad_(), grad, copied)
+                moe.zero_grad(set_to_none=True)
 
-    if graphed:
-        timed = time_graphed(graph_step, placements, [x.detach().requires_grad_(), grad], moe.parameters(),
-                             trials, warmup=2, accumulate=False)
-    else:
-        timed = time_candidates(call, placements, x.device, trials, warmup=2)
-    # the model's terms under each placement, on this input's load (every rank's counts, recorded
-    # by the calls just timed), without the terms measured here
-    tokens, owner_E, n = moe.balancer.history.predict_counts(), moe.balancer.owner_E, moe.balancer.n
-    paper = dataclasses.replace(model, copy_overhead_s=0.0, rest_s=0.0, expert_scale=1.0, slot_scale=1.0)
-    return fit_unpriced_time(timed, [placement_terms(paper, tokens, owner_E, copies, n) for copies in placements])
+            seconds = time_candidates(call, placements, x_in.device, trials, warmup=2)
+        return seconds, balancer.history.last_counts()
+
+    paper = dataclasses.replace(balancer.model, copy_overhead_s=0.0, rest_s=0.0, expert_scale=1.0, slot_scale=1.0)
+    owner_E, n = balancer.owner_E, balancer.n
+    timed, terms, inputs = [], [], []
+
+    def add(seconds: list[float], tokens, placements: list[dict], on: str) -> None:
+        timed.extend(seconds)
+        terms.extend(placement_terms(paper, tokens, owner_E, copies, n) for copies in placements)
+        inputs.extend([on] * len(placements))
+
+    plain_s, tokens = timed_on(x.detach(), [{}])
+    add(plain_s, tokens, [{}], "x")
+    planned = greedy_placement(tokens, owner_E, paper, n=n, alpha=balancer.alpha, scheduled=False,
+                               rounds=balancer.rounds).placement
+    copies = {e: ranks for e, ranks in planned.copies.items() if ranks}
+    if copies:
+        add(timed_on(x.detach(), [copies])[0], tokens, [copies], "x")
+    hot = copy_placements(owner_E, moe.ep_size)
+    add(*timed_on(hot_experts_input(moe, x.detach(), (0, moe.num_experts - 1)), hot), hot, "hot")
+    # the input's own calls weigh STEERED_WEIGHT times a steered one: the fit meets them where it can
+    return fit_unpriced_time(timed, terms, [1.0 if on == "x" else 1 / STEERED_WEIGHT for on in inputs], inputs)
 
 
 def copy_placements(owner_E: tuple[int, ...], world: int) -> list[dict[int, frozenset[int]]]:
@@ -276,35 +307,59 @@ def placement_terms(paper: LayerCostModel, tokens, owner_E: tuple[int, ...], cop
                           tuple(per_row * held for held in slot_D), rest_s, len(copies))
 
 
-def fit_unpriced_time(timed: list[float], terms: list[PlacementTerms]) -> UnpricedTime:
-    """`UnpricedTime` from the timed calls (no copy first) and each placement's `terms`: each
-    copying call's difference from the plain one, d_i = E_i(s, k) - E_0(s, k) + dO_i + c_i c
-    (E the experts' time with own rows weighed by s and copied rows by k, O the rest, c_i the
-    experts copied), solved for s and k on a grid within `SCALE_BOUNDS` and for c >= 0 by least
-    squares at each (s, k). Where the placements cannot tell the scales apart (a router the
-    input cannot steer, cosine; copies that move no rows), of the best fits the one nearest the
-    paper's s = k = 1. A copy that was not timed (inf or nan) gets an infinite overhead."""
-    plain_s, plain = timed[0], terms[0]
+def fit_unpriced_time(timed: list[float], terms: list[PlacementTerms], weights: list[float] | None = None,
+                      inputs: list[object] | None = None) -> UnpricedTime:
+    """`UnpricedTime` from the timed calls (the first a plain one) and each call's `terms` (its
+    placement on its input's load): t_i = r_g + E_i(s, k) + O_i + c_i c (E the experts' time with
+    own rows weighed by s and copied rows by k, O the model's other terms, c_i the experts copied,
+    g the input call i ran on, `inputs[i]`; default all one), solved for s and k on a grid within
+    `SCALE_BOUNDS` and, at each (s, k), for the rests r_g >= 0 and the overhead c >= 0 by least
+    squares, call i weighed by `weights[i]` (default alike). The rest returned is the first
+    call's input's: the input the planner plans for, whose per-row rate another input (one that
+    sends every row to two experts) does not share, so each input has its own level while the
+    scales and the overhead are the calls' common slopes. Where the calls cannot tell the scales
+    apart (a router the input cannot steer, cosine; copies that move no rows), of the best fits
+    the one nearest the paper's s = k = 1. A copy that was not timed (inf or nan) gets an infinite
+    overhead."""
     if not all(math.isfinite(t) for t in timed):
+        plain_s, plain = timed[0], terms[0]
         return UnpricedTime(max(0.0, plain_s - plain.rest_s - plain.experts_s()), math.inf)
     low, high = SCALE_BOUNDS
     grid = torch.arange(low, high + SCALE_STEP / 2, SCALE_STEP, dtype=torch.float64)
     own_PD = torch.tensor([t.own_D for t in terms], dtype=torch.float64)
     slot_PD = torch.tensor([t.slot_D for t in terms], dtype=torch.float64)
     experts_SKP = (grid[:, None, None, None] * own_PD + grid[None, :, None, None] * slot_PD).amax(-1)
-    d_P = torch.tensor([t - plain_s - (term.rest_s - plain.rest_s) for t, term in zip(timed[1:], terms[1:])],
-                       dtype=torch.float64)
-    copies_P = torch.tensor([float(term.copies) for term in terms[1:]], dtype=torch.float64)
-    left_SKP = d_P - (experts_SKP[..., 1:] - experts_SKP[..., :1])
-    overhead_SK = ((left_SKP * copies_P).sum(-1) / (copies_P * copies_P).sum()).clamp(min=0.0)
-    error_SK = (left_SKP - overhead_SK[..., None] * copies_P).square().sum(-1)
-    ties = error_SK <= error_SK.min() + 1e-9 * float(d_P.square().sum()) + 1e-30
+    left_SKP = torch.tensor([t - term.rest_s for t, term in zip(timed, terms)], dtype=torch.float64) - experts_SKP
+    labels = [0] * len(timed) if inputs is None else inputs
+    group_GP = torch.tensor([[label == g for label in labels] for g in dict.fromkeys(labels)], dtype=torch.float64)
+    weight_P = torch.tensor([1.0] * len(timed) if weights is None else weights, dtype=torch.float64)
+    rest_SKG, overhead_SK, error_SK = _rests_and_overhead(
+        left_SKP, torch.tensor([float(term.copies) for term in terms], dtype=torch.float64), weight_P, group_GP)
+    ties = error_SK <= error_SK.min() + 1e-9 * sum(t * t for t in timed) + 1e-30
     distance_SK = (grid[:, None] - 1.0).square() + (grid[None, :] - 1.0).square()
     best = int(torch.where(ties, distance_SK, math.inf).argmin())
     i, j = divmod(best, grid.numel())
-    scale, slot_scale = float(grid[i]), float(grid[j])
-    return UnpricedTime(max(0.0, plain_s - plain.rest_s - plain.experts_s(scale, slot_scale)),
-                        float(overhead_SK[i, j]), scale, slot_scale)
+    return UnpricedTime(float(rest_SKG[i, j, 0]), float(overhead_SK[i, j]), float(grid[i]), float(grid[j]))
+
+
+def _rests_and_overhead(left_SKP: torch.Tensor, copies_P: torch.Tensor, weight_P: torch.Tensor,
+                        group_GP: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted least squares of left_i = r_g(i) + c copies_i (one rest per group of calls,
+    `group_GP` their 0/1 membership) at every grid point: c from the calls' spread about their
+    groups' means, clamped at 0, then each r_g the group's mean left less c times its mean
+    copies, clamped at 0. Returns (r (..., G), c, the weighted squared error)."""
+    weight_GP = group_GP * weight_P
+    total_G = weight_GP.sum(-1)
+    mean_copies_G = (weight_GP * copies_P).sum(-1) / total_G
+    mean_left_SKG = (left_SKP[..., None, :] * weight_GP).sum(-1) / total_G
+    copies_spread_P = copies_P - (group_GP * mean_copies_G[:, None]).sum(0)
+    left_spread_SKP = left_SKP - (mean_left_SKG[..., :, None] * group_GP).sum(-2)
+    spread = (weight_P * copies_spread_P.square()).sum()
+    overhead_SK = ((weight_P * copies_spread_P * left_spread_SKP).sum(-1) / spread).clamp(min=0.0) if spread > 0 \
+        else torch.zeros_like(left_SKP[..., 0])
+    rest_SKG = (mean_left_SKG - overhead_SK[..., None] * mean_copies_G).clamp(min=0.0)
+    fitted_SKP = (rest_SKG[..., :, None] * group_GP).sum(-2) + overhead_SK[..., None] * copies_P
+    return rest_SKG, overhead_SK, (weight_P * (left_SKP - fitted_SKP).square()).sum(-1)
 
 
 def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object] | None = None,
