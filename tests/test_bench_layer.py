@@ -175,13 +175,19 @@ def test_balance_mode_runs_the_replicated_experts_on_dropless_layers(tmp_path, c
     # Planned with the paper's model alone: on the CPU a copy of these tiny experts costs more than it
     # saves, and the measured overhead (the default) rightly keeps them home (the next test).
     cfg = LayerBenchConfig("tiny", 256, num_experts=4, top_k=1, capacity=(1.0, None), steps=2, warmup=1,
-                           json=str(out), skew=2.0, modes=("plain", "balance"), copy_overhead="none")
+                           json=str(out), skew=2.0, modes=("plain", "balance"), copy_overhead="none",
+                           optimizer="sgd")
     run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     rows = {(r["capacity_factor"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
     assert "dropless layers only" in rows[1.0, "balance"]["error"]
     balanced = rows[None, "balance"]
     assert balanced["median_ms"] > 0 and balanced["max_abs_error"] < 1e-5
     assert balanced["copied_experts"], "the skewed check call copied no expert"
+    # the model prices the layer: its error is against the step less the optimizer step timed alone
+    for row in (balanced, rows[None, "plain"]):
+        assert 0 < row["optimizer_ms"] < row["median_ms"]
+        layer_ms = row["median_ms"] - row["optimizer_ms"]
+        assert row["prediction_error"] == pytest.approx(row["predicted_ms"] / layer_ms - 1)
     # the plan's rank loads: plain, on the counts of the input it planned from (the checked one,
     # so the plain rows' measured load), and with the copies, lower
     plain_load, placed_load = balanced["planned_plain_rank_load"], balanced["planned_rank_load"]

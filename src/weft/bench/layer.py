@@ -45,7 +45,7 @@ from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
 from weft.moe.gates import logit_shift, zipf_bias
 from weft.overlap import measure_layer_cost_model, with_unpriced_time
-from weft.profiling import stage
+from weft.profiling import stage, wall_seconds
 from weft.tune import Setting, run_until_tuned, tuned_seconds
 
 
@@ -525,11 +525,12 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         built[mode] = (fwd_bwd, params)
         progress.phase(f"{config} {'dropless' if cf is None else f'cf {cf}'} {mode} built and checked")
     timed = [row for row in rows if row["mode"] in built]
-    runs = []
+    runs, optimizers = [], []
     for row in timed:
         fwd_bwd, params = built[row["mode"]]
         switch = lambda: None  # noqa: E731  (modes are per-call settings: nothing to switch)
-        step = _step_fn(fwd_bwd, params, inputs, grads, _optimizer(optimizer, params), row["graphed"])
+        optimizers.append(_optimizer(optimizer, params))
+        step = _step_fn(fwd_bwd, params, inputs, grads, optimizers[-1], row["graphed"])
         if base_mode(row["mode"]) == "auto" and not row["graphed"]:
             # tuning calls synchronise and try slow settings: keep them out of the timing
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
@@ -550,6 +551,9 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             row["peer_buffers_mib"] = held_peer_bytes(device) / 2**20
         if runs_comet and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
             row["comet_copy_programs"] = {key: entry["best"] for key, entry in moe.tuning.kernels.items()}
+    for row, opt in zip(timed, optimizers):  # the model predicts the layer: its optimizer apart
+        if opt is not None and (base_mode(row["mode"]) in (BALANCE_MODE, SLOTS_MODE) or row["mode"] == "plain"):
+            row["optimizer_ms"] = _optimizer_ms(opt, device)
     _prediction_errors(rows)
     if device.type == "cuda" and profile_steps > 0:
         for row, run in zip(timed, runs):
@@ -655,13 +659,21 @@ def exchange_hidden(rows: list[dict]) -> None:
 def _prediction_errors(rows: list[dict]) -> None:
     """Pro-Prophet's planner predicted the balanced call's time and the plain layer's (eqs. 1-8):
     give `plain` rows that prediction too, and every predicted row its error against the measured
-    median (predicted / measured - 1)."""
+    layer: the step's median less its optimizer step timed alone (`optimizer_ms`; the model
+    prices the layer's forward and backward, not the update of its weights), predicted / measured - 1."""
     plain_predicted = next((r["plain_predicted_ms"] for r in rows if "plain_predicted_ms" in r), None)
     for row in rows:
         if row["mode"] == "plain" and plain_predicted is not None:
             row["predicted_ms"] = plain_predicted
         if "predicted_ms" in row and row.get("median_ms"):
-            row["prediction_error"] = row["predicted_ms"] / row["median_ms"] - 1
+            row["prediction_error"] = row["predicted_ms"] / (row["median_ms"] - row.get("optimizer_ms", 0.0)) - 1
+
+
+def _optimizer_ms(opt: torch.optim.Optimizer, device: torch.device, times: int = 12) -> float:
+    """The slowest rank's median ms of `opt.step()` alone (after the timed rounds: the steps move
+    the weights on, as the timed steps did)."""
+    seconds = sorted(wall_seconds(opt.step, device) for _ in range(times))
+    return slowest(seconds[len(seconds) // 2] * 1e3, device)
 
 
 def _peak_mib(run: Run, device: torch.device) -> float | None:
@@ -810,7 +822,8 @@ def print_table(report: dict) -> None:
         if r.get("comet_copy_programs"):
             tuned += "  copy programs " + "/".join(map(str, sorted(set(r["comet_copy_programs"].values()))))
         if r.get("prediction_error") is not None:
-            tuned += f"  Pro-Prophet's model: {r['predicted_ms']:.3f} ms ({r['prediction_error']:+.0%})"
+            apart = f" of the step less its {r['optimizer_ms']:.2f} ms optimizer" if r.get("optimizer_ms") else ""
+            tuned += f"  Pro-Prophet's model: {r['predicted_ms']:.3f} ms ({r['prediction_error']:+.0%}{apart})"
             cost = r.get("cost_model") or {}
             if cost.get("expert_scale") is not None:
                 tuned += (f" [rows' scale {cost['expert_scale']:.2f}, copied rows' "
