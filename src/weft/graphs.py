@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from weft.profiling import slowest_rank, wall_seconds
 
@@ -206,4 +207,13 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
 
 
 def _replay_seconds(graph: GraphedStep, args: Sequence[torch.Tensor], device: torch.device, times: int) -> list[float]:
-    return [wall_seconds(lambda: graph(*args), device) for _ in range(times)]
+    """Wall seconds of `times` replays, each after a barrier of the default group (where there is
+    one): a graph that holds collectives waits in them for the rank the host launched last, so
+    without it each rank's time carries the ranks' host skew, as `weft bench layer`'s timing
+    (a barrier before each step) does not (docs/balance.md, "The fit on the planned input")."""
+    seconds = []
+    for _ in range(times):
+        if dist.is_initialized():
+            dist.barrier()
+        seconds.append(wall_seconds(lambda: graph(*args), device))
+    return seconds
