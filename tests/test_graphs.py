@@ -98,3 +98,29 @@ def test_no_autograd_graph_outlives_a_distributed_moe_call(capacity_factor):
 
     failures = run_checks(released_after_each_call, 2, args=(capacity_factor,), timeout=120)
     assert not failures, "\n".join(failures[:10])
+
+
+def replays_after_a_late_rank_worker(late_s: float) -> list[float]:
+    """`_replay_seconds` of a stand-in graph that holds a collective (an all-reduce), with the last
+    rank reaching the timing `late_s` late: each rank's replay times."""
+    import time
+
+    import torch.distributed as dist
+
+    from weft.graphs import _replay_seconds
+
+    if dist.get_rank() == dist.get_world_size() - 1:
+        time.sleep(late_s)
+    flag = torch.ones(1)
+    return _replay_seconds(lambda: dist.all_reduce(flag), (), torch.device("cpu"), 3)
+
+
+def test_graph_replays_are_timed_after_a_barrier():
+    """A graph with collectives waits in them for the rank the host launched last: each replay is
+    timed after a barrier, so no rank's time carries another's lateness (as `weft bench layer`
+    times its steps), and the ranks agree on each replay's time."""
+    from weft.testing import run_distributed
+
+    late_s = 0.5
+    for rank, seconds in enumerate(run_distributed(replays_after_a_late_rank_worker, 2, args=(late_s,), timeout=120)):
+        assert max(seconds) < late_s / 5, f"rank {rank} timed {seconds} s: the late rank's wait counted"
