@@ -181,8 +181,7 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
 
     - `x` (..., dim) itself, the load the planner will see: with no copy, and with the copies
       Alg. 1 plans for it under the paper's model (none where that plans none). These anchor the
-      fit where its predictions are used: on 2 x H200 a fit on the steered input alone predicted
-      phi35's plain call 31-58% too slow at a Zipf load;
+      fit where its predictions are used (docs/balance.md, "The fit on the planned input");
     - `x` with its rows shifted so that half the tokens pick expert 0 first and half the last
       expert (`hot_experts_input`; their owners, rank 0 and the last rank, are hot), under the
       placements of `copy_placements`: no copy; expert 0 on every other rank (its holders compute
@@ -197,8 +196,8 @@ def measure_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], obje
     as a graphed call will pay it.
 
     `fit_unpriced_time` then solves for the overhead of a copy and the scales of eq. 2's own and
-    copied rows, common to both inputs, and each input's rest (the hot input's per-row rate is not
-    the input's: all its rows go to two experts), against the paper model's terms of each call's
+    copied rows, common to both inputs, and each input's rest (the steered input's per-row rate is
+    not the input's: all its rows go to two experts), against the paper model's terms of each call's
     placement on its input's recorded loads (`placement_terms`), each call on `x` weighing
     `STEERED_WEIGHT` times a steered one, so that the fit meets the input's own calls where it can
     and the steered ones settle what those leave open; the rest kept is the input's own. A
