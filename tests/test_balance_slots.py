@@ -197,6 +197,47 @@ def activate_rows_worker() -> list[str]:
     return failures
 
 
+def slot_rows_worker() -> list[str]:
+    """`slot_rows` by its Triton kernel, bitwise as its reference, over placements with empty
+    slots, a held expert with no rows here, nothing held, every expert held (no free row), a
+    bound past the rows and one that cuts them, expert counts not a power of 2, and several
+    programs down the rows."""
+    from weft.kernels import replica
+
+    replica.SLOT_ROWS_BLOCK = 8  # several programs (a spawned worker: its modules die with it)
+    checks = Checks("slot_rows")
+    gen = torch.Generator().manual_seed(5)
+    for experts, slots in [(6, 2), (5, 3), (8, 1), (12, 6), (3, 4)]:
+        for trial in range(6):
+            counts_E = torch.randint(0, 7, (experts,), generator=gen)
+            if trial == 1:
+                counts_E[::2] = 0  # held experts with no rows
+            expert_R = torch.randperm(experts, generator=gen)[:slots]
+            expert_R = torch.cat([expert_R, torch.full((max(0, slots - experts),), -1)])[:slots]
+            if trial == 2:
+                expert_R[:] = -1  # nothing held
+            elif trial == 3:
+                expert_R[slots // 2:] = -1  # empty slots after held ones
+            elif trial == 4 and slots >= experts:
+                expert_R[:experts] = torch.arange(experts)  # every expert held: no free row
+            total = int(counts_E.sum())
+            for bound in {total, total + 5, max(1, total // 2), 3 * slots * 4}:
+                got = replica.slot_rows(counts_E, expert_R, bound)
+                want = replica.slot_rows_reference(counts_E, expert_R, bound)
+                for name, a, b in zip(("idx", "ends", "used", "write"), got, want):
+                    checks.expect(a.dtype == b.dtype and torch.equal(a, b),
+                                  f"E {experts} R {slots} counts {counts_E.tolist()} slots {expert_R.tolist()} "
+                                  f"bound {bound}: {name} {a.tolist()} against {b.tolist()}")
+    return checks.failures
+
+
+def test_the_slot_rows_kernel_matches_its_reference(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(slot_rows_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures[:5])
+
+
 @pytest.mark.parametrize("worker", [write_rows_worker, activate_rows_worker], ids=["written-and-read", "activated"])
 def test_the_slot_rows_kernels_match_their_references(worker, monkeypatch):
     # write_rows / read_rows against the loop, index_select and the PyTorch path; activate_rows

@@ -205,6 +205,51 @@ def add_grads_reference(grad_EKN: torch.Tensor, box: torch.Tensor, expert_WR: to
         grad_EKN[i].copy_(total)
 
 
+SLOT_ROWS_BLOCK = 1024  # slot rows a program of `_slot_rows_kernel` places
+
+
+def slot_rows(counts_E: torch.Tensor, expert_R: torch.Tensor, bound: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a rank's slot rows are among its dispatched rows (sorted by expert; `counts_E` its
+    rows per expert, `expert_R` the expert in each of its slots or -1), at most `bound` of them,
+    on the device: (idx_M int64, ends_R int32, used_M bool, write_M int64). Slot row m is
+    dispatched row idx_M[m]; slot j's rows end at ends_R[j]; used_M: m is below the last end (the
+    rest are padding, idx 0); write_M: idx_M[m], or for padding the first row of an expert with
+    rows that no slot holds (0 where there is none). One Triton kernel where Triton runs (it
+    replaces ~25 small kernels of the reference); else `slot_rows_reference`."""
+    if not triton_usable(counts_E):
+        return slot_rows_reference(counts_E, expert_R, bound)
+    device = counts_E.device
+    idx_M = torch.empty(bound, dtype=torch.int64, device=device)
+    write_M = torch.empty(bound, dtype=torch.int64, device=device)
+    used_M = torch.empty(bound, dtype=torch.bool, device=device)
+    ends_R = torch.empty(expert_R.shape[0], dtype=torch.int32, device=device)
+    experts, slots = counts_E.shape[0], expert_R.shape[0]
+    _slot_rows_kernel[(max(1, triton.cdiv(bound, SLOT_ROWS_BLOCK)),)](
+        counts_E.contiguous(), expert_R.contiguous(), idx_M, ends_R, used_M, write_M, bound, experts, slots,
+        BLOCK_E=triton.next_power_of_2(experts), BLOCK_R=triton.next_power_of_2(slots), BLOCK_M=SLOT_ROWS_BLOCK)
+    return idx_M, ends_R, used_M, write_M
+
+
+def slot_rows_reference(counts_E: torch.Tensor, expert_R: torch.Tensor, bound: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`slot_rows` in PyTorch ops (small ops over the experts, slots and `bound` rows:
+    deterministic, no host read)."""
+    device, experts, slots = counts_E.device, counts_E.shape[0], expert_R.shape[0]
+    counts_E = counts_E.to(torch.int64)
+    firsts_E = torch.cumsum(counts_E, 0) - counts_E
+    held_E = (torch.arange(experts, device=device)[:, None] == expert_R[None, :]).any(1)
+    count_R = torch.where(expert_R >= 0, counts_E[expert_R.clamp(min=0)], 0)
+    ends_R = torch.cumsum(count_R, 0)
+    m = torch.arange(bound, device=device)
+    j_M = torch.searchsorted(ends_R, m, right=True).clamp(max=slots - 1)
+    used_M = m < ends_R[-1]
+    idx_M = torch.where(used_M, firsts_E[expert_R.clamp(min=0)][j_M] + m - (ends_R - count_R)[j_M], 0)
+    # padding writes to the first row of an expert no slot holds (there is one wherever there is padding)
+    free = firsts_E.index_select(0, ((counts_E > 0) & ~held_E).to(torch.int32).argmax().view(1))
+    return idx_M, ends_R.to(torch.int32), used_M, torch.where(used_M, idx_M, free)
+
+
 def write_rows(into_ND: torch.Tensor, rows_MD: torch.Tensor, index_M: torch.Tensor, ends_R: torch.Tensor) -> None:
     """into[index[m]] = rows[m] (cast to into's dtype) for the m below the slots' last end
     (`ends_R[-1]`, on the device): the holder's slot rows written among its dispatched rows, in
@@ -429,3 +474,35 @@ if triton is not None:
                     tl.store(out + offs, act_grad(g, s, ACT).to(dtype), mask=inside)
                 else:
                     tl.store(out + offs, act_value(s, ACT).to(dtype), mask=inside)
+
+    @triton.jit
+    def _slot_rows_kernel(counts, expert_R, idx, ends_out, used, write, bound, E, R, BLOCK_E: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Program i places slot rows i * BLOCK_M ... (each program recomputes the experts' and
+        slots' few numbers; program 0 stores the slots' ends). Reference: `slot_rows_reference`."""
+        e = tl.arange(0, BLOCK_E)
+        r = tl.arange(0, BLOCK_R)
+        counts_E = tl.load(counts + e, mask=e < E, other=0).to(tl.int64)
+        expert = tl.load(expert_R + r, mask=r < R, other=-1).to(tl.int64)
+        hit_RE = expert[:, None] == e[None, :]
+        count_R = tl.sum(tl.where(hit_RE, counts_E[None, :], 0), axis=1)
+        first_R = tl.sum(tl.where(e[None, :] < expert[:, None], counts_E[None, :], 0), axis=1)
+        ends = tl.cumsum(count_R, axis=0)
+        last = tl.sum(count_R, axis=0)
+        if tl.program_id(0) == 0:
+            tl.store(ends_out + r, ends.to(tl.int32), mask=r < R)
+        held_E = tl.sum(hit_RE.to(tl.int32), axis=0) > 0
+        free_e = tl.min(tl.where((counts_E > 0) & (held_E == 0) & (e < E), e, BLOCK_E), axis=0)
+        free_e = tl.where(free_e == BLOCK_E, 0, free_e)
+        free_row = tl.sum(tl.where(e < free_e, counts_E, 0), axis=0)
+        m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        j = tl.minimum(tl.sum(((ends[None, :] <= m[:, None]) & (r[None, :] < R)).to(tl.int32), axis=1), R - 1)
+        pick = r[None, :] == j[:, None]
+        start_j = tl.sum(tl.where(pick, (ends - count_R)[None, :], 0), axis=1)
+        first_j = tl.sum(tl.where(pick, first_R[None, :], 0), axis=1)
+        inside = m < last
+        row = tl.where(inside, first_j + m - start_j, 0)
+        keep = m < bound
+        tl.store(idx + m, row, mask=keep)
+        tl.store(used + m, inside, mask=keep)
+        tl.store(write + m, tl.where(inside, row, free_row), mask=keep)

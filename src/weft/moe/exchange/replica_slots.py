@@ -63,6 +63,7 @@ from weft.kernels.replica import (
     pull_copies,
     push_grads,
     read_rows,
+    slot_rows,
     stage_copies,
     write_rows,
 )
@@ -155,22 +156,9 @@ class ReplicaSlots:
 
     def slot_rows(self, counts_WE: torch.Tensor, bound: int) -> SlotRows:
         """Where this rank's slot rows are among its dispatched rows (sorted by expert, its row of
-        `counts_WE`), at most `bound` of them (R * T for T tokens: a token picks an expert once).
-        Small ops over the experts, slots and `bound` rows: deterministic, no host read."""
-        device, E = counts_WE.device, self.num_experts
-        counts_E = counts_WE[self.rank].to(torch.int64)
-        firsts_E = torch.cumsum(counts_E, 0) - counts_E
-        expert_R = self.expert_WR[self.rank]
-        held_E = (torch.arange(E, device=device)[:, None] == expert_R[None, :]).any(1)
-        count_R = torch.where(expert_R >= 0, counts_E[expert_R.clamp(min=0)], 0)
-        ends_R = torch.cumsum(count_R, 0)
-        m = torch.arange(bound, device=device)
-        j_M = torch.searchsorted(ends_R, m, right=True).clamp(max=self.per_rank - 1)
-        used_M = m < ends_R[-1]
-        idx_M = torch.where(used_M, firsts_E[expert_R.clamp(min=0)][j_M] + m - (ends_R - count_R)[j_M], 0)
-        # padding writes to the first row of an expert no slot holds (there is one wherever there is padding)
-        free = firsts_E.index_select(0, ((counts_E > 0) & ~held_E).to(torch.int32).argmax().view(1))
-        return SlotRows(idx_M, ends_R.to(torch.int32), used_M, torch.where(used_M, idx_M, free))
+        `counts_WE`), at most `bound` of them (R * T for T tokens: a token picks an expert once),
+        on the device, no host read (`weft.kernels.replica.slot_rows`)."""
+        return SlotRows(*slot_rows(counts_WE[self.rank], self.expert_WR[self.rank], bound))
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> PeerBuffer:
         return self.peers.get(f"replica.{self.key}.{name}", (self.per_rank, *shape), dtype)
