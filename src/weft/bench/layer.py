@@ -45,7 +45,7 @@ from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
 from weft.moe.gates import logit_shift, zipf_bias
 from weft.overlap import measure_layer_cost_model, with_unpriced_time
-from weft.profiling import stage, wall_seconds
+from weft.profiling import stage, time_candidates
 from weft.tune import Setting, run_until_tuned, tuned_seconds
 
 
@@ -672,8 +672,7 @@ def _prediction_errors(rows: list[dict]) -> None:
 def _optimizer_ms(opt: torch.optim.Optimizer, device: torch.device, times: int = 12) -> float:
     """The slowest rank's median ms of `opt.step()` alone (after the timed rounds: the steps move
     the weights on, as the timed steps did)."""
-    seconds = sorted(wall_seconds(opt.step, device) for _ in range(times))
-    return slowest(seconds[len(seconds) // 2] * 1e3, device)
+    return time_candidates(lambda _: opt.step(), [None], device, trials=times, warmup=0)[0] * 1e3
 
 
 def _peak_mib(run: Run, device: torch.device) -> float | None:

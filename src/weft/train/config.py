@@ -42,10 +42,8 @@ def default_lr(dim: int) -> float:
     """The peak learning rate of a run that sets none: `BASE_LR` up to `BASE_LR_WIDTH` wide, then
     falling with the width squared. Adam's first steps move every weight by about the learning
     rate, so a matrix's outputs move by about lr x its fan-in (muP, Yang et al. 2022, scales
-    Adam's hidden learning rates by 1 / width); measured on 12-step byte-level runs (CPU, 2-block
-    models with 16 experts, docs/benchmarks.md), 3e-3 took the loss from 5.2-5.7 to 10-23 at step 2
-    at 2048, 2560 and 4096 wide (the attention's update alone did it), while 7.5e-4 at 2048, 4.8e-4
-    at 2560 and 1e-4 or 3e-4 at 4096 trained smoothly (7.5e-4 at 4096 did not)."""
+    Adam's hidden learning rates by 1 / width); the measurements behind the rule are in
+    docs/benchmarks.md, "The learning rate of wide models"."""
     return BASE_LR * min(1.0, (BASE_LR_WIDTH / dim) ** 2)
 
 
