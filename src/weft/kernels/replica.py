@@ -281,18 +281,17 @@ def _rows_launch(dense_MD: torch.Tensor, sparse_ND: torch.Tensor, index_M: torch
                  write: bool) -> None:
     """`_rows_kernel` over the M rows of `dense_MD` (`_row_launch`)."""
     launch = _row_launch(dense_MD.shape[0], sparse_ND.shape[1])
-    _rows_kernel[launch.pop("grid")](dense_MD, sparse_ND, index_M, ends_R, sparse_ND.shape[1], sparse_ND.stride(0),
-                                     R=ends_R.shape[0], WRITE=write, **launch)
+    _rows_kernel[launch.pop("grid")](dense_MD, sparse_ND, index_M, ends_R, dense_MD.shape[0], sparse_ND.shape[1],
+                                     sparse_ND.stride(0), R=ends_R.shape[0], WRITE=write, **launch)
 
 
 def _row_launch(rows: int, columns: int) -> dict:
-    """A row kernel's grid and loop (`_rows_kernel`, `_activation_rows_kernel`): up to
-    `ROW_PROGRAMS` programs down the rows, each taking every ROW_PROGRAMS-th row (`ITERS` turns)
-    and moving those below the slots' end, read on the device (past it, nothing moves), one
-    program per `ROW_BLOCK` columns across."""
+    """A row kernel's grid (`_rows_kernel`, `_activation_rows_kernel`): up to `ROW_PROGRAMS`
+    programs down the rows, each taking every ROW_PROGRAMS-th row below the slots' end, read on
+    the device (past it, nothing moves: a call whose slots hold nothing costs a load a program),
+    one program per `ROW_BLOCK` columns across."""
     programs = min(rows, ROW_PROGRAMS)
-    return dict(grid=(programs, triton.cdiv(columns, ROW_BLOCK)), BLOCK=ROW_BLOCK, PROGRAMS=programs,
-                ITERS=triton.cdiv(rows, programs))
+    return dict(grid=(programs, triton.cdiv(columns, ROW_BLOCK)), BLOCK=ROW_BLOCK, PROGRAMS=programs)
 
 
 def activate_rows(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor | None,
@@ -340,7 +339,7 @@ def _activation_launch(activation: str, h1_MH: torch.Tensor, h3_MH: torch.Tensor
     launch = _row_launch(rows, hidden)
     _activation_rows_kernel[launch.pop("grid")](
         h1_MH, h1_MH if h3_MH is None else h3_MH, h1_MH if grad_MH is None else grad_MH, out_MH,
-        out_MH if out3_MH is None else out3_MH, ends_R, hidden, R=ends_R.shape[0],
+        out_MH if out3_MH is None else out3_MH, ends_R, rows, hidden, R=ends_R.shape[0],
         ACT=comet_kernels.ACTIVATIONS[activation], GRAD=grad_MH is not None, **launch)
 
 if triton is not None:
@@ -424,56 +423,57 @@ if triton is not None:
                 tl.store(row, total.to(grad.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rows_kernel(dense, sparse, index, ends, D, stride_sparse, R: tl.constexpr, BLOCK: tl.constexpr,
-                     PROGRAMS: tl.constexpr, ITERS: tl.constexpr, WRITE: tl.constexpr):
-        """Program (i, column block): rows m = i, i + PROGRAMS, ... (`ITERS` of them) below the
-        last end: `dense` row m into `sparse` row index[m] (WRITE, cast to its dtype), or from it.
-        References: `write_rows`' PyTorch path and `index_select`."""
+    def _rows_kernel(dense, sparse, index, ends, M, D, stride_sparse, R: tl.constexpr, BLOCK: tl.constexpr,
+                     PROGRAMS: tl.constexpr, WRITE: tl.constexpr):
+        """Program (i, column block): rows m = i, i + PROGRAMS, ... below the last end (and the
+        M rows): `dense` row m into `sparse` row index[m] (WRITE, cast to its dtype), or from it.
+        The loop's bound is read on the device, so a launch with no slot row costs one load a
+        program. References: `write_rows`' PyTorch path and `index_select`."""
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < D
-        end = tl.load(ends + R - 1)
-        for it in range(ITERS):
-            m = it * PROGRAMS + tl.program_id(0)
-            if m < end:
-                near = dense + m.to(tl.int64) * D + cols
-                far = sparse + tl.load(index + m).to(tl.int64) * stride_sparse + cols
-                if WRITE:
-                    tl.store(far, tl.load(near, mask=inside).to(sparse.dtype.element_ty), mask=inside)
-                else:
-                    tl.store(near, tl.load(far, mask=inside), mask=inside)
+        end = tl.minimum(tl.load(ends + R - 1), M)
+        m = tl.program_id(0)
+        while m < end:  # (a while loop: Triton's interpreter takes no range with a bound read on the device)
+            near = dense + m.to(tl.int64) * D + cols
+            far = sparse + tl.load(index + m).to(tl.int64) * stride_sparse + cols
+            if WRITE:
+                tl.store(far, tl.load(near, mask=inside).to(sparse.dtype.element_ty), mask=inside)
+            else:
+                tl.store(near, tl.load(far, mask=inside), mask=inside)
+            m += PROGRAMS
 
     @triton.jit
-    def _activation_rows_kernel(h1, h3, grad, out, out3, ends, H, R: tl.constexpr, BLOCK: tl.constexpr,
-                                PROGRAMS: tl.constexpr, ITERS: tl.constexpr, ACT: tl.constexpr,
-                                GRAD: tl.constexpr):
-        """Program (i, column block): rows m = i, i + PROGRAMS, ... (`ITERS` of them) below the
-        last end: out = act(h1) (swiglu: silu(h1), rounded, times h3), or with GRAD out = dh1 and
-        out3 = dh3 from grad, each product rounded to the dtype as PyTorch's autograd stores it
-        (Comet's layer0 epilogue does the same: `_store_activation_half`)."""
+    def _activation_rows_kernel(h1, h3, grad, out, out3, ends, M, H, R: tl.constexpr, BLOCK: tl.constexpr,
+                                PROGRAMS: tl.constexpr, ACT: tl.constexpr, GRAD: tl.constexpr):
+        """Program (i, column block): rows m = i, i + PROGRAMS, ... below the last end (and the
+        M rows; the loop's bound read on the device, as `_rows_kernel`'s): out = act(h1) (swiglu:
+        silu(h1), rounded, times h3), or with GRAD out = dh1 and out3 = dh3 from grad, each
+        product rounded to the dtype as PyTorch's autograd stores it (Comet's layer0 epilogue
+        does the same: `_store_activation_half`)."""
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < H
-        end = tl.load(ends + R - 1)
+        end = tl.minimum(tl.load(ends + R - 1), M)
         dtype = out.dtype.element_ty
-        for it in range(ITERS):
-            m = it * PROGRAMS + tl.program_id(0)
-            if m < end:
-                offs = m.to(tl.int64) * H + cols
-                s = tl.load(h1 + offs, mask=inside).to(tl.float32)
-                if ACT == 4:
-                    v3 = tl.load(h3 + offs, mask=inside).to(tl.float32)
-                    silu = act_value(s, 3).to(dtype).to(tl.float32)
-                    if GRAD:
-                        g = tl.load(grad + offs, mask=inside).to(tl.float32)
-                        tl.store(out + offs, act_grad((g * v3).to(dtype).to(tl.float32), s, 3).to(dtype),
-                                 mask=inside)
-                        tl.store(out3 + offs, (g * silu).to(dtype), mask=inside)
-                    else:
-                        tl.store(out + offs, (silu * v3).to(dtype), mask=inside)
-                elif GRAD:
+        m = tl.program_id(0)
+        while m < end:
+            offs = m.to(tl.int64) * H + cols
+            s = tl.load(h1 + offs, mask=inside).to(tl.float32)
+            if ACT == 4:
+                v3 = tl.load(h3 + offs, mask=inside).to(tl.float32)
+                silu = act_value(s, 3).to(dtype).to(tl.float32)
+                if GRAD:
                     g = tl.load(grad + offs, mask=inside).to(tl.float32)
-                    tl.store(out + offs, act_grad(g, s, ACT).to(dtype), mask=inside)
+                    tl.store(out + offs, act_grad((g * v3).to(dtype).to(tl.float32), s, 3).to(dtype),
+                             mask=inside)
+                    tl.store(out3 + offs, (g * silu).to(dtype), mask=inside)
                 else:
-                    tl.store(out + offs, act_value(s, ACT).to(dtype), mask=inside)
+                    tl.store(out + offs, (silu * v3).to(dtype), mask=inside)
+            elif GRAD:
+                g = tl.load(grad + offs, mask=inside).to(tl.float32)
+                tl.store(out + offs, act_grad(g, s, ACT).to(dtype), mask=inside)
+            else:
+                tl.store(out + offs, act_value(s, ACT).to(dtype), mask=inside)
+            m += PROGRAMS
 
     @triton.jit
     def _slot_rows_kernel(counts, expert_R, idx, ends_out, used, write, bound, E, R, BLOCK_E: tl.constexpr,
