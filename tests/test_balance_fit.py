@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from weft import MoE
 from weft.balance.planner import Placement, host_loads, host_slot_rows
+from weft.bench.layer import fit_calls_line
 from weft.comm.cost_model import CommCostModel
 from weft.models import GPT, GPTConfig
 from weft.overlap import balance_model, fit_balance_models, layer_cost_model, measure_layer_cost_model
@@ -183,6 +184,11 @@ def test_the_fit_recovers_the_scales_and_overhead_of_made_up_timings():
     fitted = balance_model.fit_unpriced_time(both, terms + other, inputs=["x"] * 4 + ["hot"] * 4)
     assert abs(fitted.expert_scale - 0.3) < 1e-9 and abs(fitted.slot_scale - 1.7) < 1e-9
     assert abs(fitted.copy_overhead_s - 0.2 * ms) < 1e-12 and abs(fitted.rest_s - 1 * ms) < 1e-12
+    # what it met, call by call: the input, the experts copied, the seconds timed
+    assert fitted.calls == tuple(zip(["x"] * 4 + ["hot"] * 4, [0, 1, 2, 1] * 2, both))
+    line = fit_calls_line(fitted.calls)
+    assert line.startswith(f"x 0 copied {both[0] * 1e3:.3f}, x 1 copied")
+    assert f"hot 2 copied {both[6] * 1e3:.3f}" in line
     fitted = balance_model.fit_unpriced_time([3 * ms, float("inf"), float("inf"), float("inf")], terms)
     assert fitted.copy_overhead_s == float("inf")  # a placement that could not be timed never pays
 

@@ -70,6 +70,20 @@ def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
     assert len(rows[-1]["tuned"]) == 1 and re.fullmatch(r"d[1248]-linear(-r0)?", rows[-1]["tuned"][0])
 
 
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_the_timed_optimizer_steps_leave_the_checked_weights(name):
+    """The optimizer's kernels run in every timed step, at learning rate 0: at 1e-6 SGD's router
+    updates moved a skewed routing within the timing (docs/benchmarks.md, thirty-seventh session)."""
+    weight = torch.nn.Parameter(torch.ones(8))
+    weight.grad = torch.full((8,), 1e3)
+    opt = layer._optimizer(name, [weight])
+    opt.step()
+    assert torch.equal(weight.detach(), torch.ones(8))
+    if name == "adamw":  # its moments were updated: the step ran
+        assert torch.equal(opt.state[weight]["exp_avg"], torch.full((8,), 100.0))
+    assert layer._optimizer("none", [weight]) is None
+
+
 def test_fewer_experts_than_ranks_times_every_r(tmp_path):
     out = tmp_path / "sliced.json"
     cfg = LayerBenchConfig("tiny", 32, num_experts=2, capacity=(1.0, None), activation="swiglu", steps=2, warmup=1,

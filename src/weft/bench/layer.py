@@ -44,7 +44,7 @@ from weft.moe import MoE
 from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
 from weft.moe.gates import logit_shift, zipf_bias
-from weft.overlap import measure_layer_cost_model, with_unpriced_time
+from weft.overlap import install_unpriced_time, measure_layer_cost_model, measure_unpriced_time
 from weft.profiling import stage, time_candidates
 from weft.tune import Setting, run_until_tuned, tuned_seconds
 
@@ -328,7 +328,8 @@ class LayerBenchConfig:
                                              "(default 1.0,dropless)", parse=capacity_list)
     activation: str = arg("relu", "expert activation", choices=ACTIVATION_CHOICES)
     dtype: str = arg("bf16", "parameter and input dtype (fp32 on the CPU)", choices=tuple(DTYPES))
-    optimizer: str = arg("none", "also time an optimizer step (Tutel's reference numbers include SGD; "
+    optimizer: str = arg("none", "also time an optimizer step, at learning rate 0 so the layer and its "
+                         "routing stay as checked (Tutel's reference numbers include SGD; "
                          "sgd: single-tensor updates, adamw: torch's default)",
                          choices=("none", "sgd", "adamw"))
     steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
@@ -588,8 +589,17 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
     with torch.no_grad():
         twin(warm_input)
     if copy_overhead and moe.ep_size > 1:  # what a copy and the rest of the call (with `overrides`, as a
-        with_unpriced_time(twin, warm_input, overrides=overrides, graphed=graphed)  # graph if `graphed`) cost
+        unpriced = measure_unpriced_time(twin, warm_input, overrides=overrides, graphed=graphed)  # graph) cost
+        install_unpriced_time(twin, unpriced)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"weft bench layer: Pro-Prophet's fit timed (ms) {fit_calls_line(unpriced.calls)}", flush=True)
     return twin
+
+
+def fit_calls_line(calls: tuple[tuple[str, int, float], ...]) -> str:
+    """The fit's timed calls (`UnpricedTime.calls`) in words: each input (`x` the planned one,
+    `hot` the steered one) with the experts copied and the milliseconds timed."""
+    return ", ".join(f"{on} {copies} copied {seconds * 1e3:.3f}" for on, copies, seconds in calls) or "nothing"
 
 
 class HeaviestCopied:
@@ -711,6 +721,14 @@ def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0,
     return peer.forward, list(peer.module.parameters()), peer.description
 
 
+# The timed optimizer steps run at learning rate 0: every kernel of the step runs (SGD's add of
+# the gradient times -lr; AdamW's moments and update), and the layer stays the one checked against
+# plain. At 1e-6, SGD's router updates (the gradient grows with the tokens) moved qwen2's skewed
+# routing at 32,768 tokens a rank within the timed steps: comet+graph measured 12.7 ms with them
+# and 15.1 ms with --optimizer none (docs/benchmarks.md, thirty-seventh session).
+BENCH_LR = 0.0
+
+
 def _optimizer(name: str, params: list[torch.nn.Parameter]):
     if name == "none":
         return None
@@ -718,9 +736,9 @@ def _optimizer(name: str, params: list[torch.nn.Parameter]):
         # Single-tensor updates: one elementwise kernel per parameter. The same weights, bit for bit,
         # as torch's default foreach step, which runs qwen2's few large expert tensors through
         # multi-tensor launches 24% slower on an H200 (docs/benchmarks.md, "The SGD step").
-        return torch.optim.SGD(params, lr=1e-6, foreach=False)
+        return torch.optim.SGD(params, lr=BENCH_LR, foreach=False)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-6)
+        return torch.optim.AdamW(params, lr=BENCH_LR)
     raise ValueError(f"unknown optimizer {name!r}; choose none, sgd or adamw")
 
 

@@ -20,6 +20,7 @@ from weft.ops.wgrad import (
 )
 from weft.overlap.balance_model import (
     fit_balance_models,
+    install_unpriced_time,
     layer_cost_model,
     measure_layer_cost_model,
     measure_unpriced_time,
@@ -30,6 +31,6 @@ from weft.overlap.passes import OverlapPlan, optimize
 from weft.overlap.planner import Plan, Segment, plan, simulate
 
 __all__ = ["OverlapPlan", "PartitionedRunner", "Plan", "Range", "Segment", "WGradScheduler", "WGradStats", "best_fit",
-           "bmm", "fit_balance_models", "grouped_mm", "layer_cost_model", "linear",
+           "bmm", "fit_balance_models", "grouped_mm", "install_unpriced_time", "layer_cost_model", "linear",
            "measure_layer_cost_model", "measure_unpriced_time", "with_unpriced_time",
            "optimize", "plan", "simulate"]

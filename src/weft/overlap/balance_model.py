@@ -141,6 +141,8 @@ class UnpricedTime:
     copy_overhead_s: float
     expert_scale: float = 1.0
     slot_scale: float = 1.0
+    # the calls fitted, in order: (the input they ran on, the experts they copied, seconds timed)
+    calls: tuple[tuple[str, int, float], ...] = ()
 
 
 # How much more a timed call on the planned input weighs in the fit than one on the steered input
@@ -322,7 +324,8 @@ def fit_unpriced_time(timed: list[float], terms: list[PlacementTerms], weights: 
     overhead."""
     if not all(math.isfinite(t) for t in timed):
         plain_s, plain = timed[0], terms[0]
-        return UnpricedTime(max(0.0, plain_s - plain.rest_s - plain.experts_s()), math.inf)
+        return UnpricedTime(max(0.0, plain_s - plain.rest_s - plain.experts_s()), math.inf,
+                            calls=_calls(timed, terms, inputs))
     low, high = SCALE_BOUNDS
     grid = torch.arange(low, high + SCALE_STEP / 2, SCALE_STEP, dtype=torch.float64)
     own_PD = torch.tensor([t.own_D for t in terms], dtype=torch.float64)
@@ -338,7 +341,13 @@ def fit_unpriced_time(timed: list[float], terms: list[PlacementTerms], weights: 
     distance_SK = (grid[:, None] - 1.0).square() + (grid[None, :] - 1.0).square()
     best = int(torch.where(ties, distance_SK, math.inf).argmin())
     i, j = divmod(best, grid.numel())
-    return UnpricedTime(float(rest_SKG[i, j, 0]), float(overhead_SK[i, j]), float(grid[i]), float(grid[j]))
+    return UnpricedTime(float(rest_SKG[i, j, 0]), float(overhead_SK[i, j]), float(grid[i]), float(grid[j]),
+                        _calls(timed, terms, inputs))
+
+
+def _calls(timed: list[float], terms: list[PlacementTerms], inputs: list[object] | None
+           ) -> tuple[tuple[str, int, float], ...]:
+    return tuple((str(0 if inputs is None else inputs[i]), terms[i].copies, t) for i, t in enumerate(timed))
 
 
 def _rests_and_overhead(left_SKP: torch.Tensor, copies_P: torch.Tensor, weight_P: torch.Tensor,
@@ -366,7 +375,11 @@ def with_unpriced_time(moe: MoE, x: torch.Tensor, autocast: Callable[[], object]
                        graphed: bool = False) -> LayerCostModel:
     """Give the balanced layer `moe`'s planner its measured `rest_s`, `copy_overhead_s`, `expert_scale` and `slot_scale`
     (`measure_unpriced_time` on `x`, calls with `overrides`, `graphed`); returns the model."""
-    unpriced = measure_unpriced_time(moe, x, autocast, trials, overrides, graphed)
+    return install_unpriced_time(moe, measure_unpriced_time(moe, x, autocast, trials, overrides, graphed))
+
+
+def install_unpriced_time(moe: MoE, unpriced: UnpricedTime) -> LayerCostModel:
+    """Give the balanced layer `moe`'s planner `unpriced`'s rest, copy overhead and scales; returns the model."""
     moe.balancer.model = dataclasses.replace(moe.balancer.model, rest_s=unpriced.rest_s,
                                              copy_overhead_s=unpriced.copy_overhead_s,
                                              expert_scale=unpriced.expert_scale, slot_scale=unpriced.slot_scale)
