@@ -58,7 +58,7 @@ def test_unknown_mode_is_refused():
         run_distributed(layer.run, 1, args=(LayerBenchConfig("tiny", 16, capacity=(1.0,), modes=("fastest",)),))
 
 
-def test_modes_are_checked_before_optimizer_steps_change_the_weights(tmp_path):
+def test_modes_are_checked_before_the_timed_optimizer_steps(tmp_path):
     out = tmp_path / "sgd.json"
     cfg = LayerBenchConfig("tiny", 64, capacity=(1.0,), steps=3, warmup=1, json=str(out),
                            modes=("plain", "d2", "d4", "2dh", "r0", "auto"), optimizer="sgd")
@@ -82,6 +82,15 @@ def test_the_timed_optimizer_steps_leave_the_checked_weights(name):
     if name == "adamw":  # its moments were updated: the step ran
         assert torch.equal(opt.state[weight]["exp_avg"], torch.full((8,), 100.0))
     assert layer._optimizer("none", [weight]) is None
+
+
+def test_the_balanced_twin_shares_the_layers_tuning():
+    """Comet's copy programs, picked per shape by timing, are the plain layer's in the balanced
+    twin: one tuning dictionary, so that the two are timed with the same kernels."""
+    moe = MoE(32, 64, 4, 2, capacity_factor=None)
+    twin = layer.balanced_twin(moe, None, torch.randn(16, 32), copy_overhead=False)
+    assert twin.tuning is moe.tuning and twin is not moe and twin.balancer is not None
+    assert all(torch.equal(a, b) for a, b in zip(twin.state_dict().values(), moe.state_dict().values()))
 
 
 def test_fewer_experts_than_ranks_times_every_r(tmp_path):

@@ -547,7 +547,8 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
     for row, run in zip(timed, runs):
         if not row["graphed"]:
             row["peak_mib"] = _peak_mib(run, device)
-        runs_comet = base_mode(row["mode"]) == "comet" or any(t.endswith("-comet") for t in row.get("tuned", []))
+        runs_comet = base_mode(row["mode"]) in ("comet", SLOTS_MODE) or \
+            any(t.endswith("-comet") for t in row.get("tuned", []))
         if runs_comet:  # Comet's exchange holds its rows in peer buffers, outside the peak's count
             row["peer_buffers_mib"] = held_peer_bytes(device) / 2**20
         if runs_comet and moe.tuning.kernels:  # Comet 3.2.2: the copy programs it timed
@@ -581,9 +582,13 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
     if cf is not None:
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
     measured = measure_layer_cost_model(moe, warm_input)[0] if moe.ep_size > 1 else None
+    # the layer's tuning dictionary: Comet's copy programs, picked per shape by timing, are then the
+    # plain rows' on the same shape (each layer timing its own, the picks varied 16 / 32 / 128 from
+    # run to run; at qwen2's training shape 16 and 128 ran 6% slower than 32: docs/benchmarks.md,
+    # thirty-seventh session)
     twin = MoE(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, moe.gate, None, moe.experts.activation,
                group=moe.group, balance="pro-prophet", balance_model=measured, balance_rounds=rounds,
-               graph_placement=graph_placement, device=warm_input.device,
+               graph_placement=graph_placement, tuning=moe.tuning, device=warm_input.device,
                dtype=moe.experts.w1.dtype)
     twin.load_state_dict(moe.state_dict())
     with torch.no_grad():
