@@ -15,6 +15,7 @@ from weft.balance.planner import Placement, host_loads, host_slot_rows
 from weft.bench.layer import fit_calls_line
 from weft.comm.cost_model import CommCostModel
 from weft.models import GPT, GPTConfig
+from weft.models.gpt import MoEUnit, rotary_tables
 from weft.overlap import balance_model, fit_balance_models, layer_cost_model, measure_layer_cost_model
 from weft.testing import Checks, run_checks
 from weft.train.config import TrainConfig
@@ -53,8 +54,26 @@ def fit_worker() -> list[str]:
     torch.manual_seed(0)
     gpt = GPT(cfg, balance="pro-prophet")
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
+    fitted_on = []
+    fit_on_input = balance_model.with_unpriced_time
+
+    def recording(moe, x, *args, **kwargs):
+        fitted_on.append((moe, x))
+        return fit_on_input(moe, x, *args, **kwargs)
+
+    balance_model.with_unpriced_time = recording  # (a spawned worker: its module dies with it)
     fitted = fit_balance_models(gpt, idx, repeats=2)
     layers = gpt.moe_layers()
+    # each layer's fit ran on its own input from the batch: the normed hidden states it gets
+    with torch.no_grad():
+        x, expected = gpt.tok_emb(idx), []
+        for unit in gpt.units(rotary_tables(16, gpt.config.head_dim, gpt.config.rope_theta, idx.device)):
+            if isinstance(unit, MoEUnit):
+                expected.append((unit.moe, unit.norm(x).reshape(-1, DIM)))
+            x = unit(x)
+    checks.expect([m for m, _ in fitted_on] == layers == [m for m, _ in expected], "the fit's layers")
+    checks.expect(all(torch.equal(a, b) for (_, a), (_, b) in zip(fitted_on, expected)),
+                  "a layer's fit ran on rows that are not its input on the batch")
     checks.expect(len(fitted) == len(layers) == 2, f"{len(fitted)} models for {len(layers)} layers")
     checks.expect(all(m is layer.balancer.model for m, layer in zip(fitted, layers)), "models not installed")
     # Blocks 1 and 3 are MoE: layer 0's Trans hides under block 0 and block 1's attention, layer

@@ -29,7 +29,7 @@ from weft.balance.planner import Placement, busiest_weighed, greedy_placement, h
 from weft.comm.cost_model import CommCostModel
 from weft.distributed import group_size
 from weft.graphs import time_graphed
-from weft.models.gpt import MoEUnit
+from weft.models.gpt import MoEUnit, rotary_tables
 from weft.moe.exchange import Transfer
 from weft.moe.gates import LinearRouter, logit_shift
 from weft.moe.layer import MoE
@@ -95,8 +95,9 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
     sub-layers since the preceding balanced layer (where the block-wise schedule launches it),
     less that layer's experts (eq. 8 adds the experts' time itself); its Agg's, the backward of
     the sub-layers between that are not MoE layers. A collective: every rank, the same batch
-    shape. Each layer's `copy_overhead_s` and `rest_s` are then measured on its own call
-    (`measure_unpriced_time`; with `graphed`, for layers whose copies go into replica slots on
+    shape. Each layer's `copy_overhead_s`, `rest_s` and scales are then fitted on its own calls
+    on its input from this batch (`balanced_layer_inputs`, `measure_unpriced_time`; with `graphed`,
+    for layers whose copies go into replica slots on
     CUDA, as CUDA graphs of the layer's `graph_placement`, as a graphed step pays them)."""
     if not model.balanced:
         raise ValueError("fit_balance_models: the model does not balance (build it with balance='pro-prophet')")
@@ -109,6 +110,7 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
     units = model.units(None)
     tokens = idx.numel()
     dtype = compute_dtype(model.moe_layers()[0], model.tok_emb.weight, autocast or contextlib.nullcontext)
+    inputs = balanced_layer_inputs(model, idx, autocast)
     fitted, since = [], 0
     for u, unit in enumerate(units):
         if not (isinstance(unit, MoEUnit) and unit.moe.balancer is not None):
@@ -122,12 +124,30 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
                 forward, backward = forward + profiled.time[1], backward + profile.backward[i]
         expert_s = profile.units[u].experts[1]
         unit.moe.balancer.model = layer_cost_model(unit.moe, tokens, all_to_all, expert_s, dtype, forward, backward)
-        # what a copy costs beyond its bytes, on the layer's own call (random rows of the batch's size)
-        rows = torch.randn(tokens, unit.moe.dim, device=idx.device)
+        # what a copy costs beyond its bytes, on the layer's own call: its input on this batch, whose
+        # load the planner plans for (random rows route as no trained router does)
+        rows = inputs[id(unit.moe)]
         in_graphs = graphed and rows.is_cuda and unit.moe.copies_in_slots(unit.moe.call_with(**unit.overrides))
         fitted.append(with_unpriced_time(unit.moe, rows, autocast, overrides=unit.overrides, graphed=in_graphs))
         since = u
     return fitted
+
+
+def balanced_layer_inputs(model, idx: torch.Tensor, autocast: Callable[[], object] | None = None
+                          ) -> dict[int, torch.Tensor]:
+    """Each balanced MoE layer's input (tokens, dim) on token ids `idx`, by `id` of the layer: the
+    normed hidden states its sub-layer hands it, from one forward pass without gradients (its
+    balanced calls record their loads, as any call does). A collective where the layers are."""
+    ctx = autocast or contextlib.nullcontext
+    found = {}
+    with ctx(), torch.no_grad():
+        x = model.tok_emb(idx)
+        for unit in model.units(rotary_tables(idx.shape[1], model.config.head_dim, model.config.rope_theta,
+                                              idx.device)):
+            if isinstance(unit, MoEUnit) and unit.moe.balancer is not None:
+                found[id(unit.moe)] = unit.norm(x).reshape(-1, unit.moe.dim)
+            x = unit(x)
+    return found
 
 
 @dataclass(frozen=True)
