@@ -583,9 +583,7 @@ def balanced_twin(moe: MoE, cf: float | None, warm_input: torch.Tensor, copy_ove
         raise ValueError("balance runs dropless layers only (--capacity dropless)")
     measured = measure_layer_cost_model(moe, warm_input)[0] if moe.ep_size > 1 else None
     # the layer's tuning dictionary: Comet's copy programs, picked per shape by timing, are then the
-    # plain rows' on the same shape (each layer timing its own, the picks varied 16 / 32 / 128 from
-    # run to run; at qwen2's training shape 16 and 128 ran 6% slower than 32: docs/benchmarks.md,
-    # thirty-seventh session)
+    # plain rows' on the same shape (a pick of its own could differ: docs/benchmarks.md)
     twin = MoE(moe.dim, moe.hidden_dim, moe.num_experts, moe.top_k, moe.gate, None, moe.experts.activation,
                group=moe.group, balance="pro-prophet", balance_model=measured, balance_rounds=rounds,
                graph_placement=graph_placement, tuning=moe.tuning, device=warm_input.device,
@@ -727,10 +725,9 @@ def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0,
 
 
 # The timed optimizer steps run at learning rate 0: every kernel of the step runs (SGD's add of
-# the gradient times -lr; AdamW's moments and update), and the layer stays the one checked against
-# plain. At 1e-6, SGD's router updates (the gradient grows with the tokens) moved qwen2's skewed
-# routing at 32,768 tokens a rank within the timed steps: comet+graph measured 12.7 ms with them
-# and 15.1 ms with --optimizer none (docs/benchmarks.md, thirty-seventh session).
+# the gradient times -lr; AdamW's moments and update), and the layer, its routing and the skew's
+# load stay the ones checked against plain (an update moves the router, the more the more tokens:
+# docs/benchmarks.md, thirty-seventh session).
 BENCH_LR = 0.0
 
 
