@@ -81,9 +81,8 @@ def _owner_launch(kernel, weights: torch.Tensor, box: torch.Tensor, expert_WR: t
     """An owner's kernel (`_stage_copies_kernel`, `_add_grads_kernel`) over its experts' flat
     weights or gradients (El, P): up to `OWNER_PROGRAMS` programs a slot, each taking every
     OWNER_PROGRAMS-th chunk of `BLOCK` elements (`ITERS` turns). A slot with nothing for this rank
-    exits at once: a grid of a program per chunk (12,800 for two slots of a phi35 expert) cost
-    ~16 us a launch with nothing to do, while 256 programs a slot kept too few loads in flight and
-    slowed the owners' real copies (both on 2 x H200: docs/balance.md)."""
+    exits at once; the programs a slot are enough loads in flight for an owner's real copies
+    (a program per chunk and fewer programs both measured slower: docs/balance.md)."""
     world, per_rank = expert_WR.shape
     chunks = triton.cdiv(weights.shape[1], BLOCK)
     programs = min(chunks, OWNER_PROGRAMS)

@@ -41,6 +41,7 @@ from weft.overlap.profile import (
     profile_model,
     routed_rows,
     time_call,
+    unit_inputs,
 )
 from weft.profiling import time_candidates
 
@@ -136,18 +137,15 @@ def fit_balance_models(model, idx: torch.Tensor, all_to_all: CommCostModel | Non
 def balanced_layer_inputs(model, idx: torch.Tensor, autocast: Callable[[], object] | None = None
                           ) -> dict[int, torch.Tensor]:
     """Each balanced MoE layer's input (tokens, dim) on token ids `idx`, by `id` of the layer: the
-    normed hidden states its sub-layer hands it, from one forward pass without gradients (its
-    balanced calls record their loads, as any call does). A collective where the layers are."""
+    normed hidden states its sub-layer hands it, from one forward pass without gradients up to the
+    last sub-layer (`unit_inputs`; the balanced layers it runs record their loads, as any call
+    does). A collective where the layers are."""
     ctx = autocast or contextlib.nullcontext
-    found = {}
     with ctx(), torch.no_grad():
-        x = model.tok_emb(idx)
-        for unit in model.units(rotary_tables(idx.shape[1], model.config.head_dim, model.config.rope_theta,
-                                              idx.device)):
-            if isinstance(unit, MoEUnit) and unit.moe.balancer is not None:
-                found[id(unit.moe)] = unit.norm(x).reshape(-1, unit.moe.dim)
-            x = unit(x)
-    return found
+        units = model.units(rotary_tables(idx.shape[1], model.config.head_dim, model.config.rope_theta, idx.device))
+        return {id(unit.moe): unit.norm(x).reshape(-1, unit.moe.dim)
+                for unit, x in zip(units, unit_inputs(model, units, idx))
+                if isinstance(unit, MoEUnit) and unit.moe.balancer is not None}
 
 
 @dataclass(frozen=True)

@@ -152,6 +152,16 @@ def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx, repeat
         repeats)
 
 
+def unit_inputs(model, units: Sequence, idx: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `units`' input on token ids `idx` (the embedding, then each unit's output), from
+    one forward pass without gradients (under the caller's autocast)."""
+    with torch.no_grad():
+        inputs = [model.tok_emb(idx)]
+        for unit in units[:-1]:
+            inputs.append(unit(inputs[-1]))
+    return inputs
+
+
 def profile_model(
     model,
     idx: torch.Tensor,
@@ -181,12 +191,8 @@ def profile_model(
     ctx = autocast or contextlib.nullcontext
     rope_args = (idx.shape[1], model.config.head_dim, model.config.rope_theta, device)
     with ctx():
-        rope = rotary_tables(*rope_args)
-        units = model.units(rope)
-        with torch.no_grad():
-            inputs = [model.tok_emb(idx)]
-            for unit in units[:-1]:
-                inputs.append(unit(inputs[-1]))
+        units = model.units(rotary_tables(*rope_args))
+        inputs = unit_inputs(model, units, idx)
     moes = [u.moe for u in units if isinstance(u, MoESubLayer)]
     if cost_model is None and moes and group_size(moes[0].group) > 1:
         sizes = [_a2a_bytes(m, _tokens(inputs[0], batch, k), inputs[0]) for m in moes for k in ks]
