@@ -126,10 +126,13 @@ def lancet_partitions_forward(model: GPT, device: torch.device, cuda_graphs: str
 
 def _auto_blocker(model: GPT) -> str | None:
     """Why `--cuda-graphs auto` runs a step eagerly that a graph could hold: a balanced model's
-    graph whose copies follow the load (`follow_loads`) replays only when asked for."""
+    graph whose copies follow the load (`follow_loads`) replays only when asked for. Its eager
+    step plans each call's copies on the host and runs the copies' path only on ranks that hold
+    copies, by the copy engine; the graph runs that path on every rank at every call, moving the
+    bytes by link kernels (docs/balance.md, "Eager against graphed": the eager step is faster)."""
     if model.balanced:
-        return ("--cuda-graphs auto keeps a --balance pro-prophet step eager; --cuda-graphs on replays it as a CUDA "
-                "graph whose copies follow the load")
+        return ("--cuda-graphs auto keeps a --balance pro-prophet step eager, which runs the copies' path only where a "
+                "call copies; --cuda-graphs on replays it as a CUDA graph whose copies follow the load")
     return None
 
 
