@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -120,6 +121,50 @@ def test_interleaved_timing_switches_before_every_step_and_rotates():
     steps = [entry for entry in log if entry[0] == "step"]
     assert [m for _, m, _ in steps] == list("abc" "bca" "cab" "abc")  # the start rotates every round
     assert all(log[2 * i] == ("switch", step[1]) for i, step in enumerate(steps))  # each step right after its switch
+
+
+def test_sequential_timing_runs_each_mode_in_turn_and_keeps_the_last_steps():
+    """Tutel's protocol: every step of a mode before the next mode's, the warm-up steps left out."""
+    log = []
+
+    def step(mode: str, seconds: float, s: int) -> None:
+        log.append((mode, s))
+        time.sleep(0.08 if s < 2 else seconds)  # the two warm-up steps are the slowest
+
+    runs = [timing.Run(lambda m=m: log.append(("switch", m)), lambda s, m=m, t=t: step(m, t, s))
+            for m, t in (("a", 0.0), ("b", 0.03))]
+    rounds = []
+    times = timing.sequential_ms(runs, steps=3, warmup=2, device=torch.device("cpu"),
+                                 progress=lambda *a: rounds.append(a))
+    assert log == [("switch", "a"), *(("a", s) for s in range(5)), ("switch", "b"), *(("b", s) for s in range(5))]
+    assert times.shape == (2, 1, 3) and rounds == [(1, 2), (2, 2)]
+    assert bool((times[0] < 30).all()) and bool((times[1] >= 30).all()) and bool((times < 80).all()), times
+
+
+def rank_0_times_worker() -> list[str]:
+    """Every rank gets rank 0's step times (Tutel prints rank 0's), here the faster rank's."""
+    rank = torch.distributed.get_rank()
+    checks = Checks(f"rank {rank}")
+    runs = [timing.Run(lambda: None, lambda s: time.sleep(0.005 if rank == 0 else 0.06))]
+    times = timing.sequential_ms(runs, steps=2, warmup=1, device=torch.device("cpu"))
+    checks.expect(times.shape == (1, 1, 2) and bool((times < 50).all()) and bool((times >= 5).all()),
+                  f"not rank 0's times: {times.flatten().tolist()}")
+    return checks.failures
+
+
+def test_sequential_timing_reports_rank_0s_times_on_every_rank():
+    assert run_checks(rank_0_times_worker, 2, timeout=120) == []
+
+
+def test_the_layer_bench_times_in_tutels_protocol(tmp_path):
+    out = tmp_path / "tutel.json"
+    cfg = LayerBenchConfig("tiny", 64, capacity=(1.0,), steps=3, warmup=2, json=str(out), modes=("plain", "no-comm"),
+                           timing="sequential")
+    run_distributed(layer.run, 2, args=(cfg,), timeout=300)
+    report = json.loads(out.read_text())
+    assert report["meta"]["timing"] == "sequential"
+    for r in report["results"]:
+        assert 0 < r["min_ms"] <= r["median_ms"] and r["mean_ms"] >= r["min_ms"], r
 
 
 def test_progress_lines_come_from_rank_0_with_seconds_rounds_and_an_eta(capsys):

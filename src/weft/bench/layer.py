@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
-from weft.bench.timing import ProgressLog, Run, gpu_state, gpu_state_line, interleaved_ms, quartiles, slowest
+from weft.bench.timing import TIMINGS, ProgressLog, Run, gpu_state, gpu_state_line, quartiles, slowest
 from weft.cliargs import (
     ACTIVATION_CHOICES,
     DTYPES,
@@ -334,6 +334,11 @@ class LayerBenchConfig:
                          choices=("none", "sgd", "adamw"))
     steps: int = arg(20, "timed rounds, the modes interleaved; median reported", parse=positive_int)
     warmup: int = arg(5, "untimed rounds first", parse=positive_int)
+    timing: str = arg("interleaved", "interleaved: a barrier, then one step of each mode per round, each step's time "
+                      "its slowest rank's (CUDA events); sequential: Tutel's helloworld protocol, each mode's "
+                      "--warmup + --steps steps one after another, each timed on the host between two "
+                      "synchronisations, no barrier, rank 0's times (JSON mean_ms: Tutel's mean; e.g. --warmup 20 "
+                      "--steps 10)", choices=tuple(TIMINGS))
     json: str | None = arg(None, "write the results to this JSON file")
     trace: str | None = arg(None, "folder for Chrome traces of each mode (GPU)")
     profile_steps: int = arg(5, "profiled steps per mode for the time decomposition (GPU; 0: none)",
@@ -394,14 +399,15 @@ def run(bench: LayerBenchConfig) -> dict:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
                                    bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx,
                                    copy_overhead=bench.copy_overhead == "measured", balance_rounds=bench.balance_rounds,
-                                   graph_placement=bench.graph_placement)
+                                   graph_placement=bench.graph_placement, timing=bench.timing)
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
                      and r.get("median_ms")), None)
         row["ratio"] = row["median_ms"] / base["median_ms"] if base and row.get("median_ms") else None
     exchange_hidden(results)
-    meta = {**_meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "skew": bench.skew}
+    meta = {**_meta(config, cfg, tokens, activation, dtype, optimizer, baseline, ctx), "skew": bench.skew,
+            "timing": bench.timing}
     report = {"meta": meta, "results": results}
     if ctx.rank == 0:
         print_table(report)
@@ -450,7 +456,8 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
 
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
                     profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True,
-                    balance_rounds: int = 1, graph_placement: str = "captured") -> list[dict]:
+                    balance_rounds: int = 1, graph_placement: str = "captured", timing: str = "interleaved"
+                    ) -> list[dict]:
     device = ctx.device
     progress = ProgressLog("layer", ctx.rank)
     torch.manual_seed(0)
@@ -537,12 +544,12 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
             run_until_tuned(step, lambda: moe.tuning.measurements, device)
             row["tuned"] = moe.tuning.chosen()
         runs.append(Run(switch, step))
-    samples = interleaved_ms(runs, steps, warmup, device, progress=progress.round)[:, 0] if runs else []
+    samples = TIMINGS[timing](runs, steps, warmup, device, progress=progress.round)[:, 0] if runs else []
     state = gpu_state(device)  # what the timed rounds ran at (this rank's GPU)
     for row, sample in zip(timed, samples):  # no runs: every mode failed to build; their rows say why
         row["gpu_after_timing"] = state
         q1, row["median_ms"], q3 = quartiles(sample)
-        row.update(min_ms=float(sample.min()), iqr_ms=q3 - q1)
+        row.update(min_ms=float(sample.min()), mean_ms=float(sample.mean()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
     for row, run in zip(timed, runs):
         if not row["graphed"]:
@@ -813,13 +820,17 @@ def _step_fn(fwd_bwd: FwdBwd, params, inputs, grads, opt, graphed: bool) -> Call
     return step
 
 
+SEQUENTIAL_NOTE = "; timed in sequence (Tutel's protocol: rank 0's steps, each between synchronisations; means in JSON)"
+
+
 def print_table(report: dict) -> None:
     meta, rows = report["meta"], report["results"]
     print(f"\nweft bench layer: {meta['config']} (E{meta['num_experts']} k{meta['top_k']} {meta['dim']}x"
           f"{meta['hidden_dim']}), {meta['world_size']} x {meta['device']}, {meta['dtype']}, "
           f"{meta['tokens_per_rank']} tokens/rank, {meta['activation']} experts, fwd+bwd"
           f"{'' if meta['optimizer'] == 'none' else ' + ' + meta['optimizer']}"
-          f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}")
+          f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}"
+          f"{SEQUENTIAL_NOTE if meta.get('timing') == 'sequential' else ''}")
     head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'iqr':>6} {'vs ' + meta['baseline']:>9} {'max err':>9} "
             f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8} {'peak MiB':>9}")
     print(head)

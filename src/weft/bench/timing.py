@@ -1,5 +1,6 @@
-"""Timing shared by the benchmarks: an event timer, interleaved rounds of several modes, the
-slowest rank, and running tuning calls out of the timed steps.
+"""Timing shared by the benchmarks: an event timer, interleaved rounds of several modes (or Tutel's
+protocol: each mode's steps one after another), the slowest rank, and running tuning calls out of
+the timed steps.
 
 Modes are timed interleaved (one step of each per round, the order rotated), because drifts
 within one launch (clocks, host jitter, NCCL, allocator) are larger than the differences between
@@ -166,6 +167,44 @@ def interleaved_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.d
         if progress is not None:
             progress(r + 1, warmup + steps)
     return slowest_per_step(torch.tensor(times, dtype=torch.float64).transpose(1, 2), device)
+
+
+def sequential_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.device,
+                  progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """Tutel's helloworld protocol: each run's `warmup` + `steps` steps one after another (run by
+    run, no barrier between steps), each timed on the host between two synchronisations of the
+    device, the last `steps` kept; rank 0's own times, sent to every rank (Tutel prints rank 0's).
+    Returns (len(runs), 1, steps) milliseconds, as `interleaved_ms` without laps. Between steps
+    the ranks meet only in the step's own collectives, as in a training loop, so a rank's time
+    counts no wait for a barrier's release; a drift of the clocks falls on the modes unevenly
+    (list a mode twice to see it). `progress(done, total)` after each run."""
+    times = torch.zeros(len(runs), 1, steps, dtype=torch.float64)
+    for i, run in enumerate(runs):
+        run.switch()
+        for s in range(warmup + steps):
+            _synchronize(device)
+            start = time.perf_counter()
+            run.step(s)
+            _synchronize(device)
+            elapsed = (time.perf_counter() - start) * 1e3
+            run.check()
+            if s >= warmup:
+                times[i, 0, s - warmup] = elapsed
+        if progress is not None:
+            progress(i + 1, len(runs))
+    if dist.is_initialized():
+        sent = times.to(device)
+        dist.broadcast(sent, src=0)
+        times = sent.cpu()
+    return times
+
+
+TIMINGS = {"interleaved": interleaved_ms, "sequential": sequential_ms}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
