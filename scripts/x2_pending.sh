@@ -94,9 +94,11 @@
 #   tutel    `weft train --overlap tutel` graphed (the degree measured fastest as a CUDA graph) against
 #            `none`, qwen2-moe-2l batch 8, NCCL_P2P_DISABLE=1 and NVLink: its GPU test, tokens/s, MFU,
 #            the chosen degree and the losses (issues: Overlap that pays, Hardware speed)
-#   lancet   `weft train --overlap lancet` graphed (its dW schedule kept if its graph replays faster) against
-#            `none` and `tutel` (LANCET_OVERLAPS), gpt2-s-moe batch 8 (LANCET_RUNS), P2P disabled and NVLink (REGIMES): its GPU
-#            tests, tokens/s, MFU, what each chose (issue: Overlap that pays)
+#   lancet   `weft train --overlap lancet` graphed (the MoE layers' pipelining degree timed as graphs, as tutel's, and
+#            its dW schedule kept if its graph replays faster) against `none` and `tutel` (LANCET_OVERLAPS),
+#            gpt2-s-moe batch 8 (LANCET_RUNS), P2P disabled and NVLink (REGIMES): its GPU tests (with the dW items
+#            under pipelined chunks and the eager passes on NCCL), tokens/s, MFU, what each chose (issue: Overlap
+#            that pays)
 #   modelgraph  whole training iterations per overlap mode with each mode's step one CUDA graph (bench model
 #            --cuda-graphs on; none / tutel / lancet / none) for gpt2-s-moe (topk, bpr; batch 8) and gpt2-l-moe
 #            (batch 4, as its eager tables) (MODELS, preset:gate:batch),
@@ -530,7 +532,7 @@ print('losses', ' '.join(f\"{r['loss']:.4f}\" for r in rows if 'loss' in r and r
 }
 
 part_lancet() {
-  gpu_tests "$1" "lancets_dw_schedule or lancet_training_replays or graphed_lancet_profile or holds_one_calls or own_their_gradients"
+  gpu_tests "$1" "lancets_dw_schedule or lancets_dw_items or lancet_passes or lancet_training_replays or graphed_lancet_profile or holds_one_calls or own_their_gradients"
   for regime in ${REGIMES:-p2p_disabled nvlink}; do
     set_regime "$regime"
     for run in ${LANCET_RUNS:-gpt2-s-moe:8}; do

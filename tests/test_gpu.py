@@ -20,7 +20,12 @@ from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
-from test_overlap_passes import both_passes_worker, graph_profile_captures_worker, graphed_schedule_worker
+from test_overlap_passes import (
+    both_passes_worker,
+    graph_profile_captures_worker,
+    graphed_schedule_worker,
+    pipelined_dw_worker,
+)
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
@@ -114,6 +119,12 @@ def test_pipelined_two_dim_exchange_matches_linear_on_nccl():
 def test_lancet_passes_train_like_the_plain_model_on_nccl(budget):
     flat = run_checks(both_passes_worker, torch.cuda.device_count(), args=(budget, "cuda"), backend="nccl",
                       timeout=600)
+    assert not flat, "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_lancets_dw_items_under_pipelined_chunks_on_nccl():
+    flat = run_checks(pipelined_dw_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 

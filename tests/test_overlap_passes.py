@@ -2,6 +2,7 @@
 `weft.overlap.optimize`, `weft plan`, `weft bench model` and `weft train --overlap` work end to end."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 
@@ -31,23 +32,21 @@ def _config(gate, top_k, cf) -> GPTConfig:
                      top_k=top_k, gate=gate, capacity_factor=cf, aux_loss_coef=0.1, activation="swiglu")
 
 
-def _train(model: GPT, batches, lancet: bool, budget: float) -> tuple[list[float], list[int], WGradScheduler | None]:
-    scheduler = WGradScheduler(comm_time=lambda nbytes: budget) if lancet else None
+def _train(model: GPT, batches, scheduler: WGradScheduler | None) -> tuple[list[float], list[int]]:
+    """Three SGD steps' losses and drops, each backward under `scheduler` (the one applied to the
+    model) where there is one."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, dropped = [], []
     for idx in batches:
         _, loss = model(idx[:, :-1], idx[:, 1:])
-        if scheduler is not None:
-            with scheduler.backward():
-                loss.backward()
-        else:
+        with scheduler.backward() if scheduler is not None else contextlib.nullcontext():
             loss.backward()
         reduce_gradients(model, _groups())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
         dropped.append(sum(int(m.stats.dropped) for m in model.moe_layers()))
-    return losses, dropped, scheduler
+    return losses, dropped
 
 
 def _groups():
@@ -67,15 +66,22 @@ def both_passes_worker(budget: float, device: str = "cpu") -> list[str]:
         for lancet in (False, True):
             torch.manual_seed(0)
             model = GPT(_config(gate, top_k, cf), group=dist.group.WORLD).to(device)
+            scheduler = WGradScheduler(comm_time=lambda nbytes: budget) if lancet else None
             if lancet:
-                scheduler = WGradScheduler(comm_time=lambda nbytes: budget)
                 apply(model, ranges, scheduler)
-            results.append((*_train(model, batches, lancet, budget), model.state_dict()))
+            results.append((*_train(model, batches, scheduler), scheduler, model.state_dict()))
             if lancet:
                 # The model's layers hold the scheduler the training loop used for backward.
                 apply(model, [], None)
-        (ref_losses, ref_dropped, _, ref_state), (losses, dropped, _, state) = results
+        (ref_losses, ref_dropped, _, ref_state), (losses, dropped, scheduler, state) = results
         label = f"rank {rank} {gate} k{top_k} cf{cf} budget {budget}"
+        # the scheduler the backward ran under (its last): no deferred item lost, and with a budget
+        # for every item, items under the partitioned forward's exchanges (each recorded in the
+        # trace the plan follows; before, the plan gave them nothing from the second backward on)
+        stats = scheduler.stats
+        if stats.deferred != stats.run_under_comm + stats.flushed or \
+                budget == 1.0 and dist.get_world_size() > 1 and stats.run_under_comm == 0:
+            failures.append(f"{label}: the dW items {stats}")
         if dropped != ref_dropped:
             failures.append(f"{label}: dropped {dropped} != {ref_dropped}")
         if cf is not None and sum(ref_dropped) == 0:
@@ -121,6 +127,46 @@ def scheduler_runs_items_under_comm_worker() -> list[str]:
 
 def test_dw_items_run_under_the_all_to_alls():
     failures = run_checks(scheduler_runs_items_under_comm_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)
+
+
+def pipelined_dw_worker(device: str = "cpu") -> list[str]:
+    """Lancet's dW schedule over MoE layers pipelined by Tutel's chunks (`overlap_degree=2`, what a
+    graphed `--overlap lancet` step may choose): the items run under the chunks' backward
+    exchanges (where there are any: W > 1), and three SGD steps give the plain model's losses,
+    drops and weights."""
+    rank, world, failures = dist.get_rank(), dist.get_world_size(), []
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    tol = 1 if device == "cpu" else 20  # on GPUs the items' sums into .grad may round in another order
+    gen = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, 64, (6, 9), generator=gen).to(device) for _ in range(3)]
+    results = []
+    for lancet in (False, True):
+        torch.manual_seed(0)
+        model = GPT(_config("topk", 2, 1.0), group=dist.group.WORLD).to(device)
+        for moe in model.moe_layers():
+            moe.overlap_degree = 2
+        scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0) if lancet else None
+        apply(model, [], scheduler)
+        results.append((*_train(model, batches, scheduler), model.state_dict(), scheduler))
+    (ref_losses, ref_dropped, ref_state, _), (losses, dropped, state, scheduler) = results
+    label = f"rank {rank} of {world}"
+    if losses != pytest.approx(ref_losses, rel=1e-6 * tol) or dropped != ref_dropped:
+        failures.append(f"{label}: losses {losses} / drops {dropped} against {ref_losses} / {ref_dropped}")
+    for name, value in ref_state.items():
+        if not torch.allclose(state[name].float(), value.float(), rtol=1e-5 * tol, atol=1e-6 * tol):
+            failures.append(f"{label}: {name} differs by {(state[name] - value).abs().max():.2e}")
+    stats = scheduler.stats
+    under = stats.comms > 0 and stats.run_under_comm > 0
+    if under != (world > 1) or stats.deferred != stats.run_under_comm + stats.flushed:
+        failures.append(f"{label}: items under the chunks' exchanges {stats}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_dw_items_run_under_pipelined_chunks_and_train_like_the_plain_model(world_size):
+    failures = run_checks(pipelined_dw_worker, world_size, timeout=300)
     assert not failures, "\n".join(failures)
 
 
@@ -543,7 +589,7 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
 def test_the_prediction_prices_the_step_as_it_ran():
     """A graphed step that dropped Lancet's dW schedule is the plain step (unpartitioned forward):
     its prediction is the plan's baseline, not the plan's own time; with a partitioned forward no
-    form was priced."""
+    form was priced, nor with pipelined MoE layers."""
     from types import SimpleNamespace
 
     from weft.bench.model import predicted_as_run
@@ -555,6 +601,9 @@ def test_the_prediction_prices_the_step_as_it_ran():
     assert predicted_as_run(forward_only, False) == (1.2, "lancet")
     both = SimpleNamespace(scheduler=object(), forward_plan=object(), predicted=0.9, baseline=1.5)
     assert predicted_as_run(both, False)[0] is None and predicted_as_run(both, True)[0] == 0.9
+    # a graph whose MoE layers run pipelined: the plan profiled them unchunked
+    predicted, form = predicted_as_run(dw_only, True, degree=2)
+    assert predicted is None and "degree 2" in form
 
 
 def test_graphed_modes_that_do_not_fit_say_so_in_one_line():
@@ -591,9 +640,9 @@ def test_graphed_modes_that_do_not_fit_say_so_in_one_line():
 
 def capture_modes_worker() -> list[str]:
     """`weft bench model --cuda-graphs on`'s captures (`_capture_modes`), with the capture replaced by
-    a record of what it was given: each mode is built with the MoE layers at its values (tutel at
-    degree "auto", which build_micro_step then times as graphs; dedup-d2 as dedup at degree 2),
-    lancet with its dW-only plan applied, and the model is plain again after every build."""
+    a record of what it was given: each mode is built with the MoE layers at its values (tutel and
+    lancet at degree "auto", which build_micro_step then times as graphs; dedup-d2 as dedup at
+    degree 2), lancet with its dW-only plan applied, and the model is plain again after every build."""
     from weft.bench import model as bench_model
     from weft.train.step import MicroSteps, eager_micro_step
 
@@ -616,14 +665,17 @@ def capture_modes_worker() -> list[str]:
     failures = []
     if plan.ranges or plan.forward_plan is not None or plan.measured:
         failures.append(f"the graphed lancet mode planned a forward or measured eagerly: {plan.summary()}")
-    graphs, notes = bench_model._capture_modes(model, settings, (idx[:, :-1], idx[:, 1:]))
+    graphs, notes, degrees = bench_model._capture_modes(model, settings, (idx[:, :-1], idx[:, 1:]))
     expected = {("linear", 1): {("linear", 1)}, ("linear", "auto"): {("linear", "auto")},
                 ("dedup", 2): {("dedup", 2)}}
+    if degrees != {"none": 1, "tutel": 1, "dedup-d2": 2, "lancet": 1}:  # the fake build leaves "auto" as it is
+        failures.append(f"the captured degrees {degrees}")
     for key, layers in expected.items():
         if key not in seen or seen[key][2] != layers or seen[key][:2] != ("on", 1):
             failures.append(f"no capture with the layers at {layers}: {seen}")
     lancet = seen.get("lancet")
-    if lancet is None or lancet[3] is not plan or lancet[4] != {id(plan.scheduler)}:
+    if lancet is None or lancet[3] is not plan or lancet[4] != {id(plan.scheduler)} or \
+            lancet[2] != {("linear", "auto")}:  # graphed lancet times the degrees too, as tutel
         failures.append(f"lancet was not captured with its plan's scheduler applied: {lancet}")
     if set(graphs) != set(modes) or notes["lancet"] != ["weft train: built lancet"]:
         failures.append(f"captures {sorted(graphs)}, notes {notes}")
@@ -655,6 +707,37 @@ def test_interleaved_order_rotates():
     assert [r[0] for r in order] == [0, 1, 2, 0, 1]
     assert order[1] == [1, 2, 0]
     assert interleaved_order(modes, 0) == []
+
+
+def setup_overlap_worker() -> list[str]:
+    """`weft train --overlap lancet`'s setup: where the step replays as a CUDA graph, a dW-only plan
+    and every MoE layer's degree left to the graphs' timing ("auto", as tutel); where it runs
+    eagerly, the partitioned forward planned and the layers unchunked."""
+    from types import SimpleNamespace
+
+    from weft.train import loop
+
+    failures = []
+    for graphed in (True, False):
+        torch.manual_seed(0)
+        model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
+        idx = torch.randint(0, 64, (4, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+        batches = SimpleNamespace(get=lambda step, micro: (idx[:, :-1], idx[:, 1:]))
+        loop.lancet_partitions_forward = lambda *args, graphed=graphed: not graphed  # graphed: as on a GPU
+        cfg = SimpleNamespace(overlap="lancet", cuda_graphs="on" if graphed else "off")
+        plan = loop._setup_overlap(model, cfg, batches, 0, torch.device("cpu"), 1)  # rank 1: prints nothing
+        degrees = {moe.overlap_degree for moe in model.moe_layers()}
+        if graphed and (degrees != {"auto"} or plan.forward_plan is not None or plan.scheduler is None):
+            failures.append(f"graphed: degrees {degrees}, forward plan {plan.forward_plan}")
+        if not graphed and degrees != {1}:
+            failures.append(f"eager: degrees {degrees}")
+        apply(model, [], None)
+    return failures
+
+
+def test_train_lancet_times_the_pipelining_degree_where_its_step_is_graphed():
+    failures = run_checks(setup_overlap_worker, 2, timeout=300)
+    assert not failures, "\n".join(failures)
 
 
 def test_train_overlap_lancet_matches_none(tmp_path):

@@ -127,8 +127,10 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     if mode in TP_MODES:  # a schedule passed to each forward; nothing to set up
         return _Setting([], None, {}, None, make_schedule("none" if mode == "tp" else mode, p1, p2))
     passes.apply(model, [], None)
-    # dedup / dedup-d2: every MoE layer at `weft train --a2a-algo`'s settings of that name
-    moe_overrides = {"overlap_degree": "auto" if mode == "tutel" else 1, **LAYER_VALUES.get(("a2a_algo", mode), {})}
+    # dedup / dedup-d2: every MoE layer at `weft train --a2a-algo`'s settings of that name; graphed
+    # lancet times the pipelining degrees too, as `weft train --overlap lancet` does where its step is graphed
+    tuned = mode == "tutel" or mode == "lancet" and graphed
+    moe_overrides = {"overlap_degree": "auto" if tuned else 1, **LAYER_VALUES.get(("a2a_algo", mode), {})}
     if model.balanced and mode not in BALANCE_MODES:  # the balanced model without copies
         return _Setting([], None, moe_overrides, None, balance_schedule="off")
     if mode in BALANCE_MODES:
@@ -150,14 +152,14 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
 
 def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[torch.Tensor, torch.Tensor],
                    done: Callable[[str], None] = lambda what: None
-                   ) -> tuple[dict[str, MicroSteps], dict[str, list[str]]]:
+                   ) -> tuple[dict[str, MicroSteps], dict[str, list[str]], dict[str, int]]:
     """Each mode's forward and backward captured as one CUDA graph, as `weft train` builds its
     micro-step (`weft.train.step.build_micro_step` with `--cuda-graphs on`: tutel's degree and
     dedup's form timed as graphs, Lancet's dW schedule kept only where its graph is faster), the
     MoE layers set to the mode's values for the capture and back to plain after it; `done` hears
-    of each capture. Returns the micro-steps (their graphs own the gradients) and what each
-    build said."""
-    graphs, notes = {}, {}
+    of each capture. Returns the micro-steps (their graphs own the gradients), what each build said
+    and the pipelining degree each captured (the most of its MoE layers')."""
+    graphs, notes, degrees = {}, {}, {}
     device = example[0].device
     for mode, setting in settings.items():
         passes.apply(model, setting.ranges, setting.scheduler)
@@ -167,21 +169,26 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
                 set_layers(model, name, setting.moe_overrides[name])
         overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
         graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
+        degrees[mode] = max((d for d in (moe.overlap_degree for moe in model.moe_layers()) if isinstance(d, int)),
+                            default=1)
         held = f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
         done(f"{mode} captured as a CUDA graph{held}")  # every mode's graph stays alive for the timing
         if device.type == "cuda":  # the warm-up calls' freed blocks, cached in the default pool, which the
             torch.cuda.empty_cache()  # next graph's private pool (and the optimizer's states) could not reuse
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all
         passes.apply(model, [], None)
-    return graphs, notes
+    return graphs, notes, degrees
 
 
-def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool) -> tuple[float | None, str]:
+def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool, degree: int = 1) -> tuple[float | None, str]:
     """Lancet's predicted forward + backward seconds of the step as it ran, and which form that
     is: the plan's own (`plan.predicted`) where its dW schedule ran or it had none; where a graphed
     step dropped the schedule (`build_micro_step` keeps it only if it replays faster) and the
     forward is unpartitioned, the step is the plain one (`plan.baseline`); with a partitioned
-    forward and no dW schedule the planner priced no such form (None)."""
+    forward and no dW schedule the planner priced no such form (None), nor a graphed step whose
+    MoE layers run pipelined (`degree` > 1: the plan profiled them unchunked)."""
+    if degree > 1:
+        return None, f"MoE layers pipelined at degree {degree} (not priced)"
     if wgrad_scheduled or plan.scheduler is None:
         return plan.predicted, "lancet"
     if plan.forward_plan is None:
@@ -373,8 +380,8 @@ def run(bench: ModelBenchConfig) -> dict:
                                "--cuda-graphs on", device)
 
     with must_fit():
-        graphs, graph_notes = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:]),
-                                             progress.phase) if graphed else ({}, {})
+        graphs, graph_notes, degrees = _capture_modes(model, settings, (batches[0][:, :-1], batches[0][:, 1:]),
+                                                      progress.phase) if graphed else ({}, {}, {})
 
     def graph_step(mode: str, i: int) -> None:
         """One iteration: the mode's captured forward and backward replayed, then AdamW (the split
@@ -416,7 +423,7 @@ def run(bench: ModelBenchConfig) -> dict:
             row.update(forward_ms=None, forward_ms_min=None, forward_iqr_ms=None, graph=graph_notes[mode])
         if plan is not None:
             scheduled = graphs[mode].wgrad_scheduled if graphed else plan.scheduler is not None
-            predicted, form = predicted_as_run(plan, scheduled)
+            predicted, form = predicted_as_run(plan, scheduled, degrees.get(mode, 1))
             row.update(lancet_predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
                        predicted_form=form, ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
             if predicted is not None:

@@ -42,7 +42,7 @@ class Pending(SplitCollective):
         scheduler = self.scheduler
         if scheduler is not None and scheduler.active and self.work is not None:
             nbytes = grad.numel() * grad.element_size()
-            scheduler.run_for(scheduler.predict_comm(("all_to_all", grad.dtype, nbytes), nbytes))
+            scheduler.run_under(("all_to_all", grad.dtype, nbytes), nbytes)
 
 
 def _launch(x: torch.Tensor, group, out_splits, in_splits) -> tuple[torch.Tensor, object | None]:

@@ -51,6 +51,16 @@ def _wait(handle) -> None:
         handle.wait()
 
 
+def _wait_running_dw(handle, received: torch.Tensor, scheduler) -> None:
+    """Wait for a backward chunk's exchange; under a Lancet `WGradScheduler` in its backward, first
+    run the deferred weight gradients its plan gives this exchange (`communicate`), while it flies."""
+    if handle is None or scheduler is None or not scheduler.active:
+        _wait(handle)
+        return
+    nbytes = received.numel() * received.element_size()
+    scheduler.communicate(("all_to_all", received.dtype, nbytes), nbytes, handle, received.device)
+
+
 class _ChunkedFFN:
     """The expert FFN act(x @ w1) @ w2 (swiglu: (silu(x @ w1) * (x @ w3)) @ w2) over row chunks
     that arrive one at a time, written by hand so that each weight gradient is ONE batched matmul
@@ -126,8 +136,10 @@ class PipelinedExchange(torch.autograd.Function):
     """buffer (W*El*C, dim) in source layout -> expert outputs in the same layout."""
 
     @staticmethod
-    def forward(ctx, buffer, activation, group, ep, local, cap, degree, track, algo, groups_2dh, w1, w2, w3):
+    def forward(ctx, buffer, activation, group, ep, local, cap, degree, track, algo, groups_2dh, scheduler,
+                w1, w2, w3):
         ctx.comm = comm = (group, algo, groups_2dh)
+        ctx.scheduler = scheduler
         dim = buffer.shape[-1]
         bounds = chunk_bounds(cap, degree)
         grid = buffer.view(ep, local, cap, dim)
@@ -160,7 +172,7 @@ class PipelinedExchange(torch.autograd.Function):
         with torch.autocast(grad.device.type, enabled=False):
             ffn.start_backward()
             for (a, b), (recv, handle) in zip(bounds, launched):
-                _wait(handle)
+                _wait_running_dw(handle, recv, ctx.scheduler)
                 width, rows = b - a, slice(ep * a, ep * b)
                 ffn.dy[:, rows].view(local, ep, width, dim).copy_(recv.view(ep, local, width, dim).transpose(0, 1))
                 back = ffn.backward(rows).view(local, ep, width, dim).transpose(0, 1).contiguous()
@@ -172,23 +184,26 @@ class PipelinedExchange(torch.autograd.Function):
         for _, handle in sent:
             _wait(handle)
         grad_buffer = torch.cat([r.view(ep, local, b - a, dim) for (r, _), (a, b) in zip(sent, bounds)], dim=2)
-        return (grad_buffer.view(ep * local * cap, dim), *[None] * 9, dw1, dw2, dw3)
+        return (grad_buffer.view(ep * local * cap, dim), *[None] * 10, dw1, dw2, dw3)
 
 
 def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int, cap: int, degree: int,
-                       algo: str = "linear", groups_2dh=None, weights: tuple | None = None) -> torch.Tensor:
+                       algo: str = "linear", groups_2dh=None, weights: tuple | None = None,
+                       scheduler=None) -> torch.Tensor:
     """Tutel's pipelining of the padded exchange; each chunk's all-to-all is `algo` ("linear" or
     "2dh" over `groups_2dh`, the hierarchical groups of `group`). Same function as degree 1.
     `weights` (w1, w2, w3) replace the experts' own (e.g. a slice gathered from several ranks;
     their gradients flow back through whatever produced them). The expert weight gradients are
-    computed here, at once (not deferred by a Lancet `WGradScheduler`)."""
+    computed here, at once (not deferred by a Lancet `WGradScheduler`); `scheduler` (Lancet's, in
+    its backward) runs the model's other deferred weight gradients under the backward chunks'
+    exchanges, as the unpipelined exchange runs them under its one (Lancet sec. 4)."""
     w1, w2, w3 = experts.weights() if weights is None else weights
     dtype = experts.compute_dtype(buffer)
     buffer = buffer.to(dtype)
     w1, w2, w3 = (None if w is None else w.to(dtype) for w in (w1, w2, w3))
     track = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (buffer, w1, w2, w3))
     return PipelinedExchange.apply(buffer, experts.activation, group, ep, local, cap, degree, track, algo, groups_2dh,
-                                   w1, w2, w3)
+                                   scheduler, w1, w2, w3)
 
 
 # -- dropless: every (destination rank, local expert) segment is cut into d parts -----------------

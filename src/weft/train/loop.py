@@ -424,7 +424,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
 def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
                    rank: int):
     """--overlap: tutel tunes each MoE layer's pipelining degree; lancet profiles, plans and applies
-    weft.overlap (returns the plan, whose backward() the steps use)."""
+    weft.overlap (returns the plan, whose backward() the steps use), and where the step is graphed
+    tunes the degree too (its dW items then run under the chunks' backward exchanges)."""
     if cfg.overlap == "tutel":
         for moe in model.moe_layers():
             moe.overlap_degree = "auto"
@@ -434,11 +435,14 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
 
     x, _ = batches.get(start + 1, 0)
     if not lancet_partitions_forward(model, device, cfg.cuda_graphs):
-        # dW scheduling only, kept where its graph replays faster
-        # (`weft.train.step.choose_wgrad_schedule`), not by the eager check.
+        # dW scheduling, kept where its graph replays faster (`weft.train.step.choose_wgrad_schedule`),
+        # not by the eager check; of the partitioned forward, what a graph can hold: each MoE layer's
+        # own chunks (Tutel's degree, timed as graphs), its neighbours' partitions reading sizes on the host.
         plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0, graphed=True)
-        note = ("(the micro-step replays as a CUDA graph: weight-gradient scheduling only, kept if its graph "
-                "replays faster; --cuda-graphs off for the partitioned forward)\n")
+        for moe in model.moe_layers():
+            moe.overlap_degree = "auto"
+        note = ("(the micro-step replays as a CUDA graph: each MoE layer's pipelining degree and the weight-gradient "
+                "schedule, each kept if its graph replays faster; --cuda-graphs off for the partitioned forward)\n")
     else:
         plan, note = optimize(model, x.to(device)), ""
     if rank == 0:

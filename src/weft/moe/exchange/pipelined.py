@@ -22,7 +22,8 @@ class Pipelined(Exchange):
     def padded(self, rows_RD: torch.Tensor, capacity: int) -> torch.Tensor:
         placement = self.ctx.placement
         return pipelined_exchange(rows_RD, self.ctx.experts, placement.group, placement.ep_size, placement.num_local,
-                                  capacity, self.degree, algo=self.algo, groups_2dh=placement.groups_2dh)
+                                  capacity, self.degree, algo=self.algo, groups_2dh=placement.groups_2dh,
+                                  scheduler=self.ctx.scheduler)
 
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         placement = self.ctx.placement
