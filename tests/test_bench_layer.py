@@ -141,6 +141,23 @@ def test_sequential_timing_runs_each_mode_in_turn_and_keeps_the_last_steps():
     assert bool((times[0] < 30).all()) and bool((times[1] >= 30).all()) and bool((times < 80).all()), times
 
 
+def test_back_to_back_timing_runs_each_mode_in_turn_and_times_each_step():
+    """Steps launched one after another: each run's steps in a row, each step's time its own (the
+    marks between steps), the warm-up steps left out."""
+    log = []
+
+    def step(mode: str, seconds: float, s: int) -> None:
+        log.append((mode, s))
+        time.sleep(0.08 if s < 2 else seconds)
+
+    runs = [timing.Run(lambda m=m: log.append(("switch", m)), lambda s, m=m, t=t: step(m, t, s))
+            for m, t in (("a", 0.0), ("b", 0.03))]
+    times = timing.back_to_back_ms(runs, steps=3, warmup=2, device=torch.device("cpu"))
+    assert log == [("switch", "a"), *(("a", s) for s in range(5)), ("switch", "b"), *(("b", s) for s in range(5))]
+    assert times.shape == (2, 1, 3)
+    assert bool((times[0] < 30).all()) and bool((times[1] >= 30).all()) and bool((times < 80).all()), times
+
+
 def rank_0_times_worker() -> list[str]:
     """Every rank gets rank 0's step times (Tutel prints rank 0's), here the faster rank's."""
     rank = torch.distributed.get_rank()
@@ -156,13 +173,14 @@ def test_sequential_timing_reports_rank_0s_times_on_every_rank():
     assert run_checks(rank_0_times_worker, 2, timeout=120) == []
 
 
-def test_the_layer_bench_times_in_tutels_protocol(tmp_path):
-    out = tmp_path / "tutel.json"
+@pytest.mark.parametrize("protocol", ["sequential", "back-to-back"])
+def test_the_layer_bench_times_in_other_protocols(tmp_path, protocol):
+    out = tmp_path / "timed.json"
     cfg = LayerBenchConfig("tiny", 64, capacity=(1.0,), steps=3, warmup=2, json=str(out), modes=("plain", "no-comm"),
-                           timing="sequential")
+                           timing=protocol)
     run_distributed(layer.run, 2, args=(cfg,), timeout=300)
     report = json.loads(out.read_text())
-    assert report["meta"]["timing"] == "sequential"
+    assert report["meta"]["timing"] == protocol
     for r in report["results"]:
         assert 0 < r["min_ms"] <= r["median_ms"] and r["mean_ms"] >= r["min_ms"], r
 

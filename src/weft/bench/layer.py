@@ -338,7 +338,9 @@ class LayerBenchConfig:
                       "its slowest rank's (CUDA events); sequential: Tutel's helloworld protocol, each mode's "
                       "--warmup + --steps steps one after another, each timed on the host between two "
                       "synchronisations, no barrier, rank 0's times (JSON mean_ms: Tutel's mean; e.g. --warmup 20 "
-                      "--steps 10)", choices=tuple(TIMINGS))
+                      "--steps 10); back-to-back: each mode's steps launched one after another with no "
+                      "synchronisation between them, as training runs them (CUDA events between steps, the "
+                      "slowest rank's)", choices=tuple(TIMINGS))
     json: str | None = arg(None, "write the results to this JSON file")
     trace: str | None = arg(None, "folder for Chrome traces of each mode (GPU)")
     profile_steps: int = arg(5, "profiled steps per mode for the time decomposition (GPU; 0: none)",
@@ -820,7 +822,9 @@ def _step_fn(fwd_bwd: FwdBwd, params, inputs, grads, opt, graphed: bool) -> Call
     return step
 
 
-SEQUENTIAL_NOTE = "; timed in sequence (Tutel's protocol: rank 0's steps, each between synchronisations; means in JSON)"
+TIMING_NOTES = {"sequential": "; timed in sequence (Tutel's protocol: rank 0's steps, each between synchronisations; "
+                              "means in JSON)",
+                "back-to-back": "; timed back to back (each mode's steps with no synchronisation between them)"}
 
 
 def print_table(report: dict) -> None:
@@ -830,7 +834,7 @@ def print_table(report: dict) -> None:
           f"{meta['tokens_per_rank']} tokens/rank, {meta['activation']} experts, fwd+bwd"
           f"{'' if meta['optimizer'] == 'none' else ' + ' + meta['optimizer']}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}"
-          f"{SEQUENTIAL_NOTE if meta.get('timing') == 'sequential' else ''}")
+          f"{TIMING_NOTES.get(meta.get('timing'), '')}")
     head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'iqr':>6} {'vs ' + meta['baseline']:>9} {'max err':>9} "
             f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8} {'peak MiB':>9}")
     print(head)

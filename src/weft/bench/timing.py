@@ -1,6 +1,6 @@
 """Timing shared by the benchmarks: an event timer, interleaved rounds of several modes (or Tutel's
-protocol: each mode's steps one after another), the slowest rank, and running tuning calls out of
-the timed steps.
+protocol: each mode's steps one after another between synchronisations; or back to back, as a
+training loop runs them), the slowest rank, and running tuning calls out of the timed steps.
 
 Modes are timed interleaved (one step of each per round, the order rotated), because drifts
 within one launch (clocks, host jitter, NCCL, allocator) are larger than the differences between
@@ -199,7 +199,33 @@ def sequential_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.de
     return times
 
 
-TIMINGS = {"interleaved": interleaved_ms, "sequential": sequential_ms}
+def back_to_back_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.device,
+                    progress: Callable[[int, int], None] | None = None) -> torch.Tensor:
+    """Each run's `warmup` + `steps` steps launched one after another with no synchronisation or
+    barrier between them, as a training loop runs them (the host may run ahead of the GPU): step
+    i's time is from a mark before it to the mark before step i + 1 (CUDA events; host time
+    elsewhere), the last `steps` kept, each the slowest rank's. Returns (len(runs), 1, steps)
+    milliseconds, as `interleaved_ms` without laps. `progress(done, total)` after each run."""
+    times = torch.zeros(len(runs), 1, steps, dtype=torch.float64)
+    timer = Timer(device)
+    for i, run in enumerate(runs):
+        run.switch()
+        for s in range(warmup):
+            run.step(s)
+        timer.begin()
+        for s in range(steps):
+            run.step(warmup + s)
+            timer.lap()
+        timer.stop()
+        run.check()
+        ends = torch.tensor(timer.laps_ms, dtype=torch.float64)
+        times[i, 0] = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+        if progress is not None:
+            progress(i + 1, len(runs))
+    return slowest_per_step(times, device)
+
+
+TIMINGS = {"interleaved": interleaved_ms, "sequential": sequential_ms, "back-to-back": back_to_back_ms}
 
 
 def _synchronize(device: torch.device) -> None:
