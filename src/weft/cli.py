@@ -226,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a NaN/inf loss or gradient: stop the run with an error (default) or skip that step")
     tr.add_argument("--overlap", default=None, choices=["none", "tutel", "lancet"],
                     help="communication overlap: none (default), tutel (tuned pipelining degree per MoE layer), "
-                         "lancet (dW scheduling + partitioned forward, planned at start)")
+                         "lancet (dW scheduling + partitioned forward, planned at start; where the "
+                         "step replays as a CUDA graph, dW scheduling + each MoE layer's pipelining degree, "
+                         "each kept if its graph replays faster)")
     tr.add_argument("--keep-last", type=non_negative_int, default=None,
                     help="keep only the newest N checkpoints (default 0: keep all)")
     tr.add_argument("--async-checkpoint", type=on_off, default=None, metavar="{on,off}",
