@@ -196,6 +196,43 @@ class Communicate(torch.autograd.Function):
         return dh, None, None
 
 
+class RunUnder(torch.autograd.Function):
+    """Identity whose backward plays a partitioned forward's exchange: launched, then waited for
+    elsewhere, the scheduler told with `run_under`."""
+
+    @staticmethod
+    def forward(ctx, h, scheduler):
+        ctx.scheduler = scheduler
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, dh):
+        ctx.scheduler.run_under("a2a", dh.numel() * dh.element_size())
+        return dh, None
+
+
+def test_a_collective_waited_for_elsewhere_takes_the_planned_items_at_every_backward():
+    """`run_under` records the collective in the trace the next backward's plan follows, as
+    `communicate` does: from the second backward on the plan gives it its items (before, such a
+    collective took none after the first backward, and every weight went back to autograd)."""
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0)
+    params, ref_params = make_params(), make_params()
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    for _ in range(3):
+        for p in params.values():
+            p.grad = None
+        with scheduler.backward():
+            wgrad_model(params, x, scheduler, lambda h: RunUnder.apply(h, scheduler)).sum().backward()
+        s = scheduler.stats
+        assert s.comms == 1 and s.deferred == s.run_under_comm + s.flushed > 0, s
+    assert s.run_under_comm > 0 and s.flushed == 0, s  # the last backward: every item under the collective
+    # the weights whose items come after the collective in backward have none to hide under
+    assert [n for n, p in params.items() if scheduler.through_autograd(p)] == ["w_in", "w_mid"]
+    plain_model(ref_params, x).sum().backward()
+    for name, p in params.items():
+        torch.testing.assert_close(p.grad, ref_params[name].grad)
+
+
 def test_communicate_runs_the_best_fit_items_before_waiting():
     params = make_params()
     ref = run(plain_model, make_params(), torch.float32)
