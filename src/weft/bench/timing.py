@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from weft.graphs import CaptureError
 from weft.launch import ReportedError
+from weft.profiling import wall_seconds
 from weft.train.metrics import format_duration
 
 
@@ -182,11 +183,7 @@ def sequential_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.de
     for i, run in enumerate(runs):
         run.switch()
         for s in range(warmup + steps):
-            _synchronize(device)
-            start = time.perf_counter()
-            run.step(s)
-            _synchronize(device)
-            elapsed = (time.perf_counter() - start) * 1e3
+            elapsed = wall_seconds(lambda s=s: run.step(s), device) * 1e3
             run.check()
             if s >= warmup:
                 times[i, 0, s - warmup] = elapsed
@@ -226,11 +223,6 @@ def back_to_back_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.
 
 
 TIMINGS = {"interleaved": interleaved_ms, "sequential": sequential_ms, "back-to-back": back_to_back_ms}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
