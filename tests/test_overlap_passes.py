@@ -485,6 +485,41 @@ def test_backward_prediction_hides_at_most_the_pool():
     assert predict_backward(dataclasses.replace(profile, overlap_efficiency=0.0), True) == pytest.approx(10.0)
 
 
+
+def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
+    """A graphed step's MoE layers pipelined at degree d (Tutel's chunks) are priced from the
+    profiled chunk times: forward gate + chunked exchange; backward the chunked input gradients
+    with the weight gradients after them, what that leaves exposed hidden by the dW pool."""
+    from weft.overlap import planner
+    from weft.overlap.passes import OverlapPlan, predict_forward
+    from weft.overlap.profile import ModelProfile
+
+    units = [planner.ComputeUnit("attn0", {1: 1.0}),
+             planner.MoEUnit("moe0", {1: 0.1}, {1: 1.0}, {1: 1.0}, {1: 1.0}, True),
+             planner.ComputeUnit("attn1", {1: 1.0})]
+    profile = ModelProfile(units, backward=[2.0, 2.0, 2.0], backward_comm=[0.0, 2.0, 0.0], rest=0.5,
+                           names=["attn0", "moe0", "attn1"], chunks=[{}, {2: (0.5, 0.5)}, {}])
+    # degree 1 (or none given): the serial forward, the backward as before
+    assert predict_forward(profile) == predict_forward(profile, (1,)) == pytest.approx(5.1)
+    assert predict_backward(profile, False, (1,)) == predict_backward(profile, False) == pytest.approx(8.0)
+    # forward at degree 2: chunk sends 0-.5, .5-1; experts .5-1, 1-1.5; receives 1-1.5, 1.5-2
+    assert predict_forward(profile, (2,)) == pytest.approx(1.0 + 0.1 + 2.0 + 1.0)
+    # backward at degree 2: the chain ends at 2.5 (its weight gradients 1.5-2.5 beside the last
+    # receive), 2.0 of it computation (two chunks' input gradients, the weight gradients), so 0.5
+    # exposed; nothing else of the layer's 2.0 s backward (the experts' dX and dW are 2 x 1.0)
+    assert predict_backward(profile, False, (2,)) == pytest.approx(2.0 + 2.0 + 0.5 + 2.0)
+    # attn1's dW share (1.0) hides those 0.5
+    assert predict_backward(profile, True, (2,)) == pytest.approx(6.0)
+    # efficiency 0.5: the chain's 1.5 s of overlap cost half: 3.25, 1.25 exposed, 1.0 of it hidden at half
+    half = dataclasses.replace(profile, overlap_efficiency=0.5)
+    assert predict_backward(half, False, (2,)) == pytest.approx(6.0 + 1.25)
+    assert predict_backward(half, True, (2,)) == pytest.approx(6.0 + 1.25 - 0.5 * 1.0)
+    plan = OverlapPlan([], object(), None, profile, predicted=0.0, baseline=0.0)
+    assert plan.predicted_pipelined((2,), True) == pytest.approx(4.1 + 6.0 + 0.5)
+    assert plan.predicted_pipelined((4,), True) is None  # degree 4 was not profiled
+    with pytest.raises(KeyError):
+        predict_forward(profile, (4,))
+
 def test_repeated_calls_drop_each_result_before_the_next():
     from weft.overlap.profile import repeated
 
@@ -601,9 +636,15 @@ def test_the_prediction_prices_the_step_as_it_ran():
     assert predicted_as_run(forward_only, False) == (1.2, "lancet")
     both = SimpleNamespace(scheduler=object(), forward_plan=object(), predicted=0.9, baseline=1.5)
     assert predicted_as_run(both, False)[0] is None and predicted_as_run(both, True)[0] == 0.9
-    # a graph whose MoE layers run pipelined: the plan profiled them unchunked
-    predicted, form = predicted_as_run(dw_only, True, degree=2)
-    assert predicted is None and "degree 2" in form
+    # a graph whose MoE layers run pipelined: priced with Tutel's chunks where the plan profiled
+    # that degree, else not priced
+    asked = []
+    dw_only.predicted_pipelined = lambda degrees, scheduled: asked.append((degrees, scheduled)) or 1.1
+    assert predicted_as_run(dw_only, True, (2, 1)) == (1.1, "lancet, MoE layers pipelined at degree 1/2")
+    assert predicted_as_run(dw_only, False, (2, 2))[0] == 1.1 and asked == [((2, 1), True), ((2, 2), False)]
+    dw_only.predicted_pipelined = lambda degrees, scheduled: None
+    predicted, form = predicted_as_run(dw_only, True, (2, 2))
+    assert predicted is None and "degree 2 (not priced)" in form
 
 
 def test_graphed_modes_that_do_not_fit_say_so_in_one_line():
@@ -665,10 +706,25 @@ def capture_modes_worker() -> list[str]:
     failures = []
     if plan.ranges or plan.forward_plan is not None or plan.measured:
         failures.append(f"the graphed lancet mode planned a forward or measured eagerly: {plan.summary()}")
+    # every candidate degree of the layers is priced: each MoE layer's experts on one chunk, its
+    # chunk's all-to-all at 1/d of the bytes (on gloo at these sizes about the whole one's latency)
+    moe_chunks = [(unit, c) for unit, c in zip(plan.profile.units, plan.profile.chunks) if c]
+    if len(moe_chunks) != 2 or any(c for unit, c in zip(plan.profile.units, plan.profile.chunks)
+                                   if not isinstance(unit, MoEUnit)):
+        failures.append(f"chunk times of the wrong sub-layers: {plan.profile.chunks}")
+    for unit, c in moe_chunks:
+        priced = all(0 < comm < 10 * unit.dispatch[1] and experts > 0 for experts, comm in c.values())
+        if set(c) != {2, 4, 8} or not priced:
+            failures.append(f"{unit.name}'s chunks {c} against its dispatch {unit.dispatch[1]}")
+    for degrees in ((2, 2), (8, 1)):
+        predicted = plan.predicted_pipelined(degrees, True)
+        if predicted is None or not predicted > plan.profile.rest:
+            failures.append(f"degrees {degrees} priced {predicted}")
     graphs, notes, degrees = bench_model._capture_modes(model, settings, (idx[:, :-1], idx[:, 1:]))
     expected = {("linear", 1): {("linear", 1)}, ("linear", "auto"): {("linear", "auto")},
                 ("dedup", 2): {("dedup", 2)}}
-    if degrees != {"none": 1, "tutel": 1, "dedup-d2": 2, "lancet": 1}:  # the fake build leaves "auto" as it is
+    # one degree per MoE layer; the fake build leaves "auto" as it is, which counts as unchunked
+    if degrees != {"none": (1, 1), "tutel": (1, 1), "dedup-d2": (2, 2), "lancet": (1, 1)}:
         failures.append(f"the captured degrees {degrees}")
     for key, layers in expected.items():
         if key not in seen or seen[key][2] != layers or seen[key][:2] != ("on", 1):

@@ -88,6 +88,26 @@ def test_k3_without_pre_or_post_is_tutel_overlap():
     assert simulate([moe("m", {1: (1, 1, 1, 1), 3: (1.0, 2.0, 2.0, 2.0)})], 3) == 13.0
 
 
+
+def test_chunked_exchange_is_tutels_pipeline_with_the_weight_gradients_after_it():
+    # degree 1: send 0-3, compute 3-5, receive 5-8; the tail starts after the compute (5-9)
+    assert planner.chunked_exchange(3.0, 2.0, 3.0, 1) == 8.0
+    assert planner.chunked_exchange(3.0, 2.0, 3.0, 1, tail=4.0) == 9.0
+    # nothing saved where they overlap (efficiency 0): every instruction one after another
+    assert planner.chunked_exchange(3.0, 2.0, 3.0, 1, tail=4.0, efficiency=0.0) == 12.0
+    # degree 2, each chunk's send, compute and receive 1 s, tail 1.5 s:
+    # comm: send 0-1, 1-2 | receive max(2, 2)=2-3, max(3, 3)=3-4
+    # compute: chunk 0 1-2 (beside send 1), chunk 1 2-3 (beside receive 0) | tail 3-4.5 (beside receive 1)
+    assert planner.chunked_exchange(1.0, 1.0, 1.0, 2, tail=1.5) == 4.5
+    assert planner.chunked_exchange(1.0, 1.0, 1.0, 2, tail=1.5, efficiency=0.5) == 4.5 + 0.5 * 3.0
+    assert planner.chunked_exchange(1.0, 1.0, 1.0, 2, tail=1.5, efficiency=0.0) == 2 * 3.0 + 1.5
+    # compute-bound chunks hide the exchanges but the first send and the last receive
+    assert planner.chunked_exchange(0.5, 2.0, 0.5, 4) == 0.5 + 4 * 2.0 + 0.5
+    for bad, match in (({"efficiency": 1.5}, "efficiency must be in"), ({"tail": -1.0}, "tail must be"),
+                       ({"tail": math.inf}, "tail must be")):
+        with pytest.raises(ValueError, match=match):
+            planner.chunked_exchange(1.0, 1.0, 1.0, 2, **bad)
+
 def random_units(rng: random.Random, n: int, n_moe: int, max_k: int) -> list:
     """A random cost table: times on a quarter grid (ties happen), some k >= 2 missing."""
     def table() -> dict[int, float]:

@@ -96,6 +96,7 @@ from weft.tp import make_schedule
 from weft.train.config import BALANCE_MODELS
 from weft.train.step import LAYER_VALUES, MicroSteps, build_micro_step, set_layers
 from weft.tune import run_until_tuned
+from weft.tune.dictionary import DEGREES
 
 # Pro-Prophet's modes and the balance_schedule each runs the balanced model with (weft.models.gpt).
 BALANCE_MODES = {"balance": "blockwise", "balance-inline": "inline"}
@@ -137,7 +138,8 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
         return _Setting([], None, moe_overrides, None, balance_schedule=BALANCE_MODES[mode])
     plan, scheduler = None, None
     if mode == "lancet" and graphed:
-        plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0, graphed=True)
+        plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0, graphed=True,
+                               degrees=DEGREES)  # each layer's degree is timed as graphs: price every candidate
         scheduler = plan.scheduler
     elif mode.startswith("lancet"):
         # lancet-bw / lancet-fw are ablations of one pass: applied as planned, not measured away
@@ -152,13 +154,13 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
 
 def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[torch.Tensor, torch.Tensor],
                    done: Callable[[str], None] = lambda what: None
-                   ) -> tuple[dict[str, MicroSteps], dict[str, list[str]], dict[str, int]]:
+                   ) -> tuple[dict[str, MicroSteps], dict[str, list[str]], dict[str, tuple[int, ...]]]:
     """Each mode's forward and backward captured as one CUDA graph, as `weft train` builds its
     micro-step (`weft.train.step.build_micro_step` with `--cuda-graphs on`: tutel's degree and
     dedup's form timed as graphs, Lancet's dW schedule kept only where its graph is faster), the
     MoE layers set to the mode's values for the capture and back to plain after it; `done` hears
     of each capture. Returns the micro-steps (their graphs own the gradients), what each build said
-    and the pipelining degree each captured (the most of its MoE layers')."""
+    and the pipelining degree each captured (one per MoE layer, in order)."""
     graphs, notes, degrees = {}, {}, {}
     device = example[0].device
     for mode, setting in settings.items():
@@ -169,8 +171,8 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
                 set_layers(model, name, setting.moe_overrides[name])
         overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
         graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
-        degrees[mode] = max((d for d in (moe.overlap_degree for moe in model.moe_layers()) if isinstance(d, int)),
-                            default=1)
+        layer_degrees = (moe.overlap_degree for moe in model.moe_layers())
+        degrees[mode] = tuple(d if isinstance(d, int) else 1 for d in layer_degrees)
         held = f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
         done(f"{mode} captured as a CUDA graph{held}")  # every mode's graph stays alive for the timing
         if device.type == "cuda":  # the warm-up calls' freed blocks, cached in the default pool, which the
@@ -180,15 +182,22 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
     return graphs, notes, degrees
 
 
-def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool, degree: int = 1) -> tuple[float | None, str]:
+def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool,
+                     degrees: tuple[int, ...] = ()) -> tuple[float | None, str]:
     """Lancet's predicted forward + backward seconds of the step as it ran, and which form that
     is: the plan's own (`plan.predicted`) where its dW schedule ran or it had none; where a graphed
     step dropped the schedule (`build_micro_step` keeps it only if it replays faster) and the
     forward is unpartitioned, the step is the plain one (`plan.baseline`); with a partitioned
-    forward and no dW schedule the planner priced no such form (None), nor a graphed step whose
-    MoE layers run pipelined (`degree` > 1: the plan profiled them unchunked)."""
-    if degree > 1:
-        return None, f"MoE layers pipelined at degree {degree} (not priced)"
+    forward and no dW schedule the planner priced no such form (None). A graphed step whose MoE
+    layers run pipelined (`degrees`, one per layer, some above 1) is priced with Tutel's chunks
+    (`OverlapPlan.predicted_pipelined`), or None where the plan did not profile those degrees."""
+    if any(d > 1 for d in degrees):
+        shown = "/".join(str(d) for d in sorted(set(degrees)))
+        predicted = plan.predicted_pipelined(degrees, wgrad_scheduled)
+        if predicted is None:
+            return None, f"MoE layers pipelined at degree {shown} (not priced)"
+        schedule = "lancet" if wgrad_scheduled and plan.scheduler is not None else "its dW schedule dropped"
+        return predicted, f"{schedule}, MoE layers pipelined at degree {shown}"
     if wgrad_scheduled or plan.scheduler is None:
         return plan.predicted, "lancet"
     if plan.forward_plan is None:
@@ -423,7 +432,7 @@ def run(bench: ModelBenchConfig) -> dict:
             row.update(forward_ms=None, forward_ms_min=None, forward_iqr_ms=None, graph=graph_notes[mode])
         if plan is not None:
             scheduled = graphs[mode].wgrad_scheduled if graphed else plan.scheduler is not None
-            predicted, form = predicted_as_run(plan, scheduled, degrees.get(mode, 1))
+            predicted, form = predicted_as_run(plan, scheduled, degrees.get(mode, ()))
             row.update(lancet_predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
                        predicted_form=form, ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
             if predicted is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,20 @@ class OverlapPlan:
             lines.append(f"measured forward+backward ms: {times}; kept: {self.chosen}")
         return "\n".join(lines)
 
+    def predicted_pipelined(self, degrees: Sequence[int], scheduling: bool) -> float | None:
+        """Predicted forward + backward seconds of the unpartitioned step with MoE layer i
+        pipelined at `degrees[i]` (Tutel's chunks, as a graphed `--overlap lancet` step runs them)
+        and the dW schedule on or off: `predict_forward` + `predict_backward` + the rest. None
+        where the plan partitions the forward (its ranges replace those layers) or a degree
+        above 1 was not profiled (`optimize(degrees=...)`)."""
+        if self.ranges and any(d > 1 for d in degrees):
+            return None
+        try:
+            return (predict_forward(self.profile, degrees) + predict_backward(self.profile, scheduling, degrees)
+                    + self.profile.rest)
+        except KeyError:
+            return None
+
     def to_dict(self) -> dict:
         return {
             "ranges": [dataclasses.asdict(r) for r in self.ranges],
@@ -124,6 +139,7 @@ def optimize(
     repeats: int = 5,
     measure: int = 5,
     graphed: bool = False,
+    degrees: Sequence[int] = (),
 ) -> OverlapPlan:
     """Profile `model` on `sample_batch` (token ids (batch, seq), or (ids, targets)), plan the
     forward ranges by Lancet's DP and turn on dW scheduling; applies the plan to the model and
@@ -143,7 +159,9 @@ def optimize(
     computes the same losses and gradients, so measuring picks speed only.
 
     `graphed`: the steps replay as one CUDA graph, so the profile times its calls as graph
-    replays (`weft.overlap.profile`), without the host costs a replay does not pay."""
+    replays (`weft.overlap.profile`), without the host costs a replay does not pay. `degrees`:
+    Tutel's pipelining degrees to price the MoE layers at too (`OverlapPlan.predicted_pipelined`;
+    a graphed step times each layer's degree and may pick one above 1)."""
     idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
     if not isinstance(max_partitions, int) or max_partitions < 1:
         raise ValueError(f"max_partitions must be a positive integer, got {max_partitions!r}")
@@ -154,7 +172,7 @@ def optimize(
     was_training = model.training
     model.train()
     autocast = functools.partial(training_autocast, idx.device)  # profile as the training loop runs
-    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed)
+    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed, degrees)
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time,
@@ -173,7 +191,7 @@ def optimize(
         measured, (ranges, scheduler) = keep_what_pays(model, sample_batch, ranges, scheduler, autocast, measure)
         model.train(was_training)
     apply(model, ranges, scheduler)
-    serial_forward = sum(planner.serial_time(u) for u in profile.units)
+    serial_forward = predict_forward(profile)
     forward_time = forward_plan.predicted if ranges else serial_forward
     backward_time = predict_backward(profile, scheduler is not None)
     predicted = forward_time + backward_time + profile.rest
@@ -245,21 +263,73 @@ def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | Non
             module.wgrad_scheduler = scheduler
 
 
-def predict_backward(profile: ModelProfile, scheduling: bool) -> float:
+def _degree(degrees: Sequence[int], moe_index: int) -> int:
+    return degrees[moe_index] if moe_index < len(degrees) else 1
+
+
+def predict_forward(profile: ModelProfile, degrees: Sequence[int] = ()) -> float:
+    """The unpartitioned forward: every sub-layer's time on the whole batch, MoE layer i (in
+    order) pipelined in `degrees[i]` chunks (1 where not given): its gate on the whole batch,
+    then Tutel's chunked exchange (`planner.chunked_exchange`) of the profiled chunk times.
+    Raises KeyError for a degree above 1 that was not profiled."""
+    total, moe_index = 0.0, 0
+    for unit, chunks in zip(profile.units, profile.chunks or [{}] * len(profile.units)):
+        degree = 1
+        if isinstance(unit, planner.MoEUnit):
+            degree, moe_index = _degree(degrees, moe_index), moe_index + 1
+        if degree == 1:
+            total += planner.serial_time(unit)
+            continue
+        experts, comm = chunks[degree]
+        total += unit.gate[1] + planner.chunked_exchange(comm, experts, comm, degree,
+                                                         efficiency=profile.overlap_efficiency)
+    return total
+
+
+def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[int] = ()) -> float:
     """Backward compute plus the all-to-all time left exposed. Walking the sub-layers in backward
     order, the weight-gradient share of each finished layer joins a pool that the next all-to-alls
     draw from (Lancet Alg. 1 hides at most the pool, at most the all-to-all); of the time they
-    overlap, `profile.overlap_efficiency` is saved (all of it in Lancet's model)."""
+    overlap, `profile.overlap_efficiency` is saved (all of it in Lancet's model).
+
+    MoE layer i (in forward order) pipelined at `degrees[i]` > 1 runs its experts' backward as
+    Tutel's chunked exchange (`planner.chunked_exchange`: each chunk's input gradient the size of
+    its forward, then the weight gradients over every chunk, the forward experts' time, beside
+    the last exchanges); the rest of its backward (router, gather and scatter) stays serial, and
+    what the chain leaves exposed the pool may hide (the scheduler runs its items under the
+    chunks' exchanges). Raises KeyError for a degree above 1 that was not profiled."""
     pool = exposed = 0.0
-    layers = zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm))
-    for unit, compute, comm in layers:
-        if isinstance(unit, planner.MoEUnit):
+    total = 0.0
+    moes = sum(isinstance(u, planner.MoEUnit) for u in profile.units)
+    chunk_list = profile.chunks or [{}] * len(profile.units)
+    layers = zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm),
+                 reversed(chunk_list))
+    for unit, compute, comm, chunks in layers:
+        if not isinstance(unit, planner.MoEUnit):
+            total += compute
+            pool += DW_SHARE * compute
+            continue
+        moes -= 1
+        degree = _degree(degrees, moes)
+        if degree == 1:
+            total += compute
             for half in (0, 1):  # combine's backward, the experts, then dispatch's backward
                 hidden = min(comm / 2, pool) if scheduling else 0.0
                 pool -= hidden
                 exposed += comm / 2 - profile.overlap_efficiency * hidden
                 if half == 0:
                     pool += DW_SHARE * compute
-        else:
-            pool += DW_SHARE * compute
-    return sum(profile.backward) + exposed
+            continue
+        experts, chunk_comm = chunks[degree]
+        whole_experts = unit.experts[1]
+        other = max(0.0, compute - 2.0 * whole_experts)  # dX and dW each as long as the forward
+        chain = planner.chunked_exchange(chunk_comm, experts, chunk_comm, degree, tail=whole_experts,
+                                         efficiency=profile.overlap_efficiency)
+        chain_compute = degree * experts + whole_experts
+        left = max(0.0, chain - chain_compute)
+        hidden = min(left, pool) if scheduling else 0.0
+        pool -= hidden
+        total += other + chain_compute
+        exposed += left - profile.overlap_efficiency * hidden
+        pool += DW_SHARE * other
+    return total + exposed

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 __all__ = [
     "ComputeUnit", "Interval", "MoEUnit", "Plan", "Segment", "Unit",
-    "overlap_seconds", "plan", "serial_time", "simulate", "simulate_timeline",
+    "chunked_exchange", "overlap_seconds", "plan", "serial_time", "simulate", "simulate_timeline",
 ]
 
 FORMAT = "weft.overlap_plan/1"
@@ -166,6 +166,32 @@ def simulate(units: Sequence[Unit], k: int, efficiency: float = 1.0) -> float:
     end = max(iv.end for iv in timeline)
     return end if efficiency == 1.0 else end + (1.0 - efficiency) * overlap_seconds(timeline)
 
+
+
+def chunked_exchange(send: float, compute: float, receive: float, degree: int, tail: float = 0.0,
+                     efficiency: float = 1.0) -> float:
+    """Seconds of Tutel's pipelined exchange (Tutel sec. 3.2; `weft.moe.pipeline.PipelinedExchange`)
+    cut into `degree` chunks, each chunk's `send` all-to-all, `compute` and `receive` all-to-all
+    given in seconds: every send is issued first, chunk i's compute waits for its send and its
+    receive for its compute (the order `simulate_timeline` gives a one-unit range, as Lancet's
+    fig. 9 pipeline with nothing before or after the MoE stages). `tail`: computation that follows
+    the last chunk's compute beside the receives still in flight (the backward's weight
+    gradients, one matmul per weight over every chunk). As in `simulate`, (1 - efficiency) of the
+    time computation and communication overlap is added back.
+
+    Forward: send = dispatch, compute = the experts, receive = combine. Backward: send = the
+    combine's gradient, compute = the experts' input gradient, receive = the dispatch's
+    gradient, tail = the weight gradients."""
+    if not 0.0 <= efficiency <= 1.0:
+        raise ValueError(f"efficiency must be in [0, 1], got {efficiency!r}")
+    if not (math.isfinite(tail) and tail >= 0):
+        raise ValueError(f"tail must be a finite time >= 0 seconds, got {tail!r}")
+    chain = MoEUnit("chunks", {degree: 0.0}, {degree: send}, {degree: compute}, {degree: receive}, True)
+    timeline = [iv for iv in simulate_timeline([chain], degree) if iv.stage in ("dispatch", "experts", "combine")]
+    compute_end = max(iv.end for iv in timeline if iv.stage == "experts")
+    timeline.append(Interval(COMPUTE, "tail", degree - 1, compute_end, compute_end + tail))
+    end = max(iv.end for iv in timeline)
+    return end + (1.0 - efficiency) * overlap_seconds(timeline)
 
 @dataclass
 class Segment:

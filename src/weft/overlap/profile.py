@@ -50,6 +50,10 @@ class ModelProfile:
     # η: the share of an all-to-all overlapped with computation that the overlap saves
     # (`measure_overlap_efficiency`; 1, Lancet's assumption, where nothing communicates)
     overlap_efficiency: float = 1.0
+    # per sub-layer (empty for all but MoE units): Tutel's pipelining degree d -> (the experts'
+    # seconds on one of d chunks of their rows, one chunk's all-to-all seconds), for the degrees
+    # `profile_model` was asked to price (`weft.overlap.passes.predict_forward`)
+    chunks: list[dict[int, tuple[float, float]]] = dataclasses.field(default_factory=list)
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
@@ -170,9 +174,12 @@ def profile_model(
     repeats: int = 5,
     autocast: Callable[[], object] | None = None,
     graphed: bool = False,
+    degrees: Sequence[int] = (),
 ) -> tuple[ModelProfile, CommCostModel | None]:
     """Profile `model` (a weft GPT) on token ids `idx` (batch, seq) for each partition count in
     `partitions` (those above the batch size are skipped). Call on every rank of the EP group.
+    `degrees`: Tutel's pipelining degrees (> 1) to price each MoE layer at (`ModelProfile.chunks`:
+    its experts timed on one chunk of their rows, the chunk's all-to-all from the cost model).
     `graphed`: time the computation as CUDA graph replays (the module docstring); the all-to-alls
     are measured eagerly either way (one collective call each, no host cost to speak of).
     Returns the profile and the cost model used (measured here when none is given)."""
@@ -188,6 +195,7 @@ def profile_model(
         return replayed if replayed is not None else time_call(fn, device, repeats)
     batch = idx.shape[0]
     ks = sorted({k for k in partitions if 1 <= k <= batch} | {1})
+    chunked = sorted({d for d in degrees if d > 1})
     ctx = autocast or contextlib.nullcontext
     rope_args = (idx.shape[1], model.config.head_dim, model.config.rope_theta, device)
     with ctx():
@@ -196,6 +204,7 @@ def profile_model(
     moes = [u.moe for u in units if isinstance(u, MoESubLayer)]
     if cost_model is None and moes and group_size(moes[0].group) > 1:
         sizes = [_a2a_bytes(m, _tokens(inputs[0], batch, k), inputs[0]) for m in moes for k in ks]
+        sizes += [_a2a_bytes(m, _tokens(inputs[0], batch, 1), inputs[0]) // d for m in moes for d in chunked]
         cost_model = measure_all_to_all(sizes, moes[0].group, device, compute_dtype(moes[0], inputs[0], ctx), repeats)
 
     flat: list[float] = []  # every timing, in a fixed order, so one all-reduce agrees them
@@ -206,6 +215,8 @@ def profile_model(
                 flat += _time_moe(unit, part, ctx, time, cost_model)
             else:
                 flat.append(time(lambda: _forward(unit, part, ctx)))
+        if isinstance(unit, MoESubLayer):
+            flat += [time(expert_call(unit.moe, inputs[u], ctx, d)[0]) for d in chunked]
         flat.append(_time_backward(unit, inputs[u], ctx, time, list(model.blocks[u // 2].parameters())))
     flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, time))
     flat.append(_time_model_backward(model, idx, ctx, repeats, time if graphed else None))
@@ -217,7 +228,7 @@ def profile_model(
     names = [f"{'attn' if u % 2 == 0 else ('moe' if isinstance(unit, MoESubLayer) else 'mlp')}{u // 2}"
              for u, unit in enumerate(units)]
     plan_units: list[planner.Unit] = []
-    backward, backward_comm = [], []
+    backward, backward_comm, chunks = [], [], []
     for u, unit in enumerate(units):
         if isinstance(unit, MoESubLayer):
             stages = {k: [next(values) for _ in range(4)] for k in ks}
@@ -226,9 +237,13 @@ def profile_model(
                 {k: s[2] for k, s in stages.items()}, {k: s[3] for k, s in stages.items()},
                 partition_before=can_route_in_parts(unit.moe)))
             backward_comm.append(stages[1][1] + stages[1][3])
+            whole_comm = stages[1][1]
+            chunks.append({d: (next(values), _chunk_comm(cost_model, unit.moe, inputs[u], ctx, d, whole_comm))
+                           for d in chunked})
         else:
             plan_units.append(planner.ComputeUnit(names[u], {k: next(values) for k in ks}))
             backward_comm.append(0.0)
+            chunks.append({})
         backward.append(next(values))
     rest = next(values)
     # Sub-layers timed one by one overestimate their backward (each call pays autograd's start-up
@@ -243,7 +258,17 @@ def profile_model(
         first = next(u for u, unit in enumerate(units) if isinstance(unit, MoESubLayer))
         efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, repeats)
     return ModelProfile(plan_units, backward, backward_comm, rest, names,
-                        tuple(replays) if graphed else None, efficiency), cost_model
+                        tuple(replays) if graphed else None, efficiency, chunks), cost_model
+
+
+def _chunk_comm(cost_model: CommCostModel | None, moe: MoE, x: torch.Tensor, ctx, degree: int,
+                whole: float) -> float:
+    """One chunk's all-to-all seconds at pipelining degree `degree`: its bytes (1/degree of the
+    layer's) priced by the cost model; 0 where the layer does not communicate (`whole` is 0)."""
+    if whole == 0.0:
+        return 0.0
+    rows = math.ceil(routed_rows(moe, x[0].numel() // x.shape[-1] * x.shape[0]) / degree)
+    return _exchange_seconds(cost_model, moe, rows, x, ctx)
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
@@ -277,11 +302,12 @@ def _forward(unit, x: torch.Tensor, ctx) -> torch.Tensor:
     return out
 
 
-def expert_call(moe: MoE, x: torch.Tensor, ctx) -> tuple[Callable[[], torch.Tensor], int]:
+def expert_call(moe: MoE, x: torch.Tensor, ctx, chunks: int = 1) -> tuple[Callable[[], torch.Tensor], int]:
     """The experts' forward on the rows a rank's experts receive for the tokens of x (balanced
     over its local experts), in the layout the layer uses: padded modes one batched matmul over
-    (El, rows / El, dim), dropless grouped GEMM. Returns (call, rows)."""
-    rows = routed_rows(moe, x[0].numel() // x.shape[-1] * x.shape[0])
+    (El, rows / El, dim), dropless grouped GEMM; `chunks`: on one of that many chunks of the rows
+    (Tutel's pipelining degree). Returns (call, rows)."""
+    rows = math.ceil(routed_rows(moe, x[0].numel() // x.shape[-1] * x.shape[0]) / chunks)
     local = moe.num_local_experts
     with ctx():
         dtype = moe.experts.compute_dtype(x)
@@ -322,11 +348,16 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, time: Callable[[Callable[
     # rank): everything it computes, without the communication the cost model prices.
     whole = time(lambda: _forward(_local(unit), x, ctx))
     expert_time = time(experts)
-    comm = 0.0
-    if cost_model is not None and group_size(moe.group) > 1:
-        element = torch.tensor([], dtype=compute_dtype(moe, x, ctx)).element_size()
-        comm = cost_model.predict("all_to_all", rows * moe.dim * element)
+    comm = _exchange_seconds(cost_model, moe, rows, x, ctx) if group_size(moe.group) > 1 else 0.0
     return [max(0.0, whole - expert_time), comm, expert_time, comm]
+
+
+def _exchange_seconds(cost_model: CommCostModel | None, moe: MoE, rows: int, x: torch.Tensor, ctx) -> float:
+    """The cost model's price of an all-to-all of `rows` rows of the layer's width (0 without one)."""
+    if cost_model is None:
+        return 0.0
+    element = torch.tensor([], dtype=compute_dtype(moe, x, ctx)).element_size()
+    return cost_model.predict("all_to_all", rows * moe.dim * element)
 
 
 def drop_gradients(params: Sequence[torch.Tensor]) -> None:
