@@ -627,7 +627,7 @@ def test_the_prediction_prices_the_step_as_it_ran():
     form was priced, nor with pipelined MoE layers."""
     from types import SimpleNamespace
 
-    from weft.bench.model import predicted_as_run
+    from weft.overlap.passes import predicted_as_run
 
     dw_only = SimpleNamespace(scheduler=object(), forward_plan=None, predicted=1.0, baseline=1.5)
     assert predicted_as_run(dw_only, True) == (1.0, "lancet")
@@ -787,6 +787,14 @@ def setup_overlap_worker() -> list[str]:
             failures.append(f"graphed: degrees {degrees}, forward plan {plan.forward_plan}")
         if not graphed and degrees != {1}:
             failures.append(f"eager: degrees {degrees}")
+        # the log line of the micro-step as built: graphed, at the degree its graphs chose
+        if graphed:
+            for moe in model.moe_layers():
+                moe.overlap_degree = 2
+        line = loop.lancet_prediction(plan, model, True)
+        form = "lancet, MoE layers pipelined at degree 2" if graphed else "lancet"
+        if not line.startswith("weft train: Lancet predicts ") or not line.endswith(f"a micro-step ({form})"):
+            failures.append(f"graphed {graphed}: {line}")
         apply(model, [], None)
     return failures
 

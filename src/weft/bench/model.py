@@ -171,8 +171,7 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
                 set_layers(model, name, setting.moe_overrides[name])
         overlap = "lancet" if setting.plan is not None else "tutel" if mode == "tutel" else "none"
         graphs[mode] = build_micro_step(model, 1, "on", example, overlap, setting.plan, notes[mode].append)
-        layer_degrees = (moe.overlap_degree for moe in model.moe_layers())
-        degrees[mode] = tuple(d if isinstance(d, int) else 1 for d in layer_degrees)
+        degrees[mode] = passes.layer_degrees(model)
         held = f", {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated" if device.type == "cuda" else ""
         done(f"{mode} captured as a CUDA graph{held}")  # every mode's graph stays alive for the timing
         if device.type == "cuda":  # the warm-up calls' freed blocks, cached in the default pool, which the
@@ -180,29 +179,6 @@ def _capture_modes(model: GPT, settings: dict[str, _Setting], example: tuple[tor
         set_layers(model, "a2a_algo", "linear")  # through degree 1: valid for every all-to-all
         passes.apply(model, [], None)
     return graphs, notes, degrees
-
-
-def predicted_as_run(plan: passes.OverlapPlan, wgrad_scheduled: bool,
-                     degrees: tuple[int, ...] = ()) -> tuple[float | None, str]:
-    """Lancet's predicted forward + backward seconds of the step as it ran, and which form that
-    is: the plan's own (`plan.predicted`) where its dW schedule ran or it had none; where a graphed
-    step dropped the schedule (`build_micro_step` keeps it only if it replays faster) and the
-    forward is unpartitioned, the step is the plain one (`plan.baseline`); with a partitioned
-    forward and no dW schedule the planner priced no such form (None). A graphed step whose MoE
-    layers run pipelined (`degrees`, one per layer, some above 1) is priced with Tutel's chunks
-    (`OverlapPlan.predicted_pipelined`), or None where the plan did not profile those degrees."""
-    if any(d > 1 for d in degrees):
-        shown = "/".join(str(d) for d in sorted(set(degrees)))
-        predicted = plan.predicted_pipelined(degrees, wgrad_scheduled)
-        if predicted is None:
-            return None, f"MoE layers pipelined at degree {shown} (not priced)"
-        schedule = "lancet" if wgrad_scheduled and plan.scheduler is not None else "its dW schedule dropped"
-        return predicted, f"{schedule}, MoE layers pipelined at degree {shown}"
-    if wgrad_scheduled or plan.scheduler is None:
-        return plan.predicted, "lancet"
-    if plan.forward_plan is None:
-        return plan.baseline, "without Lancet (its dW schedule dropped)"
-    return None, "partitioned forward without the dW schedule (not priced)"
 
 
 def _switch(model: GPT, setting: _Setting) -> None:
@@ -432,7 +408,7 @@ def run(bench: ModelBenchConfig) -> dict:
             row.update(forward_ms=None, forward_ms_min=None, forward_iqr_ms=None, graph=graph_notes[mode])
         if plan is not None:
             scheduled = graphs[mode].wgrad_scheduled if graphed else plan.scheduler is not None
-            predicted, form = predicted_as_run(plan, scheduled, degrees.get(mode, ()))
+            predicted, form = passes.predicted_as_run(plan, scheduled, degrees.get(mode, ()))
             row.update(lancet_predicted_ms=plan.predicted * 1e3, baseline_predicted_ms=plan.baseline * 1e3,
                        predicted_form=form, ranges=[vars(r) for r in plan.ranges], plan=plan.summary())
             if predicted is not None:

@@ -201,6 +201,34 @@ def optimize(
                        combination(ranges, scheduler))
 
 
+def layer_degrees(model: nn.Module) -> tuple[int, ...]:
+    """Each MoE layer's pipelining degree, in order (one not yet tuned, "auto", counts as 1)."""
+    return tuple(d if isinstance(d, int) else 1 for d in (m.overlap_degree for m in model.modules()
+                                                         if isinstance(m, MoE)))
+
+
+def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
+                     degrees: tuple[int, ...] = ()) -> tuple[float | None, str]:
+    """Lancet's predicted forward + backward seconds of the step as it ran, and which form that
+    is: the plan's own (`plan.predicted`) where its dW schedule ran or it had none; where a graphed
+    step dropped the schedule (`build_micro_step` keeps it only if it replays faster) and the
+    forward is unpartitioned, the step is the plain one (`plan.baseline`); with a partitioned
+    forward and no dW schedule the planner priced no such form (None). A graphed step whose MoE
+    layers run pipelined (`degrees`, one per layer, some above 1) is priced with Tutel's chunks
+    (`OverlapPlan.predicted_pipelined`), or None where the plan did not profile those degrees."""
+    if any(d > 1 for d in degrees):
+        shown = "/".join(str(d) for d in sorted(set(degrees)))
+        predicted = plan.predicted_pipelined(degrees, wgrad_scheduled)
+        if predicted is None:
+            return None, f"MoE layers pipelined at degree {shown} (not priced)"
+        schedule = "lancet" if wgrad_scheduled and plan.scheduler is not None else "its dW schedule dropped"
+        return predicted, f"{schedule}, MoE layers pipelined at degree {shown}"
+    if wgrad_scheduled or plan.scheduler is None:
+        return plan.predicted, "lancet"
+    if plan.forward_plan is None:
+        return plan.baseline, "without Lancet (its dW schedule dropped)"
+    return None, "partitioned forward without the dW schedule (not priced)"
+
 def keep_what_pays(model: nn.Module, sample_batch: torch.Tensor | tuple[torch.Tensor, ...], ranges: list[Range],
                    scheduler: WGradScheduler | None, autocast, trials: int
                    ) -> tuple[dict[str, float], tuple[list[Range], WGradScheduler | None]]:

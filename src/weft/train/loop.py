@@ -29,6 +29,7 @@ from weft.launch import ReportedError
 from weft.models import GPT
 from weft.moe.grads import expert_parameters, reduce_gradients
 from weft.overlap import fit_balance_models, optimize
+from weft.overlap.passes import OverlapPlan, layer_degrees, predicted_as_run
 from weft.precision import training_autocast
 from weft.tp import make_schedule, sharded_parameters
 from weft.tp.search import choose_schedule
@@ -54,6 +55,7 @@ from weft.train.step import (
     set_layers,
     shape_for_any_placement,
 )
+from weft.tune.dictionary import DEGREES
 
 
 class DataError(ReportedError):
@@ -438,7 +440,8 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
         # dW scheduling, kept where its graph replays faster (`weft.train.step.choose_wgrad_schedule`),
         # not by the eager check; of the partitioned forward, what a graph can hold: each MoE layer's
         # own chunks (Tutel's degree, timed as graphs), its neighbours' partitions reading sizes on the host.
-        plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0, graphed=True)
+        plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0, graphed=True,
+                        degrees=DEGREES)  # priced at the degree the graphs choose (`_micro_steps`)
         for moe in model.moe_layers():
             moe.overlap_degree = "auto"
         note = ("(the micro-step replays as a CUDA graph: each MoE layer's pipelining degree and the weight-gradient "
@@ -530,7 +533,18 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
         raise TrainingStopped(f"{e} (run with --cuda-graphs off or auto)") from e
     if steps.graphed:
         log("weft train: each micro-step replays as one CUDA graph (--cuda-graphs off: eager)")
+    if isinstance(plan, OverlapPlan):
+        log(lancet_prediction(plan, model, steps.wgrad_scheduled))
     return steps
+
+
+def lancet_prediction(plan: OverlapPlan, model: GPT, wgrad_scheduled: bool) -> str:
+    """One log line: Lancet's predicted forward + backward of a micro-step as it was built (its MoE
+    layers' pipelining degrees, its dW schedule kept or dropped; `passes.predicted_as_run`)."""
+    predicted, form = predicted_as_run(plan, wgrad_scheduled, layer_degrees(model))
+    if predicted is None:
+        return f"weft train: Lancet's model has no prediction for this micro-step ({form})"
+    return f"weft train: Lancet predicts {predicted * 1e3:.2f} ms forward+backward a micro-step ({form})"
 
 
 def reads_late(device: torch.device) -> bool:
