@@ -491,7 +491,7 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     profiled chunk times: forward gate + chunked exchange; backward the chunked input gradients
     with the weight gradients after them, what that leaves exposed hidden by the dW pool."""
     from weft.overlap import planner
-    from weft.overlap.passes import OverlapPlan, predict_forward
+    from weft.overlap.passes import OverlapPlan, pipelined_predictions, predict_forward
     from weft.overlap.profile import ModelProfile
 
     units = [planner.ComputeUnit("attn0", {1: 1.0}),
@@ -519,6 +519,12 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     assert plan.predicted_pipelined((4,), True) is None  # degree 4 was not profiled
     with pytest.raises(KeyError):
         predict_forward(profile, (4,))
+    # `weft plan`'s table: every layer at each degree, with and without the dW schedule (degree 1
+    # scheduled: attn1's and the experts' dW shares hide both halves of the 2.0 s exchange)
+    table = pipelined_predictions(plan, 1, (1, 2, 4))
+    assert set(table) == {1, 2}  # degree 4 left out
+    assert table[1] == pytest.approx({"plain": 5.6 + 8.0, "scheduled": 5.6 + 6.0})
+    assert table[2] == pytest.approx({"plain": 4.6 + 6.5, "scheduled": 4.6 + 6.0})
 
 def test_repeated_calls_drop_each_result_before_the_next():
     from weft.overlap.profile import repeated
@@ -588,6 +594,10 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     main(["plan", "--preset", "tiny", "--batch-size", "2", "--nproc", "2", "--json", "plan.json"])
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["world_size"] == 2 and plan["predicted_s"] > 0
+    # Tutel's chunks priced at every candidate degree; degree 1 without the schedule is the plain step
+    pipelined = plan["pipelined_predicted_s"]
+    assert set(pipelined) == {"1", "2", "4", "8"} and min(t["plain"] for t in pipelined.values()) > 0
+    assert pipelined["1"]["plain"] == pytest.approx(plan["baseline_s"])
     assert 0.0 <= plan["overlap_efficiency"] <= 1.0  # measured on the 2 ranks' all-to-all and experts
     # the plan was measured against no plan (and its forward ranges, where the planner cut any,
     # alone and with dW scheduling), and what it kept is what it reports

@@ -98,8 +98,7 @@ class OverlapPlan:
         if self.ranges and any(d > 1 for d in degrees):
             return None
         try:
-            return (predict_forward(self.profile, degrees) + predict_backward(self.profile, scheduling, degrees)
-                    + self.profile.rest)
+            return predict_unpartitioned(self.profile, degrees, scheduling)
         except KeyError:
             return None
 
@@ -229,6 +228,21 @@ def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
         return plan.baseline, "without Lancet (its dW schedule dropped)"
     return None, "partitioned forward without the dW schedule (not priced)"
 
+def pipelined_predictions(plan: OverlapPlan, moe_layers: int, degrees: Sequence[int]) -> dict[int, dict]:
+    """Lancet's model of the step with its forward unpartitioned and every MoE layer pipelined at
+    each of `degrees` (Tutel's chunks, which the profile must have priced: `optimize(degrees=)`):
+    degree -> {"plain": seconds without the dW schedule, "scheduled": with it, whether or not the
+    plan kept it}. A degree the profile did not price is left out."""
+    table = {}
+    for degree in degrees:
+        layers = (degree,) * moe_layers
+        try:
+            table[degree] = {"plain": predict_unpartitioned(plan.profile, layers, False),
+                             "scheduled": predict_unpartitioned(plan.profile, layers, True)}
+        except KeyError:
+            continue
+    return table
+
 def keep_what_pays(model: nn.Module, sample_batch: torch.Tensor | tuple[torch.Tensor, ...], ranges: list[Range],
                    scheduler: WGradScheduler | None, autocast, trials: int
                    ) -> tuple[dict[str, float], tuple[list[Range], WGradScheduler | None]]:
@@ -313,6 +327,10 @@ def predict_forward(profile: ModelProfile, degrees: Sequence[int] = ()) -> float
                                                          efficiency=profile.overlap_efficiency)
     return total
 
+
+def predict_unpartitioned(profile: ModelProfile, degrees: Sequence[int], scheduling: bool) -> float:
+    """Forward + backward + the rest, the forward unpartitioned, MoE layer i at `degrees[i]`."""
+    return predict_forward(profile, degrees) + predict_backward(profile, scheduling, degrees) + profile.rest
 
 def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[int] = ()) -> float:
     """Backward compute plus the all-to-all time left exposed. Walking the sub-layers in backward
