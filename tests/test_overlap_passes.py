@@ -525,6 +525,7 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     assert set(table) == {1, 2}  # degree 4 left out
     assert table[1] == pytest.approx({"plain": 5.6 + 8.0, "scheduled": 5.6 + 6.0})
     assert table[2] == pytest.approx({"plain": 4.6 + 6.5, "scheduled": 4.6 + 6.0})
+    assert pipelined_predictions(plan, 0, (1, 2)) == {}  # a dense model has no degree to price
 
 def test_repeated_calls_drop_each_result_before_the_next():
     from weft.overlap.profile import repeated

@@ -232,9 +232,9 @@ def pipelined_predictions(plan: OverlapPlan, moe_layers: int, degrees: Sequence[
     """Lancet's model of the step with its forward unpartitioned and every MoE layer pipelined at
     each of `degrees` (Tutel's chunks, which the profile must have priced: `optimize(degrees=)`):
     degree -> {"plain": seconds without the dW schedule, "scheduled": with it, whether or not the
-    plan kept it}. A degree the profile did not price is left out."""
+    plan kept it}. A degree the profile did not price is left out; with no MoE layer, every one."""
     table = {}
-    for degree in degrees:
+    for degree in degrees if moe_layers else ():
         layers = (degree,) * moe_layers
         try:
             table[degree] = {"plain": predict_unpartitioned(plan.profile, layers, False),

@@ -57,7 +57,8 @@ def plan_preset(plan_cfg: PlanConfig) -> dict:
         print(f"weft plan: {preset} (gate {cfg.gate}, cf {cfg.capacity_factor}), batch {batch_size} x "
               f"{cfg.block_size} per rank, {ctx.world_size} x {ctx.device.type}")
         print(plan.summary())
-        print(pipelined_summary(pipelined))
+        if pipelined:
+            print(pipelined_summary(pipelined))
         if json_path:
             write_json(json_path, report)
             print(f"wrote {json_path}")
