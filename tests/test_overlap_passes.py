@@ -130,11 +130,11 @@ def test_dw_items_run_under_the_all_to_alls():
     assert not failures, "\n".join(failures)
 
 
-def pipelined_dw_worker(device: str = "cpu") -> list[str]:
+def pipelined_dw_worker(device: str = "cpu", capacity: float | None = 1.0) -> list[str]:
     """Lancet's dW schedule over MoE layers pipelined by Tutel's chunks (`overlap_degree=2`, what a
-    graphed `--overlap lancet` step may choose): the items run under the chunks' backward
-    exchanges (where there are any: W > 1), and three SGD steps give the plain model's losses,
-    drops and weights."""
+    graphed `--overlap lancet` step may choose; `capacity` None: dropless, the chunks cut from
+    every (rank, expert) segment): the items run under the chunks' backward exchanges (where
+    there are any: W > 1), and three SGD steps give the plain model's losses, drops and weights."""
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
@@ -144,7 +144,7 @@ def pipelined_dw_worker(device: str = "cpu") -> list[str]:
     results = []
     for lancet in (False, True):
         torch.manual_seed(0)
-        model = GPT(_config("topk", 2, 1.0), group=dist.group.WORLD).to(device)
+        model = GPT(_config("topk", 2, capacity), group=dist.group.WORLD).to(device)
         for moe in model.moe_layers():
             moe.overlap_degree = 2
         scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0) if lancet else None
@@ -164,9 +164,10 @@ def pipelined_dw_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
+@pytest.mark.parametrize("capacity", [1.0, None])
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_dw_items_run_under_pipelined_chunks_and_train_like_the_plain_model(world_size):
-    failures = run_checks(pipelined_dw_worker, world_size, timeout=300)
+def test_dw_items_run_under_pipelined_chunks_and_train_like_the_plain_model(world_size, capacity):
+    failures = run_checks(pipelined_dw_worker, world_size, args=("cpu", capacity), timeout=300)
     assert not failures, "\n".join(failures)
 
 

@@ -266,8 +266,8 @@ class DroplessPipelinedExchange(torch.autograd.Function):
     `to_sent`), forward and backward, with no row-sized zero tensor to index_copy into."""
 
     @staticmethod
-    def forward(ctx, send, experts, group, plans, track, *params):
-        ctx.track, ctx.group, ctx.plans, ctx.params = track, group, plans, params
+    def forward(ctx, send, experts, group, plans, track, scheduler, *params):
+        ctx.track, ctx.group, ctx.plans, ctx.params, ctx.scheduler = track, group, plans, params, scheduler
         launched = [_launch_v(send.index_select(0, p["index"]), group, p["recv_splits"], p["send_splits"])
                     for p in plans]
         ctx.inputs, ctx.outputs, results = [], [], []
@@ -294,7 +294,7 @@ class DroplessPipelinedExchange(torch.autograd.Function):
         param_grads = [None] * len(ctx.params)
         sent = []
         for plan, (recv, handle), inp, out in zip(plans, launched, ctx.inputs, ctx.outputs):
-            _wait(handle)
+            _wait_running_dw(handle, recv, ctx.scheduler)
             grad_out = recv.index_select(0, plan["by_expert"])
             grads = torch.autograd.grad(out, [inp, *ctx.params], grad_out, allow_unused=True)
             for i, g in enumerate(grads[1:]):
@@ -306,13 +306,15 @@ class DroplessPipelinedExchange(torch.autograd.Function):
             _wait(handle)
         grad_send = torch.cat([r for r, _ in sent]).index_select(0, ctx.to_sent)
         ctx.inputs = ctx.outputs = None
-        return (grad_send, None, None, None, None, *param_grads)
+        return (grad_send, None, None, None, None, None, *param_grads)
 
 
 def dropless_pipelined_exchange(send: torch.Tensor, experts, group, sent: list[list[int]],
-                                received: list[list[int]], degree: int) -> torch.Tensor:
-    """Tutel's pipelining for the dropless all-to-allv: the same function as one exchange."""
+                                received: list[list[int]], degree: int, scheduler=None) -> torch.Tensor:
+    """Tutel's pipelining for the dropless all-to-allv: the same function as one exchange. Under a
+    Lancet `WGradScheduler` (`scheduler`) the deferred weight gradients its plan gives each
+    backward chunk's exchange run while that exchange flies, as in `pipelined_exchange`."""
     params = list(experts.parameters())
     track = torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params))
     plans = dropless_plan(sent, received, degree, send.device)
-    return DroplessPipelinedExchange.apply(send, experts, group, plans, track, *params)
+    return DroplessPipelinedExchange.apply(send, experts, group, plans, track, scheduler, *params)

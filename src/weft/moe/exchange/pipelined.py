@@ -28,4 +28,5 @@ class Pipelined(Exchange):
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         placement = self.ctx.placement
         _, sent, received = self.ctx.expert_counts(layout)
-        return dropless_pipelined_exchange(rows_ND, self.ctx.experts, placement.group, sent, received, self.degree)
+        return dropless_pipelined_exchange(rows_ND, self.ctx.experts, placement.group, sent, received, self.degree,
+                                           scheduler=self.ctx.scheduler)
