@@ -123,8 +123,10 @@ def test_lancet_passes_train_like_the_plain_model_on_nccl(budget):
 
 
 @needs_cuda
-def test_lancets_dw_items_under_pipelined_chunks_on_nccl():
-    flat = run_checks(pipelined_dw_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=600)
+@pytest.mark.parametrize("capacity", [1.0, None])
+def test_lancets_dw_items_under_pipelined_chunks_on_nccl(capacity):
+    flat = run_checks(pipelined_dw_worker, torch.cuda.device_count(), args=("cuda", capacity), backend="nccl",
+                      timeout=600)
     assert not flat, "\n".join(flat[:15])
 
 
