@@ -486,7 +486,6 @@ def test_backward_prediction_hides_at_most_the_pool():
     assert predict_backward(dataclasses.replace(profile, overlap_efficiency=0.0), True) == pytest.approx(10.0)
 
 
-
 def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     """A graphed step's MoE layers pipelined at degree d (Tutel's chunks) are priced from the
     profiled chunk times: forward gate + chunked exchange; backward the chunked input gradients
@@ -527,6 +526,7 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     assert table[1] == pytest.approx({"plain": 5.6 + 8.0, "scheduled": 5.6 + 6.0})
     assert table[2] == pytest.approx({"plain": 4.6 + 6.5, "scheduled": 4.6 + 6.0})
     assert pipelined_predictions(plan, 0, (1, 2)) == {}  # a dense model has no degree to price
+
 
 def test_repeated_calls_drop_each_result_before_the_next():
     from weft.overlap.profile import repeated

@@ -88,7 +88,6 @@ def test_k3_without_pre_or_post_is_tutel_overlap():
     assert simulate([moe("m", {1: (1, 1, 1, 1), 3: (1.0, 2.0, 2.0, 2.0)})], 3) == 13.0
 
 
-
 def test_chunked_exchange_is_tutels_pipeline_with_the_weight_gradients_after_it():
     # degree 1: send 0-3, compute 3-5, receive 5-8; the tail starts after the compute (5-9)
     assert planner.chunked_exchange(3.0, 2.0, 3.0, 1) == 8.0
@@ -107,6 +106,7 @@ def test_chunked_exchange_is_tutels_pipeline_with_the_weight_gradients_after_it(
                        ({"tail": math.inf}, "tail must be")):
         with pytest.raises(ValueError, match=match):
             planner.chunked_exchange(1.0, 1.0, 1.0, 2, **bad)
+
 
 def random_units(rng: random.Random, n: int, n_moe: int, max_k: int) -> list:
     """A random cost table: times on a quarter grid (ties happen), some k >= 2 missing."""

@@ -228,6 +228,7 @@ def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
         return plan.baseline, "without Lancet (its dW schedule dropped)"
     return None, "partitioned forward without the dW schedule (not priced)"
 
+
 def pipelined_predictions(plan: OverlapPlan, moe_layers: int, degrees: Sequence[int]) -> dict[int, dict]:
     """Lancet's model of the step with its forward unpartitioned and every MoE layer pipelined at
     each of `degrees` (Tutel's chunks, which the profile must have priced: `optimize(degrees=)`):
@@ -242,6 +243,7 @@ def pipelined_predictions(plan: OverlapPlan, moe_layers: int, degrees: Sequence[
         except KeyError:
             continue
     return table
+
 
 def keep_what_pays(model: nn.Module, sample_batch: torch.Tensor | tuple[torch.Tensor, ...], ranges: list[Range],
                    scheduler: WGradScheduler | None, autocast, trials: int
@@ -331,6 +333,7 @@ def predict_forward(profile: ModelProfile, degrees: Sequence[int] = ()) -> float
 def predict_unpartitioned(profile: ModelProfile, degrees: Sequence[int], scheduling: bool) -> float:
     """Forward + backward + the rest, the forward unpartitioned, MoE layer i at `degrees[i]`."""
     return predict_forward(profile, degrees) + predict_backward(profile, scheduling, degrees) + profile.rest
+
 
 def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[int] = ()) -> float:
     """Backward compute plus the all-to-all time left exposed. Walking the sub-layers in backward

@@ -167,7 +167,6 @@ def simulate(units: Sequence[Unit], k: int, efficiency: float = 1.0) -> float:
     return end if efficiency == 1.0 else end + (1.0 - efficiency) * overlap_seconds(timeline)
 
 
-
 def chunked_exchange(send: float, compute: float, receive: float, degree: int, tail: float = 0.0,
                      efficiency: float = 1.0) -> float:
     """Seconds of Tutel's pipelined exchange (Tutel sec. 3.2; `weft.moe.pipeline.PipelinedExchange`)
@@ -192,6 +191,7 @@ def chunked_exchange(send: float, compute: float, receive: float, degree: int, t
     timeline.append(Interval(COMPUTE, "tail", degree - 1, compute_end, compute_end + tail))
     end = max(iv.end for iv in timeline)
     return end + (1.0 - efficiency) * overlap_seconds(timeline)
+
 
 @dataclass
 class Segment:
