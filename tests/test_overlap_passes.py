@@ -521,11 +521,13 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
         predict_forward(profile, (4,))
     # `weft plan`'s table: every layer at each degree, with and without the dW schedule (degree 1
     # scheduled: attn1's and the experts' dW shares hide both halves of the 2.0 s exchange)
-    table = pipelined_predictions(plan, 1, (1, 2, 4))
+    table = pipelined_predictions(plan, (1, 2, 4))
     assert set(table) == {1, 2}  # degree 4 left out
     assert table[1] == pytest.approx({"plain": 5.6 + 8.0, "scheduled": 5.6 + 6.0})
     assert table[2] == pytest.approx({"plain": 4.6 + 6.5, "scheduled": 4.6 + 6.0})
-    assert pipelined_predictions(plan, 0, (1, 2)) == {}  # a dense model has no degree to price
+    dense = dataclasses.replace(profile, units=[units[0], units[2]], backward=[2.0, 2.0], backward_comm=[0.0, 0.0],
+                                names=["attn0", "attn1"], chunks=[{}, {}])
+    assert pipelined_predictions(dataclasses.replace(plan, profile=dense), (1, 2)) == {}  # no degree to price
 
 
 def test_repeated_calls_drop_each_result_before_the_next():

@@ -229,11 +229,12 @@ def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
     return None, "partitioned forward without the dW schedule (not priced)"
 
 
-def pipelined_predictions(plan: OverlapPlan, moe_layers: int, degrees: Sequence[int]) -> dict[int, dict]:
+def pipelined_predictions(plan: OverlapPlan, degrees: Sequence[int]) -> dict[int, dict]:
     """Lancet's model of the step with its forward unpartitioned and every MoE layer pipelined at
     each of `degrees` (Tutel's chunks, which the profile must have priced: `optimize(degrees=)`):
     degree -> {"plain": seconds without the dW schedule, "scheduled": with it, whether or not the
     plan kept it}. A degree the profile did not price is left out; with no MoE layer, every one."""
+    moe_layers = sum(isinstance(unit, planner.MoEUnit) for unit in plan.profile.units)
     table = {}
     for degree in degrees if moe_layers else ():
         layers = (degree,) * moe_layers

@@ -216,7 +216,7 @@ def profile_model(
             else:
                 flat.append(time(lambda: _forward(unit, part, ctx)))
         if isinstance(unit, MoESubLayer):
-            flat += [time(expert_call(unit.moe, inputs[u], ctx, d)[0]) for d in chunked]
+            flat += _time_chunks(unit.moe, inputs[u], ctx, time, cost_model, chunked)
         flat.append(_time_backward(unit, inputs[u], ctx, time, list(model.blocks[u // 2].parameters())))
     flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, time))
     flat.append(_time_model_backward(model, idx, ctx, repeats, time if graphed else None))
@@ -237,9 +237,7 @@ def profile_model(
                 {k: s[2] for k, s in stages.items()}, {k: s[3] for k, s in stages.items()},
                 partition_before=can_route_in_parts(unit.moe)))
             backward_comm.append(stages[1][1] + stages[1][3])
-            whole_comm = stages[1][1]
-            chunks.append({d: (next(values), _chunk_comm(cost_model, unit.moe, inputs[u], ctx, d, whole_comm))
-                           for d in chunked})
+            chunks.append({d: (next(values), next(values)) for d in chunked})
         else:
             plan_units.append(planner.ComputeUnit(names[u], {k: next(values) for k in ks}))
             backward_comm.append(0.0)
@@ -259,16 +257,6 @@ def profile_model(
         efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, repeats)
     return ModelProfile(plan_units, backward, backward_comm, rest, names,
                         tuple(replays) if graphed else None, efficiency, chunks), cost_model
-
-
-def _chunk_comm(cost_model: CommCostModel | None, moe: MoE, x: torch.Tensor, ctx, degree: int,
-                whole: float) -> float:
-    """One chunk's all-to-all seconds at pipelining degree `degree`: its bytes (1/degree of the
-    layer's) priced by the cost model; 0 where the layer does not communicate (`whole` is 0)."""
-    if whole == 0.0:
-        return 0.0
-    rows = math.ceil(routed_rows(moe, x[0].numel() // x.shape[-1] * x.shape[0]) / degree)
-    return _exchange_seconds(cost_model, moe, rows, x, ctx)
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
@@ -348,13 +336,25 @@ def _time_moe(unit: MoESubLayer, x: torch.Tensor, ctx, time: Callable[[Callable[
     # rank): everything it computes, without the communication the cost model prices.
     whole = time(lambda: _forward(_local(unit), x, ctx))
     expert_time = time(experts)
-    comm = _exchange_seconds(cost_model, moe, rows, x, ctx) if group_size(moe.group) > 1 else 0.0
+    comm = _exchange_seconds(cost_model, moe, rows, x, ctx)
     return [max(0.0, whole - expert_time), comm, expert_time, comm]
 
 
+def _time_chunks(moe: MoE, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float], cost_model,
+                 degrees: Sequence[int]) -> list[float]:
+    """[experts, all-to-all] seconds of one of d chunks of the layer's rows on x, for each
+    pipelining degree d in `degrees` (Tutel's chunks; `ModelProfile.chunks`), flat."""
+    times = []
+    for degree in degrees:
+        experts, rows = expert_call(moe, x, ctx, degree)
+        times += [time(experts), _exchange_seconds(cost_model, moe, rows, x, ctx)]
+    return times
+
+
 def _exchange_seconds(cost_model: CommCostModel | None, moe: MoE, rows: int, x: torch.Tensor, ctx) -> float:
-    """The cost model's price of an all-to-all of `rows` rows of the layer's width (0 without one)."""
-    if cost_model is None:
+    """The cost model's price of an all-to-all of `rows` rows of the layer's width (0 without one,
+    or where the layer does not communicate)."""
+    if cost_model is None or group_size(moe.group) == 1:
         return 0.0
     element = torch.tensor([], dtype=compute_dtype(moe, x, ctx)).element_size()
     return cost_model.predict("all_to_all", rows * moe.dim * element)

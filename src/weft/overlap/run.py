@@ -12,7 +12,6 @@ from weft.distributed import init_distributed
 from weft.jsonfile import write_json
 from weft.models import GPT
 from weft.models.presets import PresetChoice
-from weft.moe.layer import MoE
 from weft.overlap.passes import optimize, pipelined_predictions
 from weft.tune.dictionary import DEGREES
 
@@ -48,8 +47,7 @@ def plan_preset(plan_cfg: PlanConfig) -> dict:
     idx = torch.randint(0, cfg.vocab_size, (batch_size, cfg.block_size), generator=gen).to(ctx.device)
     plan = optimize(model, idx, max_partitions=plan_cfg.max_partitions, max_range=plan_cfg.max_range,
                     cost_model=cost_model, measure=plan_cfg.measure, degrees=DEGREES)
-    moe_layers = sum(isinstance(m, MoE) for m in model.modules())
-    pipelined = pipelined_predictions(plan, moe_layers, DEGREES)
+    pipelined = pipelined_predictions(plan, DEGREES)
     report = {"preset": preset, "gate": cfg.gate, "capacity_factor": cfg.capacity_factor, "batch_size": batch_size,
               "world_size": ctx.world_size, **plan.to_dict(),
               "pipelined_predicted_s": {str(d): times for d, times in pipelined.items()}}
