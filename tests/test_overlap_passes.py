@@ -220,9 +220,14 @@ def graphed_profile_worker() -> list[str]:
     plan = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True)
     units = plan.profile.units
     # each sub-layer's forward (a dense one whole, an MoE one as its computation and its experts),
-    # each sub-layer's forward + backward and forward again, the head's, the model's backward (2)
-    if len(calls) != len(units) + sum(isinstance(u, MoEUnit) for u in units) + 2 * len(units) + 3:
+    # each sub-layer's forward + backward and forward again, the head's, the model's backward (2),
+    # and where the experts communicate η's four (the all-to-all alone, one and several experts'
+    # calls, both at once: `measure_overlap_efficiency` as the graphed step runs them)
+    efficiency = 4 if dist.get_world_size() > 1 else 0
+    if len(calls) != len(units) + sum(isinstance(u, MoEUnit) for u in units) + 2 * len(units) + 3 + efficiency:
         failures.append(f"{len(calls)} graph replays timed for {len(units)} sub-layers")
+    if dist.get_world_size() > 1 and plan.profile.overlap_efficiency != 1.0:  # (2 + 2 - 2) / 2 at 2 ms each
+        failures.append(f"η {plan.profile.overlap_efficiency} from replays of 2 ms each, expected 1")
     dense = [u.time[1] for u in units if not isinstance(u, MoEUnit)]
     if dense != [2e-3] * len(dense) or plan.profile.rest != 2e-3 or any(b != 0.0 for b in plan.profile.backward):
         failures.append(f"the profile's times are not the replays': {dense}, rest {plan.profile.rest}, "
@@ -586,6 +591,20 @@ def overlap_efficiency_worker() -> list[str]:
     values = [None, None]
     dist.all_gather_object(values, (beside, serial))
     checks.expect(values[0] == values[1], f"the ranks measured different efficiencies: {values}")
+
+    # a graphed profile's own timer (`time=`), each call's seconds scripted: the all-to-all alone
+    # 4 ms, one computation 1 ms (so 4 of them are matched to it), those 4 alone 4 ms on rank 0 and
+    # 5 ms on rank 1, both at once 6 ms. The slowest rank's: (4 + 5 - 6) / 4 saved on both ranks.
+    ran, scripted = [], iter([4e-3, 1e-3, (4 + dist.get_rank()) * 1e-3, 6e-3])
+
+    def timer(fn):
+        fn()
+        return next(scripted)
+
+    timed = measure_overlap_efficiency(lambda: ran.append(1), Thread, None, cpu, time=timer)
+    checks.expect(abs(timed - 0.75) < 1e-9, f"efficiency from the timer's times: {timed}, expected 0.75")
+    checks.expect(len(ran) == 1 + 4 + 4, f"the timer ran the computation {len(ran)} times, expected 9: once "
+                                        f"alone, 4 times as the matched computation, 4 beside the all-to-all")
     return checks.failures
 
 

@@ -120,6 +120,9 @@ class OverlapPlan:
                 "backward": list(self.profile.backward),
                 "backward_comm": list(self.profile.backward_comm),
                 "rest": self.profile.rest,
+                # MoE sub-layers: Tutel's degree -> [experts on one chunk, one chunk's all-to-all]
+                "chunks": {name: {d: list(c) for d, c in chunks.items()}
+                           for name, chunks in zip(self.profile.names, self.profile.chunks) if chunks},
             },
         }
 

@@ -119,7 +119,8 @@ def measure_all_to_all(sizes: Sequence[int], group, device: torch.device, dtype:
 
 
 def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: Callable[[], object], group,
-                               device: torch.device, repeats: int = 5) -> float:
+                               device: torch.device, repeats: int = 5,
+                               time: Callable[[Callable[[], object]], float] | None = None) -> float:
     """η: how much of an overlap of an all-to-all with computation is saved, measured. Lancet's
     model runs the two side by side for free; on a GPU they share the SMs and the memory
     bandwidth (NCCL's kernels run on SMs; with P2P disabled they move the rows through host
@@ -128,9 +129,14 @@ def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: 
     all-to-all on its stream, the computation on the current one), each the slowest rank's
     median, and returns (t_comm + t_compute - t_both) / min(t_comm, t_compute) clipped to [0, 1]:
     1 when the shorter one hides entirely, 0 when running them together takes as long as one
-    after the other. A collective over `group`: every rank gets the same value."""
-    comm_s = time_call(lambda: start_all_to_all().wait(), device, repeats)
-    one_s = time_call(compute, device, repeats)
+    after the other. A collective over `group`: every rank gets the same value. `time(fn)`: the
+    seconds of one fn() (default `time_call`); a graphed profile passes its CUDA graph timing, so
+    the three are measured as the graphed step runs them, with no host launches between kernels."""
+    if time is None:
+        def time(fn: Callable[[], object]) -> float:
+            return time_call(fn, device, repeats)
+    comm_s = time(lambda: start_all_to_all().wait())
+    one_s = time(compute)
     times = max(1, round(comm_s / one_s)) if one_s > 0 else 1
 
     def both() -> None:
@@ -138,22 +144,22 @@ def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: 
         repeated(compute, times)
         work.wait()
 
-    comm_s, compute_s, both_s = slowest_rank(
-        [comm_s, time_call(lambda: repeated(compute, times), device, repeats), time_call(both, device, repeats)],
-        device, group)
+    comm_s, compute_s, both_s = slowest_rank([comm_s, time(lambda: repeated(compute, times)), time(both)],
+                                             device, group)
     shorter = min(comm_s, compute_s)
     return 1.0 if shorter <= 0 else min(1.0, max(0.0, (comm_s + compute_s - both_s) / shorter))
 
 
-def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx, repeats: int) -> float:
+def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx,
+                              time: Callable[[Callable[[], object]], float]) -> float:
     """`measure_overlap_efficiency` with an MoE layer's own work: its dispatch all-to-all of the
-    whole batch beside its experts' forward."""
+    whole batch beside its experts' forward, each timed by `time` (the profile's)."""
     src, out = _all_to_all_buffers(_a2a_bytes(moe, _tokens(x, batch, 1), x), group_size(moe.group),
                                    compute_dtype(moe, x, ctx), x.device)
     experts, _ = expert_call(moe, x, ctx)
     return measure_overlap_efficiency(
         experts, lambda: dist.all_to_all_single(out, src, group=moe.group, async_op=True), moe.group, x.device,
-        repeats)
+        time=time)
 
 
 def unit_inputs(model, units: Sequence, idx: torch.Tensor) -> list[torch.Tensor]:
@@ -254,7 +260,7 @@ def profile_model(
     efficiency = 1.0
     if moes and group_size(moes[0].group) > 1:
         first = next(u for u, unit in enumerate(units) if isinstance(unit, MoESubLayer))
-        efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, repeats)
+        efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, time)
     return ModelProfile(plan_units, backward, backward_comm, rest, names,
                         tuple(replays) if graphed else None, efficiency, chunks), cost_model
 
