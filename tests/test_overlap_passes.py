@@ -204,10 +204,19 @@ def graphed_profile_worker() -> list[str]:
     eagerly; graphed=False never asks for a replay."""
     from weft.overlap import profile
 
-    calls, streams = [], set()
+    calls, streams, communicated = [], set(), []
+    exchanges, all_to_all = [0], dist.all_to_all_single
+
+    def counted_all_to_all(*args, **kwargs):
+        exchanges[0] += 1
+        return all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counted_all_to_all  # this spawned process's only
 
     def fake_graph_seconds(fn, device, repeats=5, warmup=2, inner=5, stream=None):
+        before = exchanges[0]
         fn()
+        communicated.append(exchanges[0] > before)
         calls.append(fn)
         streams.add(id(stream))  # one capture stream for the whole profile (None: this is a CPU)
         return 2e-3
@@ -217,15 +226,23 @@ def graphed_profile_worker() -> list[str]:
     model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD)
     x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank()))
     failures = []
-    plan = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True)
+    plan = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True, in_step=True)
     units = plan.profile.units
     # each sub-layer's forward (a dense one whole, an MoE one as its computation and its experts),
     # each sub-layer's forward + backward and forward again, the head's, the model's backward (2),
     # and where the experts communicate η's four (the all-to-all alone, one and several experts'
     # calls, both at once: `measure_overlap_efficiency` as the graphed step runs them)
-    efficiency = 4 if dist.get_world_size() > 1 else 0
-    if len(calls) != len(units) + sum(isinstance(u, MoEUnit) for u in units) + 2 * len(units) + 3 + efficiency:
+    # and `in_step`'s forward of each communicating MoE layer (no weight cast: float32 on a CPU)
+    moes = sum(isinstance(u, MoEUnit) for u in units)
+    efficiency, in_step = (4, moes) if dist.get_world_size() > 1 else (0, 0)
+    if len(calls) != len(units) + moes + 2 * len(units) + 3 + efficiency + in_step:
         failures.append(f"{len(calls)} graph replays timed for {len(units)} sub-layers")
+    if sum(communicated) != (2 + moes if dist.get_world_size() > 1 else 0):  # η's all-to-all alone and beside
+        failures.append(f"{sum(communicated)} of the replays ran an all-to-all, expected η's 2 and one "
+                        f"forward of each of the {moes} MoE layers")
+    stepped = [t for u, t in zip(units, plan.profile.forward_in_step) if isinstance(u, MoEUnit)]
+    if stepped != [2e-3 if dist.get_world_size() > 1 else None] * moes or any(plan.profile.weight_cast):
+        failures.append(f"in-step forwards {plan.profile.forward_in_step}, weight casts {plan.profile.weight_cast}")
     if dist.get_world_size() > 1 and plan.profile.overlap_efficiency != 1.0:  # (2 + 2 - 2) / 2 at 2 ms each
         failures.append(f"η {plan.profile.overlap_efficiency} from replays of 2 ms each, expected 1")
     dense = [u.time[1] for u in units if not isinstance(u, MoEUnit)]
@@ -242,10 +259,23 @@ def graphed_profile_worker() -> list[str]:
     if plan.profile.graph_replays != (len(calls), 0) or f"replays: {len(calls)} of {len(calls)} calls" \
             not in plan.summary() or plan.to_dict()["graph_replays"] != (len(calls), 0):
         failures.append(f"the plan reports {plan.profile.graph_replays} replays of {len(calls)}:\n{plan.summary()}")
+    communicated.clear()
+    unasked = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True)
+    if unasked.profile.forward_in_step or unasked.profile.weight_cast or sum(communicated) > 2:
+        failures.append(f"a graphed profile not asked for them measured in-step corrections "
+                        f"({sum(communicated)} replays communicated)")
     calls.clear()
     eager = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0)
-    if calls or eager.profile.graph_replays is not None or "replays" in eager.summary():
-        failures.append(f"an eager profile timed {len(calls)} graph replays")
+    if calls or eager.profile.graph_replays is not None or "replays" in eager.summary() \
+            or eager.profile.forward_in_step:
+        failures.append(f"an eager profile timed {len(calls)} graph replays, in-step forwards "
+                        f"{eager.profile.forward_in_step}")
+    for moe in model.moe_layers():  # a degree still to be tuned: its tuner would time inside the capture
+        moe.overlap_degree = "auto"
+    communicated.clear()
+    tuned = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True, in_step=True)
+    if any(t is not None for t in tuned.profile.forward_in_step) or sum(communicated) > 2:
+        failures.append(f"layers to be tuned had their forward timed: {tuned.profile.forward_in_step}")
     return failures
 
 
@@ -303,8 +333,17 @@ def graph_profile_captures_worker() -> list[str]:
     torch.manual_seed(0)
     model = GPT(_config("topk", 1, 1.0), group=dist.group.WORLD).to(device)
     x = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(dist.get_rank())).to(device)
-    plan = optimize(model, x, forward=False, partitions=(1,), repeats=2, measure=0, graphed=True)
+    plan = optimize(model, x, forward=False, partitions=(1,), repeats=2, measure=0, graphed=True, degrees=(2,),
+                    in_step=True)
     failures = []
+    moes = [i for i, u in enumerate(plan.profile.units) if isinstance(u, MoEUnit)]
+    communicates = dist.get_world_size() > 1  # in-step corrections: float32 weights cast under autocast
+    measured = [(plan.profile.weight_cast[i], plan.profile.forward_in_step[i]) for i in moes]
+    if communicates and not all(cast > 0 and stepped is not None and stepped > 0 for cast, stepped in measured):
+        failures.append(f"in-step corrections not measured: (weight cast, forward with all-to-alls) {measured}")
+    corrected = passes.predicted_in_step(plan, True, (2,) * len(moes))
+    if communicates and not (corrected is not None and corrected > 0):
+        failures.append(f"the step priced with the in-step corrections: {corrected}")
     if not results or any(r is None for r in results):
         failures.append(f"{sum(r is None for r in results)} of {len(results)} profiled calls could not be captured")
     if plan.profile.graph_replays != (len(results), 0):
@@ -534,6 +573,39 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     dense = dataclasses.replace(profile, units=[units[0], units[2]], backward=[2.0, 2.0], backward_comm=[0.0, 0.0],
                                 names=["attn0", "attn1"], chunks=[{}, {}])
     assert pipelined_predictions(dataclasses.replace(plan, profile=dense), (1, 2)) == {}  # no degree to price
+
+
+def test_in_step_shares_the_chunks_weight_cast_and_prices_the_all_to_alls_as_the_graphed_layer_took_them():
+    """`in_step`: a padded MoE layer's chunk experts pay 1/d of one weight cast, not a whole one
+    each; its all-to-alls (partitions, chunks, backward) scale to what they took in the layer's
+    graphed forward. A sub-layer with nothing measured, and an eager profile, stay as they are."""
+    from weft.overlap import planner
+    from weft.overlap.passes import OverlapPlan, predict_unpartitioned, predicted_in_step
+    from weft.overlap.profile import ModelProfile, in_step
+
+    moe = planner.MoEUnit("moe0", {1: 0.1, 2: 0.05}, {1: 1.0, 2: 0.6}, {1: 1.0, 2: 0.5}, {1: 1.0, 2: 0.6}, True)
+    unmeasured = planner.MoEUnit("moe1", {1: 0.1}, {1: 1.0}, {1: 1.0}, {1: 1.0}, True)
+    units = [planner.ComputeUnit("attn0", {1: 1.0, 2: 0.5}), moe, unmeasured]
+    eager = ModelProfile(units, backward=[2.0, 2.0, 2.0], backward_comm=[0.0, 2.0, 2.0], rest=0.5,
+                         names=["attn0", "moe0", "moe1"], chunks=[{}, {2: (0.8, 0.5), 4: (0.7, 0.3)}, {2: (0.8, 0.5)}])
+    # the layer's graphed forward took 4.1 s: gate 0.1 and experts 1.0 leave 3.0 s of all-to-all
+    # where the cost model priced 2.0 (x 1.5); a weight cast of 0.4 s was in each chunk's 0.8 / 0.7
+    graphed = dataclasses.replace(eager, weight_cast=[0.0, 0.4, 0.0], forward_in_step=[None, 4.1, None])
+    fixed = in_step(graphed)
+    assert fixed.units[0] == units[0] and fixed.units[2] == unmeasured and fixed.chunks[2] == {2: (0.8, 0.5)}
+    assert fixed.units[1].dispatch == pytest.approx({1: 1.5, 2: 0.9})
+    assert fixed.units[1].combine == pytest.approx({1: 1.5, 2: 0.9})
+    assert (fixed.units[1].gate, fixed.units[1].experts) == (moe.gate, moe.experts)
+    assert fixed.backward_comm == pytest.approx([0.0, 3.0, 2.0])
+    assert fixed.chunks[1][2] == pytest.approx((0.8 - 0.4 / 2, 0.75))  # one cast shared by two chunks
+    assert fixed.chunks[1][4] == pytest.approx((0.7 - 0.4 * 3 / 4, 0.45))
+    assert in_step(eager) is eager
+    # a graphed step's price from the corrected profile (None for an eager profile, which measured nothing)
+    plan = OverlapPlan([], None, None, graphed, predicted=0.0, baseline=0.0)
+    assert predicted_in_step(plan, False, (2, 2)) == pytest.approx(predict_unpartitioned(fixed, (2, 2), False))
+    assert predicted_in_step(plan, False, (2, 2)) != pytest.approx(predict_unpartitioned(graphed, (2, 2), False))
+    assert predicted_in_step(dataclasses.replace(plan, profile=eager), False) is None
+    assert predicted_in_step(plan, False, (8, 8)) is None  # degree 8 was not profiled
 
 
 def test_repeated_calls_drop_each_result_before_the_next():

@@ -47,7 +47,9 @@ Per row (milliseconds; each step's time is the slowest rank's):
 - Lancet modes: `predicted_ms` (the planner's forward + backward of the step as it ran,
   `predicted_form`: its plan, or the plain step where a graph dropped the dW schedule;
   `lancet_predicted_ms` the plan's own, `baseline_predicted_ms` without Lancet) and
-  `prediction_error` (predicted / measured `fwd_bwd_ms` - 1), with the plan's parts `predicted_forward_ms`
+  `prediction_error` (predicted / measured `fwd_bwd_ms` - 1), graphed: `in_step_predicted_ms` and
+  `in_step_prediction_error`, the same step priced with the profile's in-step corrections
+  (`weft.overlap.profile.in_step`), with the plan's parts `predicted_forward_ms`
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
@@ -139,7 +141,8 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     plan, scheduler = None, None
     if mode == "lancet" and graphed:
         plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0, graphed=True,
-                               degrees=DEGREES)  # each layer's degree is timed as graphs: price every candidate
+                               degrees=DEGREES,  # each layer's degree is timed as graphs: price every candidate
+                               in_step=True)  # and price the step with the profile's in-step corrections too
         scheduler = plan.scheduler
     elif mode.startswith("lancet"):
         # lancet-bw / lancet-fw are ablations of one pass: applied as planned, not measured away
@@ -414,6 +417,10 @@ def run(bench: ModelBenchConfig) -> dict:
             if predicted is not None:
                 row["predicted_ms"] = predicted * 1e3
                 row["prediction_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
+            in_step = passes.predicted_in_step(plan, scheduled, degrees.get(mode, ()))
+            if in_step is not None:
+                row["in_step_predicted_ms"] = in_step * 1e3
+                row["in_step_prediction_error"] = row["in_step_predicted_ms"] / row["fwd_bwd_ms"] - 1
             # Where the error is: the planner's forward (sub-layers only) against the measured
             # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
             # forward and backward).
@@ -495,3 +502,7 @@ def print_table(report: dict) -> None:
             print(f"{measured}; the plan's predicted forward {r['predicted_forward_ms']:.2f} + backward "
                   f"{r['predicted_backward_ms']:.2f} + embedding/head/loss {r['predicted_rest_ms']:.2f} ms; "
                   f"the predicted column prices the step as it ran: {r['predicted_form']}")
+            if "in_step_predicted_ms" in r:
+                print(f"the same step priced with the profile's in-step corrections (the chunks' weight cast "
+                      f"shared, the all-to-alls at their time in the graphed layer): "
+                      f"{r['in_step_predicted_ms']:.2f} ms ({r['in_step_prediction_error']:+.1%})")

@@ -33,7 +33,7 @@ from weft.moe.layer import MoE
 from weft.ops.wgrad import Linear, WGradScheduler
 from weft.overlap import planner
 from weft.overlap.forward import PartitionedRunner, Range
-from weft.overlap.profile import ModelProfile, profile_model
+from weft.overlap.profile import ModelProfile, in_step, profile_model
 from weft.precision import training_autocast
 from weft.profiling import time_candidates
 
@@ -123,6 +123,9 @@ class OverlapPlan:
                 # MoE sub-layers: Tutel's degree -> [experts on one chunk, one chunk's all-to-all]
                 "chunks": {name: {d: list(c) for d, c in chunks.items()}
                            for name, chunks in zip(self.profile.names, self.profile.chunks) if chunks},
+                # graphed profiles: what `profile.in_step` corrects by (per sub-layer)
+                "weight_cast": list(self.profile.weight_cast),
+                "forward_in_step": list(self.profile.forward_in_step),
             },
         }
 
@@ -142,6 +145,7 @@ def optimize(
     measure: int = 5,
     graphed: bool = False,
     degrees: Sequence[int] = (),
+    in_step: bool = False,
 ) -> OverlapPlan:
     """Profile `model` on `sample_batch` (token ids (batch, seq), or (ids, targets)), plan the
     forward ranges by Lancet's DP and turn on dW scheduling; applies the plan to the model and
@@ -163,7 +167,9 @@ def optimize(
     `graphed`: the steps replay as one CUDA graph, so the profile times its calls as graph
     replays (`weft.overlap.profile`), without the host costs a replay does not pay. `degrees`:
     Tutel's pipelining degrees to price the MoE layers at too (`OverlapPlan.predicted_pipelined`;
-    a graphed step times each layer's degree and may pick one above 1)."""
+    a graphed step times each layer's degree and may pick one above 1). `in_step` (graphed): also
+    measure the profile's in-step corrections (`predicted_in_step`; `weft bench model` prices the
+    step both ways)."""
     idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
     if not isinstance(max_partitions, int) or max_partitions < 1:
         raise ValueError(f"max_partitions must be a positive integer, got {max_partitions!r}")
@@ -174,7 +180,8 @@ def optimize(
     was_training = model.training
     model.train()
     autocast = functools.partial(training_autocast, idx.device)  # profile as the training loop runs
-    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed, degrees)
+    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed, degrees,
+                                        in_step)
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time,
@@ -230,6 +237,21 @@ def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
     if plan.forward_plan is None:
         return plan.baseline, "without Lancet (its dW schedule dropped)"
     return None, "partitioned forward without the dW schedule (not priced)"
+
+
+def predicted_in_step(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tuple[int, ...] = ()) -> float | None:
+    """`predicted_as_run`'s step priced from the profile with its in-step corrections
+    (`weft.overlap.profile.in_step`: the chunks' weight cast shared, the all-to-alls at their time
+    in the graphed layer), beside the planner's price until measurements show which is nearer
+    (docs/overlap.md). None where the forward is partitioned, a degree was not profiled, or the
+    profile measured no correction (an eager one)."""
+    if plan.ranges or not plan.profile.forward_in_step:
+        return None
+    try:
+        return predict_unpartitioned(in_step(plan.profile), degrees,
+                                     wgrad_scheduled and plan.scheduler is not None)
+    except KeyError:
+        return None
 
 
 def pipelined_predictions(plan: OverlapPlan, degrees: Sequence[int]) -> dict[int, dict]:

@@ -30,6 +30,7 @@ from weft.graphs import CaptureError, GraphedStep
 from weft.models.gpt import MoEUnit as MoESubLayer
 from weft.models.gpt import rotary_tables
 from weft.moe.capacity import capacity_bound
+from weft.moe.exchange.select import is_tuned
 from weft.moe.layer import MoE
 from weft.overlap import planner
 from weft.overlap.moe_partition import can_route_in_parts
@@ -54,6 +55,42 @@ class ModelProfile:
     # seconds on one of d chunks of their rows, one chunk's all-to-all seconds), for the degrees
     # `profile_model` was asked to price (`weft.overlap.passes.predict_forward`)
     chunks: list[dict[int, tuple[float, float]]] = dataclasses.field(default_factory=list)
+    # graphed profiles, per sub-layer (empty where not measured; 0 / None for all but padded MoE
+    # units that communicate): what `in_step` corrects the prices by. The seconds of casting the
+    # experts' weights to the compute dtype once (under autocast each profiled chunk call casts
+    # them; the pipelined exchange casts them once per layer call), and the layer's forward with
+    # its all-to-alls as a CUDA graph (the all-to-alls' time in the step: this less the layer's
+    # forward without them)
+    weight_cast: list[float] = dataclasses.field(default_factory=list)
+    forward_in_step: list[float | None] = dataclasses.field(default_factory=list)
+
+
+def in_step(profile: ModelProfile) -> ModelProfile:
+    """`profile` with two corrections for a graphed step, measured by a graphed profile and not
+    yet the planner's prices (docs/overlap.md, "Known errors of that price"): a padded MoE layer's
+    chunk experts share one weight cast (`experts - cast * (1 - 1 / d)` for degree d), and its
+    all-to-alls (the cost model's, of partitions, chunks and the backward) are scaled to the time
+    they took in the layer's graphed forward: (forward with them - gate - experts) / (dispatch +
+    combine priced), at the whole batch. Sub-layers with nothing measured are kept as they are."""
+    if not profile.forward_in_step:
+        return profile
+    units, chunks, backward_comm = [], [], []
+    for unit, layer_chunks, comm, cast, stepped in zip(profile.units, profile.chunks, profile.backward_comm,
+                                                        profile.weight_cast, profile.forward_in_step):
+        if not isinstance(unit, planner.MoEUnit) or stepped is None:
+            units.append(unit)
+            chunks.append(layer_chunks)
+            backward_comm.append(comm)
+            continue
+        priced = unit.dispatch[1] + unit.combine[1]
+        ratio = max(0.0, stepped - unit.gate[1] - unit.experts[1]) / priced if priced > 0 else 1.0
+        units.append(dataclasses.replace(unit, dispatch={k: t * ratio for k, t in unit.dispatch.items()},
+                                         combine={k: t * ratio for k, t in unit.combine.items()}))
+        chunks.append({d: (max(0.0, experts - cast * (1 - 1 / d)), a2a * ratio)
+                       for d, (experts, a2a) in layer_chunks.items()})
+        backward_comm.append(comm * ratio)
+    return dataclasses.replace(profile, units=units, chunks=chunks, backward_comm=backward_comm,
+                               weight_cast=[], forward_in_step=[])
 
 
 def time_call(fn: Callable[[], object], device: torch.device, repeats: int = 5, warmup: int = 2,
@@ -181,6 +218,7 @@ def profile_model(
     autocast: Callable[[], object] | None = None,
     graphed: bool = False,
     degrees: Sequence[int] = (),
+    in_step: bool = False,
 ) -> tuple[ModelProfile, CommCostModel | None]:
     """Profile `model` (a weft GPT) on token ids `idx` (batch, seq) for each partition count in
     `partitions` (those above the batch size are skipped). Call on every rank of the EP group.
@@ -188,6 +226,8 @@ def profile_model(
     its experts timed on one chunk of their rows, the chunk's all-to-all from the cost model).
     `graphed`: time the computation as CUDA graph replays (the module docstring); the all-to-alls
     are measured eagerly either way (one collective call each, no host cost to speak of).
+    `in_step` (graphed only): also time what the function `in_step` corrects the prices by
+    (`ModelProfile.weight_cast`, `forward_in_step`).
     Returns the profile and the cost model used (measured here when none is given)."""
     device = idx.device
     replays = [0, 0]  # replayed, timed eagerly (graphed profiles)
@@ -199,6 +239,7 @@ def profile_model(
         if graphed:
             replays[replayed is None] += 1
         return replayed if replayed is not None else time_call(fn, device, repeats)
+    measure_in_step = graphed and in_step
     batch = idx.shape[0]
     ks = sorted({k for k in partitions if 1 <= k <= batch} | {1})
     chunked = sorted({d for d in degrees if d > 1})
@@ -223,6 +264,8 @@ def profile_model(
                 flat.append(time(lambda: _forward(unit, part, ctx)))
         if isinstance(unit, MoESubLayer):
             flat += _time_chunks(unit.moe, inputs[u], ctx, time, cost_model, chunked)
+            if measure_in_step:
+                flat += _time_in_step(unit, inputs[u], ctx, time)
         flat.append(_time_backward(unit, inputs[u], ctx, time, list(model.blocks[u // 2].parameters())))
     flat.append(_time_rest(model, idx, inputs[-1], units[-1], ctx, time))
     flat.append(_time_model_backward(model, idx, ctx, repeats, time if graphed else None))
@@ -234,8 +277,9 @@ def profile_model(
     names = [f"{'attn' if u % 2 == 0 else ('moe' if isinstance(unit, MoESubLayer) else 'mlp')}{u // 2}"
              for u, unit in enumerate(units)]
     plan_units: list[planner.Unit] = []
-    backward, backward_comm, chunks = [], [], []
+    backward, backward_comm, chunks, weight_cast, forward_in_step = [], [], [], [], []
     for u, unit in enumerate(units):
+        cast, stepped = 0.0, None
         if isinstance(unit, MoESubLayer):
             stages = {k: [next(values) for _ in range(4)] for k in ks}
             plan_units.append(planner.MoEUnit(
@@ -244,10 +288,15 @@ def profile_model(
                 partition_before=can_route_in_parts(unit.moe)))
             backward_comm.append(stages[1][1] + stages[1][3])
             chunks.append({d: (next(values), next(values)) for d in chunked})
+            if measure_in_step:
+                cast, stepped = next(values), next(values)
+                stepped = stepped if stepped > 0 else None
         else:
             plan_units.append(planner.ComputeUnit(names[u], {k: next(values) for k in ks}))
             backward_comm.append(0.0)
             chunks.append({})
+        weight_cast.append(cast)
+        forward_in_step.append(stepped)
         backward.append(next(values))
     rest = next(values)
     # Sub-layers timed one by one overestimate their backward (each call pays autograd's start-up
@@ -261,8 +310,9 @@ def profile_model(
     if moes and group_size(moes[0].group) > 1:
         first = next(u for u, unit in enumerate(units) if isinstance(unit, MoESubLayer))
         efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, time)
-    return ModelProfile(plan_units, backward, backward_comm, rest, names,
-                        tuple(replays) if graphed else None, efficiency, chunks), cost_model
+    return ModelProfile(plan_units, backward, backward_comm, rest, names, tuple(replays) if graphed else None,
+                        efficiency, chunks, weight_cast if measure_in_step else [],
+                        forward_in_step if measure_in_step else []), cost_model
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
@@ -355,6 +405,28 @@ def _time_chunks(moe: MoE, x: torch.Tensor, ctx, time: Callable[[Callable[[], ob
         experts, rows = expert_call(moe, x, ctx, degree)
         times += [time(experts), _exchange_seconds(cost_model, moe, rows, x, ctx)]
     return times
+
+
+def _time_in_step(unit: MoESubLayer, x: torch.Tensor, ctx, time: Callable[[Callable[[], object]], float],
+                  ) -> list[float]:
+    """[the experts' weights cast to the compute dtype once, the sub-layer's forward with its
+    all-to-alls] seconds on x, for `in_step` (`ModelProfile.weight_cast`, `forward_in_step`); 0
+    for what is not measured: a dropless layer or one sized by its counts (capacity factor <= 0:
+    its exchange sizes are read on the host, so its forward cannot be captured as the padded
+    one's; dropless pipelined chunks each cast the weights), one that does not communicate or
+    whose exchange is still to be tuned ("auto": the tuner would time its candidates inside the
+    capture), weights already in the compute dtype (no cast)."""
+    moe = unit.moe
+    call = moe.call_with(**unit.overrides)
+    if not (call.capacity_factor or 0) > 0 or not call.communicate or group_size(moe.group) == 1 \
+            or is_tuned(call, moe.parallel, moe.ep_size):
+        return [0.0, 0.0]
+    dtype = compute_dtype(moe, x, ctx)
+    weights = [w for w in moe.experts.weights() if w is not None]
+    cast = 0.0
+    if any(w.dtype != dtype for w in weights):
+        cast = time(lambda: [w.detach().to(dtype) for w in weights])
+    return [cast, time(lambda: _forward(unit, x, ctx))]
 
 
 def _exchange_seconds(cost_model: CommCostModel | None, moe: MoE, rows: int, x: torch.Tensor, ctx) -> float:
