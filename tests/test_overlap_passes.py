@@ -576,9 +576,10 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
 
 
 def test_in_step_shares_the_chunks_weight_cast_and_prices_the_all_to_alls_as_the_graphed_layer_took_them():
-    """`in_step`: a padded MoE layer's chunk experts pay 1/d of one weight cast, not a whole one
-    each; its all-to-alls (partitions, chunks, backward) scale to what they took in the layer's
-    graphed forward. A sub-layer with nothing measured, and an eager profile, stay as they are."""
+    """`in_step`: a padded MoE layer's weight cast moves from its experts to its gate (cast once
+    per call, before the matmuls), so its chunks pay only their matmuls; its all-to-alls
+    (partitions, chunks, backward) scale to what they took in the layer's graphed forward. A
+    sub-layer with nothing measured, and an eager profile, stay as they are."""
     from weft.overlap import planner
     from weft.overlap.passes import OverlapPlan, predict_unpartitioned, predicted_in_step
     from weft.overlap.profile import ModelProfile, in_step
@@ -595,10 +596,12 @@ def test_in_step_shares_the_chunks_weight_cast_and_prices_the_all_to_alls_as_the
     assert fixed.units[0] == units[0] and fixed.units[2] == unmeasured and fixed.chunks[2] == {2: (0.8, 0.5)}
     assert fixed.units[1].dispatch == pytest.approx({1: 1.5, 2: 0.9})
     assert fixed.units[1].combine == pytest.approx({1: 1.5, 2: 0.9})
-    assert (fixed.units[1].gate, fixed.units[1].experts) == (moe.gate, moe.experts)
+    assert fixed.units[1].gate == pytest.approx({1: 0.5, 2: 0.45})  # the cast before the matmuls
+    assert fixed.units[1].experts == pytest.approx({1: 0.6, 2: 0.1})
+    assert planner.serial_time(fixed.units[1]) == pytest.approx(0.1 + 1.0 + 3.0)  # the stages' sum kept
     assert fixed.backward_comm == pytest.approx([0.0, 3.0, 2.0])
-    assert fixed.chunks[1][2] == pytest.approx((0.8 - 0.4 / 2, 0.75))  # one cast shared by two chunks
-    assert fixed.chunks[1][4] == pytest.approx((0.7 - 0.4 * 3 / 4, 0.45))
+    assert fixed.chunks[1][2] == pytest.approx((0.8 - 0.4, 0.75))  # a chunk's matmuls alone
+    assert fixed.chunks[1][4] == pytest.approx((0.7 - 0.4, 0.45))
     assert in_step(eager) is eager
     # a graphed step's price from the corrected profile (None for an eager profile, which measured nothing)
     plan = OverlapPlan([], None, None, graphed, predicted=0.0, baseline=0.0)

@@ -67,11 +67,14 @@ class ModelProfile:
 
 def in_step(profile: ModelProfile) -> ModelProfile:
     """`profile` with two corrections for a graphed step, measured by a graphed profile and not
-    yet the planner's prices (docs/overlap.md, "Known errors of that price"): a padded MoE layer's
-    chunk experts share one weight cast (`experts - cast * (1 - 1 / d)` for degree d), and its
-    all-to-alls (the cost model's, of partitions, chunks and the backward) are scaled to the time
-    they took in the layer's graphed forward: (forward with them - gate - experts) / (dispatch +
-    combine priced), at the whole batch. Sub-layers with nothing measured are kept as they are."""
+    yet the planner's prices (docs/overlap.md, "Known errors of that price"). A padded MoE layer's
+    weight cast moves from its experts to its gate stage: a layer call casts the weights once
+    before its matmuls (the pipelined exchange once for all its chunks, which then pay only their
+    matmuls; their input gradients need no cast), so each chunk's experts time loses the whole cast
+    and a partition's or the whole batch's stages keep their sum. And its all-to-alls (the cost
+    model's, of partitions, chunks and the backward) are scaled to the time they took in the
+    layer's graphed forward: (forward with them - gate - experts) / (dispatch + combine priced), at
+    the whole batch. Sub-layers with nothing measured are kept as they are."""
     if not profile.forward_in_step:
         return profile
     units, chunks, backward_comm = [], [], []
@@ -84,10 +87,13 @@ def in_step(profile: ModelProfile) -> ModelProfile:
             continue
         priced = unit.dispatch[1] + unit.combine[1]
         ratio = max(0.0, stepped - unit.gate[1] - unit.experts[1]) / priced if priced > 0 else 1.0
-        units.append(dataclasses.replace(unit, dispatch={k: t * ratio for k, t in unit.dispatch.items()},
-                                         combine={k: t * ratio for k, t in unit.combine.items()}))
-        chunks.append({d: (max(0.0, experts - cast * (1 - 1 / d)), a2a * ratio)
-                       for d, (experts, a2a) in layer_chunks.items()})
+        moved = {k: min(cast, t) for k, t in unit.experts.items()}
+        units.append(dataclasses.replace(
+            unit, gate={k: t + moved[k] for k, t in unit.gate.items()},
+            dispatch={k: t * ratio for k, t in unit.dispatch.items()},
+            experts={k: t - moved[k] for k, t in unit.experts.items()},
+            combine={k: t * ratio for k, t in unit.combine.items()}))
+        chunks.append({d: (max(0.0, experts - cast), a2a * ratio) for d, (experts, a2a) in layer_chunks.items()})
         backward_comm.append(comm * ratio)
     return dataclasses.replace(profile, units=units, chunks=chunks, backward_comm=backward_comm,
                                weight_cast=[], forward_in_step=[])
