@@ -121,6 +121,31 @@ def test_benchmark_rows_print_their_breakdown(capsys):
     assert "plain (rank 0): GPU window 0.205 ms/step" in out and "none" not in out
 
 
+def windows_by_rank_worker() -> list[str]:
+    """`profile_parts` with a breakdown on several ranks gathers every rank's GPU window and busy
+    time (each rank's trace stands in here: a CPU has no kernels), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    from weft.bench import breakdown as module
+
+    rank = dist.get_rank()
+    module.profile_trace = lambda step, steps, path=None: {"traceEvents": []}
+    module.breakdown = lambda trace, steps: Breakdown(window_ms=1.0 + rank, busy_ms=0.5 + rank)
+    parts = module.profile_parts(lambda: None, 1, with_breakdown=True)
+    expected = [[1.0 + r, 0.5 + r] for r in range(dist.get_world_size())]
+    return [] if parts.get("windows_by_rank_ms") == expected else [f"rank {rank}: {parts.get('windows_by_rank_ms')}"]
+
+
+def test_a_breakdown_on_several_ranks_gathers_every_ranks_window(capsys):
+    from weft.testing import run_checks
+
+    assert not run_checks(windows_by_rank_worker, 2, timeout=120)
+    windows = [[4.9, 4.8], [5.2, 5.0]]
+    row = {"mode": "plain", "breakdown": breakdown(_trace(), steps=2).to_dict(), "windows_by_rank_ms": windows}
+    print_breakdowns([row], lambda r: r["mode"])
+    assert "GPU window by rank (busy), ms/step: rank 0 4.900 (4.800), rank 1 5.200 (5.000)" in capsys.readouterr().out
+
+
 def test_the_experts_stage_gives_the_expert_matmuls_rate():
     """`weft bench layer --breakdown`'s experts rate: the routed matmuls' FLOPs over the experts
     stage's forward and backward kernel time (here 0.030 + 0.025 ms a step); none where no

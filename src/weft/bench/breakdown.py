@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch.distributed as dist
+
 from weft.bench.trace import (
     Interval,
     decompose,
@@ -253,7 +255,11 @@ def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path |
     """Profile `steps` runs of `step` once and return the benchmark row's parts: "decomposition"
     (communication hidden or exposed, `weft.bench.trace`), "transfer_decomposition" where the step
     ran Pro-Prophet's Trans and Agg (the same for their kernels alone: `transfer_intervals`, told
-    as peer copies where `slot_copies`: the replica slots' path) and, when asked, "breakdown"."""
+    as peer copies where `slot_copies`: the replica slots' path) and, when asked, "breakdown" (this
+    rank's) with, where several ranks run, "windows_by_rank_ms": every rank's [GPU window, busy] ms
+    a step (a collective then: call on every rank). A timed step is the slowest rank's from launch
+    to end, where the breakdown reads rank 0's kernels: the other ranks' windows show whether one
+    rank is longer."""
     trace = profile_trace(step, steps, trace_path)
     parts = {"decomposition": decompose(*kernel_intervals(trace), steps=steps).to_dict()}
     transfers, compute = transfer_intervals(trace, peer_copies=slot_copies)
@@ -261,6 +267,10 @@ def profile_parts(step: Callable[[], None], steps: int, trace_path: str | Path |
         parts["transfer_decomposition"] = decompose(transfers, compute, steps=steps).to_dict()
     if with_breakdown:
         parts["breakdown"] = breakdown(trace, steps).to_dict()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            windows = [None] * dist.get_world_size()
+            dist.all_gather_object(windows, [parts["breakdown"]["window_ms"], parts["breakdown"]["busy_ms"]])
+            parts["windows_by_rank_ms"] = windows
     return parts
 
 
@@ -269,6 +279,9 @@ def print_breakdowns(rows: list[dict], label: Callable[[dict], str]) -> None:
     for row in rows:
         if row.get("breakdown"):
             print(format_breakdown(Breakdown.from_dict(row["breakdown"]), f"\n{label(row)} (rank 0)"))
+        if row.get("windows_by_rank_ms"):
+            print("  GPU window by rank (busy), ms/step: " + ", ".join(
+                f"rank {r} {window:.3f} ({busy:.3f})" for r, (window, busy) in enumerate(row["windows_by_rank_ms"])))
 
 
 def comm_cells(row: dict) -> tuple[str, str, str]:
