@@ -503,6 +503,6 @@ def print_table(report: dict) -> None:
                   f"{r['predicted_backward_ms']:.2f} + embedding/head/loss {r['predicted_rest_ms']:.2f} ms; "
                   f"the predicted column prices the step as it ran: {r['predicted_form']}")
             if "in_step_predicted_ms" in r:
-                print(f"the same step priced with the profile's in-step corrections (the chunks' weight cast "
-                      f"shared, the all-to-alls at their time in the graphed layer): "
+                print(f"the same step priced with the profile's in-step corrections (the weight cast once per "
+                      f"layer call, the all-to-alls at their time in the graphed layer): "
                       f"{r['in_step_predicted_ms']:.2f} ms ({r['in_step_prediction_error']:+.1%})")

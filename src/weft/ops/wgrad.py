@@ -283,9 +283,7 @@ class WGradScheduler:
         if not self.active:
             _wait(handle)
             return
-        unknown = self._estimate(key, nbytes) is None
-        self.run_under(key, nbytes)
-        if unknown:
+        if self.run_under(key, nbytes) is None:
             # A synchronize first would wait for the collective itself, so time from here; this
             # also counts GPU work queued before the launch, so it may overestimate (a cost
             # model is more accurate).
@@ -296,23 +294,25 @@ class WGradScheduler:
             return
         _wait(handle)
 
-    def run_under(self, key: Hashable, nbytes: int) -> None:
+    def run_under(self, key: Hashable, nbytes: int) -> float | None:
         """Call right after launching an async collective that is waited for elsewhere (e.g. a
         partitioned forward's exchange in backward): record it in this backward's trace, as
         `communicate` does, so the next backward's plan can give it items, and run the items the
         plan gives it (or, off the plan, those that fit its expected time). Nothing runs without an
-        estimate; nothing at all outside `backward()`."""
+        estimate; nothing at all outside `backward()`. Returns the collective's expected seconds
+        (None: no estimate, or outside `backward()`)."""
         if not self.active:
-            return
+            return None
         budget = self._estimate(key, nbytes)
         following = self._follow(("comm", key, nbytes))
         ordinal, self._comms = self._comms, self._comms + 1
         if budget is None:
-            return
+            return None
         if following:  # the items the plan assigned to this collective
             self._run_under([i for i, item in enumerate(self._queue) if item.slot == ordinal], budget)
         else:
             self.run_for(budget)
+        return budget
 
     def flush(self) -> None:
         """Run every queued item in queue order."""

@@ -241,7 +241,7 @@ def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
 
 def predicted_in_step(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tuple[int, ...] = ()) -> float | None:
     """`predicted_as_run`'s step priced from the profile with its in-step corrections
-    (`weft.overlap.profile.in_step`: the chunks' weight cast shared, the all-to-alls at their time
+    (`weft.overlap.profile.in_step`: the weight cast once per layer call, the all-to-alls at their time
     in the graphed layer), beside the planner's price until measurements show which is nearer
     (docs/overlap.md). None where the forward is partitioned, a degree was not profiled, or the
     profile measured no correction (an eager one)."""
