@@ -124,3 +124,39 @@ def test_graph_replays_are_timed_after_a_barrier():
     late_s = 0.5
     for rank, seconds in enumerate(run_distributed(replays_after_a_late_rank_worker, 2, args=(late_s,), timeout=120)):
         assert max(seconds) < late_s / 5, f"rank {rank} timed {seconds} s: the late rank's wait counted"
+
+
+def test_rounds_time_the_candidates_there_and_back_so_a_drift_weighs_on_each_alike(monkeypatch):
+    """`time_graphed(..., rounds=2)`: the candidates are captured in order, then in the reverse
+    order, and each one's time is the mean of its two medians. Here every capture's replays take
+    its candidate's own time plus a drift that grows by one unit per capture (a GPU slowing down
+    over the timing): one round adds 0, 1, 2 to the candidates in order, enough to rank a faster
+    last candidate behind; two rounds add 2.5 to each (0 + 5, 1 + 4, 2 + 3 halved). A candidate
+    that cannot be captured is tried once and timed as infinite."""
+    import weft.graphs as graphs
+
+    captured = []
+    own = {"a": 10.0, "b": 10.5, "c": 9.5, "bad": 0.0}
+
+    class FakeGraph:
+        def __init__(self, step, args, grads_of, accumulate, stream):
+            if step == "bad":
+                raise CaptureError("refused")
+            self.seconds = own[step] + len(captured)
+            captured.append(step)
+
+    monkeypatch.setattr(graphs, "GraphedStep", FakeGraph)
+    monkeypatch.setattr(graphs, "_replay_seconds", lambda graph, args, device, times: [graph.seconds] * times)
+    x = torch.zeros(1)
+    one = time_graphed(lambda c: c, ("a", "b", "c"), (x,), [], trials=2)
+    assert captured == ["a", "b", "c"] and one == [10.0, 11.5, 11.5]  # c looks no faster than b
+    captured.clear()
+    two = time_graphed(lambda c: c, ("a", "b", "c"), (x,), [], trials=2, rounds=2)
+    assert captured == ["a", "b", "c", "c", "b", "a"]
+    assert two == pytest.approx([12.5, 13.0, 12.0])  # each candidate's own time + 2.5
+    captured.clear()
+    with pytest.warns(UserWarning, match="bad timed as infinite") as warned:
+        seconds = time_graphed(lambda c: c, ("a", "bad"), (x,), [], trials=1, rounds=3)
+    assert captured == ["a", "a", "a"] and len(warned) == 1 and math.isinf(seconds[1])
+    with pytest.raises(ValueError, match="rounds"):
+        time_graphed(lambda c: c, ("a",), (x,), [], rounds=0)

@@ -174,7 +174,7 @@ class GraphedStep:
 
 def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Sequence, args: Sequence[torch.Tensor],
                  grads_of: Iterable[torch.Tensor], trials: int = 3, warmup: int = 1,
-                 accumulate: bool = True) -> list[float]:
+                 accumulate: bool = True, rounds: int = 1) -> list[float]:
     """Median wall seconds of one replay of each candidate's step (`step_of(candidate)`, a forward
     and backward on `args`) captured as a CUDA graph: what a graphed training step with that
     candidate costs, host launches gone. One candidate at a time, its graph freed before the next
@@ -183,27 +183,38 @@ def time_graphed(step_of: Callable[[Any], Callable[..., Any]], candidates: Seque
     the same `.grad` tensors, zeroed; False, each graph writes its own, as a step with one
     micro-batch does (no add into earlier gradients: for gpt2-l-moe's ~1.8 B float32 parameters
     per rank the add alone is several ms). Every `.grad` of `grads_of` is None at the end. A
-    candidate that cannot be captured is timed as infinite (with a warning saying why). The slowest rank's medians
-    (`weft.profiling.slowest_rank`), so every rank picks the same. All candidates are captured on
-    one side stream (see `GraphedStep`'s `stream`)."""
-    if trials < 1 or warmup < 0:
-        raise ValueError(f"trials must be >= 1 and warmup >= 0, got {trials} and {warmup}")
+    candidate that cannot be captured is timed as infinite (with a warning saying why, once). The slowest rank's
+    medians (`weft.profiling.slowest_rank`), so every rank picks the same. All candidates are captured on
+    one side stream (see `GraphedStep`'s `stream`).
+
+    `rounds` > 1: the candidates are timed in order, then in the reverse order, and so on
+    (recaptured each round), and each one's time is the mean of its rounds' medians: a drift of
+    the GPU's speed over the timing (clocks, power, a link through host memory) then weighs on
+    every candidate alike, where one round favours the candidates timed while it was fast."""
+    if trials < 1 or warmup < 0 or rounds < 1:
+        raise ValueError(f"trials and rounds must be >= 1 and warmup >= 0, got {trials}, {rounds} and {warmup}")
     grads_of = list(grads_of)
     device = args[0].device
     side = torch.cuda.Stream(device) if device.type == "cuda" else None  # GraphedStep refuses CPU tensors
-    medians = []
-    for candidate in candidates:
-        try:
-            graph = GraphedStep(step_of(candidate), args, grads_of=grads_of, accumulate=accumulate, stream=side)
-        except CaptureError as e:
-            warnings.warn(f"weft: {getattr(candidate, 'name', candidate)} timed as infinite: {e}", stacklevel=2)
-            medians.append(math.inf)
-        else:
-            medians.append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))
-            del graph  # its memory pool, before the next candidate's capture
-        for t in grads_of:  # this candidate's gradients (accumulate=False: in that pool) go with it
-            t.grad = None
-    return slowest_rank(medians, device)
+    medians: list[list[float]] = [[] for _ in candidates]
+    for r in range(rounds):
+        order = range(len(candidates)) if r % 2 == 0 else reversed(range(len(candidates)))
+        for i in order:
+            if medians[i] and math.isinf(medians[i][0]):
+                continue  # could not be captured: not tried again
+            try:
+                graph = GraphedStep(step_of(candidates[i]), args, grads_of=grads_of, accumulate=accumulate,
+                                    stream=side)
+            except CaptureError as e:
+                name = getattr(candidates[i], "name", candidates[i])
+                warnings.warn(f"weft: {name} timed as infinite: {e}", stacklevel=2)
+                medians[i].append(math.inf)
+            else:
+                medians[i].append(statistics.median(_replay_seconds(graph, args, device, warmup + trials)[warmup:]))
+                del graph  # its memory pool, before the next candidate's capture
+            for t in grads_of:  # this candidate's gradients (accumulate=False: in that pool) go with it
+                t.grad = None
+    return slowest_rank([statistics.fmean(m) for m in medians], device)
 
 
 def _replay_seconds(graph: GraphedStep, args: Sequence[torch.Tensor], device: torch.device, times: int) -> list[float]:

@@ -47,9 +47,9 @@ Per row (milliseconds; each step's time is the slowest rank's):
 - Lancet modes: `predicted_ms` (the planner's forward + backward of the step as it ran,
   `predicted_form`: its plan, or the plain step where a graph dropped the dW schedule;
   `lancet_predicted_ms` the plan's own, `baseline_predicted_ms` without Lancet) and
-  `prediction_error` (predicted / measured `fwd_bwd_ms` - 1), graphed: `in_step_predicted_ms` and
-  `in_step_prediction_error`, the same step priced with the profile's in-step corrections
-  (`weft.overlap.profile.in_step`), with the plan's parts `predicted_forward_ms`
+  `prediction_error` (predicted / measured `fwd_bwd_ms` - 1); graphed, every price includes the
+  profile's in-step corrections (`weft.overlap.profile.in_step`), and `uncorrected_predicted_ms` /
+  `uncorrected_prediction_error` price the same step without them; with the plan's parts `predicted_forward_ms`
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
@@ -142,7 +142,7 @@ def _configure(mode: str, model: GPT, idx: torch.Tensor, max_partitions: int, p1
     if mode == "lancet" and graphed:
         plan = passes.optimize(model, idx, forward=False, partitions=(1,), measure=0, graphed=True,
                                degrees=DEGREES,  # each layer's degree is timed as graphs: price every candidate
-                               in_step=True)  # and price the step with the profile's in-step corrections too
+                               in_step=True)  # priced with the profile's in-step corrections
         scheduler = plan.scheduler
     elif mode.startswith("lancet"):
         # lancet-bw / lancet-fw are ablations of one pass: applied as planned, not measured away
@@ -417,10 +417,10 @@ def run(bench: ModelBenchConfig) -> dict:
             if predicted is not None:
                 row["predicted_ms"] = predicted * 1e3
                 row["prediction_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
-            in_step = passes.predicted_in_step(plan, scheduled, degrees.get(mode, ()))
-            if in_step is not None:
-                row["in_step_predicted_ms"] = in_step * 1e3
-                row["in_step_prediction_error"] = row["in_step_predicted_ms"] / row["fwd_bwd_ms"] - 1
+            uncorrected = passes.predicted_uncorrected(plan, scheduled, degrees.get(mode, ()))
+            if uncorrected is not None:
+                row["uncorrected_predicted_ms"] = uncorrected * 1e3
+                row["uncorrected_prediction_error"] = row["uncorrected_predicted_ms"] / row["fwd_bwd_ms"] - 1
             # Where the error is: the planner's forward (sub-layers only) against the measured
             # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
             # forward and backward).
@@ -502,7 +502,7 @@ def print_table(report: dict) -> None:
             print(f"{measured}; the plan's predicted forward {r['predicted_forward_ms']:.2f} + backward "
                   f"{r['predicted_backward_ms']:.2f} + embedding/head/loss {r['predicted_rest_ms']:.2f} ms; "
                   f"the predicted column prices the step as it ran: {r['predicted_form']}")
-            if "in_step_predicted_ms" in r:
-                print(f"the same step priced with the profile's in-step corrections (the weight cast once per "
-                      f"layer call, the all-to-alls at their time in the graphed layer): "
-                      f"{r['in_step_predicted_ms']:.2f} ms ({r['in_step_prediction_error']:+.1%})")
+            if "uncorrected_predicted_ms" in r:
+                print(f"the same step priced without the profile's in-step corrections (each chunk casting the "
+                      f"weights, the all-to-alls as timed alone): "
+                      f"{r['uncorrected_predicted_ms']:.2f} ms ({r['uncorrected_prediction_error']:+.1%})")

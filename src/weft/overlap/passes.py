@@ -33,7 +33,8 @@ from weft.moe.layer import MoE
 from weft.ops.wgrad import Linear, WGradScheduler
 from weft.overlap import planner
 from weft.overlap.forward import PartitionedRunner, Range
-from weft.overlap.profile import ModelProfile, in_step, profile_model
+from weft.overlap.profile import ModelProfile, profile_model
+from weft.overlap.profile import in_step as with_in_step_corrections
 from weft.precision import training_autocast
 from weft.profiling import time_candidates
 
@@ -43,11 +44,18 @@ DW_SHARE = 0.5
 # A pass is kept only if the measured iteration with it is this much faster than without it: a
 # smaller difference is within the noise of a few timed iterations, and plain costs nothing.
 MIN_MEASURED_GAIN = 0.01
+# The same for candidates timed as CUDA graph replays (`weft.graphs.time_graphed`): a replay has no
+# host cost for the margin to cover, so it only breaks near-ties (0.3%, about the spread of a
+# graphed step's replays); the 1% margin dropped a dW schedule timed 0.6% faster on gpt2-l-moe,
+# which the session before had kept and run 1.4% faster (docs/benchmarks.md, forty-first session).
+GRAPHED_MIN_GAIN = 0.003
 
 
 @dataclass
 class OverlapPlan:
-    """What `optimize` chose, and its predicted times (seconds, forward + backward)."""
+    """What `optimize` chose, and its predicted times (seconds, forward + backward). `profile` is
+    what was measured; every price is built from `priced`, the same with a graphed profile's
+    in-step corrections applied where it measured them (`weft.overlap.profile.in_step`)."""
 
     ranges: list[Range]
     scheduler: WGradScheduler | None
@@ -60,6 +68,12 @@ class OverlapPlan:
     # ("none", "backward", "forward", "both"; empty when not measured), and the one applied.
     measured: dict[str, float] = field(default_factory=dict)
     chosen: str = "none"
+
+    @property
+    def priced(self) -> ModelProfile:
+        """The profile the prices come from: `profile` with its in-step corrections (itself where
+        none were measured: eager profiles, and graphed ones not asked for them)."""
+        return with_in_step_corrections(self.profile)
 
     def backward(self, loss: torch.Tensor) -> None:
         """`loss.backward()`, with deferred weight gradients scheduled under the all-to-alls."""
@@ -77,6 +91,9 @@ class OverlapPlan:
         gain = 1 - self.predicted / self.baseline if self.baseline > 0 else 0.0
         lines.append(f"predicted forward+backward: {self.predicted * 1e3:.3f} ms vs {self.baseline * 1e3:.3f} ms "
                      f"without Lancet ({gain:+.1%})")
+        if self.profile.forward_in_step:
+            lines.append("priced with the graphed profile's in-step corrections (each padded MoE layer's weight cast "
+                         "once per call, its all-to-alls at their time in its graphed forward)")
         if self.profile.overlap_efficiency < 1.0:
             lines.append(f"overlap efficiency {self.profile.overlap_efficiency:.2f} (the share of an all-to-all's "
                          f"overlap with computation that is saved, measured)")
@@ -98,11 +115,12 @@ class OverlapPlan:
         if self.ranges and any(d > 1 for d in degrees):
             return None
         try:
-            return predict_unpartitioned(self.profile, degrees, scheduling)
+            return predict_unpartitioned(self.priced, degrees, scheduling)
         except KeyError:
             return None
 
     def to_dict(self) -> dict:
+        priced = self.priced
         return {
             "ranges": [dataclasses.asdict(r) for r in self.ranges],
             "wgrad_scheduling": self.scheduler is not None,
@@ -114,16 +132,16 @@ class OverlapPlan:
             "chosen": self.chosen,
             "graph_replays": self.profile.graph_replays,
             "overlap_efficiency": self.profile.overlap_efficiency,
-            "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from
-                "names": list(self.profile.names),
-                "forward": [planner.serial_time(u) for u in self.profile.units],
-                "backward": list(self.profile.backward),
-                "backward_comm": list(self.profile.backward_comm),
-                "rest": self.profile.rest,
+            "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from (`priced`)
+                "names": list(priced.names),
+                "forward": [planner.serial_time(u) for u in priced.units],
+                "backward": list(priced.backward),
+                "backward_comm": list(priced.backward_comm),
+                "rest": priced.rest,
                 # MoE sub-layers: Tutel's degree -> [experts on one chunk, one chunk's all-to-all]
                 "chunks": {name: {d: list(c) for d, c in chunks.items()}
-                           for name, chunks in zip(self.profile.names, self.profile.chunks) if chunks},
-                # graphed profiles: what `profile.in_step` corrects by (per sub-layer)
+                           for name, chunks in zip(priced.names, priced.chunks) if chunks},
+                # graphed profiles: what `profile.in_step` corrected the measured profile by (per sub-layer)
                 "weight_cast": list(self.profile.weight_cast),
                 "forward_in_step": list(self.profile.forward_in_step),
             },
@@ -168,8 +186,8 @@ def optimize(
     replays (`weft.overlap.profile`), without the host costs a replay does not pay. `degrees`:
     Tutel's pipelining degrees to price the MoE layers at too (`OverlapPlan.predicted_pipelined`;
     a graphed step times each layer's degree and may pick one above 1). `in_step` (graphed): also
-    measure the profile's in-step corrections (`predicted_in_step`; `weft bench model` prices the
-    step both ways)."""
+    measure the profile's in-step corrections, and price every plan with them
+    (`OverlapPlan.priced`; `predicted_uncorrected` keeps the price without them)."""
     idx = sample_batch[0] if isinstance(sample_batch, (tuple, list)) else sample_batch
     if not isinstance(max_partitions, int) or max_partitions < 1:
         raise ValueError(f"max_partitions must be a positive integer, got {max_partitions!r}")
@@ -180,8 +198,9 @@ def optimize(
     was_training = model.training
     model.train()
     autocast = functools.partial(training_autocast, idx.device)  # profile as the training loop runs
-    profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed, degrees,
-                                        in_step)
+    measured_profile, cost_model = profile_model(model, idx, ks, cost_model, repeats, autocast, graphed, degrees,
+                                                 in_step)
+    profile = with_in_step_corrections(measured_profile)  # the prices (`OverlapPlan.priced`)
     model.zero_grad(set_to_none=True)
     model.train(was_training)
     forward_plan = planner.plan(profile.units, max_partitions, max_range, group_time,
@@ -206,7 +225,7 @@ def optimize(
     predicted = forward_time + backward_time + profile.rest
     baseline = serial_forward + predict_backward(profile, False) + profile.rest
     parts = {"forward": forward_time, "backward": backward_time, "rest": profile.rest}
-    return OverlapPlan(ranges, scheduler, forward_plan, profile, predicted, baseline, parts, measured,
+    return OverlapPlan(ranges, scheduler, forward_plan, measured_profile, predicted, baseline, parts, measured,
                        combination(ranges, scheduler))
 
 
@@ -239,17 +258,15 @@ def predicted_as_run(plan: OverlapPlan, wgrad_scheduled: bool,
     return None, "partitioned forward without the dW schedule (not priced)"
 
 
-def predicted_in_step(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tuple[int, ...] = ()) -> float | None:
-    """`predicted_as_run`'s step priced from the profile with its in-step corrections
-    (`weft.overlap.profile.in_step`: the weight cast once per layer call, the all-to-alls at their time
-    in the graphed layer), beside the planner's price until measurements show which is nearer
-    (docs/overlap.md). None where the forward is partitioned, a degree was not profiled, or the
-    profile measured no correction (an eager one)."""
+def predicted_uncorrected(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tuple[int, ...] = ()) -> float | None:
+    """`predicted_as_run`'s step priced from the measured profile without its in-step corrections
+    (`weft.overlap.profile.in_step`), the price before they were measured: kept beside the
+    planner's to show what they change (docs/overlap.md). None where the forward is partitioned, a
+    degree was not profiled, or the profile measured no correction (the two prices are one)."""
     if plan.ranges or not plan.profile.forward_in_step:
         return None
     try:
-        return predict_unpartitioned(in_step(plan.profile), degrees,
-                                     wgrad_scheduled and plan.scheduler is not None)
+        return predict_unpartitioned(plan.profile, degrees, wgrad_scheduled and plan.scheduler is not None)
     except KeyError:
         return None
 
@@ -259,13 +276,14 @@ def pipelined_predictions(plan: OverlapPlan, degrees: Sequence[int]) -> dict[int
     each of `degrees` (Tutel's chunks, which the profile must have priced: `optimize(degrees=)`):
     degree -> {"plain": seconds without the dW schedule, "scheduled": with it, whether or not the
     plan kept it}. A degree the profile did not price is left out; with no MoE layer, every one."""
-    moe_layers = sum(isinstance(unit, planner.MoEUnit) for unit in plan.profile.units)
+    priced = plan.priced
+    moe_layers = sum(isinstance(unit, planner.MoEUnit) for unit in priced.units)
     table = {}
     for degree in degrees if moe_layers else ():
         layers = (degree,) * moe_layers
         try:
-            table[degree] = {"plain": predict_unpartitioned(plan.profile, layers, False),
-                             "scheduled": predict_unpartitioned(plan.profile, layers, True)}
+            table[degree] = {"plain": predict_unpartitioned(priced, layers, False),
+                             "scheduled": predict_unpartitioned(priced, layers, True)}
         except KeyError:
             continue
     return table

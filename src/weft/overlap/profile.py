@@ -66,8 +66,8 @@ class ModelProfile:
 
 
 def in_step(profile: ModelProfile) -> ModelProfile:
-    """`profile` with two corrections for a graphed step, measured by a graphed profile and not
-    yet the planner's prices (docs/overlap.md, "Known errors of that price"). A padded MoE layer's
+    """`profile` with two corrections for a graphed step, measured by a graphed profile (`optimize(...,
+    in_step=True)`, whose plan is priced with them: `OverlapPlan.priced`; docs/overlap.md). A padded MoE layer's
     weight cast moves from its experts to its gate stage: a layer call casts the weights once
     before its matmuls (the pipelined exchange once for all its chunks, which then pay only their
     matmuls; their input gradients need no cast), so each chunk's experts time loses the whole cast

@@ -441,7 +441,8 @@ def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: i
         # not by the eager check; of the partitioned forward, what a graph can hold: each MoE layer's
         # own chunks (Tutel's degree, timed as graphs), its neighbours' partitions reading sizes on the host.
         plan = optimize(model, x.to(device), forward=False, partitions=(1,), measure=0, graphed=True,
-                        degrees=DEGREES)  # priced at the degree the graphs choose (`_micro_steps`)
+                        degrees=DEGREES,  # priced at the degree the graphs choose (`_micro_steps`)
+                        in_step=True)  # and with the graphed step's in-step corrections
         for moe in model.moe_layers():
             moe.overlap_degree = "auto"
         note = ("(the micro-step replays as a CUDA graph: each MoE layer's pipelining degree and the weight-gradient "

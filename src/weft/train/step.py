@@ -17,7 +17,7 @@ from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
 from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, OWN_APART_ALGO
 from weft.overlap import OverlapPlan
-from weft.overlap.passes import apply, choose_passes
+from weft.overlap.passes import GRAPHED_MIN_GAIN, apply, choose_passes
 from weft.precision import training_autocast
 from weft.tune.dictionary import DEGREES, tuned_seconds
 
@@ -259,6 +259,10 @@ def with_layers_at(model: GPT, step: MicroStep, setting: str) -> Callable[[objec
     return step_of
 
 
+# A graphed micro-step's choices time their candidates in two rounds, the second in the reverse
+# order (`weft.graphs.time_graphed`): with P2P disabled one round timed the same gpt2-l-moe graph
+# 46.0 ms first and 48.3 ms last (docs/benchmarks.md, forty-first session), which chose its degree.
+CHOICE_ROUNDS = 2
 # The per-layer settings a graphed micro-step chooses by timing graphs, and their candidates:
 # `--overlap tutel`'s pipelining degree (Tutel 3.2) and `--a2a-algo auto`'s all-to-all.
 GRAPH_TUNED = {"overlap_degree": DEGREES, "a2a_algo": ("linear", "dedup", "dedup-d2")}
@@ -321,10 +325,11 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
     """`--overlap lancet` in a graphed micro-step: Lancet's dW schedule (`plan.scheduler`, weight
     gradients run under the backward all-to-alls) kept only where its step replays faster as a
     CUDA graph than the plain step (`timer(step_of, ("none", "backward"))`, e.g.
-    `weft.graphs.time_graphed`; by `weft.overlap.passes.choose_passes`'s margin, as `optimize`
-    keeps a pass by eager timing: a graph has no host cost to pay for, so the eager check would
-    judge another step than the one that runs). Both compute the same gradients. Leaves the
-    choice applied; returns whether the schedule is kept and the seconds of (none, backward)."""
+    `weft.graphs.time_graphed`; by `weft.overlap.passes.choose_passes` with the graphs' margin,
+    `GRAPHED_MIN_GAIN`, as `optimize` keeps a pass by eager timing: a graph has no host cost to pay
+    for, so the eager check would judge another step than the one that runs). Both compute the
+    same gradients. Leaves the choice applied; returns whether the schedule is kept and the
+    seconds of (none, backward)."""
     def step_of(name: str) -> MicroStep:
         scheduled = name == "backward"
         inner = eager_micro_step(model, grad_accum, plan.backward if scheduled else None)
@@ -336,7 +341,7 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
 
     names = ("none", "backward")
     seconds = timer(step_of, names)
-    kept = choose_passes(dict(zip(names, seconds))) == "backward"
+    kept = choose_passes(dict(zip(names, seconds)), GRAPHED_MIN_GAIN) == "backward"
     apply(model, [], plan.scheduler if kept else None)
     return kept, seconds
 
@@ -358,7 +363,7 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     device = example[0].device
     accumulate = grad_accum > 1  # else the graph owns its gradients; the candidates are timed the same way
     graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()),
-                                    accumulate=accumulate)
+                                    accumulate=accumulate, rounds=CHOICE_ROUNDS)
     blocker = graph_blocker(model, device, overlap)
     if blocker is None and mode == "auto" and _auto_blocker(model) is not None:
         log(f"weft train: eager steps ({_auto_blocker(model)})")
