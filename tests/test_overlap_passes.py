@@ -195,6 +195,9 @@ def optimize_worker() -> list[str]:
         failures.append(f"summary lacks the MoE layers or a prediction:\n{summary}")
     if plan.predicted > plan.baseline * (1 + 1e-9):
         failures.append(f"the plan predicts slower than no plan: {plan.predicted} > {plan.baseline}")
+    eta_dw = plan.profile.dw_efficiency  # measured by real runs here: a matmul beside gloo's all-to-all
+    if (eta_dw is None) != (dist.get_world_size() == 1) or eta_dw is not None and not 0.0 <= eta_dw <= 1.0:
+        failures.append(f"the dW items' η {eta_dw} on {dist.get_world_size()} ranks")
     return failures
 
 
@@ -231,15 +234,16 @@ def graphed_profile_worker() -> list[str]:
     # each sub-layer's forward (a dense one whole, an MoE one as its computation and its experts),
     # each sub-layer's forward + backward and forward again, the head's, the model's backward (2),
     # and where the experts communicate η's four (the all-to-all alone, one and several experts'
-    # calls, both at once: `measure_overlap_efficiency` as the graphed step runs them)
-    # and `in_step`'s forward of each communicating MoE layer (no weight cast: float32 on a CPU)
+    # calls, both at once: `measure_overlap_efficiency` as the graphed step runs them), the same
+    # four for a weight-gradient matmul (the dW items' η), and `in_step`'s forward of each
+    # communicating MoE layer (no weight cast: float32 on a CPU)
     moes = sum(isinstance(u, MoEUnit) for u in units)
-    efficiency, in_step = (4, moes) if dist.get_world_size() > 1 else (0, 0)
+    efficiency, in_step = (8, moes) if dist.get_world_size() > 1 else (0, 0)
     if len(calls) != len(units) + moes + 2 * len(units) + 3 + efficiency + in_step:
         failures.append(f"{len(calls)} graph replays timed for {len(units)} sub-layers")
-    if sum(communicated) != (2 + moes if dist.get_world_size() > 1 else 0):  # η's all-to-all alone and beside
-        failures.append(f"{sum(communicated)} of the replays ran an all-to-all, expected η's 2 and one "
-                        f"forward of each of the {moes} MoE layers")
+    if sum(communicated) != (4 + moes if dist.get_world_size() > 1 else 0):  # each η's all-to-all alone and beside
+        failures.append(f"{sum(communicated)} of the replays ran an all-to-all, expected the two η's 2 each and "
+                        f"one forward of each of the {moes} MoE layers")
     stepped = [t for u, t in zip(units, plan.profile.forward_in_step) if isinstance(u, MoEUnit)]
     if stepped != [2e-3 if dist.get_world_size() > 1 else None] * moes or any(plan.profile.weight_cast):
         failures.append(f"in-step forwards {plan.profile.forward_in_step}, weight casts {plan.profile.weight_cast}")
@@ -248,8 +252,11 @@ def graphed_profile_worker() -> list[str]:
     if plan.predicted != pytest.approx(passes.predict_unpartitioned(plan.priced, (), scheduled)) or \
             (dist.get_world_size() > 1) == (plan.priced.units == plan.profile.units):
         failures.append(f"the plan's price {plan.predicted} is not its corrected profile's")
-    if dist.get_world_size() > 1 and plan.profile.overlap_efficiency != 1.0:  # (2 + 2 - 2) / 2 at 2 ms each
-        failures.append(f"η {plan.profile.overlap_efficiency} from replays of 2 ms each, expected 1")
+    if dist.get_world_size() > 1 and (plan.profile.overlap_efficiency, plan.profile.dw_efficiency) != (1.0, 1.0):
+        failures.append(f"η {plan.profile.overlap_efficiency}, the dW items' {plan.profile.dw_efficiency} from "
+                        f"replays of 2 ms each, expected 1 each: (2 + 2 - 2) / 2")
+    if dist.get_world_size() == 1 and plan.profile.dw_efficiency is not None:
+        failures.append(f"the dW items' η measured with nothing to overlap: {plan.profile.dw_efficiency}")
     dense = [u.time[1] for u in units if not isinstance(u, MoEUnit)]
     if dense != [2e-3] * len(dense) or plan.profile.rest != 2e-3 or any(b != 0.0 for b in plan.profile.backward):
         failures.append(f"the profile's times are not the replays': {dense}, rest {plan.profile.rest}, "
@@ -266,7 +273,7 @@ def graphed_profile_worker() -> list[str]:
         failures.append(f"the plan reports {plan.profile.graph_replays} replays of {len(calls)}:\n{plan.summary()}")
     communicated.clear()
     unasked = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True)
-    if unasked.profile.forward_in_step or unasked.profile.weight_cast or sum(communicated) > 2:
+    if unasked.profile.forward_in_step or unasked.profile.weight_cast or sum(communicated) > 4:
         failures.append(f"a graphed profile not asked for them measured in-step corrections "
                         f"({sum(communicated)} replays communicated)")
     calls.clear()
@@ -279,7 +286,7 @@ def graphed_profile_worker() -> list[str]:
         moe.overlap_degree = "auto"
     communicated.clear()
     tuned = optimize(model, x, forward=False, partitions=(1,), repeats=1, measure=0, graphed=True, in_step=True)
-    if any(t is not None for t in tuned.profile.forward_in_step) or sum(communicated) > 2:
+    if any(t is not None for t in tuned.profile.forward_in_step) or sum(communicated) > 4:
         failures.append(f"layers to be tuned had their forward timed: {tuned.profile.forward_in_step}")
     return failures
 
@@ -943,3 +950,37 @@ def test_bad_overlap_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--overlap", "magic"])
     assert "--overlap" in capsys.readouterr().err
+
+
+def test_the_dw_items_own_efficiency_prices_only_what_the_schedule_hides():
+    """`predict_backward(..., dw_efficiency=)`: the share of what the dW pool hides under the
+    all-to-alls that is saved. At 0 the scheduled backward costs what the unscheduled one does; by
+    default it is the experts' η. `predicted_with_dw_efficiency` prices a step whose schedule ran
+    with the profile's measured value, and nothing else (None)."""
+    from weft.overlap import planner
+    from weft.overlap.passes import OverlapPlan, predict_unpartitioned, predicted_with_dw_efficiency
+    from weft.overlap.profile import ModelProfile
+
+    moe = planner.MoEUnit("moe0", {1: 0.1}, {1: 1.0}, {1: 1.0}, {1: 1.0}, True)
+    units = [planner.ComputeUnit("attn0", {1: 1.0}), moe, planner.ComputeUnit("attn1", {1: 1.0})]
+    profile = ModelProfile(units, backward=[2.0, 2.0, 2.0], backward_comm=[0.0, 2.0, 0.0], rest=0.5,
+                           names=["attn0", "moe0", "attn1"], overlap_efficiency=0.8, chunks=[{}, {2: (0.6, 0.5)}, {}],
+                           dw_efficiency=0.25)
+    plain = predict_backward(profile, False)
+    # attn1's dW share (1.0) hides 1.0 of the first half all-to-all, the MoE layer's own (1.0)
+    # another 1.0 of the second: 2.0 hidden, of which η is saved
+    assert plain - predict_backward(profile, True) == pytest.approx(0.8 * 2.0)
+    assert plain - predict_backward(profile, True, dw_efficiency=0.25) == pytest.approx(0.25 * 2.0)
+    assert predict_backward(profile, True, dw_efficiency=0.0) == pytest.approx(plain)
+    # pipelined, the chunks' own overlap keeps the experts' η; only the pool's share goes
+    assert predict_backward(profile, True, (2,), dw_efficiency=0.0) == pytest.approx(
+        predict_backward(profile, False, (2,)))
+    scheduler = WGradScheduler()
+    plan = OverlapPlan([], scheduler, None, profile, predicted=0.0, baseline=0.0)
+    assert predicted_with_dw_efficiency(plan, True) == pytest.approx(predict_unpartitioned(profile, (), True, 0.25))
+    assert predicted_with_dw_efficiency(plan, True) > predict_unpartitioned(profile, (), True)
+    assert predicted_with_dw_efficiency(plan, False) is None  # the graph dropped the schedule
+    assert predicted_with_dw_efficiency(dataclasses.replace(plan, profile=dataclasses.replace(
+        profile, dw_efficiency=None)), True) is None
+    assert "weight-gradient matmul beside an all-to-all: 0.25" in plan.summary()
+    assert plan.to_dict()["dw_efficiency"] == 0.25

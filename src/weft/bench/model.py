@@ -49,7 +49,9 @@ Per row (milliseconds; each step's time is the slowest rank's):
   `lancet_predicted_ms` the plan's own, `baseline_predicted_ms` without Lancet) and
   `prediction_error` (predicted / measured `fwd_bwd_ms` - 1); graphed, every price includes the
   profile's in-step corrections (`weft.overlap.profile.in_step`), and `uncorrected_predicted_ms` /
-  `uncorrected_prediction_error` price the same step without them; with the plan's parts `predicted_forward_ms`
+  `uncorrected_prediction_error` price the same step without them; where the dW schedule ran,
+  `dw_eta_predicted_ms` / `dw_eta_prediction_error` price it with the dW items' own measured η
+  (`passes.predicted_with_dw_efficiency`); with the plan's parts `predicted_forward_ms`
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
@@ -421,6 +423,10 @@ def run(bench: ModelBenchConfig) -> dict:
             if uncorrected is not None:
                 row["uncorrected_predicted_ms"] = uncorrected * 1e3
                 row["uncorrected_prediction_error"] = row["uncorrected_predicted_ms"] / row["fwd_bwd_ms"] - 1
+            dw_eta = passes.predicted_with_dw_efficiency(plan, scheduled, degrees.get(mode, ()))
+            if dw_eta is not None:
+                row["dw_eta_predicted_ms"] = dw_eta * 1e3
+                row["dw_eta_prediction_error"] = row["dw_eta_predicted_ms"] / row["fwd_bwd_ms"] - 1
             # Where the error is: the planner's forward (sub-layers only) against the measured
             # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
             # forward and backward).
@@ -506,3 +512,7 @@ def print_table(report: dict) -> None:
                 print(f"the same step priced without the profile's in-step corrections (each chunk casting the "
                       f"weights, the all-to-alls as timed alone): "
                       f"{r['uncorrected_predicted_ms']:.2f} ms ({r['uncorrected_prediction_error']:+.1%})")
+            if "dw_eta_predicted_ms" in r:
+                print(f"the same step priced with the dW items' own overlap efficiency (a weight-gradient matmul "
+                      f"beside an all-to-all, measured): {r['dw_eta_predicted_ms']:.2f} ms "
+                      f"({r['dw_eta_prediction_error']:+.1%})")

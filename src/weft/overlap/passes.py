@@ -97,6 +97,10 @@ class OverlapPlan:
         if self.profile.overlap_efficiency < 1.0:
             lines.append(f"overlap efficiency {self.profile.overlap_efficiency:.2f} (the share of an all-to-all's "
                          f"overlap with computation that is saved, measured)")
+        if self.profile.dw_efficiency is not None:
+            lines.append(f"the same for a weight-gradient matmul beside an all-to-all: "
+                         f"{self.profile.dw_efficiency:.2f} (measured; the price applies the experts' η to the "
+                         f"dW schedule)")
         if self.profile.graph_replays is not None:
             replayed, eager = self.profile.graph_replays
             lines.append(f"profiled as CUDA graph replays: {replayed} of {replayed + eager} calls"
@@ -132,6 +136,7 @@ class OverlapPlan:
             "chosen": self.chosen,
             "graph_replays": self.profile.graph_replays,
             "overlap_efficiency": self.profile.overlap_efficiency,
+            "dw_efficiency": self.profile.dw_efficiency,
             "profile_s": {  # per sub-layer, unpartitioned: what the prediction is built from (`priced`)
                 "names": list(priced.names),
                 "forward": [planner.serial_time(u) for u in priced.units],
@@ -271,6 +276,20 @@ def predicted_uncorrected(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tup
         return None
 
 
+def predicted_with_dw_efficiency(plan: OverlapPlan, wgrad_scheduled: bool,
+                                 degrees: tuple[int, ...] = ()) -> float | None:
+    """`predicted_as_run`'s step with the dW items' own measured η (`ModelProfile.dw_efficiency`)
+    in place of the experts' for what the schedule hides: beside the plan's price until measured
+    tables show which is nearer (docs/overlap.md). None where the schedule did not run, the
+    forward is partitioned, a degree was not profiled, or it was not measured."""
+    if not wgrad_scheduled or plan.scheduler is None or plan.ranges or plan.profile.dw_efficiency is None:
+        return None
+    try:
+        return predict_unpartitioned(plan.priced, degrees, True, plan.profile.dw_efficiency)
+    except KeyError:
+        return None
+
+
 def pipelined_predictions(plan: OverlapPlan, degrees: Sequence[int]) -> dict[int, dict]:
     """Lancet's model of the step with its forward unpartitioned and every MoE layer pipelined at
     each of `degrees` (Tutel's chunks, which the profile must have priced: `optimize(degrees=)`):
@@ -374,16 +393,20 @@ def predict_forward(profile: ModelProfile, degrees: Sequence[int] = ()) -> float
     return total
 
 
-def predict_unpartitioned(profile: ModelProfile, degrees: Sequence[int], scheduling: bool) -> float:
+def predict_unpartitioned(profile: ModelProfile, degrees: Sequence[int], scheduling: bool,
+                          dw_efficiency: float | None = None) -> float:
     """Forward + backward + the rest, the forward unpartitioned, MoE layer i at `degrees[i]`."""
-    return predict_forward(profile, degrees) + predict_backward(profile, scheduling, degrees) + profile.rest
+    return (predict_forward(profile, degrees) + predict_backward(profile, scheduling, degrees, dw_efficiency)
+            + profile.rest)
 
 
-def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[int] = ()) -> float:
+def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[int] = (),
+                     dw_efficiency: float | None = None) -> float:
     """Backward compute plus the all-to-all time left exposed. Walking the sub-layers in backward
     order, the weight-gradient share of each finished layer joins a pool that the next all-to-alls
     draw from (Lancet Alg. 1 hides at most the pool, at most the all-to-all); of the time they
-    overlap, `profile.overlap_efficiency` is saved (all of it in Lancet's model).
+    overlap, `dw_efficiency` is saved (default `profile.overlap_efficiency`, the experts' η; all
+    of it in Lancet's model).
 
     MoE layer i (in forward order) pipelined at `degrees[i]` > 1 runs its experts' backward as
     Tutel's chunked exchange (`planner.chunked_exchange`: each chunk's input gradient the size of
@@ -393,6 +416,7 @@ def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[
     chunks' exchanges). Raises KeyError for a degree above 1 that was not profiled."""
     pool = exposed = 0.0
     total = 0.0
+    eta_dw = profile.overlap_efficiency if dw_efficiency is None else dw_efficiency
     moes = sum(isinstance(u, planner.MoEUnit) for u in profile.units)
     chunk_list = profile.chunks or [{}] * len(profile.units)
     layers = zip(reversed(profile.units), reversed(profile.backward), reversed(profile.backward_comm),
@@ -409,7 +433,7 @@ def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[
             for half in (0, 1):  # combine's backward, the experts, then dispatch's backward
                 hidden = min(comm / 2, pool) if scheduling else 0.0
                 pool -= hidden
-                exposed += comm / 2 - profile.overlap_efficiency * hidden
+                exposed += comm / 2 - eta_dw * hidden
                 if half == 0:
                     pool += DW_SHARE * compute
             continue
@@ -423,6 +447,6 @@ def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[
         hidden = min(left, pool) if scheduling else 0.0
         pool -= hidden
         total += other + chain_compute
-        exposed += left - profile.overlap_efficiency * hidden
+        exposed += left - eta_dw * hidden
         pool += DW_SHARE * other
     return total + exposed

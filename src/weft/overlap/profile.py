@@ -32,6 +32,7 @@ from weft.models.gpt import rotary_tables
 from weft.moe.capacity import capacity_bound
 from weft.moe.exchange.select import is_tuned
 from weft.moe.layer import MoE
+from weft.ops.wgrad import Linear
 from weft.overlap import planner
 from weft.overlap.moe_partition import can_route_in_parts
 from weft.profiling import seconds, slowest_rank
@@ -63,6 +64,10 @@ class ModelProfile:
     # forward without them)
     weight_cast: list[float] = dataclasses.field(default_factory=list)
     forward_in_step: list[float | None] = dataclasses.field(default_factory=list)
+    # η of the dW schedule's own work (`measure_overlap_efficiency` with a weight-gradient matmul
+    # beside the all-to-all; None where not measured): measured beside the price, which still
+    # applies the experts' η to the dW items (`weft.overlap.passes.predicted_with_dw_efficiency`)
+    dw_efficiency: float | None = None
 
 
 def in_step(profile: ModelProfile) -> ModelProfile:
@@ -205,6 +210,27 @@ def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx,
         time=time)
 
 
+def _dw_overlap_efficiency(model, moe: MoE, x: torch.Tensor, batch: int, ctx,
+                           time: Callable[[Callable[[], object]], float]) -> float | None:
+    """`measure_overlap_efficiency` with the work Lancet's dW schedule runs beside an all-to-all
+    (sec. 4, Alg. 1): the weight-gradient matmul (dy^T x over the batch's tokens, in the compute
+    dtype) of the model's largest linear layer that the schedule defers, beside the layer `moe`'s
+    dispatch all-to-all of the whole batch. The experts' η need not hold for it: a weight-gradient
+    matmul reads two activations and writes a weight, and shares SMs and memory with NCCL's
+    kernels in its own way. None where the model has no such layer."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not linears:
+        return None
+    out_features, in_features = max(linears, key=lambda m: m.weight.numel()).weight.shape
+    tokens, dtype = _tokens(x, batch, 1), compute_dtype(moe, x, ctx)
+    x_TI = torch.randn(tokens, in_features, device=x.device).to(dtype)
+    dy_TO = torch.randn(tokens, out_features, device=x.device).to(dtype)
+    src, out = _all_to_all_buffers(_a2a_bytes(moe, tokens, x), group_size(moe.group), dtype, x.device)
+    return measure_overlap_efficiency(
+        lambda: torch.mm(dy_TO.t(), x_TI), lambda: dist.all_to_all_single(out, src, group=moe.group, async_op=True),
+        moe.group, x.device, time=time)
+
+
 def unit_inputs(model, units: Sequence, idx: torch.Tensor) -> list[torch.Tensor]:
     """Each of `units`' input on token ids `idx` (the embedding, then each unit's output), from
     one forward pass without gradients (under the caller's autocast)."""
@@ -312,13 +338,14 @@ def profile_model(
     if sum(backward) > 0:
         scale = max(whole - rest, 0.5 * whole) / sum(backward)
         backward = [b * scale for b in backward]
-    efficiency = 1.0
+    efficiency, dw_efficiency = 1.0, None
     if moes and group_size(moes[0].group) > 1:
         first = next(u for u, unit in enumerate(units) if isinstance(unit, MoESubLayer))
         efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, time)
+        dw_efficiency = _dw_overlap_efficiency(model, moes[0], inputs[first], batch, ctx, time)
     return ModelProfile(plan_units, backward, backward_comm, rest, names, tuple(replays) if graphed else None,
                         efficiency, chunks, weight_cast if measure_in_step else [],
-                        forward_in_step if measure_in_step else []), cost_model
+                        forward_in_step if measure_in_step else [], dw_efficiency), cost_model
 
 
 def _tokens(x: torch.Tensor, batch: int, k: int) -> int:
