@@ -629,6 +629,11 @@ def test_in_step_shares_the_chunks_weight_cast_and_prices_the_all_to_alls_as_the
     assert plan.to_dict()["profile_s"]["forward_in_step"] == [None, 4.1, None]  # what it was corrected by
     assert predicted_uncorrected(dataclasses.replace(plan, profile=eager), False) is None
     assert predicted_uncorrected(plan, False, (8, 8)) is None  # degree 8 was not profiled
+    # a graphed profile whose layers all went unmeasured (dropless, one rank) has one price
+    unmeasured = dataclasses.replace(plan, profile=dataclasses.replace(
+        eager, weight_cast=[0.0, 0.0, 0.0], forward_in_step=[None, None, None]))
+    assert predicted_uncorrected(unmeasured, False, (2, 2)) is None
+    assert "in-step corrections" in plan.summary() and "in-step corrections" not in unmeasured.summary()
 
 
 def test_repeated_calls_drop_each_result_before_the_next():

@@ -91,7 +91,7 @@ class OverlapPlan:
         gain = 1 - self.predicted / self.baseline if self.baseline > 0 else 0.0
         lines.append(f"predicted forward+backward: {self.predicted * 1e3:.3f} ms vs {self.baseline * 1e3:.3f} ms "
                      f"without Lancet ({gain:+.1%})")
-        if self.profile.forward_in_step:
+        if _corrected(self.profile):
             lines.append("priced with the graphed profile's in-step corrections (each padded MoE layer's weight cast "
                          "once per call, its all-to-alls at their time in its graphed forward)")
         if self.profile.overlap_efficiency < 1.0:
@@ -268,12 +268,17 @@ def predicted_uncorrected(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tup
     (`weft.overlap.profile.in_step`), the price before they were measured: kept beside the
     planner's to show what they change (docs/overlap.md). None where the forward is partitioned, a
     degree was not profiled, or the profile measured no correction (the two prices are one)."""
-    if plan.ranges or not plan.profile.forward_in_step:
+    if plan.ranges or not _corrected(plan.profile):
         return None
     try:
         return predict_unpartitioned(plan.profile, degrees, wgrad_scheduled and plan.scheduler is not None)
     except KeyError:
         return None
+
+
+def _corrected(profile: ModelProfile) -> bool:
+    """Whether `in_step` changes `profile`'s prices: some MoE layer's in-step forward was measured."""
+    return any(t is not None for t in profile.forward_in_step)
 
 
 def predicted_with_dw_efficiency(plan: OverlapPlan, wgrad_scheduled: bool,
