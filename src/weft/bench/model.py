@@ -419,14 +419,13 @@ def run(bench: ModelBenchConfig) -> dict:
             if predicted is not None:
                 row["predicted_ms"] = predicted * 1e3
                 row["prediction_error"] = row["predicted_ms"] / row["fwd_bwd_ms"] - 1
-            uncorrected = passes.predicted_uncorrected(plan, scheduled, degrees.get(mode, ()))
-            if uncorrected is not None:
-                row["uncorrected_predicted_ms"] = uncorrected * 1e3
-                row["uncorrected_prediction_error"] = row["uncorrected_predicted_ms"] / row["fwd_bwd_ms"] - 1
-            dw_eta = passes.predicted_with_dw_efficiency(plan, scheduled, degrees.get(mode, ()))
-            if dw_eta is not None:
-                row["dw_eta_predicted_ms"] = dw_eta * 1e3
-                row["dw_eta_prediction_error"] = row["dw_eta_predicted_ms"] / row["fwd_bwd_ms"] - 1
+            # the same step's other prices, beside the plan's
+            for name, price in (("uncorrected", passes.predicted_uncorrected),
+                                ("dw_eta", passes.predicted_with_dw_efficiency)):
+                other = price(plan, scheduled, degrees.get(mode, ()))
+                if other is not None:
+                    row[f"{name}_predicted_ms"] = other * 1e3
+                    row[f"{name}_prediction_error"] = other * 1e3 / row["fwd_bwd_ms"] - 1
             # Where the error is: the planner's forward (sub-layers only) against the measured
             # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
             # forward and backward).

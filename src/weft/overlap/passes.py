@@ -69,10 +69,10 @@ class OverlapPlan:
     measured: dict[str, float] = field(default_factory=dict)
     chosen: str = "none"
 
-    @property
+    @functools.cached_property
     def priced(self) -> ModelProfile:
         """The profile the prices come from: `profile` with its in-step corrections (itself where
-        none were measured: eager profiles, and graphed ones not asked for them)."""
+        none were measured: eager profiles, and graphed ones not asked for them). Computed once."""
         return with_in_step_corrections(self.profile)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -118,10 +118,7 @@ class OverlapPlan:
         above 1 was not profiled (`optimize(degrees=...)`)."""
         if self.ranges and any(d > 1 for d in degrees):
             return None
-        try:
-            return predict_unpartitioned(self.priced, degrees, scheduling)
-        except KeyError:
-            return None
+        return _price(self.priced, degrees, scheduling)
 
     def to_dict(self) -> dict:
         priced = self.priced
@@ -270,10 +267,7 @@ def predicted_uncorrected(plan: OverlapPlan, wgrad_scheduled: bool, degrees: tup
     degree was not profiled, or the profile measured no correction (the two prices are one)."""
     if plan.ranges or not _corrected(plan.profile):
         return None
-    try:
-        return predict_unpartitioned(plan.profile, degrees, wgrad_scheduled and plan.scheduler is not None)
-    except KeyError:
-        return None
+    return _price(plan.profile, degrees, wgrad_scheduled and plan.scheduler is not None)
 
 
 def _corrected(profile: ModelProfile) -> bool:
@@ -289,8 +283,14 @@ def predicted_with_dw_efficiency(plan: OverlapPlan, wgrad_scheduled: bool,
     forward is partitioned, a degree was not profiled, or it was not measured."""
     if not wgrad_scheduled or plan.scheduler is None or plan.ranges or plan.profile.dw_efficiency is None:
         return None
+    return _price(plan.priced, degrees, True, plan.profile.dw_efficiency)
+
+
+def _price(profile: ModelProfile, degrees: Sequence[int], scheduling: bool,
+           dw_efficiency: float | None = None) -> float | None:
+    """`predict_unpartitioned`, or None where a degree above 1 was not profiled."""
     try:
-        return predict_unpartitioned(plan.priced, degrees, True, plan.profile.dw_efficiency)
+        return predict_unpartitioned(profile, degrees, scheduling, dw_efficiency)
     except KeyError:
         return None
 
@@ -305,11 +305,9 @@ def pipelined_predictions(plan: OverlapPlan, degrees: Sequence[int]) -> dict[int
     table = {}
     for degree in degrees if moe_layers else ():
         layers = (degree,) * moe_layers
-        try:
-            table[degree] = {"plain": predict_unpartitioned(priced, layers, False),
-                             "scheduled": predict_unpartitioned(priced, layers, True)}
-        except KeyError:
-            continue
+        plain, scheduled = _price(priced, layers, False), _price(priced, layers, True)
+        if plain is not None:
+            table[degree] = {"plain": plain, "scheduled": scheduled}
     return table
 
 

@@ -198,37 +198,32 @@ def measure_overlap_efficiency(compute: Callable[[], object], start_all_to_all: 
     return 1.0 if shorter <= 0 else min(1.0, max(0.0, (comm_s + compute_s - both_s) / shorter))
 
 
-def _layer_overlap_efficiency(moe: MoE, x: torch.Tensor, batch: int, ctx,
-                              time: Callable[[Callable[[], object]], float]) -> float:
-    """`measure_overlap_efficiency` with an MoE layer's own work: its dispatch all-to-all of the
-    whole batch beside its experts' forward, each timed by `time` (the profile's)."""
-    src, out = _all_to_all_buffers(_a2a_bytes(moe, _tokens(x, batch, 1), x), group_size(moe.group),
-                                   compute_dtype(moe, x, ctx), x.device)
+def _overlap_efficiencies(model, moe: MoE, x: torch.Tensor, batch: int, ctx,
+                          time: Callable[[Callable[[], object]], float]) -> tuple[float, float | None]:
+    """`measure_overlap_efficiency` beside the layer `moe`'s dispatch all-to-all of the whole
+    batch (x: its input), each timing by `time` (the profile's), for two kinds of work: the
+    layer's experts' forward (η, `ModelProfile.overlap_efficiency`), and the work Lancet's dW
+    schedule runs beside an all-to-all (sec. 4, Alg. 1), the weight-gradient matmul (dy^T x over
+    the batch's tokens, in the compute dtype) of the model's largest linear layer the schedule
+    defers (`ModelProfile.dw_efficiency`; None where the model has none). The experts' η need not
+    hold for the latter: a weight-gradient matmul reads two activations and writes a weight, and
+    shares SMs and memory with NCCL's kernels in its own way."""
+    tokens, dtype = _tokens(x, batch, 1), compute_dtype(moe, x, ctx)
+    src, out = _all_to_all_buffers(_a2a_bytes(moe, tokens, x), group_size(moe.group), dtype, x.device)
+
+    def dispatch() -> dist.Work:
+        return dist.all_to_all_single(out, src, group=moe.group, async_op=True)
+
     experts, _ = expert_call(moe, x, ctx)
-    return measure_overlap_efficiency(
-        experts, lambda: dist.all_to_all_single(out, src, group=moe.group, async_op=True), moe.group, x.device,
-        time=time)
-
-
-def _dw_overlap_efficiency(model, moe: MoE, x: torch.Tensor, batch: int, ctx,
-                           time: Callable[[Callable[[], object]], float]) -> float | None:
-    """`measure_overlap_efficiency` with the work Lancet's dW schedule runs beside an all-to-all
-    (sec. 4, Alg. 1): the weight-gradient matmul (dy^T x over the batch's tokens, in the compute
-    dtype) of the model's largest linear layer that the schedule defers, beside the layer `moe`'s
-    dispatch all-to-all of the whole batch. The experts' η need not hold for it: a weight-gradient
-    matmul reads two activations and writes a weight, and shares SMs and memory with NCCL's
-    kernels in its own way. None where the model has no such layer."""
+    efficiency = measure_overlap_efficiency(experts, dispatch, moe.group, x.device, time=time)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     if not linears:
-        return None
+        return efficiency, None
     out_features, in_features = max(linears, key=lambda m: m.weight.numel()).weight.shape
-    tokens, dtype = _tokens(x, batch, 1), compute_dtype(moe, x, ctx)
     x_TI = torch.randn(tokens, in_features, device=x.device).to(dtype)
     dy_TO = torch.randn(tokens, out_features, device=x.device).to(dtype)
-    src, out = _all_to_all_buffers(_a2a_bytes(moe, tokens, x), group_size(moe.group), dtype, x.device)
-    return measure_overlap_efficiency(
-        lambda: torch.mm(dy_TO.t(), x_TI), lambda: dist.all_to_all_single(out, src, group=moe.group, async_op=True),
-        moe.group, x.device, time=time)
+    return efficiency, measure_overlap_efficiency(lambda: torch.mm(dy_TO.t(), x_TI), dispatch, moe.group, x.device,
+                                                  time=time)
 
 
 def unit_inputs(model, units: Sequence, idx: torch.Tensor) -> list[torch.Tensor]:
@@ -341,8 +336,7 @@ def profile_model(
     efficiency, dw_efficiency = 1.0, None
     if moes and group_size(moes[0].group) > 1:
         first = next(u for u, unit in enumerate(units) if isinstance(unit, MoESubLayer))
-        efficiency = _layer_overlap_efficiency(moes[0], inputs[first], batch, ctx, time)
-        dw_efficiency = _dw_overlap_efficiency(model, moes[0], inputs[first], batch, ctx, time)
+        efficiency, dw_efficiency = _overlap_efficiencies(model, moes[0], inputs[first], batch, ctx, time)
     return ModelProfile(plan_units, backward, backward_comm, rest, names, tuple(replays) if graphed else None,
                         efficiency, chunks, weight_cast if measure_in_step else [],
                         forward_in_step if measure_in_step else [], dw_efficiency), cost_model
