@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from weft.bench.trace import (
+    CommExposed,
     CommIdle,
+    comm_exposed,
     comm_idle,
     decompose,
     is_comm_kernel,
@@ -98,6 +100,28 @@ def test_comm_idle_lists_the_stretches_without_communication_and_the_compute_in_
     assert comm_idle(trace) == [CommIdle(0, 100, 80), CommIdle(550, 800, 250), CommIdle(1130, 1260, 60)]
     assert comm_idle(trace, min_us=200) == [CommIdle(550, 800, 250)]
     assert comm_idle({"traceEvents": [kernel("gemm", 0, 10)]}) == []
+
+
+def test_comm_exposed_lists_communication_alone_with_the_kernels_around_it():
+    """`comm_exposed`: every stretch where a communication kernel runs and no computation kernel
+    does (overlapping NCCL kernels merged, a computation kernel inside one cuts it in two), of at
+    least `min_us`, with the last computation kernel ended before it and the first started after
+    it; their sum is `decompose`'s comm_only."""
+    def kernel(name, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"stream": 7}}
+
+    trace = {"traceEvents": [
+        kernel("router", 0, 80), kernel("ncclDevKernel_SendRecv", 100, 400),  # alone 100-300
+        kernel("ncclDevKernel_SendRecv", 450, 100),  # merged with the first, to 550
+        kernel("gemm", 300, 100), kernel("relu", 420, 20),  # 400-420 and 440-550 alone
+        kernel("ncclDevKernel_SendRecv", 800, 203), kernel("combine", 1000, 10),  # 800-1000 alone, 1003 inside
+        kernel("ncclDevKernel_SendRecv", 1100, 3),  # 3 us: under min_us
+    ]}
+    assert comm_exposed(trace) == [CommExposed(100, 300, "router", "gemm"), CommExposed(400, 420, "gemm", "relu"),
+                                   CommExposed(440, 550, "relu", "combine"), CommExposed(800, 1000, "relu", "combine")]
+    assert sum(s.end - s.start for s in comm_exposed(trace, min_us=0)) == pytest.approx(
+        decompose(*kernel_intervals(trace)).comm_only_ms * 1e3)
+    assert comm_exposed({"traceEvents": [kernel("gemm", 0, 10)]}) == []
 
 
 def test_the_profile_records_the_steps_after_an_unrecorded_warm_up():

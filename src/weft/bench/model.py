@@ -70,6 +70,7 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -216,6 +217,8 @@ class ModelBenchConfig(PresetChoice):
     max_partitions: int = arg(8, "Lancet's K: the most batch partitions of a pipeline", parse=positive_int)
     profile_steps: int = arg(3, "profiled iterations per mode for the time decomposition (GPU; 0: none)",
                              parse=non_negative_int)
+    trace: str | None = arg(None, "folder for Chrome traces of each mode's profiled iterations, one file per mode and "
+                            "rank (GPU; `scripts/trace_timeline.py` prints them as timelines)")
     breakdown: bool = arg(False, "print each mode's GPU time by sub-layer and MoE stage (embedding, attention, "
                           "mlp, router ... combine, head, loss, optimizer; forward and backward), from the "
                           "profiled iterations")
@@ -435,7 +438,12 @@ def run(bench: ModelBenchConfig) -> dict:
             run_mode(mode, 0)  # the copies of a step of this mode
             row["copied_experts"] = [moe.balancer.last_copied for moe in model.moe_layers()]
         if device.type == "cuda" and profile_steps > 0:
-            row.update(profile_parts(lambda m=mode: run_mode(m, 0), profile_steps, with_breakdown=bench.breakdown))
+            path = None
+            if bench.trace:
+                repeat = f"_{row['repeat'] + 1}" if row["repeat"] else ""
+                path = Path(bench.trace) / f"{preset}_{cfg.gate}_{mode}{repeat}_rank{ctx.rank}.json"
+            row.update(profile_parts(lambda m=mode: run_mode(m, 0), profile_steps, path,
+                                     with_breakdown=bench.breakdown))
         rows.append(row)
     passes.apply(model, [], None)
     base = next((r for r in rows if r["mode"] in ("none", "tp")), rows[0])

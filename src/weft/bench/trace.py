@@ -220,3 +220,48 @@ def profile_trace(step: Callable[[], None], steps: int = 5, trace_path: str | Pa
         path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
         return json.loads(path.read_text())
+
+
+@dataclass
+class CommExposed:
+    """A stretch (us, trace time) where a communication kernel runs and no computation kernel
+    does: exposed communication, `decompose`'s `comm_only` in pieces. `before` / `after`: the
+    names of the computation kernels that ended last before it and started first after it (where
+    in the step it sits: e.g. a pipelined exchange's first chunk after the router, or the
+    backward's last exchange before the next layer's kernels)."""
+
+    start: float
+    end: float
+    before: str
+    after: str
+
+
+def comm_exposed(trace: dict, min_us: float = 5.0) -> list[CommExposed]:
+    """The stretches of at least `min_us` of `trace` where communication runs and computation
+    does not, in time order (their sum over stretches of any length is `decompose`'s comm_only)."""
+    comm, compute = kernel_intervals(trace)
+    c, k = merge(comm), merge(compute)
+    named = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""))
+                   for e in trace.get("traceEvents", [])
+                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+                   and not is_comm_kernel(e.get("name", "")))
+    stretches, j = [], 0
+    for a, b in c:  # minus the computation intervals inside [a, b)
+        while j < len(k) and k[j][1] <= a:
+            j += 1
+        t, i = a, j
+        while i < len(k) and k[i][0] < b:
+            if k[i][0] > t:
+                stretches.append((t, k[i][0]))
+            t = max(t, k[i][1])
+            i += 1
+        if t < b:
+            stretches.append((t, b))
+    out = []
+    for a, b in stretches:
+        if b - a < min_us:
+            continue
+        before = max((n for n in named if n[1] <= a + 1e-3), key=lambda n: n[1], default=None)
+        after = next((n for n in named if n[0] >= b - 1e-3), None)
+        out.append(CommExposed(a, b, before[2] if before else "", after[2] if after else ""))
+    return out
