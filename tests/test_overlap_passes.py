@@ -548,7 +548,8 @@ def test_backward_prediction_hides_at_most_the_pool():
 def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     """A graphed step's MoE layers pipelined at degree d (Tutel's chunks) are priced from the
     profiled chunk times: forward gate + chunked exchange; backward the chunked input gradients
-    with the weight gradients after them, what that leaves exposed hidden by the dW pool."""
+    with the weight gradients after them, of what that leaves exposed the first chunk's exchange
+    hidden by the dW pool."""
     from weft.overlap import planner
     from weft.overlap.passes import OverlapPlan, pipelined_predictions, predict_forward
     from weft.overlap.profile import ModelProfile
@@ -569,10 +570,11 @@ def test_pipelined_moe_layers_are_priced_as_tutels_chunks():
     assert predict_backward(profile, False, (2,)) == pytest.approx(2.0 + 2.0 + 0.5 + 2.0)
     # attn1's dW share (1.0) hides those 0.5
     assert predict_backward(profile, True, (2,)) == pytest.approx(6.0)
-    # efficiency 0.5: the chain's 1.5 s of overlap cost half: 3.25, 1.25 exposed, 1.0 of it hidden at half
+    # efficiency 0.5: the chain's 1.5 s of overlap cost half: 3.25, 1.25 exposed; of the pool's 1.0 only
+    # the first chunk's exchange (0.5) is hidden (the scheduler runs items beside it alone), at half
     half = dataclasses.replace(profile, overlap_efficiency=0.5)
     assert predict_backward(half, False, (2,)) == pytest.approx(6.0 + 1.25)
-    assert predict_backward(half, True, (2,)) == pytest.approx(6.0 + 1.25 - 0.5 * 1.0)
+    assert predict_backward(half, True, (2,)) == pytest.approx(6.0 + 1.25 - 0.5 * 0.5)
     plan = OverlapPlan([], object(), None, profile, predicted=0.0, baseline=0.0)
     assert plan.predicted_pipelined((2,), True) == pytest.approx(4.1 + 6.0 + 0.5)
     assert plan.predicted_pipelined((4,), True) is None  # degree 4 was not profiled

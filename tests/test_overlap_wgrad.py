@@ -501,3 +501,18 @@ def test_items_under_a_collective_on_the_cpu_change_no_matmul_setting():
     CUDA only (tests/test_gpu.py): on the CPU the items run with the settings as they were."""
     before = (torch._C._get_sm_carveout_experimental(), torch.backends.cuda.preferred_blas_library())
     assert items_under_a_collective_see("cpu") == [before, before]
+
+
+def test_items_beside_a_collective_leave_it_sms_on_cuda_only():
+    """`beside_collective(on_cuda)`, how the scheduler's items run under a collective and how the
+    profile times the dW items' overlap efficiency: PyTorch's SM carveout is
+    `EXCHANGE_SM_MARGIN` inside for CUDA work, unchanged otherwise, and restored on exit."""
+    from weft.kernels.grouped_mm import EXCHANGE_SM_MARGIN
+    from weft.ops.wgrad import beside_collective
+
+    before = torch._C._get_sm_carveout_experimental()
+    with beside_collective(True):
+        assert torch._C._get_sm_carveout_experimental() == EXCHANGE_SM_MARGIN > 0
+    assert torch._C._get_sm_carveout_experimental() == before
+    with beside_collective(False):
+        assert torch._C._get_sm_carveout_experimental() == before

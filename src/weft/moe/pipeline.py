@@ -51,10 +51,14 @@ def _wait(handle) -> None:
         handle.wait()
 
 
-def _wait_running_dw(handle, received: torch.Tensor, scheduler) -> None:
-    """Wait for a backward chunk's exchange; under a Lancet `WGradScheduler` in its backward, first
-    run the deferred weight gradients its plan gives this exchange (`communicate`), while it flies."""
-    if handle is None or scheduler is None or not scheduler.active:
+def _wait_running_dw(handle, received: torch.Tensor, scheduler, chunk: int) -> None:
+    """Wait for backward chunk `chunk`'s exchange; under a Lancet `WGradScheduler` in its backward,
+    for the first chunk first run the deferred weight gradients its plan gives this exchange
+    (`communicate`), while it flies. Only the first: nothing else can run beside its exchange,
+    while every later chunk's exchange flies beside the chunk before it computing its backward,
+    where items would delay that computation instead of filling an idle link (and take from the
+    pool the items the next layer's first exchange could hide)."""
+    if handle is None or scheduler is None or not scheduler.active or chunk > 0:
         _wait(handle)
         return
     nbytes = received.numel() * received.element_size()
@@ -171,8 +175,8 @@ class PipelinedExchange(torch.autograd.Function):
         sent = []
         with torch.autocast(grad.device.type, enabled=False):
             ffn.start_backward()
-            for (a, b), (recv, handle) in zip(bounds, launched):
-                _wait_running_dw(handle, recv, ctx.scheduler)
+            for chunk, ((a, b), (recv, handle)) in enumerate(zip(bounds, launched)):
+                _wait_running_dw(handle, recv, ctx.scheduler, chunk)
                 width, rows = b - a, slice(ep * a, ep * b)
                 ffn.dy[:, rows].view(local, ep, width, dim).copy_(recv.view(ep, local, width, dim).transpose(0, 1))
                 back = ffn.backward(rows).view(local, ep, width, dim).transpose(0, 1).contiguous()
@@ -293,8 +297,8 @@ class DroplessPipelinedExchange(torch.autograd.Function):
                     for p in plans]
         param_grads = [None] * len(ctx.params)
         sent = []
-        for plan, (recv, handle), inp, out in zip(plans, launched, ctx.inputs, ctx.outputs):
-            _wait_running_dw(handle, recv, ctx.scheduler)
+        for chunk, (plan, (recv, handle), inp, out) in enumerate(zip(plans, launched, ctx.inputs, ctx.outputs)):
+            _wait_running_dw(handle, recv, ctx.scheduler, chunk)
             grad_out = recv.index_select(0, plan["by_expert"])
             grads = torch.autograd.grad(out, [inp, *ctx.params], grad_out, allow_unused=True)
             for i, g in enumerate(grads[1:]):

@@ -55,6 +55,7 @@ from torch import nn
 
 from weft.hostcopy import offsets
 from weft.kernels.grouped_mm import EXCHANGE_SM_MARGIN, leave_sms, use_grouped_mm
+from weft.profiling import seconds
 
 __all__ = ["Linear", "WGradScheduler", "WGradStats", "best_fit", "bmm", "grouped_mm", "linear", "plan_in_place"]
 
@@ -135,8 +136,10 @@ class WGradScheduler:
     `comm_time(nbytes)` predicts the seconds of an all-to-all moving `nbytes` from this rank
     (e.g. `functools.partial(cost_model.predict, "all_to_all")`); without it each
     collective key's time is measured the first time `communicate` sees it. `times` maps an
-    item key to its profiled seconds (the first run of each key is timed); items whose key was
-    never timed are not placed under collectives but run (and get timed) in the flush.
+    item key to its profiled seconds (the first run of each key is timed, on CUDA by events
+    around its kernels, `weft.profiling.seconds`: what it takes of a collective's time on the GPU,
+    without the launches' host cost, which a replayed CUDA graph does not pay); items whose key
+    was never timed are not placed under collectives but run (and get timed) in the flush.
     `in_place` (default): from the second backward on, items that the previous backward's plan
     gives no collective run where they are produced, and a weight none of whose items any
     collective takes goes back to plain autograd from the next forward on
@@ -262,9 +265,7 @@ class WGradScheduler:
         self.stats.comm_budget += budget
         self.stats.placed_time += sum(self.times.get(item.key, 0.0) for item in items)
         self.stats.run_under_comm += len(items)
-        # the SMs of the collective launched just before them (class docstring)
-        margin = EXCHANGE_SM_MARGIN if items and items[0].param.is_cuda else 0
-        with torch.no_grad(), leave_sms(margin):
+        with torch.no_grad(), beside_collective(bool(items) and items[0].param.is_cuda):
             for item in items:
                 self._run(item)
         return len(items)
@@ -332,16 +333,19 @@ class WGradScheduler:
         if item.key in self.times:
             item.fn()
         else:  # first run of this key: profile it (later runs skip the synchronisations)
-            _sync(item.param.device)
-            start = time.perf_counter()
-            item.fn()
-            _sync(item.param.device)
-            self.times[item.key] = time.perf_counter() - start
+            self.times[item.key] = seconds(item.fn, item.param.device)  # on CUDA its kernels' time
         pid = id(item.param)
         self._pending[pid] -= 1
         if self._pending[pid] == 0:
             del self._pending[pid]
             _post_accumulate(item.param)
+
+
+def beside_collective(on_cuda: bool):
+    """How the scheduler runs its items under a collective launched just before them: on CUDA
+    their matmuls leave the collective `EXCHANGE_SM_MARGIN` SMs (`WGradScheduler`'s docstring),
+    elsewhere nothing changes. `weft.overlap.profile` measures the dW items' overlap the same way."""
+    return leave_sms(EXCHANGE_SM_MARGIN if on_cuda else 0)
 
 
 def _post_accumulate(param: torch.Tensor) -> None:

@@ -415,8 +415,9 @@ def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[
     Tutel's chunked exchange (`planner.chunked_exchange`: each chunk's input gradient the size of
     its forward, then the weight gradients over every chunk, the forward experts' time, beside
     the last exchanges); the rest of its backward (router, gather and scatter) stays serial, and
-    what the chain leaves exposed the pool may hide (the scheduler runs its items under the
-    chunks' exchanges). Raises KeyError for a degree above 1 that was not profiled."""
+    of what the chain leaves exposed the pool may hide the first chunk's exchange (the scheduler
+    runs its items there alone: `weft.moe.pipeline`). Raises KeyError for a degree above 1 that
+    was not profiled."""
     pool = exposed = 0.0
     total = 0.0
     eta_dw = profile.overlap_efficiency if dw_efficiency is None else dw_efficiency
@@ -447,7 +448,7 @@ def predict_backward(profile: ModelProfile, scheduling: bool, degrees: Sequence[
                                          efficiency=profile.overlap_efficiency)
         chain_compute = degree * experts + whole_experts
         left = max(0.0, chain - chain_compute)
-        hidden = min(left, pool) if scheduling else 0.0
+        hidden = min(left, chunk_comm, pool) if scheduling else 0.0  # the first chunk's exchange only
         pool -= hidden
         total += other + chain_compute
         exposed += left - eta_dw * hidden

@@ -32,7 +32,7 @@ from weft.models.gpt import rotary_tables
 from weft.moe.capacity import capacity_bound
 from weft.moe.exchange.select import is_tuned
 from weft.moe.layer import MoE
-from weft.ops.wgrad import Linear
+from weft.ops.wgrad import Linear, beside_collective
 from weft.overlap import planner
 from weft.overlap.moe_partition import can_route_in_parts
 from weft.profiling import seconds, slowest_rank
@@ -205,9 +205,11 @@ def _overlap_efficiencies(model, moe: MoE, x: torch.Tensor, batch: int, ctx,
     layer's experts' forward (η, `ModelProfile.overlap_efficiency`), and the work Lancet's dW
     schedule runs beside an all-to-all (sec. 4, Alg. 1), the weight-gradient matmul (dy^T x over
     the batch's tokens, in the compute dtype) of the model's largest linear layer the schedule
-    defers (`ModelProfile.dw_efficiency`; None where the model has none). The experts' η need not
-    hold for the latter: a weight-gradient matmul reads two activations and writes a weight, and
-    shares SMs and memory with NCCL's kernels in its own way."""
+    defers (`ModelProfile.dw_efficiency`; None where the model has none), run as the schedule runs
+    its items (`weft.ops.wgrad.beside_collective`: on CUDA it leaves the all-to-all a few SMs,
+    which a persistent GEMM would hold until its end). The experts' η need not hold for the
+    latter: a weight-gradient matmul reads two activations and writes a weight, and shares SMs
+    and memory with NCCL's kernels in its own way."""
     tokens, dtype = _tokens(x, batch, 1), compute_dtype(moe, x, ctx)
     src, out = _all_to_all_buffers(_a2a_bytes(moe, tokens, x), group_size(moe.group), dtype, x.device)
 
@@ -222,8 +224,11 @@ def _overlap_efficiencies(model, moe: MoE, x: torch.Tensor, batch: int, ctx,
     out_features, in_features = max(linears, key=lambda m: m.weight.numel()).weight.shape
     x_TI = torch.randn(tokens, in_features, device=x.device).to(dtype)
     dy_TO = torch.randn(tokens, out_features, device=x.device).to(dtype)
-    return efficiency, measure_overlap_efficiency(lambda: torch.mm(dy_TO.t(), x_TI), dispatch, moe.group, x.device,
-                                                  time=time)
+
+    def weight_grad() -> torch.Tensor:
+        with beside_collective(x.is_cuda):
+            return torch.mm(dy_TO.t(), x_TI)
+    return efficiency, measure_overlap_efficiency(weight_grad, dispatch, moe.group, x.device, time=time)
 
 
 def unit_inputs(model, units: Sequence, idx: torch.Tensor) -> list[torch.Tensor]:
