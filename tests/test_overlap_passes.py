@@ -755,6 +755,13 @@ def test_plan_and_bench_model_cli(tmp_path, monkeypatch):
     # eager, the plan runs as made: the prediction is the plan's
     assert lancet["predicted_form"] == "lancet" and lancet["predicted_ms"] == lancet["lancet_predicted_ms"]
     assert "predicted_ms" not in rows[4] and rows[0]["speedup"] == 1.0
+    # where the plan kept the dW schedule, the collectives it filled: each with its expected time
+    assert ("wgrad_plan" in lancet) == ("backward: weight-gradient scheduling on" in lancet["plan"])
+    if "wgrad_plan" in lancet:
+        assert all(c["budget_ms"] > 0 for c in lancet["wgrad_plan"])
+        items = sum(c["items"] for c in lancet["wgrad_plan"])
+        line = lancet["wgrad_plan_line"]
+        assert line.startswith("dW plan: ") and f" take {items} items" in line
 
 
 def test_the_prediction_prices_the_step_as_it_ran():

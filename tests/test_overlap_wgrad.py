@@ -516,3 +516,30 @@ def test_items_beside_a_collective_leave_it_sms_on_cuda_only():
     assert torch._C._get_sm_carveout_experimental() == before
     with beside_collective(False):
         assert torch._C._get_sm_carveout_experimental() == before
+
+
+def test_the_plan_lists_each_collective_its_budget_and_the_items_it_takes():
+    """`WGradScheduler.planned`: after a backward, the plan the next one follows, per collective:
+    its key and bytes, its expected seconds, and the items best fit gave it with their profiled
+    seconds (here every timed item before the collective, the budget being far above them: g1's
+    two groups, e2 and e1; the linears come after it); `plan_line` sums it in one line."""
+    from weft.ops.wgrad import plan_line
+
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0)
+    params = make_params()
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    handle = FakeHandle(lambda: None)
+    assert scheduler.planned == []
+    for _ in range(2):
+        for p in params.values():
+            p.grad = None
+        with scheduler.backward():
+            wgrad_model(params, x, scheduler, middle=lambda h: Communicate.apply(h, scheduler, handle)).sum().backward()
+    [planned] = scheduler.planned
+    assert (planned.key, planned.nbytes, planned.budget) == ("a2a", TOKENS * HID * 4, 1.0)
+    assert planned.items == scheduler.stats.run_under_comm == 4  # the plan the second backward followed
+    under = 2 * sum(t for k, t in scheduler.times.items() if k[0] == "grouped_mm") + \
+        sum(t for k, t in scheduler.times.items() if k[0] == "bmm")
+    assert planned.item_seconds == pytest.approx(under) and under > 0
+    assert plan_line(scheduler.planned) == (f"dW plan: 1 of 1 collectives take 4 items, {under * 1e3:.2f} ms of them "
+                                            "(profiled) beside 1000.00 ms of expected collectives")

@@ -51,7 +51,9 @@ Per row (milliseconds; each step's time is the slowest rank's):
   profile's in-step corrections (`weft.overlap.profile.in_step`), and `uncorrected_predicted_ms` /
   `uncorrected_prediction_error` price the same step without them; where the dW schedule ran,
   `dw_eta_predicted_ms` / `dw_eta_prediction_error` price it with the dW items' own measured η
-  (`passes.predicted_with_dw_efficiency`); with the plan's parts `predicted_forward_ms`
+  (`passes.predicted_with_dw_efficiency`), and `wgrad_plan` lists the collectives of the plan
+  the schedule followed (each one's expected ms, the items it took and their profiled ms;
+  `wgrad_plan_line` sums them); with the plan's parts `predicted_forward_ms`
   (sub-layers), `predicted_backward_ms` (sub-layers) and `predicted_rest_ms` (embedding, head
   and loss, forward + backward) to see which part is off;
 - on CUDA, `decomposition` (a profiled run of each mode after the timing rounds) and, where the
@@ -92,7 +94,7 @@ from weft.distributed import build_moe_groups, group_rank, init_distributed
 from weft.models import GPT, GPTConfig
 from weft.models.presets import PresetChoice
 from weft.moe.gates import EXPERT_BIAS_GATES, zipf_bias
-from weft.ops.wgrad import WGradScheduler
+from weft.ops.wgrad import WGradScheduler, plan_line
 from weft.overlap import fit_balance_models, passes
 from weft.overlap.forward import Range
 from weft.precision import training_autocast
@@ -429,6 +431,11 @@ def run(bench: ModelBenchConfig) -> dict:
                 if other is not None:
                     row[f"{name}_predicted_ms"] = other * 1e3
                     row[f"{name}_prediction_error"] = other * 1e3 / row["fwd_bwd_ms"] - 1
+            if scheduled and plan.scheduler is not None and plan.scheduler.planned:  # what the schedule ran
+                row["wgrad_plan_line"] = plan_line(plan.scheduler.planned)
+                row["wgrad_plan"] = [{"collective": repr(c.key), "nbytes": c.nbytes, "items": c.items,
+                                      "budget_ms": None if c.budget is None else c.budget * 1e3,
+                                      "item_ms": c.item_seconds * 1e3} for c in plan.scheduler.planned]
             # Where the error is: the planner's forward (sub-layers only) against the measured
             # forward (which also holds embedding, head and loss: `predicted_rest_ms` covers those
             # forward and backward).
@@ -523,3 +530,5 @@ def print_table(report: dict) -> None:
                 print(f"the same step priced with the dW items' own overlap efficiency (a weight-gradient matmul "
                       f"beside an all-to-all, measured): {r['dw_eta_predicted_ms']:.2f} ms "
                       f"({r['dw_eta_prediction_error']:+.1%})")
+            if "wgrad_plan_line" in r and not any("dW plan:" in line for line in r.get("graph", [])):
+                print(r["wgrad_plan_line"] + " (JSON wgrad_plan: each collective's)")

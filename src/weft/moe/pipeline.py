@@ -199,8 +199,9 @@ def pipelined_exchange(buffer: torch.Tensor, experts, group, ep: int, local: int
     `weights` (w1, w2, w3) replace the experts' own (e.g. a slice gathered from several ranks;
     their gradients flow back through whatever produced them). The expert weight gradients are
     computed here, at once (not deferred by a Lancet `WGradScheduler`); `scheduler` (Lancet's, in
-    its backward) runs the model's other deferred weight gradients under the backward chunks'
-    exchanges, as the unpipelined exchange runs them under its one (Lancet sec. 4)."""
+    its backward) runs the model's other deferred weight gradients under the backward's first
+    chunk's exchange, as the unpipelined exchange runs them under its one (Lancet sec. 4; why
+    only the first: `_wait_running_dw`)."""
     w1, w2, w3 = experts.weights() if weights is None else weights
     dtype = experts.compute_dtype(buffer)
     buffer = buffer.to(dtype)
@@ -316,8 +317,8 @@ class DroplessPipelinedExchange(torch.autograd.Function):
 def dropless_pipelined_exchange(send: torch.Tensor, experts, group, sent: list[list[int]],
                                 received: list[list[int]], degree: int, scheduler=None) -> torch.Tensor:
     """Tutel's pipelining for the dropless all-to-allv: the same function as one exchange. Under a
-    Lancet `WGradScheduler` (`scheduler`) the deferred weight gradients its plan gives each
-    backward chunk's exchange run while that exchange flies, as in `pipelined_exchange`."""
+    Lancet `WGradScheduler` (`scheduler`) the deferred weight gradients its plan gives the
+    backward's first chunk's exchange run while that exchange flies, as in `pipelined_exchange`."""
     params = list(experts.parameters())
     track = torch.is_grad_enabled() and (send.requires_grad or any(p.requires_grad for p in params))
     plans = dropless_plan(sent, received, degree, send.device)

@@ -88,6 +88,29 @@ class WGradStats:
     placed_time: float = 0.0  # profiled dW seconds placed under them
 
 
+@dataclass(frozen=True)
+class PlannedCollective:
+    """One collective of the plan a `WGradScheduler` follows from its next backward on: its key
+    and bytes, its expected seconds (the budget best fit filled; None without an estimate), and
+    the items the plan gives it (how many, their profiled seconds)."""
+
+    key: Hashable
+    nbytes: int
+    budget: float | None
+    items: int
+    item_seconds: float
+
+
+def plan_line(planned: Sequence[PlannedCollective]) -> str:
+    """One line on a plan: how many collectives take items, how many items, and their profiled
+    time against the collectives' expected time."""
+    taking = [c for c in planned if c.items]
+    budget = sum(c.budget or 0.0 for c in planned)
+    items = sum(c.item_seconds for c in planned)
+    return (f"dW plan: {len(taking)} of {len(planned)} collectives take {sum(c.items for c in planned)} items, "
+            f"{items * 1e3:.2f} ms of them (profiled) beside {budget * 1e3:.2f} ms of expected collectives")
+
+
 @dataclass
 class _Item:
     key: Hashable
@@ -162,6 +185,7 @@ class WGradScheduler:
         self._trace: list[tuple] = []  # this backward's ("dw", key, id(param)) / ("comm", key, nbytes)
         self._plan: list[int | None] | None = None  # per item: its collective's ordinal, None = in place
         self._next: tuple[list[int | None], list[tuple]] | None = None  # (plan, signature) for the next
+        self.planned: list[PlannedCollective] = []  # that plan, per collective
         self._expected: list[tuple] = []  # the plan's signature, which this backward must repeat
         self._items = self._comms = 0  # ordinals of the next item and collective in this backward
         # Parameters that no collective takes any item of (id -> weak reference): their wrappers
@@ -208,6 +232,14 @@ class WGradScheduler:
                 self._autograd[event[2]] = self._params[event[2]]
         kept = [(event, slot) for event, slot in planned if event[0] != "dw" or event[2] not in self._autograd]
         self._next = ([slot for event, slot in kept if event[0] == "dw"], [_signature(event) for event, _ in kept])
+        comms = [event for event in self._trace if event[0] == "comm"]
+        given = [[0, 0.0] for _ in comms]
+        for event, slot in planned:
+            if slot is not None:
+                given[slot][0] += 1
+                given[slot][1] += self.times.get(event[1], 0.0)
+        self.planned = [PlannedCollective(key, nbytes, self._estimate(key, nbytes), n, item_s)
+                        for (_, key, nbytes), (n, item_s) in zip(comms, given)]
 
     def through_autograd(self, param: torch.Tensor) -> bool:
         """Whether the plan sends `param`'s dW back to plain autograd (no item of it under a collective)."""

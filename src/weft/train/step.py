@@ -16,6 +16,7 @@ import torch
 from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
 from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, OWN_APART_ALGO
+from weft.ops.wgrad import plan_line
 from weft.overlap import OverlapPlan
 from weft.overlap.passes import GRAPHED_MIN_GAIN, apply, choose_passes
 from weft.precision import training_autocast
@@ -405,6 +406,8 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                 kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, graph_timer)
                 log(f"weft train: --overlap lancet {'keeps' if kept else 'drops'} its weight-gradient schedule "
                     f"(measured as CUDA graphs: plain {plain_s * 1e3:.1f} ms, scheduled {scheduled_s * 1e3:.1f} ms)")
+                if kept and plan.scheduler.planned:  # what each replay runs under its all-to-alls
+                    log(f"weft train: {plan_line(plan.scheduler.planned)}")
                 if not kept:
                     eager, scheduled = eager_micro_step(model, grad_accum), False
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
