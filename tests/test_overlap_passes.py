@@ -134,8 +134,9 @@ def test_dw_items_run_under_the_all_to_alls():
 def pipelined_dw_worker(device: str = "cpu", capacity: float | None = 1.0) -> list[str]:
     """Lancet's dW schedule over MoE layers pipelined by Tutel's chunks (`overlap_degree=2`, what a
     graphed `--overlap lancet` step may choose; `capacity` None: dropless, the chunks cut from
-    every (rank, expert) segment): the items run under the chunks' backward exchanges (where
-    there are any: W > 1), and three SGD steps give the plain model's losses, drops and weights."""
+    every (rank, expert) segment): the items run under each layer's first backward chunk's
+    exchange (where there are any: W > 1), and three SGD steps give the plain model's losses,
+    drops and weights."""
     rank, world, failures = dist.get_rank(), dist.get_world_size(), []
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
@@ -162,6 +163,9 @@ def pipelined_dw_worker(device: str = "cpu", capacity: float | None = 1.0) -> li
     under = stats.comms > 0 and stats.run_under_comm > 0
     if under != (world > 1) or stats.deferred != stats.run_under_comm + stats.flushed:
         failures.append(f"{label}: items under the chunks' exchanges {stats}")
+    # one exchange of each pipelined layer's backward takes items, its first chunk's (weft.moe.pipeline)
+    if world > 1 and stats.comms != len(model.moe_layers()):
+        failures.append(f"{label}: {stats.comms} exchanges took items, not one per MoE layer: {stats}")
     return failures
 
 
