@@ -27,6 +27,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from weft.bench.trace import (
+    GPU_CATEGORIES,
     Interval,
     decompose,
     is_comm_kernel,
@@ -39,7 +40,6 @@ from weft.moe.exchange.replicated import AGG_STAGE, TRANS_STAGE
 from weft.profiling import PREFIX
 
 BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
-GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 # The rows' order in the table; stages not listed follow in name order.
 STAGE_ORDER = ("embedding", "attention", "mlp", "norm", "router", "routing", "dispatch", "exchange", "all_to_all",

@@ -11,6 +11,7 @@ intervals and K the union of computation intervals:
 """
 from __future__ import annotations
 
+import bisect
 import json
 import tempfile
 from collections.abc import Callable, Iterable
@@ -88,9 +89,17 @@ def decompose(comm: Iterable[Interval], compute: Iterable[Interval], steps: int 
     )
 
 
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's GPU event categories
+
+
 def is_comm_kernel(name: str) -> bool:
     lowered = name.lower()
     return any(marker in lowered for marker in COMM_KERNEL_MARKERS)
+
+
+def gpu_events(trace: dict) -> list[dict]:
+    """The complete events of a Chrome trace that ran on the GPU: kernels, copies and memsets."""
+    return [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and e.get("cat") in GPU_CATEGORIES]
 
 
 def kernel_intervals(trace: dict, picks: Callable[[dict], bool] | None = None,
@@ -100,9 +109,7 @@ def kernel_intervals(trace: dict, picks: Callable[[dict], bool] | None = None,
     `weft.bench.breakdown.transfer_intervals`; all by default); communication kernels it does not
     pick are in neither list."""
     comm, compute = [], []
-    for event in trace.get("traceEvents", []):
-        if event.get("ph") != "X" or event.get("cat") not in ("kernel", "gpu_memcpy", "gpu_memset"):
-            continue
+    for event in gpu_events(trace):
         interval = (float(event["ts"]), float(event["ts"]) + float(event.get("dur", 0.0)))
         if not is_comm_kernel(event.get("name", "")):
             compute.append(interval)
@@ -140,9 +147,7 @@ def stream_timeline(trace: dict, gap_us: float = 30.0) -> list[KernelRun]:
     """The GPU kernels of a Chrome trace as runs per stream, in start order: how the streams'
     work interleaves (e.g. a pipelined exchange: which GEMMs ran beside which NCCL kernel, and
     how long each took there). `scripts/trace_timeline.py` prints them."""
-    kernels = sorted((e for e in trace.get("traceEvents", [])
-                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                     key=lambda e: float(e["ts"]))
+    kernels = sorted(gpu_events(trace), key=lambda e: float(e["ts"]))
     runs: list[KernelRun] = []
     latest: dict[tuple, KernelRun] = {}  # (stream, comm) -> its latest run
     for event in kernels:
@@ -242,9 +247,7 @@ def comm_exposed(trace: dict, min_us: float = 5.0) -> list[CommExposed]:
     comm, compute = kernel_intervals(trace)
     c, k = merge(comm), merge(compute)
     named = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), e.get("name", ""))
-                   for e in trace.get("traceEvents", [])
-                   if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
-                   and not is_comm_kernel(e.get("name", "")))
+                   for e in gpu_events(trace) if not is_comm_kernel(e.get("name", "")))
     stretches, j = [], 0
     for a, b in c:  # minus the computation intervals inside [a, b)
         while j < len(k) and k[j][1] <= a:
@@ -257,11 +260,14 @@ def comm_exposed(trace: dict, min_us: float = 5.0) -> list[CommExposed]:
             i += 1
         if t < b:
             stretches.append((t, b))
+    by_end = sorted(named, key=lambda n: n[1])
+    ends, starts = [n[1] for n in by_end], [n[0] for n in named]
     out = []
     for a, b in stretches:
         if b - a < min_us:
             continue
-        before = max((n for n in named if n[1] <= a + 1e-3), key=lambda n: n[1], default=None)
-        after = next((n for n in named if n[0] >= b - 1e-3), None)
-        out.append(CommExposed(a, b, before[2] if before else "", after[2] if after else ""))
+        before = bisect.bisect_right(ends, a + 1e-3) - 1  # the last to end by a
+        after = bisect.bisect_left(starts, b - 1e-3)  # the first to start from b
+        out.append(CommExposed(a, b, by_end[before][2] if before >= 0 else "",
+                               named[after][2] if after < len(named) else ""))
     return out
