@@ -147,9 +147,10 @@ def test_the_map_kernel_matches_its_reference(monkeypatch):
 def kernels_worker(device: str = "cpu", tma: bool = True) -> list[str]:
     """`tma=False`: as with a Triton without host tensor descriptors, every operand by pointer."""
     from weft.kernels import comet as K
+    from weft.kernels import tma as tma_module
 
     if not tma:
-        K.TensorDescriptor = None
+        tma_module.TensorDescriptor = None
     failures = []
     gen = torch.Generator().manual_seed(0)
     # Partial row, column and K tiles, and shapes the tiles divide (no masked loads): 16 on the

@@ -16,6 +16,7 @@ from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
 from test_balance_slots import slots_graph_worker, slots_updated_graph_worker, slots_worker
 from test_comet import kernels_worker, map_kernel_worker
+from test_grouped_wgrad import kernel_worker as grouped_wgrad_worker
 from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
@@ -236,6 +237,14 @@ def test_routing_kernels_match_the_reference_and_the_torch_path_on_cuda():
     """`topk_positions` (the choose and slots kernels without the one pass's outputs) and every
     gate's fused routing on one GPU, as the CPU suite checks them under the interpreter."""
     failures = run_distributed(routing_kernels_worker, 1, args=("cuda",), timeout=600)[0]
+    assert not failures, "\n".join(failures)
+
+
+@needs_cuda
+def test_grouped_wgrad_matches_its_reference_on_cuda():
+    """The grouped weight gradient kernel at the GPU tiles (TMA loads, persistent programs), as the
+    CPU suite checks it under the interpreter."""
+    failures = run_checks(grouped_wgrad_worker, 1, args=("cuda",), timeout=600)
     assert not failures, "\n".join(failures)
 
 

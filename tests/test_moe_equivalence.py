@@ -312,6 +312,19 @@ def test_dedup_in_fixed_size_exchanges_with_triton_kernels_matches_dense_referen
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
+@pytest.mark.parametrize("world_size, degree", [(2, 1), (4, 1), (2, 2)])
+def test_own_pairs_apart_with_triton_kernels_matches_dense_reference(monkeypatch, world_size, degree):
+    """a2a_algo="dedup-fixed-own" through the Triton kernels in the CPU interpreter: each weight's
+    gradient is the tap's product added into the own pairs' share in the product's epilogue
+    (`weft.kernels.grouped_wgrad`; degree 2: the chunks' rows taken by expert first), not a
+    separate add. (One rank has no own pairs apart: the plain path, tested above.)"""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(equivalence_worker, world_size,
+                      args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup-fixed-own", degree), timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_skewed_routing_forces_drops(world_size):
     assert all(d > 0 for d in run_distributed(drops_worker, world_size))

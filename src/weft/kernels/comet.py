@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weft.kernels import tma
 from weft.kernels.activation import ELEMENTWISE
 from weft.kernels.grouped_mm import grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
 from weft.kernels.rows import triton, triton_usable
@@ -53,10 +54,6 @@ try:  # the copy engine's flags (layer0 with `CometTiles.copy_engine`): torch's 
     from torch._C._distributed_c10d import _SymmetricMemory
 except ImportError:
     _SymmetricMemory = None
-try:  # Triton >= 3.4; older Tritons (the ones older torch releases bring) read every operand by pointer
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:
-    TensorDescriptor = None
 
 
 @dataclass(frozen=True)
@@ -838,7 +835,7 @@ def gemm_push(a_RK: torch.Tensor, b_EKN: torch.Tensor, table: torch.Tensor, like
     if b2.stride() != b.stride() or (b2_desc is None) != (b_desc is None) or b2_t != b_t:
         # the kernel reads both alike: here by pointer, from row-major copies
         b, b2, b_desc, b2_desc, b_t = b_EKN.contiguous(), b2_EKN.contiguous(), None, None, False
-    a_desc = TensorDescriptor.from_tensor(a_RK, [tiles.block_m, tiles.block_k]) if _tma_takes(a_RK) else None
+    a_desc = tma.TensorDescriptor.from_tensor(a_RK, [tiles.block_m, tiles.block_k]) if tma.takes(a_RK) else None
     _gemm_push_kernel[(n_tiles * triton.cdiv(N, tiles.block_n),)](
         a_RK, a_desc, b, b_desc, b2, b2_desc, table, like, rows.rank_R, rows.row_R, rows.push_tiles, n_tiles, K, N,
         *b.stride(), BM=tiles.block_m, BN=tiles.block_n, BK=tiles.block_k, GROUP=tiles.group,
@@ -858,19 +855,10 @@ def _weights(b_EKN: torch.Tensor, tiles: CometTiles) -> tuple[torch.Tensor, obje
     if not transposed and b_EKN.stride() != (K * N, N, 1):
         b_EKN = b_EKN.contiguous()
     storage = b_EKN.transpose(1, 2).reshape(num_local * N, K) if transposed else b_EKN.view(num_local * K, N)
-    if not _tma_takes(storage) or (not transposed and K % tiles.block_k):
+    if not tma.takes(storage) or (not transposed and K % tiles.block_k):
         return b_EKN, None, False
     block = [tiles.block_n, tiles.block_k] if transposed else [tiles.block_k, tiles.block_n]
-    return b_EKN, TensorDescriptor.from_tensor(storage, block), transposed
-
-
-def _tma_takes(m: torch.Tensor) -> bool:
-    """A 2-D operand the tensor memory accelerator can read: row-major, 16-byte aligned base and
-    row stride, on an sm90+ GPU (or the CPU interpreter, which runs descriptors as loads), with a
-    Triton that has host tensor descriptors."""
-    if TensorDescriptor is None or (m.is_cuda and torch.cuda.get_device_capability(m.device)[0] < 9):
-        return False
-    return m.stride(1) == 1 and m.data_ptr() % 16 == 0 and m.stride(0) * m.element_size() % 16 == 0
+    return b_EKN, tma.TensorDescriptor.from_tensor(storage, block), transposed
 
 
 def _launch(x: torch.Tensor, tiles: CometTiles, N: int, K: int) -> dict:

@@ -473,7 +473,7 @@ def _dropless_fixed_pipelined(tokens_TD: torch.Tensor, routing: Routing, experts
     W, El = placement.ep_size, placement.num_local
     T = tokens_TD.shape[0]
     group = placement.group
-    parts = GroupedWeightGradParts(experts, len(bounds), experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN)
+    parts = GroupedWeightGradParts(experts, len(bounds), experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN, fused)
     with stage("dispatch"):
         chunks = [_FixedChunk.of(tokens_TD, routing, a, b, top_k, El, W, fused) for a, b in bounds]
     with stage("exchange"):
@@ -533,7 +533,8 @@ def _dropless_fixed_own_apart(tokens_TD: torch.Tensor, routing: Routing, experts
     T = tokens_TD.shape[0]
     group = placement.group
     me = group_rank(group)
-    parts = GroupedWeightGradParts(experts, len(bounds) + 1, experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN)
+    parts = GroupedWeightGradParts(experts, len(bounds) + 1, experts.compute_dtype(tokens_TD), OVERLAP_SM_MARGIN,
+                                   fused)
     others_call = PartCall(OVERLAP_SM_MARGIN if len(bounds) > 1 else 0)  # alone at one chunk
     with stage("dispatch"):
         chunks = [_FixedChunk.of(tokens_TD, routing, a, b, top_k, El, W, fused, own_last=me) for a, b in bounds]

@@ -20,6 +20,7 @@ from torch import nn
 from weft.hostcopy import offsets
 from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_mm_on, grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
+from weft.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_takes
 from weft.ops import wgrad
 from weft.profiling import stage
 
@@ -351,13 +352,15 @@ class GroupedWeightGradParts:
     reads dW). Nothing is read on the host, so CUDA graphs capture it.
 
     `sm_margin`: SMs the tap's products leave to the exchange beside them
-    (`weft.kernels.grouped_mm.leave_sms`).
+    (`weft.kernels.grouped_mm.leave_sms`). `fused` (the layer's Triton kernels, `use_triton`):
+    where a share was computed at once, the tap's product starts from it and writes its sum there
+    (`weft.kernels.grouped_wgrad`, its epilogue), instead of a separate weight-sized add.
 
     Invariants: every call runs backward in the same pass (each call's output feeds the loss),
     before the tap's; the weights are cast once to the compute `dtype`, shared by the calls."""
 
-    def __init__(self, experts: Experts, count: int, dtype: torch.dtype, sm_margin: int = 0):
-        self.count, self.dtype, self.sm_margin = count, dtype, sm_margin
+    def __init__(self, experts: Experts, count: int, dtype: torch.dtype, sm_margin: int = 0, fused: bool = False):
+        self.count, self.dtype, self.sm_margin, self.fused = count, dtype, sm_margin, fused
         self.weights = _cast_weights(experts, dtype)
         self._kept: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         self._done: dict[int, list[torch.Tensor]] = {}
@@ -389,17 +392,29 @@ class GroupedWeightGradParts:
             raise RuntimeError(f"GroupedWeightGradParts: {len(kept) + len(done)} of {self.count} calls ran backward "
                                "before their weights' gradient (every call's output must feed the loss)")
         with leave_sms(self.sm_margin):
-            grad_GKN = _kept_product(kept, groups) if kept else done.pop()
+            into = done.pop() if self.fused and kept and done and _takes_share(kept[0], done[-1]) else None
+            grad_GKN = _kept_product(kept, groups, into, self.sm_margin) if kept else done.pop()
             for share in done:
                 grad_GKN.add_(share)
         return grad_GKN
 
 
-def _kept_product(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups: int) -> torch.Tensor:
+def _takes_share(kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor], share_GKN: torch.Tensor) -> bool:
+    """Whether `grouped_wgrad` can add the tap's product into this share in its epilogue."""
+    x_MK, dy_MN, _ = kept
+    return (grouped_wgrad_takes(x_MK, dy_MN) and share_GKN.is_contiguous() and share_GKN.dtype == x_MK.dtype
+            and share_GKN.shape == (share_GKN.shape[0], x_MK.shape[1], dy_MN.shape[1]))
+
+
+def _kept_product(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], groups: int,
+                  into: torch.Tensor | None = None, sm_margin: int = 0) -> torch.Tensor:
     """x^T dy per group over the kept calls' rows: one call's buffer as it is; several taken by
-    group into one buffer first."""
+    group into one buffer first. `into`: a share the product is added to, in place, by
+    `grouped_wgrad` (persistent, leaving `sm_margin` SMs)."""
     if len(kept) == 1:
         x_MK, dy_MN, offs_G = kept[0]
+        if into is not None:
+            return grouped_wgrad(x_MK, dy_MN, offs_G, into=into, sm_margin=sm_margin)
         return grouped_weights_mm(x_MK, dy_MN, offs_G)
     # each row's group (`groups` for padding), the calls' rows back to back
     group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
@@ -412,6 +427,8 @@ def _kept_product(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], g
     # index_put_, one pass, ran slower: docs/benchmarks.md)
     x_MK = torch.cat([x for x, _, _ in kept]).index_select(0, order_R)
     dy_MN = torch.cat([dy for _, dy, _ in kept]).index_select(0, order_R)
+    if into is not None:
+        return grouped_wgrad(x_MK, dy_MN, offs_G, into=into, sm_margin=sm_margin)
     return grouped_weights_mm(x_MK, dy_MN, offs_G)
 
 
