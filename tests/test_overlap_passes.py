@@ -1002,3 +1002,27 @@ def test_the_dw_items_own_efficiency_prices_only_what_the_schedule_hides():
         profile, dw_efficiency=None)), True) is None
     assert "weight-gradient matmul beside an all-to-all: 0.25" in plan.summary()
     assert plan.to_dict()["dw_efficiency"] == 0.25
+
+
+def test_a_changed_layer_setting_makes_the_dw_scheduler_plan_afresh():
+    """`weft.train.step.set_layers` (how graphed training tries degrees and all-to-alls): a value
+    that changes a layer brings back every weight the scheduler's plan had sent to autograd
+    (`WGradScheduler.forget`), the same value leaves the plan alone. On one process no
+    collective takes an item, so after two backwards every deferring weight is in autograd."""
+    from weft.train.step import set_layers
+
+    torch.manual_seed(0)
+    model = GPT(_config("topk", 1, 1.0))
+    scheduler = WGradScheduler(comm_time=lambda nbytes: 1.0)
+    apply(model, [], scheduler)
+    idx = torch.randint(0, 64, (2, 8))
+    for _ in range(2):
+        with scheduler.backward():
+            model(idx, idx)[1].backward()
+        model.zero_grad(set_to_none=True)
+    linears = [m.weight for m in model.modules() if isinstance(m, passes.Linear)]
+    assert linears and all(scheduler.through_autograd(w) for w in linears)
+    set_layers(model, "overlap_degree", model.moe_layers()[0].overlap_degree)  # unchanged
+    assert all(scheduler.through_autograd(w) for w in linears)
+    set_layers(model, "overlap_degree", 2)
+    assert not any(scheduler.through_autograd(w) for w in linears)

@@ -543,3 +543,39 @@ def test_the_plan_lists_each_collective_its_budget_and_the_items_it_takes():
     assert planned.item_seconds == pytest.approx(under) and under > 0
     assert plan_line(scheduler.planned) == (f"dW plan: 1 of 1 collectives take 4 items, {under * 1e3:.2f} ms of them "
                                             "(profiled) beside 1000.00 ms of expected collectives")
+
+
+def test_forget_brings_back_the_weights_a_plan_for_other_collectives_left_out():
+    """Sending a weight to plain autograd is final while the plan holds: a configuration whose
+    collective fits one item (a small budget) leaves the other weights out, and back at the
+    large budget the plan keeps only what that one kept. `forget()` plans afresh: the next
+    backward defers every item again and the plan after it gives the collective all four (g1's
+    two groups, e2, e1). The gradients are the plain model's throughout."""
+    budget = [1e9]
+    scheduler = WGradScheduler(comm_time=lambda nbytes: budget[0])
+    params, ref_params = make_params(), make_params()
+    x = torch.randn(TOKENS, DIM, requires_grad=True)
+    plain_model(ref_params, x).sum().backward()
+
+    def steps(n: int) -> int:
+        for _ in range(n):
+            for p in params.values():
+                p.grad = None
+            with scheduler.backward():
+                wgrad_model(params, x, scheduler, lambda h: Communicate.apply(h, scheduler, FakeHandle(lambda: None)))\
+                    .sum().backward()
+            for name, p in params.items():
+                torch.testing.assert_close(p.grad, ref_params[name].grad)
+        [planned] = scheduler.planned
+        return planned.items
+
+    assert steps(2) == 4
+    budget[0] = 1e-12  # best fit takes the one item nearest 0
+    assert steps(2) == 1
+    budget[0] = 1e9
+    assert steps(2) < 4  # the weights the small budget left out stay out
+    scheduler.forget()
+    assert scheduler.planned == [] and not any(scheduler.through_autograd(p) for p in params.values())
+    assert steps(2) == 4
+    with scheduler.backward(), pytest.raises(RuntimeError, match="between steps"):
+        scheduler.forget()

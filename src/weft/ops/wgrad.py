@@ -241,6 +241,21 @@ class WGradScheduler:
         self.planned = [PlannedCollective(key, nbytes, self._estimate(key, nbytes), n, item_s)
                         for (_, key, nbytes), (n, item_s) in zip(comms, given)]
 
+    def forget(self) -> None:
+        """Plan afresh, as before the first backward: every weight sent back to plain autograd
+        defers again from the next forward on, and the next backward defers every item and
+        places them by best fit as each collective comes, its trace the plan after it. For a
+        change of the step's configuration (e.g. the MoE layers' pipelining degree: other
+        collectives, other budgets): sending a weight to autograd is final while the plan holds,
+        so without this each configuration's plan would keep only weights every earlier plan had
+        kept (graphed gpt2-s-moe, after the degrees 1, 2, 4 and 8 were timed: 5 items under 3 of
+        6 collectives; docs/benchmarks.md)."""
+        if self.active:
+            raise RuntimeError("WGradScheduler.forget() inside backward(); call it between steps")
+        self._autograd.clear()
+        self._next = None
+        self.planned = []
+
     def through_autograd(self, param: torch.Tensor) -> bool:
         """Whether the plan sends `param`'s dW back to plain autograd (no item of it under a collective)."""
         ref = self._autograd.get(id(param))

@@ -373,6 +373,14 @@ def apply(model: nn.Module, ranges: list[Range], scheduler: WGradScheduler | Non
             module.wgrad_scheduler = scheduler
 
 
+def forget_wgrad_plans(model: nn.Module) -> None:
+    """Every dW scheduler set on `model` plans afresh from its next backward
+    (`WGradScheduler.forget`): for a change of the step's configuration."""
+    schedulers = {id(s): s for s in (getattr(m, "wgrad_scheduler", None) for m in model.modules()) if s is not None}
+    for scheduler in schedulers.values():
+        scheduler.forget()
+
+
 def _degree(degrees: Sequence[int], moe_index: int) -> int:
     return degrees[moe_index] if moe_index < len(degrees) else 1
 

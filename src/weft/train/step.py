@@ -18,7 +18,7 @@ from weft.models import GPT
 from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, OWN_APART_ALGO
 from weft.ops.wgrad import plan_line
 from weft.overlap import OverlapPlan
-from weft.overlap.passes import GRAPHED_MIN_GAIN, apply, choose_passes
+from weft.overlap.passes import GRAPHED_MIN_GAIN, apply, choose_passes, forget_wgrad_plans
 from weft.precision import training_autocast
 from weft.tune.dictionary import DEGREES, tuned_seconds
 
@@ -283,13 +283,18 @@ LAYER_VALUES = {("a2a_algo", "linear"): {"a2a_algo": "linear", "overlap_degree":
 def set_layers(model: GPT, setting: str, value) -> None:
     """Every MoE layer's `setting` at `value` (with the attributes `LAYER_VALUES` adds; where those
     are an all-to-all and a degree, through degree 1, which every all-to-all runs: e.g. from
-    dedup-fixed-own, which runs degree 1 only, to dedup-fixed at degree 2)."""
+    dedup-fixed-own, which runs degree 1 only, to dedup-fixed at degree 2). A change makes every dW
+    scheduler on the model plan afresh (`weft.overlap.passes.forget_wgrad_plans`)."""
     values = LAYER_VALUES.get((setting, value), {setting: value})
+    changed = any(getattr(moe, name) != layer_value
+                  for moe in model.moe_layers() for name, layer_value in values.items())
     for moe in model.moe_layers():
         if "overlap_degree" in values:
             moe.overlap_degree = 1
         for name, layer_value in values.items():
             setattr(moe, name, layer_value)
+    if changed:  # other collectives: Lancet's dW schedule plans for them afresh
+        forget_wgrad_plans(model)
 
 
 def graph_candidates(model: GPT, setting: str) -> tuple:
