@@ -286,7 +286,7 @@ def set_layers(model: GPT, setting: str, value) -> None:
     dedup-fixed-own, which runs degree 1 only, to dedup-fixed at degree 2). A change makes every dW
     scheduler on the model plan afresh (`weft.overlap.passes.forget_wgrad_plans`)."""
     values = LAYER_VALUES.get((setting, value), {setting: value})
-    changed = any(getattr(moe, name) != layer_value
+    changed = any(getattr(moe, name, None) != layer_value
                   for moe in model.moe_layers() for name, layer_value in values.items())
     for moe in model.moe_layers():
         if "overlap_degree" in values:
