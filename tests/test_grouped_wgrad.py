@@ -24,7 +24,8 @@ def close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 def kernel_worker(device: str = "cpu") -> list[str]:
     """The kernel on `device` (the CPU: in the interpreter, at its small tiles; CUDA: at the GPU
     tiles, with the larger case below)."""
-    from weft.kernels.grouped_wgrad import WGradTiles, grouped_wgrad, grouped_wgrad_reference, triton_usable
+    from weft.kernels.grouped_mm import weights_per_group as grouped_wgrad_reference
+    from weft.kernels.grouped_wgrad import WGradTiles, grouped_wgrad, triton_usable
 
     checks = Checks(f"grouped_wgrad {device}")
     checks.expect(triton_usable(torch.zeros(1, device=device)), "TRITON_INTERPRET did not reach the worker")

@@ -70,10 +70,16 @@ def grouped_weights_mm(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Te
     if grouped_mm_takes(x_KM, dy_MN):
         return torch._grouped_mm(x_KM, dy_MN, offs=offs_G)
     _no_host_read_in_capture(x_MK)
+    return weights_per_group(x_MK, dy_MN, offs_G)
+
+
+def weights_per_group(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
+    """`grouped_weights_mm` one matmul per group (reads the ends on the host; an empty group gets
+    zeros): its fallback, and the reference of `weft.kernels.grouped_wgrad`."""
     out = x_MK.new_empty(offs_G.shape[0], x_MK.shape[1], dy_MN.shape[1])
     start = 0
     for g, end in enumerate(offs_G.tolist()):
-        torch.mm(x_KM[:, start:end], dy_MN[start:end], out=out[g])
+        torch.mm(x_MK[start:end].t(), dy_MN[start:end], out=out[g])
         start = end
     return out
 

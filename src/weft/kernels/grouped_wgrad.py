@@ -19,9 +19,9 @@ read by masked pointer loads, the rows past its end as zeros). Every output elem
 one work item, its sum taken in the same order every run: two runs give bitwise equal gradients,
 and a group without rows gets zeros (or `into`'s values). Rows from offs[-1] on are never read.
 
-`grouped_wgrad_reference` is its PyTorch reference (the CPU path and the test oracle); under
-Triton's interpreter (TRITON_INTERPRET=1) the kernel runs on CPU tensors too, which is how the CPU
-suite tests it.
+`weft.kernels.grouped_mm.weights_per_group` is its PyTorch reference (`grouped_weights_mm`'s
+fallback and the test oracle); under Triton's interpreter (TRITON_INTERPRET=1) the kernel runs on
+CPU tensors too, which is how the CPU suite tests it.
 """
 from __future__ import annotations
 
@@ -60,17 +60,6 @@ class WGradTiles:
         if dtype == torch.float32:
             return WGradTiles(128, 128, 32, num_stages=3)
         return WGradTiles()
-
-
-def grouped_wgrad_reference(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
-    """(G, K, N): x[rows_g]^T @ dy[rows_g] per group, computed group by group (reads the ends on
-    the host); an empty group gets zeros."""
-    out = x_MK.new_empty(offs_G.shape[0], x_MK.shape[1], dy_MN.shape[1])
-    start = 0
-    for g, end in enumerate(offs_G.tolist()):
-        torch.mm(x_MK[start:end].t(), dy_MN[start:end], out=out[g])
-        start = end
-    return out
 
 
 def grouped_wgrad_takes(x_MK: torch.Tensor, dy_MN: torch.Tensor) -> bool:

@@ -413,20 +413,18 @@ def _kept_product(kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], g
     `grouped_wgrad` (persistent, leaving `sm_margin` SMs)."""
     if len(kept) == 1:
         x_MK, dy_MN, offs_G = kept[0]
-        if into is not None:
-            return grouped_wgrad(x_MK, dy_MN, offs_G, into=into, sm_margin=sm_margin)
-        return grouped_weights_mm(x_MK, dy_MN, offs_G)
-    # each row's group (`groups` for padding), the calls' rows back to back
-    group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
-                         for x, _, offs in kept])
-    order_R = torch.argsort(group_R, stable=True)
-    counts_G = torch.zeros(groups + 1, dtype=torch.long, device=group_R.device).scatter_add_(
-        0, group_R, torch.ones_like(group_R))
-    offs_G = torch.cumsum(counts_G[:groups], 0).to(torch.int32)
-    # concatenated, then gathered (two passes; writing each call's rows to their places with
-    # index_put_, one pass, ran slower: docs/benchmarks.md)
-    x_MK = torch.cat([x for x, _, _ in kept]).index_select(0, order_R)
-    dy_MN = torch.cat([dy for _, dy, _ in kept]).index_select(0, order_R)
+    else:
+        # each row's group (`groups` for padding), the calls' rows back to back
+        group_R = torch.cat([torch.bucketize(torch.arange(x.shape[0], device=x.device), offs.long(), right=True)
+                             for x, _, offs in kept])
+        order_R = torch.argsort(group_R, stable=True)
+        counts_G = torch.zeros(groups + 1, dtype=torch.long, device=group_R.device).scatter_add_(
+            0, group_R, torch.ones_like(group_R))
+        offs_G = torch.cumsum(counts_G[:groups], 0).to(torch.int32)
+        # concatenated, then gathered (two passes; writing each call's rows to their places with
+        # index_put_, one pass, ran slower: docs/benchmarks.md)
+        x_MK = torch.cat([x for x, _, _ in kept]).index_select(0, order_R)
+        dy_MN = torch.cat([dy for _, dy, _ in kept]).index_select(0, order_R)
     if into is not None:
         return grouped_wgrad(x_MK, dy_MN, offs_G, into=into, sm_margin=sm_margin)
     return grouped_weights_mm(x_MK, dy_MN, offs_G)
