@@ -604,6 +604,25 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
 
 
 @needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (data-parallel ranks to reduce over)")
+def test_gradients_reduced_during_the_backward_train_with_the_losses_of_a_reduction_after_it(tmp_path):
+    """`weft train --grad-reduce overlap` (every GPU: the replicated gradients' buckets sent
+    during the backward on a communicator of their own), eager and captured in each micro-step's
+    CUDA graph, logs the losses of `--grad-reduce after` run eagerly (the same sums; 2e-3 for
+    bf16 kernels that need not repeat bitwise between runs)."""
+    losses, logs = {}, {}
+    for reduce, graphs in (("overlap", "off"), ("overlap", "on"), ("after", "off")):
+        logs[reduce, graphs], losses[reduce, graphs] = train_tiny(tmp_path, f"{reduce}-{graphs}", "--grad-reduce",
+                                                                  reduce, "--cuda-graphs", graphs)
+    for key, log in logs.items():
+        assert ("summed over the" in log and "during each backward" in log) == (key[0] == "overlap"), log
+    assert "replays as one CUDA graph" in logs["overlap", "on"], logs["overlap", "on"]
+    assert len(losses["overlap", "on"]) == 8
+    for key in (("overlap", "off"), ("overlap", "on")):
+        assert losses[key] == pytest.approx(losses["after", "off"], abs=2e-3), losses
+
+
+@needs_cuda
 def test_tutel_training_replays_its_fastest_degree_as_cuda_graphs_with_the_plain_losses(tmp_path):
     """`weft train --overlap tutel --cuda-graphs on` (every GPU): each pipelining degree's step
     is timed as a CUDA graph, the fastest captured; the losses are those of `--overlap none` run

@@ -794,6 +794,21 @@ def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path, capacity):
     assert all(abs(auto[s] - comet[s]) <= 1e-5 * abs(auto[s]) for s in auto), (auto, comet)
 
 
+def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(corpus, tmp_path):
+    """--grad-reduce overlap (the default: the replicated gradients summed over the ranks in
+    buckets launched during the backward) trains with the losses and gradient norms of
+    --grad-reduce after, bitwise on 2 ranks; with --grad-accum 2 it reduces after the backward."""
+    cache = tmp_path / "cache"
+    for mode, where in (("overlap", "during the backward"), ("after", "after it")):
+        summary = run(config(corpus, tmp_path / mode, steps=6, log_interval=1, grad_reduce=mode), 2, cache)
+        assert summary["replicated_gradients_reduced"] == where
+    overlap, after = tmp_path / "overlap", tmp_path / "after"
+    assert sorted(losses(overlap)) == list(range(1, 7))
+    assert losses(overlap) == losses(after) and losses(overlap, "grad_norm") == losses(after, "grad_norm")
+    summary = run(config(corpus, tmp_path / "accum", steps=2, grad_accum=2, batch_size=4), 2, cache)
+    assert summary["replicated_gradients_reduced"] == "after it"
+
+
 def test_an_unset_learning_rate_falls_with_the_width_past_1024():
     """`default_lr`: 3e-3 up to 1024 wide (the presets weft's runs were tuned at), then with the
     width squared (the wide presets' loss jumped to 10-23 at step 2 with 3e-3); a set lr stays."""

@@ -46,6 +46,7 @@ from weft.train.config import (
     BALANCE_MODELS,
     CUDA_GRAPHS,
     FREE_ON_RESUME,
+    GRAD_REDUCE,
     MASTER_WEIGHTS,
     TP_OVERLAPS,
     TRAIN_A2A_ALGOS,
@@ -104,7 +105,7 @@ _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "l
                 "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "keep_last", "async_checkpoint",
                 "cuda_graphs",
                 "master_weights", "balance", "balance_model", "balance_n", "balance_rounds", "tp", "tp_overlap",
-                "domino_p1", "domino_p2")
+                "domino_p1", "domino_p2", "grad_reduce")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
@@ -272,6 +273,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "gradients summed in float32 (the same training, less memory traffic); auto (default): "
                          "wherever that changes no arithmetic (not with --tp, Lancet's partitioned forward or "
                          "--overlap tutel on dropless layers); on: an error where not; off: float32")
+    tr.add_argument("--grad-reduce", default=None, choices=list(GRAD_REDUCE),
+                    help="the replicated (non-expert) gradients' sum over the data-parallel ranks: overlap "
+                         "(default: in ~25 MB buckets launched during the backward as their gradients finish, as "
+                         "DDP does; one micro-batch per step, no --tp, else after) or after the backward")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

@@ -23,6 +23,7 @@ __all__ = [
     "build_moe_groups",
     "hierarchical_groups",
     "side_group",
+    "own_group",
     "resolve_group",
     "group_rank",
     "group_size",
@@ -285,11 +286,22 @@ def side_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | No
     if not dist.is_initialized():
         return None
     group = resolve_group(group)
-    if group in _SIDE_GROUPS:
-        return _SIDE_GROUPS[group]
+    if group not in _SIDE_GROUPS:
+        _SIDE_GROUPS[group] = own_group(group)
+    return _SIDE_GROUPS[group]
+
+
+def own_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A new process group over the ranks of `group` (None: the default group), in the same rank
+    order: a communicator of its own, not shared with anything else (`side_group` caches one per
+    group; this makes a new one per call, e.g. for an object that keeps it for its lifetime). A
+    one-rank group is returned itself; None without a process group. Collective over the whole
+    world: every rank calls it, in the same order, with its own group."""
+    if not dist.is_initialized():
+        return None
+    group = resolve_group(group)
     ranks = tuple(_ranks_in_group_order(group))
     layouts: list[tuple[int, ...]] = [()] * dist.get_world_size()
     dist.all_gather_object(layouts, ranks)
     created = {members: _new_group(list(members)) for members in sorted(set(layouts)) if len(members) > 1}
-    _SIDE_GROUPS[group] = created.get(ranks, group)
-    return _SIDE_GROUPS[group]
+    return created.get(ranks, group)

@@ -10,14 +10,21 @@ Under tensor parallelism (weft.tp) each rank of a TP group routes its own share 
 tokens: its routers' gradients are the share's, so they are first summed over the TP group; the
 data-parallel size is then the number of TP groups, and an expert's gradient, summed over every
 rank's share by the all-to-all backward, already counts each group's tokens once.
+
+`OverlappedReduce` runs the replicated parameters' part of that reduction during backward, bucket
+by bucket, as PyTorch's DistributedDataParallel does; `reduce_gradients(..., reduced=it)` then
+takes its results instead of reducing those gradients itself.
 """
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from weft.distributed import MoEGroups, group_size
+from weft.distributed import MoEGroups, group_size, own_group
 from weft.moe.experts import Experts
 from weft.moe.layer import MoE
 
@@ -56,13 +63,15 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
         torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(parts, bucket)])
 
 
-def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:
+def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedReduce | None = None) -> None:
     """Make every gradient the gradient of the mean loss over all data-parallel ranks.
 
     Call after `backward` and before the optimizer step. Expert gradients (already summed over
     the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
     all other gradients over every rank; both are divided by the data-parallel world size.
     With tensor parallelism the routers' gradients are summed over the TP group first.
+    `reduced`: an `OverlappedReduce` over the non-expert parameters that reduced them during
+    the backward (its `finish()` called): their gradients are its results, the same sums.
     """
     if groups.tp_size > 1:
         routers = [p.grad for p in token_split_parameters(model) if p.grad is not None]
@@ -79,6 +88,163 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups) -> None:
         (expert_grads if id(p) in experts else dense_grads).append(p.grad)
     if expert_grads:
         _all_reduce_mean(expert_grads, groups.edp, world)
-    if dense_grads:
+    if reduced is not None:
+        reduced.write_back()
+    elif dense_grads:
         _all_reduce_mean(dense_grads, groups.dp, world)
 
+
+
+class OverlappedReduce:
+    """The sum over the data-parallel ranks of some parameters' gradients (`reduce_gradients`'
+    replicated ones), launched during backward: the overlap of PyTorch's DistributedDataParallel
+    (Li et al., "PyTorch Distributed", VLDB 2020, sec. 3.2.3: gradient bucketing, overlap with
+    backward through autograd hooks, buckets rebuilt in the order the first iteration produced
+    the gradients).
+
+    The parameters go in buckets of about `bucket_mb` MB of float32, in the order the first armed
+    backward finished their gradients (`register_post_accumulate_grad_hook`; Lancet's dW
+    scheduler fires those hooks itself when it writes a gradient late). From the second armed
+    backward on, each gradient is copied into its bucket (as float32) once autograd has
+    accumulated it, and a bucket whose gradients are all in is all-reduced at once,
+    asynchronously, over a communicator of its own (`own_group`: the MoE layers' all-to-alls do
+    not queue behind it, nor it behind them). `finish()` after the backward launches the buckets
+    still missing a gradient (a parameter without one this backward counts as zeros), waits for
+    every bucket and divides by `divisor` (the data-parallel size); `write_back()` then copies the
+    results into the gradients, where `reduce_gradients` reads them.
+
+    Invariant: the sums of `reduce_gradients` - each gradient in float32 (a bf16 one copied
+    exactly, as `weft.train.optim.MasterWeights` stages it), summed over the ranks, then divided.
+    On 2 ranks bitwise equal; on more, the collective's order of summation may follow the
+    buckets (float32 rounding). A gradient finished again after its bucket was sent (a weight
+    whose Lancet items drain twice in a backward) sends that bucket again at `finish()`.
+
+    Only an armed backward (`armed()`: the training micro-step's) moves anything; other
+    backwards (timing, profiling) leave the buckets alone. A CUDA graph that captures an armed
+    backward and its `finish()` keeps the copies, launches, waits and divisions, so each replay
+    reduces. One micro-batch per optimizer step: with several, each backward would send a
+    partial sum."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, divisor: int,
+                 bucket_mb: float = 25.0):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("OverlappedReduce needs parameters that require gradients")
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.group = own_group(group)
+        self.divisor = divisor
+        self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+        self._armed = False
+        self._order: list[nn.Parameter] = []  # the first armed backward's order of finished gradients
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[_Bucket, int]] = {}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._finished)
+        # NCCL sets a communicator up at its first collective, which must not be inside a graph capture
+        dist.all_reduce(torch.zeros(1, device=self.params[0].device), group=self.group)
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        """The backward run inside sends its gradients as they finish; call `finish()` after it."""
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+    def _finished(self, p: nn.Parameter) -> None:
+        """Autograd's hook: `p.grad` holds this backward's gradient."""
+        if not self._armed:
+            return
+        if not self._buckets:
+            self._order.append(p)
+            return
+        bucket, i = self._where[id(p)]
+        bucket.take(i)
+        if bucket.complete() and bucket.work is None:
+            bucket.launch(self.group)
+
+    def finish(self) -> None:
+        """After the armed backward: every bucket sent (the first time, all of them now), waited
+        for and divided by `divisor`."""
+        if not self._buckets:
+            self._build()
+        for bucket in self._buckets:
+            bucket.take_missing()
+            if bucket.work is None:
+                bucket.launch(self.group)
+        for bucket in self._buckets:
+            bucket.wait()
+            bucket.flat.div_(self.divisor)
+            bucket.reset()
+
+    def write_back(self) -> None:
+        """The reduced gradients into the parameters' current `.grad` (None stays None)."""
+        for bucket in self._buckets:
+            bucket.write_back()
+
+    def _build(self) -> None:
+        """Buckets in the first armed backward's order, the parameters it did not finish last."""
+        seen = {id(p) for p in self._order}
+        order = list(dict.fromkeys(self._order)) + [p for p in reversed(self.params) if id(p) not in seen]
+        chunk: list[nn.Parameter] = []
+        for p in order:
+            chunk.append(p)
+            if sum(q.numel() for q in chunk) >= self.bucket_numel:
+                self._buckets.append(_Bucket(chunk))
+                chunk = []
+        if chunk:
+            self._buckets.append(_Bucket(chunk))
+        self._where = {id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.params)}
+
+
+class _Bucket:
+    """Some parameters' gradients side by side in one float32 buffer, sent as one all-reduce."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        sizes = [p.numel() for p in params]
+        self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
+        self.slots = list(self.flat.split(sizes))
+        self.taken = [False] * len(params)
+        self.work = None
+        self.stale = False  # a gradient changed after the launch: send again
+
+    def take(self, i: int) -> None:
+        grad = self.params[i].grad
+        if grad is None:
+            self.slots[i].zero_()
+        else:
+            self.slots[i].copy_(grad.reshape(-1))
+        self.stale = self.stale or self.work is not None
+        self.taken[i] = True
+
+    def complete(self) -> bool:
+        return all(self.taken)
+
+    def take_missing(self) -> None:
+        for i, taken in enumerate(self.taken):
+            if not taken:
+                self.take(i)
+        if self.stale:  # sent too early: wait, take every gradient again, send again below
+            self.wait()
+            for i in range(len(self.params)):
+                self.take(i)
+            self.work, self.stale = None, False
+
+    def launch(self, group: dist.ProcessGroup | None) -> None:
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+
+    def reset(self) -> None:
+        self.taken = [False] * len(self.params)
+        self.work, self.stale = None, False
+
+    def write_back(self) -> None:
+        for p, slot in zip(self.params, self.slots):
+            if p.grad is not None:
+                p.grad.copy_(slot.view_as(p.grad))

@@ -27,6 +27,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 TP_OVERLAPS = ("none", "domino", "domino-copy", "auto")
 CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
+GRAD_REDUCE = ("overlap", "after")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
 TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "dedup-fixed", "dedup-fixed-own", "auto")
@@ -109,6 +110,10 @@ class TrainConfig:
     # overlap engine, TP or expert replication), "on" (an error where not), "off": float32
     master_weights: str = "auto"
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
+    # the replicated (non-expert) gradients' sum over the data-parallel ranks: "overlap" (in
+    # buckets during the backward, as DDP does: weft.moe.grads.OverlappedReduce; with one
+    # micro-batch per step and no tensor parallelism, else after it) or "after" the backward
+    grad_reduce: str = "overlap"
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"
     cuda_graphs: str = "auto"
@@ -203,6 +208,8 @@ class TrainConfig:
         if self.master_weights == "on" and self.device == "cpu":  # (with no device given: refused at the start)
             raise ValueError("train.master_weights 'on' needs GPUs (device is cpu: it trains in float32); use 'auto' "
                              "or 'off'")
+        if self.grad_reduce not in GRAD_REDUCE:
+            raise ValueError(f"train.grad_reduce must be 'overlap' or 'after', got {self.grad_reduce!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -290,7 +297,7 @@ FREE_ON_RESUME = frozenset({"steps", "resume", "device", "log_interval", "eval_i
                             "kernels", "a2a_algo", "fused_optimizer", "master_weights", "keep_last", "async_checkpoint",
                             "cuda_graphs",
                             "balance", "balance_model", "balance_n", "balance_rounds", "tp", "tp_overlap",
-                            "domino_p1", "domino_p2"})
+                            "domino_p1", "domino_p2", "grad_reduce"})
 
 
 def read_run_config(run_dir: str | Path) -> dict[str, Any] | None:

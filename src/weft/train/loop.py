@@ -14,6 +14,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from weft.hostcopy import host_tensor_async
 from weft.jsonfile import write_json
 from weft.launch import ReportedError
 from weft.models import GPT
-from weft.moe.grads import expert_parameters, reduce_gradients
+from weft.moe.grads import OverlappedReduce, expert_parameters, reduce_gradients
 from weft.overlap import fit_balance_models, optimize
 from weft.overlap.passes import OverlapPlan, layer_degrees, predicted_as_run
 from weft.precision import training_autocast
@@ -387,7 +388,7 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if micro_steps is None:  # built at the first step: a graph captures the step as it runs
-                micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank)
+                micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank, groups)
             finished, pending = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps,
                                             masters, lr, pending)
             if finished is not None:
@@ -420,7 +421,9 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             print("\n--- sample ---\n" + text + "\n--------------", flush=True)
         print(f"weft train: done; metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
               f"; plots: weft plot {run_dir}", flush=True)
-    return {"val_loss": val_loss, "steps": cfg.steps, "sample": text, "run_dir": str(run_dir)}
+    reduced = "during the backward" if micro_steps is not None and micro_steps.reduced is not None else "after it"
+    return {"val_loss": val_loss, "steps": cfg.steps, "sample": text, "run_dir": str(run_dir),
+            "replicated_gradients_reduced": reduced}
 
 
 def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
@@ -524,12 +527,15 @@ def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, sta
         print(f"weft train: --tp-overlap auto runs {report['chosen']} ({how})", flush=True)
 
 
-def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int) -> MicroSteps:
-    """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`)."""
+def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int,
+                 groups: MoEGroups) -> MicroSteps:
+    """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`), reducing the replicated
+    gradients in its backward where `cfg.grad_reduce` says so (`gradient_reducer`)."""
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     example = tuple(t.to(device) for t in batch)
+    reducer = gradient_reducer(model, cfg, groups, log)
     try:
-        steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, plan, log)
+        steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, plan, log, reducer)
     except CaptureError as e:
         raise TrainingStopped(f"{e} (run with --cuda-graphs off or auto)") from e
     if steps.graphed:
@@ -537,6 +543,30 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
     if isinstance(plan, OverlapPlan):
         log(lancet_prediction(plan, model, steps.wgrad_scheduled))
     return steps
+
+
+def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups,
+                     log: Callable[[str], None]) -> OverlappedReduce | None:
+    """`--grad-reduce overlap`: the non-expert parameters' gradients summed over the
+    data-parallel ranks during each micro-step's backward (`OverlappedReduce`), where that is
+    the whole of their reduction: several data-parallel ranks, one micro-batch per step (with
+    more, each backward would send a partial sum), no tensor parallelism (whose routers'
+    gradients are summed over the TP group first). Else None (after the backward; logged)."""
+    if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
+        return None
+    why = ("--tp: the routers' gradients are summed over the tensor-parallel group first" if groups.tp_size > 1 else
+           f"--grad-accum {cfg.grad_accum}: each micro-batch's backward would send a partial sum"
+           if cfg.grad_accum > 1 else None)
+    if why is not None:
+        log(f"weft train: the replicated gradients are reduced after the backward ({why})")
+        return None
+    experts = {id(p) for p in expert_parameters(model)}
+    params = [p for p in model.parameters() if id(p) not in experts]
+    reducer = OverlappedReduce(params, groups.dp, group_size(groups.dp))
+    log(f"weft train: the replicated gradients ({sum(p.numel() for p in params) / 1e6:.1f}M) are summed over the "
+        f"{group_size(groups.dp)} data-parallel ranks during each backward, in buckets of ~25 MB "
+        "(--grad-reduce after: after it)")
+    return reducer
 
 
 def lancet_prediction(plan: OverlapPlan, model: GPT, wgrad_scheduled: bool) -> str:
@@ -599,7 +629,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         counts = layer_counts.clone() if counts is None else counts + layer_counts
     finished = None if previous is None else _read_step(previous, model, optimizer, cfg)
     with masters.float32_gradients():
-        reduce_gradients(model, groups)
+        reduce_gradients(model, groups, micro_steps.reduced)
         # The global gradient norm is the same on every rank (reduced gradients), so all ranks take
         # the same decision; a NaN/inf loss on any rank makes it non-finite too. The clipping
         # coefficient and the skip of a non-finite step are decided on the device: the host

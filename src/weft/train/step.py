@@ -16,6 +16,7 @@ import torch
 from weft.graphs import CaptureError, GraphedStep, time_graphed
 from weft.models import GPT
 from weft.moe.config import FIXED_SIZE_ALGO, FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, OWN_APART_ALGO
+from weft.moe.grads import OverlappedReduce
 from weft.ops.wgrad import plan_line
 from weft.overlap import OverlapPlan
 from weft.overlap.passes import GRAPHED_MIN_GAIN, apply, choose_passes, forget_wgrad_plans
@@ -26,15 +27,23 @@ from weft.tune.dictionary import DEGREES, tuned_seconds
 MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tensor], None] | None = None) -> MicroStep:
+def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tensor], None] | None = None,
+                     reducer: OverlappedReduce | None = None) -> MicroStep:
     """Forward, loss and backward of one micro-batch; gradients accumulate into `.grad`
-    (`backward`: e.g. Lancet's plan.backward; default loss.backward)."""
+    (`backward`: e.g. Lancet's plan.backward; default loss.backward). `reducer`: the replicated
+    parameters' gradients summed over the data-parallel ranks during the backward
+    (`weft.moe.grads.OverlappedReduce`, armed for it, finished after it)."""
     backward = backward or torch.Tensor.backward
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with training_autocast(x.device):
             _, loss = model(x, y)
-        backward(loss / grad_accum)
+        if reducer is None:
+            backward(loss / grad_accum)
+        else:
+            with reducer.armed():
+                backward(loss / grad_accum)
+            reducer.finish()
         moes = model.moe_layers()
         dropped = sum((moe.stats.dropped.float() for moe in moes), torch.zeros((), device=x.device))
         losses = torch.stack([loss.detach().float(), model.last_ce_loss.float(), model.last_aux_loss.float(), dropped])
@@ -320,6 +329,7 @@ class MicroSteps:
     graphed: bool = False
     owns_grads: bool = False
     wgrad_scheduled: bool = False  # Lancet's dW schedule runs in the step (`--overlap lancet` keeps it)
+    reduced: OverlappedReduce | None = None  # reduces the replicated gradients in `run`'s backward
 
     def clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step: make the gradients ready for the next step's micro-batches."""
@@ -327,7 +337,8 @@ class MicroSteps:
             optimizer.zero_grad(set_to_none=not self.graphed)
 
 
-def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer: StepTimer) -> tuple[bool, list[float]]:
+def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer: StepTimer,
+                          reducer: OverlappedReduce | None = None) -> tuple[bool, list[float]]:
     """`--overlap lancet` in a graphed micro-step: Lancet's dW schedule (`plan.scheduler`, weight
     gradients run under the backward all-to-alls) kept only where its step replays faster as a
     CUDA graph than the plain step (`timer(step_of, ("none", "backward"))`, e.g.
@@ -338,7 +349,7 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
     seconds of (none, backward)."""
     def step_of(name: str) -> MicroStep:
         scheduled = name == "backward"
-        inner = eager_micro_step(model, grad_accum, plan.backward if scheduled else None)
+        inner = eager_micro_step(model, grad_accum, plan.backward if scheduled else None, reducer)
 
         def run(x: torch.Tensor, y: torch.Tensor):
             apply(model, [], plan.scheduler if scheduled else None)
@@ -354,18 +365,21 @@ def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer:
 
 def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torch.Tensor, torch.Tensor],
                      overlap: str = "none", plan: OverlapPlan | None = None,
-                     log: Callable[[str], None] = print) -> MicroSteps:
+                     log: Callable[[str], None] = print, reducer: OverlappedReduce | None = None) -> MicroSteps:
     """The micro-step for `mode` ("auto", "on", "off" CUDA graphs). "on" raises CaptureError
     naming why a graph cannot be used; "auto" tells `log` and runs eagerly. Building a graph runs
     the step a few times to warm up, with no effect on the gradients: with one micro-batch per
     step the graph owns them (each replay writes the step's gradients); with several, it
     accumulates into zeroed ones. `plan`: Lancet's (`--overlap lancet`), whose backward the step
-    runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`)."""
+    runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`).
+    `reducer`: every micro-step built here, the timed candidates too, reduces the replicated
+    gradients in its backward (`eager_micro_step`)."""
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
     scheduled = backward is not None
-    eager = eager_micro_step(model, grad_accum, backward)
+    eager = eager_micro_step(model, grad_accum, backward, reducer)
+    micro_steps = functools.partial(MicroSteps, reduced=reducer)
     if mode == "off":
-        return MicroSteps(eager, wgrad_scheduled=scheduled)
+        return micro_steps(eager, wgrad_scheduled=scheduled)
     device = example[0].device
     accumulate = grad_accum > 1  # else the graph owns its gradients; the candidates are timed the same way
     graph_timer = functools.partial(time_graphed, args=example, grads_of=list(model.parameters()),
@@ -373,7 +387,7 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     blocker = graph_blocker(model, device, overlap)
     if blocker is None and mode == "auto" and _auto_blocker(model) is not None:
         log(f"weft train: eager steps ({_auto_blocker(model)})")
-        return MicroSteps(eager, wgrad_scheduled=scheduled)
+        return micro_steps(eager, wgrad_scheduled=scheduled)
     if blocker is not None and graph_blocker(model, device, overlap, fixed_size=True) is None:
         if mode == "on":  # a graph asked for: the dropless layers' graphable exchange, the faster form
             forms = dropless_forms(model)
@@ -389,7 +403,7 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
             measured = f"eager with a2a_algo auto {eager_s * 1e3:.1f} ms, {_as_graphs(graph_s)}"
             if chosen is None:
                 log(f"weft train: eager steps, MoE layers at a2a_algo auto (dropless; measured: {measured})")
-                return MicroSteps(eager, wgrad_scheduled=scheduled)
+                return micro_steps(eager, wgrad_scheduled=scheduled)
             log(f"weft train: every MoE layer runs {describe_fixed_size(chosen)} (dropless; measured: {measured})")
         blocker = graph_blocker(model, device, overlap)
     if blocker is None:
@@ -408,16 +422,16 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                 log(f"weft train: every MoE layer runs {setting}={best} (measured as CUDA graphs: "
                     + ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in zip(candidates, seconds)) + ")")
             if backward is not None:
-                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, graph_timer)
+                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, graph_timer, reducer)
                 log(f"weft train: --overlap lancet {'keeps' if kept else 'drops'} its weight-gradient schedule "
                     f"(measured as CUDA graphs: plain {plain_s * 1e3:.1f} ms, scheduled {scheduled_s * 1e3:.1f} ms)")
                 if kept and plan.scheduler.planned:  # what each replay runs under its all-to-alls
                     log(f"weft train: {plan_line(plan.scheduler.planned)}")
                 if not kept:
-                    eager, scheduled = eager_micro_step(model, grad_accum), False
+                    eager, scheduled = eager_micro_step(model, grad_accum, reducer=reducer), False
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
-            return MicroSteps(follow_loads(graph, model), graphed=True, owns_grads=not accumulate,
-                              wgrad_scheduled=scheduled)
+            return micro_steps(follow_loads(graph, model), graphed=True, owns_grads=not accumulate,
+                               wgrad_scheduled=scheduled)
         except CaptureError as e:
             if mode == "on":
                 raise
@@ -426,4 +440,4 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
         raise CaptureError(f"--cuda-graphs on: {blocker}")
     if device.type == "cuda":
         log(f"weft train: eager steps (no CUDA graph: {blocker})")
-    return MicroSteps(eager, wgrad_scheduled=scheduled)
+    return micro_steps(eager, wgrad_scheduled=scheduled)

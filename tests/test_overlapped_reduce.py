@@ -1,0 +1,118 @@
+"""`OverlappedReduce`: the replicated gradients summed over the data-parallel ranks during the
+backward, bucket by bucket (DDP's overlap), with the sums of `reduce_gradients`; on gloo ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft.distributed import build_moe_groups
+from weft.models.gpt import GPT, GPTConfig
+from weft.moe import grads
+from weft.moe.grads import OverlappedReduce, expert_parameters, reduce_gradients
+from weft.testing import Checks, run_checks
+
+CONFIG = GPTConfig(block_size=16, n_layer=2, n_head=2, dim=32, moe_every=1, num_experts=4, top_k=2,
+                   moe_hidden_dim=32, capacity_factor=None)
+BUCKET_MB = 0.004  # ~1k floats: the small model's replicated gradients fill several buckets
+
+
+def backward(model: GPT, step: int) -> None:
+    gen = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x, y = (torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2))
+    model(x, y)[1].backward()
+
+
+def reference_grads(model: GPT, groups, steps: list[int]) -> dict[str, torch.Tensor]:
+    """The gradients `reduce_gradients` leaves after backwards of `steps` (accumulated)."""
+    model.zero_grad(set_to_none=True)
+    for step in steps:
+        backward(model, step)
+    reduce_gradients(model, groups)
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def overlapped_grads(model: GPT, groups, reducer: OverlappedReduce, steps: list[int], events: list[str]):
+    """The gradients after backwards of `steps` in one armed window, `finish()` and
+    `reduce_gradients(..., reducer)`; `events` gets "backward done" between them and the launches."""
+    model.zero_grad(set_to_none=True)
+    with reducer.armed():
+        for step in steps:
+            backward(model, step)
+    events.append("backward done")
+    reducer.finish()
+    reduce_gradients(model, groups, reducer)
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def equal_or_close(got: dict, want: dict, exact: bool) -> list[str]:
+    wrong = [n for n in want if n not in got or not (torch.equal(got[n], want[n]) if exact else
+                                                     torch.allclose(got[n], want[n], rtol=1e-6, atol=1e-9))]
+    return wrong + [n for n in got if n not in want]
+
+
+def overlapped_reduce_worker() -> list[str]:
+    """From the second armed backward on, every bucket but the last is sent before the backward
+    returns (the first backward only records the order: all sent at `finish`), and the gradients
+    equal `reduce_gradients`' (bitwise on 2 ranks, to float32 rounding on more); an unarmed
+    backward sends nothing; two backwards in one armed window (a gradient finished again after its
+    bucket was sent) give the accumulated gradients' sums."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    groups = build_moe_groups()
+    exact = dist.get_world_size() == 2
+    torch.manual_seed(0)
+    model = GPT(CONFIG, group=groups.ep)
+    experts = {id(p) for p in expert_parameters(model)}
+    reducer = OverlappedReduce([p for p in model.parameters() if id(p) not in experts], groups.dp,
+                               dist.get_world_size(), bucket_mb=BUCKET_MB)
+    events: list[str] = []
+    real = grads.dist.all_reduce
+
+    def recorded(tensor, *args, **kwargs):
+        if kwargs.get("async_op"):
+            events.append("launch")
+        return real(tensor, *args, **kwargs)
+
+    grads.dist.all_reduce = recorded
+    try:
+        for step in (1, 2, 3):
+            want = reference_grads(model, groups, [step])
+            events.clear()
+            got = overlapped_grads(model, groups, reducer, [step], events)
+            wrong = equal_or_close(got, want, exact)
+            checks.expect(not wrong, f"armed backward {step}: gradients differ from reduce_gradients' at {wrong}")
+            during = events.index("backward done")
+            buckets = events.count("launch")
+            checks.expect(buckets > 2, f"backward {step}: {buckets} buckets (the test wants several)")
+            if step == 1:
+                checks.expect(during == 0, f"the first backward sent {during} buckets before it returned")
+            else:
+                checks.expect(during >= buckets - 1, f"backward {step}: {during} of {buckets} buckets sent during it")
+        events.clear()
+        backward(model, 4)
+        checks.expect(events == [], f"an unarmed backward launched {events}")
+        model.zero_grad(set_to_none=True)
+        want = reference_grads(model, groups, [5, 6])
+        got = overlapped_grads(model, groups, reducer, [5, 6], events)
+        wrong = equal_or_close(got, want, exact)
+        checks.expect(not wrong, f"two backwards in one armed window: gradients differ at {wrong}")
+    finally:
+        grads.dist.all_reduce = real
+    return checks.failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_overlapped_reduce_sends_buckets_during_backward_with_reduce_gradients_sums(world):
+    failures = run_checks(overlapped_reduce_worker, world, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def test_overlapped_reduce_refuses_bad_arguments():
+    with pytest.raises(ValueError, match="require gradients"):
+        OverlappedReduce([torch.nn.Parameter(torch.ones(2), requires_grad=False)], None, 1)
+    with pytest.raises(ValueError, match="bucket_mb must be positive"):
+        OverlappedReduce([torch.nn.Parameter(torch.ones(2))], None, 1, bucket_mb=0)
