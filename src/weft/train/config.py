@@ -27,7 +27,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 TP_OVERLAPS = ("none", "domino", "domino-copy", "auto")
 CUDA_GRAPHS = ("auto", "on", "off")
 MASTER_WEIGHTS = ("auto", "on", "off")
-GRAD_REDUCE = ("overlap", "after")
+GRAD_REDUCE = ("auto", "overlap", "after")
 BALANCE = ("none", "pro-prophet")
 BALANCE_MODELS = ("measured", "nominal")
 TRAIN_A2A_ALGOS = ("linear", "dedup", "dedup-d2", "dedup-fixed", "dedup-fixed-own", "auto")
@@ -112,8 +112,11 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
     # the replicated (non-expert) gradients' sum over the data-parallel ranks: "overlap" (in
     # buckets during the backward, as DDP does: weft.moe.grads.OverlappedReduce; with one
-    # micro-batch per step and no tensor parallelism, else after it) or "after" the backward
-    grad_reduce: str = "overlap"
+    # micro-batch per step and no tensor parallelism, else after it), "after" the backward, or
+    # "auto": overlap where the ranks' GPUs do not reach each other's memory (several nodes, or
+    # P2P off: a slow link, where it measured 1.07-1.18x the tokens/s), else after (NVLink, where
+    # it measured 3-5% slower: weft.train.loop.gradient_reducer)
+    grad_reduce: str = "auto"
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"
     cuda_graphs: str = "auto"
@@ -209,7 +212,7 @@ class TrainConfig:
             raise ValueError("train.master_weights 'on' needs GPUs (device is cpu: it trains in float32); use 'auto' "
                              "or 'off'")
         if self.grad_reduce not in GRAD_REDUCE:
-            raise ValueError(f"train.grad_reduce must be 'overlap' or 'after', got {self.grad_reduce!r}")
+            raise ValueError(f"train.grad_reduce must be 'auto', 'overlap' or 'after', got {self.grad_reduce!r}")
         if self.on_nonfinite not in ("stop", "skip"):
             raise ValueError(f"train.on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -533,7 +533,7 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
     gradients in its backward where `cfg.grad_reduce` says so (`gradient_reducer`)."""
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     example = tuple(t.to(device) for t in batch)
-    reducer = gradient_reducer(model, cfg, groups, log)
+    reducer = gradient_reducer(model, cfg, groups, device, log)
     try:
         steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, plan, log, reducer)
     except CaptureError as e:
@@ -545,28 +545,45 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
     return steps
 
 
-def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups,
+def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: torch.device,
                      log: Callable[[str], None]) -> OverlappedReduce | None:
-    """`--grad-reduce overlap`: the non-expert parameters' gradients summed over the
-    data-parallel ranks during each micro-step's backward (`OverlappedReduce`), where that is
-    the whole of their reduction: several data-parallel ranks, one micro-batch per step (with
-    more, each backward would send a partial sum), no tensor parallelism (whose routers'
-    gradients are summed over the TP group first). Else None (after the backward; logged)."""
+    """The `OverlappedReduce` of the non-expert parameters over the data-parallel ranks where
+    `reduced_after` says it runs (None: `reduce_gradients` sums them after the backward; why,
+    logged)."""
     if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
         return None
-    why = ("--tp: the routers' gradients are summed over the tensor-parallel group first" if groups.tp_size > 1 else
-           f"--grad-accum {cfg.grad_accum}: each micro-batch's backward would send a partial sum"
-           if cfg.grad_accum > 1 else None)
+    slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
+    why = reduced_after(cfg, groups.tp_size, device, slow)
     if why is not None:
         log(f"weft train: the replicated gradients are reduced after the backward ({why})")
         return None
     experts = {id(p) for p in expert_parameters(model)}
     params = [p for p in model.parameters() if id(p) not in experts]
     reducer = OverlappedReduce(params, groups.dp, group_size(groups.dp))
+    chosen = f"--grad-reduce auto: {slow}" if cfg.grad_reduce == "auto" else "--grad-reduce after: after it"
     log(f"weft train: the replicated gradients ({sum(p.numel() for p in params) / 1e6:.1f}M) are summed over the "
-        f"{group_size(groups.dp)} data-parallel ranks during each backward, in buckets of ~25 MB "
-        "(--grad-reduce after: after it)")
+        f"{group_size(groups.dp)} data-parallel ranks during each backward, in buckets of ~25 MB ({chosen})")
     return reducer
+
+
+def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: str | None) -> str | None:
+    """Why `--grad-reduce overlap|auto` sums the replicated gradients after the backward (None:
+    during it, `OverlappedReduce`). Overlap is the whole of their reduction only with one
+    micro-batch per step (with more, each backward would send a partial sum) and no tensor
+    parallelism (whose routers' gradients are summed over the TP group first). `auto` overlaps
+    only where the ranks do not reach each other's memory (`slow`: `peers_unavailable`'s reason,
+    several nodes or NCCL_P2P_DISABLE=1, whose slow link the sum holds for long: 1.07-1.18x the
+    tokens/s of gpt2-s-moe and gpt2-l-moe on 2 x H200 with P2P disabled); with NVLink the sum
+    beside the backward measured 0.95-0.97x (docs/benchmarks.md, forty-fourth session), and on
+    the CPU the ranks share its cores."""
+    if tp_size > 1:
+        return "--tp: the routers' gradients are summed over the tensor-parallel group first"
+    if cfg.grad_accum > 1:
+        return f"--grad-accum {cfg.grad_accum}: each micro-batch's backward would send a partial sum"
+    if cfg.grad_reduce == "auto" and slow is None:
+        return ("--grad-reduce auto: the GPUs reach each other's memory, where the sum beside the backward measured "
+                "slower" if device.type == "cuda" else "--grad-reduce auto: on the CPU the ranks share its cores")
+    return None
 
 
 def lancet_prediction(plan: OverlapPlan, model: GPT, wgrad_scheduled: bool) -> str:
