@@ -560,7 +560,7 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     experts = {id(p) for p in expert_parameters(model)}
     params = [p for p in model.parameters() if id(p) not in experts]
     reducer = OverlappedReduce(params, groups.dp, group_size(groups.dp))
-    chosen = f"--grad-reduce auto: {slow}" if cfg.grad_reduce == "auto" else "--grad-reduce after: after it"
+    chosen = f"--grad-reduce auto: {slow}" if cfg.grad_reduce == "auto" else "--grad-reduce overlap"
     log(f"weft train: the replicated gradients ({sum(p.numel() for p in params) / 1e6:.1f}M) are summed over the "
         f"{group_size(groups.dp)} data-parallel ranks during each backward, in buckets of ~25 MB ({chosen})")
     return reducer
