@@ -94,7 +94,6 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedRed
         _all_reduce_mean(dense_grads, groups.dp, world)
 
 
-
 class OverlappedReduce:
     """The sum over the data-parallel ranks of some parameters' gradients (`reduce_gradients`'
     replicated ones), launched during backward: the overlap of PyTorch's DistributedDataParallel
@@ -189,11 +188,13 @@ class OverlappedReduce:
         seen = {id(p) for p in self._order}
         order = list(dict.fromkeys(self._order)) + [p for p in reversed(self.params) if id(p) not in seen]
         chunk: list[nn.Parameter] = []
+        numel = 0
         for p in order:
             chunk.append(p)
-            if sum(q.numel() for q in chunk) >= self.bucket_numel:
+            numel += p.numel()
+            if numel >= self.bucket_numel:
                 self._buckets.append(_Bucket(chunk))
-                chunk = []
+                chunk, numel = [], 0
         if chunk:
             self._buckets.append(_Bucket(chunk))
         self._where = {id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.params)}
@@ -245,6 +246,6 @@ class _Bucket:
         self.work, self.stale = None, False
 
     def write_back(self) -> None:
-        for p, slot in zip(self.params, self.slots):
-            if p.grad is not None:
-                p.grad.copy_(slot.view_as(p.grad))
+        pairs = [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots) if p.grad is not None]
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))

@@ -114,8 +114,8 @@ class TrainConfig:
     # buckets during the backward, as DDP does: weft.moe.grads.OverlappedReduce; with one
     # micro-batch per step and no tensor parallelism, else after it), "after" the backward, or
     # "auto": overlap where the ranks' GPUs do not reach each other's memory (several nodes, or
-    # P2P off: a slow link, where it measured 1.07-1.18x the tokens/s), else after (NVLink, where
-    # it measured 3-5% slower: weft.train.loop.gradient_reducer)
+    # P2P off: a slow link, where it measured 1.06-1.18x the tokens/s), else after (NVLink, where
+    # it measured 3-5% slower: weft.train.loop.reduced_after)
     grad_reduce: str = "auto"
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"

@@ -572,7 +572,7 @@ def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: st
     micro-batch per step (with more, each backward would send a partial sum) and no tensor
     parallelism (whose routers' gradients are summed over the TP group first). `auto` overlaps
     only where the ranks do not reach each other's memory (`slow`: `peers_unavailable`'s reason,
-    several nodes or NCCL_P2P_DISABLE=1, whose slow link the sum holds for long: 1.07-1.18x the
+    several nodes or NCCL_P2P_DISABLE=1, whose slow link the sum holds for long: 1.06-1.18x the
     tokens/s of gpt2-s-moe and gpt2-l-moe on 2 x H200 with P2P disabled); with NVLink the sum
     beside the backward measured 0.95-0.97x (docs/benchmarks.md, forty-fourth session), and on
     the CPU the ranks share its cores."""
