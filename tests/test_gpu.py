@@ -607,19 +607,24 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (data-parallel ranks to reduce over)")
 def test_gradients_reduced_during_the_backward_train_with_the_losses_of_a_reduction_after_it(tmp_path):
     """`weft train --grad-reduce overlap` (every GPU: the replicated gradients' buckets sent
-    during the backward on a communicator of their own), eager and captured in each micro-step's
-    CUDA graph, logs the losses of `--grad-reduce after` run eagerly (the same sums; 2e-3 for
-    bf16 kernels that need not repeat bitwise between runs)."""
-    losses, logs = {}, {}
-    for reduce, graphs in (("overlap", "off"), ("overlap", "on"), ("after", "off")):
-        logs[reduce, graphs], losses[reduce, graphs] = train_tiny(tmp_path, f"{reduce}-{graphs}", "--grad-reduce",
-                                                                  reduce, "--cuda-graphs", graphs)
-    for key, log in logs.items():
-        assert ("summed over the" in log and "during each backward" in log) == (key[0] == "overlap"), log
-    assert "replays as one CUDA graph" in logs["overlap", "on"], logs["overlap", "on"]
-    assert len(losses["overlap", "on"]) == 8
-    for key in (("overlap", "off"), ("overlap", "on")):
-        assert losses[key] == pytest.approx(losses["after", "off"], abs=2e-3), losses
+    during the backward on a communicator of their own, and with `--ep-size 1` on several GPUs
+    the expert gradients' over their replicas too), eager and captured in each micro-step's CUDA
+    graph, logs the losses of `--grad-reduce after` run eagerly (the same sums; 2e-3 for bf16
+    kernels that need not repeat bitwise between runs)."""
+    for ep in ([], ["--ep-size", "1"]):
+        losses, logs = {}, {}
+        for reduce, graphs in (("overlap", "off"), ("overlap", "on"), ("after", "off")):
+            logs[reduce, graphs], losses[reduce, graphs] = train_tiny(
+                tmp_path, f"{reduce}-{graphs}{len(ep)}", "--grad-reduce", reduce, "--cuda-graphs", graphs, *ep)
+        several = torch.cuda.device_count() > 1
+        for key, log in logs.items():
+            assert ("summed during each backward" in log) == (key[0] == "overlap" and several), log
+            if ep and key[0] == "overlap" and several:
+                assert "expert gradients" in log, log
+        assert "replays as one CUDA graph" in logs["overlap", "on"], logs["overlap", "on"]
+        assert len(losses["overlap", "on"]) == 8
+        for key in (("overlap", "off"), ("overlap", "on")):
+            assert losses[key] == pytest.approx(losses["after", "off"], abs=2e-3), (ep, losses)
 
 
 @needs_cuda

@@ -1,6 +1,9 @@
-"""`OverlappedReduce`: the replicated gradients summed over the data-parallel ranks during the
-backward, bucket by bucket (DDP's overlap), with the sums of `reduce_gradients`; on gloo ranks."""
+"""`OverlappedReduce`: the replicated gradients summed over the data-parallel ranks, and the
+expert gradients over their expert-data-parallel replicas, during the backward, bucket by bucket
+(DDP's overlap), with the sums of `reduce_gradients`; on gloo ranks."""
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -9,7 +12,7 @@ import torch.distributed as dist
 from weft.distributed import build_moe_groups
 from weft.models.gpt import GPT, GPTConfig
 from weft.moe import grads
-from weft.moe.grads import OverlappedReduce, expert_parameters, reduce_gradients
+from weft.moe.grads import OverlappedReduce, expert_parameters, overlapped_reduce, reduce_gradients
 from weft.testing import Checks, run_checks
 
 CONFIG = GPTConfig(block_size=16, n_layer=2, n_head=2, dim=32, moe_every=1, num_experts=4, top_k=2,
@@ -55,26 +58,32 @@ def equal_or_close(got: dict, want: dict, exact: bool) -> list[str]:
     return wrong + [n for n in got if n not in want]
 
 
-def overlapped_reduce_worker() -> list[str]:
-    """From the second armed backward on, every bucket but the last is sent before the backward
-    returns (the first backward only records the order: all sent at `finish`), and the gradients
-    equal `reduce_gradients`' (bitwise on 2 ranks, to float32 rounding on more); an unarmed
-    backward sends nothing; two backwards in one armed window (a gradient finished again after its
-    bucket was sent) give the accumulated gradients' sums."""
+def overlapped_reduce_worker(ep_size: int | None) -> list[str]:
+    """From the second armed backward on, every bucket but each group's last is sent before the
+    backward returns (the first backward only records the order: all sent at `finish`), and the
+    gradients equal `reduce_gradients`' (bitwise on 2 ranks, to float32 rounding on more); with
+    `ep_size` below the world the expert gradients are the reducer's too, sent over their
+    replicas; an unarmed backward sends nothing; two backwards in one armed window (a gradient
+    finished again after its bucket was sent) give the accumulated gradients' sums."""
     checks = Checks(f"rank {dist.get_rank()}")
-    groups = build_moe_groups()
+    groups = build_moe_groups(ep_size)
     exact = dist.get_world_size() == 2
     torch.manual_seed(0)
     model = GPT(CONFIG, group=groups.ep)
-    experts = {id(p) for p in expert_parameters(model)}
-    reducer = OverlappedReduce([p for p in model.parameters() if id(p) not in experts], groups.dp,
-                               dist.get_world_size(), bucket_mb=BUCKET_MB)
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB)
+    experts = expert_parameters(model)
+    covered = [reducer.covers(p) for p in experts]
+    checks.expect(all(covered) if groups.edp_size > 1 else not any(covered),
+                  f"ep_size {ep_size}: the expert gradients covered {covered}")
+    checks.expect(all(reducer.covers(p) for p in model.parameters() if all(p is not e for e in experts)),
+                  "a replicated parameter is not covered")
+    parts = 2 if groups.edp_size > 1 else 1
     events: list[str] = []
     real = grads.dist.all_reduce
 
     def recorded(tensor, *args, **kwargs):
         if kwargs.get("async_op"):
-            events.append("launch")
+            events.append(("launch", kwargs.get("group")))
         return real(tensor, *args, **kwargs)
 
     grads.dist.all_reduce = recorded
@@ -86,12 +95,15 @@ def overlapped_reduce_worker() -> list[str]:
             wrong = equal_or_close(got, want, exact)
             checks.expect(not wrong, f"armed backward {step}: gradients differ from reduce_gradients' at {wrong}")
             during = events.index("backward done")
-            buckets = events.count("launch")
-            checks.expect(buckets > 2, f"backward {step}: {buckets} buckets (the test wants several)")
+            buckets = len(events) - 1
+            groups_used = len({group for _, group in events[:during] + events[during + 1:]})
+            checks.expect(buckets > 2 * parts, f"backward {step}: {buckets} buckets (the test wants several)")
+            checks.expect(groups_used == parts, f"backward {step}: buckets sent over {groups_used} groups, not {parts}")
             if step == 1:
                 checks.expect(during == 0, f"the first backward sent {during} buckets before it returned")
             else:
-                checks.expect(during >= buckets - 1, f"backward {step}: {during} of {buckets} buckets sent during it")
+                checks.expect(during >= buckets - parts,
+                              f"backward {step}: {during} of {buckets} buckets sent during it")
         events.clear()
         backward(model, 4)
         checks.expect(events == [], f"an unarmed backward launched {events}")
@@ -105,14 +117,52 @@ def overlapped_reduce_worker() -> list[str]:
     return checks.failures
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_overlapped_reduce_sends_buckets_during_backward_with_reduce_gradients_sums(world):
-    failures = run_checks(overlapped_reduce_worker, world, timeout=300)
+@pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (2, 1), (4, 2)])
+def test_overlapped_reduce_sends_buckets_during_backward_with_reduce_gradients_sums(world, ep_size):
+    failures = run_checks(functools.partial(overlapped_reduce_worker, ep_size), world, timeout=300)
     assert not failures, "\n".join(failures)
 
 
 def test_overlapped_reduce_refuses_bad_arguments():
+    frozen, weight = torch.nn.Parameter(torch.ones(2), requires_grad=False), torch.nn.Parameter(torch.ones(2))
     with pytest.raises(ValueError, match="require gradients"):
-        OverlappedReduce([torch.nn.Parameter(torch.ones(2), requires_grad=False)], None, 1)
+        OverlappedReduce([([frozen], None)], 1)
     with pytest.raises(ValueError, match="bucket_mb must be positive"):
-        OverlappedReduce([torch.nn.Parameter(torch.ones(2))], None, 1, bucket_mb=0)
+        OverlappedReduce([([weight], None)], 1, bucket_mb=0)
+    with pytest.raises(ValueError, match="a parameter is in two parts"):
+        OverlappedReduce([([weight], None), ([weight], None)], 1)
+
+
+def rank_order_worker() -> list[str]:
+    """Ranks whose backwards finish the gradients in different orders still put the same
+    parameters in each bucket (the group's first rank's order) and get `reduce_gradients`' sums."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 500, 200, 700)]
+    reducer = OverlappedReduce([(params, dist.group.WORLD)], dist.get_world_size(), bucket_mb=0.002)
+    order = list(range(4)) if dist.get_rank() == 0 else [2, 0, 3, 1]
+    for step in range(3):
+        for p in params:
+            p.grad = None
+        gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        scales = [torch.randn(p.shape, generator=gen) for p in params]
+        with reducer.armed():
+            sum((params[i] * scales[i]).sum() for i in order).backward()  # autograd finishes them in order's reverse
+        reducer.finish()
+        reducer.write_back()
+        for i, p in enumerate(params):
+            want = scales[i].clone()
+            dist.all_reduce(want)
+            checks.expect(torch.equal(p.grad, want / dist.get_world_size()), f"step {step}: parameter {i}'s sum")
+    mine = [[next(i for i, q in enumerate(params) if q is p) for p in bucket.params]
+            for part in reducer._parts for bucket in part.buckets]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    checks.expect(all(b == everyone[0] for b in everyone), f"the ranks' buckets differ: {everyone}")
+    checks.expect(len(mine) > 1, f"one bucket: {mine}")
+    return checks.failures
+
+
+def test_overlapped_reduce_buckets_follow_the_first_rank_when_the_orders_differ():
+    failures = run_checks(rank_order_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)

@@ -796,16 +796,20 @@ def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path, capacity):
 
 def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(corpus, tmp_path):
     """--grad-reduce overlap (the replicated gradients summed over the ranks in buckets launched
-    during the backward) trains with the losses and gradient norms of --grad-reduce after,
-    bitwise on 2 ranks; with --grad-accum 2 it reduces after the backward, and so does the
-    default, auto, on the CPU (overlap only where GPUs do not reach each other's memory)."""
+    during the backward, and with --ep-size 1 the expert gradients over their replicas too)
+    trains with the losses and gradient norms of --grad-reduce after, bitwise on 2 ranks; with
+    --grad-accum 2 it reduces after the backward, and so does the default, auto, on the CPU
+    (overlap only where GPUs do not reach each other's memory)."""
     cache = tmp_path / "cache"
-    for mode, where in (("overlap", "during the backward"), ("after", "after it")):
-        summary = run(config(corpus, tmp_path / mode, steps=6, log_interval=1, grad_reduce=mode), 2, cache)
-        assert summary["replicated_gradients_reduced"] == where
-    overlap, after = tmp_path / "overlap", tmp_path / "after"
-    assert sorted(losses(overlap)) == list(range(1, 7))
-    assert losses(overlap) == losses(after) and losses(overlap, "grad_norm") == losses(after, "grad_norm")
+    for ep_size, experts in ((None, "nowhere"), (1, "during the backward")):
+        for mode, where in (("overlap", "during the backward"), ("after", "after it")):
+            summary = run(config(corpus, tmp_path / f"{mode}{ep_size}", steps=6, log_interval=1, grad_reduce=mode,
+                                 ep_size=ep_size), 2, cache)
+            assert summary["replicated_gradients_reduced"] == where
+            assert summary["expert_gradients_reduced"] == (experts if mode == "overlap" or ep_size is None else where)
+        overlap, after = tmp_path / f"overlap{ep_size}", tmp_path / f"after{ep_size}"
+        assert sorted(losses(overlap)) == list(range(1, 7))
+        assert losses(overlap) == losses(after) and losses(overlap, "grad_norm") == losses(after, "grad_norm")
     summary = run(config(corpus, tmp_path / "accum", steps=2, grad_accum=2, batch_size=4, grad_reduce="overlap"), 2,
                   cache)
     assert summary["replicated_gradients_reduced"] == "after it"
@@ -814,16 +818,19 @@ def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(co
 
 
 def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
-    """`--grad-reduce auto` overlaps only where the GPUs do not reach each other's memory (a slow
-    link: several nodes, P2P off); `overlap` wherever it can; both reduce after the backward
-    with several micro-batches per step or tensor parallelism."""
+    """`--grad-reduce auto` overlaps only on GPUs, where they do not reach each other's memory (a
+    slow link: several nodes, P2P off) or where the experts have replicas (`--ep-size` below the
+    world: their sum too); `overlap` wherever it can; both reduce after the backward with several
+    micro-batches per step or tensor parallelism."""
     from weft.train.loop import reduced_after
 
     cuda, cpu, slow = torch.device("cuda"), torch.device("cpu"), "NCCL_P2P_DISABLE=1: the GPUs do not reach ..."
     auto, overlap = TrainConfig(grad_reduce="auto"), TrainConfig(grad_reduce="overlap")
     assert reduced_after(auto, 1, cuda, slow) is None and reduced_after(overlap, 1, cuda, None) is None
     assert "reach each other's memory" in reduced_after(auto, 1, cuda, None)
+    assert reduced_after(auto, 1, cuda, None, expert_replicas=2) is None  # the experts' sum too: overlapped
     assert "CPU" in reduced_after(auto, 1, cpu, None) and reduced_after(overlap, 1, cpu, None) is None
+    assert "CPU" in reduced_after(auto, 1, cpu, None, expert_replicas=2)
     for cfg in (auto, overlap):
         assert "--tp" in reduced_after(cfg, 2, cuda, slow)
         assert "--grad-accum 2" in reduced_after(TrainConfig(grad_reduce=cfg.grad_reduce, grad_accum=2), 1, cuda, slow)

@@ -274,11 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "wherever that changes no arithmetic (not with --tp, Lancet's partitioned forward or "
                          "--overlap tutel on dropless layers); on: an error where not; off: float32")
     tr.add_argument("--grad-reduce", default=None, choices=list(GRAD_REDUCE),
-                    help="the replicated (non-expert) gradients' sum over the data-parallel ranks: overlap "
-                         "(in ~25 MB buckets launched during the backward as their gradients finish, as DDP does; "
-                         "one micro-batch per step, no --tp, else after), after the backward, or auto (default: "
-                         "overlap where the GPUs do not reach each other's memory, e.g. several nodes or "
-                         "NCCL_P2P_DISABLE=1, else after)")
+                    help="the gradients' sum over the data-parallel ranks (the replicated ones over every rank, "
+                         "the experts' over their replicas where --ep-size leaves some): overlap (in ~25 MB "
+                         "buckets launched during the backward as their gradients finish, as DDP does; one "
+                         "micro-batch per step, no --tp, else after), after the backward, or auto (default: "
+                         "overlap on GPUs that do not reach each other's memory, e.g. several nodes or "
+                         "NCCL_P2P_DISABLE=1, or whose experts have replicas; else after)")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

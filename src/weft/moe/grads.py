@@ -11,9 +11,9 @@ tokens: its routers' gradients are the share's, so they are first summed over th
 data-parallel size is then the number of TP groups, and an expert's gradient, summed over every
 rank's share by the all-to-all backward, already counts each group's tokens once.
 
-`OverlappedReduce` runs the replicated parameters' part of that reduction during backward, bucket
-by bucket, as PyTorch's DistributedDataParallel does; `reduce_gradients(..., reduced=it)` then
-takes its results instead of reducing those gradients itself.
+`OverlappedReduce` (`overlapped_reduce`) runs that reduction during backward, bucket by bucket,
+as PyTorch's DistributedDataParallel does; `reduce_gradients(..., reduced=it)` then takes its
+results instead of reducing those gradients itself.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weft.distributed import MoEGroups, group_size, own_group
+from weft.distributed import MoEGroups, global_rank, group_size, own_group
 from weft.moe.experts import Experts
 from weft.moe.layer import MoE
 
@@ -70,8 +70,9 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedRed
     the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
     all other gradients over every rank; both are divided by the data-parallel world size.
     With tensor parallelism the routers' gradients are summed over the TP group first.
-    `reduced`: an `OverlappedReduce` over the non-expert parameters that reduced them during
-    the backward (its `finish()` called): their gradients are its results, the same sums.
+    `reduced`: an `OverlappedReduce` (`overlapped_reduce`) that summed some of these gradients
+    during the backward (its `finish()` called): theirs are its results, the same sums; the
+    others are reduced here.
     """
     if groups.tp_size > 1:
         routers = [p.grad for p in token_split_parameters(model) if p.grad is not None]
@@ -83,34 +84,56 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedRed
     experts = {id(p) for p in expert_parameters(model)}
     expert_grads, dense_grads = [], []
     for p in model.parameters():
-        if p.grad is None:
+        if p.grad is None or (reduced is not None and reduced.covers(p)):
             continue
         (expert_grads if id(p) in experts else dense_grads).append(p.grad)
     if expert_grads:
         _all_reduce_mean(expert_grads, groups.edp, world)
+    if dense_grads:
+        _all_reduce_mean(dense_grads, groups.dp, world)
     if reduced is not None:
         reduced.write_back()
-    elif dense_grads:
-        _all_reduce_mean(dense_grads, groups.dp, world)
+
+
+def overlapped_reduce(model: nn.Module, groups: MoEGroups, experts: bool = True,
+                      bucket_mb: float = 25.0) -> OverlappedReduce:
+    """`reduce_gradients`' sums as an `OverlappedReduce`: the replicated parameters over every
+    data-parallel rank and, with `experts` and expert-data-parallel replicas (`edp_size` > 1),
+    the expert parameters over their replicas; divided by the data-parallel size. Not under
+    tensor parallelism, whose routers' gradients are summed over the TP group first. Collective:
+    every rank calls it, in the same order."""
+    if groups.tp_size > 1:
+        raise ValueError("overlapped_reduce: under tensor parallelism the routers' gradients are summed over the "
+                         "TP group first; use reduce_gradients")
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    parts = [([p for p in model.parameters() if id(p) not in expert_ids], groups.dp)]
+    if experts and groups.edp_size > 1:
+        parts.append(([p for p in model.parameters() if id(p) in expert_ids], groups.edp))
+    return OverlappedReduce([(params, group) for params, group in parts if params], group_size(groups.dp), bucket_mb)
 
 
 class OverlappedReduce:
-    """The sum over the data-parallel ranks of some parameters' gradients (`reduce_gradients`'
-    replicated ones), launched during backward: the overlap of PyTorch's DistributedDataParallel
-    (Li et al., "PyTorch Distributed", VLDB 2020, sec. 3.2.3: gradient bucketing, overlap with
-    backward through autograd hooks, buckets rebuilt in the order the first iteration produced
-    the gradients).
+    """Sums over process groups of some parameters' gradients (`reduce_gradients`' sums:
+    `overlapped_reduce` builds it), launched during backward: the overlap of PyTorch's
+    DistributedDataParallel (Li et al., "PyTorch Distributed", VLDB 2020, sec. 3.2.3: gradient
+    bucketing, overlap with backward through autograd hooks, buckets rebuilt in the order the
+    first iteration produced the gradients, launched in bucket order).
 
-    The parameters go in buckets of about `bucket_mb` MB of float32, in the order the first armed
-    backward finished their gradients (`register_post_accumulate_grad_hook`; Lancet's dW
-    scheduler fires those hooks itself when it writes a gradient late). From the second armed
-    backward on, each gradient is copied into its bucket (as float32) once autograd has
-    accumulated it, and a bucket whose gradients are all in is all-reduced at once,
-    asynchronously, over a communicator of its own (`own_group`: the MoE layers' all-to-alls do
-    not queue behind it, nor it behind them). `finish()` after the backward launches the buckets
-    still missing a gradient (a parameter without one this backward counts as zeros), waits for
-    every bucket and divides by `divisor` (the data-parallel size); `write_back()` then copies the
-    results into the gradients, where `reduce_gradients` reads them.
+    `parts`: (parameters, group) pairs, each part's gradients summed over its group; no
+    parameter in two parts. Each part's parameters go in buckets of about `bucket_mb` MB of
+    float32, in the order the first armed backward finished their gradients
+    (`register_post_accumulate_grad_hook`; Lancet's dW scheduler fires those hooks itself when it
+    writes a gradient late), the order of the group's first rank (broadcast, so every rank's
+    buckets hold the same parameters); a parameter finished twice in that backward goes last.
+    From the second armed backward on, each gradient is copied into its bucket (as float32) once
+    autograd has accumulated it, and the part's buckets are all-reduced in bucket order, each
+    asynchronously as soon as it and those before it are complete, over a communicator of the
+    part's own (`own_group`: the MoE layers' all-to-alls do not queue behind it, nor it behind
+    them; every rank launches a communicator's buckets in the same order). `finish()` after the
+    backward launches the buckets still missing a gradient (a parameter without one this backward
+    counts as zeros), waits for every bucket and divides by `divisor` (the data-parallel size);
+    `write_back()` then copies the results into the gradients, where `reduce_gradients` reads
+    them.
 
     Invariant: the sums of `reduce_gradients` - each gradient in float32 (a bf16 one copied
     exactly, as `weft.train.optim.MasterWeights` stages it), summed over the ranks, then divided.
@@ -121,27 +144,39 @@ class OverlappedReduce:
     Only an armed backward (`armed()`: the training micro-step's) moves anything; other
     backwards (timing, profiling) leave the buckets alone. A CUDA graph that captures an armed
     backward and its `finish()` keeps the copies, launches, waits and divisions, so each replay
-    reduces. One micro-batch per optimizer step: with several, each backward would send a
-    partial sum."""
+    reduces; the first armed backward (which builds the buckets and talks to the other ranks on
+    the host) must run before any capture. One micro-batch per optimizer step: with several,
+    each backward would send a partial sum."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None, divisor: int,
+    def __init__(self, parts: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]], divisor: int,
                  bucket_mb: float = 25.0):
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("OverlappedReduce needs parameters that require gradients")
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        self.group = own_group(group)
+        self._parts = [_Part([p for p in params if p.requires_grad], group) for params, group in parts]
+        if not any(part.params for part in self._parts):
+            raise ValueError("OverlappedReduce needs parameters that require gradients")
+        owner = [id(p) for part in self._parts for p in part.params]
+        if len(owner) != len(set(owner)):
+            raise ValueError("OverlappedReduce: a parameter is in two parts")
+        self._parts = [part for part in self._parts if part.params]
         self.divisor = divisor
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
         self._armed = False
-        self._order: list[nn.Parameter] = []  # the first armed backward's order of finished gradients
-        self._buckets: list[_Bucket] = []
-        self._where: dict[int, tuple[_Bucket, int]] = {}
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._finished)
-        # NCCL sets a communicator up at its first collective, which must not be inside a graph capture
-        dist.all_reduce(torch.zeros(1, device=self.params[0].device), group=self.group)
+        self._built = False
+        self._part_of = {id(p): part for part in self._parts for p in part.params}
+        for part in self._parts:
+            for p in part.params:
+                p.register_post_accumulate_grad_hook(self._finished)
+            # NCCL sets a communicator up at its first collective, which must not be inside a graph capture
+            dist.all_reduce(torch.zeros(1, device=part.params[0].device), group=part.group)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self._parts for p in part.params]
+
+    def covers(self, p: nn.Parameter) -> bool:
+        """Whether `p`'s gradient is one this object sums."""
+        return id(p) in self._part_of
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -154,50 +189,90 @@ class OverlappedReduce:
 
     def _finished(self, p: nn.Parameter) -> None:
         """Autograd's hook: `p.grad` holds this backward's gradient."""
-        if not self._armed:
-            return
-        if not self._buckets:
-            self._order.append(p)
-            return
-        bucket, i = self._where[id(p)]
-        bucket.take(i)
-        if bucket.complete() and bucket.work is None:
-            bucket.launch(self.group)
+        if self._armed:
+            self._part_of[id(p)].finished(p, self._built)
 
     def finish(self) -> None:
         """After the armed backward: every bucket sent (the first time, all of them now), waited
         for and divided by `divisor`."""
-        if not self._buckets:
-            self._build()
-        for bucket in self._buckets:
-            bucket.take_missing()
-            if bucket.work is None:
-                bucket.launch(self.group)
-        for bucket in self._buckets:
-            bucket.wait()
-            bucket.flat.div_(self.divisor)
-            bucket.reset()
+        if not self._built:
+            for part in self._parts:
+                part.build(self.bucket_numel)
+            self._built = True
+        for part in self._parts:
+            part.launch_rest()
+        for part in self._parts:
+            part.wait_and_divide(self.divisor)
 
     def write_back(self) -> None:
         """The reduced gradients into the parameters' current `.grad` (None stays None)."""
-        for bucket in self._buckets:
-            bucket.write_back()
+        for part in self._parts:
+            for bucket in part.buckets:
+                bucket.write_back()
 
-    def _build(self) -> None:
-        """Buckets in the first armed backward's order, the parameters it did not finish last."""
-        seen = {id(p) for p in self._order}
-        order = list(dict.fromkeys(self._order)) + [p for p in reversed(self.params) if id(p) not in seen]
+
+class _Part:
+    """One process group's parameters, in buckets launched in order (`OverlappedReduce`)."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None):
+        self.params = params
+        self.group = own_group(group) if params else group
+        self.order: list[nn.Parameter] = []  # the first armed backward's order of finished gradients
+        self.buckets: list[_Bucket] = []
+        self.where: dict[int, tuple[_Bucket, int]] = {}
+        self.next = 0  # the first bucket not launched yet
+
+    def finished(self, p: nn.Parameter, built: bool) -> None:
+        if not built:
+            self.order.append(p)
+            return
+        bucket, i = self.where[id(p)]
+        bucket.take(i)
+        while self.next < len(self.buckets) and self.buckets[self.next].complete():
+            self.buckets[self.next].launch(self.group)
+            self.next += 1
+
+    def build(self, bucket_numel: int) -> None:
+        """Buckets in the first armed backward's order on the group's first rank, the parameters
+        it did not finish, or finished more than once, last."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("OverlappedReduce: the first armed backward builds the buckets and must not be captured")
+        index = {id(p): i for i, p in enumerate(self.params)}
+        counts: dict[int, int] = {}
+        for p in self.order:
+            counts[id(p)] = counts.get(id(p), 0) + 1
+        once = [index[id(p)] for p in dict.fromkeys(self.order) if counts[id(p)] == 1]
+        rest = [i for i in reversed(range(len(self.params))) if i not in set(once)]
+        order = [once + rest]
+        if group_size(self.group) > 1:
+            dist.broadcast_object_list(order, src=global_rank(self.group, 0), group=self.group)
         chunk: list[nn.Parameter] = []
         numel = 0
-        for p in order:
-            chunk.append(p)
-            numel += p.numel()
-            if numel >= self.bucket_numel:
-                self._buckets.append(_Bucket(chunk))
+        for i in order[0]:
+            chunk.append(self.params[i])
+            numel += self.params[i].numel()
+            if numel >= bucket_numel:
+                self.buckets.append(_Bucket(chunk))
                 chunk, numel = [], 0
         if chunk:
-            self._buckets.append(_Bucket(chunk))
-        self._where = {id(p): (bucket, i) for bucket in self._buckets for i, p in enumerate(bucket.params)}
+            self.buckets.append(_Bucket(chunk))
+        self.where = {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+        self.order = []
+
+    def launch_rest(self) -> None:
+        """Every bucket complete (missing gradients as zeros, stale ones taken again) and sent."""
+        for bucket in self.buckets:
+            bucket.take_missing()
+        for bucket in self.buckets:
+            if bucket.work is None:
+                bucket.launch(self.group)
+        self.next = 0
+
+    def wait_and_divide(self, divisor: int) -> None:
+        for bucket in self.buckets:
+            bucket.wait()
+            bucket.flat.div_(divisor)
+            bucket.reset()
 
 
 class _Bucket:
@@ -209,6 +284,7 @@ class _Bucket:
         self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
         self.slots = list(self.flat.split(sizes))
         self.taken = [False] * len(params)
+        self.missing = len(params)
         self.work = None
         self.stale = False  # a gradient changed after the launch: send again
 
@@ -219,10 +295,11 @@ class _Bucket:
         else:
             self.slots[i].copy_(grad.reshape(-1))
         self.stale = self.stale or self.work is not None
+        self.missing -= not self.taken[i]
         self.taken[i] = True
 
     def complete(self) -> bool:
-        return all(self.taken)
+        return self.missing == 0
 
     def take_missing(self) -> None:
         for i, taken in enumerate(self.taken):
@@ -243,6 +320,7 @@ class _Bucket:
 
     def reset(self) -> None:
         self.taken = [False] * len(self.params)
+        self.missing = len(self.params)
         self.work, self.stale = None, False
 
     def write_back(self) -> None:

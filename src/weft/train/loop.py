@@ -28,7 +28,7 @@ from weft.hostcopy import host_tensor_async
 from weft.jsonfile import write_json
 from weft.launch import ReportedError
 from weft.models import GPT
-from weft.moe.grads import OverlappedReduce, expert_parameters, reduce_gradients
+from weft.moe.grads import OverlappedReduce, expert_parameters, overlapped_reduce, reduce_gradients
 from weft.overlap import fit_balance_models, optimize
 from weft.overlap.passes import OverlapPlan, layer_degrees, predicted_as_run
 from weft.precision import training_autocast
@@ -421,9 +421,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             print("\n--- sample ---\n" + text + "\n--------------", flush=True)
         print(f"weft train: done; metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
               f"; plots: weft plot {run_dir}", flush=True)
-    reduced = "during the backward" if micro_steps is not None and micro_steps.reduced is not None else "after it"
     return {"val_loss": val_loss, "steps": cfg.steps, "sample": text, "run_dir": str(run_dir),
-            "replicated_gradients_reduced": reduced}
+            **where_reduced(model, groups, micro_steps.reduced if micro_steps is not None else None)}
 
 
 def _setup_overlap(model: GPT, cfg: TrainConfig, batches: BatchSampler, start: int, device: torch.device,
@@ -529,8 +528,8 @@ def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, sta
 
 def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int,
                  groups: MoEGroups) -> MicroSteps:
-    """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`), reducing the replicated
-    gradients in its backward where `cfg.grad_reduce` says so (`gradient_reducer`)."""
+    """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`), summing the gradients
+    over the data-parallel ranks in its backward where `cfg.grad_reduce` says so (`gradient_reducer`)."""
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     example = tuple(t.to(device) for t in batch)
     reducer = gradient_reducer(model, cfg, groups, device, log)
@@ -547,42 +546,63 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
 
 def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: torch.device,
                      log: Callable[[str], None]) -> OverlappedReduce | None:
-    """The `OverlappedReduce` of the non-expert parameters over the data-parallel ranks where
-    `reduced_after` says it runs (None: `reduce_gradients` sums them after the backward; why,
-    logged)."""
+    """The `OverlappedReduce` of the gradients' sums over the data-parallel ranks (the replicated
+    parameters over every rank, the experts over their expert-data-parallel replicas where
+    `--ep-size` leaves some: `overlapped_reduce`) where `reduced_after` says they run during the
+    backward (None: `reduce_gradients` sums them after it; why, logged)."""
     if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
         return None
     slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
-    why = reduced_after(cfg, groups.tp_size, device, slow)
+    why = reduced_after(cfg, groups.tp_size, device, slow, groups.edp_size)
     if why is not None:
-        log(f"weft train: the replicated gradients are reduced after the backward ({why})")
+        log(f"weft train: the gradients are summed over the data-parallel ranks after the backward ({why})")
         return None
-    experts = {id(p) for p in expert_parameters(model)}
-    params = [p for p in model.parameters() if id(p) not in experts]
-    reducer = OverlappedReduce(params, groups.dp, group_size(groups.dp))
-    chosen = f"--grad-reduce auto: {slow}" if cfg.grad_reduce == "auto" else "--grad-reduce overlap"
-    log(f"weft train: the replicated gradients ({sum(p.numel() for p in params) / 1e6:.1f}M) are summed over the "
-        f"{group_size(groups.dp)} data-parallel ranks during each backward, in buckets of ~25 MB ({chosen})")
+    reducer = overlapped_reduce(model, groups)
+    expert_ids = {id(p) for p in expert_parameters(model)}
+    dense = sum(p.numel() for p in reducer.params if id(p) not in expert_ids) / 1e6
+    experts = sum(p.numel() for p in reducer.params if id(p) in expert_ids) / 1e6
+    what = f"replicated gradients ({dense:.1f}M) over the {group_size(groups.dp)} data-parallel ranks"
+    if experts:
+        what += f" and the expert gradients ({experts:.1f}M) over their {groups.edp_size} replicas"
+    chosen = "--grad-reduce overlap" if cfg.grad_reduce == "overlap" else \
+        f"--grad-reduce auto: {slow}" if slow is not None else "--grad-reduce auto: the experts have replicas"
+    log(f"weft train: the {what} are summed during each backward, in buckets of ~25 MB ({chosen})")
     return reducer
 
 
-def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: str | None) -> str | None:
-    """Why `--grad-reduce overlap|auto` sums the replicated gradients after the backward (None:
-    during it, `OverlappedReduce`). Overlap is the whole of their reduction only with one
-    micro-batch per step (with more, each backward would send a partial sum) and no tensor
-    parallelism (whose routers' gradients are summed over the TP group first). `auto` overlaps
-    only where the ranks do not reach each other's memory (`slow`: `peers_unavailable`'s reason,
-    several nodes or NCCL_P2P_DISABLE=1, whose slow link the sum holds for long: 1.06-1.18x the
-    tokens/s of gpt2-s-moe and gpt2-l-moe on 2 x H200 with P2P disabled); with NVLink the sum
-    beside the backward measured 0.95-0.97x (docs/benchmarks.md, forty-fourth session), and on
-    the CPU the ranks share its cores."""
+def where_reduced(model: GPT, groups: MoEGroups, reducer: OverlappedReduce | None) -> dict[str, str]:
+    """The run summary's account of where the data-parallel sums ran: the replicated gradients'
+    and the expert gradients' ("during the backward", "after it", or "nowhere" for experts with
+    no replicas)."""
+    experts = expert_parameters(model)
+    covered = reducer is not None and any(reducer.covers(p) for p in experts)
+    return {"replicated_gradients_reduced": "during the backward" if reducer is not None else "after it",
+            "expert_gradients_reduced": "nowhere" if groups.edp_size == 1 or not experts else
+            "during the backward" if covered else "after it"}
+
+
+def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: str | None,
+                  expert_replicas: int = 1) -> str | None:
+    """Why `--grad-reduce overlap|auto` sums the gradients after the backward (None: during it,
+    `OverlappedReduce`). Overlap is the whole of their reduction only with one micro-batch per
+    step (with more, each backward would send a partial sum) and no tensor parallelism (whose
+    routers' gradients are summed over the TP group first). `auto` overlaps where the sum holds
+    the link long: where the ranks do not reach each other's memory (`slow`: `peers_unavailable`'s
+    reason, several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the tokens/s of gpt2-s-moe and
+    gpt2-l-moe on 2 x H200 with P2P disabled), or where the experts have `expert_replicas` > 1
+    (`--ep-size` below the world: their gradients, most of the model's, are summed too; gpt2-s-moe
+    with `--ep-size 1` 1.09x with NVLink, 1.04x with P2P disabled). With NVLink and the replicated
+    gradients alone the sum beside the backward measured 0.95-0.97x (docs/benchmarks.md,
+    forty-fourth and forty-fifth sessions), and on the CPU the ranks share its cores."""
     if tp_size > 1:
         return "--tp: the routers' gradients are summed over the tensor-parallel group first"
     if cfg.grad_accum > 1:
         return f"--grad-accum {cfg.grad_accum}: each micro-batch's backward would send a partial sum"
-    if cfg.grad_reduce == "auto" and slow is None:
-        return ("--grad-reduce auto: the GPUs reach each other's memory, where the sum beside the backward measured "
-                "slower" if device.type == "cuda" else "--grad-reduce auto: on the CPU the ranks share its cores")
+    if cfg.grad_reduce == "auto" and device.type != "cuda":
+        return "--grad-reduce auto: on the CPU the ranks share its cores"
+    if cfg.grad_reduce == "auto" and slow is None and expert_replicas == 1:
+        return ("--grad-reduce auto: the GPUs reach each other's memory and only the replicated gradients are summed, "
+                "where the sum beside the backward measured slower")
     return None
 
 

@@ -30,9 +30,9 @@ MicroStep = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Ten
 def eager_micro_step(model: GPT, grad_accum: int, backward: Callable[[torch.Tensor], None] | None = None,
                      reducer: OverlappedReduce | None = None) -> MicroStep:
     """Forward, loss and backward of one micro-batch; gradients accumulate into `.grad`
-    (`backward`: e.g. Lancet's plan.backward; default loss.backward). `reducer`: the replicated
-    parameters' gradients summed over the data-parallel ranks during the backward
-    (`weft.moe.grads.OverlappedReduce`, armed for it, finished after it)."""
+    (`backward`: e.g. Lancet's plan.backward; default loss.backward). `reducer`: the gradients'
+    data-parallel sums run during the backward (`weft.moe.grads.OverlappedReduce`, armed for it,
+    finished after it)."""
     backward = backward or torch.Tensor.backward
 
     def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,7 +329,7 @@ class MicroSteps:
     graphed: bool = False
     owns_grads: bool = False
     wgrad_scheduled: bool = False  # Lancet's dW schedule runs in the step (`--overlap lancet` keeps it)
-    reduced: OverlappedReduce | None = None  # reduces the replicated gradients in `run`'s backward
+    reduced: OverlappedReduce | None = None  # sums gradients over the data-parallel ranks in `run`'s backward
 
     def clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step: make the gradients ready for the next step's micro-batches."""
@@ -372,8 +372,8 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     step the graph owns them (each replay writes the step's gradients); with several, it
     accumulates into zeroed ones. `plan`: Lancet's (`--overlap lancet`), whose backward the step
     runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`).
-    `reducer`: every micro-step built here, the timed candidates too, reduces the replicated
-    gradients in its backward (`eager_micro_step`)."""
+    `reducer`: every micro-step built here, the timed candidates too, sums the gradients it
+    covers in its backward (`eager_micro_step`)."""
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
     scheduled = backward is not None
     eager = eager_micro_step(model, grad_accum, backward, reducer)
