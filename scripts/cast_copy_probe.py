@@ -1,7 +1,8 @@
 """What copying bf16 gradients into float32 buckets costs (`weft.moe.grads.OverlappedReduce`'s
-hook copies): each way of casting a preset's gradients (all of them, as with `--ep-size 1`, or
-the replicated ones) into ~25 MB float32 buckets, timed on one GPU (ms per step's worth, GB/s of
-bytes read and written).
+copies; it takes the per-bucket `_foreach_copy_`, docs/benchmarks.md, forty-fifth session): each
+way of casting a preset's gradients (all of them, as with `--ep-size 1`, or the replicated ones)
+into ~25 MB float32 buckets, timed on one GPU (ms per step's worth, GB/s of bytes read and
+written).
     PYTHONPATH=src python3 scripts/cast_copy_probe.py [--presets gpt2-s-moe ...]"""
 import argparse
 

@@ -125,11 +125,12 @@ class OverlappedReduce:
     (`register_post_accumulate_grad_hook`; Lancet's dW scheduler fires those hooks itself when it
     writes a gradient late), the order of the group's first rank (broadcast, so every rank's
     buckets hold the same parameters); a parameter finished twice in that backward goes last.
-    From the second armed backward on, each gradient is copied into its bucket (as float32) once
-    autograd has accumulated it, and the part's buckets are all-reduced in bucket order, each
-    asynchronously as soon as it and those before it are complete, over a communicator of the
-    part's own (`own_group`: the MoE layers' all-to-alls do not queue behind it, nor it behind
-    them; every rank launches a communicator's buckets in the same order). `finish()` after the
+    From the second armed backward on, a bucket is complete once autograd has accumulated all its
+    gradients; the part's buckets are then sent in bucket order, each as soon as it and those
+    before it are complete: its gradients copied in (as float32, one multi-tensor copy) and
+    all-reduced asynchronously over a communicator of the part's own (`own_group`: the MoE
+    layers' all-to-alls do not queue behind it, nor it behind them; every rank launches a
+    communicator's buckets in the same order). `finish()` after the
     backward launches the buckets still missing a gradient (a parameter without one this backward
     counts as zeros), waits for every bucket and divides by `divisor` (the data-parallel size);
     `write_back()` then copies the results into the gradients, where `reduce_gradients` reads
@@ -276,7 +277,10 @@ class _Part:
 
 
 class _Bucket:
-    """Some parameters' gradients side by side in one float32 buffer, sent as one all-reduce."""
+    """Some parameters' gradients side by side in one float32 buffer, sent as one all-reduce.
+    The gradients are copied in when the bucket is sent, with one multi-tensor copy (a copy per
+    parameter as each finished cost 3.6x more on gpt2-s-moe's replicated gradients:
+    docs/benchmarks.md, forty-fifth session)."""
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
@@ -289,11 +293,7 @@ class _Bucket:
         self.stale = False  # a gradient changed after the launch: send again
 
     def take(self, i: int) -> None:
-        grad = self.params[i].grad
-        if grad is None:
-            self.slots[i].zero_()
-        else:
-            self.slots[i].copy_(grad.reshape(-1))
+        """Parameter i's gradient is final (for now: it may finish again)."""
         self.stale = self.stale or self.work is not None
         self.missing -= not self.taken[i]
         self.taken[i] = True
@@ -302,16 +302,23 @@ class _Bucket:
         return self.missing == 0
 
     def take_missing(self) -> None:
-        for i, taken in enumerate(self.taken):
-            if not taken:
-                self.take(i)
-        if self.stale:  # sent too early: wait, take every gradient again, send again below
+        """At `finish`: every gradient final; a bucket sent too early waits and is sent again."""
+        self.taken = [True] * len(self.params)
+        self.missing = 0
+        if self.stale:
             self.wait()
-            for i in range(len(self.params)):
-                self.take(i)
             self.work, self.stale = None, False
 
     def launch(self, group: dist.ProcessGroup | None) -> None:
+        """The gradients into the buffer (float32; zeros for a parameter without one), then its
+        all-reduce, asynchronously."""
+        grads = [p.grad for p in self.params]
+        pairs = [(slot, g.reshape(-1)) for slot, g in zip(self.slots, grads) if g is not None]
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))
+        empty = [slot for slot, g in zip(self.slots, grads) if g is None]
+        if empty:
+            torch._foreach_zero_(empty)
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def wait(self) -> None:

@@ -591,7 +591,7 @@ def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: st
     reason, several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the tokens/s of gpt2-s-moe and
     gpt2-l-moe on 2 x H200 with P2P disabled), or where the experts have `expert_replicas` > 1
     (`--ep-size` below the world: their gradients, most of the model's, are summed too; gpt2-s-moe
-    with `--ep-size 1` 1.09x with NVLink, 1.04x with P2P disabled). With NVLink and the replicated
+    with `--ep-size 1` 1.11x with NVLink, 1.04-1.06x with P2P disabled). With NVLink and the replicated
     gradients alone the sum beside the backward measured 0.95-0.97x (docs/benchmarks.md,
     forty-fourth and forty-fifth sessions), and on the CPU the ranks share its cores."""
     if tp_size > 1:
