@@ -63,8 +63,10 @@ def overlapped_reduce_worker(ep_size: int | None) -> list[str]:
     backward returns (the first backward only records the order: all sent at `finish`), and the
     gradients equal `reduce_gradients`' (bitwise on 2 ranks, to float32 rounding on more); with
     `ep_size` below the world the expert gradients are the reducer's too, sent over their
-    replicas; an unarmed backward sends nothing; two backwards in one armed window (a gradient
-    finished again after its bucket was sent) give the accumulated gradients' sums."""
+    replicas; after `forget()` the next armed backward records the order again (sends nothing
+    during it) and the one after sends again; an unarmed backward sends nothing; two backwards
+    in one armed window (a gradient finished again after its bucket was sent) give the
+    accumulated gradients' sums."""
     checks = Checks(f"rank {dist.get_rank()}")
     groups = build_moe_groups(ep_size)
     exact = dist.get_world_size() == 2
@@ -104,6 +106,16 @@ def overlapped_reduce_worker(ep_size: int | None) -> list[str]:
             else:
                 checks.expect(during >= buckets - parts,
                               f"backward {step}: {during} of {buckets} buckets sent during it")
+        reducer.forget()  # the next armed backward records the order again: nothing sent during it
+        for step, first in ((7, True), (8, False)):
+            want = reference_grads(model, groups, [step])
+            events.clear()
+            got = overlapped_grads(model, groups, reducer, [step], events)
+            wrong = equal_or_close(got, want, exact)
+            checks.expect(not wrong, f"after forget, backward {step}: gradients differ at {wrong}")
+            during, buckets = events.index("backward done"), len(events) - 1
+            checks.expect(during == 0 if first else during >= buckets - parts,
+                          f"after forget, backward {step}: {during} of {buckets} buckets sent during it")
         events.clear()
         backward(model, 4)
         checks.expect(events == [], f"an unarmed backward launched {events}")
@@ -165,4 +177,43 @@ def rank_order_worker() -> list[str]:
 
 def test_overlapped_reduce_buckets_follow_the_first_rank_when_the_orders_differ():
     failures = run_checks(rank_order_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)
+
+
+def finished_twice_worker() -> list[str]:
+    """A parameter one rank's backward finishes twice (used by two backward calls there, once on
+    the other rank) goes in a bucket every rank sends only at `finish`: the collectives pair up
+    and the sums are the gradients'. (Sent early, that rank alone would send it again: here the
+    first call completes every bucket before parameter 1 finishes the second time.)"""
+    checks = Checks(f"rank {dist.get_rank()}")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (600, 700, 800, 900)]  # a bucket each
+    reducer = OverlappedReduce([(params, dist.group.WORLD)], dist.get_world_size(), bucket_mb=0.002)
+    for step in range(3):
+        for p in params:
+            p.grad = None
+        gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        scales = [torch.randn(p.shape, generator=gen) for p in params]
+        terms = [(p * s).sum() for p, s in zip(params, scales)]
+        with reducer.armed():
+            if dist.get_rank() == 0:
+                sum(terms).backward()
+            else:
+                (terms[3] + terms[2] + terms[1] / 2).backward()
+                ((params[1] * scales[1]).sum() / 2 + terms[0]).backward()
+        want = [p.grad.clone() for p in params]
+        for w in want:
+            dist.all_reduce(w)
+        reducer.finish()
+        reducer.write_back()
+        for i, (p, w) in enumerate(zip(params, want)):
+            checks.expect(torch.equal(p.grad, w / dist.get_world_size()), f"step {step}: parameter {i}'s sum")
+    late = [bucket.params for part in reducer._parts for bucket in part.buckets if not bucket.early]
+    checks.expect(len(late) == 1 and len(late[0]) == 1 and late[0][0] is params[1],
+                  f"the buckets sent at finish hold {[[p.numel() for p in b] for b in late]}")
+    return checks.failures
+
+
+def test_a_gradient_one_rank_finishes_twice_is_sent_at_finish_by_every_rank():
+    failures = run_checks(finished_twice_worker, 2, timeout=120)
     assert not failures, "\n".join(failures)

@@ -18,13 +18,14 @@ results instead of reducing those gradients itself.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from weft.distributed import MoEGroups, global_rank, group_size, own_group
+from weft.distributed import MoEGroups, group_size, own_group
 from weft.moe.experts import Experts
 from weft.moe.layer import MoE
 
@@ -123,8 +124,9 @@ class OverlappedReduce:
     parameter in two parts. Each part's parameters go in buckets of about `bucket_mb` MB of
     float32, in the order the first armed backward finished their gradients
     (`register_post_accumulate_grad_hook`; Lancet's dW scheduler fires those hooks itself when it
-    writes a gradient late), the order of the group's first rank (broadcast, so every rank's
-    buckets hold the same parameters); a parameter finished twice in that backward goes last.
+    writes a gradient late), the order of the group's first rank (exchanged, so every rank's
+    buckets hold the same parameters); the parameters any rank finished more than once in that
+    backward go last, in buckets sent only at `finish()`.
     From the second armed backward on, a bucket is complete once autograd has accumulated all its
     gradients; the part's buckets are then sent in bucket order, each as soon as it and those
     before it are complete: its gradients copied in (as float32, one multi-tensor copy) and
@@ -205,6 +207,15 @@ class OverlappedReduce:
         for part in self._parts:
             part.wait_and_divide(self.divisor)
 
+    def forget(self) -> None:
+        """Drop the buckets: the next armed backward records the order again (e.g. once the
+        step's form is chosen, before its CUDA graph is captured, so the buckets follow the form
+        that runs, not the last one timed). Between backwards only (after `finish()`); collective
+        in effect: every rank calls it at the same point."""
+        for part in self._parts:
+            part.buckets, part.where, part.order, part.next = [], {}, [], 0
+        self._built = False
+
     def write_back(self) -> None:
         """The reduced gradients into the parameters' current `.grad` (None stays None)."""
         for part in self._parts:
@@ -229,36 +240,43 @@ class _Part:
             return
         bucket, i = self.where[id(p)]
         bucket.take(i)
-        while self.next < len(self.buckets) and self.buckets[self.next].complete():
+        while self.next < len(self.buckets) and self.buckets[self.next].early and self.buckets[self.next].complete():
             self.buckets[self.next].launch(self.group)
             self.next += 1
 
     def build(self, bucket_numel: int) -> None:
-        """Buckets in the first armed backward's order on the group's first rank, the parameters
-        it did not finish, or finished more than once, last."""
+        """Buckets in the order the first armed backward finished the gradients on the group's
+        first rank, then those it did not finish; the parameters any rank finished more than once
+        last, in buckets sent only at `finish` (sent early, each such rank would send its bucket
+        again, and the ranks' collectives would no longer pair up). One exchange of the ranks'
+        orders on the host."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("OverlappedReduce: the first armed backward builds the buckets and must not be captured")
         index = {id(p): i for i, p in enumerate(self.params)}
-        counts: dict[int, int] = {}
-        for p in self.order:
-            counts[id(p)] = counts.get(id(p), 0) + 1
-        once = [index[id(p)] for p in dict.fromkeys(self.order) if counts[id(p)] == 1]
-        rest = [i for i in reversed(range(len(self.params))) if i not in set(once)]
-        order = [once + rest]
+        counts = Counter(index[id(p)] for p in self.order)
+        mine = ([i for i in counts if counts[i] == 1], sorted(i for i in counts if counts[i] > 1))
+        every = [mine]
         if group_size(self.group) > 1:
-            dist.broadcast_object_list(order, src=global_rank(self.group, 0), group=self.group)
-        chunk: list[nn.Parameter] = []
-        numel = 0
-        for i in order[0]:
+            every = [None] * group_size(self.group)
+            dist.all_gather_object(every, mine, group=self.group)
+        late = set().union(*(twice for _, twice in every))
+        first = [i for i in every[0][0] if i not in late]
+        placed = set(first) | late
+        unfinished = [i for i in reversed(range(len(self.params))) if i not in placed]
+        self.buckets = (self._chunk(first + unfinished, bucket_numel, early=True)
+                        + self._chunk(sorted(late), bucket_numel, early=False))
+        self.where = {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
+        self.order = []
+
+    def _chunk(self, order: list[int], bucket_numel: int, early: bool) -> list[_Bucket]:
+        buckets, chunk, numel = [], [], 0
+        for i in order:
             chunk.append(self.params[i])
             numel += self.params[i].numel()
             if numel >= bucket_numel:
-                self.buckets.append(_Bucket(chunk))
+                buckets.append(_Bucket(chunk, early))
                 chunk, numel = [], 0
-        if chunk:
-            self.buckets.append(_Bucket(chunk))
-        self.where = {id(p): (bucket, i) for bucket in self.buckets for i, p in enumerate(bucket.params)}
-        self.order = []
+        return buckets + ([_Bucket(chunk, early)] if chunk else [])
 
     def launch_rest(self) -> None:
         """Every bucket complete (missing gradients as zeros, stale ones taken again) and sent."""
@@ -282,8 +300,9 @@ class _Bucket:
     parameter as each finished cost 3.6x more on gpt2-s-moe's replicated gradients:
     docs/benchmarks.md, forty-fifth session)."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], early: bool = True):
         self.params = params
+        self.early = early  # sent as soon as complete (else only at `finish`)
         sizes = [p.numel() for p in params]
         self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
         self.slots = list(self.flat.split(sizes))

@@ -377,7 +377,11 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
     scheduled = backward is not None
     eager = eager_micro_step(model, grad_accum, backward, reducer)
-    micro_steps = functools.partial(MicroSteps, reduced=reducer)
+
+    def micro_steps(step: MicroStep, graphed: bool = False, **kwargs) -> MicroSteps:
+        if reducer is not None and not graphed:  # its buckets follow the step that runs, not the last one timed
+            reducer.forget()
+        return MicroSteps(step, graphed=graphed, reduced=reducer, **kwargs)
     if mode == "off":
         return micro_steps(eager, wgrad_scheduled=scheduled)
     device = example[0].device
@@ -429,6 +433,8 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                     log(f"weft train: {plan_line(plan.scheduler.planned)}")
                 if not kept:
                     eager, scheduled = eager_micro_step(model, grad_accum, reducer=reducer), False
+            if reducer is not None:  # the graph's warm-up records the order of the step it captures
+                reducer.forget()
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
             return micro_steps(follow_loads(graph, model), graphed=True, owns_grads=not accumulate,
                                wgrad_scheduled=scheduled)
