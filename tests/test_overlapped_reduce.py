@@ -180,40 +180,61 @@ def test_overlapped_reduce_buckets_follow_the_first_rank_when_the_orders_differ(
     assert not failures, "\n".join(failures)
 
 
-def finished_twice_worker() -> list[str]:
+def finished_twice_worker(from_step: int) -> list[str]:
     """A parameter one rank's backward finishes twice (used by two backward calls there, once on
-    the other rank) goes in a bucket every rank sends only at `finish`: the collectives pair up
-    and the sums are the gradients'. (Sent early, that rank alone would send it again: here the
-    first call completes every bucket before parameter 1 finishes the second time.)"""
+    the other rank): the collectives pair up and the sums are the gradients'. Finished twice in
+    the recording backward (`from_step` 0), it goes in a bucket every rank sends only at
+    `finish`; from a later backward on (1), its bucket, sent early, is sent again at `finish` by
+    every rank (the hosts agree), not by that rank alone. (Here the first call completes every
+    bucket before parameter 1 finishes the second time.)"""
     checks = Checks(f"rank {dist.get_rank()}")
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (600, 700, 800, 900)]  # a bucket each
     reducer = OverlappedReduce([(params, dist.group.WORLD)], dist.get_world_size(), bucket_mb=0.002)
-    for step in range(3):
-        for p in params:
-            p.grad = None
-        gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
-        scales = [torch.randn(p.shape, generator=gen) for p in params]
-        terms = [(p * s).sum() for p, s in zip(params, scales)]
-        with reducer.armed():
-            if dist.get_rank() == 0:
-                sum(terms).backward()
-            else:
-                (terms[3] + terms[2] + terms[1] / 2).backward()
-                ((params[1] * scales[1]).sum() / 2 + terms[0]).backward()
-        want = [p.grad.clone() for p in params]
-        for w in want:
-            dist.all_reduce(w)
-        reducer.finish()
-        reducer.write_back()
-        for i, (p, w) in enumerate(zip(params, want)):
-            checks.expect(torch.equal(p.grad, w / dist.get_world_size()), f"step {step}: parameter {i}'s sum")
+    launches: list[int] = []
+    real = grads.dist.all_reduce
+
+    def counted(tensor, *args, **kwargs):
+        launches[-1] += bool(kwargs.get("async_op"))
+        return real(tensor, *args, **kwargs)
+
+    grads.dist.all_reduce = counted
+    try:
+        for step in range(4):
+            launches.append(0)
+            for p in params:
+                p.grad = None
+            gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            scales = [torch.randn(p.shape, generator=gen) for p in params]
+            terms = [(p * s).sum() for p, s in zip(params, scales)]
+            with reducer.armed():
+                if dist.get_rank() == 0 or step < from_step:
+                    sum(terms).backward()
+                else:
+                    (terms[3] + terms[2] + terms[1] / 2).backward()
+                    ((params[1] * scales[1]).sum() / 2 + terms[0]).backward()
+            want = [p.grad.clone() for p in params]
+            for w in want:
+                real(w)
+            reducer.finish()
+            reducer.write_back()
+            for i, (p, w) in enumerate(zip(params, want)):
+                checks.expect(torch.equal(p.grad, w / dist.get_world_size()), f"step {step}: parameter {i}'s sum")
+    finally:
+        grads.dist.all_reduce = real
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, launches)
+    checks.expect(all(counts == everyone[0] for counts in everyone), f"the ranks' launches per step: {everyone}")
     late = [bucket.params for part in reducer._parts for bucket in part.buckets if not bucket.early]
-    checks.expect(len(late) == 1 and len(late[0]) == 1 and late[0][0] is params[1],
-                  f"the buckets sent at finish hold {[[p.numel() for p in b] for b in late]}")
+    if from_step == 0:
+        checks.expect(len(late) == 1 and len(late[0]) == 1 and late[0][0] is params[1],
+                      f"the buckets sent at finish hold {[[p.numel() for p in b] for b in late]}")
+    else:
+        checks.expect(not late and everyone[0][1:] == [5] * 3, f"late buckets {late}, launches {everyone[0]}")
     return checks.failures
 
 
-def test_a_gradient_one_rank_finishes_twice_is_sent_at_finish_by_every_rank():
-    failures = run_checks(finished_twice_worker, 2, timeout=120)
+@pytest.mark.parametrize("from_step", [0, 1])
+def test_a_gradient_one_rank_finishes_twice_is_sent_at_finish_by_every_rank(from_step):
+    failures = run_checks(functools.partial(finished_twice_worker, from_step), 2, timeout=120)
     assert not failures, "\n".join(failures)

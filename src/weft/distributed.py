@@ -212,11 +212,11 @@ def _check_layout(ranks: tuple[int, ...], local_size: int, seen: dict[tuple[int,
         )
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
+def _new_group(ranks: list[int], backend: str | None = None) -> dist.ProcessGroup:
     # Keep the given order: a subgroup's rank must equal the local index (intra) or node (inter).
     if ranks == sorted(ranks):
-        return dist.new_group(ranks)
-    return dist.new_group(ranks, sort_ranks=False)
+        return dist.new_group(ranks, backend=backend)
+    return dist.new_group(ranks, backend=backend, sort_ranks=False)
 
 
 def hierarchical_groups(
@@ -291,17 +291,18 @@ def side_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | No
     return _SIDE_GROUPS[group]
 
 
-def own_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+def own_group(group: dist.ProcessGroup | None = None, backend: str | None = None) -> dist.ProcessGroup | None:
     """A new process group over the ranks of `group` (None: the default group), in the same rank
     order: a communicator of its own, not shared with anything else (`side_group` caches one per
-    group; this makes a new one per call, e.g. for an object that keeps it for its lifetime). A
-    one-rank group is returned itself; None without a process group. Collective over the whole
-    world: every rank calls it, in the same order, with its own group."""
+    group; this makes a new one per call, e.g. for an object that keeps it for its lifetime).
+    `backend`: the new group's ("gloo" for collectives of CPU tensors between the hosts; default:
+    the default group's). A one-rank group is returned itself; None without a process group.
+    Collective over the whole world: every rank calls it, in the same order, with its own group."""
     if not dist.is_initialized():
         return None
     group = resolve_group(group)
     ranks = tuple(_ranks_in_group_order(group))
     layouts: list[tuple[int, ...]] = [()] * dist.get_world_size()
     dist.all_gather_object(layouts, ranks)
-    created = {members: _new_group(list(members)) for members in sorted(set(layouts)) if len(members) > 1}
+    created = {members: _new_group(list(members), backend) for members in sorted(set(layouts)) if len(members) > 1}
     return created.get(ranks, group)

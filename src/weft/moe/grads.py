@@ -142,7 +142,9 @@ class OverlappedReduce:
     exactly, as `weft.train.optim.MasterWeights` stages it), summed over the ranks, then divided.
     On 2 ranks bitwise equal; on more, the collective's order of summation may follow the
     buckets (float32 rounding). A gradient finished again after its bucket was sent (a weight
-    whose Lancet items drain twice in a backward) sends that bucket again at `finish()`.
+    whose Lancet items drain twice in a backward; the dW scheduler's plans, timed on each rank,
+    may differ between ranks) makes every rank send that bucket again at `finish()`: the hosts
+    agree on those buckets with one small all-reduce (gloo), so the ranks' collectives pair up.
 
     Only an armed backward (`armed()`: the training micro-step's) moves anything; other
     backwards (timing, profiling) leave the buckets alone. A CUDA graph that captures an armed
@@ -229,6 +231,8 @@ class _Part:
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None):
         self.params = params
         self.group = own_group(group) if params else group
+        # the hosts agree there on the buckets to send again (`launch_rest`)
+        self.host = own_group(group, backend="gloo") if params and group_size(group) > 1 else None
         self.order: list[nn.Parameter] = []  # the first armed backward's order of finished gradients
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[_Bucket, int]] = {}
@@ -247,9 +251,8 @@ class _Part:
     def build(self, bucket_numel: int) -> None:
         """Buckets in the order the first armed backward finished the gradients on the group's
         first rank, then those it did not finish; the parameters any rank finished more than once
-        last, in buckets sent only at `finish` (sent early, each such rank would send its bucket
-        again, and the ranks' collectives would no longer pair up). One exchange of the ranks'
-        orders on the host."""
+        last, in buckets sent only at `finish` (sent early, such a bucket would be sent again at
+        every `finish`). One exchange of the ranks' orders on the host."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("OverlappedReduce: the first armed backward builds the buckets and must not be captured")
         index = {id(p): i for i, p in enumerate(self.params)}
@@ -279,13 +282,26 @@ class _Part:
         return buckets + ([_Bucket(chunk, early)] if chunk else [])
 
     def launch_rest(self) -> None:
-        """Every bucket complete (missing gradients as zeros, stale ones taken again) and sent."""
+        """Every bucket complete (missing gradients as zeros) and sent once, in bucket order; then
+        every bucket whose gradient changed after it was sent, on any rank, sent again by every
+        rank, in bucket order, so that the ranks' collectives pair up. The ranks agree on those
+        with one small all-reduce between the hosts (a graph capture records its outcome)."""
         for bucket in self.buckets:
             bucket.take_missing()
         for bucket in self.buckets:
             if bucket.work is None:
                 bucket.launch(self.group)
+        for bucket, again in zip(self.buckets, self._stale_anywhere()):
+            if again:
+                bucket.wait()
+                bucket.launch(self.group)
         self.next = 0
+
+    def _stale_anywhere(self) -> list[bool]:
+        flags = torch.tensor([bucket.stale for bucket in self.buckets], dtype=torch.int32)
+        if self.host is not None:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host)
+        return [bool(f) for f in flags.tolist()]
 
     def wait_and_divide(self, divisor: int) -> None:
         for bucket in self.buckets:
@@ -321,12 +337,9 @@ class _Bucket:
         return self.missing == 0
 
     def take_missing(self) -> None:
-        """At `finish`: every gradient final; a bucket sent too early waits and is sent again."""
+        """At `finish`: every gradient final (a missing one counts as zeros)."""
         self.taken = [True] * len(self.params)
         self.missing = 0
-        if self.stale:
-            self.wait()
-            self.work, self.stale = None, False
 
     def launch(self, group: dist.ProcessGroup | None) -> None:
         """The gradients into the buffer (float32; zeros for a parameter without one), then its
