@@ -127,16 +127,16 @@ class OverlappedReduce:
     writes a gradient late), the order of the group's first rank (exchanged, so every rank's
     buckets hold the same parameters); the parameters any rank finished more than once in that
     backward go last, in buckets sent only at `finish()`.
+
     From the second armed backward on, a bucket is complete once autograd has accumulated all its
     gradients; the part's buckets are then sent in bucket order, each as soon as it and those
     before it are complete: its gradients copied in (as float32, one multi-tensor copy) and
     all-reduced asynchronously over a communicator of the part's own (`own_group`: the MoE
     layers' all-to-alls do not queue behind it, nor it behind them; every rank launches a
-    communicator's buckets in the same order). `finish()` after the
-    backward launches the buckets still missing a gradient (a parameter without one this backward
-    counts as zeros), waits for every bucket and divides by `divisor` (the data-parallel size);
-    `write_back()` then copies the results into the gradients, where `reduce_gradients` reads
-    them.
+    communicator's buckets in the same order). `finish()` after the backward launches the
+    buckets still missing a gradient (a parameter without one this backward counts as zeros),
+    waits for every bucket and divides by `divisor` (the data-parallel size); `write_back()` then
+    copies the results into the gradients, where `reduce_gradients` reads them.
 
     Invariant: the sums of `reduce_gradients` - each gradient in float32 (a bf16 one copied
     exactly, as `weft.train.optim.MasterWeights` stages it), summed over the ranks, then divided.
