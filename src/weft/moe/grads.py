@@ -157,13 +157,14 @@ class OverlappedReduce:
                  bucket_mb: float = 25.0):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
-        self._parts = [_Part([p for p in params if p.requires_grad], group) for params, group in parts]
-        if not any(part.params for part in self._parts):
+        trained = [([p for p in params if p.requires_grad], group) for params, group in parts]
+        trained = [(params, group) for params, group in trained if params]
+        if not trained:
             raise ValueError("OverlappedReduce needs parameters that require gradients")
-        owner = [id(p) for part in self._parts for p in part.params]
+        owner = [id(p) for params, _ in trained for p in params]
         if len(owner) != len(set(owner)):
             raise ValueError("OverlappedReduce: a parameter is in two parts")
-        self._parts = [part for part in self._parts if part.params]
+        self._parts = [_Part(params, group) for params, group in trained]
         self.divisor = divisor
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
         self._armed = False
@@ -215,7 +216,7 @@ class OverlappedReduce:
         that runs, not the last one timed). Between backwards only (after `finish()`); collective
         in effect: every rank calls it at the same point."""
         for part in self._parts:
-            part.buckets, part.where, part.order, part.next = [], {}, [], 0
+            part.forget()
         self._built = False
 
     def write_back(self) -> None:
@@ -230,9 +231,12 @@ class _Part:
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None):
         self.params = params
-        self.group = own_group(group) if params else group
+        self.group = own_group(group)
         # the hosts agree there on the buckets to send again (`launch_rest`)
-        self.host = own_group(group, backend="gloo") if params and group_size(group) > 1 else None
+        self.host = own_group(group, backend="gloo") if group_size(self.group) > 1 else None
+        self.forget()
+
+    def forget(self) -> None:
         self.order: list[nn.Parameter] = []  # the first armed backward's order of finished gradients
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[_Bucket, int]] = {}
