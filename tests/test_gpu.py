@@ -610,21 +610,25 @@ def test_gradients_reduced_during_the_backward_train_with_the_losses_of_a_reduct
     during the backward on a communicator of their own, and with `--ep-size 1` on several GPUs
     the expert gradients' over their replicas too), eager and captured in each micro-step's CUDA
     graph, logs the losses of `--grad-reduce after` run eagerly (the same sums; 2e-3 for bf16
-    kernels that need not repeat bitwise between runs)."""
-    for ep in ([], ["--ep-size", "1"]):
+    kernels that need not repeat bitwise between runs); with `--grad-accum 2` the last
+    micro-batch's backward (its own graph, in the first one's memory pool) sends the sums, the
+    bf16 weights' float32 accumulators of the first micro-batch added in."""
+    for ep, accum in (([], "1"), (["--ep-size", "1"], "1"), ([], "2"), (["--ep-size", "1"], "2")):
         losses, logs = {}, {}
         for reduce, graphs in (("overlap", "off"), ("overlap", "on"), ("after", "off")):
             logs[reduce, graphs], losses[reduce, graphs] = train_tiny(
-                tmp_path, f"{reduce}-{graphs}{len(ep)}", "--grad-reduce", reduce, "--cuda-graphs", graphs, *ep)
+                tmp_path, f"{reduce}-{graphs}{len(ep)}{accum}", "--grad-reduce", reduce, "--cuda-graphs", graphs,
+                "--grad-accum", accum, *ep)
         several = torch.cuda.device_count() > 1
+        when = "each backward" if accum == "1" else "the backward of each step's last of 2 micro-batches"
         for key, log in logs.items():
-            assert ("summed during each backward" in log) == (key[0] == "overlap" and several), log
+            assert (f"summed during {when}" in log) == (key[0] == "overlap" and several), log
             if ep and key[0] == "overlap" and several:
                 assert "expert gradients" in log, log
         assert "replays as one CUDA graph" in logs["overlap", "on"], logs["overlap", "on"]
         assert len(losses["overlap", "on"]) == 8
         for key in (("overlap", "off"), ("overlap", "on")):
-            assert losses[key] == pytest.approx(losses["after", "off"], abs=2e-3), (ep, losses)
+            assert losses[key] == pytest.approx(losses["after", "off"], abs=2e-3), (ep, accum, losses)
 
 
 @needs_cuda

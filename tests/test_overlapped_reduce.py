@@ -3,7 +3,9 @@ expert gradients over their expert-data-parallel replicas, during the backward, 
 (DDP's overlap), with the sums of `reduce_gradients`; on gloo ranks."""
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -14,10 +16,29 @@ from weft.models.gpt import GPT, GPTConfig
 from weft.moe import grads
 from weft.moe.grads import OverlappedReduce, expert_parameters, overlapped_reduce, reduce_gradients
 from weft.testing import Checks, run_checks
+from weft.train.optim import MasterPlan, MasterWeights, low_precision_parameters
 
 CONFIG = GPTConfig(block_size=16, n_layer=2, n_head=2, dim=32, moe_every=1, num_experts=4, top_k=2,
                    moe_hidden_dim=32, capacity_factor=None)
 BUCKET_MB = 0.004  # ~1k floats: the small model's replicated gradients fill several buckets
+
+
+@contextlib.contextmanager
+def bucket_launches(seen: Callable[[object], None]) -> Iterator[Callable]:
+    """`OverlappedReduce`'s all-reduces watched for the block: each asynchronous one (a bucket
+    sent) calls `seen(its group)`. Yields the real all-reduce."""
+    real = grads.dist.all_reduce
+
+    def watched(tensor, *args, **kwargs):
+        if kwargs.get("async_op"):
+            seen(kwargs.get("group"))
+        return real(tensor, *args, **kwargs)
+
+    grads.dist.all_reduce = watched
+    try:
+        yield real
+    finally:
+        grads.dist.all_reduce = real
 
 
 def backward(model: GPT, step: int) -> None:
@@ -52,9 +73,13 @@ def overlapped_grads(model: GPT, groups, reducer: OverlappedReduce, steps: list[
     return out
 
 
-def equal_or_close(got: dict, want: dict, exact: bool) -> list[str]:
-    wrong = [n for n in want if n not in got or not (torch.equal(got[n], want[n]) if exact else
-                                                     torch.allclose(got[n], want[n], rtol=1e-6, atol=1e-9))]
+def equal_or_close(got: dict, want: dict, exact: bool, atol_of_max: float = 0.0) -> list[str]:
+    """Names whose gradients differ: bitwise (`exact`), else to float32 rounding (an atol of 1e-9,
+    or `atol_of_max` times the tensor's largest magnitude: sums of several micro-batches in
+    another order of summation)."""
+    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return torch.allclose(a, b, rtol=1e-6, atol=max(1e-9, atol_of_max * b.abs().max().item()))
+    wrong = [n for n in want if n not in got or not (torch.equal(got[n], want[n]) if exact else close(got[n], want[n]))]
     return wrong + [n for n in got if n not in want]
 
 
@@ -81,15 +106,7 @@ def overlapped_reduce_worker(ep_size: int | None) -> list[str]:
                   "a replicated parameter is not covered")
     parts = 2 if groups.edp_size > 1 else 1
     events: list[str] = []
-    real = grads.dist.all_reduce
-
-    def recorded(tensor, *args, **kwargs):
-        if kwargs.get("async_op"):
-            events.append(("launch", kwargs.get("group")))
-        return real(tensor, *args, **kwargs)
-
-    grads.dist.all_reduce = recorded
-    try:
+    with bucket_launches(lambda group: events.append(("launch", group))):
         for step in (1, 2, 3):
             want = reference_grads(model, groups, [step])
             events.clear()
@@ -124,8 +141,6 @@ def overlapped_reduce_worker(ep_size: int | None) -> list[str]:
         got = overlapped_grads(model, groups, reducer, [5, 6], events)
         wrong = equal_or_close(got, want, exact)
         checks.expect(not wrong, f"two backwards in one armed window: gradients differ at {wrong}")
-    finally:
-        grads.dist.all_reduce = real
     return checks.failures
 
 
@@ -191,17 +206,10 @@ def finished_twice_worker(from_step: int) -> list[str]:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n)) for n in (600, 700, 800, 900)]  # a bucket each
     reducer = OverlappedReduce([(params, dist.group.WORLD)], dist.get_world_size(), bucket_mb=0.002)
-    launches: list[int] = []
-    real = grads.dist.all_reduce
-
-    def counted(tensor, *args, **kwargs):
-        launches[-1] += bool(kwargs.get("async_op"))
-        return real(tensor, *args, **kwargs)
-
-    grads.dist.all_reduce = counted
-    try:
+    launches: list[list] = []  # per step, the groups of the buckets sent
+    with bucket_launches(lambda group: launches[-1].append(group)) as real:
         for step in range(4):
-            launches.append(0)
+            launches.append([])
             for p in params:
                 p.grad = None
             gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
@@ -220,10 +228,8 @@ def finished_twice_worker(from_step: int) -> list[str]:
             reducer.write_back()
             for i, (p, w) in enumerate(zip(params, want)):
                 checks.expect(torch.equal(p.grad, w / dist.get_world_size()), f"step {step}: parameter {i}'s sum")
-    finally:
-        grads.dist.all_reduce = real
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, launches)
+    dist.all_gather_object(everyone, [len(sent) for sent in launches])
     checks.expect(all(counts == everyone[0] for counts in everyone), f"the ranks' launches per step: {everyone}")
     late = [bucket.params for part in reducer._parts for bucket in part.buckets if not bucket.early]
     if from_step == 0:
@@ -237,4 +243,157 @@ def finished_twice_worker(from_step: int) -> list[str]:
 @pytest.mark.parametrize("from_step", [0, 1])
 def test_a_gradient_one_rank_finishes_twice_is_sent_at_finish_by_every_rank(from_step):
     failures = run_checks(functools.partial(finished_twice_worker, from_step), 2, timeout=120)
+    assert not failures, "\n".join(failures)
+
+
+def accumulated(model: GPT, groups, masters, steps: list[int], reducer: OverlappedReduce | None,
+                events: list) -> dict[str, torch.Tensor]:
+    """The gradients the optimizer would read after the micro-batches `steps` of one step, each
+    staged into `masters`' float32 accumulators as `weft train` does: summed after the backward
+    (`reducer` None) or by `reducer` armed for the last micro-batch's backward alone (its
+    `earlier`: the accumulators, unfilled ones zeroed first); `events` gets "backward done"
+    after each micro-batch's backward."""
+    for i, step in enumerate(steps):
+        last = reducer is not None and i == len(steps) - 1
+        if last:
+            masters.zero_unfilled()
+        with reducer.armed() if last else contextlib.nullcontext():
+            backward(model, step)
+        events.append("backward done")
+        if last:
+            reducer.finish()
+        masters.stage_gradients()
+    with masters.float32_gradients():
+        reduce_gradients(model, groups, reducer)
+        out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def accumulated_steps_worker(ep_size: int | None) -> list[str]:
+    """Several micro-batches per step (`--grad-accum`): only the last one's backward is armed, its
+    buckets add the earlier micro-batches' sums (`earlier`: `MasterWeights`' float32
+    accumulators of the staged weights; the other parameters accumulate in `.grad`), and the
+    gradients equal those of staging every micro-batch and summing after the backward (bitwise
+    on 2 ranks). The earlier micro-batches' backwards send nothing; the last one's sends its
+    buckets during it."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    groups = build_moe_groups(ep_size)
+    exact = dist.get_world_size() == 2
+    torch.manual_seed(0)
+    model = GPT(CONFIG, group=groups.ep)
+    plan = low_precision_parameters(model, groups, grad_accum=2)
+    checks.expect(len(plan.staged) > 0 and not plan.direct, f"plan: {len(plan.direct)} direct, {len(plan.staged)}")
+    masters = MasterWeights(plan, dtype=torch.float32)  # float32 storage: the CPU has no autocast
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators())
+    launches: list = []
+    with bucket_launches(lambda group: launches.append("launch")):
+        for first, steps in enumerate(([1, 2], [3, 4, 5], [6, 7])):
+            want = accumulated(model, groups, masters, steps, None, [])
+            launches.clear()
+            got = accumulated(model, groups, masters, steps, reducer, launches)
+            wrong = equal_or_close(got, want, exact, atol_of_max=1e-6)
+            checks.expect(not wrong, f"micro-batches {steps}: gradients differ from the staged sums at {wrong}")
+            done = [i for i, e in enumerate(launches) if e == "backward done"]
+            checks.expect(done[:-1] == list(range(len(steps) - 1)), f"{steps}: an unarmed backward sent {launches}")
+            sent_during = done[-1] - done[-2] - 1
+            total = len(launches) - len(steps)
+            checks.expect(total > 2 and (first == 0 and sent_during == 0 or first > 0 and sent_during >= total - 2),
+                          f"{steps}: {sent_during} of {total} buckets sent during the last backward")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (2, 1), (4, 2)])
+def test_the_last_micro_batch_sends_the_sum_of_the_step(world, ep_size):
+    failures = run_checks(functools.partial(accumulated_steps_worker, ep_size), world, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def unfilled_worker() -> list[str]:
+    """A staged weight without a gradient in the step's earlier micro-batches: its accumulator
+    still holds the last step's sum, which `zero_unfilled` clears before the armed backward adds
+    it; the sums are the staged ones, and a weight with no gradient in the whole step keeps none."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (300, 500, 200, 400)]
+    masters = MasterWeights(MasterPlan([], params[:2] + params[3:]), dtype=torch.float32)
+    reducer = OverlappedReduce([(params, dist.group.WORLD)], dist.get_world_size(), bucket_mb=0.002,
+                               earlier=masters.accumulators())
+    for step in range(3):
+        gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+        scales = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(2)]
+        used = [[0, 2], [0, 1, 2]]  # parameter 1 only in the last micro-batch; 3 in none
+        results = []
+        for armed in (False, True):
+            for micro in range(2):
+                last = armed and micro == 1
+                if last:
+                    masters.zero_unfilled()
+                with reducer.armed() if last else contextlib.nullcontext():
+                    sum((params[i] * scales[micro][i]).sum() for i in used[micro]).backward()
+                if last:
+                    reducer.finish()
+                masters.stage_gradients()
+            with masters.float32_gradients():
+                if armed:
+                    reducer.write_back()
+                else:
+                    for p in params:
+                        if p.grad is not None:
+                            dist.all_reduce(p.grad)
+                            p.grad /= dist.get_world_size()
+                results.append([None if p.grad is None else p.grad.clone() for p in params])
+            for p in params:
+                p.grad = None
+        for i, (want, got) in enumerate(zip(*results)):
+            same = got is None if want is None else got is not None and torch.equal(got, want)
+            checks.expect(same, f"step {step}: parameter {i}: {got} against {want}")
+        checks.expect(results[1][3] is None, f"step {step}: parameter 3 got a gradient")
+    return checks.failures
+
+
+def test_a_weight_without_earlier_gradients_adds_zeros():
+    failures = run_checks(unfilled_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)
+
+
+def micro_steps_worker() -> list[str]:
+    """`build_micro_step` with two micro-batches per step and a reducer: the first micro-batch's
+    step sends nothing, the last one's (`MicroSteps.of`) sends the step's sums during its
+    backward, and the gradients are `reduce_gradients`' of both micro-batches."""
+    from weft.train.step import build_micro_step
+
+    checks = Checks(f"rank {dist.get_rank()}")
+    groups = build_moe_groups(None)
+    torch.manual_seed(0)
+    model = GPT(CONFIG, group=groups.ep)
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    batches = [tuple(torch.randint(0, 256, (2, 16), generator=gen) for _ in range(2)) for _ in range(2)]
+    steps = build_micro_step(model, 2, "off", batches[0], reducer=reducer)
+    checks.expect(steps.of(0, 2) is steps.run and steps.of(1, 2) is steps.last and steps.last is not None,
+                  "the last micro-batch's step is not its own")
+    launches: list[list] = []  # per micro-batch, the groups of the buckets sent
+    with bucket_launches(lambda group: launches[-1].append(group)):
+        for _ in range(2):
+            model.zero_grad(set_to_none=True)
+            for micro, (x, y) in enumerate(batches):
+                launches.append([])
+                steps.of(micro, 2)(x, y)
+            reduce_gradients(model, groups, steps.reduced)
+            got = {n: p.grad.clone() for n, p in model.named_parameters()}
+            model.zero_grad(set_to_none=True)
+            for x, y in batches:
+                (model(x, y)[1] / 2).backward()
+            reduce_gradients(model, groups)
+            wrong = equal_or_close(got, {n: p.grad for n, p in model.named_parameters()}, exact=True)
+            checks.expect(not wrong, f"the gradients differ from reduce_gradients' at {wrong}")
+    sent = [len(groups_sent) for groups_sent in launches]
+    checks.expect(sent[0] == sent[2] == 0 and sent[1] > 2 and sent[3] == sent[1],
+                  f"buckets sent per micro-batch: {sent}")
+    return checks.failures
+
+
+def test_the_training_micro_steps_arm_only_the_last_micro_batch():
+    failures = run_checks(micro_steps_worker, 2, timeout=120)
     assert not failures, "\n".join(failures)

@@ -797,31 +797,32 @@ def test_comet_kernels_train_with_the_plain_losses(corpus, tmp_path, capacity):
 def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(corpus, tmp_path):
     """--grad-reduce overlap (the replicated gradients summed over the ranks in buckets launched
     during the backward, and with --ep-size 1 the expert gradients over their replicas too)
-    trains with the losses and gradient norms of --grad-reduce after, bitwise on 2 ranks; with
-    --grad-accum 2 it reduces after the backward, and so does the default, auto, on the CPU
-    (overlap only where GPUs do not reach each other's memory)."""
+    trains with the losses and gradient norms of --grad-reduce after, bitwise on 2 ranks, also
+    with --grad-accum 2 (the last micro-batch's backward sends the step's sums); the default,
+    auto, reduces after the backward on the CPU (overlap only where GPUs do not reach each
+    other's memory or the experts have replicas); one rank sums nothing."""
     cache = tmp_path / "cache"
-    for ep_size, experts in ((None, "nowhere"), (1, "during the backward")):
+    for ep_size, accum, experts in ((None, 1, "nowhere"), (1, 1, "during the backward"), (None, 2, "nowhere"),
+                                    (1, 2, "during the backward")):
         for mode, where in (("overlap", "during the backward"), ("after", "after it")):
-            summary = run(config(corpus, tmp_path / f"{mode}{ep_size}", steps=6, log_interval=1, grad_reduce=mode,
-                                 ep_size=ep_size), 2, cache)
+            summary = run(config(corpus, tmp_path / f"{mode}{ep_size}{accum}", steps=6 // accum, log_interval=1,
+                                 grad_reduce=mode, ep_size=ep_size, grad_accum=accum, batch_size=8 // accum), 2, cache)
             assert summary["replicated_gradients_reduced"] == where
             assert summary["expert_gradients_reduced"] == (experts if mode == "overlap" or ep_size is None else where)
-        overlap, after = tmp_path / f"overlap{ep_size}", tmp_path / f"after{ep_size}"
-        assert sorted(losses(overlap)) == list(range(1, 7))
+        overlap, after = tmp_path / f"overlap{ep_size}{accum}", tmp_path / f"after{ep_size}{accum}"
+        assert sorted(losses(overlap)) == list(range(1, 6 // accum + 1))
         assert losses(overlap) == losses(after) and losses(overlap, "grad_norm") == losses(after, "grad_norm")
-    summary = run(config(corpus, tmp_path / "accum", steps=2, grad_accum=2, batch_size=4, grad_reduce="overlap"), 2,
-                  cache)
-    assert summary["replicated_gradients_reduced"] == "after it"
     summary = run(config(corpus, tmp_path / "auto", steps=2), 2, cache)  # auto: after, on the CPU
     assert summary["replicated_gradients_reduced"] == "after it"
+    summary = run(config(corpus, tmp_path / "one", steps=2, grad_reduce="overlap"), 1, cache)
+    assert summary["replicated_gradients_reduced"] == "nowhere" and summary["expert_gradients_reduced"] == "nowhere"
 
 
 def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
     """`--grad-reduce auto` overlaps only on GPUs, where they do not reach each other's memory (a
     slow link: several nodes, P2P off) or where the experts have replicas (`--ep-size` below the
-    world: their sum too); `overlap` wherever it can; both reduce after the backward with several
-    micro-batches per step or tensor parallelism."""
+    world: their sum too); `overlap` wherever it can, with several micro-batches per step too; both
+    reduce after the backward with tensor parallelism."""
     from weft.train.loop import reduced_after
 
     cuda, cpu, slow = torch.device("cuda"), torch.device("cpu"), "NCCL_P2P_DISABLE=1: the GPUs do not reach ..."
@@ -833,7 +834,7 @@ def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
     assert "CPU" in reduced_after(auto, 1, cpu, None, expert_replicas=2)
     for cfg in (auto, overlap):
         assert "--tp" in reduced_after(cfg, 2, cuda, slow)
-        assert "--grad-accum 2" in reduced_after(TrainConfig(grad_reduce=cfg.grad_reduce, grad_accum=2), 1, cuda, slow)
+        assert reduced_after(TrainConfig(grad_reduce=cfg.grad_reduce, grad_accum=2), 1, cuda, slow) is None
     with pytest.raises(ValueError, match="grad_reduce must be 'auto', 'overlap' or 'after'"):
         TrainConfig(grad_reduce="during").validate()
 

@@ -103,10 +103,15 @@ class GraphedStep:
             stream to every capture of a series: cuBLAS keeps a workspace (~64 MiB per stream
             on an H100, counted in `torch.cuda.memory_allocated`) for every stream it has run on, for
             the life of the process, so each new stream costs that much memory for good.
+        pool: the memory pool of an earlier `GraphedStep` (its `pool`) whose memory this graph's
+            capture may reuse: the two hold one set of activations, not two. Then replay them
+            one after the other on one stream, never both at once; each one's outputs may be
+            overwritten by the other's replay, so read them before it (torch.cuda.graph's `pool`).
     """
 
     def __init__(self, fn: Callable[..., Any], args: Sequence[torch.Tensor], grads_of: Iterable[torch.Tensor] = (),
-                 accumulate: bool = True, warmup: int = 3, stream: torch.cuda.Stream | None = None):
+                 accumulate: bool = True, warmup: int = 3, stream: torch.cuda.Stream | None = None,
+                 pool: Any = None):
         if not args or any(not isinstance(a, torch.Tensor) or not a.is_cuda for a in args):
             raise CaptureError("a CUDA graph step needs CUDA tensor arguments")
         self.fn = fn
@@ -117,7 +122,7 @@ class GraphedStep:
                                f"is kept): it holds the gradient accumulators of {len(held)} of the "
                                f"{len(self.grads_of)} tensors, bound to its CUDA stream; drop it before capturing")
         self.static_args = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
-        side = stream if stream is not None else torch.cuda.Stream()
+        side = self.stream = stream if stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             warm_up(fn, self.static_args, [*self.grads_of, *self.static_args], warmup, accumulate)
@@ -134,7 +139,7 @@ class GraphedStep:
         try:
             # on the warm-up's stream, where the gradient accumulators were created (another stream
             # makes autograd warn of a stream mismatch at every capture)
-            with torch.cuda.graph(self.graph, stream=side):
+            with torch.cuda.graph(self.graph, pool=pool, stream=side):
                 self.static_out = fn(*self.static_args)
         except RuntimeError as e:  # e.g. "operation not permitted when stream is capturing"
             raise CaptureError(f"the step cannot be captured as a CUDA graph: {str(e).splitlines()[0]}") from e
@@ -149,6 +154,11 @@ class GraphedStep:
         for t in [*self.grads_of, *self.static_args]:
             if t.grad is not None:
                 t.grad.zero_()
+
+    @property
+    def pool(self) -> Any:
+        """The graph's memory pool, for a later capture to share (`pool`)."""
+        return self.graph.pool()
 
     @property
     def inputs(self) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -96,11 +96,12 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedRed
         reduced.write_back()
 
 
-def overlapped_reduce(model: nn.Module, groups: MoEGroups, experts: bool = True,
-                      bucket_mb: float = 25.0) -> OverlappedReduce:
+def overlapped_reduce(model: nn.Module, groups: MoEGroups, experts: bool = True, bucket_mb: float = 25.0,
+                      earlier: Mapping[int, torch.Tensor] | None = None) -> OverlappedReduce:
     """`reduce_gradients`' sums as an `OverlappedReduce`: the replicated parameters over every
     data-parallel rank and, with `experts` and expert-data-parallel replicas (`edp_size` > 1),
-    the expert parameters over their replicas; divided by the data-parallel size. Not under
+    the expert parameters over their replicas; divided by the data-parallel size (`earlier`:
+    `OverlappedReduce`'s, for several micro-batches per step). Not under
     tensor parallelism, whose routers' gradients are summed over the TP group first. Collective:
     every rank calls it, in the same order."""
     if groups.tp_size > 1:
@@ -110,7 +111,8 @@ def overlapped_reduce(model: nn.Module, groups: MoEGroups, experts: bool = True,
     parts = [([p for p in model.parameters() if id(p) not in expert_ids], groups.dp)]
     if experts and groups.edp_size > 1:
         parts.append(([p for p in model.parameters() if id(p) in expert_ids], groups.edp))
-    return OverlappedReduce([(params, group) for params, group in parts if params], group_size(groups.dp), bucket_mb)
+    return OverlappedReduce([(params, group) for params, group in parts if params], group_size(groups.dp), bucket_mb,
+                            earlier)
 
 
 class OverlappedReduce:
@@ -150,11 +152,20 @@ class OverlappedReduce:
     backwards (timing, profiling) leave the buckets alone. A CUDA graph that captures an armed
     backward and its `finish()` keeps the copies, launches, waits and divisions, so each replay
     reduces; the first armed backward (which builds the buckets and talks to the other ranks on
-    the host) must run before any capture. One micro-batch per optimizer step: with several,
-    each backward would send a partial sum."""
+    the host) must run before any capture. Several micro-batches per optimizer step: each armed
+    backward would send a partial sum, so arm only the last one's and give the sums of the ones
+    before it as `earlier` (DDP's `no_sync` for the others: Li et al. sec. 3.2.4).
+
+    `earlier`: float32 tensors by parameter id (e.g. `weft.train.optim.MasterWeights`
+    accumulators), each the sum of that parameter's gradients over the step's micro-batches
+    before the armed one. A bucket adds them to those gradients (in float32) when it is sent, so
+    the armed backward sends the step's whole sum: the value the accumulator holds after the last
+    micro-batch (float32 addition commutes: bitwise the same). A CUDA graph keeps the tensors, so
+    they stay in place and hold zeros where nothing was summed yet. A parameter not in `earlier`
+    accumulates its micro-batches in its own `.grad`."""
 
     def __init__(self, parts: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]], divisor: int,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, earlier: Mapping[int, torch.Tensor] | None = None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         trained = [([p for p in params if p.requires_grad], group) for params, group in parts]
@@ -164,7 +175,13 @@ class OverlappedReduce:
         owner = [id(p) for params, _ in trained for p in params]
         if len(owner) != len(set(owner)):
             raise ValueError("OverlappedReduce: a parameter is in two parts")
-        self._parts = [_Part(params, group) for params, group in trained]
+        earlier = dict(earlier or {})
+        for p in (p for params, _ in trained for p in params if id(p) in earlier):
+            if earlier[id(p)].shape != p.shape or earlier[id(p)].dtype != torch.float32:
+                raise ValueError(f"OverlappedReduce: an earlier sum ({tuple(earlier[id(p)].shape)}, "
+                                 f"{earlier[id(p)].dtype}) for a parameter of shape {tuple(p.shape)}: float32 of "
+                                 "its shape expected")
+        self._parts = [_Part(params, group, earlier) for params, group in trained]
         self.divisor = divisor
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
         self._armed = False
@@ -229,8 +246,10 @@ class OverlappedReduce:
 class _Part:
     """One process group's parameters, in buckets launched in order (`OverlappedReduce`)."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None):
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
+                 earlier: Mapping[int, torch.Tensor]):
         self.params = params
+        self.earlier = {id(p): earlier[id(p)] for p in params if id(p) in earlier}
         self.group = own_group(group)
         # the hosts agree there on the buckets to send again (`launch_rest`)
         self.host = own_group(group, backend="gloo") if group_size(self.group) > 1 else None
@@ -281,9 +300,9 @@ class _Part:
             chunk.append(self.params[i])
             numel += self.params[i].numel()
             if numel >= bucket_numel:
-                buckets.append(_Bucket(chunk, early))
+                buckets.append(_Bucket(chunk, early, self.earlier))
                 chunk, numel = [], 0
-        return buckets + ([_Bucket(chunk, early)] if chunk else [])
+        return buckets + ([_Bucket(chunk, early, self.earlier)] if chunk else [])
 
     def launch_rest(self) -> None:
         """Every bucket complete (missing gradients as zeros) and sent once, in bucket order; then
@@ -320,12 +339,16 @@ class _Bucket:
     parameter as each finished cost 3.6x more on gpt2-s-moe's replicated gradients:
     docs/benchmarks.md, forty-fifth session)."""
 
-    def __init__(self, params: list[nn.Parameter], early: bool = True):
+    def __init__(self, params: list[nn.Parameter], early: bool = True,
+                 earlier: Mapping[int, torch.Tensor] | None = None):
         self.params = params
         self.early = early  # sent as soon as complete (else only at `finish`)
         sizes = [p.numel() for p in params]
         self.flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].device)
         self.slots = list(self.flat.split(sizes))
+        earlier = earlier or {}
+        # (slot, the earlier micro-batches' sum) pairs, added when sent (`OverlappedReduce`)
+        self.earlier = [(slot, earlier[id(p)].reshape(-1)) for slot, p in zip(self.slots, params) if id(p) in earlier]
         self.taken = [False] * len(params)
         self.missing = len(params)
         self.work = None
@@ -355,6 +378,8 @@ class _Bucket:
         empty = [slot for slot, g in zip(self.slots, grads) if g is None]
         if empty:
             torch._foreach_zero_(empty)
+        if self.earlier:
+            torch._foreach_add_(*map(list, zip(*self.earlier)))
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def wait(self) -> None:

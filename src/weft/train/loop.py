@@ -388,7 +388,8 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if micro_steps is None:  # built at the first step: a graph captures the step as it runs
-                micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank, groups)
+                micro_steps = _micro_steps(model, cfg, plan, train_batches.get(step, 0), device, ctx.rank, groups,
+                                           masters)
             finished, pending = _train_step(model, optimizer, train_batches, step, cfg, groups, device, micro_steps,
                                             masters, lr, pending)
             if finished is not None:
@@ -527,12 +528,12 @@ def _choose_tp_schedule(model: GPT, cfg: TrainConfig, batches: BatchSampler, sta
 
 
 def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device, rank: int,
-                 groups: MoEGroups) -> MicroSteps:
+                 groups: MoEGroups, masters: MasterWeights) -> MicroSteps:
     """The micro-step, eager or a CUDA graph (`cfg.cuda_graphs`), summing the gradients
     over the data-parallel ranks in its backward where `cfg.grad_reduce` says so (`gradient_reducer`)."""
     log = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     example = tuple(t.to(device) for t in batch)
-    reducer = gradient_reducer(model, cfg, groups, device, log)
+    reducer = gradient_reducer(model, cfg, groups, device, log, masters)
     try:
         steps = build_micro_step(model, cfg.grad_accum, cfg.cuda_graphs, example, cfg.overlap, plan, log, reducer)
     except CaptureError as e:
@@ -545,11 +546,13 @@ def _micro_steps(model: GPT, cfg: TrainConfig, plan, batch, device: torch.device
 
 
 def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: torch.device,
-                     log: Callable[[str], None]) -> OverlappedReduce | None:
+                     log: Callable[[str], None], masters: MasterWeights | None = None) -> OverlappedReduce | None:
     """The `OverlappedReduce` of the gradients' sums over the data-parallel ranks (the replicated
     parameters over every rank, the experts over their expert-data-parallel replicas where
     `--ep-size` leaves some: `overlapped_reduce`) where `reduced_after` says they run during the
-    backward (None: `reduce_gradients` sums them after it; why, logged)."""
+    backward (None: `reduce_gradients` sums them after it; why, logged). With several micro-batches a
+    step, the last one's backward sends them, adding `masters`' float32 accumulators (the earlier
+    micro-batches' sums of the staged weights; the others accumulate in their `.grad`)."""
     if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
         return None
     slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
@@ -557,7 +560,8 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     if why is not None:
         log(f"weft train: the gradients are summed over the data-parallel ranks after the backward ({why})")
         return None
-    reducer = overlapped_reduce(model, groups)
+    earlier = masters.accumulators() if cfg.grad_accum > 1 and masters is not None else None
+    reducer = overlapped_reduce(model, groups, earlier=earlier)
     expert_ids = {id(p) for p in expert_parameters(model)}
     dense = sum(p.numel() for p in reducer.params if id(p) not in expert_ids) / 1e6
     experts = sum(p.numel() for p in reducer.params if id(p) in expert_ids) / 1e6
@@ -566,7 +570,9 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
         what += f" and the expert gradients ({experts:.1f}M) over their {groups.edp_size} replicas"
     chosen = "--grad-reduce overlap" if cfg.grad_reduce == "overlap" else \
         f"--grad-reduce auto: {slow}" if slow is not None else "--grad-reduce auto: the experts have replicas"
-    log(f"weft train: the {what} are summed during each backward, in buckets of ~25 MB ({chosen})")
+    when = "each backward" if cfg.grad_accum == 1 else \
+        f"the backward of each step's last of {cfg.grad_accum} micro-batches"
+    log(f"weft train: the {what} are summed during {when}, in buckets of ~25 MB ({chosen})")
     return reducer
 
 
@@ -576,7 +582,8 @@ def where_reduced(model: GPT, groups: MoEGroups, reducer: OverlappedReduce | Non
     no replicas)."""
     experts = expert_parameters(model)
     covered = reducer is not None and any(reducer.covers(p) for p in experts)
-    return {"replicated_gradients_reduced": "during the backward" if reducer is not None else "after it",
+    return {"replicated_gradients_reduced": "during the backward" if reducer is not None else
+            "nowhere" if group_size(groups.dp) == 1 else "after it",
             "expert_gradients_reduced": "nowhere" if groups.edp_size == 1 or not experts else
             "during the backward" if covered else "after it"}
 
@@ -584,20 +591,18 @@ def where_reduced(model: GPT, groups: MoEGroups, reducer: OverlappedReduce | Non
 def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: str | None,
                   expert_replicas: int = 1) -> str | None:
     """Why `--grad-reduce overlap|auto` sums the gradients after the backward (None: during it,
-    `OverlappedReduce`). Overlap is the whole of their reduction only with one micro-batch per
-    step (with more, each backward would send a partial sum) and no tensor parallelism (whose
-    routers' gradients are summed over the TP group first). `auto` overlaps where the sum holds
-    the link long: where the ranks do not reach each other's memory (`slow`: `peers_unavailable`'s
-    reason, several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the tokens/s of gpt2-s-moe and
-    gpt2-l-moe on 2 x H200 with P2P disabled), or where the experts have `expert_replicas` > 1
-    (`--ep-size` below the world: their gradients, most of the model's, are summed too; gpt2-s-moe
-    with `--ep-size 1` 1.11x with NVLink, 1.04-1.06x with P2P disabled). With NVLink and the replicated
-    gradients alone the sum beside the backward measured 0.95-0.97x (docs/benchmarks.md,
-    forty-fourth and forty-fifth sessions), and on the CPU the ranks share its cores."""
+    `OverlappedReduce`; with several micro-batches a step, in the last one's backward). Not with
+    tensor parallelism (whose routers' gradients are summed over the TP group first). `auto`
+    overlaps where the sum holds the link long: where the ranks do not reach each other's memory
+    (`slow`: `peers_unavailable`'s reason, several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the
+    tokens/s of gpt2-s-moe and gpt2-l-moe on 2 x H200 with P2P disabled), or where the experts
+    have `expert_replicas` > 1 (`--ep-size` below the world: their gradients, most of the model's,
+    are summed too; gpt2-s-moe with `--ep-size 1` 1.11x with NVLink, 1.04-1.06x with P2P
+    disabled). With NVLink and the replicated gradients alone the sum beside the backward measured
+    0.95-0.97x (docs/benchmarks.md, forty-fourth and forty-fifth sessions), and on the CPU the
+    ranks share its cores."""
     if tp_size > 1:
         return "--tp: the routers' gradients are summed over the tensor-parallel group first"
-    if cfg.grad_accum > 1:
-        return f"--grad-accum {cfg.grad_accum}: each micro-batch's backward would send a partial sum"
     if cfg.grad_reduce == "auto" and device.type != "cuda":
         return "--grad-reduce auto: on the CPU the ranks share its cores"
     if cfg.grad_reduce == "auto" and slow is None and expert_replicas == 1:
@@ -660,7 +665,10 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
     counts = None
     for micro in range(cfg.grad_accum):
         x, y = batches.get(step, micro)
-        losses, layer_counts = micro_steps.run(to_device(x, device), to_device(y, device))
+        run = micro_steps.of(micro, cfg.grad_accum)
+        if run is micro_steps.last:  # its backward sends every accumulator plus its own gradients
+            masters.zero_unfilled()
+        losses, layer_counts = run(to_device(x, device), to_device(y, device))
         masters.stage_gradients()
         loss_sum += losses  # added now: a graphed step's outputs are overwritten by its next replay
         counts = layer_counts.clone() if counts is None else counts + layer_counts

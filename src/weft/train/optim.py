@@ -174,6 +174,22 @@ class MasterWeights:
             for e in entries:
                 e.filled = True
 
+    def accumulators(self) -> dict[int, torch.Tensor]:
+        """The staged weights' float32 gradient accumulators by parameter id: during a step, the
+        sums of the micro-batches staged so far (`weft.moe.grads.OverlappedReduce`'s `earlier`
+        adds them to the last micro-batch's gradients; `zero_unfilled` first)."""
+        return {id(e.param): e.accumulator for e in self._staged}
+
+    @torch.no_grad()
+    def zero_unfilled(self) -> None:
+        """Zero the accumulators no micro-step of this step has written yet (they still hold an
+        earlier step's sum: `stage_gradients` copies into them the first time), so that every
+        accumulator holds this step's sum so far. They stay unfilled: a weight with no gradient in
+        any micro-batch still has none in `float32_gradients`. A graphed step fills them all."""
+        unfilled = [e.accumulator for e in self._staged if not e.filled]
+        if unfilled:
+            torch._foreach_zero_(unfilled)
+
     @contextlib.contextmanager
     def float32_gradients(self) -> Iterator[None]:
         """Staged weights as float32 parameters (master data, accumulated gradient: None if no

@@ -329,7 +329,13 @@ class MicroSteps:
     graphed: bool = False
     owns_grads: bool = False
     wgrad_scheduled: bool = False  # Lancet's dW schedule runs in the step (`--overlap lancet` keeps it)
-    reduced: OverlappedReduce | None = None  # sums gradients over the data-parallel ranks in `run`'s backward
+    reduced: OverlappedReduce | None = None  # sums gradients over the data-parallel ranks in a backward
+    # the step's last micro-batch where it is not `run`: with several, only its backward sums (`reduced`)
+    last: MicroStep | None = None
+
+    def of(self, micro: int, grad_accum: int) -> MicroStep:
+        """The micro-step that runs micro-batch `micro` of `grad_accum`."""
+        return self.last if self.last is not None and micro == grad_accum - 1 else self.run
 
     def clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step: make the gradients ready for the next step's micro-batches."""
@@ -372,16 +378,21 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     step the graph owns them (each replay writes the step's gradients); with several, it
     accumulates into zeroed ones. `plan`: Lancet's (`--overlap lancet`), whose backward the step
     runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`).
-    `reducer`: every micro-step built here, the timed candidates too, sums the gradients it
-    covers in its backward (`eager_micro_step`)."""
+    `reducer`: sums the gradients it covers in the backward (`eager_micro_step`): with one
+    micro-batch per step every micro-step built here, the timed candidates too; with several,
+    only the step's last micro-batch (`MicroSteps.last`: eager, or a second graph that shares the
+    first one's memory pool), whose reducer adds the earlier micro-batches' sums (its `earlier`)."""
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
     scheduled = backward is not None
-    eager = eager_micro_step(model, grad_accum, backward, reducer)
+    each = reducer if grad_accum == 1 else None  # the reducer of every micro-batch's backward
+    eager = eager_micro_step(model, grad_accum, backward, each)
 
-    def micro_steps(step: MicroStep, graphed: bool = False, **kwargs) -> MicroSteps:
+    def micro_steps(step: MicroStep, graphed: bool = False, last: MicroStep | None = None, **kwargs) -> MicroSteps:
         if reducer is not None and not graphed:  # its buckets follow the step that runs, not the last one timed
             reducer.forget()
-        return MicroSteps(step, graphed=graphed, reduced=reducer, **kwargs)
+        if reducer is not None and each is None and not graphed:
+            last = eager_micro_step(model, grad_accum, backward, reducer)
+        return MicroSteps(step, graphed=graphed, reduced=reducer, last=last, **kwargs)
     if mode == "off":
         return micro_steps(eager, wgrad_scheduled=scheduled)
     device = example[0].device
@@ -426,17 +437,26 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                 log(f"weft train: every MoE layer runs {setting}={best} (measured as CUDA graphs: "
                     + ", ".join(f"{c} {t * 1e3:.1f} ms" for c, t in zip(candidates, seconds)) + ")")
             if backward is not None:
-                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, graph_timer, reducer)
+                kept, (plain_s, scheduled_s) = choose_wgrad_schedule(model, plan, grad_accum, graph_timer, each)
                 log(f"weft train: --overlap lancet {'keeps' if kept else 'drops'} its weight-gradient schedule "
                     f"(measured as CUDA graphs: plain {plain_s * 1e3:.1f} ms, scheduled {scheduled_s * 1e3:.1f} ms)")
                 if kept and plan.scheduler.planned:  # what each replay runs under its all-to-alls
                     log(f"weft train: {plan_line(plan.scheduler.planned)}")
                 if not kept:
-                    eager, scheduled = eager_micro_step(model, grad_accum, reducer=reducer), False
+                    backward, scheduled = None, False
+                    eager = eager_micro_step(model, grad_accum, reducer=each)
             if reducer is not None:  # the graph's warm-up records the order of the step it captures
                 reducer.forget()
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
-            return micro_steps(follow_loads(graph, model), graphed=True, owns_grads=not accumulate,
+            last = None
+            if reducer is not None and each is None:  # the last micro-batch's graph, armed, in the same memory
+                # its warm-up draws no random numbers the step would draw (sampled routing): a run
+                # samples as one with the sums after the backward does
+                with torch.random.fork_rng(devices=[device]):
+                    last = follow_loads(GraphedStep(eager_micro_step(model, grad_accum, backward, reducer), example,
+                                                    grads_of=list(model.parameters()), stream=graph.stream,
+                                                    pool=graph.pool), model)
+            return micro_steps(follow_loads(graph, model), graphed=True, last=last, owns_grads=not accumulate,
                                wgrad_scheduled=scheduled)
         except CaptureError as e:
             if mode == "on":
