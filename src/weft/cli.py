@@ -276,10 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--grad-reduce", default=None, choices=list(GRAD_REDUCE),
                     help="the gradients' sum over the data-parallel ranks (the replicated ones over every rank, "
                          "the experts' over their replicas where --ep-size leaves some): overlap (in ~25 MB "
-                         "buckets launched during the backward as their gradients finish, as DDP does; one "
-                         "micro-batch per step, no --tp, else after), after the backward, or auto (default: "
-                         "overlap on GPUs that do not reach each other's memory, e.g. several nodes or "
-                         "NCCL_P2P_DISABLE=1, or whose experts have replicas; else after)")
+                         "buckets launched during the backward as their gradients finish, as DDP does; with "
+                         "--grad-accum in the last micro-batch's backward; with --tp after it), after the "
+                         "backward, or auto (default: overlap on GPUs that do not reach each other's memory, "
+                         "e.g. several nodes or NCCL_P2P_DISABLE=1, or whose experts have replicas; else after)")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

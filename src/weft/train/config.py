@@ -112,11 +112,12 @@ class TrainConfig:
     on_nonfinite: str = "stop"  # a NaN/inf gradient norm or loss: "stop" the run (exit 1) or "skip" the step
     # the gradients' sum over the data-parallel ranks (replicated ones over every rank, expert ones
     # over their replicas where ep_size leaves some): "overlap" (in buckets during the backward,
-    # as DDP does: weft.moe.grads.OverlappedReduce; with one micro-batch per step and no tensor
-    # parallelism, else after it), "after" the backward, or "auto": overlap on GPUs that do not
-    # reach each other's memory (several nodes, or P2P off: a slow link, where it measured
-    # 1.06-1.18x the tokens/s) or whose experts have replicas (1.11x with NVLink), else after
-    # (NVLink with the replicated gradients alone, 3-5% slower: weft.train.loop.reduced_after)
+    # as DDP does: weft.moe.grads.OverlappedReduce; with several micro-batches per step in the
+    # last one's backward; with tensor parallelism after it), "after" the backward, or "auto":
+    # overlap on GPUs that do not reach each other's memory (several nodes, or P2P off: a slow
+    # link, where it measured 1.06-1.18x the tokens/s) or whose experts have replicas (1.11x with
+    # NVLink), else after (NVLink with the replicated gradients alone, 3-5% slower:
+    # weft.train.loop.reduced_after)
     grad_reduce: str = "auto"
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"
