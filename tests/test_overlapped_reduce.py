@@ -250,19 +250,19 @@ def accumulated(model: GPT, groups, masters, steps: list[int], reducer: Overlapp
                 events: list) -> dict[str, torch.Tensor]:
     """The gradients the optimizer would read after the micro-batches `steps` of one step, each
     staged into `masters`' float32 accumulators as `weft train` does: summed after the backward
-    (`reducer` None) or by `reducer` armed for the last micro-batch's backward alone (its
-    `earlier`: the accumulators, unfilled ones zeroed first); `events` gets "backward done"
-    after each micro-batch's backward."""
+    (`reducer` None) or by `reducer` armed for the last micro-batch's backward alone (with
+    several, its `earlier`: the accumulators, unfilled ones zeroed first), whose weights are then
+    not staged again; `events` gets "backward done" after each micro-batch's backward."""
     for i, step in enumerate(steps):
         last = reducer is not None and i == len(steps) - 1
-        if last:
+        if last and len(steps) > 1:
             masters.zero_unfilled()
         with reducer.armed() if last else contextlib.nullcontext():
             backward(model, step)
         events.append("backward done")
         if last:
             reducer.finish()
-        masters.stage_gradients()
+        masters.stage_gradients(reducer.covers if last else None)
     with masters.float32_gradients():
         reduce_gradients(model, groups, reducer)
         out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -275,8 +275,9 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
     buckets add the earlier micro-batches' sums (`earlier`: `MasterWeights`' float32
     accumulators of the staged weights; the other parameters accumulate in `.grad`), and the
     gradients equal those of staging every micro-batch and summing after the backward (bitwise
-    on 2 ranks). The earlier micro-batches' backwards send nothing; the last one's sends its
-    buckets during it."""
+    on 2 ranks); so do those of steps of one micro-batch (a reducer without earlier sums). The
+    armed backward's weights are not staged again (`stage_gradients(summed)`). The earlier
+    micro-batches' backwards send nothing; the last one's sends its buckets during it."""
     checks = Checks(f"rank {dist.get_rank()}")
     groups = build_moe_groups(ep_size)
     exact = dist.get_world_size() == 2
@@ -285,10 +286,12 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
     plan = low_precision_parameters(model, groups, grad_accum=2)
     checks.expect(len(plan.staged) > 0 and not plan.direct, f"plan: {len(plan.direct)} direct, {len(plan.staged)}")
     masters = MasterWeights(plan, dtype=torch.float32)  # float32 storage: the CPU has no autocast
-    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators())
+    several = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators())
+    one = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB)  # one micro-batch a step: no earlier sums
     launches: list = []
     with bucket_launches(lambda group: launches.append("launch")):
-        for first, steps in enumerate(([1, 2], [3, 4, 5], [6, 7])):
+        for first, steps in ((0, [1, 2]), (1, [3, 4, 5]), (2, [6, 7]), (0, [8]), (1, [9])):
+            reducer = several if len(steps) > 1 else one
             want = accumulated(model, groups, masters, steps, None, [])
             launches.clear()
             got = accumulated(model, groups, masters, steps, reducer, launches)
@@ -296,7 +299,7 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
             checks.expect(not wrong, f"micro-batches {steps}: gradients differ from the staged sums at {wrong}")
             done = [i for i, e in enumerate(launches) if e == "backward done"]
             checks.expect(done[:-1] == list(range(len(steps) - 1)), f"{steps}: an unarmed backward sent {launches}")
-            sent_during = done[-1] - done[-2] - 1
+            sent_during = done[-1] - (done[-2] + 1 if len(done) > 1 else 0)
             total = len(launches) - len(steps)
             checks.expect(total > 2 and (first == 0 and sent_during == 0 or first > 0 and sent_during >= total - 2),
                           f"{steps}: {sent_during} of {total} buckets sent during the last backward")
@@ -333,7 +336,7 @@ def unfilled_worker() -> list[str]:
                     sum((params[i] * scales[micro][i]).sum() for i in used[micro]).backward()
                 if last:
                     reducer.finish()
-                masters.stage_gradients()
+                masters.stage_gradients(reducer.covers if last else None)
             with masters.float32_gradients():
                 if armed:
                     reducer.write_back()
@@ -396,4 +399,54 @@ def micro_steps_worker() -> list[str]:
 
 def test_the_training_micro_steps_arm_only_the_last_micro_batch():
     failures = run_checks(micro_steps_worker, 2, timeout=120)
+    assert not failures, "\n".join(failures)
+
+
+def train_step_worker(grad_accum: int) -> list[str]:
+    """`weft train`'s own step (`weft.train.loop._train_step`) with master weights (float32
+    storage: the CPU has no autocast) whose staged accumulators the sums use, the experts
+    replicated on both ranks (`--ep-size 1`): three AdamW steps with the sums beside the backward
+    (the last micro-batch's; its weights not staged again) leave the weights, the masters and
+    the gradient norms of the same steps summed after the backward, bitwise."""
+    import numpy as np
+
+    from weft.train.config import TrainConfig
+    from weft.train.data import BatchSampler
+    from weft.train.loop import _train_step
+    from weft.train.optim import MasterAdamW, decay_groups
+    from weft.train.step import build_micro_step
+
+    checks = Checks(f"rank {dist.get_rank()}")
+    groups = build_moe_groups(1)
+    data = np.random.RandomState(0).randint(0, 256, 20000).astype(np.int64)
+    batches = BatchSampler(data, 2, CONFIG.block_size, dist.get_rank(), dist.get_world_size(), seed=3)
+    cfg = TrainConfig(grad_accum=grad_accum, batch_size=2)
+    out = {}
+    for mode in ("after", "overlap"):
+        torch.manual_seed(0)
+        model = GPT(CONFIG, group=groups.ep)
+        masters = MasterWeights(low_precision_parameters(model, groups, grad_accum), dtype=torch.float32)
+        optimizer = MasterAdamW(decay_groups(model, 0.1), masters, lr=1e-3)
+        earlier = masters.accumulators() if grad_accum > 1 else None
+        reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=earlier) if mode == "overlap" else None
+        steps = build_micro_step(model, grad_accum, "off", batches.get(0, 0), reducer=reducer)
+        pending, norms = None, []
+        for step in range(1, 5):
+            finished, pending = _train_step(model, optimizer, batches, step, cfg, groups, torch.device("cpu"), steps,
+                                            masters, 1e-3, pending)
+            norms += [finished["grad_norm"]] if finished is not None else []
+        weights = [p.detach().clone() for p in model.parameters()]
+        out[mode] = (weights, [masters.master(p).clone() for p in model.parameters() if masters.master(p) is not None],
+                     norms)
+    (w_after, m_after, n_after), (w_over, m_over, n_over) = out["after"], out["overlap"]
+    checks.expect(len(m_after) > 0 and len(n_after) == 3, f"{len(m_after)} masters, norms {n_after}")
+    checks.expect(n_over == n_after, f"gradient norms {n_over} against {n_after}")
+    checks.expect(all(torch.equal(a, b) for a, b in zip(w_over, w_after)), "the weights differ")
+    checks.expect(all(torch.equal(a, b) for a, b in zip(m_over, m_after)), "the masters differ")
+    return checks.failures
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_the_training_step_with_master_weights_sums_as_after_the_backward(grad_accum):
+    failures = run_checks(functools.partial(train_step_worker, grad_accum), 2, timeout=180)
     assert not failures, "\n".join(failures)

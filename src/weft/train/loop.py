@@ -597,9 +597,9 @@ def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: st
     (`slow`: `peers_unavailable`'s reason, several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the
     tokens/s of gpt2-s-moe and gpt2-l-moe on 2 x H200 with P2P disabled), or where the experts
     have `expert_replicas` > 1 (`--ep-size` below the world: their gradients, most of the model's,
-    are summed too; gpt2-s-moe with `--ep-size 1` 1.11x with NVLink, 1.04-1.06x with P2P
+    are summed too; gpt2-s-moe with `--ep-size 1` 1.31x with NVLink, 1.04-1.06x with P2P
     disabled). With NVLink and the replicated gradients alone the sum beside the backward measured
-    0.95-0.97x (docs/benchmarks.md, forty-fourth and forty-fifth sessions), and on the CPU the
+    0.95-0.99x (docs/benchmarks.md, forty-fourth to forty-sixth sessions), and on the CPU the
     ranks share its cores."""
     if tp_size > 1:
         return "--tp: the routers' gradients are summed over the tensor-parallel group first"
@@ -669,7 +669,7 @@ def _train_step(model: GPT, optimizer, batches: BatchSampler, step: int, cfg: Tr
         if run is micro_steps.last:  # its backward sends every accumulator plus its own gradients
             masters.zero_unfilled()
         losses, layer_counts = run(to_device(x, device), to_device(y, device))
-        masters.stage_gradients()
+        masters.stage_gradients(micro_steps.summed(micro, cfg.grad_accum))
         loss_sum += losses  # added now: a graphed step's outputs are overwritten by its next replay
         counts = layer_counts.clone() if counts is None else counts + layer_counts
     finished = None if previous is None else _read_step(previous, model, optimizer, cfg)

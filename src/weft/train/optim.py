@@ -44,7 +44,7 @@ time a checkpoint is written or read, then refreshes the bf16 weights from them.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -160,10 +160,22 @@ class MasterWeights:
         return self._entries[id(p)].low
 
     @torch.no_grad()
-    def stage_gradients(self) -> None:
+    def stage_gradients(self, summed: Callable[[nn.Parameter], bool] | None = None) -> None:
         """After a micro-step: each staged weight's bf16 gradient into its float32 accumulator
-        (copied the first time in the step, added after), then zeroed in place."""
-        with_grad = [e for e in self._staged if e.param.grad is not None]
+        (copied the first time in the step, added after), then zeroed in place. `summed`: the
+        weights whose step's sum the micro-step's backward already sent (the last micro-batch's,
+        `weft.moe.grads.OverlappedReduce.covers`): their buckets hold this accumulator's value
+        (float32: the earlier sums plus this gradient), which `write_back` puts in the
+        accumulator, so they are only marked as holding a gradient where they have one; their
+        bf16 gradients are left as they are (between steps `MicroSteps.clear_grads` clears them,
+        or a graph that owns them overwrites them)."""
+        staged = self._staged
+        if summed is not None:
+            for e in staged:
+                if summed(e.param) and e.param.grad is not None:
+                    e.filled = True
+            staged = [e for e in staged if not summed(e.param)]
+        with_grad = [e for e in staged if e.param.grad is not None]
         for fill in (True, False):
             entries = [e for e in with_grad if e.filled != fill]
             if not entries:

@@ -337,6 +337,11 @@ class MicroSteps:
         """The micro-step that runs micro-batch `micro` of `grad_accum`."""
         return self.last if self.last is not None and micro == grad_accum - 1 else self.run
 
+    def summed(self, micro: int, grad_accum: int) -> Callable[[torch.nn.Parameter], bool] | None:
+        """Which weights' step sums micro-batch `micro`'s backward sent (`reduced.covers`; None:
+        none), for `MasterWeights.stage_gradients`: the last micro-batch's, where `reduced`."""
+        return self.reduced.covers if self.reduced is not None and micro == grad_accum - 1 else None
+
     def clear_grads(self, optimizer: torch.optim.Optimizer) -> None:
         """After the optimizer step: make the gradients ready for the next step's micro-batches."""
         if not self.owns_grads:
@@ -381,7 +386,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     `reducer`: sums the gradients it covers in the backward (`eager_micro_step`): with one
     micro-batch per step every micro-step built here, the timed candidates too; with several,
     only the step's last micro-batch (`MicroSteps.last`: eager, or a second graph that shares the
-    first one's memory pool), whose reducer adds the earlier micro-batches' sums (its `earlier`)."""
+    first one's memory pool), whose reducer adds the earlier micro-batches' sums (its `earlier`);
+    not a balanced model's graph (Pro-Prophet's replays leave their loads in the one graph's
+    tensors): there the sums run after the backward (`MicroSteps.reduced` None)."""
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
     scheduled = backward is not None
     each = reducer if grad_accum == 1 else None  # the reducer of every micro-batch's backward
@@ -449,6 +456,11 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                 reducer.forget()
             graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
             last = None
+            if reducer is not None and each is None and model.balanced:
+                log("weft train: the gradients are summed over the data-parallel ranks after the backward "
+                    "(--balance pro-prophet: each replay leaves its loads where its one graph captured them, which "
+                    "a second graph for the last micro-batch would take over)")
+                reducer = None
             if reducer is not None and each is None:  # the last micro-batch's graph, armed, in the same memory
                 # its warm-up draws no random numbers the step would draw (sampled routing): a run
                 # samples as one with the sums after the backward does
