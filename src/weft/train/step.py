@@ -348,6 +348,22 @@ class MicroSteps:
             optimizer.zero_grad(set_to_none=not self.graphed)
 
 
+def _last_and_other_graphs(last: MicroStep, other: MicroStep, example: tuple[torch.Tensor, torch.Tensor],
+                           params: list[torch.nn.Parameter], device: torch.device) -> tuple[GraphedStep, GraphedStep]:
+    """Several micro-batches a step, the last one's backward armed: its step (`last`) and the
+    others' (`other`, the same step unarmed) as two CUDA graphs that accumulate the gradients and
+    share one memory pool (one set of activations). The armed one is captured first, after its
+    eager warm-up (which records and builds the reducer's buckets); the other's ops are among
+    its, so it is captured with no warm-up of its own: no eager step runs beside a graph's pool,
+    so building them holds one step's activations at a time. The second capture runs inside
+    `torch.random.fork_rng`, so the random numbers drawn (sampled routing) are those of one
+    graph's build, as with the sums after the backward."""
+    armed = GraphedStep(last, example, grads_of=params)
+    with torch.random.fork_rng(devices=[device]):
+        unarmed = GraphedStep(other, example, grads_of=params, warmup=0, stream=armed.stream, pool=armed.pool)
+    return armed, unarmed
+
+
 def choose_wgrad_schedule(model: GPT, plan: OverlapPlan, grad_accum: int, timer: StepTimer,
                           reducer: OverlappedReduce | None = None) -> tuple[bool, list[float]]:
     """`--overlap lancet` in a graphed micro-step: Lancet's dW schedule (`plan.scheduler`, weight
@@ -454,21 +470,18 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
                     eager = eager_micro_step(model, grad_accum, reducer=each)
             if reducer is not None:  # the graph's warm-up records the order of the step it captures
                 reducer.forget()
-            graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
-            last = None
             if reducer is not None and each is None and model.balanced:
                 log("weft train: the gradients are summed over the data-parallel ranks after the backward "
                     "(--balance pro-prophet: each replay leaves its loads where its one graph captured them, which "
                     "a second graph for the last micro-batch would take over)")
                 reducer = None
-            if reducer is not None and each is None:  # the last micro-batch's graph, armed, in the same memory
-                # its warm-up draws no random numbers the step would draw (sampled routing): a run
-                # samples as one with the sums after the backward does
-                with torch.random.fork_rng(devices=[device]):
-                    last = follow_loads(GraphedStep(eager_micro_step(model, grad_accum, backward, reducer), example,
-                                                    grads_of=list(model.parameters()), stream=graph.stream,
-                                                    pool=graph.pool), model)
-            return micro_steps(follow_loads(graph, model), graphed=True, last=last, owns_grads=not accumulate,
+            if reducer is None or each is not None:
+                graph = GraphedStep(eager, example, grads_of=list(model.parameters()), accumulate=accumulate)
+                return micro_steps(follow_loads(graph, model), graphed=True, owns_grads=not accumulate,
+                                   wgrad_scheduled=scheduled)
+            last, run = _last_and_other_graphs(eager_micro_step(model, grad_accum, backward, reducer), eager, example,
+                                               list(model.parameters()), device)
+            return micro_steps(follow_loads(run, model), graphed=True, last=follow_loads(last, model),
                                wgrad_scheduled=scheduled)
         except CaptureError as e:
             if mode == "on":
