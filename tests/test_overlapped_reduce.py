@@ -275,9 +275,9 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
     buckets add the earlier micro-batches' sums (`earlier`: `MasterWeights`' float32
     accumulators of the staged weights; the other parameters accumulate in `.grad`), and the
     gradients equal those of staging every micro-batch and summing after the backward (bitwise
-    on 2 ranks); so do those of steps of one micro-batch (a reducer without earlier sums). The
-    armed backward's weights are not staged again (`stage_gradients(summed)`). The earlier
-    micro-batches' backwards send nothing; the last one's sends its buckets during it."""
+    on 2 ranks). The armed backward's weights are not staged again (`stage_gradients(summed)`).
+    The earlier micro-batches' backwards send nothing; the last one's sends its buckets during
+    it."""
     checks = Checks(f"rank {dist.get_rank()}")
     groups = build_moe_groups(ep_size)
     exact = dist.get_world_size() == 2
@@ -286,12 +286,10 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
     plan = low_precision_parameters(model, groups, grad_accum=2)
     checks.expect(len(plan.staged) > 0 and not plan.direct, f"plan: {len(plan.direct)} direct, {len(plan.staged)}")
     masters = MasterWeights(plan, dtype=torch.float32)  # float32 storage: the CPU has no autocast
-    several = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators())
-    one = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB)  # one micro-batch a step: no earlier sums
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators())
     launches: list = []
     with bucket_launches(lambda group: launches.append("launch")):
-        for first, steps in ((0, [1, 2]), (1, [3, 4, 5]), (2, [6, 7]), (0, [8]), (1, [9])):
-            reducer = several if len(steps) > 1 else one
+        for first, steps in enumerate(([1, 2], [3, 4, 5], [6, 7])):
             want = accumulated(model, groups, masters, steps, None, [])
             launches.clear()
             got = accumulated(model, groups, masters, steps, reducer, launches)
@@ -299,7 +297,7 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
             checks.expect(not wrong, f"micro-batches {steps}: gradients differ from the staged sums at {wrong}")
             done = [i for i, e in enumerate(launches) if e == "backward done"]
             checks.expect(done[:-1] == list(range(len(steps) - 1)), f"{steps}: an unarmed backward sent {launches}")
-            sent_during = done[-1] - (done[-2] + 1 if len(done) > 1 else 0)
+            sent_during = done[-1] - done[-2] - 1
             total = len(launches) - len(steps)
             checks.expect(total > 2 and (first == 0 and sent_during == 0 or first > 0 and sent_during >= total - 2),
                           f"{steps}: {sent_during} of {total} buckets sent during the last backward")
@@ -309,6 +307,45 @@ def accumulated_steps_worker(ep_size: int | None) -> list[str]:
 @pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (2, 1), (4, 2)])
 def test_the_last_micro_batch_sends_the_sum_of_the_step(world, ep_size):
     failures = run_checks(functools.partial(accumulated_steps_worker, ep_size), world, timeout=300)
+    assert not failures, "\n".join(failures)
+
+
+def adopted_worker(ep_size: int | None) -> list[str]:
+    """One micro-batch per step with `adopt=MasterWeights.adopt`: once the buckets are built
+    every staged weight the reducer covers keeps its float32 accumulator in its bucket slot (the
+    same storage), the others keep their own; the gradients the optimizer reads equal those of
+    staging and summing after the backward (bitwise on 2 ranks), for several steps and after
+    `forget()` (new buckets, adopted again)."""
+    checks = Checks(f"rank {dist.get_rank()}")
+    groups = build_moe_groups(ep_size)
+    exact = dist.get_world_size() == 2
+    torch.manual_seed(0)
+    model = GPT(CONFIG, group=groups.ep)
+    masters = MasterWeights(low_precision_parameters(model, groups, grad_accum=1), dtype=torch.float32)
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, adopt=masters.adopt)
+    staged = [p for p in model.parameters() if id(p) in masters.accumulators()]
+    checks.expect(any(reducer.covers(p) for p in staged), "no staged weight is covered")
+    for step in (1, 2, 3, None, 4, 5):
+        if step is None:
+            reducer.forget()
+            continue
+        want = accumulated(model, groups, masters, [step], None, [])
+        got = accumulated(model, groups, masters, [step], reducer, [])
+        wrong = equal_or_close(got, want, exact)
+        checks.expect(not wrong, f"step {step}: gradients differ from the staged sums at {wrong}")
+        slots = {id(p): slot for part in reducer._parts for b in part.buckets for p, slot in zip(b.params, b.slots)}
+        held = {id(p): masters.accumulators()[id(p)].data_ptr() for p in staged}
+        shared = [held[id(p)] == slots[id(p)].data_ptr() if reducer.covers(p) else
+                  held[id(p)] not in {slot.data_ptr() for slot in slots.values()} for p in staged]
+        checks.expect(all(shared), f"step {step}: {shared.count(False)} staged weights not where they belong")
+    with pytest.raises(ValueError, match="not both"):
+        overlapped_reduce(model, groups, earlier=masters.accumulators(), adopt=masters.adopt)
+    return checks.failures
+
+
+@pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (2, 1), (4, 2)])
+def test_the_buckets_hold_the_adopted_accumulators(world, ep_size):
+    failures = run_checks(functools.partial(adopted_worker, ep_size), world, timeout=300)
     assert not failures, "\n".join(failures)
 
 
@@ -428,7 +465,9 @@ def train_step_worker(grad_accum: int) -> list[str]:
         masters = MasterWeights(low_precision_parameters(model, groups, grad_accum), dtype=torch.float32)
         optimizer = MasterAdamW(decay_groups(model, 0.1), masters, lr=1e-3)
         earlier = masters.accumulators() if grad_accum > 1 else None
-        reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=earlier) if mode == "overlap" else None
+        adopt = masters.adopt if grad_accum == 1 else None
+        reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=earlier,
+                                    adopt=adopt) if mode == "overlap" else None
         steps = build_micro_step(model, grad_accum, "off", batches.get(0, 0), reducer=reducer)
         pending, norms = None, []
         for step in range(1, 5):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -97,11 +97,12 @@ def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedRed
 
 
 def overlapped_reduce(model: nn.Module, groups: MoEGroups, experts: bool = True, bucket_mb: float = 25.0,
-                      earlier: Mapping[int, torch.Tensor] | None = None) -> OverlappedReduce:
+                      earlier: Mapping[int, torch.Tensor] | None = None,
+                      adopt: Callable[[nn.Parameter, torch.Tensor], bool] | None = None) -> OverlappedReduce:
     """`reduce_gradients`' sums as an `OverlappedReduce`: the replicated parameters over every
     data-parallel rank and, with `experts` and expert-data-parallel replicas (`edp_size` > 1),
-    the expert parameters over their replicas; divided by the data-parallel size (`earlier`:
-    `OverlappedReduce`'s, for several micro-batches per step). Not under
+    the expert parameters over their replicas; divided by the data-parallel size (`earlier`,
+    `adopt`: `OverlappedReduce`'s). Not under
     tensor parallelism, whose routers' gradients are summed over the TP group first. Collective:
     every rank calls it, in the same order."""
     if groups.tp_size > 1:
@@ -112,7 +113,7 @@ def overlapped_reduce(model: nn.Module, groups: MoEGroups, experts: bool = True,
     if experts and groups.edp_size > 1:
         parts.append(([p for p in model.parameters() if id(p) in expert_ids], groups.edp))
     return OverlappedReduce([(params, group) for params, group in parts if params], group_size(groups.dp), bucket_mb,
-                            earlier)
+                            earlier, adopt)
 
 
 class OverlappedReduce:
@@ -162,10 +163,17 @@ class OverlappedReduce:
     the armed backward sends the step's whole sum: the value the accumulator holds after the last
     micro-batch (float32 addition commutes: bitwise the same). A CUDA graph keeps the tensors, so
     they stay in place and hold zeros where nothing was summed yet. A parameter not in `earlier`
-    accumulates its micro-batches in its own `.grad`."""
+    accumulates its micro-batches in its own `.grad`.
+
+    `adopt(p, slot)` (one micro-batch per step; not with `earlier`): called whenever the buckets
+    are built, for each parameter with its slot (float32, its shape); True where the caller now
+    keeps that parameter's float32 gradient there (`MasterWeights.adopt`: the staged weight's
+    accumulator). Such a gradient is the bucket itself: no second float32 copy of it, and
+    `write_back` has nothing to copy (it skips a `.grad` that is its slot)."""
 
     def __init__(self, parts: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]], divisor: int,
-                 bucket_mb: float = 25.0, earlier: Mapping[int, torch.Tensor] | None = None):
+                 bucket_mb: float = 25.0, earlier: Mapping[int, torch.Tensor] | None = None,
+                 adopt: Callable[[nn.Parameter, torch.Tensor], bool] | None = None):
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         trained = [([p for p in params if p.requires_grad], group) for params, group in parts]
@@ -175,6 +183,9 @@ class OverlappedReduce:
         owner = [id(p) for params, _ in trained for p in params]
         if len(owner) != len(set(owner)):
             raise ValueError("OverlappedReduce: a parameter is in two parts")
+        if earlier and adopt is not None:
+            raise ValueError("OverlappedReduce: adopt is for one micro-batch per step, earlier for several: not both")
+        self.adopt = adopt
         earlier = dict(earlier or {})
         for p in (p for params, _ in trained for p in params if id(p) in earlier):
             if earlier[id(p)].shape != p.shape or earlier[id(p)].dtype != torch.float32:
@@ -221,6 +232,10 @@ class OverlappedReduce:
         if not self._built:
             for part in self._parts:
                 part.build(self.bucket_numel)
+                if self.adopt is not None:  # before any bucket is sent: the caller's values are not kept
+                    for bucket in part.buckets:
+                        for p, slot in zip(bucket.params, bucket.slots):
+                            self.adopt(p, slot.view_as(p))
             self._built = True
         for part in self._parts:
             part.launch_rest()
@@ -392,6 +407,7 @@ class _Bucket:
         self.work, self.stale = None, False
 
     def write_back(self) -> None:
-        pairs = [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots) if p.grad is not None]
+        pairs = [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots)
+                 if p.grad is not None and p.grad.data_ptr() != slot.data_ptr()]  # an adopted slot is the .grad
         if pairs:
             torch._foreach_copy_(*map(list, zip(*pairs)))

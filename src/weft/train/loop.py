@@ -552,7 +552,8 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     `--ep-size` leaves some: `overlapped_reduce`) where `reduced_after` says they run during the
     backward (None: `reduce_gradients` sums them after it; why, logged). With several micro-batches a
     step, the last one's backward sends them, adding `masters`' float32 accumulators (the earlier
-    micro-batches' sums of the staged weights; the others accumulate in their `.grad`)."""
+    micro-batches' sums of the staged weights; the others accumulate in their `.grad`); with one,
+    the staged weights' accumulators are the buckets' slots (`MasterWeights.adopt`)."""
     if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
         return None
     slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
@@ -560,8 +561,9 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     if why is not None:
         log(f"weft train: the gradients are summed over the data-parallel ranks after the backward ({why})")
         return None
-    earlier = masters.accumulators() if cfg.grad_accum > 1 and masters is not None else None
-    reducer = overlapped_reduce(model, groups, earlier=earlier)
+    several = cfg.grad_accum > 1 and masters is not None
+    reducer = overlapped_reduce(model, groups, earlier=masters.accumulators() if several else None,
+                                adopt=masters.adopt if masters is not None and cfg.grad_accum == 1 else None)
     expert_ids = {id(p) for p in expert_parameters(model)}
     dense = sum(p.numel() for p in reducer.params if id(p) not in expert_ids) / 1e6
     experts = sum(p.numel() for p in reducer.params if id(p) in expert_ids) / 1e6

@@ -186,6 +186,21 @@ class MasterWeights:
             for e in entries:
                 e.filled = True
 
+    def adopt(self, p: nn.Parameter, tensor: torch.Tensor) -> bool:
+        """From now on keep staged weight `p`'s float32 gradient accumulator in `tensor` (float32,
+        `p`'s shape; e.g. its slot in `weft.moe.grads.OverlappedReduce`'s buckets, which then sum
+        the accumulator itself: no second float32 copy of the gradients, no copy back). Between
+        steps of one micro-batch only: the old accumulator's value is not kept. False where `p` is
+        not a staged weight (nothing changes)."""
+        e = self._entries.get(id(p))
+        if e is None or e.accumulator is None:
+            return False
+        if tensor.shape != p.shape or tensor.dtype != torch.float32:
+            raise ValueError(f"MasterWeights.adopt: a {tuple(tensor.shape)} {tensor.dtype} accumulator for a weight "
+                             f"of shape {tuple(p.shape)}: float32 of its shape expected")
+        e.accumulator = tensor
+        return True
+
     def accumulators(self) -> dict[int, torch.Tensor]:
         """The staged weights' float32 gradient accumulators by parameter id: during a step, the
         sums of the micro-batches staged so far (`weft.moe.grads.OverlappedReduce`'s `earlier`
