@@ -387,14 +387,12 @@ class _Bucket:
         """The gradients into the buffer (float32; zeros for a parameter without one), then its
         all-reduce, asynchronously."""
         grads = [p.grad for p in self.params]
-        pairs = [(slot, g.reshape(-1)) for slot, g in zip(self.slots, grads) if g is not None]
-        if pairs:
-            torch._foreach_copy_(*map(list, zip(*pairs)))
+        _foreach_pairs(torch._foreach_copy_,
+                       [(slot, g.reshape(-1)) for slot, g in zip(self.slots, grads) if g is not None])
         empty = [slot for slot, g in zip(self.slots, grads) if g is None]
         if empty:
             torch._foreach_zero_(empty)
-        if self.earlier:
-            torch._foreach_add_(*map(list, zip(*self.earlier)))
+        _foreach_pairs(torch._foreach_add_, self.earlier)
         self.work = dist.all_reduce(self.flat, group=group, async_op=True)
 
     def wait(self) -> None:
@@ -407,7 +405,14 @@ class _Bucket:
         self.work, self.stale = None, False
 
     def write_back(self) -> None:
-        pairs = [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots)
-                 if p.grad is not None and p.grad.data_ptr() != slot.data_ptr()]  # an adopted slot is the .grad
-        if pairs:
-            torch._foreach_copy_(*map(list, zip(*pairs)))
+        # an adopted slot is the .grad itself: nothing to copy
+        _foreach_pairs(torch._foreach_copy_, [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots)
+                                              if p.grad is not None and p.grad.data_ptr() != slot.data_ptr()])
+
+
+def _foreach_pairs(op: Callable[[list[torch.Tensor], list[torch.Tensor]], None],
+                   pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`op(firsts, seconds)` (a `torch._foreach_*_` op, in place on the firsts) over (first, second)
+    pairs, one multi-tensor launch; nothing for no pairs."""
+    if pairs:
+        op(*map(list, zip(*pairs)))

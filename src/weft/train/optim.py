@@ -171,10 +171,10 @@ class MasterWeights:
         or a graph that owns them overwrites them)."""
         staged = self._staged
         if summed is not None:
+            sent = {id(e) for e in staged if summed(e.param)}
             for e in staged:
-                if summed(e.param) and e.param.grad is not None:
-                    e.filled = True
-            staged = [e for e in staged if not summed(e.param)]
+                e.filled = e.filled or (id(e) in sent and e.param.grad is not None)
+            staged = [e for e in staged if id(e) not in sent]
         with_grad = [e for e in staged if e.param.grad is not None]
         for fill in (True, False):
             entries = [e for e in with_grad if e.filled != fill]

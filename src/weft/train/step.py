@@ -401,8 +401,9 @@ def build_micro_step(model: GPT, grad_accum: int, mode: str, example: tuple[torc
     runs; graphed, its dW schedule is kept only where it replays faster (`choose_wgrad_schedule`).
     `reducer`: sums the gradients it covers in the backward (`eager_micro_step`): with one
     micro-batch per step every micro-step built here, the timed candidates too; with several,
-    only the step's last micro-batch (`MicroSteps.last`: eager, or a second graph that shares the
-    first one's memory pool), whose reducer adds the earlier micro-batches' sums (its `earlier`);
+    only the step's last micro-batch (`MicroSteps.last`: eager, or a graph of its own sharing one
+    memory pool with the other's, `_last_and_other_graphs`), whose reducer adds the earlier
+    micro-batches' sums (its `earlier`);
     not a balanced model's graph (Pro-Prophet's replays leave their loads in the one graph's
     tensors): there the sums run after the backward (`MicroSteps.reduced` None)."""
     backward = plan.backward if plan is not None and plan.scheduler is not None else None
