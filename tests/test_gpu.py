@@ -27,6 +27,7 @@ from test_overlap_passes import (
     graphed_schedule_worker,
     pipelined_dw_worker,
 )
+from test_overlapped_reduce import mean_worker
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
@@ -601,6 +602,15 @@ def test_training_with_cuda_graphs_has_the_eager_losses(tmp_path, grad_accum):
         assert ("replays as one CUDA graph" in stdout) == (mode == "on"), stdout
     assert len(losses["on"]) == 8
     assert losses["on"] == pytest.approx(losses["off"], abs=2e-3), losses
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (data-parallel ranks to reduce over)")
+def test_the_mean_reduction_on_nccl_divides_inside_the_all_reduce():
+    """`mean_reduction` on NCCL (every GPU): NCCL's PREMUL_SUM, nothing left to divide; the bits
+    of the sum divided after it (divisors of powers of two), also replayed from a CUDA graph."""
+    flat = run_checks(mean_worker, torch.cuda.device_count(), args=("cuda",), backend="nccl", timeout=120)
+    assert not flat, "\n".join(flat[:15])
 
 
 @needs_cuda

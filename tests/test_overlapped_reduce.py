@@ -489,3 +489,52 @@ def train_step_worker(grad_accum: int) -> list[str]:
 def test_the_training_step_with_master_weights_sums_as_after_the_backward(grad_accum):
     failures = run_checks(functools.partial(train_step_worker, grad_accum), 2, timeout=180)
     assert not failures, "\n".join(failures)
+
+
+def mean_worker(device: str = "cpu") -> list[str]:
+    """`mean_reduction`'s op and the division it leaves give each rank's sum divided by the
+    divisor, the same bits as the sum divided after it (the divisors are powers of two), on every
+    rank; on GPUs (NCCL: each value multiplied by 1 / divisor inside the all-reduce, nothing left
+    to divide) also captured in a CUDA graph and replayed on new values."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
+    checks = Checks(f"rank {rank} of {world}")
+    for divisor in (1, world, 2 * world):
+        op, left = grads.mean_reduction(dist.group.WORLD, divisor, dev)
+        checks.expect((left == 1) == (dev.type == "cuda" or divisor == 1), f"divisor {divisor}: {left} left to divide")
+        parts = [torch.randn(1000, generator=torch.Generator().manual_seed(10 * divisor + r)).to(dev)
+                 for r in range(world)]
+        expected = torch.stack(parts).sum(0) / divisor if world == 2 else None
+        mine = parts[rank].clone()
+        dist.all_reduce(mine, op=op)
+        if left != 1:
+            mine.div_(left)
+        plain = parts[rank].clone()
+        dist.all_reduce(plain)
+        plain.div_(divisor)
+        checks.expect(torch.equal(mine, plain), f"divisor {divisor}: not the sum divided after it")
+        if expected is not None:
+            checks.expect(torch.equal(mine, expected), f"divisor {divisor}: not the two ranks' sum divided")
+        if dev.type == "cuda" and left == 1:  # the op's scalar kept by a captured graph
+            flat = torch.zeros(1000, device=dev)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # NCCL's first call on a stream, outside the capture
+                dist.all_reduce(flat, op=op)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                dist.all_reduce(flat, op=op)
+            for replay in range(2):
+                flat.copy_(parts[rank] * (replay + 1))
+                graph.replay()
+                torch.cuda.synchronize()
+                checks.expect(torch.equal(flat, plain * (replay + 1)), f"divisor {divisor}: replay {replay} differs")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_mean_reduction_divides_like_a_sum_divided_after_it(world):
+    """On gloo (CPU): the plain sum, the whole divisor left to divide (`mean_reduction`)."""
+    failures = run_checks(mean_worker, world, timeout=120)
+    assert not failures, "\n".join(failures[:10])

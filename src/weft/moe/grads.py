@@ -46,9 +46,23 @@ def token_split_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, MoE) for p in m.parameters() if id(p) not in experts]
 
 
+def mean_reduction(group: dist.ProcessGroup | None, divisor: int,
+                   device: torch.device) -> tuple[dist.ReduceOp, int]:
+    """The all-reduce op over `group` for a sum divided by `divisor`, and the divisor left for
+    the caller to divide the result by (1: nothing left). On GPUs with NCCL, NCCL multiplies each
+    rank's value by 1 / divisor inside its all-reduce kernel (PREMUL_SUM): no pass over the result
+    after it (gpt2-s-moe's 963M float32 gradients: 1.9 ms a step on an H200, docs/benchmarks.md,
+    forty-seventh session). With a power of two the same values as the sum divided after it (the
+    products are exact, subnormals aside); otherwise float32 rounding apart. Elsewhere (gloo) the
+    sum, then the caller's division."""
+    if divisor > 1 and device.type == "cuda" and "nccl" in str(dist.get_backend(group)):
+        return dist._make_nccl_premul_sum(1.0 / divisor), 1
+    return dist.ReduceOp.SUM, divisor
+
+
 def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None, divisor: int) -> None:
-    """Sum `grads` over `group` in one flat bucket per dtype, then divide by `divisor` (a group of
-    one rank: divided in place, without the bucket's copies)."""
+    """Sum `grads` over `group` in one flat bucket per dtype, divided by `divisor`
+    (`mean_reduction`; a group of one rank: divided in place, without the bucket's copies)."""
     if group_size(group) == 1:
         torch._foreach_div_(grads, divisor)
         return
@@ -57,9 +71,10 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
         by_dtype.setdefault(g.dtype, []).append(g)
     for bucket in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        if group_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        flat.div_(divisor)
+        op, left = mean_reduction(group, divisor, flat.device)
+        dist.all_reduce(flat, op=op, group=group)
+        if left != 1:
+            flat.div_(left)
         parts = flat.split([g.numel() for g in bucket])
         torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(parts, bucket)])
 
@@ -138,11 +153,14 @@ class OverlappedReduce:
     layers' all-to-alls do not queue behind it, nor it behind them; every rank launches a
     communicator's buckets in the same order). `finish()` after the backward launches the
     buckets still missing a gradient (a parameter without one this backward counts as zeros),
-    waits for every bucket and divides by `divisor` (the data-parallel size); `write_back()` then
-    copies the results into the gradients, where `reduce_gradients` reads them.
+    waits for every bucket; the sums come divided by `divisor` (the data-parallel size; NCCL's
+    all-reduce multiplies by 1 / divisor before it sums, gloo's result is divided after it:
+    `mean_reduction`); `write_back()` then copies the results into the gradients, where
+    `reduce_gradients` reads them.
 
     Invariant: the sums of `reduce_gradients` - each gradient in float32 (a bf16 one copied
-    exactly, as `weft.train.optim.MasterWeights` stages it), summed over the ranks, then divided.
+    exactly, as `weft.train.optim.MasterWeights` stages it), summed over the ranks and divided,
+    with the same op.
     On 2 ranks bitwise equal; on more, the collective's order of summation may follow the
     buckets (float32 rounding). A gradient finished again after its bucket was sent (a weight
     whose Lancet items drain twice in a backward; the dW scheduler's plans, timed on each rank,
@@ -192,8 +210,7 @@ class OverlappedReduce:
                 raise ValueError(f"OverlappedReduce: an earlier sum ({tuple(earlier[id(p)].shape)}, "
                                  f"{earlier[id(p)].dtype}) for a parameter of shape {tuple(p.shape)}: float32 of "
                                  "its shape expected")
-        self._parts = [_Part(params, group, earlier) for params, group in trained]
-        self.divisor = divisor
+        self._parts = [_Part(params, group, earlier, divisor) for params, group in trained]
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
         self._armed = False
         self._built = False
@@ -240,7 +257,7 @@ class OverlappedReduce:
         for part in self._parts:
             part.launch_rest()
         for part in self._parts:
-            part.wait_and_divide(self.divisor)
+            part.wait_and_divide()
 
     def forget(self) -> None:
         """Drop the buckets: the next armed backward records the order again (e.g. once the
@@ -262,10 +279,12 @@ class _Part:
     """One process group's parameters, in buckets launched in order (`OverlappedReduce`)."""
 
     def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup | None,
-                 earlier: Mapping[int, torch.Tensor]):
+                 earlier: Mapping[int, torch.Tensor], divisor: int):
         self.params = params
         self.earlier = {id(p): earlier[id(p)] for p in params if id(p) in earlier}
         self.group = own_group(group)
+        # the sum's op, and what is left to divide after it (`mean_reduction`)
+        self.op, self.left = mean_reduction(self.group, divisor, params[0].device)
         # the hosts agree there on the buckets to send again (`launch_rest`)
         self.host = own_group(group, backend="gloo") if group_size(self.group) > 1 else None
         self.forget()
@@ -283,7 +302,7 @@ class _Part:
         bucket, i = self.where[id(p)]
         bucket.take(i)
         while self.next < len(self.buckets) and self.buckets[self.next].early and self.buckets[self.next].complete():
-            self.buckets[self.next].launch(self.group)
+            self.buckets[self.next].launch(self.group, self.op)
             self.next += 1
 
     def build(self, bucket_numel: int) -> None:
@@ -328,11 +347,11 @@ class _Part:
             bucket.take_missing()
         for bucket in self.buckets:
             if bucket.work is None:
-                bucket.launch(self.group)
+                bucket.launch(self.group, self.op)
         for bucket, again in zip(self.buckets, self._stale_anywhere()):
             if again:
                 bucket.wait()
-                bucket.launch(self.group)
+                bucket.launch(self.group, self.op)
         self.next = 0
 
     def _stale_anywhere(self) -> list[bool]:
@@ -341,10 +360,11 @@ class _Part:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host)
         return [bool(f) for f in flags.tolist()]
 
-    def wait_and_divide(self, divisor: int) -> None:
+    def wait_and_divide(self) -> None:
         for bucket in self.buckets:
             bucket.wait()
-            bucket.flat.div_(divisor)
+            if self.left != 1:
+                bucket.flat.div_(self.left)
             bucket.reset()
 
 
@@ -383,9 +403,9 @@ class _Bucket:
         self.taken = [True] * len(self.params)
         self.missing = 0
 
-    def launch(self, group: dist.ProcessGroup | None) -> None:
+    def launch(self, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> None:
         """The gradients into the buffer (float32; zeros for a parameter without one), then its
-        all-reduce, asynchronously."""
+        all-reduce (`op`), asynchronously."""
         grads = [p.grad for p in self.params]
         _foreach_pairs(torch._foreach_copy_,
                        [(slot, g.reshape(-1)) for slot, g in zip(self.slots, grads) if g is not None])
@@ -393,7 +413,7 @@ class _Bucket:
         if empty:
             torch._foreach_zero_(empty)
         _foreach_pairs(torch._foreach_add_, self.earlier)
-        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+        self.work = dist.all_reduce(self.flat, op=op, group=group, async_op=True)
 
     def wait(self) -> None:
         if self.work is not None:
