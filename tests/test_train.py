@@ -799,8 +799,8 @@ def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(co
     during the backward, and with --ep-size 1 the expert gradients over their replicas too)
     trains with the losses and gradient norms of --grad-reduce after, bitwise on 2 ranks, also
     with --grad-accum 2 (the last micro-batch's backward sends the step's sums); the default,
-    auto, reduces after the backward on the CPU (overlap only where GPUs do not reach each
-    other's memory or the experts have replicas); one rank sums nothing."""
+    auto, reduces after the backward on the CPU (it overlaps on GPUs only); one rank sums
+    nothing."""
     cache = tmp_path / "cache"
     for ep_size, accum, experts in ((None, 1, "nowhere"), (1, 1, "during the backward"), (None, 2, "nowhere"),
                                     (1, 2, "during the backward")):
@@ -820,8 +820,9 @@ def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(co
 
 def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
     """`--grad-reduce auto` overlaps only on GPUs, where they do not reach each other's memory (a
-    slow link: several nodes, P2P off) or where the experts have replicas (`--ep-size` below the
-    world: their sum too); `overlap` wherever it can, with several micro-batches per step too; both
+    slow link: several nodes, P2P off), where the experts have replicas (`--ep-size` below the
+    world: their sum too) or where the buckets' slots are the master weights' accumulators (one
+    micro-batch a step); `overlap` wherever it can, with several micro-batches per step too; both
     reduce after the backward with tensor parallelism."""
     from weft.train.loop import reduced_after
 
@@ -830,6 +831,8 @@ def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
     assert reduced_after(auto, 1, cuda, slow) is None and reduced_after(overlap, 1, cuda, None) is None
     assert "reach each other's memory" in reduced_after(auto, 1, cuda, None)
     assert reduced_after(auto, 1, cuda, None, expert_replicas=2) is None  # the experts' sum too: overlapped
+    assert reduced_after(auto, 1, cuda, None, adopted=True) is None  # the buckets are the accumulators
+    assert "CPU" in reduced_after(auto, 1, cpu, None, adopted=True)
     assert "CPU" in reduced_after(auto, 1, cpu, None) and reduced_after(overlap, 1, cpu, None) is None
     assert "CPU" in reduced_after(auto, 1, cpu, None, expert_replicas=2)
     for cfg in (auto, overlap):

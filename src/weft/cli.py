@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "buckets launched during the backward as their gradients finish, as DDP does; with "
                          "--grad-accum in the last micro-batch's backward; with --tp after it), after the "
                          "backward, or auto (default: overlap on GPUs that do not reach each other's memory, "
-                         "e.g. several nodes or NCCL_P2P_DISABLE=1, or whose experts have replicas; else after)")
+                         "e.g. several nodes or NCCL_P2P_DISABLE=1, whose experts have replicas, or whose "
+                         "buckets are the master weights' float32 accumulators, one micro-batch a step; else after)")
     tr.add_argument("--tp", type=positive_int, default=None,
                     help="tensor parallelism (dense models): split every block over groups of N consecutive ranks "
                          "(Megatron's split; default 1); the other ranks are data parallel")

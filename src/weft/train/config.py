@@ -115,9 +115,10 @@ class TrainConfig:
     # as DDP does: weft.moe.grads.OverlappedReduce; with several micro-batches per step in the
     # last one's backward; with tensor parallelism after it), "after" the backward, or "auto":
     # overlap on GPUs that do not reach each other's memory (several nodes, or P2P off: a slow
-    # link, where it measured 1.06-1.18x the tokens/s) or whose experts have replicas (1.31x with
-    # NVLink), else after (NVLink with the replicated gradients alone, 1-4% slower:
-    # weft.train.loop.reduced_after)
+    # link, where it measured 1.06-1.18x the tokens/s), whose experts have replicas (1.42x with
+    # NVLink) or whose buckets are the master weights' accumulators (one micro-batch a step: 1.00-
+    # 1.01x with NVLink, less memory), else after (NVLink, the replicated gradients alone, several
+    # micro-batches or float32 weights: 1-4% slower; weft.train.loop.reduced_after)
     grad_reduce: str = "auto"
     # GPUs: each micro-step's forward and backward replayed as one CUDA graph (weft.graphs) where
     # its shapes are static: "auto" where possible, "on" (an error where not), "off"

@@ -557,21 +557,25 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
         return None
     slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
-    why = reduced_after(cfg, groups.tp_size, device, slow, groups.edp_size)
+    adopted = masters is not None and cfg.grad_accum == 1 and bool(masters.accumulators())
+    why = reduced_after(cfg, groups.tp_size, device, slow, groups.edp_size, adopted)
     if why is not None:
         log(f"weft train: the gradients are summed over the data-parallel ranks after the backward ({why})")
         return None
     several = cfg.grad_accum > 1 and masters is not None
     reducer = overlapped_reduce(model, groups, earlier=masters.accumulators() if several else None,
-                                adopt=masters.adopt if masters is not None and cfg.grad_accum == 1 else None)
+                                adopt=masters.adopt if adopted else None)
     expert_ids = {id(p) for p in expert_parameters(model)}
     dense = sum(p.numel() for p in reducer.params if id(p) not in expert_ids) / 1e6
     experts = sum(p.numel() for p in reducer.params if id(p) in expert_ids) / 1e6
     what = f"replicated gradients ({dense:.1f}M) over the {group_size(groups.dp)} data-parallel ranks"
     if experts:
         what += f" and the expert gradients ({experts:.1f}M) over their {groups.edp_size} replicas"
-    chosen = "--grad-reduce overlap" if cfg.grad_reduce == "overlap" else \
-        f"--grad-reduce auto: {slow}" if slow is not None else "--grad-reduce auto: the experts have replicas"
+    if cfg.grad_reduce == "overlap":
+        chosen = "--grad-reduce overlap"
+    else:
+        chosen = "--grad-reduce auto: " + (slow or ("the experts have replicas" if groups.edp_size > 1 else
+                                                   "the buckets are the master weights' accumulators"))
     when = "each backward" if cfg.grad_accum == 1 else \
         f"the backward of each step's last of {cfg.grad_accum} micro-batches"
     log(f"weft train: the {what} are summed during {when}, in buckets of ~25 MB ({chosen})")
@@ -591,25 +595,33 @@ def where_reduced(model: GPT, groups: MoEGroups, reducer: OverlappedReduce | Non
 
 
 def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: str | None,
-                  expert_replicas: int = 1) -> str | None:
+                  expert_replicas: int = 1, adopted: bool = False) -> str | None:
     """Why `--grad-reduce overlap|auto` sums the gradients after the backward (None: during it,
     `OverlappedReduce`; with several micro-batches a step, in the last one's backward). Not with
-    tensor parallelism (whose routers' gradients are summed over the TP group first). `auto`
-    overlaps where the sum holds the link long: where the ranks do not reach each other's memory
-    (`slow`: `peers_unavailable`'s reason, several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the
-    tokens/s of gpt2-s-moe and gpt2-l-moe on 2 x H200 with P2P disabled), or where the experts
-    have `expert_replicas` > 1 (`--ep-size` below the world: their gradients, most of the model's,
-    are summed too; gpt2-s-moe with `--ep-size 1` 1.31x with NVLink, 1.04-1.06x with P2P
-    disabled). With NVLink and the replicated gradients alone the sum beside the backward measured
-    0.95-0.99x (docs/benchmarks.md, forty-fourth to forty-sixth sessions), and on the CPU the
-    ranks share its cores."""
+    tensor parallelism (whose routers' gradients are summed over the TP group first). On GPUs
+    `auto` overlaps where it measured at least as fast as the sum after the backward
+    (docs/benchmarks.md, forty-fourth to forty-seventh sessions):
+    - where the ranks do not reach each other's memory (`slow`: `peers_unavailable`'s reason,
+      several nodes or NCCL_P2P_DISABLE=1: 1.06-1.18x the tokens/s of gpt2-s-moe and gpt2-l-moe
+      on 2 x H200 with P2P disabled);
+    - where the experts have `expert_replicas` > 1 (`--ep-size` below the world: their gradients,
+      most of the model's, are summed too; gpt2-s-moe with `--ep-size 1` 1.42x with NVLink);
+    - where the buckets' slots are the master weights' float32 accumulators (`adopted`: one
+      micro-batch a step, staged weights; `MasterWeights.adopt`), so the copies into the buckets
+      are the staging the sum after the backward does too: 1.00x and 1.01x with NVLink
+      (gpt2-s-moe, gpt2-l-moe), 0.2-0.8 GiB less memory.
+    With NVLink, the replicated gradients alone and no adoption (several micro-batches a step, or
+    float32 weights) the bucket copies come on top of the staging: 0.96-0.99x measured with one
+    micro-batch before the adoption (several: not measured with NVLink). On the CPU the ranks
+    share its cores."""
     if tp_size > 1:
         return "--tp: the routers' gradients are summed over the tensor-parallel group first"
     if cfg.grad_reduce == "auto" and device.type != "cuda":
         return "--grad-reduce auto: on the CPU the ranks share its cores"
-    if cfg.grad_reduce == "auto" and slow is None and expert_replicas == 1:
-        return ("--grad-reduce auto: the GPUs reach each other's memory and only the replicated gradients are summed, "
-                "where the sum beside the backward measured slower")
+    if cfg.grad_reduce == "auto" and slow is None and expert_replicas == 1 and not adopted:
+        return ("--grad-reduce auto: the GPUs reach each other's memory, only the replicated gradients are summed and "
+                "the buckets would copy them beside the master weights' accumulators, where the sum beside the "
+                "backward measured slower")
     return None
 
 
