@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from weft.distributed import build_moe_groups
+from weft.distributed import build_moe_groups, own_group
 from weft.models.gpt import GPT, GPTConfig
 from weft.moe import grads
 from weft.moe.grads import OverlappedReduce, expert_parameters, overlapped_reduce, reduce_gradients
@@ -493,30 +494,35 @@ def test_the_training_step_with_master_weights_sums_as_after_the_backward(grad_a
 
 def mean_worker(device: str = "cpu") -> list[str]:
     """`mean_reduction`'s op and the division it leaves give each rank's sum divided by the
-    divisor, the same bits as the sum divided after it (the divisors are powers of two), on every
-    rank; on GPUs (NCCL: each value multiplied by 1 / divisor inside the all-reduce, nothing left
-    to divide) also captured in a CUDA graph and replayed on new values."""
+    divisor, the same bits as the sum divided after it (the divisors are powers of two, whose
+    products are exact), on every rank and in a group of the ranks' own (`own_group`), float32
+    and bf16 (whose sum is divided after it everywhere); on GPUs (NCCL, float32: each value
+    multiplied by 1 / divisor inside the all-reduce, nothing left to divide) also captured in a
+    CUDA graph and replayed on new values."""
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device(f"cuda:{torch.cuda.current_device()}" if device == "cuda" else "cpu")
     checks = Checks(f"rank {rank} of {world}")
-    for divisor in (1, world, 2 * world):
-        op, left = grads.mean_reduction(dist.group.WORLD, divisor, dev)
-        checks.expect((left == 1) == (dev.type == "cuda" or divisor == 1), f"divisor {divisor}: {left} left to divide")
-        parts = [torch.randn(1000, generator=torch.Generator().manual_seed(10 * divisor + r)).to(dev)
+    own = own_group(None)
+    for (divisor, dtype), group in itertools.product(
+            itertools.product((1, 2, 4), (torch.float32, torch.bfloat16)), (dist.group.WORLD, own)):
+        op, left = grads.mean_reduction(group, divisor, dev, dtype)
+        inside = dev.type == "cuda" and dtype == torch.float32 and divisor > 1
+        checks.expect(left == (1 if inside else divisor), f"divisor {divisor}, {dtype}: {left} left to divide")
+        parts = [torch.randn(1000, generator=torch.Generator().manual_seed(10 * divisor + r)).to(dev, dtype)
                  for r in range(world)]
-        expected = torch.stack(parts).sum(0) / divisor if world == 2 else None
+        expected = (parts[0].float() + parts[1].float()).to(dtype) / divisor if world == 2 else None
         mine = parts[rank].clone()
-        dist.all_reduce(mine, op=op)
+        dist.all_reduce(mine, op=op, group=group)
         if left != 1:
             mine.div_(left)
         plain = parts[rank].clone()
-        dist.all_reduce(plain)
+        dist.all_reduce(plain, group=group)
         plain.div_(divisor)
-        checks.expect(torch.equal(mine, plain), f"divisor {divisor}: not the sum divided after it")
+        checks.expect(torch.equal(mine, plain), f"divisor {divisor}, {dtype}: not the sum divided after it")
         if expected is not None:
-            checks.expect(torch.equal(mine, expected), f"divisor {divisor}: not the two ranks' sum divided")
-        if dev.type == "cuda" and left == 1:  # the op's scalar kept by a captured graph
-            flat = torch.zeros(1000, device=dev)
+            checks.expect(torch.equal(mine, expected), f"divisor {divisor}, {dtype}: not the two ranks' sum divided")
+        if inside and group is dist.group.WORLD:  # the op's scalar kept by a captured graph
+            flat = torch.zeros(1000, device=dev, dtype=dtype)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # NCCL's first call on a stream, outside the capture

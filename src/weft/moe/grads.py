@@ -46,16 +46,23 @@ def token_split_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for m in model.modules() if isinstance(m, MoE) for p in m.parameters() if id(p) not in experts]
 
 
-def mean_reduction(group: dist.ProcessGroup | None, divisor: int,
-                   device: torch.device) -> tuple[dist.ReduceOp, int]:
-    """The all-reduce op over `group` for a sum divided by `divisor`, and the divisor left for
-    the caller to divide the result by (1: nothing left). On GPUs with NCCL, NCCL multiplies each
-    rank's value by 1 / divisor inside its all-reduce kernel (PREMUL_SUM): no pass over the result
-    after it (gpt2-s-moe's 963M float32 gradients: 1.9 ms a step on an H200, docs/benchmarks.md,
-    forty-seventh session). With a power of two the same values as the sum divided after it (the
-    products are exact, subnormals aside); otherwise float32 rounding apart. Elsewhere (gloo) the
-    sum, then the caller's division."""
-    if divisor > 1 and device.type == "cuda" and "nccl" in str(dist.get_backend(group)):
+# dtypes whose NCCL all-reduce takes PREMUL_SUM's factor as torch passes it (bf16's factor reached
+# NCCL as zeros in torch builds of 2026, pytorch/pytorch#190745)
+PREMUL_DTYPES = (torch.float32, torch.float64)
+
+
+def mean_reduction(group: dist.ProcessGroup | None, divisor: int, device: torch.device,
+                   dtype: torch.dtype = torch.float32) -> tuple[dist.ReduceOp, int]:
+    """The all-reduce op over `group` for a sum divided by `divisor` of `dtype` values on
+    `device`, and the divisor left for the caller to divide the result by (1: nothing left). On
+    GPUs with NCCL, float32 and float64 values are multiplied by 1 / divisor inside NCCL's
+    all-reduce kernel (PREMUL_SUM): no pass over the result after it (gpt2-s-moe's 963M float32
+    gradients: 1.9 ms a step on an H200, docs/benchmarks.md, forty-seventh session). With a power
+    of two the same values as the sum divided after it (the products are exact, subnormals
+    aside); otherwise float rounding apart. Elsewhere (gloo, other dtypes) the sum, then the
+    caller's division."""
+    nccl = dist.get_backend(group) == "nccl" or "cuda:nccl" in str(dist.get_backend(group))
+    if divisor > 1 and device.type == "cuda" and dtype in PREMUL_DTYPES and nccl:
         return dist._make_nccl_premul_sum(1.0 / divisor), 1
     return dist.ReduceOp.SUM, divisor
 
@@ -71,7 +78,7 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
         by_dtype.setdefault(g.dtype, []).append(g)
     for bucket in by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in bucket])
-        op, left = mean_reduction(group, divisor, flat.device)
+        op, left = mean_reduction(group, divisor, flat.device, flat.dtype)
         dist.all_reduce(flat, op=op, group=group)
         if left != 1:
             flat.div_(left)
@@ -284,7 +291,7 @@ class _Part:
         self.earlier = {id(p): earlier[id(p)] for p in params if id(p) in earlier}
         self.group = own_group(group)
         # the sum's op, and what is left to divide after it (`mean_reduction`)
-        self.op, self.left = mean_reduction(self.group, divisor, params[0].device)
+        self.op, self.left = mean_reduction(self.group, divisor, params[0].device)  # the buckets: float32
         # the hosts agree there on the buckets to send again (`launch_rest`)
         self.host = own_group(group, backend="gloo") if group_size(self.group) > 1 else None
         self.forget()
