@@ -842,6 +842,21 @@ def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
         TrainConfig(grad_reduce="during").validate()
 
 
+def test_the_buckets_adopt_the_accumulators_except_under_lancet_with_several_micro_batches():
+    """`adopts_accumulators`: with staged weights, one micro-batch or several (not under Lancet,
+    whose dW scheduler may send a bucket again); never without staged weights."""
+    from weft.train.loop import adopts_accumulators
+    from weft.train.optim import MasterPlan, MasterWeights
+
+    staged = MasterWeights(MasterPlan([], [torch.nn.Parameter(torch.ones(3))]), dtype=torch.float32)
+    none = MasterWeights(MasterPlan([], []))
+    for overlap in ("none", "tutel", "lancet"):
+        for accum in (1, 2):
+            cfg = TrainConfig(overlap=overlap, grad_accum=accum)
+            assert adopts_accumulators(cfg, staged) == (accum == 1 or overlap != "lancet"), (overlap, accum)
+            assert not adopts_accumulators(cfg, none) and not adopts_accumulators(cfg, None)
+
+
 def test_an_unset_learning_rate_falls_with_the_width_past_1024():
     """`default_lr`: 3e-3 up to 1024 wide (the presets weft's runs were tuned at), then with the
     width squared (the wide presets' loss jumped to 10-23 at step 2 with 3e-3); a set lr stays."""

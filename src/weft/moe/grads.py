@@ -190,11 +190,18 @@ class OverlappedReduce:
     they stay in place and hold zeros where nothing was summed yet. A parameter not in `earlier`
     accumulates its micro-batches in its own `.grad`.
 
-    `adopt(p, slot)` (one micro-batch per step; not with `earlier`): called whenever the buckets
-    are built, for each parameter with its slot (float32, its shape); True where the caller now
-    keeps that parameter's float32 gradient there (`MasterWeights.adopt`: the staged weight's
-    accumulator). Such a gradient is the bucket itself: no second float32 copy of it, and
-    `write_back` has nothing to copy (it skips a `.grad` that is its slot)."""
+    `adopt(p, slot)`: called whenever the buckets are built, for each parameter with its slot
+    (float32, its shape); True where the caller now keeps that parameter's float32 gradient there
+    (`MasterWeights.adopt`: the staged weight's accumulator, its value copied in). Such a
+    gradient is the bucket itself: no second float32 copy of it, and `write_back` has nothing to
+    copy (it skips a `.grad` that is its slot). With one micro-batch per step the bucket copies
+    the gradient into the slot when it is sent. With `earlier` too (several micro-batches), the
+    adopted slot already holds the earlier micro-batches' sum and the bucket adds the last one's
+    gradient into it (the same float32 additions as `earlier`'s, in the other order: bitwise the
+    same); the reducer then drops its reference to the old accumulator. Such a slot cannot be
+    sent again (its sum is spent), so a gradient that changes after its bucket left (Lancet's dW
+    scheduler, whose plans may differ between ranks) is an error there: build such a reducer
+    without `adopt`."""
 
     def __init__(self, parts: list[tuple[list[nn.Parameter], dist.ProcessGroup | None]], divisor: int,
                  bucket_mb: float = 25.0, earlier: Mapping[int, torch.Tensor] | None = None,
@@ -208,9 +215,8 @@ class OverlappedReduce:
         owner = [id(p) for params, _ in trained for p in params]
         if len(owner) != len(set(owner)):
             raise ValueError("OverlappedReduce: a parameter is in two parts")
-        if earlier and adopt is not None:
-            raise ValueError("OverlappedReduce: adopt is for one micro-batch per step, earlier for several: not both")
         self.adopt = adopt
+        self.several = earlier is not None  # several micro-batches a step: adopted slots accumulate
         earlier = dict(earlier or {})
         for p in (p for params, _ in trained for p in params if id(p) in earlier):
             if earlier[id(p)].shape != p.shape or earlier[id(p)].dtype != torch.float32:
@@ -256,10 +262,12 @@ class OverlappedReduce:
         if not self._built:
             for part in self._parts:
                 part.build(self.bucket_numel)
-                if self.adopt is not None:  # before any bucket is sent: the caller's values are not kept
+                if self.adopt is not None:  # before any bucket is sent
                     for bucket in part.buckets:
-                        for p, slot in zip(bucket.params, bucket.slots):
-                            self.adopt(p, slot.view_as(p))
+                        for i, (p, slot) in enumerate(zip(bucket.params, bucket.slots)):
+                            if self.adopt(p, slot.view_as(p)) and self.several:
+                                bucket.accumulate(i)
+                                part.earlier.pop(id(p), None)  # the slot holds it now
             self._built = True
         for part in self._parts:
             part.launch_rest()
@@ -356,6 +364,10 @@ class _Part:
             if bucket.work is None:
                 bucket.launch(self.group, self.op)
         for bucket, again in zip(self.buckets, self._stale_anywhere()):
+            if again and bucket.accumulating:
+                raise RuntimeError("OverlappedReduce: a gradient changed after its bucket was sent, and the bucket's "
+                                   "slots accumulate the step's micro-batches (adopt with earlier), so its sum cannot "
+                                   "be sent again: build the reducer without adopt")
             if again:
                 bucket.wait()
                 bucket.launch(self.group, self.op)
@@ -391,6 +403,7 @@ class _Bucket:
         earlier = earlier or {}
         # (slot, the earlier micro-batches' sum) pairs, added when sent (`OverlappedReduce`)
         self.earlier = [(slot, earlier[id(p)].reshape(-1)) for slot, p in zip(self.slots, params) if id(p) in earlier]
+        self.accumulating: set[int] = set()  # slots that hold the earlier sum and add the gradient
         self.taken = [False] * len(params)
         self.missing = len(params)
         self.work = None
@@ -410,13 +423,21 @@ class _Bucket:
         self.taken = [True] * len(self.params)
         self.missing = 0
 
+    def accumulate(self, i: int) -> None:
+        """Slot i is now where the earlier micro-batches' sum is kept (adopted): the bucket adds
+        the gradient into it instead of copying it and adding the earlier sum."""
+        self.accumulating.add(i)
+        self.earlier = [(slot, sum_) for slot, sum_ in self.earlier if slot is not self.slots[i]]
+
     def launch(self, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> None:
-        """The gradients into the buffer (float32; zeros for a parameter without one), then its
-        all-reduce (`op`), asynchronously."""
-        grads = [p.grad for p in self.params]
+        """The gradients into the buffer (float32; zeros for a parameter without one; added into
+        an accumulating slot), then its all-reduce (`op`), asynchronously."""
+        grads = [(i, slot, p.grad) for i, (slot, p) in enumerate(zip(self.slots, self.params))]
         _foreach_pairs(torch._foreach_copy_,
-                       [(slot, g.reshape(-1)) for slot, g in zip(self.slots, grads) if g is not None])
-        empty = [slot for slot, g in zip(self.slots, grads) if g is None]
+                       [(slot, g.reshape(-1)) for i, slot, g in grads if g is not None and i not in self.accumulating])
+        _foreach_pairs(torch._foreach_add_,
+                       [(slot, g.reshape(-1)) for i, slot, g in grads if g is not None and i in self.accumulating])
+        empty = [slot for i, slot, g in grads if g is None and i not in self.accumulating]
         if empty:
             torch._foreach_zero_(empty)
         _foreach_pairs(torch._foreach_add_, self.earlier)

@@ -552,19 +552,19 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     `--ep-size` leaves some: `overlapped_reduce`) where `reduced_after` says they run during the
     backward (None: `reduce_gradients` sums them after it; why, logged). With several micro-batches a
     step, the last one's backward sends them, adding `masters`' float32 accumulators (the earlier
-    micro-batches' sums of the staged weights; the others accumulate in their `.grad`); with one,
-    the staged weights' accumulators are the buckets' slots (`MasterWeights.adopt`)."""
+    micro-batches' sums of the staged weights; the others accumulate in their `.grad`). The staged
+    weights' accumulators are the buckets' slots where `adopts_accumulators` says so."""
     if cfg.grad_reduce == "after" or group_size(groups.dp) == 1:
         return None
     slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
-    adopted = masters is not None and cfg.grad_accum == 1 and bool(masters.accumulators())
-    why = reduced_after(cfg, groups.tp_size, device, slow, groups.edp_size, adopted)
+    adopt = adopts_accumulators(cfg, masters)
+    why = reduced_after(cfg, groups.tp_size, device, slow, groups.edp_size, adopt and cfg.grad_accum == 1)
     if why is not None:
         log(f"weft train: the gradients are summed over the data-parallel ranks after the backward ({why})")
         return None
     several = cfg.grad_accum > 1 and masters is not None
     reducer = overlapped_reduce(model, groups, earlier=masters.accumulators() if several else None,
-                                adopt=masters.adopt if adopted else None)
+                                adopt=masters.adopt if adopt else None)
     expert_ids = {id(p) for p in expert_parameters(model)}
     dense = sum(p.numel() for p in reducer.params if id(p) not in expert_ids) / 1e6
     experts = sum(p.numel() for p in reducer.params if id(p) in expert_ids) / 1e6
@@ -580,6 +580,15 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
         f"the backward of each step's last of {cfg.grad_accum} micro-batches"
     log(f"weft train: the {what} are summed during {when}, in buckets of ~25 MB ({chosen})")
     return reducer
+
+
+def adopts_accumulators(cfg: TrainConfig, masters: MasterWeights | None) -> bool:
+    """Whether the gradient sums' buckets keep the staged weights' float32 accumulators in their
+    slots (`MasterWeights.adopt`: the float32 gradients held once): wherever there are staged
+    weights, except with several micro-batches a step under Lancet, whose dW scheduler may make
+    a bucket be sent again, which a slot accumulating the micro-batches cannot be."""
+    return (masters is not None and bool(masters.accumulators())
+            and (cfg.grad_accum == 1 or cfg.overlap != "lancet"))
 
 
 def where_reduced(model: GPT, groups: MoEGroups, reducer: OverlappedReduce | None) -> dict[str, str]:

@@ -189,15 +189,18 @@ class MasterWeights:
     def adopt(self, p: nn.Parameter, tensor: torch.Tensor) -> bool:
         """From now on keep staged weight `p`'s float32 gradient accumulator in `tensor` (float32,
         `p`'s shape; e.g. its slot in `weft.moe.grads.OverlappedReduce`'s buckets, which then sum
-        the accumulator itself: no second float32 copy of the gradients, no copy back). Between
-        steps of one micro-batch only: the old accumulator's value is not kept. False where `p` is
-        not a staged weight (nothing changes)."""
+        the accumulator itself: no second float32 copy of the gradients, no copy back). The old
+        accumulator's value is copied in (mid-step, it holds the earlier micro-batches' sum), and
+        the old tensor is no longer referenced here. False where `p` is not a staged weight
+        (nothing changes)."""
         e = self._entries.get(id(p))
         if e is None or e.accumulator is None:
             return False
         if tensor.shape != p.shape or tensor.dtype != torch.float32:
             raise ValueError(f"MasterWeights.adopt: a {tuple(tensor.shape)} {tensor.dtype} accumulator for a weight "
                              f"of shape {tuple(p.shape)}: float32 of its shape expected")
+        with torch.no_grad():
+            tensor.copy_(e.accumulator)
         e.accumulator = tensor
         return True
 
