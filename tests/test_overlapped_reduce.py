@@ -311,60 +311,28 @@ def test_the_last_micro_batch_sends_the_sum_of_the_step(world, ep_size):
     assert not failures, "\n".join(failures)
 
 
-def adopted_worker(ep_size: int | None) -> list[str]:
-    """One micro-batch per step with `adopt=MasterWeights.adopt`: once the buckets are built
-    every staged weight the reducer covers keeps its float32 accumulator in its bucket slot (the
-    same storage), the others keep their own; the gradients the optimizer reads equal those of
-    staging and summing after the backward (bitwise on 2 ranks), for several steps and after
-    `forget()` (new buckets, adopted again)."""
-    checks = Checks(f"rank {dist.get_rank()}")
-    groups = build_moe_groups(ep_size)
-    exact = dist.get_world_size() == 2
-    torch.manual_seed(0)
-    model = GPT(CONFIG, group=groups.ep)
-    masters = MasterWeights(low_precision_parameters(model, groups, grad_accum=1), dtype=torch.float32)
-    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, adopt=masters.adopt)
-    staged = [p for p in model.parameters() if id(p) in masters.accumulators()]
-    checks.expect(any(reducer.covers(p) for p in staged), "no staged weight is covered")
-    for step in (1, 2, 3, None, 4, 5):
-        if step is None:
-            reducer.forget()
-            continue
-        want = accumulated(model, groups, masters, [step], None, [])
-        got = accumulated(model, groups, masters, [step], reducer, [])
-        wrong = equal_or_close(got, want, exact)
-        checks.expect(not wrong, f"step {step}: gradients differ from the staged sums at {wrong}")
-        misplaced = misplaced_accumulators(reducer, masters, staged)
-        checks.expect(not misplaced, f"step {step}: {misplaced} staged weights not where they belong")
-    return checks.failures
-
-
-def misplaced_accumulators(reducer: OverlappedReduce, masters: MasterWeights, staged: list) -> int:
-    """How many staged weights keep their float32 accumulator elsewhere than their bucket slot
-    (covered by the reducer) or in a slot (not covered)."""
-    slots = {id(p): slot for part in reducer._parts for b in part.buckets for p, slot in zip(b.params, b.slots)}
-    held = {id(p): masters.accumulators()[id(p)].data_ptr() for p in staged}
-    return sum(not (held[id(p)] == slots[id(p)].data_ptr() if reducer.covers(p) else
-                    held[id(p)] not in {slot.data_ptr() for slot in slots.values()}) for p in staged)
-
-
-def adopted_accumulated_worker(ep_size: int | None) -> list[str]:
-    """Several micro-batches per step with `earlier` and `adopt`: the staged weights' accumulators
-    are their bucket slots, which hold the earlier micro-batches' sum and add the last one's
-    gradient; the gradients equal those of staging every micro-batch and summing after the
-    backward (bitwise on 2 ranks), also after `forget()`; the reducer keeps no reference to the
-    old accumulators (their memory is freed); a bucket whose gradient changed after it was sent
+def adopted_worker(ep_size: int | None, several: bool) -> list[str]:
+    """`adopt=MasterWeights.adopt`: once the buckets are built every staged weight the reducer
+    covers keeps its float32 accumulator in its bucket slot (the same storage), the others keep
+    their own; the gradients the optimizer reads equal those of staging and summing after the
+    backward (bitwise on 2 ranks), for several steps and after `forget()` (new buckets, adopted
+    again). With `several` micro-batches a step (`earlier` too) the slots hold the earlier
+    micro-batches' sum and add the last one's gradient, the reducer keeps no reference to the old
+    accumulators (their memory is freed), and a bucket whose gradient changed after it was sent
     cannot be sent again (an error, on every rank)."""
     checks = Checks(f"rank {dist.get_rank()}")
     groups = build_moe_groups(ep_size)
     exact = dist.get_world_size() == 2
     torch.manual_seed(0)
     model = GPT(CONFIG, group=groups.ep)
-    masters = MasterWeights(low_precision_parameters(model, groups, grad_accum=2), dtype=torch.float32)
-    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators(),
+    masters = MasterWeights(low_precision_parameters(model, groups, grad_accum=2 if several else 1),
+                            dtype=torch.float32)
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=masters.accumulators() if several else None,
                                 adopt=masters.adopt)
     staged = [p for p in model.parameters() if id(p) in masters.accumulators()]
-    for steps in ([1, 2], [3, 4, 5], None, [6, 7], [8, 9]):
+    checks.expect(any(reducer.covers(p) for p in staged), "no staged weight is covered")
+    schedule = ([1, 2], [3, 4, 5], None, [6, 7], [8, 9]) if several else ([1], [2], [3], None, [4], [5])
+    for steps in schedule:
         if steps is None:
             reducer.forget()
             continue
@@ -376,25 +344,30 @@ def adopted_accumulated_worker(ep_size: int | None) -> list[str]:
         checks.expect(not misplaced, f"{steps}: {misplaced} staged weights not where they belong")
         kept = sum(id(p) in part.earlier for part in reducer._parts for p in staged if reducer.covers(p))
         checks.expect(kept == 0, f"{steps}: the reducer still refers to {kept} old accumulators")
-    masters.zero_unfilled()
-    with reducer.armed():
-        backward(model, 10)
-    reducer._parts[0].buckets[0].stale = True  # as a gradient finished again after the launch would
-    with pytest.raises(RuntimeError, match="cannot be sent again"):
-        reducer.finish()
+    if several:
+        masters.zero_unfilled()
+        with reducer.armed():
+            backward(model, 10)
+        reducer._parts[0].buckets[0].stale = True  # as a gradient finished again after the launch would
+        with pytest.raises(RuntimeError, match="cannot be sent again"):
+            reducer.finish()
     return checks.failures
 
 
+@pytest.mark.parametrize("several", [False, True], ids=["one micro-batch", "several"])
 @pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (2, 1), (4, 2)])
-def test_the_buckets_hold_the_adopted_accumulators_of_several_micro_batches(world, ep_size):
-    failures = run_checks(functools.partial(adopted_accumulated_worker, ep_size), world, timeout=300)
+def test_the_buckets_hold_the_adopted_accumulators(world, ep_size, several):
+    failures = run_checks(functools.partial(adopted_worker, ep_size, several), world, timeout=300)
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("world,ep_size", [(2, None), (4, None), (2, 1), (4, 2)])
-def test_the_buckets_hold_the_adopted_accumulators(world, ep_size):
-    failures = run_checks(functools.partial(adopted_worker, ep_size), world, timeout=300)
-    assert not failures, "\n".join(failures)
+def misplaced_accumulators(reducer: OverlappedReduce, masters: MasterWeights, staged: list) -> int:
+    """How many staged weights keep their float32 accumulator elsewhere than their bucket slot
+    (covered by the reducer) or in a slot (not covered)."""
+    slots = {id(p): slot for part in reducer._parts for b in part.buckets for p, slot in zip(b.params, b.slots)}
+    held = {id(p): masters.accumulators()[id(p)].data_ptr() for p in staged}
+    return sum(not (held[id(p)] == slots[id(p)].data_ptr() if reducer.covers(p) else
+                    held[id(p)] not in {slot.data_ptr() for slot in slots.values()}) for p in staged)
 
 
 def unfilled_worker() -> list[str]:
