@@ -348,7 +348,8 @@ def adopted_worker(ep_size: int | None, several: bool) -> list[str]:
         masters.zero_unfilled()
         with reducer.armed():
             backward(model, 10)
-        reducer._parts[0].buckets[0].stale = True  # as a gradient finished again after the launch would
+        # as a gradient finished again after the launch would
+        next(b for part in reducer._parts for b in part.buckets if b.accumulating).stale = True
         with pytest.raises(RuntimeError, match="cannot be sent again"):
             reducer.finish()
     return checks.failures
@@ -462,8 +463,9 @@ def test_the_training_micro_steps_arm_only_the_last_micro_batch():
 
 def train_step_worker(grad_accum: int) -> list[str]:
     """`weft train`'s own step (`weft.train.loop._train_step`) with master weights (float32
-    storage: the CPU has no autocast) whose staged accumulators are the buckets' slots, as
-    `gradient_reducer` builds them, the experts replicated on both ranks (`--ep-size 1`): three
+    storage: the CPU has no autocast) and the reducer `gradient_reducer` builds for
+    `--grad-reduce overlap`, whose buckets adopt the staged accumulators (checked), the experts
+    replicated on both ranks (`--ep-size 1`): three
     AdamW steps with the sums beside the backward (the last micro-batch's; its weights not
     staged again) leave the weights, the masters and the gradient norms of the same steps summed
     after the backward, bitwise."""
@@ -471,7 +473,7 @@ def train_step_worker(grad_accum: int) -> list[str]:
 
     from weft.train.config import TrainConfig
     from weft.train.data import BatchSampler
-    from weft.train.loop import _train_step
+    from weft.train.loop import _train_step, gradient_reducer
     from weft.train.optim import MasterAdamW, decay_groups
     from weft.train.step import build_micro_step
 
@@ -479,22 +481,26 @@ def train_step_worker(grad_accum: int) -> list[str]:
     groups = build_moe_groups(1)
     data = np.random.RandomState(0).randint(0, 256, 20000).astype(np.int64)
     batches = BatchSampler(data, 2, CONFIG.block_size, dist.get_rank(), dist.get_world_size(), seed=3)
-    cfg = TrainConfig(grad_accum=grad_accum, batch_size=2)
+    cfg = TrainConfig(grad_accum=grad_accum, batch_size=2, grad_reduce="overlap")
     out = {}
     for mode in ("after", "overlap"):
         torch.manual_seed(0)
         model = GPT(CONFIG, group=groups.ep)
         masters = MasterWeights(low_precision_parameters(model, groups, grad_accum), dtype=torch.float32)
         optimizer = MasterAdamW(decay_groups(model, 0.1), masters, lr=1e-3)
-        earlier = masters.accumulators() if grad_accum > 1 else None
-        reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB, earlier=earlier,
-                                    adopt=masters.adopt) if mode == "overlap" else None
+        reducer = gradient_reducer(model, cfg, groups, torch.device("cpu"), lambda line: None,
+                                   masters) if mode == "overlap" else None
         steps = build_micro_step(model, grad_accum, "off", batches.get(0, 0), reducer=reducer)
         pending, norms = None, []
         for step in range(1, 5):
             finished, pending = _train_step(model, optimizer, batches, step, cfg, groups, torch.device("cpu"), steps,
                                             masters, 1e-3, pending)
             norms += [finished["grad_norm"]] if finished is not None else []
+        if reducer is not None:
+            staged = [p for p in model.parameters() if id(p) in masters.accumulators()]
+            checks.expect(any(reducer.covers(p) for p in staged), "no staged weight is summed in the buckets")
+            misplaced = misplaced_accumulators(reducer, masters, staged)
+            checks.expect(not misplaced, f"{misplaced} staged accumulators are not their bucket slots")
         weights = [p.detach().clone() for p in model.parameters()]
         out[mode] = (weights, [masters.master(p).clone() for p in model.parameters() if masters.master(p) is not None],
                      norms)

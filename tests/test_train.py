@@ -818,6 +818,25 @@ def test_the_gradients_reduced_during_the_backward_train_with_the_same_losses(co
     assert summary["replicated_gradients_reduced"] == "nowhere" and summary["expert_gradients_reduced"] == "nowhere"
 
 
+def test_a_balanced_model_sums_its_expert_gradients_after_the_backward(corpus, tmp_path):
+    """Pro-Prophet adds its copied experts' gradients into the owners' at the end of the backward,
+    after their buckets would have been sent: with the experts replicated (4 ranks, --ep-size 2)
+    --grad-reduce overlap sums a balanced model's expert gradients after the backward (the
+    replicated ones during it) and trains with the losses of --grad-reduce after (to float32
+    rounding: 4 ranks sum in the buckets' order), through the steps that copy experts."""
+    model = {**WORLD_INVARIANT["moe"], "moe_every": 1}
+    cache = tmp_path / "cache"
+    for mode in ("overlap", "after"):
+        summary = run(config(corpus, tmp_path / mode, steps=5, model=model, batch_size=4, log_interval=1,
+                             balance="pro-prophet", balance_model="nominal", ep_size=2, grad_reduce=mode), 4, cache)
+        assert summary["expert_gradients_reduced"] == "after it", summary
+    rows = [json.loads(line) for line in (tmp_path / "overlap" / "metrics.jsonl").read_text().splitlines()]
+    assert any(experts for r in rows if "loss" in r for experts in r["copied_experts"]), "no expert was copied"
+    overlap, after = losses(tmp_path / "overlap"), losses(tmp_path / "after")
+    assert sorted(overlap) == list(range(1, 6))
+    assert overlap == pytest.approx(after, rel=1e-6, abs=0), (overlap, after)
+
+
 def test_the_gradient_reduction_overlaps_the_backward_where_it_pays():
     """`--grad-reduce auto` overlaps only on GPUs, where they do not reach each other's memory (a
     slow link: several nodes, P2P off), where the experts have replicas (`--ep-size` below the

@@ -389,7 +389,8 @@ class _Part:
 
 class _Bucket:
     """Some parameters' gradients side by side in one float32 buffer, sent as one all-reduce.
-    The gradients are copied in when the bucket is sent, with one multi-tensor copy (a copy per
+    The gradients are copied in when the bucket is sent (added, into slots that accumulate the
+    step's micro-batches: `accumulate`), with one multi-tensor copy (a copy per
     parameter as each finished cost 3.6x more on gpt2-s-moe's replicated gradients:
     docs/benchmarks.md, forty-fifth session)."""
 

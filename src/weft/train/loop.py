@@ -550,7 +550,8 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     """The `OverlappedReduce` of the gradients' sums over the data-parallel ranks (the replicated
     parameters over every rank, the experts over their expert-data-parallel replicas where
     `--ep-size` leaves some: `overlapped_reduce`) where `reduced_after` says they run during the
-    backward (None: `reduce_gradients` sums them after it; why, logged). With several micro-batches a
+    backward (None: `reduce_gradients` sums them after it; why, logged; a balanced model's expert
+    gradients always after it, see below). With several micro-batches a
     step, the last one's backward sends them, adding `masters`' float32 accumulators (the earlier
     micro-batches' sums of the staged weights; the others accumulate in their `.grad`). The staged
     weights' accumulators are the buckets' slots where `adopts_accumulators` says so."""
@@ -558,12 +559,16 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
         return None
     slow = peers_unavailable(groups.dp, device) if device.type == "cuda" else None
     adopt = adopts_accumulators(cfg, masters)
-    why = reduced_after(cfg, groups.tp_size, device, slow, groups.edp_size, adopt and cfg.grad_accum == 1)
+    # Pro-Prophet adds its copied experts' gradients into the owners' at the end of the backward,
+    # after their buckets would have left: a balanced model's expert sums run after the backward
+    replicas = 1 if model.balanced else groups.edp_size
+    why = reduced_after(cfg, groups.tp_size, device, slow, replicas, adopt and cfg.grad_accum == 1)
     if why is not None:
         log(f"weft train: the gradients are summed over the data-parallel ranks after the backward ({why})")
         return None
     several = cfg.grad_accum > 1 and masters is not None
-    reducer = overlapped_reduce(model, groups, earlier=masters.accumulators() if several else None,
+    reducer = overlapped_reduce(model, groups, experts=replicas > 1,
+                                earlier=masters.accumulators() if several else None,
                                 adopt=masters.adopt if adopt else None)
     expert_ids = {id(p) for p in expert_parameters(model)}
     dense = sum(p.numel() for p in reducer.params if id(p) not in expert_ids) / 1e6
@@ -574,7 +579,7 @@ def gradient_reducer(model: GPT, cfg: TrainConfig, groups: MoEGroups, device: to
     if cfg.grad_reduce == "overlap":
         chosen = "--grad-reduce overlap"
     else:
-        chosen = "--grad-reduce auto: " + (slow or ("the experts have replicas" if groups.edp_size > 1 else
+        chosen = "--grad-reduce auto: " + (slow or ("the experts have replicas" if replicas > 1 else
                                                    "the buckets are the master weights' accumulators"))
     when = "each backward" if cfg.grad_accum == 1 else \
         f"the backward of each step's last of {cfg.grad_accum} micro-batches"
@@ -619,10 +624,10 @@ def reduced_after(cfg: TrainConfig, tp_size: int, device: torch.device, slow: st
       micro-batch a step, staged weights; `MasterWeights.adopt`), so the copies into the buckets
       are the staging the sum after the backward does too: 1.00x and 1.01x with NVLink
       (gpt2-s-moe, gpt2-l-moe), 0.2-0.8 GiB less memory.
-    With NVLink, the replicated gradients alone and no adoption (several micro-batches a step, or
-    float32 weights) the bucket copies come on top of the staging: 0.96-0.99x measured with one
-    micro-batch before the adoption (several: not measured with NVLink). On the CPU the ranks
-    share its cores."""
+    With NVLink and the replicated gradients alone, `auto` sums after the backward with float32
+    weights (no accumulators: the bucket copies come on top, 0.96-0.99x measured before the
+    adoption) and with several micro-batches a step (adopted since, not measured). On the CPU the
+    ranks share its cores."""
     if tp_size > 1:
         return "--tp: the routers' gradients are summed over the tensor-parallel group first"
     if cfg.grad_reduce == "auto" and device.type != "cuda":

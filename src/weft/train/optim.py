@@ -165,8 +165,9 @@ class MasterWeights:
         (copied the first time in the step, added after), then zeroed in place. `summed`: the
         weights whose step's sum the micro-step's backward already sent (the last micro-batch's,
         `weft.moe.grads.OverlappedReduce.covers`): their buckets hold this accumulator's value
-        (float32: the earlier sums plus this gradient), which `write_back` puts in the
-        accumulator, so they are only marked as holding a gradient where they have one; their
+        (float32: the earlier sums plus this gradient; the bucket slot is the accumulator where
+        it adopted it, else `write_back` copies it there), so they are only marked as holding a
+        gradient where they have one; their
         bf16 gradients are left as they are (between steps `MicroSteps.clear_grads` clears them,
         or a graph that owns them overwrites them)."""
         staged = self._staged
