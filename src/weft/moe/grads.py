@@ -61,7 +61,8 @@ def mean_reduction(group: dist.ProcessGroup | None, divisor: int, device: torch.
     of two the same values as the sum divided after it (the products are exact, subnormals
     aside); otherwise float rounding apart. Elsewhere (gloo, other dtypes) the sum, then the
     caller's division."""
-    nccl = dist.get_backend(group) == "nccl" or "cuda:nccl" in str(dist.get_backend(group))
+    backend = str(dist.get_backend(group))
+    nccl = backend == "nccl" or "cuda:nccl" in backend
     if divisor > 1 and device.type == "cuda" and dtype in PREMUL_DTYPES and nccl:
         return dist._make_nccl_premul_sum(1.0 / divisor), 1
     return dist.ReduceOp.SUM, divisor
@@ -433,12 +434,14 @@ class _Bucket:
     def launch(self, group: dist.ProcessGroup | None, op: dist.ReduceOp) -> None:
         """The gradients into the buffer (float32; zeros for a parameter without one; added into
         an accumulating slot), then its all-reduce (`op`), asynchronously."""
-        grads = [(i, slot, p.grad) for i, (slot, p) in enumerate(zip(self.slots, self.params))]
-        _foreach_pairs(torch._foreach_copy_,
-                       [(slot, g.reshape(-1)) for i, slot, g in grads if g is not None and i not in self.accumulating])
-        _foreach_pairs(torch._foreach_add_,
-                       [(slot, g.reshape(-1)) for i, slot, g in grads if g is not None and i in self.accumulating])
-        empty = [slot for i, slot, g in grads if g is None and i not in self.accumulating]
+        copies, adds, empty = [], [], []
+        for i, (slot, p) in enumerate(zip(self.slots, self.params)):
+            if p.grad is not None:
+                (adds if i in self.accumulating else copies).append((slot, p.grad.reshape(-1)))
+            elif i not in self.accumulating:
+                empty.append(slot)
+        _foreach_pairs(torch._foreach_copy_, copies)
+        _foreach_pairs(torch._foreach_add_, adds)
         if empty:
             torch._foreach_zero_(empty)
         _foreach_pairs(torch._foreach_add_, self.earlier)
