@@ -338,7 +338,8 @@ def adopted_worker(ep_size: int | None, several: bool) -> list[str]:
             continue
         want = accumulated(model, groups, masters, steps, None, [])
         got = accumulated(model, groups, masters, steps, reducer, [])
-        wrong = equal_or_close(got, want, exact, atol_of_max=1e-6)
+        # several micro-batches sum in another order on more ranks; one micro-batch to float32 rounding
+        wrong = equal_or_close(got, want, exact, atol_of_max=1e-6 if several else 0.0)
         checks.expect(not wrong, f"micro-batches {steps}: gradients differ from the staged sums at {wrong}")
         misplaced = misplaced_accumulators(reducer, masters, staged)
         checks.expect(not misplaced, f"{steps}: {misplaced} staged weights not where they belong")
