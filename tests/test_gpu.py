@@ -21,6 +21,7 @@ from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
+from test_optim import many_tensors
 from test_overlap_passes import (
     both_passes_worker,
     graph_profile_captures_worker,
@@ -848,6 +849,28 @@ def test_the_adamw_pass_on_cuda_matches_the_reference_and_rounds_its_copy_to_nea
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
     assert not torch.equal(ours[0], master)
     assert torch.equal(ours[3], ours[0].bfloat16())  # the bf16 weight is the new master rounded to nearest
+
+
+@needs_cuda
+def test_one_adamw_launch_over_many_tensors_gives_the_bits_of_one_launch_each():
+    """`adamw_steps` (the tensors' addresses and hyperparameters in a table, one launch per kind)
+    against `adamw_step` for each tensor (its hyperparameters as the kernel's arguments): bitwise,
+    with bf16, float16 and float32 gradients, copies, partial blocks, an empty tensor and views
+    that are not 16-byte aligned (the unvectorised kind); a true skip flag writes nothing."""
+    from weft.kernels.adamw import AdamWUpdate, adamw_step, adamw_steps
+
+    for scale, skip in ((0.7, None), (torch.tensor(0.4, device="cuda"), torch.tensor(False, device="cuda")),
+                        (0.5, torch.tensor(True, device="cuda"))):
+        alone, together = many_tensors("cuda"), many_tensors("cuda")
+        start = [case[0].clone() for case in alone]
+        for master, grad, m, v, copy, hyper in alone:
+            adamw_step(master, grad, m, v, hyper, grad_scale=scale, copy=copy, skip=skip)
+        adamw_steps([AdamWUpdate(master, grad, m, v, hyper, copy) for master, grad, m, v, copy, hyper in together],
+                    grad_scale=scale, skip=skip)
+        for i, (a, b) in enumerate(zip(alone, together)):
+            for name, x, y in zip(("master", "grad", "exp_avg", "exp_avg_sq", "copy"), a, b):
+                assert x is None or torch.equal(x, y), (i, name, scale)
+            assert torch.equal(b[0], start[i]) == (skip is not None and bool(skip) or not b[0].numel()), (i, skip)
 
 
 @needs_cuda

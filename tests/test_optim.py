@@ -10,7 +10,7 @@ import torch
 
 from test_train import SMALL_MODEL, config, losses, write_corpus
 from weft.distributed import build_moe_groups
-from weft.kernels.adamw import AdamWHyper, adamw_step, adamw_step_reference
+from weft.kernels.adamw import AdamWHyper, AdamWUpdate, adamw_step, adamw_step_reference, adamw_steps
 from weft.models import GPT, get_preset
 from weft.moe.grads import reduce_gradients
 from weft.testing import run_checks, run_distributed
@@ -129,6 +129,82 @@ def kernel_worker() -> list[str]:
                     if not torch.allclose(a, b, rtol=1e-6, atol=1e-7):
                         failures.append(f"n={n} skip=False, scale in memory: {name} differs")
     return failures
+
+
+def many_tensors(device: str) -> list[tuple]:
+    """(master, grad, exp_avg, exp_avg_sq, copy or None, hyper) of tensors of every kind one
+    `adamw_steps` launch groups, several of each: bf16, float16 and float32 gradients, with and
+    without a bf16 copy, sizes below, at and across the kernel's block (several blocks, a partial
+    last one) and an empty one, and views that start 4 or 12 bytes into a buffer (not 16-byte
+    aligned, as a bucket's slots can be); each with hyperparameters of its own."""
+    gen = torch.Generator().manual_seed(4)
+    cases = []
+    for i, (n, grad_dtype, with_copy, offset) in enumerate(
+            ((2500, torch.bfloat16, True, 0), (1024, torch.float32, False, 0), (3, torch.bfloat16, True, 0),
+             (5000, torch.float32, True, 1), (700, torch.bfloat16, False, 1), (1, torch.float32, False, 0),
+             (4097, torch.bfloat16, True, 0), (1500, torch.float32, True, 3), (33, torch.bfloat16, False, 3),
+             (0, torch.bfloat16, True, 0), (2049, torch.float16, False, 0), (100, torch.float32, False, 0))):
+        def make(values, dtype=torch.float32):  # `offset` elements into a buffer of its own
+            buffer = torch.zeros(offset + n, dtype=dtype)
+            buffer[offset:] = values
+            return buffer.to(device)[offset:]
+        master, m = make(torch.randn(n, generator=gen)), make(torch.randn(n, generator=gen) * 0.1)
+        v, grad = make(torch.rand(n, generator=gen) * 0.01), make(torch.randn(n, generator=gen), grad_dtype)
+        copy = make(torch.zeros(n), torch.bfloat16) if with_copy else None
+        hyper = AdamWHyper(LR * (i + 1), BETAS[0], BETAS[1] - 0.01 * i, 1e-8 * (i + 1), WD * (i % 3), 3 + i)
+        cases.append((master, grad, m, v, copy, hyper))
+    return cases
+
+
+def many_worker() -> list[str]:
+    """`adamw_steps` over many tensors in one launch per kind (and a non-contiguous one, which
+    takes the reference), against a launch for each tensor alone: bitwise, with the scale as a
+    number and read from memory, and a skip flag that writes nothing; and against the exact
+    update (float64) and the reference's moments, as `kernel_worker` checks one tensor. (Against
+    `adamw_step`'s kernel, whose hyperparameters are its arguments, bitwise on a GPU:
+    tests/test_gpu.py; the interpreter passes those in float64, the table holds float32.)"""
+    failures = []
+    for scale, skip in ((0.7, None), (torch.tensor(0.4), torch.tensor(False)), (0.5, torch.tensor(True))):
+        alone, together = many_tensors("cpu"), many_tensors("cpu")
+        for cases in (alone, together):  # transposed views: not contiguous
+            gen = torch.Generator().manual_seed(5)
+            master, m, v, grad = (torch.randn(7, 5, generator=gen).t() for _ in range(4))
+            hyper = AdamWHyper(LR, *BETAS, 1e-8, WD, 2)
+            cases.append((master, grad, m.abs_().mul_(0.1), v.abs_().mul_(0.01), None, hyper))
+        before = [[t.clone() for t in (case[0], case[2], case[3])] for case in alone]
+        for master, grad, m, v, copy, hyper in alone:
+            adamw_steps([AdamWUpdate(master, grad, m, v, hyper, copy)], grad_scale=scale, skip=skip)
+        adamw_steps([AdamWUpdate(master, grad, m, v, hyper, copy) for master, grad, m, v, copy, hyper in together],
+                    grad_scale=scale, skip=skip)
+        skipped = bool(skip is not None and skip)
+        value = float(scale)
+        for i, (a, b, start) in enumerate(zip(alone, together, before)):
+            label = f"tensor {i} ({a[0].numel()} elements, {a[1].dtype}, scale {value}, skip {skip})"
+            for name, x, y in zip(("master", "grad", "exp_avg", "exp_avg_sq", "copy"), a, b):
+                if x is not None and not torch.equal(x, y):
+                    failures.append(f"{label}: {name} differs by {(x.float() - y.float()).abs().max():.3g}")
+            moved = not torch.equal(b[0], start[0])
+            if a[0].numel() and moved == skipped:
+                failures.append(f"{label}: the master {'moved' if moved else 'did not move'}")
+            if skipped or not a[0].numel():
+                continue
+            master, m, v = (t.reshape(-1) for t in start)
+            exact = adamw_float64(master, b[1].reshape(-1), m, v, b[5], value)
+            failures += master_errors(label, b[0].reshape(-1), exact, master)
+            ref = [t.clone() for t in start]
+            adamw_step_reference(ref[0], b[1], ref[1], ref[2], b[5], grad_scale=value)
+            for name, x, y in (("exp_avg", b[2], ref[1]), ("exp_avg_sq", b[3], ref[2])):
+                if not torch.allclose(x, y, rtol=1e-6, atol=1e-7):
+                    failures.append(f"{label}: {name} is {(x - y).abs().max():.2e} from the reference's")
+    adamw_steps([])  # nothing to update: no launch
+    return failures
+
+
+def test_one_launch_over_many_tensors_updates_each_as_alone(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(many_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures)
 
 
 def test_the_triton_pass_matches_the_reference(monkeypatch):

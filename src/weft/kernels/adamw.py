@@ -1,5 +1,5 @@
 """One AdamW update of a tensor whose float32 master copy is updated from a low-precision
-gradient, in one pass over memory: `adamw_step`.
+gradient, in one pass over memory: `adamw_step` (one tensor), `adamw_steps` (many, one launch).
 
 For each element, with g = grad * grad_scale in float32 (the scale is gradient clipping's
 coefficient, 1 without clipping; a number, or a one-element float32 tensor the kernel reads from
@@ -21,12 +21,18 @@ forward) for torch's fused AdamW on float32 parameters. `skip` (a one-element bo
 "the gradient norm is not finite"): where true nothing is written, decided on the device (the
 PyTorch reference reads it on the host).
 
-The Triton kernel runs on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1, which is how
+`adamw_steps` updates many tensors with one launch per kind of tensor (their addresses and
+hyperparameters in a table): on a GPU the same bits as `adamw_step` on each (Triton's CPU
+interpreter passes `adamw_step`'s hyperparameters in float64 and rounds a fused multiply-add
+twice, so there the two agree to float32 rounding).
+
+The Triton kernels run on CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1, which is how
 the CPU suite tests it); `adamw_step_reference` is the same update in PyTorch ops, the CPU path
 and the test oracle.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -97,20 +103,32 @@ def _update(master, grad, exp_avg, exp_avg_sq, hyper: AdamWHyper, grad_scale: Sc
         copy.copy_(master)
 
 
+@dataclass(frozen=True, eq=False)
+class AdamWUpdate:
+    """One tensor's update in `adamw_steps`: `adamw_step`'s arguments but the scale and skip."""
+
+    master: torch.Tensor
+    grad: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    hyper: AdamWHyper
+    copy: torch.Tensor | None = None
+
+
 def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                hyper: AdamWHyper, grad_scale: Scale = 1.0, copy: torch.Tensor | None = None,
                skip: torch.Tensor | None = None) -> None:
     """The update in place: the Triton kernel where it can run (contiguous tensors on CUDA, or the
-    CPU under TRITON_INTERPRET=1), the reference otherwise."""
+    CPU under TRITON_INTERPRET=1), the reference otherwise. One tensor, its hyperparameters passed
+    as the kernel's arguments (`adamw_steps` reads them from a table it copies to the device)."""
     _check(master, grad, exp_avg, exp_avg_sq, copy)
     tensors = [master, grad, exp_avg, exp_avg_sq] + ([copy] if copy is not None else [])
     if not triton_usable(master) or not all(t.is_contiguous() for t in tensors) or master.numel() == 0:
         _update(master, grad, exp_avg, exp_avg_sq, hyper, grad_scale, copy, skip)
         return
-    n = master.numel()
     scale_in_memory = isinstance(grad_scale, torch.Tensor)
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        master, grad, exp_avg, exp_avg_sq, copy if copy is not None else master, n,
+    _adamw_kernel[(triton.cdiv(master.numel(), BLOCK),)](
+        master, grad, exp_avg, exp_avg_sq, copy if copy is not None else master, master.numel(),
         hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, hyper.weight_decay,
         hyper.lr / hyper.bias_correction1, hyper.bias_correction2_sqrt,
         grad_scale if scale_in_memory else master, 1.0 if scale_in_memory else float(grad_scale),
@@ -118,30 +136,153 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
         HAS_COPY=copy is not None, SCALE_IN_MEMORY=scale_in_memory, HAS_SKIP=skip is not None, BLOCK=BLOCK)
 
 
+def adamw_steps(updates: list[AdamWUpdate], grad_scale: Scale = 1.0, skip: torch.Tensor | None = None) -> None:
+    """`adamw_step` of every update, with one `grad_scale` and `skip`: one Triton launch for all
+    the tensors of one kind (device, gradient and copy dtypes, 16-byte alignment), whose programs
+    find their tensor in a table of addresses and per-tensor hyperparameters (the multi-tensor
+    form of torch's fused optimizers): a launch per tensor leaves the GPU a gap between each two
+    kernels (docs/benchmarks.md, forty-eighth session). The same arithmetic per element as
+    `adamw_step`, with the same float32 hyperparameters: on a GPU bitwise the same results. The host
+    builds the table before the first launch, so from an idle GPU the pass starts later; a
+    training step launches it while its backward runs. Tensors the kernel cannot take
+    (non-contiguous, or on the CPU without the interpreter) run the reference."""
+    kinds: dict[tuple, list[AdamWUpdate]] = {}
+    for u in updates:
+        _check(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.copy)
+        tensors = _tensors(u)
+        if not triton_usable(u.master) or not all(t.is_contiguous() for t in tensors):
+            _update(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.hyper, grad_scale, u.copy, skip)
+        elif u.master.numel():
+            aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
+            kind = (u.master.device, u.grad.dtype, None if u.copy is None else u.copy.dtype, aligned)
+            kinds.setdefault(kind, []).append(u)
+    for (device, _, _, aligned), group in kinds.items():
+        _launch_many(group, device, aligned, grad_scale, skip)
+
+
+def _tensors(u: AdamWUpdate) -> list[torch.Tensor]:
+    return [u.master, u.grad, u.exp_avg, u.exp_avg_sq] + ([u.copy] if u.copy is not None else [])
+
+
+def _launch_many(group: list[AdamWUpdate], device: torch.device, aligned: bool, grad_scale: Scale,
+                 skip: torch.Tensor | None) -> None:
+    """One launch over `group`'s tensors: program b updates block b - starts[t] of tensor t, where
+    starts[t] <= b < starts[t + 1] (the programs' first blocks, by tensor)."""
+    starts = [0]
+    for u in group:
+        starts.append(starts[-1] + triton.cdiv(u.master.numel(), BLOCK))
+    # per tensor: its numel, then the addresses of master, grad, exp_avg, exp_avg_sq, copy
+    table = starts + [v for u in group for v in (u.master.numel(), *(t.data_ptr() for t in _tensors(u)),
+                                                 *(() if u.copy is not None else (u.master.data_ptr(),)))]
+    hyper = [v for u in group for v in (u.hyper.lr, u.hyper.beta1, u.hyper.beta2, u.hyper.eps, u.hyper.weight_decay,
+                                        u.hyper.lr / u.hyper.bias_correction1, u.hyper.bias_correction2_sqrt)]
+    first = group[0]
+    scale_in_memory = isinstance(grad_scale, torch.Tensor)
+    on_their_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with on_their_gpu:  # the copies and the launch on the tensors' GPU, its current stream
+        table_t, hyper_t = _on(torch.tensor(table, dtype=torch.int64), device), \
+            _on(torch.tensor(hyper, dtype=torch.float32), device)
+        _adamw_many_kernel[(starts[-1],)](
+            table_t, hyper_t, len(group), first.master, first.grad, first.master if first.copy is None else first.copy,
+            grad_scale if scale_in_memory else first.master, 1.0 if scale_in_memory else float(grad_scale),
+            skip if skip is not None else first.master,
+            HAS_COPY=first.copy is not None, SCALE_IN_MEMORY=scale_in_memory, HAS_SKIP=skip is not None,
+            ALIGNED=aligned, BLOCK=BLOCK)
+
+
+def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`, copied from pinned memory without waiting for the kernels
+    queued before it (a copy from pageable memory would wait for them; PyTorch's pinned-memory
+    allocator keeps the host block until the copy is done)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 if triton is not None:
+    @triton.jit
+    def _adamw_block(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, offs, mask,
+                     lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, grad_scale,
+                     HAS_COPY: tl.constexpr):
+        """One block of elements `offs` (where `mask`), each read and written once. Every product
+        that meets a sum is an explicit fused multiply-add: which of two products the compiler
+        would fuse on its own may differ between kernels (vectorised or not), and then so would
+        the last bit; so both kernels give the same bits."""
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
+        m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+        p = p * tl.fma(-lr, weight_decay, 1.0)
+        m = tl.fma(beta1, m, (1 - beta1) * g)
+        v = tl.fma(beta2, v, (1 - beta2) * g * g)
+        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
+        p = tl.fma(-step_size, m / denom, p)
+        tl.store(master_ptr + offs, p, mask=mask)
+        tl.store(exp_avg_ptr + offs, m, mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+        if HAS_COPY:
+            tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
     @triton.jit
     def _adamw_kernel(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, n,
                       lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, scale_ptr, grad_scale,
                       skip_ptr, HAS_COPY: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr, HAS_SKIP: tl.constexpr,
                       BLOCK: tl.constexpr):
-        """One block of BLOCK elements; each element read and written once (none where `skip`)."""
+        """One tensor: program b updates its block b (none where `skip`)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         if HAS_SKIP:
             mask = mask & (tl.load(skip_ptr).to(tl.int32) == 0)
         if SCALE_IN_MEMORY:
             grad_scale = tl.load(scale_ptr)
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * grad_scale
-        m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-        p = p * (1 - lr * weight_decay)
-        m = beta1 * m + (1 - beta1) * g
-        v = beta2 * v + (1 - beta2) * g * g
-        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-        p = p - step_size * (m / denom)
-        tl.store(master_ptr + offs, p, mask=mask)
-        tl.store(exp_avg_ptr + offs, m, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-        if HAS_COPY:
-            tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        _adamw_block(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, offs, mask, lr, beta1, beta2, eps,
+                     weight_decay, step_size, bias_correction2_sqrt, grad_scale, HAS_COPY)
+
+    @triton.jit
+    def _address(table, i, like, ALIGNED: tl.constexpr):
+        """table[i] as a pointer to `like`'s dtype (16-byte aligned where ALIGNED)."""
+        ptr = tl.load(table + i).to(tl.pointer_type(like.dtype.element_ty))
+        if ALIGNED:
+            ptr = tl.multiple_of(ptr, 16)
+        return ptr
+
+    @triton.jit
+    def _adamw_many_kernel(table, hyper, n_tensors, master_like, grad_like, copy_like, scale_ptr, grad_scale,
+                           skip_ptr, HAS_COPY: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
+                           HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+        """Block b of the launch: its tensor t by binary search over the tensors' first blocks
+        (`table[0 : n_tensors + 1]`), then t's numel and five addresses (`table[n_tensors + 1 + 6t
+        :]`) and seven hyperparameters (`hyper[7t :]`: lr, beta1, beta2, eps, weight decay, step
+        size, sqrt of the second bias correction)."""
+        b = tl.program_id(0)
+        lo = 0
+        hi = n_tensors
+        while hi - lo > 1:  # table[lo] <= b < table[hi]
+            mid = (lo + hi) // 2
+            if tl.load(table + mid) <= b:
+                lo = mid
+            else:
+                hi = mid
+        row = table + n_tensors + 1 + 6 * lo
+        n = tl.load(row)
+        start = (b - tl.load(table + lo)) * BLOCK
+        offs = start + tl.arange(0, BLOCK)
+        # a whole block's mask is one value for all its elements, so aligned loads and stores move
+        # 16 bytes at a time (the mask `offs < n` of an n not known to divide by 4 would not let them)
+        mask = tl.full((BLOCK,), 1, tl.int1)
+        if HAS_SKIP:
+            mask = mask & (tl.load(skip_ptr).to(tl.int32) == 0)
+        if SCALE_IN_MEMORY:
+            grad_scale = tl.load(scale_ptr)
+        h = hyper + 7 * lo
+        master, grad = _address(row, 1, master_like, ALIGNED), _address(row, 2, grad_like, ALIGNED)
+        exp_avg, exp_avg_sq = _address(row, 3, master_like, ALIGNED), _address(row, 4, master_like, ALIGNED)
+        copy = _address(row, 5, copy_like, ALIGNED)
+        lr, beta1, beta2, eps = tl.load(h), tl.load(h + 1), tl.load(h + 2), tl.load(h + 3)
+        weight_decay, step_size, bias_correction2_sqrt = tl.load(h + 4), tl.load(h + 5), tl.load(h + 6)
+        if start + BLOCK <= n:
+            _adamw_block(master, grad, exp_avg, exp_avg_sq, copy, offs, mask, lr, beta1, beta2, eps, weight_decay,
+                         step_size, bias_correction2_sqrt, grad_scale, HAS_COPY)
+        else:  # the tensor's last, partial block
+            _adamw_block(master, grad, exp_avg, exp_avg_sq, copy, offs, mask & (offs < n), lr, beta1, beta2, eps,
+                         weight_decay, step_size, bias_correction2_sqrt, grad_scale, HAS_COPY)

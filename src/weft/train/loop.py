@@ -96,7 +96,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def build_optimizer(model: GPT, cfg: TrainConfig, masters: MasterWeights | None = None) -> torch.optim.AdamW:
     """AdamW; matrices (and expert weight stacks) decay, vectors (norms) do not. With `masters`
-    (bf16 parameters, weft.train.optim) `MasterAdamW`, one Triton pass per tensor. Otherwise on GPUs
+    (bf16 parameters, weft.train.optim) `MasterAdamW`, one Triton pass (a launch per kind of tensor). Otherwise on GPUs
     torch's fused implementation (one kernel per step and dtype; `train.fused_optimizer = false`
     switches to its multi-tensor one): the same update up to float rounding."""
     groups = decay_groups(model, cfg.weight_decay)

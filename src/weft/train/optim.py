@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from weft.distributed import MoEGroups, group_size
-from weft.kernels.adamw import AdamWHyper, adamw_step
+from weft.kernels.adamw import AdamWHyper, AdamWUpdate, adamw_steps
 from weft.models import GPT
 from weft.moe import MoE
 from weft.ops.wgrad import Linear
@@ -322,6 +322,7 @@ class MasterAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("MasterAdamW runs plain AdamW (amsgrad and maximize off)")
+        updates = []
         for group, p in ((g, p) for g in self.param_groups for p in g["params"] if p.grad is not None):
             beta1, beta2 = group["betas"]
             master = self.masters.master(p)
@@ -337,8 +338,9 @@ class MasterAdamW(torch.optim.AdamW):
             self._stepped.append(state["step"])
             hyper = AdamWHyper(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
                                int(state["step"]))
-            adamw_step(target, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper, grad_scale,
-                       copy=None if master is None else self.masters.low(p), skip=skip)
+            updates.append(AdamWUpdate(target, p.grad, state["exp_avg"], state["exp_avg_sq"], hyper,
+                                       None if master is None else self.masters.low(p)))
+        adamw_steps(updates, grad_scale, skip)  # one launch per kind of tensor, not one per tensor
         return None
 
     def skipped(self) -> None:
