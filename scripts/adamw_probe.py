@@ -1,11 +1,14 @@
-"""`weft train`'s AdamW pass over a preset's parameters on one GPU: one launch per tensor
+"""`weft train`'s AdamW pass over a preset's parameters on one GPU, and the gradient norm before
+it. The pass: one launch per tensor
 (`adamw_step`, as `MasterAdamW` ran it before the forty-eighth session) against one launch per kind
 of tensor (`adamw_steps`), interleaved, each round after a sleep kernel (~10-20 ms) so that the host
 queues every launch before the GPU reaches them (GPU ms: the kernels and the gaps between them),
 and from an idle GPU (wall ms: the host's launches included). The parameters as `weft train
 --master-weights` holds them on one rank: bf16 gradients and copies for the matrices, float32
-for the rest. Prints a table (and TB/s: the bytes each pass must move) and writes JSON to
-$OUT/adamw_probe.json.
+for the rest. The norm's sum of squares over those gradients: `torch._foreach_norm` over the
+mixed list (PyTorch runs it a kernel per tensor), over each dtype's list, and
+`weft.kernels.sumsq.sum_of_squares` (one pass), GPU ms as above. Prints a table (TB/s: the bytes
+each must move) and writes JSON to $OUT/adamw_probe.json.
 
     PYTHONPATH=src python3 scripts/adamw_probe.py [--presets gpt2-s-moe qwen2-moe-2l gpt2-l-moe] [--rounds 3]
 """
@@ -20,6 +23,7 @@ import torch
 
 from weft.jsonfile import write_json
 from weft.kernels.adamw import AdamWHyper, AdamWUpdate, adamw_step, adamw_steps
+from weft.kernels.sumsq import sum_of_squares, sum_of_squares_reference
 from weft.models import GPT, get_preset
 
 
@@ -87,14 +91,27 @@ def main() -> None:
                 times[name]["gpu"].append(gpu_ms(lambda fn=fn: fn(updates, scale)))
                 times[name]["wall"].append(statistics.median(wall_ms(lambda fn=fn: fn(updates, scale))
                                                              for _ in range(5)))
-        row = {"preset": preset, "tensors": len(updates), "bytes": nbytes, "times_ms": times}
+        grads = [u.grad for u in updates]
+        dtypes = {g.dtype for g in grads}
+        norms = {"norm, one list": lambda: sum_of_squares_reference(grads),
+                 "norm, by dtype": lambda: sum(sum_of_squares_reference([g for g in grads if g.dtype == d])
+                                               for d in dtypes),
+                 "norm, one pass": lambda: sum_of_squares(grads)}
+        for name, fn in norms.items():
+            times[name] = {"gpu": [gpu_ms(fn) for _ in range(args.rounds)], "wall": []}
+        values = {name: float(fn()) for name, fn in norms.items()}
+        grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+        row = {"preset": preset, "tensors": len(updates), "bytes": nbytes, "grad_bytes": grad_bytes, "times_ms": times,
+               "sums_of_squares": values}
         rows.append(row)
         print(f"{preset}: {len(updates)} tensors, {nbytes / 1e9:.2f} GB a pass", flush=True)
         for name, t in times.items():
-            best = min(t["gpu"])
-            print(f"  {name:10s} GPU ms {' / '.join(f'{v:.3f}' for v in t['gpu'])} ({nbytes / best / 1e9:.2f} TB/s)"
-                  f"   wall ms {' / '.join(f'{v:.3f}' for v in t['wall'])}", flush=True)
-        updates = None  # freed before the next preset
+            moved = grad_bytes if name.startswith("norm") else nbytes
+            print(f"  {name:16s} GPU ms {' / '.join(f'{v:.3f}' for v in t['gpu'])} "
+                  f"({moved / min(t['gpu']) / 1e9:.2f} TB/s)   wall ms {' / '.join(f'{v:.3f}' for v in t['wall'])}",
+                  flush=True)
+        print("  sums of squares: " + ", ".join(f"{name[6:]} {v:.9g}" for name, v in values.items()), flush=True)
+        updates = grads = norms = None  # freed before the next preset
         torch.cuda.empty_cache()
     if os.environ.get("OUT"):
         write_json(os.path.join(os.environ["OUT"], "adamw_probe.json"), rows)

@@ -21,7 +21,7 @@ from test_moe_adaptive import adaptive_worker, sliced_worker
 from test_moe_equivalence import ACTIVATIONS, GATES, equivalence_worker
 from test_moe_exchange import exchange_worker, reads_worker
 from test_moe_pipeline import dropless_worker, pipeline_worker, two_dim_pipeline_worker
-from test_optim import many_tensors
+from test_optim import many_tensors, squares_cases
 from test_overlap_passes import (
     both_passes_worker,
     graph_profile_captures_worker,
@@ -871,6 +871,20 @@ def test_one_adamw_launch_over_many_tensors_gives_the_bits_of_one_launch_each():
             for name, x, y in zip(("master", "grad", "exp_avg", "exp_avg_sq", "copy"), a, b):
                 assert x is None or torch.equal(x, y), (i, name, scale)
             assert torch.equal(b[0], start[i]) == (skip is not None and bool(skip) or not b[0].numel()), (i, skip)
+
+
+@needs_cuda
+def test_the_sum_of_squares_of_many_tensors_on_cuda_is_exact_to_float32_and_repeats_bitwise():
+    """`sum_of_squares` (gradient clipping's norm; one launch per kind of tensor) on the GPU:
+    within float32 rounding of the exact sum (mixed dtypes, partial blocks, unaligned views, a
+    non-contiguous tensor), the same bits twice."""
+    from weft.kernels.sumsq import sum_of_squares
+
+    cases = squares_cases("cuda")
+    got = sum_of_squares(cases)
+    exact = sum(float(t.double().square().sum()) for t in cases)
+    assert abs(float(got) - exact) <= 1e-6 * exact
+    assert torch.equal(sum_of_squares(squares_cases("cuda")), got)
 
 
 @needs_cuda

@@ -11,6 +11,8 @@ import torch
 from test_train import SMALL_MODEL, config, losses, write_corpus
 from weft.distributed import build_moe_groups
 from weft.kernels.adamw import AdamWHyper, AdamWUpdate, adamw_step, adamw_step_reference, adamw_steps
+from weft.kernels.rows import triton_usable
+from weft.kernels.sumsq import sum_of_squares, sum_of_squares_reference
 from weft.models import GPT, get_preset
 from weft.moe.grads import reduce_gradients
 from weft.testing import run_checks, run_distributed
@@ -205,6 +207,77 @@ def test_one_launch_over_many_tensors_updates_each_as_alone(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(many_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
+
+
+def squares_cases(device: str) -> list[torch.Tensor]:
+    """Tensors of every kind `sum_of_squares` launches apart, several of each: bf16, float16 and
+    float32, sizes below, at and across its block (a partial last one), views 2 and 4 bytes into
+    a buffer (not 16-byte aligned), an empty tensor, and a transposed (non-contiguous) one that
+    the reference sums; magnitudes from 1e-3 to 30."""
+    gen = torch.Generator().manual_seed(6)
+    out = []
+    for n, scale, dtype, offset in ((30000, 1e-3, torch.bfloat16, 0), (17, 5.0, torch.float32, 0),
+                                    (8192, 0.1, torch.bfloat16, 0), (1, 30.0, torch.float32, 0),
+                                    (20001, 1e-2, torch.float16, 0), (9000, 2.0, torch.bfloat16, 1),
+                                    (300, 1.0, torch.float32, 1), (0, 1.0, torch.bfloat16, 0),
+                                    (8193, 0.5, torch.float32, 3), (5, 3.0, torch.bfloat16, 0)):
+        buffer = torch.zeros(offset + n, dtype=dtype)
+        buffer[offset:] = torch.randn(n, generator=gen) * scale
+        out.append(buffer.to(device)[offset:])
+    out.insert(4, (torch.randn(40, 30, generator=gen) * 0.3).to(device).t())
+    return out
+
+
+def squares_worker() -> list[str]:
+    failures = []
+    if not triton_usable(torch.zeros(1)):
+        return ["the interpreter is not on: the kernel's path did not run"]
+    # small integers: every square and every partial sum is exact in float32, whatever the order,
+    # so a block counted twice or left out anywhere (any tensor, any group) changes the result
+    exact_cases = [t.mul_(3).round_().clamp_(-3, 3) for t in squares_cases("cpu")]  # in place: the same views
+    want = sum(int(t.double().square().sum()) for t in exact_cases)
+    if float(sum_of_squares(exact_cases)) != want:
+        failures.append(f"integer squares sum to {float(sum_of_squares(exact_cases))}, exactly {want}")
+    cases = squares_cases("cpu")
+    got = sum_of_squares(cases)
+    exact = sum(float(t.double().square().sum()) for t in cases)
+    if got.dtype != torch.float32 or got.shape != ():
+        failures.append(f"a {got.dtype} of shape {tuple(got.shape)}, not a float32 scalar")
+    if abs(float(got) - exact) > 1e-6 * exact:
+        failures.append(f"sum of squares {float(got):.9g}, exactly {exact:.9g}")
+    if not torch.equal(sum_of_squares(squares_cases("cpu")), got):
+        failures.append("two calls gave different bits")
+    for i, t in enumerate(cases):  # each tensor alone, the kernel's or the reference's path
+        one = float(sum_of_squares([t]))
+        want = float(t.double().square().sum())
+        if abs(one - want) > 1e-6 * want + 1e-30:
+            failures.append(f"tensor {i} ({t.dtype}, {t.numel()} elements, contiguous {t.is_contiguous()}): "
+                            f"{one:.9g}, exactly {want:.9g}")
+    return failures
+
+
+def test_one_launch_sums_the_squares_of_many_tensors(monkeypatch):
+    """`sum_of_squares` (gradient clipping's global norm) in Triton's interpreter: within float32
+    rounding of the exact sum over mixed dtypes, partial blocks, unaligned views and a tensor the
+    reference sums; the same bits twice."""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(squares_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_squares_reference_sums_each_tensors_norm_in_the_lists_order(device):
+    """Without Triton (the CPU, or non-contiguous tensors) the sum is PyTorch's per-tensor norms,
+    squared and added in the list's order, as `gradient_norm` took it before the kernel: squares
+    whose float32 sum depends on the order (2^24 + 1 ties to 2^24; 1 + 1 + 2^24 + 1 one after
+    another is 2^24 + 4)."""
+    ordered = [torch.tensor(values, device=device, dtype=dtype) for values, dtype in
+               (([1.0], torch.bfloat16), ([1.0], torch.float32), ([4096.0], torch.bfloat16), ([1.0], torch.float32))]
+    in_order = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in ordered]).square().sum()
+    assert torch.equal(sum_of_squares_reference(ordered), in_order)
+    if device == "cpu":  # no Triton here: the reference's path
+        assert torch.equal(sum_of_squares(ordered), in_order)
 
 
 def test_the_triton_pass_matches_the_reference(monkeypatch):

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from weft.kernels import multi_tensor
+from weft.kernels.multi_tensor import aligned, block_table, on_device
 from weft.kernels.rows import triton_usable
 
 try:
@@ -153,53 +155,41 @@ def adamw_steps(updates: list[AdamWUpdate], grad_scale: Scale = 1.0, skip: torch
         if not triton_usable(u.master) or not all(t.is_contiguous() for t in tensors):
             _update(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.hyper, grad_scale, u.copy, skip)
         elif u.master.numel():
-            aligned = all(t.data_ptr() % 16 == 0 for t in tensors)
-            kind = (u.master.device, u.grad.dtype, None if u.copy is None else u.copy.dtype, aligned)
+            kind = (u.master.device, u.grad.dtype, None if u.copy is None else u.copy.dtype, aligned(tensors))
             kinds.setdefault(kind, []).append(u)
-    for (device, _, _, aligned), group in kinds.items():
-        _launch_many(group, device, aligned, grad_scale, skip)
+    for (device, _, _, is_aligned), group in kinds.items():
+        _launch_many(group, device, is_aligned, grad_scale, skip)
 
 
 def _tensors(u: AdamWUpdate) -> list[torch.Tensor]:
     return [u.master, u.grad, u.exp_avg, u.exp_avg_sq] + ([u.copy] if u.copy is not None else [])
 
 
-def _launch_many(group: list[AdamWUpdate], device: torch.device, aligned: bool, grad_scale: Scale,
+def _launch_many(group: list[AdamWUpdate], device: torch.device, is_aligned: bool, grad_scale: Scale,
                  skip: torch.Tensor | None) -> None:
-    """One launch over `group`'s tensors: program b updates block b - starts[t] of tensor t, where
-    starts[t] <= b < starts[t + 1] (the programs' first blocks, by tensor)."""
-    starts = [0]
-    for u in group:
-        starts.append(starts[-1] + triton.cdiv(u.master.numel(), BLOCK))
-    # per tensor: its numel, then the addresses of master, grad, exp_avg, exp_avg_sq, copy
-    table = starts + [v for u in group for v in (u.master.numel(), *(t.data_ptr() for t in _tensors(u)),
-                                                 *(() if u.copy is not None else (u.master.data_ptr(),)))]
+    """One launch over `group`'s tensors (`weft.kernels.multi_tensor`'s table: per tensor the
+    addresses of master, grad, exp_avg, exp_avg_sq and copy, the master's where there is none)."""
+    table, blocks = block_table([u.master.numel() for u in group],
+                                [[t.data_ptr() for t in _tensors(u)] + ([] if u.copy is not None else
+                                                                         [u.master.data_ptr()]) for u in group], BLOCK)
     hyper = [v for u in group for v in (u.hyper.lr, u.hyper.beta1, u.hyper.beta2, u.hyper.eps, u.hyper.weight_decay,
                                         u.hyper.lr / u.hyper.bias_correction1, u.hyper.bias_correction2_sqrt)]
     first = group[0]
     scale_in_memory = isinstance(grad_scale, torch.Tensor)
     on_their_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with on_their_gpu:  # the copies and the launch on the tensors' GPU, its current stream
-        table_t, hyper_t = _on(torch.tensor(table, dtype=torch.int64), device), \
-            _on(torch.tensor(hyper, dtype=torch.float32), device)
-        _adamw_many_kernel[(starts[-1],)](
+        table_t, hyper_t = on_device(table, torch.int64, device), on_device(hyper, torch.float32, device)
+        _adamw_many_kernel[(blocks,)](
             table_t, hyper_t, len(group), first.master, first.grad, first.master if first.copy is None else first.copy,
             grad_scale if scale_in_memory else first.master, 1.0 if scale_in_memory else float(grad_scale),
             skip if skip is not None else first.master,
             HAS_COPY=first.copy is not None, SCALE_IN_MEMORY=scale_in_memory, HAS_SKIP=skip is not None,
-            ALIGNED=aligned, BLOCK=BLOCK)
-
-
-def _on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device`, copied from pinned memory without waiting for the kernels
-    queued before it (a copy from pageable memory would wait for them; PyTorch's pinned-memory
-    allocator keeps the host block until the copy is done)."""
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+            ALIGNED=is_aligned, BLOCK=BLOCK)
 
 
 if triton is not None:
+    row_address, tensor_of_block = multi_tensor.row_address, multi_tensor.tensor_of_block  # jit helpers
+
     @triton.jit
     def _adamw_block(master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, offs, mask,
                      lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt, grad_scale,
@@ -239,30 +229,14 @@ if triton is not None:
                      weight_decay, step_size, bias_correction2_sqrt, grad_scale, HAS_COPY)
 
     @triton.jit
-    def _address(table, i, like, ALIGNED: tl.constexpr):
-        """table[i] as a pointer to `like`'s dtype (16-byte aligned where ALIGNED)."""
-        ptr = tl.load(table + i).to(tl.pointer_type(like.dtype.element_ty))
-        if ALIGNED:
-            ptr = tl.multiple_of(ptr, 16)
-        return ptr
-
-    @triton.jit
     def _adamw_many_kernel(table, hyper, n_tensors, master_like, grad_like, copy_like, scale_ptr, grad_scale,
                            skip_ptr, HAS_COPY: tl.constexpr, SCALE_IN_MEMORY: tl.constexpr,
                            HAS_SKIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
-        """Block b of the launch: its tensor t by binary search over the tensors' first blocks
-        (`table[0 : n_tensors + 1]`), then t's numel and five addresses (`table[n_tensors + 1 + 6t
-        :]`) and seven hyperparameters (`hyper[7t :]`: lr, beta1, beta2, eps, weight decay, step
-        size, sqrt of the second bias correction)."""
+        """Block b of the launch: its tensor t (`tensor_of_block`), then t's numel and five
+        addresses (`table[n_tensors + 1 + 6t :]`) and seven hyperparameters (`hyper[7t :]`: lr,
+        beta1, beta2, eps, weight decay, step size, sqrt of the second bias correction)."""
         b = tl.program_id(0)
-        lo = 0
-        hi = n_tensors
-        while hi - lo > 1:  # table[lo] <= b < table[hi]
-            mid = (lo + hi) // 2
-            if tl.load(table + mid) <= b:
-                lo = mid
-            else:
-                hi = mid
+        lo = tensor_of_block(table, n_tensors, b)
         row = table + n_tensors + 1 + 6 * lo
         n = tl.load(row)
         start = (b - tl.load(table + lo)) * BLOCK
@@ -275,9 +249,9 @@ if triton is not None:
         if SCALE_IN_MEMORY:
             grad_scale = tl.load(scale_ptr)
         h = hyper + 7 * lo
-        master, grad = _address(row, 1, master_like, ALIGNED), _address(row, 2, grad_like, ALIGNED)
-        exp_avg, exp_avg_sq = _address(row, 3, master_like, ALIGNED), _address(row, 4, master_like, ALIGNED)
-        copy = _address(row, 5, copy_like, ALIGNED)
+        master, grad = row_address(row, 1, master_like, ALIGNED), row_address(row, 2, grad_like, ALIGNED)
+        exp_avg, exp_avg_sq = row_address(row, 3, master_like, ALIGNED), row_address(row, 4, master_like, ALIGNED)
+        copy = row_address(row, 5, copy_like, ALIGNED)
         lr, beta1, beta2, eps = tl.load(h), tl.load(h + 1), tl.load(h + 2), tl.load(h + 3)
         weight_decay, step_size, bias_correction2_sqrt = tl.load(h + 4), tl.load(h + 5), tl.load(h + 6)
         if start + BLOCK <= n:

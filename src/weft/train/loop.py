@@ -26,6 +26,7 @@ from weft.distributed import MoEGroups, build_moe_groups, group_rank, group_size
 from weft.graphs import CaptureError, time_graphed
 from weft.hostcopy import host_tensor_async
 from weft.jsonfile import write_json
+from weft.kernels.sumsq import sum_of_squares
 from weft.launch import ReportedError
 from weft.models import GPT
 from weft.moe.grads import OverlappedReduce, expert_parameters, overlapped_reduce, reduce_gradients
@@ -148,8 +149,7 @@ def _load(ckpt: Path, model: GPT, optimizer: torch.optim.Optimizer, groups: MoEG
 def gradient_norm(model: GPT, groups: MoEGroups) -> torch.Tensor:
     """The global gradient norm (a float32 scalar on the device: nothing waits for it):
     replicated gradients once, each expert shard once (sum over EP), each tensor-parallel slice
-    once (sum over TP). Multi-tensor kernels (torch._foreach_*): a few launches for the whole
-    model."""
+    once (sum over TP). On GPUs a launch or two for the whole model (`weft.kernels.sumsq`)."""
     experts = {id(p) for p in expert_parameters(model)}
     sliced = {id(p) for p in sharded_parameters(model)}
     params = [p for p in model.parameters() if p.grad is not None]
@@ -175,10 +175,11 @@ def clip_scale(norm: torch.Tensor, max_norm: float) -> torch.Tensor | float:
 
 
 def _squared_norm(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The sum of squares of every element of `grads`, in float32 (a fresh tensor)."""
+    """The sum of squares of every element of `grads`, in float32 (a fresh tensor): one pass over
+    them on GPUs (`weft.kernels.sumsq`), each tensor's norm squared in the list's order on CPUs."""
     if not grads:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+    return sum_of_squares(grads)
 
 
 def _all_reduce(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
