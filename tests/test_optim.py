@@ -133,6 +133,13 @@ def kernel_worker() -> list[str]:
     return failures
 
 
+def offset_view(values: torch.Tensor, dtype: torch.dtype, offset: int, device: str) -> torch.Tensor:
+    """`values` as `dtype` on `device`, starting `offset` elements into a buffer of its own."""
+    buffer = torch.zeros(offset + values.numel(), dtype=dtype)
+    buffer[offset:] = values
+    return buffer.to(device)[offset:]
+
+
 def many_tensors(device: str) -> list[tuple]:
     """(master, grad, exp_avg, exp_avg_sq, copy or None, hyper) of tensors of every kind one
     `adamw_steps` launch groups, several of each: bf16, float16 and float32 gradients, with and
@@ -146,10 +153,8 @@ def many_tensors(device: str) -> list[tuple]:
              (5000, torch.float32, True, 1), (700, torch.bfloat16, False, 1), (1, torch.float32, False, 0),
              (4097, torch.bfloat16, True, 0), (1500, torch.float32, True, 3), (33, torch.bfloat16, False, 3),
              (0, torch.bfloat16, True, 0), (2049, torch.float16, False, 0), (100, torch.float32, False, 0))):
-        def make(values, dtype=torch.float32):  # `offset` elements into a buffer of its own
-            buffer = torch.zeros(offset + n, dtype=dtype)
-            buffer[offset:] = values
-            return buffer.to(device)[offset:]
+        def make(values, dtype=torch.float32):
+            return offset_view(values, dtype, offset, device)
         master, m = make(torch.randn(n, generator=gen)), make(torch.randn(n, generator=gen) * 0.1)
         v, grad = make(torch.rand(n, generator=gen) * 0.01), make(torch.randn(n, generator=gen), grad_dtype)
         copy = make(torch.zeros(n), torch.bfloat16) if with_copy else None
@@ -221,9 +226,7 @@ def squares_cases(device: str) -> list[torch.Tensor]:
                                     (20001, 1e-2, torch.float16, 0), (9000, 2.0, torch.bfloat16, 1),
                                     (300, 1.0, torch.float32, 1), (0, 1.0, torch.bfloat16, 0),
                                     (8193, 0.5, torch.float32, 3), (5, 3.0, torch.bfloat16, 0)):
-        buffer = torch.zeros(offset + n, dtype=dtype)
-        buffer[offset:] = torch.randn(n, generator=gen) * scale
-        out.append(buffer.to(device)[offset:])
+        out.append(offset_view(torch.randn(n, generator=gen) * scale, dtype, offset, device))
     out.insert(4, (torch.randn(40, 30, generator=gen) * 0.3).to(device).t())
     return out
 

@@ -32,15 +32,13 @@ and the test oracle.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 
 from weft.kernels import multi_tensor
-from weft.kernels.multi_tensor import aligned, block_table, on_device
-from weft.kernels.rows import triton_usable
+from weft.kernels.multi_tensor import aligned, block_table, kernel_takes, on_device, on_gpu_of
 
 try:
     import triton
@@ -124,8 +122,8 @@ def adamw_step(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     CPU under TRITON_INTERPRET=1), the reference otherwise. One tensor, its hyperparameters passed
     as the kernel's arguments (`adamw_steps` reads them from a table it copies to the device)."""
     _check(master, grad, exp_avg, exp_avg_sq, copy)
-    tensors = [master, grad, exp_avg, exp_avg_sq] + ([copy] if copy is not None else [])
-    if not triton_usable(master) or not all(t.is_contiguous() for t in tensors) or master.numel() == 0:
+    tensors = [t for t in (master, grad, exp_avg, exp_avg_sq, copy) if t is not None]
+    if not kernel_takes(tensors) or master.numel() == 0:
         _update(master, grad, exp_avg, exp_avg_sq, hyper, grad_scale, copy, skip)
         return
     scale_in_memory = isinstance(grad_scale, torch.Tensor)
@@ -152,7 +150,7 @@ def adamw_steps(updates: list[AdamWUpdate], grad_scale: Scale = 1.0, skip: torch
     for u in updates:
         _check(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.copy)
         tensors = _tensors(u)
-        if not triton_usable(u.master) or not all(t.is_contiguous() for t in tensors):
+        if not kernel_takes(tensors):
             _update(u.master, u.grad, u.exp_avg, u.exp_avg_sq, u.hyper, grad_scale, u.copy, skip)
         elif u.master.numel():
             kind = (u.master.device, u.grad.dtype, None if u.copy is None else u.copy.dtype, aligned(tensors))
@@ -176,8 +174,7 @@ def _launch_many(group: list[AdamWUpdate], device: torch.device, is_aligned: boo
                                         u.hyper.lr / u.hyper.bias_correction1, u.hyper.bias_correction2_sqrt)]
     first = group[0]
     scale_in_memory = isinstance(grad_scale, torch.Tensor)
-    on_their_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_their_gpu:  # the copies and the launch on the tensors' GPU, its current stream
+    with on_gpu_of(device):  # the copies and the launch on the tensors' GPU, its current stream
         table_t, hyper_t = on_device(table, torch.int64, device), on_device(hyper, torch.float32, device)
         _adamw_many_kernel[(blocks,)](
             table_t, hyper_t, len(group), first.master, first.grad, first.master if first.copy is None else first.copy,

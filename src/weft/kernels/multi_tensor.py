@@ -11,7 +11,11 @@ caller (the starts must increase).
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from weft.kernels.rows import triton_usable
 
 try:
     import triton
@@ -39,6 +43,18 @@ def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
         raise RuntimeError("a multi-tensor table is copied from the host per call: not inside a CUDA graph capture")
     host = torch.tensor(values, dtype=dtype)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def kernel_takes(tensors: list[torch.Tensor]) -> bool:
+    """Whether a Triton kernel can read and write `tensors` through their addresses: where Triton
+    runs on them (`triton_usable`) and each is contiguous."""
+    return triton_usable(tensors[0]) and all(t.is_contiguous() for t in tensors)
+
+
+def on_gpu_of(device: torch.device) -> contextlib.AbstractContextManager:
+    """`device` made the current GPU (its current stream takes the table's copy and the launch);
+    nothing on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def aligned(tensors: list[torch.Tensor]) -> bool:

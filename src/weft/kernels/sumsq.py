@@ -12,13 +12,10 @@ order, which is also the CPU's result for every tensor.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from weft.kernels import multi_tensor
-from weft.kernels.multi_tensor import aligned, block_table, on_device
-from weft.kernels.rows import triton_usable
+from weft.kernels.multi_tensor import aligned, block_table, kernel_takes, on_device, on_gpu_of
 
 try:
     import triton
@@ -42,7 +39,7 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
     kinds: dict[tuple, list[torch.Tensor]] = {}
     rest = []
     for t in tensors:
-        if triton_usable(t) and t.is_contiguous():
+        if kernel_takes([t]):
             if t.numel():
                 kinds.setdefault((t.device, t.dtype, aligned([t])), []).append(t)
         else:
@@ -58,8 +55,7 @@ def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
 def _launch(group: list[torch.Tensor], device: torch.device, is_aligned: bool) -> torch.Tensor:
     """The launch's blocks' sums (float32, one per block)."""
     table, blocks = block_table([t.numel() for t in group], [[t.data_ptr()] for t in group], BLOCK)
-    on_their_gpu = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_their_gpu:
+    with on_gpu_of(device):
         partials = torch.empty(blocks, dtype=torch.float32, device=device)
         _sum_of_squares_kernel[(blocks,)](on_device(table, torch.int64, device), len(group), group[0], partials,
                                           ALIGNED=is_aligned, BLOCK=BLOCK, **({"num_warps": 8} if device.type == "cuda"
