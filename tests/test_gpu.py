@@ -715,6 +715,32 @@ def test_candidates_timed_as_graphs_that_own_their_gradients():
 
 
 @needs_cuda
+def test_a_graph_that_owns_its_gradients_leaves_none_where_its_backward_gives_none():
+    """`GraphedStep(..., accumulate=False)` replays as an eager step into `.grad = None` does: a
+    weight its backward does not reach has no gradient after a replay, even one set between
+    replays (`reduce_gradients` gives such a weight zeros to sum on a rank where another rank had
+    a gradient; kept, they would carry that step's mean into the next); the weight it reaches
+    holds this replay's gradient."""
+    from weft.graphs import GraphedStep
+
+    used = torch.randn(64, 64, device="cuda", requires_grad=True)
+    unused = torch.randn(64, device="cuda", requires_grad=True)
+    x = torch.randn(32, 64, device="cuda")
+
+    def step(x_in: torch.Tensor) -> None:
+        (x_in @ used).square().sum().backward()
+
+    graphed = GraphedStep(step, [x], grads_of=[used, unused], accumulate=False)
+    for scale in (1.0, 2.0):
+        unused.grad = torch.ones_like(unused)
+        graphed(x * scale)
+        torch.cuda.synchronize()
+        assert unused.grad is None, f"replay {scale}: a gradient set between replays outlived the next one"
+        want = torch.autograd.grad(((x * scale) @ used).square().sum(), used)[0]
+        assert torch.allclose(used.grad, want, rtol=1e-4, atol=1e-3), f"replay {scale}: not this replay's gradient"
+
+
+@needs_cuda
 def test_a_profiled_call_holds_one_calls_activations():
     """Lancet's profile times `inner` back-to-back calls (eagerly and as one CUDA graph): each call's
     output, with the activations its autograd graph saved, is dropped before the next, so the peak

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from weft import MoE
 from weft.distributed import build_moe_groups, own_group
 from weft.models.gpt import GPT, GPTConfig
 from weft.moe import grads
@@ -570,4 +571,96 @@ def mean_worker(device: str = "cpu") -> list[str]:
 def test_the_mean_reduction_divides_like_a_sum_divided_after_it(world):
     """On gloo (CPU): the plain sum, the whole divisor left to divide (`mean_reduction`)."""
     failures = run_checks(mean_worker, world, timeout=120)
+    assert not failures, "\n".join(failures[:10])
+
+
+class Branchy(torch.nn.Module):
+    """Replicated weights: `used` takes part on every rank, `skipped` on rank 0 only (a branch the
+    other ranks skip), `unused` on none."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.used, self.skipped, self.unused = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        loss = (x * self.used).sum()
+        if dist.get_rank() == 0:
+            loss = loss + (x * self.skipped).square().sum()
+        return loss
+
+
+def some_ranks_worker(overlapped: bool) -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    model = Branchy()
+    groups = build_moe_groups(ep_size=None)
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB) if overlapped else None
+    x0 = torch.arange(8.0)
+    want = {"used": sum(x0 + r for r in range(world)) / world,
+            "skipped": 2 * x0 * x0 * model.skipped.detach() / world}  # rank 0's gradient, zeros elsewhere
+    for step in range(3):  # the first armed backward builds the buckets
+        model.zero_grad(set_to_none=True)
+        with reducer.armed() if reducer else contextlib.nullcontext():
+            model(x0 + rank).backward()
+        if reducer:
+            reducer.finish()
+        reduce_gradients(model, groups, reducer)
+        for name, value in want.items():
+            grad = getattr(model, name).grad
+            checks.expect(grad is not None and torch.allclose(grad, value, rtol=1e-6, atol=0),
+                          f"step {step}: {name}'s gradient {grad}, expected the ranks' mean {value}")
+        checks.expect(model.unused.grad is None, f"step {step}: a weight without a gradient anywhere got one")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("overlapped", [False, True], ids=["after", "overlapped"])
+def test_a_gradient_some_ranks_lack_counts_as_zeros_there(world, overlapped):
+    """A replicated weight with a gradient on rank 0 only: every rank ends with the mean (rank 0's
+    gradient over the world), where the ranks' buckets used to differ (the sum after the backward
+    aborted in gloo or hung, or on NCCL could mix one weight's values with another's; the
+    overlapped one left the other ranks without a gradient, so their weights drifted from rank
+    0's); a weight unused everywhere keeps None."""
+    failures = run_checks(functools.partial(some_ranks_worker, overlapped), world, timeout=120)
+    assert not failures, "\n".join(failures[:10])
+
+
+def rank_zero_worker(ep_size: int | None, tp_size: int) -> list[str]:
+    """A MoE layer's gradients set on rank 0 only (its router's and its experts'), then
+    `reduce_gradients`; against the same with every other rank's gradients zeros, which the old
+    code summed fine: equal where a group had a gradient, None only where the reference is zeros
+    (no rank of the groups it is summed over had one)."""
+    rank = dist.get_rank()
+    checks = Checks(f"rank {rank}")
+    groups = build_moe_groups(ep_size=ep_size, tp_size=tp_size, experts=True)
+    layer = MoE(8, 16, num_experts=4, top_k=2, group=groups.ep)
+    params = dict(layer.named_parameters())
+    assert expert_parameters(layer) and grads.token_split_parameters(layer)
+
+    def set_grads(others_zero: bool) -> None:
+        for i, p in enumerate(params.values()):
+            value = torch.full_like(p, float(i + 1)) if rank == 0 else torch.zeros_like(p)
+            p.grad = value if rank == 0 or others_zero else None
+
+    set_grads(others_zero=True)
+    reduce_gradients(layer, groups)
+    want = {n: p.grad.clone() for n, p in params.items()}
+    set_grads(others_zero=False)
+    reduce_gradients(layer, groups)
+    for n, p in params.items():
+        if p.grad is None:
+            checks.expect(not want[n].any(), f"{n}: no gradient, where the ranks' sum is {want[n].flatten()[:3]}")
+        else:
+            checks.expect(torch.equal(p.grad, want[n]),
+                          f"{n}: {p.grad.flatten()[:3]}, expected {want[n].flatten()[:3]}")
+    return checks.failures
+
+
+@pytest.mark.parametrize("world,ep_size,tp_size", [(2, None, 1), (4, 2, 1), (2, None, 2), (4, None, 2)])
+def test_a_layers_gradients_on_one_rank_only_are_summed_as_with_zeros_elsewhere(world, ep_size, tp_size):
+    """The expert gradients (over expert-data-parallel replicas: 4 ranks, EP 2) and, under tensor
+    parallelism, the routers' (over the TP group, then the data-parallel one) agree as the
+    replicated ones do: a rank without a gradient sums zeros."""
+    failures = run_checks(functools.partial(rank_zero_worker, ep_size, tp_size), world, timeout=120)
     assert not failures, "\n".join(failures[:10])

@@ -1,9 +1,10 @@
 """Process groups for expert parallelism (a DeviceMesh and its groups) and launch helpers.
 
 The only global state weft relies on is process groups: torch.distributed's own registry, and
-the caches of hierarchical (2DH) groups and side groups below, which exist because building them
-is a collective that must not be repeated per call. Every module takes its group explicitly, and `None` means
-"the default group if one is initialised, else a single process".
+the caches of hierarchical (2DH) groups, side groups and host (gloo) groups below, which exist
+because building them is a collective that must not be repeated per call. Every module takes its
+group explicitly, and `None` means "the default group if one is initialised, else a single
+process".
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ __all__ = [
     "build_moe_groups",
     "hierarchical_groups",
     "side_group",
+    "host_group",
     "own_group",
     "resolve_group",
     "group_rank",
@@ -183,8 +185,9 @@ class HierarchicalGroups:
 # The one weft-owned registry of process groups (see the module docstring): the hierarchical
 # groups of (EP group, local size), since building them is a world-wide collective.
 _HIERARCHICAL_GROUPS: dict[tuple[dist.ProcessGroup, int], HierarchicalGroups] = {}
-# ... and the side group of each group (`side_group`).
+# ... and the side group of each group (`side_group`), and its gloo twin (`host_group`).
 _SIDE_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
+_HOST_GROUPS: dict[dist.ProcessGroup, dist.ProcessGroup] = {}
 
 
 def _ranks_in_group_order(group: dist.ProcessGroup) -> list[int]:
@@ -289,6 +292,21 @@ def side_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | No
     if group not in _SIDE_GROUPS:
         _SIDE_GROUPS[group] = own_group(group)
     return _SIDE_GROUPS[group]
+
+
+def host_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup | None:
+    """A gloo process group over the ranks of `group` (None: the default group), in the same rank
+    order, for small collectives of CPU tensors between the hosts (what a rank holds on the host,
+    e.g. which parameters have a gradient): no device work, nothing for a CUDA stream to wait on.
+    A one-rank group is returned itself (whatever its backend: nothing to exchange); None without
+    a process group. Collective over the whole world on its first call for a group, like
+    `side_group`, and cached per group."""
+    if not dist.is_initialized():
+        return None
+    group = resolve_group(group)
+    if group not in _HOST_GROUPS:
+        _HOST_GROUPS[group] = own_group(group, backend="gloo")
+    return _HOST_GROUPS[group]
 
 
 def own_group(group: dist.ProcessGroup | None = None, backend: str | None = None) -> dist.ProcessGroup | None:

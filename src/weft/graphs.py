@@ -147,8 +147,12 @@ class GraphedStep:
         if accumulate and moved:
             raise CaptureError(f"the captured backward replaced {len(moved)} .grad tensors instead of accumulating "
                                "into them in place")
-        # accumulate=False: the graph's gradient tensors, put back on `.grad` after each replay
+        # accumulate=False: the graph's gradient tensors, put back on `.grad` after each replay; the
+        # tensors its backward gives no gradient keep none after a replay, as after an eager step's
+        # (a `.grad` set between replays, e.g. the zeros `reduce_gradients` sums for a rank without
+        # one, would otherwise carry over into the next step)
         self._owned = [] if accumulate else [(t, t.grad) for t in written if t.grad is not None]
+        self._unwritten = [] if accumulate else [t for t in written if t.grad is None]
 
     def _clear_grads(self) -> None:
         for t in [*self.grads_of, *self.static_args]:
@@ -179,6 +183,8 @@ class GraphedStep:
         for t, grad in self._owned:
             if t.grad is not grad:  # set to None or replaced since: this replay's gradients are in `grad`
                 t.grad = grad
+        for t in self._unwritten:
+            t.grad = None
         return self.static_out
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from weft.distributed import MoEGroups, group_size, own_group
+from weft.distributed import MoEGroups, group_size, host_group, own_group
 from weft.moe.experts import Experts
 from weft.moe.layer import MoE
 
@@ -87,30 +87,59 @@ def _all_reduce_mean(grads: list[torch.Tensor], group: dist.ProcessGroup | None,
         torch._foreach_copy_(bucket, [part.view_as(g) for part, g in zip(parts, bucket)])
 
 
+def _may_have_grad(p: nn.Parameter) -> bool:
+    """Whether `reduce_gradients` considers `p`: it requires a gradient, or has one."""
+    return p.requires_grad or p.grad is not None
+
+
+def _agreed_gradients(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """The gradients of `params` to sum over `group`, for the same parameters on every rank: each
+    parameter with a gradient on any of the group's ranks, in `params`' order, a zero one made
+    where a rank has none (so its `.grad` ends as the mean, as every rank's does); those without
+    one anywhere stay None. The hosts agree with one small all-reduce (`host_group`: CPU tensors,
+    no device wait). Each rank leaving out only its own missing gradients made the ranks' flat
+    buckets differ: the all-reduce hung, or summed one parameter's values with another's. (A step
+    replayed as a CUDA graph that owns its gradients drops a `.grad` made here before its next
+    replay, as an eager step starts from None: `weft.graphs.GraphedStep`.)"""
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+    if params and group_size(group) > 1:
+        dist.all_reduce(present, op=dist.ReduceOp.MAX, group=host_group(group))
+    agreed = [p for p, anywhere in zip(params, present.tolist()) if anywhere]
+    for p in agreed:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    return [p.grad for p in agreed]
+
+
 def reduce_gradients(model: nn.Module, groups: MoEGroups, reduced: OverlappedReduce | None = None) -> None:
     """Make every gradient the gradient of the mean loss over all data-parallel ranks.
 
     Call after `backward` and before the optimizer step. Expert gradients (already summed over
     the EP group by the all-to-all backward) are summed over expert-data-parallel replicas;
-    all other gradients over every rank; both are divided by the data-parallel world size.
+    all other gradients over every rank; both are divided by the data-parallel world size. A
+    parameter with a gradient on some of a group's ranks only (a branch some ranks skip) counts as
+    zeros on the others, whose `.grad` then holds the mean too; one with no gradient on any rank
+    keeps None (the hosts agree on which, `_agreed_gradients`).
     With tensor parallelism the routers' gradients are summed over the TP group first.
     `reduced`: an `OverlappedReduce` (`overlapped_reduce`) that summed some of these gradients
     during the backward (its `finish()` called): theirs are its results, the same sums; the
     others are reduced here.
     """
     if groups.tp_size > 1:
-        routers = [p.grad for p in token_split_parameters(model) if p.grad is not None]
+        routers = _agreed_gradients([p for p in token_split_parameters(model) if _may_have_grad(p)], groups.tp)
         if routers:
             _all_reduce_mean(routers, groups.tp, 1)
     world = group_size(groups.dp)
     if world == 1:
         return
     experts = {id(p) for p in expert_parameters(model)}
-    expert_grads, dense_grads = [], []
+    expert_params, dense_params = [], []
     for p in model.parameters():
-        if p.grad is None or (reduced is not None and reduced.covers(p)):
+        if not _may_have_grad(p) or (reduced is not None and reduced.covers(p)):
             continue
-        (expert_grads if id(p) in experts else dense_grads).append(p.grad)
+        (expert_params if id(p) in experts else dense_params).append(p)
+    expert_grads = _agreed_gradients(expert_params, groups.edp)
+    dense_grads = _agreed_gradients(dense_params, groups.dp)
     if expert_grads:
         _all_reduce_mean(expert_grads, groups.edp, world)
     if dense_grads:
@@ -160,7 +189,8 @@ class OverlappedReduce:
     all-reduced asynchronously over a communicator of the part's own (`own_group`: the MoE
     layers' all-to-alls do not queue behind it, nor it behind them; every rank launches a
     communicator's buckets in the same order). `finish()` after the backward launches the
-    buckets still missing a gradient (a parameter without one this backward counts as zeros),
+    buckets still missing a gradient (a parameter without one this backward counts as zeros; where
+    another rank had one, `write_back` gives it the mean, as `reduce_gradients` does),
     waits for every bucket; the sums come divided by `divisor` (the data-parallel size; NCCL's
     all-reduce multiplies by 1 / divisor before it sums, gloo's result is divided after it:
     `mean_reduction`); `write_back()` then copies the results into the gradients, where
@@ -285,7 +315,8 @@ class OverlappedReduce:
         self._built = False
 
     def write_back(self) -> None:
-        """The reduced gradients into the parameters' current `.grad` (None stays None)."""
+        """The reduced gradients into the parameters' current `.grad` (a None one stays None unless
+        another rank had a gradient for it at `finish`; then it gets the mean too)."""
         for part in self._parts:
             for bucket in part.buckets:
                 bucket.write_back()
@@ -364,7 +395,9 @@ class _Part:
         for bucket in self.buckets:
             if bucket.work is None:
                 bucket.launch(self.group, self.op)
-        for bucket, again in zip(self.buckets, self._stale_anywhere()):
+        stale, present = self._anywhere()
+        for bucket, again, anywhere in zip(self.buckets, stale, present):
+            bucket.present = anywhere
             if again and bucket.accumulating:
                 raise RuntimeError("OverlappedReduce: a gradient changed after its bucket was sent, and the bucket's "
                                    "slots accumulate the step's micro-batches (adopt with earlier), so its sum cannot "
@@ -374,11 +407,21 @@ class _Part:
                 bucket.launch(self.group, self.op)
         self.next = 0
 
-    def _stale_anywhere(self) -> list[bool]:
-        flags = torch.tensor([bucket.stale for bucket in self.buckets], dtype=torch.int32)
+    def _anywhere(self) -> tuple[list[bool], list[list[bool]]]:
+        """Which buckets are stale on any rank, and which of each bucket's parameters have a
+        gradient on any rank (one all-reduce between the hosts)."""
+        local = [bucket.stale for bucket in self.buckets]
+        local += [p.grad is not None for bucket in self.buckets for p in bucket.params]
+        flags = torch.tensor(local, dtype=torch.int32)
         if self.host is not None:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.host)
-        return [bool(f) for f in flags.tolist()]
+        values = [bool(f) for f in flags.tolist()]
+        stale, at = values[:len(self.buckets)], len(self.buckets)
+        present = []
+        for bucket in self.buckets:
+            present.append(values[at:at + len(bucket.params)])
+            at += len(bucket.params)
+        return stale, present
 
     def wait_and_divide(self) -> None:
         for bucket in self.buckets:
@@ -410,6 +453,7 @@ class _Bucket:
         self.missing = len(params)
         self.work = None
         self.stale = False  # a gradient changed after the launch: send again
+        self.present = [False] * len(params)  # which parameters have a gradient on some rank (at `finish`)
 
     def take(self, i: int) -> None:
         """Parameter i's gradient is final (for now: it may finish again)."""
@@ -457,7 +501,13 @@ class _Bucket:
         self.work, self.stale = None, False
 
     def write_back(self) -> None:
-        # an adopted slot is the .grad itself: nothing to copy
+        # a parameter without a gradient here but with one on another rank takes the sum too (its
+        # slot summed zeros from this rank), as `reduce_gradients` makes it; an adopted slot is
+        # the .grad itself: nothing to copy
+        for p, anywhere in zip(self.params, self.present):
+            if p.grad is None and anywhere:
+                p.grad = torch.empty_like(p)
+        self.present = [False] * len(self.params)  # the flags of this `finish` only
         _foreach_pairs(torch._foreach_copy_, [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots)
                                               if p.grad is not None and p.grad.data_ptr() != slot.data_ptr()])
 
