@@ -124,6 +124,11 @@
 #            scripts/checkpoint_stall.py on gpt3-2.7b (2.5B parameters with AdamW state, one GPU) and
 #            gpt2-s, then `weft train --preset gpt3-2.7b --tp 2` 12 steps with a checkpoint every 4,
 #            --async-checkpoint on and off (the run's wall time; the step times leave the save out)
+#   gradsum  the gradients' sums over the data-parallel ranks (issue: Overlap that pays; ~6 min, run
+#            with PARTS=gradsum): their GPU tests (the mean inside NCCL's all-reduce in bf16 and on its
+#            own group, the sums during the backward, the weights some ranks lack a gradient for), then
+#            `--grad-reduce after` against `overlap` on gpt2-s-moe batch 8 (after's per-step host
+#            exchange), and `--ep-size 1 --grad-accum 2` (peak memory with the adopted accumulators)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -619,6 +624,16 @@ part_ckpt() {
     echo "--async-checkpoint $async: $(( $(date +%s) - start )) s for 12 steps and 3 checkpoints (rc $rc)"
     rm -rf "$run"
   done
+}
+
+part_gradsum() {
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+    -k "mean_reduction or reduced_during_the_backward or owns_its_gradients or some_gpus_lack" \
+    > "$1/tests.log" 2>&1
+  tail -n 3 "$1/tests.log"
+  RUNS=gpt2-s-moe:8 STEPS=16 OUT="$1/after_overlap" bash scripts/grad_reduce_train.sh 2>&1 | tail -n 8
+  EXTRA_ARGS="--ep-size 1 --grad-accum 2" RUNS=gpt2-s-moe:4 STEPS=16 OUT="$1/ep1_accum2" \
+    bash scripts/grad_reduce_train.sh 2>&1 | tail -n 8
 }
 
 part_quality() {

@@ -4,6 +4,7 @@ chunks) and of every r of the switchable parallelism again on NCCL with bfloat16
 two passes in training (fp32), on every GPU."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import json
@@ -28,7 +29,7 @@ from test_overlap_passes import (
     graphed_schedule_worker,
     pipelined_dw_worker,
 )
-from test_overlapped_reduce import mean_worker
+from test_overlapped_reduce import mean_worker, some_ranks_worker
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
@@ -712,6 +713,16 @@ def test_candidates_timed_as_graphs_that_own_their_gradients():
     for accumulate in (True, False):
         one, three = left_after((1,), accumulate), left_after((1, 2, 3), accumulate)
         assert three == one, f"three candidates left {three} bytes of per-stream workspaces, one {one}"
+
+
+@needs_cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (data-parallel ranks to reduce over)")
+@pytest.mark.parametrize("overlapped", [False, True], ids=["after", "overlapped"])
+def test_a_gradient_some_gpus_lack_counts_as_zeros_there_on_nccl(overlapped):
+    """The CPU suite's check (a weight with a gradient on rank 0 only) on NCCL ranks: every GPU ends
+    with the mean, the hosts agreeing over gloo, the sums over NCCL."""
+    failures = run_checks(functools.partial(some_ranks_worker, overlapped, "cuda"), 2, backend="nccl", timeout=300)
+    assert not failures, "\n".join(failures[:10])
 
 
 @needs_cuda

@@ -590,13 +590,13 @@ class Branchy(torch.nn.Module):
         return loss
 
 
-def some_ranks_worker(overlapped: bool) -> list[str]:
+def some_ranks_worker(overlapped: bool, device: str = "cpu") -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
-    model = Branchy()
+    model = Branchy().to(device)
     groups = build_moe_groups(ep_size=None)
     reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB) if overlapped else None
-    x0 = torch.arange(8.0)
+    x0 = torch.arange(8.0, device=device)
     want = {"used": sum(x0 + r for r in range(world)) / world,
             "skipped": 2 * x0 * x0 * model.skipped.detach() / world}  # rank 0's gradient, zeros elsewhere
     for step in range(3):  # the first armed backward builds the buckets
