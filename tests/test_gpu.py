@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
@@ -37,7 +38,7 @@ from weft import MoE
 from weft.bench import layer
 from weft.bench.peers import build_tp_peer
 from weft.hostcopy import HostStage, device_tensor, host_tensor_async, offsets
-from weft.testing import run_checks, run_distributed
+from weft.testing import Checks, run_checks, run_distributed
 
 pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
@@ -715,13 +716,54 @@ def test_candidates_timed_as_graphs_that_own_their_gradients():
         assert three == one, f"three candidates left {three} bytes of per-stream workspaces, one {one}"
 
 
+def some_ranks_graphed_worker() -> list[str]:
+    """`some_ranks_worker`'s overlapped sums with the armed backward and `finish` captured in a CUDA
+    graph that owns its gradients (as `weft train` graphs a micro-step): the hosts' agreement is
+    made at the capture, and every replay's `write_back` still gives rank 1 the mean."""
+    from test_overlapped_reduce import BUCKET_MB, Branchy
+    from weft.distributed import build_moe_groups
+    from weft.graphs import GraphedStep
+    from weft.moe.grads import overlapped_reduce, reduce_gradients
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    model = Branchy().cuda()
+    groups = build_moe_groups(ep_size=None)
+    reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB)
+    x0 = torch.arange(8.0, device="cuda")
+    want = {"used": sum(x0 + r for r in range(world)) / world, "skipped": 2 * x0 * x0 * model.skipped.detach() / world}
+
+    def step(x: torch.Tensor) -> None:
+        with reducer.armed():
+            model(x).backward()
+        reducer.finish()
+
+    step(x0 + rank)  # the first armed backward builds the buckets, before any capture
+    reduce_gradients(model, groups, reducer)
+    model.zero_grad(set_to_none=True)
+    graphed = GraphedStep(step, [x0 + rank], grads_of=list(model.parameters()), accumulate=False)
+    for replay in range(2):
+        graphed(x0 + rank)
+        reduce_gradients(model, groups, reducer)
+        torch.cuda.synchronize()
+        for name, value in want.items():
+            grad = getattr(model, name).grad
+            checks.expect(grad is not None and torch.allclose(grad, value, rtol=1e-6, atol=0),
+                          f"replay {replay}: {name}'s gradient {grad}, expected the ranks' mean {value}")
+        checks.expect(model.unused.grad is None, f"replay {replay}: a weight without a gradient anywhere got one")
+    return checks.failures
+
+
 @needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (data-parallel ranks to reduce over)")
-@pytest.mark.parametrize("overlapped", [False, True], ids=["after", "overlapped"])
-def test_a_gradient_some_gpus_lack_counts_as_zeros_there_on_nccl(overlapped):
+@pytest.mark.parametrize("form", ["after", "overlapped", "overlapped graphed"])
+def test_a_gradient_some_gpus_lack_counts_as_zeros_there_on_nccl(form):
     """The CPU suite's check (a weight with a gradient on rank 0 only) on NCCL ranks: every GPU ends
-    with the mean, the hosts agreeing over gloo, the sums over NCCL."""
-    failures = run_checks(functools.partial(some_ranks_worker, overlapped, "cuda"), 2, backend="nccl", timeout=300)
+    with the mean, the hosts agreeing over gloo, the sums over NCCL; and with the overlapped sums
+    captured in the step's CUDA graph."""
+    worker = (some_ranks_graphed_worker if form == "overlapped graphed"
+              else functools.partial(some_ranks_worker, form == "overlapped", "cuda"))
+    failures = run_checks(worker, 2, backend="nccl", timeout=300)
     assert not failures, "\n".join(failures[:10])
 
 

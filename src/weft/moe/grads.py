@@ -453,7 +453,9 @@ class _Bucket:
         self.missing = len(params)
         self.work = None
         self.stale = False  # a gradient changed after the launch: send again
-        self.present = [False] * len(params)  # which parameters have a gradient on some rank (at `finish`)
+        # which parameters had a gradient on some rank at the last `finish` (kept: a CUDA graph that
+        # captured `finish` replays its sums, not its host exchange, and `write_back` runs after each)
+        self.present = [False] * len(params)
 
     def take(self, i: int) -> None:
         """Parameter i's gradient is final (for now: it may finish again)."""
@@ -507,7 +509,6 @@ class _Bucket:
         for p, anywhere in zip(self.params, self.present):
             if p.grad is None and anywhere:
                 p.grad = torch.empty_like(p)
-        self.present = [False] * len(self.params)  # the flags of this `finish` only
         _foreach_pairs(torch._foreach_copy_, [(p.grad, slot.view_as(p.grad)) for p, slot in zip(self.params, self.slots)
                                               if p.grad is not None and p.grad.data_ptr() != slot.data_ptr()])
 
