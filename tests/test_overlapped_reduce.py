@@ -590,6 +590,21 @@ class Branchy(torch.nn.Module):
         return loss
 
 
+def branchy_means(model: Branchy, x0: torch.Tensor, world: int) -> dict[str, torch.Tensor]:
+    """What `reduce_gradients` leaves on every rank when rank r's input is x0 + r: the ranks' mean
+    for `used`, rank 0's gradient over the world for `skipped` (zeros elsewhere)."""
+    return {"used": sum(x0 + r for r in range(world)) / world, "skipped": 2 * x0 * x0 * model.skipped.detach() / world}
+
+
+def check_branchy_means(checks: Checks, model: Branchy, want: dict[str, torch.Tensor], label: str) -> None:
+    """The means `branchy_means` says on `used` and `skipped`, and still no gradient on `unused`."""
+    for name, value in want.items():
+        grad = getattr(model, name).grad
+        checks.expect(grad is not None and torch.allclose(grad, value, rtol=1e-6, atol=0),
+                      f"{label}: {name}'s gradient {grad}, expected the ranks' mean {value}")
+    checks.expect(model.unused.grad is None, f"{label}: a weight without a gradient anywhere got one")
+
+
 def some_ranks_worker(overlapped: bool, device: str = "cpu") -> list[str]:
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank}")
@@ -597,8 +612,7 @@ def some_ranks_worker(overlapped: bool, device: str = "cpu") -> list[str]:
     groups = build_moe_groups(ep_size=None)
     reducer = overlapped_reduce(model, groups, bucket_mb=BUCKET_MB) if overlapped else None
     x0 = torch.arange(8.0, device=device)
-    want = {"used": sum(x0 + r for r in range(world)) / world,
-            "skipped": 2 * x0 * x0 * model.skipped.detach() / world}  # rank 0's gradient, zeros elsewhere
+    want = branchy_means(model, x0, world)
     for step in range(3):  # the first armed backward builds the buckets
         model.zero_grad(set_to_none=True)
         with reducer.armed() if reducer else contextlib.nullcontext():
@@ -606,11 +620,7 @@ def some_ranks_worker(overlapped: bool, device: str = "cpu") -> list[str]:
         if reducer:
             reducer.finish()
         reduce_gradients(model, groups, reducer)
-        for name, value in want.items():
-            grad = getattr(model, name).grad
-            checks.expect(grad is not None and torch.allclose(grad, value, rtol=1e-6, atol=0),
-                          f"step {step}: {name}'s gradient {grad}, expected the ranks' mean {value}")
-        checks.expect(model.unused.grad is None, f"step {step}: a weight without a gradient anywhere got one")
+        check_branchy_means(checks, model, want, f"step {step}")
     return checks.failures
 
 
