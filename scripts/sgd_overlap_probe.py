@@ -96,20 +96,25 @@ def probe(config: str, rounds: int) -> list[dict]:
         cases += [(f"serial, {kind}", serial(kind)), (f"beside, {kind}", beside(kind))]
     cases.append(("gemms alone (again)", gemms))
     for name, fn in cases:
-        ms = graph_ms(fn, rounds)
-        rows.append({"config": config, "case": name, "ms": statistics.median(ms), "rounds_ms": ms})
-        print(f"{config:8s} {name:28s} {statistics.median(ms):7.3f} ms  ({', '.join(f'{t:.3f}' for t in ms)})",
-              flush=True)
+        rows.append(report(config, name, graph_ms(fn, rounds)))
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def report(config: str, case: str, ms: list[float]) -> dict:
+    """A case's row (median of its rounds), printed."""
+    print(f"{config:8s} {case:34s} {statistics.median(ms):7.3f} ms  ({', '.join(f'{t:.3f}' for t in ms)})",
+          flush=True)
+    return {"config": config, "case": case, "ms": statistics.median(ms), "rounds_ms": ms}
+
+
+def main(probe_fn=probe, rounds: int = 5, json_name: str = "sgd_overlap_probe.json", doc: str = __doc__) -> None:
+    """`probe_fn(config, rounds)` for every --configs, rows to $OUT/`json_name`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["phi35", "mixtral", "qwen2"])
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args()
-    rows = [row for config in args.configs for row in probe(config, args.rounds)]
-    write_json(os.path.join(os.environ.get("OUT", "."), "sgd_overlap_probe.json"), {"rows": rows})
+    rows = [row for config in args.configs for row in probe_fn(config, args.rounds)]
+    write_json(os.path.join(os.environ.get("OUT", "."), json_name), {"rows": rows})
 
 
 if __name__ == "__main__":

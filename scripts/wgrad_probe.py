@@ -1,9 +1,11 @@
 """The experts' grouped weight gradient (x^T @ dy, groups along the rows) on one GPU: Triton's
 `weft.kernels.grouped_wgrad` at several tiles against `torch._grouped_mm` (CUTLASS) and, with
 equal groups, cuBLAS's batched matmul; ms and TFLOP/s of each, for the layer configs' shapes on
-W ranks (E / W local experts, T * k rows), equal groups and the counts of a random top-k routing.
+W ranks (E / W local experts, T * k rows), equal groups and the counts of a random top-k routing;
+every method once a round, --rounds rounds interleaved, the median.
     PYTHONPATH=src python3 scripts/wgrad_probe.py [--configs qwen2 phi35 mixtral] [--ranks 2]"""
 import argparse
+import statistics
 
 import torch
 
@@ -12,10 +14,19 @@ from weft.kernels.grouped_wgrad import WGradTiles, grouped_wgrad
 from weft.profiling import seconds_per_call
 
 TILES = {
-    "128x256x32 w8 s5": WGradTiles(),
-    "128x256x32 w8 s4": WGradTiles(num_stages=4),
-    "128x256x64 w8 s3": WGradTiles(128, 256, 64, 8, 3),
-    "256x128x32 w8 s4": WGradTiles(256, 128, 32, 8, 4),
+    "128x256x32 w8 s5": WGradTiles(128, 256, 32, 8, 5, per_sm=1),  # the default until the fiftieth session
+    "128x256x32 w8 s4": WGradTiles(128, 256, 32, 8, 4, per_sm=1),
+    "128x256x64 w8 s3": WGradTiles(128, 256, 64, 8, 3, per_sm=1),
+    "256x128x32 w8 s4": WGradTiles(256, 128, 32, 8, 4, per_sm=1),
+    # two persistent programs an SM: one's epilogue beside the other's loads
+    "128x128x64 w4 s3 x2": WGradTiles(128, 128, 64, 4, 3, per_sm=2),
+    "128x128x64 w8 s3 x2": WGradTiles(128, 128, 64, 8, 3, per_sm=2),
+    "128x128x32 w4 s5 x2": WGradTiles(),  # the default
+    "128x256x32 w8 s3 x2": WGradTiles(128, 256, 32, 8, 3, per_sm=2),
+    "128x128x32 w4 s4 x2": WGradTiles(128, 128, 32, 4, 4, per_sm=2),
+    "128x128x32 w4 s6 x2": WGradTiles(128, 128, 32, 4, 6, per_sm=2),
+    "128x128x32 w8 s5 x2": WGradTiles(128, 128, 32, 8, 5, per_sm=2),
+    "128x128x32 w4 s5 g4 x2": WGradTiles(128, 128, 32, 4, 5, group=4, per_sm=2),
 }
 
 
@@ -34,6 +45,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=["qwen2", "phi35", "mixtral"])
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds, the median reported")
+    parser.add_argument("--into-tiles", nargs="*", default=[], choices=list(TILES),
+                        help="also time the product added into a weight at -1e-30 (SGD's update) at these tiles")
+    parser.add_argument("--tiles", nargs="*", default=list(TILES), choices=list(TILES), help="tiles timed alone")
     args = parser.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -54,23 +69,32 @@ def main():
                 if kind == "equal":
                     C = rows // El
                     methods["bmm"] = lambda: torch.bmm(x.view(El, C, K).transpose(1, 2), dy.view(El, C, N))
-                for label, tiles in TILES.items():
-                    methods[label] = (lambda t=tiles: grouped_wgrad(x, dy, offs, tiles=t))
+                for label in args.tiles:
+                    methods[label] = (lambda t=TILES[label]: grouped_wgrad(x, dy, offs, tiles=t))
                 # the own-apart tap: the product added to a share computed earlier
                 share = torch.randn(El, K, N, device=dev, dtype=torch.bfloat16)
                 methods["_grouped_mm + add"] = lambda: torch._grouped_mm(x.t(), dy, offs=offs).add_(share)
                 methods["triton into"] = lambda: grouped_wgrad(x, dy, offs, into=share.clone())
+                for label in args.into_tiles:  # SGD's update in the epilogue (alpha -lr): into the weight
+                    methods[f"into w, {label}"] = (lambda t=TILES[label]: grouped_wgrad(x, dy, offs, into=share,
+                                                                                         tiles=t, alpha=-1e-30))
                 methods["share.clone()"] = lambda: share.clone()
+                errors = {}
                 for label, fn in methods.items():
                     try:
                         with_share = label in ("_grouped_mm + add", "triton into", "share.clone()")
-                        err = (fn().float() - ref.float() - (share.float() if with_share else 0)).abs().max().item() \
-                            if label != "share.clone()" else 0.0
-                        s = seconds_per_call(fn, dev, calls=20)
+                        out = fn()
+                        errors[label] = 0.0 if label == "share.clone()" or label.startswith("into w") else (
+                            out.float() - ref.float() - (share.float() if with_share else 0)).abs().max().item()
                     except Exception as e:  # a tile that does not fit: say so, go on
-                        print(f"{name:8s} {kind:7s} {product:9s} {label:18s} failed: {str(e).splitlines()[0][:80]}")
-                        continue
-                    print(f"{name:8s} {kind:7s} {product:9s} {label:18s} {s * 1e3:7.3f} {flops / s / 1e12:6.0f} "
+                        print(f"{name:8s} {kind:7s} {product:9s} {label:20s} failed: {str(e).splitlines()[0][:80]}")
+                times = {label: [] for label in errors}
+                for _ in range(args.rounds):  # interleaved: the GPU's clock drifts as it warms
+                    for label in errors:
+                        times[label].append(seconds_per_call(methods[label], dev, calls=20))
+                for label, err in errors.items():
+                    s = statistics.median(times[label])
+                    print(f"{name:8s} {kind:7s} {product:9s} {label:20s} {s * 1e3:7.3f} {flops / s / 1e12:6.0f} "
                           f"{err:8.3g}", flush=True)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from test_backward_sgd import backward_sgd_worker
 from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
 from test_balance_slots import slots_graph_worker, slots_updated_graph_worker, slots_worker
@@ -281,6 +282,19 @@ def test_comet_matches_dense_reference_on_every_gpu(gate):
     the kernels on local buffers), fp32 and bf16, every capacity mode, k and activation."""
     flat = run_checks(equivalence_worker, torch.cuda.device_count(),
                       args=(gate, (torch.float32, torch.bfloat16), "cuda", "comet"), backend="nccl", timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype,tol,lr,reference", [(torch.float32, 1e-4, 0.5, "auto"),
+                                                    (torch.bfloat16, 1e-2, 0.01, "comet")])
+def test_experts_stepped_in_the_backward_match_sgd_on_every_gpu(dtype, tol, lr, reference):
+    """`weft.BackwardSGD` through Comet's exchange on every GPU: the step in cuBLAS's `baddbmm_`
+    (padded) and in the grouped weight-gradient kernel (dropless) gives torch SGD's weights (fp32:
+    the plain layer's; bf16: Comet's own, stepped after the backward)."""
+    flat = run_checks(backward_sgd_worker, torch.cuda.device_count(), args=("cuda", dtype, tol, lr, reference),
+                      backend="nccl",
+                      timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 

@@ -1,6 +1,7 @@
 """The grouped weight gradient kernel (`weft.kernels.grouped_wgrad`) against its reference in
 Triton's CPU interpreter (in a spawned process: TRITON_INTERPRET=1 must be set before Triton is
-imported), and the own-apart dropless layer through it against the dense reference."""
+imported), also scaled into a tensor (SGD's update), and the own-apart dropless layer through it
+against the dense reference."""
 from __future__ import annotations
 
 import pytest
@@ -61,6 +62,13 @@ def kernel_worker(device: str = "cpu") -> list[str]:
         got = grouped_wgrad(x, dy, offs, into=into)
         checks.expect(got.data_ptr() == into.data_ptr(), f"{dtype}: the sum is not written into the share")
         checks.expect(close(got, want, tol), f"{dtype} into: max error {(got.float() - want).abs().max():.3g}")
+        # SGD's update in the epilogue: beta * share + alpha * product, in float32, rounded once
+        alpha, beta = -0.25, 0.75
+        want = alpha * grouped_wgrad_reference(x.float(), dy.float(), offs) + beta * share.float()
+        into = share.clone()
+        grouped_wgrad(x, dy, offs, into=into, alpha=alpha, beta=beta)
+        checks.expect(close(into, want, tol), f"{dtype} into, alpha and beta: max error "
+                                              f"{(into.float() - want).abs().max():.3g}")
     if device == "cuda":
         return checks.failures
     # the same sums at other tiles; bitwise the same twice
@@ -85,7 +93,7 @@ def kernel_worker(device: str = "cpu") -> list[str]:
     return checks.failures
 
 
-def test_grouped_wgrad_matches_its_reference_adds_in_place_and_refuses_bad_operands(monkeypatch):
+def test_grouped_wgrad_matches_its_reference_adds_in_place_scaled_and_refuses_bad_operands(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_checks(kernel_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)

@@ -41,6 +41,7 @@ from weft.distributed import init_distributed
 from weft.graphs import GraphedStep, time_graphed
 from weft.jsonfile import write_json
 from weft.moe import MoE
+from weft.moe.backward_sgd import BackwardSGD
 from weft.moe.config import FIXED_SIZE_ALGOS, FIXED_SIZE_FORMS, GRAPH_PLACEMENTS
 from weft.moe.exchange import Transfer
 from weft.moe.gates import logit_shift, zipf_bias
@@ -110,9 +111,10 @@ MODES: dict[str, dict] = {
 }
 
 
-def mode_forward(mode: str, moe: MoE) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The layer's forward in `mode`; ValueError (naming the mode's setting) where the layer cannot run it."""
-    overrides = MODES[mode]
+def mode_forward(mode: str, moe: MoE, expert_step: BackwardSGD | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's forward in `mode` (with `expert_step`: its SGD step of the experts in the
+    backward); ValueError (naming the mode's setting) where the layer cannot run it."""
+    overrides = MODES[mode] if expert_step is None else {**MODES[mode], "expert_step": expert_step}
     r = overrides.get("parallel")
     if r not in (None, 1) and r not in moe.parallel_choices():
         raise ValueError(f"r = {r} needs a divisor of the ranks per expert; this layer takes {moe.parallel_choices()}")
@@ -139,6 +141,10 @@ PEER_MODES = ("torchtitan", "megatron")
 # a graph and captures the fastest (`graphed_auto`; auto's eager tuning synchronises, so it cannot
 # run inside a capture, and it would time launch costs a replay does not pay).
 GRAPH_SUFFIX = "+graph"
+# A weft mode with "+sgd-in-backward" (before any "+graph") takes its SGD step (--optimizer sgd) as a
+# `weft.BackwardSGD`: the expert weights stepped inside their gradient GEMMs where the path fuses
+# it (Comet's exchange), the rest by the optimizer's step() as in the "sgd" rows
+STEP_SUFFIX = "+sgd-in-backward"
 # the modes whose dropless calls read nothing on the host (dedup-fixed's; comet's, where the GPUs reach
 # each other's memory: `MoE.counts_stay_on_device`), and auto, which graphs dedup-fixed (at degree 1 or 2,
 # or with the own pairs apart) where that is faster than its eager call (`graphed_auto_dropless`)
@@ -264,8 +270,12 @@ def _fwd_bwd_step(moe: MoE, forward: Callable[[torch.Tensor], torch.Tensor]):
 
 
 def base_mode(mode: str) -> str:
-    """The layer mode of a (possibly "+graph") benchmark mode."""
-    return mode.removesuffix(GRAPH_SUFFIX)
+    """The layer mode of a (possibly "+sgd-in-backward" and "+graph") benchmark mode."""
+    return mode.removesuffix(GRAPH_SUFFIX).removesuffix(STEP_SUFFIX)
+
+
+def steps_in_backward(mode: str) -> bool:
+    return mode.removesuffix(GRAPH_SUFFIX).endswith(STEP_SUFFIX)
 
 
 def is_graphed(mode: str) -> bool:
@@ -321,7 +331,10 @@ class LayerBenchConfig:
                                  "over peer memory), torchtitan, megatron; any with '+graph' (captured as a "
                                  "CUDA graph; padded capacity; dropless: dedup-fixed, comet, no-comm, every mode "
                                  "on one GPU, and auto, the fastest of its eager call and the dedup-fixed and "
-                                 "comet forms as graphs) (default plain,no-comm)",
+                                 "comet forms as graphs); weft's modes but auto with '+sgd-in-backward' before "
+                                 "any '+graph' (--optimizer sgd as weft.BackwardSGD: the experts stepped in "
+                                 "their weight-gradient GEMMs where the path fuses it, comet's) "
+                                 "(default plain,no-comm)",
                                  parse=names)
     baseline: str = arg("plain", "mode the ratios are relative to")
     capacity: tuple[float | None, ...] = arg((1.0, None), "comma-separated capacity factors, 'dropless' for None "
@@ -376,6 +389,10 @@ class LayerBenchConfig:
             if base_mode(mode) not in (*MODES, SLOTS_MODE):
                 raise ValueError(f"--modes {mode}: {GRAPH_SUFFIX} applies to weft's modes and {SLOTS_MODE} "
                                  f"(not a peer, {BALANCE_MODE} or {COPY_MODE})")
+        for mode in filter(steps_in_backward, self.modes):
+            if base_mode(mode) not in MODES or base_mode(mode) == "auto" or self.optimizer != "sgd":
+                raise ValueError(f"--modes {mode}: {STEP_SUFFIX} applies to weft's modes but auto, with "
+                                 "--optimizer sgd")
         if self.baseline not in self.modes:
             raise ValueError(f"--baseline {self.baseline!r} must be one of the --modes")
 
@@ -489,9 +506,10 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         rows.append(row)
         try:
             graphed = is_graphed(mode)
+            step_opt = _backward_sgd(mode, optimizer, moe) if steps_in_backward(mode) else None
             forward, params, description = _mode_forward(base_mode(mode), moe, cfg, cf, activation, dtype, device,
                                                          ctx.world_size, x0, copy_overhead, balance_rounds,
-                                                         graphed and cf is None, graph_placement)
+                                                         graphed and cf is None, graph_placement, step_opt)
             if graphed and base_mode(mode) == "auto" and cf is None:
                 _need_cuda(device)
                 forward, graphed, row["candidates_ms"] = graphed_auto_dropless(moe, x0, grads[0])
@@ -532,14 +550,14 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
                            cost_model=dataclasses.asdict(balancer.model))
         if not graphed:  # a graph keeps its gradient tensors (each replay overwrites them)
             moe.zero_grad(set_to_none=True)
-        built[mode] = (fwd_bwd, params)
+        built[mode] = (fwd_bwd, params, step_opt)
         progress.phase(f"{config} {'dropless' if cf is None else f'cf {cf}'} {mode} built and checked")
     timed = [row for row in rows if row["mode"] in built]
     runs, optimizers = [], []
     for row in timed:
-        fwd_bwd, params = built[row["mode"]]
+        fwd_bwd, params, step_opt = built[row["mode"]]
         switch = lambda: None  # noqa: E731  (modes are per-call settings: nothing to switch)
-        optimizers.append(_optimizer(optimizer, params))
+        optimizers.append(step_opt if step_opt is not None else _optimizer(optimizer, params))
         step = _step_fn(fwd_bwd, params, inputs, grads, optimizers[-1], row["graphed"])
         if base_mode(row["mode"]) == "auto" and not row["graphed"]:
             # tuning calls synchronise and try slow settings: keep them out of the timing
@@ -711,9 +729,13 @@ def _peak_mib(run: Run, device: torch.device) -> float | None:
 
 
 def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0, copy_overhead: bool,
-                  rounds: int = 1, graphed: bool = False, graph_placement: str = "captured"):
+                  rounds: int = 1, graphed: bool = False, graph_placement: str = "captured",
+                  expert_step: BackwardSGD | None = None):
     if mode in MODES:
-        return mode_forward(mode, moe), list(moe.parameters()), f"weft {mode}"
+        step = "" if expert_step is None else ", its experts' SGD step in the backward's weight-gradient GEMMs"
+        return mode_forward(mode, moe, expert_step), list(moe.parameters()), f"weft {mode}{step}"
+    if expert_step is not None:
+        raise ValueError(f"{STEP_SUFFIX} takes one of weft's own modes ({', '.join(MODES)}), not {mode!r}")
     if mode == BALANCE_MODE:
         twin = balanced_twin(moe, cf, x0, copy_overhead, rounds)
         return twin, list(twin.parameters()), "weft plain + Pro-Prophet's replicated experts"
@@ -738,6 +760,19 @@ def _mode_forward(mode, moe, cfg, cf, activation, dtype, device, world_size, x0,
 # load stay the ones checked against plain (an update moves the router, the more the more tokens:
 # docs/benchmarks.md, thirty-seventh session).
 BENCH_LR = 0.0
+# ... except the SGD step in the backward's GEMMs: cuBLAS need not read a product's operands when its
+# alpha (-lr) is 0, so that step runs at a learning rate that makes every kernel run and changes no
+# weight of the layer's scale (|w| * 2^-24 > 1e-30 * |g| for any |w| above ~1e-20)
+BENCH_BACKWARD_LR = 1e-30
+
+
+def _backward_sgd(mode: str, optimizer: str, moe: MoE) -> BackwardSGD:
+    """The SGD in the backward of a "+sgd-in-backward" mode, over the layer's parameters."""
+    if optimizer != "sgd":
+        raise ValueError(f"{mode}: {STEP_SUFFIX} times the SGD step; run with --optimizer sgd")
+    if base_mode(mode) == "auto":
+        raise ValueError(f"{mode}: auto's candidates are timed without {STEP_SUFFIX}; name a mode")
+    return BackwardSGD(moe.parameters(), lr=BENCH_BACKWARD_LR, foreach=False)
 
 
 def _optimizer(name: str, params: list[torch.nn.Parameter]):
@@ -835,13 +870,14 @@ def print_table(report: dict) -> None:
           f"{'' if meta['optimizer'] == 'none' else ' + ' + meta['optimizer']}"
           f"{', NCCL_P2P_DISABLE=1' if meta['p2p_disabled'] else ''}"
           f"{TIMING_NOTES.get(meta.get('timing'), '')}")
-    head = (f"{'capacity':>9} {'mode':>10} {'median ms':>10} {'iqr':>6} {'vs ' + meta['baseline']:>9} {'max err':>9} "
-            f"{'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8} {'peak MiB':>9}")
+    width = max([10, *(len(r["mode"]) for r in rows)])
+    head = (f"{'capacity':>9} {'mode':>{width}} {'median ms':>10} {'iqr':>6} {'vs ' + meta['baseline']:>9} "
+            f"{'max err':>9} {'comm ms':>8} {'exposed':>8} {'hidden':>7} {'TFLOP/s':>8} {'peak MiB':>9}")
     print(head)
     for r in rows:
         cap = "dropless" if r["capacity_factor"] is None else f"{r['capacity_factor']:g}"
         if r.get("median_ms") is None:
-            print(f"{cap:>9} {r['mode']:>10}  unavailable: {r.get('error', '?')[:150]}")
+            print(f"{cap:>9} {r['mode']:>{width}}  unavailable: {r.get('error', '?')[:150]}")
             continue
         err = "n/a" if r.get("max_abs_error") is None else f"{r['max_abs_error']:.1e}"
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}x"
@@ -864,7 +900,7 @@ def print_table(report: dict) -> None:
                           f"{cost.get('slot_scale', 1.0):.2f}, a copy's overhead "
                           f"{cost['copy_overhead_s'] * 1e3:.3f} ms]")
         peak = "" if r.get("peak_mib") is None else f"{r['peak_mib']:.0f}"
-        print(f"{cap:>9} {r['mode']:>10} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
+        print(f"{cap:>9} {r['mode']:>{width}} {r['median_ms']:>10.3f} {r['iqr_ms']:>6.2f} {ratio:>9} {err:>9} "
               f"{comm:>8} {exposed:>8} {hidden:>7} {r['tflops_per_rank']:>8.1f} {peak:>9}{tuned}")
     loads = {capacity_label(r["capacity_factor"]):
              (r["expert_load_max_over_mean"], r.get("rank_load_max_over_mean"))

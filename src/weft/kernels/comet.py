@@ -46,6 +46,7 @@ import torch
 from weft.kernels import tma
 from weft.kernels.activation import ELEMENTWISE
 from weft.kernels.grouped_mm import grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
+from weft.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_takes
 from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
@@ -269,6 +270,27 @@ def segment_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, rows: RowMap) -> torc
     if segments is None or grouped_mm_takes(x_RK.T, dy_RN):
         return grouped_weights_mm(x_RK, dy_RN, rows.ends_I)
     return torch.stack([a.T @ b for a, b in zip(torch.split(x_RK, list(segments)), torch.split(dy_RN, list(segments)))])
+
+
+def segment_wgrad_into(into_EKN: torch.Tensor, x_RK: torch.Tensor, dy_RN: torch.Tensor, rows: RowMap, alpha: float,
+                       beta: float) -> bool:
+    """into = beta * into + alpha * `segment_wgrad`(x, dy, rows) with the scaling and the add in the
+    GEMM's epilogue, in float32, rounded once (with `into` an expert weight, alpha = -lr and beta =
+    1 - lr * weight_decay: SGD's update without the gradient ever written): cuBLAS's `baddbmm_`
+    where the host knows every expert has the same rows, `weft.kernels.grouped_wgrad` where its
+    Triton kernel runs. False, `into` untouched, elsewhere (the caller then makes the gradient)."""
+    segments = rows.segments
+    if not into_EKN.is_contiguous() or into_EKN.dtype != x_RK.dtype:
+        return False
+    if segments is not None and len(set(segments)) == 1:
+        num_local, count = len(segments), segments[0]
+        x_IRK, dy_IRN = x_RK.view(num_local, count, x_RK.shape[1]), dy_RN.view(num_local, count, dy_RN.shape[1])
+        into_EKN.baddbmm_(x_IRK.transpose(1, 2), dy_IRN, beta=beta, alpha=alpha)
+        return True
+    if grouped_wgrad_takes(x_RK, dy_RN):
+        grouped_wgrad(x_RK, dy_RN, rows.ends_I, into=into_EKN, alpha=alpha, beta=beta)
+        return True
+    return False
 
 
 # -- references (the CPU path and the test oracle) -------------------------------------------------

@@ -40,16 +40,21 @@ if triton is not None:
 class WGradTiles:
     """The kernel's tiles: `block_m` of x's columns (the gradient's rows), `block_n` of dy's, and
     `block_r` rows reduced a step; `group`: row tiles taken together across the column tiles (the
-    programs running at once share x's and dy's blocks in L2). The 16-bit GPU default is the
-    fastest of those `scripts/wgrad_probe.py` timed on the layer configs' shapes (docs/benchmarks.md);
-    64-row steps in 4 stages do not fit the H200's shared memory beside the output tile."""
+    programs running at once share x's and dy's blocks in L2); `per_sm`: persistent programs an SM
+    (2: one program's epilogue runs beside another's loads, where both fit). The 16-bit GPU default,
+    128 x 128 x 32 tiles in 5 stages, 4 warps, two programs an SM, is the fastest of those
+    `scripts/wgrad_probe.py` timed on the layer configs' shapes, most of all with the epilogue's
+    read of `into` (SGD's update: 3-12% below one program of 128 x 256 x 32 an SM;
+    docs/benchmarks.md); 64-row steps in 4 stages do not fit the H200's shared memory beside the
+    output tile."""
 
     block_m: int = 128
-    block_n: int = 256
+    block_n: int = 128
     block_r: int = 32
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 5
     group: int = 8
+    per_sm: int = 2
 
     @staticmethod
     def for_device(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> WGradTiles:
@@ -58,7 +63,7 @@ class WGradTiles:
         if device.type != "cuda":
             return WGradTiles(16, 16, 16, 1, 1, 2)
         if dtype == torch.float32:
-            return WGradTiles(128, 128, 32, num_stages=3)
+            return WGradTiles(128, 128, 32, 8, 3, per_sm=1)
         return WGradTiles()
 
 
@@ -71,13 +76,16 @@ def grouped_wgrad_takes(x_MK: torch.Tensor, dy_MN: torch.Tensor) -> bool:
 
 
 def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, into: torch.Tensor | None = None,
-                  sm_margin: int = 0, tiles: WGradTiles | None = None) -> torch.Tensor:
+                  sm_margin: int = 0, tiles: WGradTiles | None = None, alpha: float = 1.0,
+                  beta: float = 1.0) -> torch.Tensor:
     """(G, K, N) in x's dtype: for each group g, x's rows [offs[g - 1], offs[g]) transposed times
     dy's (`offs_G`: int32 ends on x's device, non-decreasing, at most x's rows; nothing read on
     the host, so CUDA graphs capture the call). Accumulated in float32 (IEEE products for float32
     operands) and rounded once; with `into` (a contiguous (G, K, N) tensor of x's dtype, e.g. a
     share of the same gradient computed earlier) the sum starts from `into`'s values and is
-    written there, in place of a separate weight-sized add. On GPUs the kernel runs persistent on
+    written there, in place of a separate weight-sized add; `alpha` and `beta` scale the two
+    (beta * into + alpha * x^T dy, in float32: with `into` the weight, alpha = -lr and beta = 1 -
+    lr * weight_decay, SGD's update in the epilogue). On GPUs the kernel runs persistent on
     all SMs but `sm_margin` (left to an exchange beside it)."""
     if not grouped_wgrad_takes(x_MK, dy_MN):
         raise ValueError(f"grouped_wgrad takes two 2-D row-major {x_MK.device.type} operands of one 16-bit or "
@@ -104,15 +112,15 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
     work = G * n_mt * n_nt
     if x_MK.is_cuda:
         sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
-        programs, launch = min(work, max(1, sms - sm_margin)), {"num_warps": tiles.num_warps,
+        programs, launch = min(work, tiles.per_sm * max(1, sms - sm_margin)), {"num_warps": tiles.num_warps,
                                                                 "num_stages": tiles.num_stages}
     else:  # the interpreter: one program a work item
         programs, launch = work, {}
     ieee = x_MK.dtype == torch.float32 or not x_MK.is_cuda
     _grouped_wgrad_kernel[(programs,)](
         x_MK, x_desc, dy_MN, dy_desc, out, out_desc, offs_G.to(torch.int32), K, N, x_MK.stride(0), dy_MN.stride(0),
-        n_mt, n_nt, work, BM=tiles.block_m, BN=tiles.block_n, BR=tiles.block_r, GROUP=tiles.group,
-        TMA=x_desc is not None, TMA_OUT=out_desc is not None, ACC=into is not None, IEEE=ieee,
+        n_mt, n_nt, work, float(alpha), float(beta), BM=tiles.block_m, BN=tiles.block_n, BR=tiles.block_r,
+        GROUP=tiles.group, TMA=x_desc is not None, TMA_OUT=out_desc is not None, ACC=into is not None, IEEE=ieee,
         INTERPRET=not x_MK.is_cuda, **launch)
     return out
 
@@ -141,12 +149,13 @@ if triton is not None:
         return _dot_t(a, b, acc, IEEE)
 
     @triton.jit
-    def _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, q, BM: tl.constexpr,
+    def _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, q, alpha, beta,
+              BM: tl.constexpr,
               BN: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr, TMA_OUT: tl.constexpr,
               ACC: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         """Work item q: group q // (n_mt * n_nt), one (BM, BN) tile of its gradient (GROUP row tiles
         across every column tile), reduced over the group's rows in steps of BR, the last partial
-        step by masked loads; ACC: added to what the tile holds."""
+        step by masked loads; ACC: alpha times it added to beta times what the tile holds."""
         per_group = n_mt * n_nt
         g = q // per_group
         t = q % per_group
@@ -183,26 +192,26 @@ if triton is not None:
         if TMA_OUT:
             at = [g * K + tm * BM, tn * BN]
             if ACC:
-                acc += out_desc.load(at).to(tl.float32)
+                acc = beta * out_desc.load(at).to(tl.float32) + alpha * acc
             out_desc.store(at, acc.to(out_desc.dtype))
         else:
             at = out + g.to(tl.int64) * K * N + m[:, None].to(tl.int64) * N + n[None, :]
             ok = m_ok[:, None] & n_ok[None, :]
             if ACC:
-                acc += tl.load(at, mask=ok, other=0.0).to(tl.float32)
+                acc = beta * tl.load(at, mask=ok, other=0.0).to(tl.float32) + alpha * acc
             tl.store(at, acc.to(out.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _grouped_wgrad_kernel(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, work,
-                              BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr,
+    def _grouped_wgrad_kernel(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, work, alpha,
+                              beta, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr,
                               TMA: tl.constexpr, TMA_OUT: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr,
                               INTERPRET: tl.constexpr):
         """Persistent: program p takes work items p, p + programs, ... below `work` (under the
         interpreter one program a work item)."""
         if INTERPRET:
-            _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, tl.program_id(0),
+            _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, tl.program_id(0), alpha, beta,
                   BM, BN, BR, GROUP, TMA, TMA_OUT, ACC, IEEE, INTERPRET)
         else:
             for q in range(tl.program_id(0), work, tl.num_programs(0)):
-                _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, q,
+                _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, q, alpha, beta,
                       BM, BN, BR, GROUP, TMA, TMA_OUT, ACC, IEEE, INTERPRET)

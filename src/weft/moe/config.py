@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from weft.kernels.activation import ACTIVATIONS
 from weft.kernels.rows import KERNELS
+from weft.moe.backward_sgd import BackwardSGD
 from weft.moe.gates import EXPERT_BIAS_GATES, GATES, SAMPLING_GATES
 
 BALANCE_CHOICES = (None, "pro-prophet")  # weft.MoE's balance: off, or Pro-Prophet's replicated experts
@@ -52,6 +53,9 @@ class MoECall:
         "auto": Triton where it can run (CUDA tensors), torch elsewhere; "comet": as "auto", and
         plain calls (padded or dropless) run Comet's fused expert kernels where the ranks can address each
         other's memory (`weft.moe.exchange.Comet`). Same function every way.
+    expert_step: a `weft.BackwardSGD` whose update of the expert weights runs in the backward's
+        weight-gradient GEMMs where the call's path can fuse it (Comet's exchange); None: the
+        weights get their gradients (`weft.moe.backward_sgd`).
     """
 
     top_k: int
@@ -61,6 +65,7 @@ class MoECall:
     parallel_r: int | None = None
     communicate: bool = True
     kernels: str = "auto"
+    expert_step: BackwardSGD | None = None
 
     @property
     def dropless(self) -> bool:

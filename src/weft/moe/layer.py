@@ -27,6 +27,7 @@ from weft.distributed import group_rank, group_size, hierarchical_groups, resolv
 from weft.hostcopy import host_tensor_async
 from weft.kernels.rows import use_triton
 from weft.moe import dedup
+from weft.moe.backward_sgd import BackwardSGD
 from weft.moe.config import (
     BALANCE_CHOICES,
     DEDUP_ALGOS,
@@ -268,11 +269,20 @@ class MoE(nn.Module):
 
     def call_with(self, *, top_k: int | None = None, capacity_factor: float | None | EllipsisType = ...,
                   overlap_degree: int | str | None = None, a2a_algo: str | None = None,
-                  parallel: int | None = None, communicate: bool = True, kernels: str | None = None) -> MoECall:
+                  parallel: int | None = None, communicate: bool = True, kernels: str | None = None,
+                  expert_step: BackwardSGD | None = None) -> MoECall:
         """The settings of a call with these overrides (None / ...: the layer's), checked.
         `communicate=False` is for benchmarks only (see `MoECall`)."""
         overrides = (top_k, capacity_factor, overlap_degree, a2a_algo, parallel, communicate, kernels)
-        return self._usable(resolve_call(self._defaults, overrides, self._shape()))
+        call = self._usable(resolve_call(self._defaults, overrides, self._shape()))
+        if expert_step is None:  # kept out of the cached resolution, which would keep the optimizer alive
+            return call
+        if not isinstance(expert_step, BackwardSGD):
+            raise ValueError(f"expert_step must be a weft.BackwardSGD, not {type(expert_step).__name__}")
+        if self.balancer is not None:
+            raise ValueError("expert_step cannot step a balanced layer's experts in the backward: Pro-Prophet adds "
+                             "its copies' gradients after it; use a plain optimizer with balance='pro-prophet'")
+        return dataclasses.replace(call, expert_step=expert_step)
 
     def _usable(self, call: MoECall) -> MoECall:
         """`call`, unless it needs 2DH groups this layer did not build (at construction: a collective;
@@ -402,7 +412,8 @@ class MoE(nn.Module):
         copies of Pro-Prophet's experts for a dropless call)."""
         offered = setting.comet and is_tuned(call, self.parallel, self.ep_size)
         peers = self._comet_peers(call, device, offered) if setting.comet else None
-        ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler, peers, self.tuning)
+        ctx = ExchangeContext(self.experts, self.placement, call.communicate, self.wgrad_scheduler, peers, self.tuning,
+                              call.expert_step)
         return select(ctx, setting, not isinstance(layout, Padded), transfer)
 
     def _exchange_rows(self, exchange: Exchange, layout: Layout, tokens_TD: torch.Tensor, slot_rows: SlotRows | None,

@@ -140,6 +140,7 @@ class ExchangeContext:
     scheduler: object | None = None
     peers: object | None = None
     tuning: TuningDictionary | None = None
+    expert_step: object | None = None  # a weft.BackwardSGD: fused into the weight gradients where a path can
 
     def all_to_all(self, x: torch.Tensor, output_splits=None, input_splits=None, algo: str = "linear"):
         """All-to-all of x over the EP group (equal splits, or the given ones); x when not communicating."""

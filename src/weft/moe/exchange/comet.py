@@ -34,6 +34,7 @@ from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
 from weft.kernels.comet import RowMap, segment_mm, segment_wgrad
 from weft.kernels.rows import triton_usable
+from weft.moe.backward_sgd import BackwardSGD
 from weft.moe.exchange.base import Exchange, ExchangeContext, Grouped, GroupedOnDevice, Layout, Staging
 from weft.moe.exchange.replica_slots import ReplicaCall, aggregate, fork, merge, slot_experts
 from weft.moe.experts import activate
@@ -63,7 +64,8 @@ class CometPlan:
     """One call's constants: the group's peer buffers and their rows per rank (`buffer_rows`, the
     same on every rank), where this rank's experts' rows are (`rows`), the tiles, whether the
     Triton kernels run (else their PyTorch references over the same buffers), and the tuning
-    dictionary that keeps layer0's copy programs per shape (None: the tiles' default)."""
+    dictionary that keeps layer0's copy programs per shape (None: the tiles' default), and the
+    call's `weft.BackwardSGD` (None: every weight gets its gradient)."""
 
     peers: PeerBuffers
     buffer_rows: int
@@ -72,6 +74,17 @@ class CometPlan:
     tiles: kernels.CometTiles
     use_kernels: bool
     tuning: TuningDictionary | None = None
+    expert_step: BackwardSGD | None = None
+
+    def weight_grad(self, x_RK: torch.Tensor, dy_RN: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight`'s gradient x^T dy per expert, or None where the call's `BackwardSGD` stepped the
+        weight in that GEMM's epilogue instead (`kernels.segment_wgrad_into`; the weight must be the
+        optimizer's own tensor, not a cast, and no later op of the backward may read it)."""
+        update = None if self.expert_step is None else self.expert_step.update_of(weight)
+        if update is not None and kernels.segment_wgrad_into(weight, x_RK, dy_RN, self.rows, update.alpha,
+                                                             update.beta):
+            return None
+        return segment_wgrad(x_RK, dy_RN, self.rows)
 
     def buffer(self, role: str, like: torch.Tensor) -> PeerBuffer:
         return comet_buffer(self.peers, role, self.buffer_rows, like.shape[1], like.dtype)
@@ -179,10 +192,11 @@ class CometLayer0(torch.autograd.Function):
         plan = ctx.plan
         gathered, w1, w3 = ctx.saved_tensors
         hidden = w1.shape[2]  # swiglu: grad_h is [dh1 | dh3]; dW3 was made by `CometW3Grad`
-        grad_w1 = segment_wgrad(gathered, grad_h if w3 is None else grad_h[:, :hidden], plan.rows)
-        # swiglu: dX = dh1 @ w1^T + dh3 @ w3^T, one GEMM over the joined hidden dimension
+        # swiglu: dX = dh1 @ w1^T + dh3 @ w3^T, one GEMM over the joined hidden dimension; before
+        # dW1, which may step w1 in place (`CometPlan.weight_grad`)
         grad_rows = plan.push(grad_h, w1.transpose(1, 2), "grad_out", ctx.rows_like,
                               None if w3 is None else w3.transpose(1, 2))
+        grad_w1 = plan.weight_grad(gathered, grad_h if w3 is None else grad_h[:, :hidden], w1)
         return grad_rows, grad_w1, None, None
 
 
@@ -190,7 +204,8 @@ class CometW3Grad(torch.autograd.Function):
     """swiglu's dW3 = gathered^T @ dh3 on a node of its own, between `CometLayer1` and
     `CometLayer0` in the backward: the link's gradient [dh1 | dh3] passes through unchanged, and
     dW3 is accumulated (and freed) before layer0's backward makes dW1, as the plain layer's
-    separate x @ w1 and x @ w3 give them one at a time."""
+    separate x @ w1 and x @ w3 give them one at a time. Never stepped in the backward
+    (`BackwardSGD`): layer0's input gradient reads w3 after this."""
 
     @staticmethod
     def forward(ctx, link, gathered, w3, rows: RowMap):
@@ -230,7 +245,8 @@ class CometLayer1(torch.autograd.Function):
         source = plan.share("grad_send", grad_ND)
         # dY rows here; dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it for dW2
         grad_out, grad_h, act = plan.pull_activation(source, w2.transpose(1, 2), tuple(kept))
-        grad_w2 = segment_wgrad(kept[0] if act is None else act, grad_out, plan.rows)  # relu kept act(h)
+        # relu kept act(h); w2 is read no more: its step may run in the GEMM (`CometPlan.weight_grad`)
+        grad_w2 = plan.weight_grad(kept[0] if act is None else act, grad_out, w2)
         return grad_h, None, grad_w2, None, None, *(None,) * ctx.num_saved
 
 
@@ -345,7 +361,7 @@ class Comet(Exchange):
         dtype = experts.compute_dtype(rows_ND)
         w1, w2, w3 = experts.weights()
         plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND),
-                         self.ctx.tuning)
+                         self.ctx.tuning, self.ctx.expert_step)
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
             rows_ND = rows_ND.to(dtype).contiguous()
             w3 = None if w3 is None else w3.to(dtype)

@@ -1,0 +1,119 @@
+"""`weft.BackwardSGD`: the experts' SGD step inside the backward's weight-gradient GEMMs.
+
+On 1, 2 and 4 gloo processes (Comet's exchange over shared-file peer buffers), padded and
+dropless, relu and swiglu, two steps with weight decay: the layer called with `expert_step` and
+stepped by `BackwardSGD` ends each step with the same outputs and weights as the plain layer
+stepped by `torch.optim.SGD`, and the weights whose step ran in the backward got no gradient
+(padded: cuBLAS's `baddbmm_`, on the CPU too; dropless: the grouped weight-gradient kernel, under
+Triton's interpreter; elsewhere they get gradients and `step()` applies them). Bad settings get one-line errors.
+"""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from weft import BackwardSGD, MoE
+from weft.kernels.rows import triton_usable
+from weft.testing import Checks, run_checks
+
+LR, WEIGHT_DECAY = 0.5, 0.1
+
+
+def layers(world: int, cf, activation: str, device: str, dtype: torch.dtype, reference: str) -> tuple[MoE, MoE]:
+    """The reference layer (kernels `reference`) and a Comet twin with its weights."""
+    torch.manual_seed(0)
+    shape = dict(top_k=2, capacity_factor=cf, activation=activation, device=device, dtype=dtype)
+    plain = MoE(32, 64, 4 * world, kernels=reference, **shape)
+    comet = MoE(32, 64, 4 * world, kernels="comet", **shape)
+    comet.load_state_dict(plain.state_dict())
+    return plain, comet
+
+
+def backward_sgd_worker(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-5,
+                        lr: float = LR, reference: str = "auto") -> list[str]:
+    """Two SGD steps, each from the same weights, of the reference layer (the plain one; "comet":
+    Comet's, so that bf16 compares the fused step alone, not the two paths' rounding) stepped by
+    `torch.optim.SGD` and of Comet's with the experts stepped in the backward: the same outputs and
+    weights after each (to `tol` of the largest value), and no gradient on the weights whose step
+    the backward fused."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank} {device} {dtype}")
+    gen = torch.Generator().manual_seed(10 + rank)
+    for cf, activation in itertools.product((1.0, None), ("relu", "swiglu")):
+        label = f"cf {cf} {activation}"
+        plain, comet = layers(world, cf, activation, device, dtype, reference)
+        sgd = torch.optim.SGD(plain.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, foreach=False)
+        backward_sgd = BackwardSGD(comet.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, foreach=False)
+        for step in range(2):
+            x = torch.randn(24, 32, generator=gen).to(device, dtype)
+            g = torch.randn(24, 32, generator=gen).to(device, dtype)
+            y_plain, y_comet = plain(x), comet(x, expert_step=backward_sgd)
+            fused = {"experts.w1", "experts.w2"}
+            if cf is None and not triton_usable(x):  # rows grouped by expert on the host: cuBLAS takes
+                counts = comet.stats.expert_counts.clone()  # the step where every local expert has the
+                dist.all_reduce(counts)  # same rows, else it needs the Triton kernel
+                mine = counts.view(world, -1)[rank]
+                fused = fused if bool((mine == mine[0]).all()) else set()
+            (y_plain.float() * g.float()).sum().backward()
+            (y_comet.float() * g.float()).sum().backward()
+            no_grad = {name for name, p in comet.named_parameters() if p.grad is None}
+            checks.expect(no_grad == fused, f"{label} step {step}: no gradient on {sorted(no_grad)}, "
+                                            f"expected {sorted(fused)}")
+            sgd.step()
+            backward_sgd.step()
+            sgd.zero_grad()
+            backward_sgd.zero_grad()
+            scale = y_plain.float().abs().max().item()
+            err = (y_plain.float() - y_comet.float()).abs().max().item()
+            checks.expect(err <= tol * scale, f"{label} step {step}: outputs differ by {err:.3g}")
+            for (name, a), b in zip(plain.named_parameters(), comet.parameters()):
+                err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
+                checks.expect(err <= tol * scale, f"{label} step {step}: {name} differs by {err:.3g} "
+                                                  f"(largest {scale:.3g})")
+            # the next step from the same weights: one step's rounding, not amplified by a routing
+            # or relu flip the next forward makes of it (bf16)
+            plain.load_state_dict(comet.state_dict())
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_experts_stepped_in_the_backward_match_sgd_after_the_backward(world_size):
+    flat = run_checks(backward_sgd_worker, world_size, timeout=300)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, monkeypatch):
+    """Dropless through Triton's kernels (interpreter): the step runs in the grouped
+    weight-gradient kernel's epilogue."""
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(backward_sgd_worker, world_size, timeout=900)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+def test_bad_settings_are_named():
+    torch.manual_seed(0)
+    moe = MoE(8, 16, 4, top_k=2)
+    with pytest.raises(ValueError, match="lr and weight_decay"):
+        BackwardSGD(moe.parameters(), lr=-1.0)
+    with pytest.raises(ValueError, match="expert_step must be a weft.BackwardSGD"):
+        moe(torch.randn(4, 8), expert_step=torch.optim.SGD(moe.parameters(), lr=0.1))
+    balanced = MoE(8, 16, 4, top_k=2, capacity_factor=None, balance="pro-prophet")
+    with pytest.raises(ValueError, match="balanced layer"):
+        balanced(torch.randn(4, 8), expert_step=BackwardSGD(balanced.parameters(), lr=0.1))
+
+
+def test_only_the_optimizers_own_tensors_without_momentum_are_stepped():
+    """`update_of` names the very tensors the optimizer holds (a cast or a copy is another tensor),
+    in groups without momentum, each with its group's lr and weight decay."""
+    a, b, c = (torch.nn.Parameter(torch.ones(2)) for _ in range(3))
+    opt = BackwardSGD([{"params": [a]}, {"params": [b], "lr": 0.2, "weight_decay": 0.5}], lr=0.1)
+    assert opt.update_of(a).alpha == -0.1 and opt.update_of(a).beta == 1.0
+    assert opt.update_of(b).alpha == -0.2 and opt.update_of(b).beta == pytest.approx(0.9)
+    assert opt.update_of(c) is None and opt.update_of(a.detach()) is None and opt.update_of(a.double()) is None
+    opt.param_groups[0]["momentum"] = 0.9  # e.g. a state dict from torch's SGD: not stepped in the backward
+    assert opt.update_of(a) is None
