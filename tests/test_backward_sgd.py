@@ -50,7 +50,8 @@ def backward_sgd_worker(device: str = "cpu", dtype: torch.dtype = torch.float32,
         for step in range(2):
             x = torch.randn(24, 32, generator=gen).to(device, dtype)
             g = torch.randn(24, 32, generator=gen).to(device, dtype)
-            y_plain, y_comet = plain(x), comet(x, expert_step=backward_sgd)
+            x_plain, x_comet = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y_plain, y_comet = plain(x_plain), comet(x_comet, expert_step=backward_sgd)
             fused = {"experts.w1", "experts.w2"}
             if cf is None and not triton_usable(x):  # rows grouped by expert on the host: cuBLAS takes
                 counts = comet.stats.expert_counts.clone()  # the step where every local expert has the
@@ -66,9 +67,9 @@ def backward_sgd_worker(device: str = "cpu", dtype: torch.dtype = torch.float32,
             backward_sgd.step()
             sgd.zero_grad()
             backward_sgd.zero_grad()
-            scale = y_plain.float().abs().max().item()
-            err = (y_plain.float() - y_comet.float()).abs().max().item()
-            checks.expect(err <= tol * scale, f"{label} step {step}: outputs differ by {err:.3g}")
+            for what, a, b in (("outputs", y_plain, y_comet), ("input gradients", x_plain.grad, x_comet.grad)):
+                err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
+                checks.expect(err <= tol * scale, f"{label} step {step}: {what} differ by {err:.3g}")
             for (name, a), b in zip(plain.named_parameters(), comet.parameters()):
                 err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
                 checks.expect(err <= tol * scale, f"{label} step {step}: {name} differs by {err:.3g} "
@@ -93,6 +94,40 @@ def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, mo
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(backward_sgd_worker, world_size, timeout=900)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+def frozen_and_zeroed_worker() -> list[str]:
+    """Weights whose gradient autograd does not want are not stepped (w1 frozen: only w2 moves in
+    the backward), and a fused weight holding zeros (a gradient of an unfused step, then
+    `zero_grad(set_to_none=False)`) is decayed once, as torch's SGD does, not again by `step()`."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    checks = Checks(f"rank {rank}")
+    plain, comet = layers(world, 1.0, "relu", "cpu", torch.float32, "auto")
+    for layer in (plain, comet):
+        layer.experts.w1.requires_grad_(False)
+    sgd = torch.optim.SGD(plain.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    backward_sgd = BackwardSGD(comet.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x = torch.randn(24, 32, generator=gen).requires_grad_()  # layer0's backward runs for x's gradient
+        plain(x).square().sum().backward()
+        # step 0 unfused: w2 gets a gradient, zeroed in place after it; later steps fuse w2's step
+        comet(x, expert_step=backward_sgd if step else None).square().sum().backward()
+        sgd.step()
+        backward_sgd.step()
+        sgd.zero_grad(set_to_none=False)
+        backward_sgd.zero_grad(set_to_none=False)
+        for (name, a), b in zip(plain.named_parameters(), comet.parameters()):
+            err = (a - b).abs().max().item()
+            checks.expect(err <= 1e-5 * a.abs().max().item(), f"step {step}: {name} differs by {err:.3g}")
+        plain.load_state_dict(comet.state_dict())  # each step from the same weights (see backward_sgd_worker)
+    return checks.failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_frozen_weights_stay_and_zeroed_gradients_decay_once(world_size):
+    flat = run_checks(frozen_and_zeroed_worker, world_size, timeout=300)
+    assert not flat, "\n".join(flat[:15])
 
 
 def test_bad_settings_are_named():

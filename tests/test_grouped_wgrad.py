@@ -90,6 +90,15 @@ def kernel_worker(device: str = "cpu") -> list[str]:
             checks.expect(False, f"no error for bad {word}")
         except ValueError as e:
             checks.expect(word in str(e), f"the error does not name {word}: {e}")
+    try:  # a scale with nothing to scale into
+        grouped_wgrad(x, dy, ends, alpha=-0.5)
+        checks.expect(False, "no error for alpha without into")
+    except ValueError as e:
+        checks.expect("into" in str(e), f"the error does not name into: {e}")
+    # beside an exchange that keeps SMs, one program an SM (two would fill the kept SMs too)
+    cuda = torch.device("cuda")
+    checks.expect(WGradTiles.for_device(cuda).per_sm == 2 and WGradTiles.for_device(cuda, sm_margin=8).per_sm == 1,
+                  "the tiles beside an exchange take more than one program an SM")
     return checks.failures
 
 

@@ -57,13 +57,17 @@ class WGradTiles:
     per_sm: int = 2
 
     @staticmethod
-    def for_device(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> WGradTiles:
+    def for_device(device: torch.device, dtype: torch.dtype = torch.bfloat16, sm_margin: int = 0) -> WGradTiles:
         """wgmma-sized tiles for 16-bit operands on CUDA, smaller stages for float32; small tiles for
-        the CPU interpreter (its programs run one after another)."""
+        the CPU interpreter (its programs run one after another). With SMs left to a kernel beside
+        (`sm_margin`), one program an SM: two an SM would fill the spare SMs too (the hardware
+        places a grid's blocks on every SM), so the 128 x 256 tiles that run best one an SM."""
         if device.type != "cuda":
             return WGradTiles(16, 16, 16, 1, 1, 2)
         if dtype == torch.float32:
             return WGradTiles(128, 128, 32, 8, 3, per_sm=1)
+        if sm_margin > 0:
+            return WGradTiles(128, 256, 32, 8, 5, per_sm=1)
         return WGradTiles()
 
 
@@ -98,7 +102,9 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
                              or into.device != x_MK.device):
         raise ValueError(f"grouped_wgrad: `into` must be a contiguous {(G, K, N)} {x_MK.dtype} tensor on "
                          f"{x_MK.device}; got {tuple(into.shape)} {into.dtype}")
-    tiles = tiles or WGradTiles.for_device(x_MK.device, x_MK.dtype)
+    if into is None and (alpha != 1.0 or beta != 1.0):
+        raise ValueError(f"grouped_wgrad: alpha ({alpha}) and beta ({beta}) scale a sum into `into`; none given")
+    tiles = tiles or WGradTiles.for_device(x_MK.device, x_MK.dtype, sm_margin)
     out = into if into is not None else x_MK.new_empty(G, K, N)
     if out.numel() == 0:
         return out

@@ -83,6 +83,7 @@ class CometPlan:
         update = None if self.expert_step is None else self.expert_step.update_of(weight)
         if update is not None and kernels.segment_wgrad_into(weight, x_RK, dy_RN, self.rows, update.alpha,
                                                              update.beta):
+            self.expert_step.stepped(weight)
             return None
         return segment_wgrad(x_RK, dy_RN, self.rows)
 
@@ -196,7 +197,8 @@ class CometLayer0(torch.autograd.Function):
         # dW1, which may step w1 in place (`CometPlan.weight_grad`)
         grad_rows = plan.push(grad_h, w1.transpose(1, 2), "grad_out", ctx.rows_like,
                               None if w3 is None else w3.transpose(1, 2))
-        grad_w1 = plan.weight_grad(gathered, grad_h if w3 is None else grad_h[:, :hidden], w1)
+        grad_w1 = plan.weight_grad(gathered, grad_h if w3 is None else grad_h[:, :hidden], w1) \
+            if ctx.needs_input_grad[1] else None
         return grad_rows, grad_w1, None, None
 
 
@@ -246,7 +248,7 @@ class CometLayer1(torch.autograd.Function):
         # dY rows here; dh = (dY @ w2^T) * act'(h) from layer0's epilogue, act(h) beside it for dW2
         grad_out, grad_h, act = plan.pull_activation(source, w2.transpose(1, 2), tuple(kept))
         # relu kept act(h); w2 is read no more: its step may run in the GEMM (`CometPlan.weight_grad`)
-        grad_w2 = plan.weight_grad(kept[0] if act is None else act, grad_out, w2)
+        grad_w2 = plan.weight_grad(kept[0] if act is None else act, grad_out, w2) if ctx.needs_input_grad[2] else None
         return grad_h, None, grad_w2, None, None, *(None,) * ctx.num_saved
 
 
