@@ -132,7 +132,8 @@
 #   sgdbw    the experts' SGD step in their weight-gradient GEMMs (issue: Hardware speed; ~5 min, run
 #            with PARTS=sgdbw): its GPU test on both GPUs, then Tutel's protocol (`--optimizer sgd`) for
 #            qwen2, phi35 and mixtral at cf 1.0 and dropless, comet+graph against
-#            comet+sgd-in-backward+graph, comet+graph timed twice (the goals: 2.0 / 4.5 / 8.5 ms)
+#            comet+sgd-in-backward+graph, comet+graph timed twice (the goals: 2.0 / 4.5 / 8.5 ms), and
+#            the plain exchange's plain+sgd-in-backward (eager: its dropless calls read counts)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -646,7 +647,8 @@ part_sgdbw() {
   tail -n 3 "$1/tests.log"
   for config in qwen2 phi35 mixtral; do
     $RUN bench layer --config "$config" --optimizer sgd --capacity 1.0,dropless \
-      --modes comet+graph,comet+sgd-in-backward+graph,comet+graph --baseline comet+graph --steps 20 --warmup 5 \
+      --modes comet+graph,comet+sgd-in-backward+graph,comet+graph,plain+sgd-in-backward --baseline comet+graph \
+      --steps 20 --warmup 5 \
       --json "$1/$config.json" 2>&1 | grep -v "^weft bench layer: \(round\|.*built\)" | tail -n 10
   done
 }

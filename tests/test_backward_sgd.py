@@ -1,11 +1,12 @@
 """`weft.BackwardSGD`: the experts' SGD step inside the backward's weight-gradient GEMMs.
 
-On 1, 2 and 4 gloo processes (Comet's exchange over shared-file peer buffers), padded and
-dropless, relu and swiglu, two steps with weight decay: the layer called with `expert_step` and
-stepped by `BackwardSGD` ends each step with the same outputs and weights as the plain layer
+On 1, 2 and 4 gloo processes (Comet's exchange over shared-file peer buffers, and the plain
+exchange), padded and dropless, relu and swiglu, two steps with weight decay: the layer called
+with `expert_step` and stepped by `BackwardSGD` ends each step with the same outputs and weights as the plain layer
 stepped by `torch.optim.SGD`, and the weights whose step ran in the backward got no gradient
-(padded: cuBLAS's `baddbmm_`, on the CPU too; dropless: the grouped weight-gradient kernel, under
-Triton's interpreter; elsewhere they get gradients and `step()` applies them). Bad settings get one-line errors.
+(Comet padded: cuBLAS's `baddbmm_`, on the CPU too; dropless, Comet's and the plain exchange's:
+the grouped weight-gradient kernel, under Triton's interpreter; elsewhere they get gradients and
+`step()` applies them). Bad settings get one-line errors.
 """
 from __future__ import annotations
 
@@ -22,61 +23,73 @@ from weft.testing import Checks, run_checks
 LR, WEIGHT_DECAY = 0.5, 0.1
 
 
-def layers(world: int, cf, activation: str, device: str, dtype: torch.dtype, reference: str) -> tuple[MoE, MoE]:
-    """The reference layer (kernels `reference`) and a Comet twin with its weights."""
+def layers(world: int, cf, activation: str, device: str, dtype: torch.dtype, reference: str,
+           stepped: str = "comet") -> tuple[MoE, MoE]:
+    """The reference layer (kernels `reference`) and a twin with its weights (kernels `stepped`)."""
     torch.manual_seed(0)
     shape = dict(top_k=2, capacity_factor=cf, activation=activation, device=device, dtype=dtype)
     plain = MoE(32, 64, 4 * world, kernels=reference, **shape)
-    comet = MoE(32, 64, 4 * world, kernels="comet", **shape)
-    comet.load_state_dict(plain.state_dict())
-    return plain, comet
+    twin = MoE(32, 64, 4 * world, kernels=stepped, **shape)
+    twin.load_state_dict(plain.state_dict())
+    return plain, twin
+
+
+def expected_fused(stepped: str, cf, activation: str, twin: MoE, x: torch.Tensor) -> set[str]:
+    """The weights the backward steps. Comet's exchange: w1 and w2 (swiglu's w3 is read after its
+    gradient is made), by cuBLAS where every local expert has the same rows, else by the Triton
+    kernel. The plain exchange: dropless only, every weight, by the Triton kernel."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if stepped != "comet":
+        weights = {"experts.w1", "experts.w2"} | ({"experts.w3"} if activation == "swiglu" else set())
+        return weights if cf is None and triton_usable(x) else set()
+    if cf is not None or triton_usable(x):
+        return {"experts.w1", "experts.w2"}
+    counts = twin.stats.expert_counts.clone()  # rows grouped by expert on the host: cuBLAS takes the
+    dist.all_reduce(counts)  # step where every local expert has the same rows, else it needs Triton
+    mine = counts.view(world, -1)[rank]
+    return {"experts.w1", "experts.w2"} if bool((mine == mine[0]).all()) else set()
 
 
 def backward_sgd_worker(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-5,
                         lr: float = LR, reference: str = "auto") -> list[str]:
     """Two SGD steps, each from the same weights, of the reference layer (the plain one; "comet":
     Comet's, so that bf16 compares the fused step alone, not the two paths' rounding) stepped by
-    `torch.optim.SGD` and of Comet's with the experts stepped in the backward: the same outputs and
-    weights after each (to `tol` of the largest value), and no gradient on the weights whose step
-    the backward fused."""
+    `torch.optim.SGD` and of a twin (Comet's exchange, then the plain one) with the experts stepped
+    in the backward: the same outputs, input gradients and weights after each (to `tol` of the
+    largest value), and no gradient on the weights whose step the backward fused."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank} {device} {dtype}")
     gen = torch.Generator().manual_seed(10 + rank)
-    for cf, activation in itertools.product((1.0, None), ("relu", "swiglu")):
-        label = f"cf {cf} {activation}"
-        plain, comet = layers(world, cf, activation, device, dtype, reference)
+    for stepped, cf, activation in itertools.product(("comet", "auto"), (1.0, None), ("relu", "swiglu")):
+        label = f"{stepped} cf {cf} {activation}"
+        plain, twin = layers(world, cf, activation, device, dtype, reference, stepped)
         sgd = torch.optim.SGD(plain.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, foreach=False)
-        backward_sgd = BackwardSGD(comet.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, foreach=False)
+        backward_sgd = BackwardSGD(twin.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, foreach=False)
         for step in range(2):
             x = torch.randn(24, 32, generator=gen).to(device, dtype)
             g = torch.randn(24, 32, generator=gen).to(device, dtype)
-            x_plain, x_comet = x.clone().requires_grad_(), x.clone().requires_grad_()
-            y_plain, y_comet = plain(x_plain), comet(x_comet, expert_step=backward_sgd)
-            fused = {"experts.w1", "experts.w2"}
-            if cf is None and not triton_usable(x):  # rows grouped by expert on the host: cuBLAS takes
-                counts = comet.stats.expert_counts.clone()  # the step where every local expert has the
-                dist.all_reduce(counts)  # same rows, else it needs the Triton kernel
-                mine = counts.view(world, -1)[rank]
-                fused = fused if bool((mine == mine[0]).all()) else set()
+            x_plain, x_twin = x.clone().requires_grad_(), x.clone().requires_grad_()
+            y_plain, y_twin = plain(x_plain), twin(x_twin, expert_step=backward_sgd)
+            fused = expected_fused(stepped, cf, activation, twin, x)
             (y_plain.float() * g.float()).sum().backward()
-            (y_comet.float() * g.float()).sum().backward()
-            no_grad = {name for name, p in comet.named_parameters() if p.grad is None}
+            (y_twin.float() * g.float()).sum().backward()
+            no_grad = {name for name, p in twin.named_parameters() if p.grad is None}
             checks.expect(no_grad == fused, f"{label} step {step}: no gradient on {sorted(no_grad)}, "
                                             f"expected {sorted(fused)}")
             sgd.step()
             backward_sgd.step()
             sgd.zero_grad()
             backward_sgd.zero_grad()
-            for what, a, b in (("outputs", y_plain, y_comet), ("input gradients", x_plain.grad, x_comet.grad)):
+            for what, a, b in (("outputs", y_plain, y_twin), ("input gradients", x_plain.grad, x_twin.grad)):
                 err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
                 checks.expect(err <= tol * scale, f"{label} step {step}: {what} differ by {err:.3g}")
-            for (name, a), b in zip(plain.named_parameters(), comet.parameters()):
+            for (name, a), b in zip(plain.named_parameters(), twin.parameters()):
                 err, scale = (a.float() - b.float()).abs().max().item(), a.float().abs().max().item()
                 checks.expect(err <= tol * scale, f"{label} step {step}: {name} differs by {err:.3g} "
                                                   f"(largest {scale:.3g})")
             # the next step from the same weights: one step's rounding, not amplified by a routing
             # or relu flip the next forward makes of it (bf16)
-            plain.load_state_dict(comet.state_dict())
+            plain.load_state_dict(twin.state_dict())
     return checks.failures
 
 
@@ -89,7 +102,7 @@ def test_experts_stepped_in_the_backward_match_sgd_after_the_backward(world_size
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, monkeypatch):
     """Dropless through Triton's kernels (interpreter): the step runs in the grouped
-    weight-gradient kernel's epilogue."""
+    weight-gradient kernel's epilogue, on Comet's exchange and on the plain one."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(backward_sgd_worker, world_size, timeout=900)

@@ -54,8 +54,8 @@ class MoECall:
         plain calls (padded or dropless) run Comet's fused expert kernels where the ranks can address each
         other's memory (`weft.moe.exchange.Comet`). Same function every way.
     expert_step: a `weft.BackwardSGD` whose update of the expert weights runs in the backward's
-        weight-gradient GEMMs where the call's path can fuse it (Comet's exchange); None: the
-        weights get their gradients (`weft.moe.backward_sgd`).
+        weight-gradient GEMMs where the call's path can fuse it (Comet's exchange, the plain
+        exchange's dropless calls); None: the weights get their gradients (`weft.moe.backward_sgd`).
     """
 
     top_k: int

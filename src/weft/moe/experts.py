@@ -21,6 +21,7 @@ from weft.hostcopy import offsets
 from weft.kernels.activation import activate
 from weft.kernels.grouped_mm import grouped_mm_on, grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
 from weft.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_takes
+from weft.moe.backward_sgd import BackwardSGD
 from weft.ops import wgrad
 from weft.profiling import stage
 
@@ -154,14 +155,20 @@ class Experts(nn.Module):
                 h3 = parts.bmm(x, w3) if w3 is not None else None
                 return parts.bmm(self._hidden(parts.bmm(x, w1), h3), w2)
 
-    def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None) -> torch.Tensor:
-        """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each."""
+    def forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None = None,
+                        step: BackwardSGD | None = None) -> torch.Tensor:
+        """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each. `step`: the
+        call's `BackwardSGD`, which steps this rank's own weights in their gradient GEMMs
+        (`SteppedGroupedMm`)."""
         with stage("experts"):
-            return self._forward_grouped(x, counts, weights)
+            return self._forward_grouped(x, counts, weights, step)
 
-    def _forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None) -> torch.Tensor:
+    def _forward_grouped(self, x: torch.Tensor, counts: list[int], weights: tuple | None,
+                         step: BackwardSGD | None = None) -> torch.Tensor:
         w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
+        if step is not None and weights is None and self.wgrad_scheduler is None:
+            return self._stepped_gemms(x, offsets(counts, x.device), step)
         if self.wgrad_scheduler is not None and weights is None:
             mm = functools.partial(wgrad.grouped_mm, counts=counts, scheduler=self.wgrad_scheduler)
             h3 = mm(x, w3) if w3 is not None else None
@@ -179,7 +186,18 @@ class Experts(nn.Module):
         h3 = torch._grouped_mm(x, w3, offs=offs_E) if w3 is not None else None
         return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
 
-    def forward_offsets(self, x: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    def _stepped_gemms(self, x: torch.Tensor, offs_E: torch.Tensor, step: BackwardSGD) -> torch.Tensor:
+        """The experts on rows grouped by expert, each product a `SteppedGroupedMm`: its backward
+        makes the rows' gradient, then steps the weight (or makes its gradient where it cannot)."""
+        w1, w2, w3 = in_dtype(self.weights(), x.dtype)
+
+        def mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return SteppedGroupedMm.apply(rows, w, offs_E, step)
+
+        h3 = mm(x, w3) if w3 is not None else None
+        return mm(self._hidden(mm(x, w1), h3), w2)
+
+    def forward_offsets(self, x: torch.Tensor, offs_E: torch.Tensor, step: BackwardSGD | None = None) -> torch.Tensor:
         """Dropless rows grouped by local expert in a buffer of fixed size, the groups' ends on the
         device: expert e's rows are x[offs_E[e - 1]:offs_E[e]] (int32, offs_E[-1] <= rows). Rows
         from offs_E[-1] on are padding: their outputs are undefined (grouped GEMM leaves them
@@ -189,6 +207,9 @@ class Experts(nn.Module):
         with stage("experts"):
             w1, w2, w3 = self.weights()
             x = x.to(self.compute_dtype(x))
+            if step is not None and self.wgrad_scheduler is None and (
+                    not x.is_cuda or grouped_mm_on(w1.device, x.dtype, w1.shape[1], w1.shape[2])):
+                return self._stepped_gemms(x, offs_E, step)
             if self.wgrad_scheduler is None:
                 cast = in_dtype((w1, w2, w3), x.dtype)
                 if use_grouped_mm(x, cast[0], cast[1]):
@@ -199,7 +220,7 @@ class Experts(nn.Module):
                                  "counts on the host")
             ends = offs_E.tolist()
             counts = [b - a for a, b in zip([0] + ends, ends)]
-            out = self._forward_grouped(x[:ends[-1]], counts, None)
+            out = self._forward_grouped(x[:ends[-1]], counts, None, step)
             return torch.cat([out, out.new_zeros(x.shape[0] - ends[-1], out.shape[1])])
 
     def offsets_stay_on_device(self, dtype: torch.dtype) -> bool:
@@ -311,6 +332,40 @@ class WeightGradParts:
 def _cast_weights(experts: Experts, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
     """(w1, w2, w3) in the compute dtype, cast once for every call that shares them."""
     return tuple(None if w is None else w.to(dtype) for w in experts.weights())
+
+
+class SteppedGroupedMm(torch.autograd.Function):
+    """y = x @ w[g] for x's rows [offs[g - 1], offs[g]) (`grouped_rows_mm`), whose backward makes
+    x's gradient first and then w's, which the call's `BackwardSGD` (`step`) takes in the weight
+    gradient's epilogue where the grouped weight-gradient kernel runs (`grouped_wgrad` into w:
+    no gradient made, w stepped in place; nothing in this backward reads w after it); elsewhere w
+    gets its gradient (`grouped_weights_mm`) and the optimizer's `step()` applies it. Rows from
+    offs[-1] on are padding, as in `grouped_rows_mm`."""
+
+    @staticmethod
+    def forward(ctx, x_MK, w_GKN, offs_G, step):
+        ctx.save_for_backward(x_MK, w_GKN, offs_G)
+        ctx.step = step
+        return grouped_rows_mm(x_MK, w_GKN, offs_G)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_GKN, offs_G = ctx.saved_tensors
+        dy_MN = dy_MN.contiguous()
+        dx = grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1] or ctx.step.fuse(w_GKN, lambda alpha, beta: _wgrad_into(
+                w_GKN, x_MK, dy_MN, offs_G, alpha, beta)):
+            return dx, None, None, None
+        return dx, grouped_weights_mm(x_MK, dy_MN, offs_G), None, None
+
+
+def _wgrad_into(w_GKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, alpha: float,
+                beta: float) -> bool:
+    """w = beta w + alpha x^T dy per group in `grouped_wgrad`'s epilogue, where it runs; False elsewhere."""
+    if not (grouped_wgrad_takes(x_MK, dy_MN) and w_GKN.is_contiguous() and w_GKN.dtype == x_MK.dtype):
+        return False
+    grouped_wgrad(x_MK, dy_MN, offs_G, into=w_GKN, alpha=alpha, beta=beta)
+    return True
 
 
 class _PartBmm(torch.autograd.Function):

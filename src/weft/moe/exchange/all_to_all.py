@@ -33,12 +33,12 @@ class AllToAll(Exchange):
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
         ctx, placement = self.ctx, self.ctx.placement
         if placement.ep_size == 1:
-            return ctx.experts.forward_grouped(rows_ND, list(layout.mine))
+            return ctx.experts.forward_grouped(rows_ND, list(layout.mine), step=ctx.expert_step)
         recv_counts, sent, received = ctx.expert_counts(layout)
         send_splits = [sum(r) for r in sent]
         recv_splits = [sum(r) for r in received]
         recv = ctx.all_to_all(rows_ND, recv_splits, send_splits)  # rows by [source][local expert]
-        out = experts_on_received(ctx.experts, recv, recv_counts, received)
+        out = experts_on_received(ctx.experts, recv, recv_counts, received, ctx.expert_step)
         return ctx.all_to_all(out, send_splits, recv_splits)
 
     def grouped_on_device(self, rows_ND: torch.Tensor, layout: GroupedOnDevice) -> torch.Tensor:
@@ -49,22 +49,24 @@ class AllToAll(Exchange):
         on the host (`Grouped`)."""
         ctx, placement = self.ctx, self.ctx.placement
         if placement.ep_size == 1:
-            return ctx.experts.forward_offsets(rows_ND, layout.counts_E.cumsum(0).to(torch.int32))
+            return ctx.experts.forward_offsets(rows_ND, layout.counts_E.cumsum(0).to(torch.int32), ctx.expert_step)
         if ctx.communicate:
             return super().grouped_on_device(rows_ND, layout)
         local = placement.num_local
         by_expert = local_expert_order(layout.counts_E, placement.ep_size, local, rows_ND.shape[0])
         offs_E = layout.counts_E.view(placement.ep_size, local).sum(0).cumsum(0).to(torch.int32)
-        return in_expert_order(rows_ND, by_expert, lambda rows: ctx.experts.forward_offsets(rows, offs_E))
+        return in_expert_order(rows_ND, by_expert,
+                               lambda rows: ctx.experts.forward_offsets(rows, offs_E, ctx.expert_step))
 
 
 def experts_on_received(experts, recv: torch.Tensor, recv_counts: torch.Tensor,
-                        received: list[list[int]]) -> torch.Tensor:
+                        received: list[list[int]], step=None) -> torch.Tensor:
     """Run the local experts on rows that arrived grouped [source rank][local expert]
     (`received[s][i]` rows from source s for local expert i; `recv_counts` the same as a flat
-    tensor); the output rows come back in the same order."""
+    tensor; `step`: the call's `BackwardSGD`, or None); the output rows come back in the same
+    order."""
     by_expert, per_expert = by_local_expert(recv_counts, received, recv.shape[0])
-    return in_expert_order(recv, by_expert, lambda rows: experts.forward_grouped(rows, per_expert))
+    return in_expert_order(recv, by_expert, lambda rows: experts.forward_grouped(rows, per_expert, step=step))
 
 
 def by_local_expert(recv_counts: torch.Tensor, received: list[list[int]], total: int) -> tuple[torch.Tensor, list[int]]:

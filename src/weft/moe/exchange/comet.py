@@ -80,10 +80,8 @@ class CometPlan:
         """`weight`'s gradient x^T dy per expert, or None where the call's `BackwardSGD` stepped the
         weight in that GEMM's epilogue instead (`kernels.segment_wgrad_into`; the weight must be the
         optimizer's own tensor, not a cast, and no later op of the backward may read it)."""
-        update = None if self.expert_step is None else self.expert_step.update_of(weight)
-        if update is not None and kernels.segment_wgrad_into(weight, x_RK, dy_RN, self.rows, update.alpha,
-                                                             update.beta):
-            self.expert_step.stepped(weight)
+        if self.expert_step is not None and self.expert_step.fuse(
+                weight, lambda alpha, beta: kernels.segment_wgrad_into(weight, x_RK, dy_RN, self.rows, alpha, beta)):
             return None
         return segment_wgrad(x_RK, dy_RN, self.rows)
 
