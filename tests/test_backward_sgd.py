@@ -99,7 +99,7 @@ def test_experts_stepped_in_the_backward_match_sgd_after_the_backward(world_size
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, monkeypatch):
     """Dropless through Triton's kernels (interpreter): the step runs in the grouped
     weight-gradient kernel's epilogue, on Comet's exchange and on the plain one."""
@@ -141,6 +141,33 @@ def frozen_and_zeroed_worker() -> list[str]:
 def test_frozen_weights_stay_and_zeroed_gradients_decay_once(world_size):
     flat = run_checks(frozen_and_zeroed_worker, world_size, timeout=300)
     assert not flat, "\n".join(flat[:15])
+
+
+def empty_rank_worker() -> list[str]:
+    """A rank whose experts receive no rows (the plain exchange's dropless call, the step in the
+    grouped kernel): its weights still take the step, weight decay alone."""
+    from weft.moe.experts import Experts
+
+    checks = Checks("empty rank")
+    torch.manual_seed(0)
+    experts = Experts(16, 24, 4, activation="swiglu")
+    before = [w.detach().clone() for w in experts.weights()]
+    sgd = BackwardSGD(experts.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    x = torch.randn(0, 16, requires_grad=True)
+    experts.forward_grouped(x, [0, 0, 0, 0], step=sgd).sum().backward()
+    sgd.step()
+    for old, w in zip(before, experts.weights()):
+        checks.expect(w.grad is None and torch.equal(w.detach(), old * (1 - LR * WEIGHT_DECAY)),
+                      "a weight of a rank without rows was not decayed in the backward alone")
+    checks.expect(x.grad is not None and x.grad.shape == (0, 16), "no input gradient")
+    return checks.failures
+
+
+def test_a_rank_without_rows_takes_its_step(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = run_checks(empty_rank_worker, 1, timeout=300)
+    assert not flat, "\n".join(flat)
 
 
 def test_bad_settings_are_named():

@@ -69,6 +69,14 @@ def kernel_worker(device: str = "cpu") -> list[str]:
         grouped_wgrad(x, dy, offs, into=into, alpha=alpha, beta=beta)
         checks.expect(close(into, want, tol), f"{dtype} into, alpha and beta: max error "
                                               f"{(into.float() - want).abs().max():.3g}")
+    # no rows at all: zeros, or `into` scaled by beta alone
+    x, dy = operands(0, 32, 40, torch.float32, device=device)
+    offs = torch.zeros(3, dtype=torch.int32, device=device)
+    checks.expect(not grouped_wgrad(x, dy, offs).any(), "no rows: the sums are not zeros")
+    share = torch.randn(3, 32, 40).to(device)
+    into = share.clone()
+    grouped_wgrad(x, dy, offs, into=into, alpha=-0.5, beta=0.75)
+    checks.expect(torch.equal(into, share * 0.75), "no rows: into is not beta times itself")
     if device == "cuda":
         return checks.failures
     # the same sums at other tiles; bitwise the same twice

@@ -280,7 +280,7 @@ def test_one_rank_dropless_call_keeps_its_counts_on_the_device(monkeypatch):
     ends = []
     offsets = Experts.forward_offsets
     monkeypatch.setattr(Experts, "forward_offsets",
-                        lambda self, rows, offs: ends.append(offs) or offsets(self, rows, offs))
+                        lambda self, rows, offs, *step: ends.append(offs) or offsets(self, rows, offs, *step))
 
     def step(on_device: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as m:
@@ -340,7 +340,7 @@ def no_comm_on_device_worker() -> list[str]:
         finally:
             dedup.gather_layout, MoE._counts_stay_on_device = host_layout, stays
 
-    Experts.forward_offsets = lambda self, rows, offs: ends.append(offs) or offsets(self, rows, offs)
+    Experts.forward_offsets = lambda self, rows, offs, *step: ends.append(offs) or offsets(self, rows, offs, *step)
     try:
         on_host, on_device = step(False), step(True)
     finally:

@@ -72,18 +72,19 @@ class WGradTiles:
 
 
 def grouped_wgrad_takes(x_MK: torch.Tensor, dy_MN: torch.Tensor) -> bool:
-    """Whether `grouped_wgrad` runs on these operands: both 2-D with unit column stride, the same
+    """Whether `grouped_wgrad` runs on these operands: both 2-D with unit column stride (any, with no
+    rows: none is read), the same
     16-bit or float32 dtype, the same device, where the Triton kernels run (`triton_usable`)."""
     return (x_MK.dim() == dy_MN.dim() == 2 and x_MK.dtype == dy_MN.dtype
             and x_MK.dtype in (torch.bfloat16, torch.float16, torch.float32) and x_MK.device == dy_MN.device
-            and x_MK.stride(1) == 1 and dy_MN.stride(1) == 1 and triton_usable(x_MK))
+            and (x_MK.stride(1) == 1 and dy_MN.stride(1) == 1 or x_MK.shape[0] == 0) and triton_usable(x_MK))
 
 
 def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, into: torch.Tensor | None = None,
                   sm_margin: int = 0, tiles: WGradTiles | None = None, alpha: float = 1.0,
                   beta: float = 1.0) -> torch.Tensor:
     """(G, K, N) in x's dtype: for each group g, x's rows [offs[g - 1], offs[g]) transposed times
-    dy's (`offs_G`: int32 ends on x's device, non-decreasing, at most x's rows; nothing read on
+    dy's (`offs_G`: int32 ends on x's device, non-decreasing, at most x's rows, which may be none; nothing read on
     the host, so CUDA graphs capture the call). Accumulated in float32 (IEEE products for float32
     operands) and rounded once; with `into` (a contiguous (G, K, N) tensor of x's dtype, e.g. a
     share of the same gradient computed earlier) the sum starts from `into`'s values and is
@@ -108,6 +109,8 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
     out = into if into is not None else x_MK.new_empty(G, K, N)
     if out.numel() == 0:
         return out
+    if x_MK.shape[0] == 0:  # no rows: every group's sum is zeros (a TMA descriptor takes no empty tensor)
+        return out.zero_() if into is None else out.mul_(beta)
     x_desc = dy_desc = out_desc = None
     if tma.takes(x_MK) and tma.takes(dy_MN):
         x_desc = tma.TensorDescriptor.from_tensor(x_MK, [tiles.block_r, tiles.block_m])

@@ -167,7 +167,9 @@ class Experts(nn.Module):
                          step: BackwardSGD | None = None) -> torch.Tensor:
         w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
-        if step is not None and weights is None and self.wgrad_scheduler is None:
+        w1_GKN = self.w1
+        if step is not None and weights is None and self.wgrad_scheduler is None and (
+                not x.is_cuda or grouped_mm_on(w1_GKN.device, x.dtype, w1_GKN.shape[1], w1_GKN.shape[2])):
             return self._stepped_gemms(x, offsets(counts, x.device), step)
         if self.wgrad_scheduler is not None and weights is None:
             mm = functools.partial(wgrad.grouped_mm, counts=counts, scheduler=self.wgrad_scheduler)
