@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from weft import BackwardSGD, MoE
 from weft.kernels.rows import triton_usable
+from weft.moe.experts import by_source_pays
 from weft.testing import Checks, run_checks
 
 LR, WEIGHT_DECAY = 0.5, 0.1
@@ -37,11 +38,17 @@ def layers(world: int, cf, activation: str, device: str, dtype: torch.dtype, ref
 def expected_fused(stepped: str, cf, activation: str, twin: MoE, x: torch.Tensor) -> set[str]:
     """The weights the backward steps. Comet's exchange: w1 and w2 (swiglu's w3 is read after its
     gradient is made), by cuBLAS where every local expert has the same rows, else by the Triton
-    kernel. The plain exchange: dropless only, every weight, by the Triton kernel."""
+    kernel. The plain exchange: every weight, dropless by the Triton kernel, padded by cuBLAS in
+    the Flexible layout."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if stepped != "comet":
         weights = {"experts.w1", "experts.w2"} | ({"experts.w3"} if activation == "swiglu" else set())
-        return weights if cf is None and triton_usable(x) else set()
+        if cf is None:
+            return weights if triton_usable(x) else set()
+        # padded: cuBLAS's baddbmm_ in Tutel's Flexible layout (one rank, or where the per-source
+        # products would move more bytes); the per-source products leave the weights their gradients
+        per_source = world > 1 and by_source_pays(world, twin.stats.capacity, twin.hidden_dim, len(weights))
+        return set() if per_source else weights
     if cf is not None or triton_usable(x):
         return {"experts.w1", "experts.w2"}
     counts = twin.stats.expert_counts.clone()  # rows grouped by expert on the host: cuBLAS takes the

@@ -24,16 +24,17 @@ step, which would otherwise decay them twice. A weight whose gradient autograd d
 naming other tensors still runs the layer's backward, and so the step. A layer whose experts run
 twice in one forward fails in the second call's backward (autograd's in-place check: the first
 call's weights changed). A weight it could not fuse (a path other than Comet's fused exchange and
-the plain exchange's dropless calls, a weight cast to another compute dtype) gets its gradient as
-usual and `step()` applies the same update. Either way each weight takes exactly one SGD step per
-backward and step: the same weights as the plain layer with `torch.optim.SGD`, to the rounding of
-the fused epilogue (the product is not rounded to the weight's dtype before the update). The step
-uses each weight's gradient on this rank alone, so it is wrong where an expert's gradient is summed
-over ranks (replicated experts over data-parallel ranks must not use it; Pro-Prophet's copies:
-`MoE.call_with` refuses them), and before `weft.reduce_gradients`' division by the world size (give
-the experts lr / world size to take the mean loss's step). It applies once per backward: not for
-gradient accumulation over several micro-batches, not with gradient clipping; a CUDA graph holds
-the learning rate it was captured with, and its warm-up calls step the weights too.
+the plain exchange's dropless calls and Flexible-layout padded ones, a weight cast to another
+compute dtype) gets its gradient as usual and `step()` applies the same update. Either way each
+weight takes exactly one SGD step per backward and step: the same weights as the plain layer with
+`torch.optim.SGD`, to the rounding of the fused epilogue (the product is not rounded to the
+weight's dtype before the update). The step uses each weight's gradient on this rank alone, so it
+is wrong where an expert's gradient is summed over ranks (replicated experts over data-parallel
+ranks must not use it; Pro-Prophet's copies: `MoE.call_with` refuses them), and before
+`weft.reduce_gradients`' division by the world size (give the experts lr / world size to take the
+mean loss's step). It applies once per backward: not for gradient accumulation over several micro-
+batches, not with gradient clipping; a CUDA graph holds the learning rate it was captured with, and
+its warm-up calls step the weights too.
 """
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ class MoECall:
         other's memory (`weft.moe.exchange.Comet`). Same function every way.
     expert_step: a `weft.BackwardSGD` whose update of the expert weights runs in the backward's
         weight-gradient GEMMs where the call's path can fuse it (Comet's exchange, the plain
-        exchange's dropless calls); None: the weights get their gradients (`weft.moe.backward_sgd`).
+        exchange's dropless calls and Flexible-layout padded ones); None: the weights get their
+        gradients (`weft.moe.backward_sgd`).
     """
 
     top_k: int

@@ -107,12 +107,22 @@ class Experts(nn.Module):
     def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self.w1, self.w2, self.w3
 
-    def forward(self, x: torch.Tensor, weights: tuple | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: tuple | None = None, step: BackwardSGD | None = None) -> torch.Tensor:
         """Padded layout: x (G, M, dim) -> (G, M, dim), one bmm per weight. `weights` (w1, w2, w3)
-        stacked over G experts replaces this rank's own (e.g. all experts, gathered)."""
+        stacked over G experts replaces this rank's own (e.g. all experts, gathered). `step`: the
+        call's `BackwardSGD`, which steps this rank's own weights in their gradient GEMMs
+        (`SteppedMm`)."""
         with stage("experts"):
             w1, w2, w3 = weights or self.weights()
             x = x.to(self.compute_dtype(x))
+            if step is not None and weights is None and self.wgrad_scheduler is None:
+                w1, w2, w3 = in_dtype((w1, w2, w3), x.dtype)
+                with torch.autocast(x.device.type, enabled=False):
+                    def stepped(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                        return SteppedMm.apply(rows, w, step, FlexibleProducts())
+
+                    h3 = stepped(x, w3) if w3 is not None else None
+                    return stepped(self._hidden(stepped(x, w1), h3), w2)
             if self.wgrad_scheduler is not None and weights is None:
                 mm = functools.partial(wgrad.bmm, scheduler=self.wgrad_scheduler)
             else:
@@ -120,7 +130,7 @@ class Experts(nn.Module):
             h3 = mm(x, w3) if w3 is not None else None
             return mm(self._hidden(mm(x, w1), h3), w2)
 
-    def forward_by_source(self, x_WGCD: torch.Tensor) -> torch.Tensor:
+    def forward_by_source(self, x_WGCD: torch.Tensor, step: BackwardSGD | None = None) -> torch.Tensor:
         """Padded rows as the exchange's all-to-all delivers them: (W, G, C, dim), source rank w's
         C slots of local expert g at [w, g] -> the outputs in the same layout (contiguous, ready to
         go back). The same function as `forward` on Tutel's Flexible layout (G, W * C, dim): where
@@ -128,14 +138,16 @@ class Experts(nn.Module):
         more in backward, each of the whole (W * G * C, dim) rows): each weight's matmul runs once
         per source into one buffer, `source_major_bmm`. Otherwise, and where Lancet defers the
         weight gradients (`wgrad_scheduler`, which schedules the Flexible layout's matmuls), the
-        rows are copied into the Flexible layout and back."""
+        rows are copied into the Flexible layout and back. `step` (a `BackwardSGD`) steps the
+        weights in the Flexible layout's products (`forward`); the per-source products, whose rows
+        are no one matrix per expert, leave them their gradients."""
         W, G, C, D = x_WGCD.shape
         if W == 1:  # one source: its rows are already expert-major
-            return self(x_WGCD.view(G, C, D)).view(W, G, C, D)
+            return self(x_WGCD.view(G, C, D), step=step).view(W, G, C, D)
         num_weights = sum(w is not None for w in self.weights())
         if self.wgrad_scheduler is not None or not by_source_pays(W, C, self.w1.shape[-1], num_weights):
             flexible = x_WGCD.transpose(0, 1).reshape(G, W * C, D)
-            return self(flexible).view(G, W, C, D).transpose(0, 1).contiguous()
+            return self(flexible, step=step).view(G, W, C, D).transpose(0, 1).contiguous()
         with stage("experts"):
             dtype = self.compute_dtype(x_WGCD)
             w1, w2, w3 = (None if w is None else w.to(dtype) for w in self.weights())
@@ -159,7 +171,7 @@ class Experts(nn.Module):
                         step: BackwardSGD | None = None) -> torch.Tensor:
         """Dropless layout: rows of x (M, dim) sorted by expert, `counts[i]` rows each. `step`: the
         call's `BackwardSGD`, which steps this rank's own weights in their gradient GEMMs
-        (`SteppedGroupedMm`)."""
+        (`SteppedMm`)."""
         with stage("experts"):
             return self._forward_grouped(x, counts, weights, step)
 
@@ -189,12 +201,12 @@ class Experts(nn.Module):
         return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
 
     def _stepped_gemms(self, x: torch.Tensor, offs_E: torch.Tensor, step: BackwardSGD) -> torch.Tensor:
-        """The experts on rows grouped by expert, each product a `SteppedGroupedMm`: its backward
+        """The experts on rows grouped by expert, each product a `SteppedMm`: its backward
         makes the rows' gradient, then steps the weight (or makes its gradient where it cannot)."""
         w1, w2, w3 = in_dtype(self.weights(), x.dtype)
 
         def mm(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return SteppedGroupedMm.apply(rows, w, offs_E, step)
+            return SteppedMm.apply(rows, w, step, GroupedProducts(offs_E))
 
         h3 = mm(x, w3) if w3 is not None else None
         return mm(self._hidden(mm(x, w1), h3), w2)
@@ -336,38 +348,69 @@ def _cast_weights(experts: Experts, dtype: torch.dtype) -> tuple[torch.Tensor | 
     return tuple(None if w is None else w.to(dtype) for w in experts.weights())
 
 
-class SteppedGroupedMm(torch.autograd.Function):
-    """y = x @ w[g] for x's rows [offs[g - 1], offs[g]) (`grouped_rows_mm`), whose backward makes
-    x's gradient first and then w's, which the call's `BackwardSGD` (`step`) takes in the weight
-    gradient's epilogue where the grouped weight-gradient kernel runs (`grouped_wgrad` into w:
-    no gradient made, w stepped in place; nothing in this backward reads w after it); elsewhere w
-    gets its gradient (`grouped_weights_mm`) and the optimizer's `step()` applies it. Rows from
-    offs[-1] on are padding, as in `grouped_rows_mm`."""
+@dataclass(frozen=True)
+class FlexibleProducts:
+    """`SteppedMm`'s products on (G, M, K) rows, one matrix per expert (Tutel's Flexible layout):
+    cuBLAS's bmm, the step in `baddbmm_`'s epilogue (beta = 1 - lr wd, alpha = -lr into w)."""
+
+    def product(self, x_GMK: torch.Tensor, w_GKN: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x_GMK, w_GKN)
+
+    def weight_grad(self, x_GMK: torch.Tensor, dy_GMN: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x_GMK.transpose(1, 2), dy_GMN)
+
+    def step_into(self, w_GKN: torch.Tensor, x_GMK: torch.Tensor, dy_GMN: torch.Tensor, alpha: float,
+                  beta: float) -> bool:
+        if not (w_GKN.is_contiguous() and w_GKN.dtype == x_GMK.dtype == dy_GMN.dtype):
+            return False
+        w_GKN.baddbmm_(x_GMK.transpose(1, 2), dy_GMN, beta=beta, alpha=alpha)
+        return True
+
+
+@dataclass(frozen=True)
+class GroupedProducts:
+    """`SteppedMm`'s products on (M, K) rows grouped by expert, group g's ending at `offs_G[g]`
+    (`grouped_rows_mm`: rows from offs[-1] on are padding): the step in the grouped
+    weight-gradient kernel's epilogue (`grouped_wgrad` into w) where it runs."""
+
+    offs_G: torch.Tensor
+
+    def product(self, x_MK: torch.Tensor, w_GKN: torch.Tensor) -> torch.Tensor:
+        return grouped_rows_mm(x_MK, w_GKN, self.offs_G)
+
+    def weight_grad(self, x_MK: torch.Tensor, dy_MN: torch.Tensor) -> torch.Tensor:
+        return grouped_weights_mm(x_MK, dy_MN, self.offs_G)
+
+    def step_into(self, w_GKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, alpha: float,
+                  beta: float) -> bool:
+        if not (grouped_wgrad_takes(x_MK, dy_MN) and w_GKN.is_contiguous() and w_GKN.dtype == x_MK.dtype):
+            return False
+        grouped_wgrad(x_MK, dy_MN, self.offs_G, into=w_GKN, alpha=alpha, beta=beta)
+        return True
+
+
+class SteppedMm(torch.autograd.Function):
+    """y = x @ w per expert (`products`: `FlexibleProducts` or `GroupedProducts`), whose backward makes x's gradient
+    first and then w's, which the call's `BackwardSGD` (`step`) takes in that product's epilogue
+    (no gradient made, w stepped in place; nothing in this backward reads w after it); where it
+    cannot (w a cast, not the optimizer's, no kernel for it) w gets its gradient and the
+    optimizer's `step()` applies it."""
 
     @staticmethod
-    def forward(ctx, x_MK, w_GKN, offs_G, step):
-        ctx.save_for_backward(x_MK, w_GKN, offs_G)
-        ctx.step = step
-        return grouped_rows_mm(x_MK, w_GKN, offs_G)
+    def forward(ctx, x, w, step, products):
+        ctx.save_for_backward(x, w)
+        ctx.step, ctx.products = step, products
+        return products.product(x, w)
 
     @staticmethod
-    def backward(ctx, dy_MN):
-        x_MK, w_GKN, offs_G = ctx.saved_tensors
-        dy_MN = dy_MN.contiguous()
-        dx = grouped_rows_mm(dy_MN, w_GKN.transpose(1, 2), offs_G) if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1] or ctx.step.fuse(w_GKN, lambda alpha, beta: _wgrad_into(
-                w_GKN, x_MK, dy_MN, offs_G, alpha, beta)):
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        products, dy = ctx.products, dy.contiguous()
+        dx = products.product(dy, w.transpose(-2, -1)) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1] or ctx.step.fuse(w, lambda alpha, beta: products.step_into(w, x, dy, alpha,
+                                                                                                 beta)):
             return dx, None, None, None
-        return dx, grouped_weights_mm(x_MK, dy_MN, offs_G), None, None
-
-
-def _wgrad_into(w_GKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor, alpha: float,
-                beta: float) -> bool:
-    """w = beta w + alpha x^T dy per group in `grouped_wgrad`'s epilogue, where it runs; False elsewhere."""
-    if not (grouped_wgrad_takes(x_MK, dy_MN) and w_GKN.is_contiguous() and w_GKN.dtype == x_MK.dtype):
-        return False
-    grouped_wgrad(x_MK, dy_MN, offs_G, into=w_GKN, alpha=alpha, beta=beta)
-    return True
+        return dx, products.weight_grad(x, dy), None, None
 
 
 class _PartBmm(torch.autograd.Function):

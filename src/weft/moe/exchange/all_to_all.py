@@ -27,7 +27,7 @@ class AllToAll(Exchange):
         placement, dim = self.ctx.placement, rows_RD.shape[-1]
         ep, local = placement.ep_size, placement.num_local
         received = self.ctx.all_to_all(rows_RD, algo=self.algo)  # (W * El * C, dim), source-major
-        out = self.ctx.experts.forward_by_source(received.view(ep, local, capacity, dim))
+        out = self.ctx.experts.forward_by_source(received.view(ep, local, capacity, dim), self.ctx.expert_step)
         return self.ctx.all_to_all(out.view(ep * local * capacity, dim), algo=self.algo)
 
     def grouped(self, rows_ND: torch.Tensor, layout: Grouped) -> torch.Tensor:
