@@ -45,8 +45,8 @@ import torch
 
 from weft.kernels import tma
 from weft.kernels.activation import ELEMENTWISE
-from weft.kernels.grouped_mm import grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
-from weft.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_takes
+from weft.kernels.grouped_mm import batched_wgrad_into, grouped_mm_takes, grouped_rows_mm, grouped_weights_mm
+from weft.kernels.grouped_wgrad import grouped_wgrad_into
 from weft.kernels.rows import triton, triton_usable
 
 if triton is not None:
@@ -280,17 +280,11 @@ def segment_wgrad_into(into_EKN: torch.Tensor, x_RK: torch.Tensor, dy_RN: torch.
     where the host knows every expert has the same rows, `weft.kernels.grouped_wgrad` where its
     Triton kernel runs. False, `into` untouched, elsewhere (the caller then makes the gradient)."""
     segments = rows.segments
-    if not into_EKN.is_contiguous() or into_EKN.dtype != x_RK.dtype:
-        return False
     if segments is not None and len(set(segments)) == 1:
         num_local, count = len(segments), segments[0]
         x_IRK, dy_IRN = x_RK.view(num_local, count, x_RK.shape[1]), dy_RN.view(num_local, count, dy_RN.shape[1])
-        into_EKN.baddbmm_(x_IRK.transpose(1, 2), dy_IRN, beta=beta, alpha=alpha)
-        return True
-    if grouped_wgrad_takes(x_RK, dy_RN):
-        grouped_wgrad(x_RK, dy_RN, rows.ends_I, into=into_EKN, alpha=alpha, beta=beta)
-        return True
-    return False
+        return batched_wgrad_into(into_EKN, x_IRK, dy_IRN, alpha, beta)
+    return grouped_wgrad_into(into_EKN, x_RK, dy_RN, rows.ends_I, alpha, beta)
 
 
 # -- references (the CPU path and the test oracle) -------------------------------------------------

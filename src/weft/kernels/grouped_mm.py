@@ -73,6 +73,18 @@ def grouped_weights_mm(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Te
     return weights_per_group(x_MK, dy_MN, offs_G)
 
 
+def batched_wgrad_into(into_GKN: torch.Tensor, x_GMK: torch.Tensor, dy_GMN: torch.Tensor, alpha: float,
+                       beta: float) -> bool:
+    """into = beta * into + alpha * x^T dy per batch by cuBLAS's `baddbmm_` (the scaling and the add
+    in its epilogue, rounded once; with `into` a weight, alpha = -lr and beta = 1 - lr * weight_decay:
+    SGD's step without the gradient written), where `into` is contiguous in the operands' dtype;
+    False, `into` untouched, elsewhere."""
+    if not (into_GKN.is_contiguous() and into_GKN.dtype == x_GMK.dtype == dy_GMN.dtype):
+        return False
+    into_GKN.baddbmm_(x_GMK.transpose(1, 2), dy_GMN, beta=beta, alpha=alpha)
+    return True
+
+
 def weights_per_group(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor) -> torch.Tensor:
     """`grouped_weights_mm` one matmul per group (reads the ends on the host; an empty group gets
     zeros): its fallback, and the reference of `weft.kernels.grouped_wgrad`."""

@@ -73,8 +73,8 @@ class WGradTiles:
 
 def grouped_wgrad_takes(x_MK: torch.Tensor, dy_MN: torch.Tensor) -> bool:
     """Whether `grouped_wgrad` runs on these operands: both 2-D with unit column stride (any, with no
-    rows: none is read), the same
-    16-bit or float32 dtype, the same device, where the Triton kernels run (`triton_usable`)."""
+    rows: none is read), the same 16-bit or float32 dtype, the same device, where the Triton
+    kernels run (`triton_usable`)."""
     return (x_MK.dim() == dy_MN.dim() == 2 and x_MK.dtype == dy_MN.dtype
             and x_MK.dtype in (torch.bfloat16, torch.float16, torch.float32) and x_MK.device == dy_MN.device
             and (x_MK.stride(1) == 1 and dy_MN.stride(1) == 1 or x_MK.shape[0] == 0) and triton_usable(x_MK))
@@ -84,8 +84,8 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
                   sm_margin: int = 0, tiles: WGradTiles | None = None, alpha: float = 1.0,
                   beta: float = 1.0) -> torch.Tensor:
     """(G, K, N) in x's dtype: for each group g, x's rows [offs[g - 1], offs[g]) transposed times
-    dy's (`offs_G`: int32 ends on x's device, non-decreasing, at most x's rows, which may be none; nothing read on
-    the host, so CUDA graphs capture the call). Accumulated in float32 (IEEE products for float32
+    dy's (`offs_G`: int32 ends on x's device, non-decreasing, at most x's rows, which may be none;
+    nothing read on the host, so CUDA graphs capture the call). Accumulated in float32 (IEEE products for float32
     operands) and rounded once; with `into` (a contiguous (G, K, N) tensor of x's dtype, e.g. a
     share of the same gradient computed earlier) the sum starts from `into`'s values and is
     written there, in place of a separate weight-sized add; `alpha` and `beta` scale the two
@@ -121,8 +121,8 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
     work = G * n_mt * n_nt
     if x_MK.is_cuda:
         sms = torch.cuda.get_device_properties(x_MK.device).multi_processor_count
-        programs, launch = min(work, tiles.per_sm * max(1, sms - sm_margin)), {"num_warps": tiles.num_warps,
-                                                                "num_stages": tiles.num_stages}
+        programs = min(work, tiles.per_sm * max(1, sms - sm_margin))
+        launch = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     else:  # the interpreter: one program a work item
         programs, launch = work, {}
     ieee = x_MK.dtype == torch.float32 or not x_MK.is_cuda
@@ -132,6 +132,17 @@ def grouped_wgrad(x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
         GROUP=tiles.group, TMA=x_desc is not None, TMA_OUT=out_desc is not None, ACC=into is not None, IEEE=ieee,
         INTERPRET=not x_MK.is_cuda, **launch)
     return out
+
+
+def grouped_wgrad_into(into_GKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, offs_G: torch.Tensor,
+                       alpha: float, beta: float) -> bool:
+    """`grouped_wgrad(x, dy, offs, into, alpha=alpha, beta=beta)` where it runs on these operands and
+    `into` is contiguous in their dtype (SGD's step in the epilogue, with `into` a weight); False,
+    `into` untouched, elsewhere."""
+    if not (grouped_wgrad_takes(x_MK, dy_MN) and into_GKN.is_contiguous() and into_GKN.dtype == x_MK.dtype):
+        return False
+    grouped_wgrad(x_MK, dy_MN, offs_G, into=into_GKN, alpha=alpha, beta=beta)
+    return True
 
 
 if triton is not None:
@@ -159,9 +170,8 @@ if triton is not None:
 
     @triton.jit
     def _tile(x, x_desc, dy, dy_desc, out, out_desc, ends, K, N, sx, sdy, n_mt, n_nt, q, alpha, beta,
-              BM: tl.constexpr,
-              BN: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr, TMA_OUT: tl.constexpr,
-              ACC: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+              BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, GROUP: tl.constexpr, TMA: tl.constexpr,
+              TMA_OUT: tl.constexpr, ACC: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
         """Work item q: group q // (n_mt * n_nt), one (BM, BN) tile of its gradient (GROUP row tiles
         across every column tile), reduced over the group's rows in steps of BR, the last partial
         step by masked loads; ACC: alpha times it added to beta times what the tile holds."""

@@ -19,8 +19,15 @@ from torch import nn
 
 from weft.hostcopy import offsets
 from weft.kernels.activation import activate
-from weft.kernels.grouped_mm import grouped_mm_on, grouped_rows_mm, grouped_weights_mm, leave_sms, use_grouped_mm
-from weft.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_takes
+from weft.kernels.grouped_mm import (
+    batched_wgrad_into,
+    grouped_mm_on,
+    grouped_rows_mm,
+    grouped_weights_mm,
+    leave_sms,
+    use_grouped_mm,
+)
+from weft.kernels.grouped_wgrad import grouped_wgrad, grouped_wgrad_into, grouped_wgrad_takes
 from weft.moe.backward_sgd import BackwardSGD
 from weft.ops import wgrad
 from weft.profiling import stage
@@ -179,9 +186,7 @@ class Experts(nn.Module):
                          step: BackwardSGD | None = None) -> torch.Tensor:
         w1, w2, w3 = weights or self.weights()
         x = x.to(self.compute_dtype(x))
-        w1_GKN = self.w1
-        if step is not None and weights is None and self.wgrad_scheduler is None and (
-                not x.is_cuda or grouped_mm_on(w1_GKN.device, x.dtype, w1_GKN.shape[1], w1_GKN.shape[2])):
+        if weights is None and self._steps_grouped(step, x):
             return self._stepped_gemms(x, offsets(counts, x.device), step)
         if self.wgrad_scheduler is not None and weights is None:
             mm = functools.partial(wgrad.grouped_mm, counts=counts, scheduler=self.wgrad_scheduler)
@@ -199,6 +204,14 @@ class Experts(nn.Module):
         h1 = torch._grouped_mm(x, w1, offs=offs_E)
         h3 = torch._grouped_mm(x, w3, offs=offs_E) if w3 is not None else None
         return torch._grouped_mm(self._hidden(h1, h3), w2, offs=offs_E)
+
+    def _steps_grouped(self, step: BackwardSGD | None, x: torch.Tensor) -> bool:
+        """Whether this rank's own weights on grouped rows x run as `SteppedMm` products: a step to
+        take, no Lancet scheduler (it defers the weight gradients), and on CUDA the grouped GEMM
+        (elsewhere the per-group products would read the groups' ends back from the device)."""
+        w1 = self.w1
+        return step is not None and self.wgrad_scheduler is None and (
+            not x.is_cuda or grouped_mm_on(w1.device, x.dtype, w1.shape[1], w1.shape[2]))
 
     def _stepped_gemms(self, x: torch.Tensor, offs_E: torch.Tensor, step: BackwardSGD) -> torch.Tensor:
         """The experts on rows grouped by expert, each product a `SteppedMm`: its backward
@@ -221,8 +234,7 @@ class Experts(nn.Module):
         with stage("experts"):
             w1, w2, w3 = self.weights()
             x = x.to(self.compute_dtype(x))
-            if step is not None and self.wgrad_scheduler is None and (
-                    not x.is_cuda or grouped_mm_on(w1.device, x.dtype, w1.shape[1], w1.shape[2])):
+            if self._steps_grouped(step, x):
                 return self._stepped_gemms(x, offs_E, step)
             if self.wgrad_scheduler is None:
                 cast = in_dtype((w1, w2, w3), x.dtype)
@@ -361,10 +373,7 @@ class FlexibleProducts:
 
     def step_into(self, w_GKN: torch.Tensor, x_GMK: torch.Tensor, dy_GMN: torch.Tensor, alpha: float,
                   beta: float) -> bool:
-        if not (w_GKN.is_contiguous() and w_GKN.dtype == x_GMK.dtype == dy_GMN.dtype):
-            return False
-        w_GKN.baddbmm_(x_GMK.transpose(1, 2), dy_GMN, beta=beta, alpha=alpha)
-        return True
+        return batched_wgrad_into(w_GKN, x_GMK, dy_GMN, alpha, beta)
 
 
 @dataclass(frozen=True)
@@ -383,10 +392,7 @@ class GroupedProducts:
 
     def step_into(self, w_GKN: torch.Tensor, x_MK: torch.Tensor, dy_MN: torch.Tensor, alpha: float,
                   beta: float) -> bool:
-        if not (grouped_wgrad_takes(x_MK, dy_MN) and w_GKN.is_contiguous() and w_GKN.dtype == x_MK.dtype):
-            return False
-        grouped_wgrad(x_MK, dy_MN, self.offs_G, into=w_GKN, alpha=alpha, beta=beta)
-        return True
+        return grouped_wgrad_into(w_GKN, x_MK, dy_MN, self.offs_G, alpha, beta)
 
 
 class SteppedMm(torch.autograd.Function):
