@@ -44,7 +44,7 @@ class WGradTiles:
     (2: one program's epilogue runs beside another's loads, where both fit). The 16-bit GPU default,
     128 x 128 x 32 tiles in 5 stages, 4 warps, two programs an SM, is the fastest of those
     `scripts/wgrad_probe.py` timed on the layer configs' shapes, most of all with the epilogue's
-    read of `into` (SGD's update: 3-12% below one program of 128 x 256 x 32 an SM;
+    read of `into` (SGD's update: 3-14% below one program of 128 x 256 x 32 an SM;
     docs/benchmarks.md); 64-row steps in 4 stages do not fit the H200's shared memory beside the
     output tile."""
 
