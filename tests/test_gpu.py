@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_backward_sgd import backward_sgd_worker
+from test_backward_sgd import backward_sgd_worker, empty_rank_worker
 from test_balance_equivalence import balance_worker
 from test_balance_schedule import schedule_worker
 from test_balance_slots import slots_graph_worker, slots_updated_graph_worker, slots_worker
@@ -39,6 +39,7 @@ from test_overlapped_reduce import (
     mean_worker,
     some_ranks_worker,
 )
+from test_router_matmul import kernel_worker as router_matmul_worker
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
@@ -261,6 +262,13 @@ def test_grouped_wgrad_matches_its_reference_on_cuda():
 
 
 @needs_cuda
+def test_router_matmul_matches_its_reference_on_cuda():
+    """The router's product from 16-bit rows at the GPU's tiles, the layer shapes among them."""
+    failures = run_checks(router_matmul_worker, 1, args=("cuda",), timeout=600)
+    assert not failures, "\n".join(failures)
+
+
+@needs_cuda
 def test_comet_kernels_match_their_references_on_cuda():
     """Both Comet kernels on one GPU, W = 1, 2, 4 ranks' buffers in one process: copy and compute
     programs really run side by side, so the flags' ordering is tested, not just the addressing."""
@@ -296,6 +304,14 @@ def test_experts_stepped_in_the_backward_match_sgd_on_every_gpu(dtype, tol, lr, 
                       backend="nccl",
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
+@needs_cuda
+def test_a_rank_without_rows_takes_its_step_on_cuda():
+    """The plain exchange's stepped grouped products with no rows on the GPU (bf16, the grouped
+    GEMM's path): no launch on empty operands, the weights decayed alone."""
+    flat = run_checks(empty_rank_worker, 1, args=("cuda", torch.bfloat16), timeout=300)
+    assert not flat, "\n".join(flat)
 
 
 @needs_cuda

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from weft.kernels.router_matmul import fused_router_matmul_on, router_matmul, router_matmul_reference
+
 GATES = ("topk", "bpr", "cosine", "expert_choice", "random")
 # The gates that rank experts by probability, where an expert-selection bias applies.
 EXPERT_BIAS_GATES = ("topk", "bpr", "cosine")
@@ -35,6 +37,14 @@ def zipf_bias(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
     Zipf(skew) shaped, hot experts spread over the ranks."""
     ranks = torch.randperm(num_experts, generator=torch.Generator().manual_seed(seed)) + 1
     return -skew * torch.log(ranks.to(torch.float64))
+
+
+def router_product(x_TD: torch.Tensor, weight_ND: torch.Tensor, fused: bool) -> torch.Tensor:
+    """x @ weight^T in float32 (`weft.kernels.router_matmul`): with `fused`, by the Triton kernels
+    where they take x (16-bit rows; no float32 copy of x), else by the reference."""
+    if fused and fused_router_matmul_on(x_TD, weight_ND):
+        return router_matmul(x_TD, weight_ND)
+    return router_matmul_reference(x_TD, weight_ND)
 
 
 def logit_shift(router_weight_ED: torch.Tensor, bias_XE: torch.Tensor) -> torch.Tensor:
@@ -67,9 +77,11 @@ class LinearRouter(nn.Module):
     def _with_prior(self, logits_TE: torch.Tensor) -> torch.Tensor:
         return logits_TE if self.prior_E is None else logits_TE + self.prior_E
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """(T, E) float32 logits of x (T, dim); `fused`: the product by Triton's kernels where they
+        run (`router_product`; the layer's `kernels` setting decides)."""
         with float32_region(x):
-            return self._with_prior(x.float() @ self.weight.float().t())
+            return self._with_prior(router_product(x, self.weight, fused))
 
     def _apply(self, fn, recurse=True):
         # Routing decisions are discrete: keep them in float32 even when the model is cast.
@@ -99,9 +111,9 @@ class CosineRouter(LinearRouter):
         self.log_scale = nn.Parameter(torch.tensor([math.log(init_scale / init_temperature)]))
         self._register_prior(num_experts, skew)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         with float32_region(x):
-            h = F.normalize(x.float() @ self.proj.weight.float().t(), dim=-1)
+            h = F.normalize(router_product(x, self.proj.weight, fused), dim=-1)
             emb = F.normalize(self.weight.float(), dim=-1)
             return self._with_prior((h @ emb.t()) * self.log_scale.clamp(max=self.max_log_scale).exp())
 

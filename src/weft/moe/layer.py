@@ -373,7 +373,7 @@ class MoE(nn.Module):
         """Router logits and the gate rule for tokens (T, dim): the routed slots, losses and stats."""
         call = call or self.default_call()
         with stage("router"):
-            logits_TE = self.router(tokens_TD)
+            logits_TE = self.router(tokens_TD, fused=use_triton(call.kernels, tokens_TD))
         with stage("routing"):
             return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias,
                                         fused=use_triton(call.kernels, logits_TE), sample=self.training)

@@ -19,6 +19,7 @@ import torch
 
 from weft.comm.all_to_all import all_to_all_counts
 from weft.comm.async_all_to_all import Pending, start_all_to_all, wait_all_to_all
+from weft.kernels.rows import use_triton
 from weft.moe.dispatch import combine
 from weft.moe.exchange.all_to_all import experts_on_received
 from weft.moe.layer import MoE
@@ -86,7 +87,7 @@ class PartitionedMoE:
         if self._parts is None:
             self._parts = moe.gate_rule.in_parts(self.num_tokens, moe.top_k, moe.capacity_factor, moe.expert_bias,
                                                  sample=moe.training)
-        routing = self._parts.route(moe.router(tokens))
+        routing = self._parts.route(moe.router(tokens, fused=use_triton(moe.default_call().kernels, tokens)))
         key = routing.sent_experts(moe.num_experts)
         return Part(tokens.to(moe.experts.compute_dtype(tokens)), key, routing.token_ids_S, routing.gates_S)
 
