@@ -40,7 +40,8 @@ def cases(config: str, tiles: list[tuple[int, int, int]]) -> dict:
         """The kernels at `tiles` (one triple for all three; None: their defaults), read when the
         graph is captured."""
         def run():
-            kernel.LOGITS_TILES, kernel.INPUT_GRAD_TILES, kernel.WEIGHT_GRAD_TILES = (tiles,) * 3 if tiles else DEFAULT_TILES
+            chosen = (tiles,) * 3 if tiles else DEFAULT_TILES
+            kernel.LOGITS_TILES, kernel.INPUT_GRAD_TILES, kernel.WEIGHT_GRAD_TILES = chosen
             y = kernel.router_matmul(x, w)
             return torch.autograd.grad(y, (x, w), g) if backward else y
         return run
@@ -55,7 +56,8 @@ def cases(config: str, tiles: list[tuple[int, int, int]]) -> dict:
             if not backward:
                 got = [t.float() for t in triton_at(tile, True)()] + [triton_at(tile, False)()]
                 errors = [f"{(a - b).abs().max().item() / b.abs().max().item():.2g}" for a, b in zip(got, want)]
-                print(f"{config} {name}: max error over the largest value: dx {errors[0]}, dw {errors[1]}, logits {errors[2]}")
+                print(f"{config} {name}: max error over the largest value: dx {errors[0]}, dw {errors[1]}, "
+                      f"logits {errors[2]}")
             built[f"{what} {name}"] = triton_at(tile, backward)
         built[f"{what} reference (again)"] = lambda b=backward: reference(b)
     return built
