@@ -161,12 +161,10 @@ def empty_rank_worker(device: str = "cpu", dtype: torch.dtype = torch.float32) -
     checks = Checks(f"empty rank {device} {dtype}")
     torch.manual_seed(0)
     experts = Experts(16, 24, 4, activation="swiglu", device=device, dtype=dtype)
-    checks.expect(experts._steps_grouped(BackwardSGD(experts.parameters(), lr=LR), torch.zeros(0, 16, device=device,
-                                                                                             dtype=dtype)),
-                  "the stepped grouped path is not taken here")
     before = [w.detach().clone() for w in experts.weights()]
     sgd = BackwardSGD(experts.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     x = torch.randn(0, 16, device=device, dtype=dtype, requires_grad=True)
+    checks.expect(experts._steps_grouped(sgd, x), "the stepped grouped path is not taken here")
     experts.forward_grouped(x, [0, 0, 0, 0], step=sgd).sum().backward()
     sgd.step()
     for old, w in zip(before, experts.weights()):

@@ -263,7 +263,7 @@ def test_grouped_wgrad_matches_its_reference_on_cuda():
 
 @needs_cuda
 def test_router_matmul_matches_its_reference_on_cuda():
-    """The router's product from 16-bit rows at the GPU's tiles, the layer shapes among them."""
+    """The router's product from bf16 rows at the GPU's tiles, the layer shapes among them."""
     failures = run_checks(router_matmul_worker, 1, args=("cuda",), timeout=600)
     assert not failures, "\n".join(failures)
 

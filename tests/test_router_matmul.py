@@ -1,4 +1,4 @@
-"""The router's product from 16-bit rows (`weft.kernels.router_matmul`) against its reference in
+"""The router's product from bf16 rows (`weft.kernels.router_matmul`) against its reference in
 Triton's CPU interpreter (in a spawned process: TRITON_INTERPRET=1 must be set before Triton is
 imported), and the routers and the layer through it: the same logits, routing and gradients as the
 torch path."""
@@ -80,12 +80,13 @@ def test_router_matmul_matches_its_reference(monkeypatch):
 
 
 def layer_worker() -> list[str]:
-    """A bf16 layer (linear and cosine routers) with kernels "triton" against the same weights with
-    "torch": the same routing (expert counts, drops), outputs and gradients to bf16 rounding."""
+    """A bf16 layer (linear and cosine routers; the experts over every rank) with kernels "triton"
+    against the same weights with "torch": the same routing (expert counts, drops), outputs and
+    gradients to bf16 rounding."""
     import weft.moe.gates as gates
     from weft import MoE
 
-    checks = Checks("layer")
+    checks = Checks(f"layer, rank {torch.distributed.get_rank()}")
     calls = []
     kernel = gates.router_matmul
     gates.router_matmul = lambda x, w: calls.append(x.shape) or kernel(x, w)
@@ -113,7 +114,8 @@ def layer_worker() -> list[str]:
     return checks.failures
 
 
-def test_the_layer_routes_through_the_kernel_as_through_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_the_layer_routes_through_the_kernel_as_through_the_torch_path(world_size, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_checks(layer_worker, 1, timeout=600)
+    failures = run_checks(layer_worker, world_size, timeout=600)
     assert not failures, "\n".join(failures)

@@ -41,7 +41,7 @@ def zipf_bias(num_experts: int, skew: float, seed: int = 0) -> torch.Tensor:
 
 def router_product(x_TD: torch.Tensor, weight_ND: torch.Tensor, fused: bool) -> torch.Tensor:
     """x @ weight^T in float32 (`weft.kernels.router_matmul`): with `fused`, by the Triton kernels
-    where they take x (16-bit rows; no float32 copy of x), else by the reference."""
+    where they take x (bf16 rows; no float32 copy of x), else by the reference."""
     if fused and fused_router_matmul_on(x_TD, weight_ND):
         return router_matmul(x_TD, weight_ND)
     return router_matmul_reference(x_TD, weight_ND)

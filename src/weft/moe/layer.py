@@ -372,11 +372,12 @@ class MoE(nn.Module):
     def route(self, tokens_TD: torch.Tensor, call: MoECall | None = None) -> Routing:
         """Router logits and the gate rule for tokens (T, dim): the routed slots, losses and stats."""
         call = call or self.default_call()
+        fused = use_triton(call.kernels, tokens_TD)  # the logits live on the tokens' device
         with stage("router"):
-            logits_TE = self.router(tokens_TD, fused=use_triton(call.kernels, tokens_TD))
+            logits_TE = self.router(tokens_TD, fused=fused)
         with stage("routing"):
             return self.gate_rule.route(logits_TE, call.top_k, call.capacity_factor, self.expert_bias,
-                                        fused=use_triton(call.kernels, logits_TE), sample=self.training)
+                                        fused=fused, sample=self.training)
 
     def start_transfer(self) -> Transfer:
         """Pro-Prophet's Trans for this layer's next call, launched now on the transfer group: the
