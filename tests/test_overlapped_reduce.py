@@ -141,7 +141,7 @@ def overlapped_reduce_worker(ep_size: int | None) -> list[str]:
         model.zero_grad(set_to_none=True)
         want = reference_grads(model, groups, [5, 6])
         got = overlapped_grads(model, groups, reducer, [5, 6], events)
-        wrong = equal_or_close(got, want, exact)
+        wrong = equal_or_close(got, want, exact, atol_of_max=0.0 if exact else 1e-6)  # two micro-batches' sums
         checks.expect(not wrong, f"two backwards in one armed window: gradients differ at {wrong}")
     return checks.failures
 
