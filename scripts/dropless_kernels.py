@@ -60,17 +60,23 @@ def maps(cfg, world: int, tokens: int, block_m: int, dev: torch.device) -> dict[
             "dropless, device map": device}
 
 
-def probe(name: str, world: int, tokens: int, rounds: int) -> list[dict]:
-    cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
-    tiles = K.CometTiles.for_device(dev)
+def rank_buffers(cfg, world: int, rows_per_rank: int, dev: torch.device, dtype: torch.dtype):
+    """Every rank's send and output buffers on this GPU, their address tables, and one rank's
+    expert weights w1 (El, D, H) and w2 (El, H, D), random: (sends, outs, table, out_table, w1, w2)."""
     local = cfg.num_experts // world
-    rows_per_rank = tokens * cfg.top_k
     sends = [torch.randn(rows_per_rank, cfg.dim, device=dev, dtype=dtype) for _ in range(world)]
     outs = [torch.empty(rows_per_rank, cfg.dim, device=dev, dtype=dtype) for _ in range(world)]
     table = torch.tensor([s.data_ptr() for s in sends], dtype=torch.int64, device=dev)
     out_table = torch.tensor([o.data_ptr() for o in outs], dtype=torch.int64, device=dev)
     w1 = torch.randn(local, cfg.dim, cfg.hidden_dim, device=dev, dtype=dtype) / cfg.dim ** 0.5
     w2 = torch.randn(local, cfg.hidden_dim, cfg.dim, device=dev, dtype=dtype) / cfg.hidden_dim ** 0.5
+    return sends, outs, table, out_table, w1, w2
+
+
+def probe(name: str, world: int, tokens: int, rounds: int) -> list[dict]:
+    cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
+    tiles = K.CometTiles.for_device(dev)
+    sends, outs, table, out_table, w1, w2 = rank_buffers(cfg, world, tokens * cfg.top_k, dev, dtype)
     cases, info = {}, {}
     for label, rows in maps(cfg, world, tokens, tiles.block_m, dev).items():
         gathered, h = K.pull_gemm(table, sends[0], rows, w1, tiles)

@@ -129,11 +129,12 @@
 #            own group, the sums during the backward, the weights some ranks lack a gradient for), then
 #            `--grad-reduce after` against `overlap` on gpt2-s-moe batch 8 (after's per-step host
 #            exchange), and `--ep-size 1 --grad-accum 2` (peak memory with the adopted accumulators)
-#   sgdbw    the experts' SGD step in their weight-gradient GEMMs (issue: Hardware speed; ~5 min, run
+#   sgdbw    the experts' SGD step in their weight-gradient GEMMs (issue: Hardware speed; run
 #            with PARTS=sgdbw): its GPU test on both GPUs, then Tutel's protocol (`--optimizer sgd`) for
 #            qwen2, phi35 and mixtral at cf 1.0 and dropless, comet+graph against
 #            comet+sgd-in-backward+graph, comet+graph timed twice (the goals: 2.0 / 4.5 / 8.5 ms), and
-#            the plain exchange's plain+sgd-in-backward (eager: its dropless calls read counts)
+#            the plain exchange's plain+sgd-in-backward (eager: its dropless calls read counts); one
+#            process per capacity, with each mode's energy a step (~7 min)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -645,11 +646,15 @@ part_sgdbw() {
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "stepped_in_the_backward or without_rows" \
     > "$1/tests.log" 2>&1
   tail -n 3 "$1/tests.log"
+  # one process per capacity, as Tutel runs one config per run: the second capacity of one process
+  # ran up to 6% slower on a GPU at its power limit (docs/benchmarks.md, fifty-second session)
   for config in qwen2 phi35 mixtral; do
-    $RUN bench layer --config "$config" --optimizer sgd --capacity 1.0,dropless \
-      --modes comet+graph,comet+sgd-in-backward+graph,comet+graph,plain+sgd-in-backward --baseline comet+graph \
-      --steps 20 --warmup 5 \
-      --json "$1/$config.json" 2>&1 | grep -v "^weft bench layer: \(round\|.*built\)" | tail -n 10
+    for cf in 1.0 dropless; do
+      $RUN bench layer --config "$config" --optimizer sgd --capacity "$cf" \
+        --modes comet+graph,comet+sgd-in-backward+graph,comet+graph,plain+sgd-in-backward --baseline comet+graph \
+        --steps 20 --warmup 5 --energy-s 8 \
+        --json "$1/$config-$cf.json" 2>&1 | grep -v "^weft bench layer: \(round \|.*built\)" | tail -n 11
+    done
   done
 }
 

@@ -612,3 +612,88 @@ def test_dropless_graphs_on_several_ranks_only_for_the_exchanges_that_read_nothi
     assert "comet" in layer.dropless_graph_blocker("comet+graph", moe)  # Comet's needs 2+ ranks
     failures = run_checks(blocker_worker, 2, timeout=120)
     assert not failures, "\n".join(failures)
+
+
+class StepCounter:
+    """A stand-in for NVML's energy counter: each step of a mode adds that mode's millijoules."""
+
+    def __init__(self):
+        self.mj = 0.0
+
+    def step(self, mj: float, seconds: float) -> None:
+        time.sleep(seconds)
+        self.mj += mj
+
+
+def test_energy_per_step_reads_the_counter_around_each_modes_steps_back_to_back():
+    """Each mode's steps in blocks (as many as fit its share of the seconds at its timed step),
+    the blocks interleaved over the rounds, the counter read around each block: joules a step,
+    watts and milliseconds a step per mode."""
+    counter, log = StepCounter(), []
+    runs = [timing.Run(lambda m=m: log.append(m), lambda s, mj=mj, t=t: counter.step(mj, t))
+            for m, mj, t in (("a", 100.0, 0.004), ("b", 300.0, 0.012))]
+    rounds = []
+    energy = timing.energy_per_step(runs, [4.0, 12.0], seconds=0.36, device=torch.device("cpu"),
+                                    read_mj=lambda: counter.mj, progress=lambda *a: rounds.append(a))
+    assert log == list("ab" "ba" "ab") and rounds == [(1, 3), (2, 3), (3, 3)]
+    a, b = energy
+    assert a["joules_per_step"] == pytest.approx(0.1) and b["joules_per_step"] == pytest.approx(0.3), energy
+    assert 4.0 <= a["ms_per_step"] < 8.0 and 12.0 <= b["ms_per_step"] < 18.0, energy
+    # watts are joules over the blocks' seconds: at most 0.1 J / 4 ms and 0.3 J / 12 ms
+    assert 12.0 < a["watts"] <= 25.0 and 16.0 < b["watts"] <= 25.0, energy
+    # 0.36 s over 3 rounds of 2 modes: 0.06 s a block, 15 steps of 4 ms and 5 of 12 ms
+    assert counter.mj == pytest.approx(3 * (15 * 100.0 + 5 * 300.0))
+
+
+def energy_ranks_worker() -> list[str]:
+    """Each rank reads its own GPU's counter: joules and watts are the ranks' mean, the
+    milliseconds a step the slowest rank's."""
+    rank = torch.distributed.get_rank()
+    checks = Checks(f"rank {rank}")
+    counter = StepCounter()
+    runs = [timing.Run(lambda: None, lambda s: counter.step(100.0 * (1 + 2 * rank), 0.004 * (1 + 2 * rank)))]
+    (energy,) = timing.energy_per_step(runs, [8.0], seconds=0.12, device=torch.device("cpu"),
+                                       read_mj=lambda: counter.mj)
+    checks.expect(energy["joules_per_step"] == pytest.approx(0.2), f"not the ranks' mean: {energy}")
+    checks.expect(12.0 <= energy["ms_per_step"] < 20.0, f"not the slower rank's step: {energy}")
+    checks.expect(counter.mj == pytest.approx(3 * 5 * 100.0 * (1 + 2 * rank)), f"{counter.mj} mJ spent")
+    return checks.failures
+
+
+def test_energy_per_step_on_two_ranks_averages_the_gpus_and_times_the_slowest():
+    assert run_checks(energy_ranks_worker, 2, timeout=120) == []
+
+
+def test_no_energy_counter_means_no_readout_not_an_error(monkeypatch, capsys):
+    runs = [timing.Run(lambda: None, lambda s: None)]
+    assert timing.energy_counter(torch.device("cpu")) is None
+    assert timing.energy_per_step(runs, [1.0], 0.1, torch.device("cpu")) is None
+
+    def no_nvml(device):
+        raise ModuleNotFoundError("pynvml does not seem to be installed")
+
+    monkeypatch.setattr(torch.cuda, "_get_pynvml_handler", no_nvml)
+    assert timing.energy_counter(torch.device("cuda", 0)) is None
+    row = {"mode": "plain", "capacity_factor": 1.0, "median_ms": 2.0, "iqr_ms": 0.1, "ratio": 1.0,
+           "max_abs_error": 0.0, "tflops_per_rank": 1.0,
+           "energy": {"joules_per_step": 1.25, "watts": 650.0, "ms_per_step": 1.9}}
+    layer.print_table({"meta": TABLE_META, "results": [row]})
+    assert "cf 1 plain 1250.0 mJ a step at 650 W (1.900 ms a step)" in capsys.readouterr().out
+
+
+def clock_energy_bench(cfg: LayerBenchConfig) -> dict:
+    """`layer.run` in a rank whose stand-in energy counter is a 5 W clock (NVML needs a GPU)."""
+    timing.energy_counter = lambda device: (lambda: time.perf_counter() * 5e3)
+    return layer.run(cfg)
+
+
+def test_the_layer_bench_reports_each_modes_energy_when_asked(tmp_path):
+    out = tmp_path / "energy.json"
+    cfg = LayerBenchConfig("tiny", 64, capacity=(1.0,), steps=3, warmup=1, json=str(out), modes=("plain", "no-comm"),
+                           energy_s=0.6)
+    run_distributed(clock_energy_bench, 2, args=(cfg,), timeout=300)
+    for r in json.loads(out.read_text())["results"]:
+        energy = r["energy"]
+        assert energy["watts"] == pytest.approx(5.0, rel=0.05), r
+        # the slowest rank's milliseconds a step, so each rank's own joules are at most 5 W times them
+        assert 0 < energy["joules_per_step"] <= 5.0 * energy["ms_per_step"] * 1e-3 * 1.05, r

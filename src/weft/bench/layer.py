@@ -25,7 +25,16 @@ import torch.distributed as dist
 
 from weft.bench.breakdown import comm_cells, print_breakdowns, profile_parts
 from weft.bench.peers import build_peer
-from weft.bench.timing import TIMINGS, ProgressLog, Run, gpu_state, gpu_state_line, quartiles, slowest
+from weft.bench.timing import (
+    TIMINGS,
+    ProgressLog,
+    Run,
+    energy_per_step,
+    gpu_state,
+    gpu_state_line,
+    quartiles,
+    slowest,
+)
 from weft.cliargs import (
     ACTIVATION_CHOICES,
     DTYPES,
@@ -354,6 +363,9 @@ class LayerBenchConfig:
                       "--steps 10); back-to-back: each mode's steps launched one after another with no "
                       "synchronisation between them, as training runs them (CUDA events between steps, the "
                       "slowest rank's)", choices=tuple(TIMINGS))
+    energy_s: float = arg(0.0, "after the timing, run each mode's steps back to back for about this many seconds "
+                          "in all (blocks interleaved over 3 rounds) and read the GPU's energy counter (NVML) around "
+                          "each block: joules a step and mean watts per GPU (GPU; 0: off)", parse=non_negative_float)
     json: str | None = arg(None, "write the results to this JSON file")
     trace: str | None = arg(None, "folder for Chrome traces of each mode (GPU)")
     profile_steps: int = arg(5, "profiled steps per mode for the time decomposition (GPU; 0: none)",
@@ -418,7 +430,8 @@ def run(bench: LayerBenchConfig) -> dict:
         results += _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer,
                                    bench.trace, bench.profile_steps, bench.breakdown, bench.skew, ctx,
                                    copy_overhead=bench.copy_overhead == "measured", balance_rounds=bench.balance_rounds,
-                                   graph_placement=bench.graph_placement, timing=bench.timing)
+                                   graph_placement=bench.graph_placement, timing=bench.timing,
+                                   energy_s=bench.energy_s)
     baseline = bench.baseline
     for row in results:
         base = next((r for r in results if r["mode"] == baseline and r["capacity_factor"] == row["capacity_factor"]
@@ -475,8 +488,8 @@ def load_imbalance(counts_E: torch.Tensor, ep_size: int = 1) -> tuple[float, flo
 
 def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, modes, optimizer, trace_dir,
                     profile_steps, with_breakdown, skew, ctx, copy_overhead: bool = True,
-                    balance_rounds: int = 1, graph_placement: str = "captured", timing: str = "interleaved"
-                    ) -> list[dict]:
+                    balance_rounds: int = 1, graph_placement: str = "captured", timing: str = "interleaved",
+                    energy_s: float = 0.0) -> list[dict]:
     device = ctx.device
     progress = ProgressLog("layer", ctx.rank)
     torch.manual_seed(0)
@@ -571,6 +584,11 @@ def _bench_capacity(cfg, config, cf, tokens, activation, dtype, steps, warmup, m
         q1, row["median_ms"], q3 = quartiles(sample)
         row.update(min_ms=float(sample.min()), mean_ms=float(sample.mean()), iqr_ms=q3 - q1)
         row["tflops_per_rank"] = expert_flops(cfg, tokens, activation) / (row["median_ms"] * 1e-3) / 1e12
+    if energy_s > 0 and runs:
+        energies = energy_per_step(runs, [row["median_ms"] for row in timed], energy_s, device,
+                                   progress=progress.round)
+        for row, energy in zip(timed, energies or []):
+            row["energy"] = energy
     for row, run in zip(timed, runs):
         if not row["graphed"]:
             row["peak_mib"] = _peak_mib(run, device)
@@ -921,6 +939,11 @@ def print_table(report: dict) -> None:
     states = {capacity_label(r["capacity_factor"]): r["gpu_after_timing"] for r in rows if r.get("gpu_after_timing")}
     if states:
         print(gpu_state_line(states))
+    spent = [r for r in rows if r.get("energy")]
+    if spent:
+        print("energy per GPU (NVML's counter around each mode's steps back to back): " + "; ".join(
+            f"{capacity_label(r['capacity_factor'])} {r['mode']} {r['energy']['joules_per_step'] * 1e3:.1f} mJ a step "
+            f"at {r['energy']['watts']:.0f} W ({r['energy']['ms_per_step']:.3f} ms a step)" for r in spent))
 
     def label(r: dict) -> str:
         return f"{r['mode']}, {capacity_label(r['capacity_factor'])}"

@@ -225,6 +225,74 @@ def back_to_back_ms(runs: Sequence[Run], steps: int, warmup: int, device: torch.
 TIMINGS = {"interleaved": interleaved_ms, "sequential": sequential_ms, "back-to-back": back_to_back_ms}
 
 
+def energy_counter(device: torch.device) -> Callable[[], float] | None:
+    """A reader of the GPU's energy counter (NVML's total energy since the driver loaded, in
+    millijoules), or None off CUDA or where NVML (nvidia-ml-py) cannot be read: optional, never an
+    error."""
+    if device.type != "cuda":
+        return None
+    try:
+        import pynvml
+
+        handle = torch.cuda._get_pynvml_handler(device)
+        pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # noqa: BLE001  (no nvidia-ml-py, no driver, a GPU without the counter: no readout)
+        return None
+    return lambda: float(pynvml.nvmlDeviceGetTotalEnergyConsumption(handle))
+
+
+def energy_per_step(runs: Sequence[Run], step_ms: Sequence[float], seconds: float, device: torch.device,
+                    read_mj: Callable[[], float] | None = None, rounds: int = 3,
+                    progress: Callable[[int, int], None] | None = None) -> list[dict] | None:
+    """The energy of each run's step, per GPU: each run's steps back to back in blocks of about
+    `seconds` / (rounds * len(runs)) (the number of steps from its timed `step_ms`, the same on every
+    rank), the runs' blocks interleaved over `rounds` rounds (`interleaved_order`), the energy
+    counter `read_mj` (default `energy_counter`; millijoules) read around each block between two
+    synchronisations. Per run: joules a step and mean watts, each the mean over the ranks (each rank
+    reads its own GPU), and the blocks' milliseconds a step (the slowest rank's). A GPU at its
+    power limit lowers its clock, so under that limit a step's energy, not its time alone, is what
+    a change saves. None where no counter can be read."""
+    read_mj = read_mj or energy_counter(device)
+    if read_mj is None:
+        return None
+    budget = seconds / (rounds * max(1, len(runs)))
+    totals = torch.zeros(len(runs), 3, dtype=torch.float64)  # millijoules, seconds, steps
+    for r, order in enumerate(interleaved_order(range(len(runs)), rounds)):
+        for i in order:
+            run = runs[i]
+            run.switch()
+            count = max(1, round(budget / max(step_ms[i] * 1e-3, 1e-6)))
+            if dist.is_initialized():
+                dist.barrier()
+            _synchronize(device)
+            start_mj, start_s = read_mj(), time.perf_counter()
+            for s in range(count):
+                run.step(s)
+            _synchronize(device)
+            totals[i] += torch.tensor([read_mj() - start_mj, time.perf_counter() - start_s, count],
+                                      dtype=torch.float64)
+            run.check()
+        if progress is not None:
+            progress(r + 1, rounds)
+    seconds_each = slowest_per_step(totals[:, 1].clone(), device)
+    # this GPU's joules a step and watts, summed over the ranks, then their mean
+    per_gpu = torch.stack([totals[:, 0] / 1e3 / totals[:, 2], totals[:, 0] / 1e3 / totals[:, 1]], dim=1)
+    world = 1
+    if dist.is_initialized():
+        world = dist.get_world_size()
+        sent = per_gpu.to(device)
+        dist.all_reduce(sent)
+        per_gpu = sent.cpu()
+    per_gpu /= world
+    return [{"joules_per_step": float(per_gpu[i, 0]), "watts": float(per_gpu[i, 1]),
+             "ms_per_step": float(seconds_each[i] * 1e3 / totals[i, 2])} for i in range(len(runs))]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
     """(q1, median, q3) of a 1-D sample."""
     q1, median, q3 = torch.quantile(sample.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()

@@ -1,0 +1,106 @@
+"""The energy of the experts' GEMMs, per call, on one GPU: cuBLAS's batched products, Comet's
+layer0 and layer1 at several tiles, and the weight gradient into the weight (SGD's step in the
+epilogue: cuBLAS's `baddbmm_`, Triton's grouped kernel), on a config's per-rank shapes on W ranks
+(the ranks' buffers held by this GPU, as `scripts/comet_kernels.py`; cf 1.0, every expert the
+same rows). Each case runs back to back in blocks of about --block-s seconds, the cases' blocks
+interleaved over --rounds rounds, NVML's energy counter read around each block between two
+synchronisations (`weft.bench.timing.energy_counter`). A large layer's steps hold an H200 at its
+700 W limit (docs/benchmarks.md), where a GEMM's time follows its energy: the table gives both,
+and TFLOP a joule.
+    PYTHONPATH=src python3 scripts/energy_probe.py [--configs mixtral phi35] [--world 2]"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+
+import torch
+from dropless_kernels import rank_buffers  # this script's folder is on sys.path
+
+from weft.bench.layer import CONFIGS
+from weft.bench.timing import energy_counter
+from weft.jsonfile import write_json
+from weft.kernels import comet as K
+from weft.kernels.grouped_wgrad import grouped_wgrad
+
+# Comet's tiles tried beside the default (block_m stays the map's 128 rows)
+TILES = {"128x256x64 w8 s4": {}, "128x256x64 w8 s3": {"num_stages": 3},
+         "128x128x64 w4 s4": {"block_n": 128, "num_warps": 4}, "128x256x32 w8 s5": {"block_k": 32, "num_stages": 5}}
+
+
+def blocks(cases: dict, seconds: float, rounds: int, read_mj) -> dict[str, dict]:
+    """Per case: ms a call and joules a call over `rounds` blocks of about `seconds` each, the
+    cases' blocks in turn within a round."""
+    dev = torch.device("cuda")
+    calls = {}
+    for name, fn in cases.items():  # a first estimate of each call's time sizes its blocks
+        fn()
+        torch.cuda.synchronize(dev)
+        start = time.perf_counter()
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize(dev)
+        calls[name] = max(1, round(seconds / ((time.perf_counter() - start) / 10)))
+    totals = {name: [0.0, 0.0, 0] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            torch.cuda.synchronize(dev)
+            mj, start = read_mj(), time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            torch.cuda.synchronize(dev)
+            t = totals[name]
+            t[0] += read_mj() - mj
+            t[1] += time.perf_counter() - start
+            t[2] += calls[name]
+    return {name: {"ms": s * 1e3 / n, "joules": mj / 1e3 / n, "watts": mj / 1e3 / s}
+            for name, (mj, s, n) in totals.items()}
+
+
+def probe(name: str, world: int, seconds: float, rounds: int, read_mj) -> list[dict]:
+    cfg, dev, dtype = CONFIGS[name], torch.device("cuda"), torch.bfloat16
+    local = cfg.num_experts // world
+    rows_per_rank = cfg.tokens_per_rank * cfg.top_k
+    cap = rows_per_rank // cfg.num_experts
+    base = K.CometTiles.for_device(dev)
+    sends, outs, table, out_table, w1, w2 = rank_buffers(cfg, world, rows_per_rank, dev, dtype)
+    rows = K.RowMap.padded(world, local, cap, 0, base.block_m, dev)
+    gathered, h = K.pull_gemm(table, sends[0], rows, w1, base)
+    C = gathered.shape[0] // local
+    offs = rows.ends_I
+    cases = {"bmm x @ w1": lambda: torch.bmm(gathered.view(local, C, -1), w1),
+             "bmm h @ w2": lambda: torch.bmm(h.view(local, C, -1), w2)}
+    for label, change in TILES.items():
+        tiles = dataclasses.replace(base, **change)
+        cases[f"pull {label}"] = lambda t=tiles: K.pull_gemm(table, sends[0], rows, w1, t)
+        cases[f"push {label}"] = lambda t=tiles: K.gemm_push(h, w2, out_table, outs[0], rows, t)
+    cases["baddbmm_ into w1"] = lambda: w1.baddbmm_(gathered.view(local, C, -1).transpose(1, 2), h.view(local, C, -1),
+                                                    alpha=-1e-30)
+    cases["grouped into w1"] = lambda: grouped_wgrad(gathered, h, offs, into=w1, alpha=-1e-30)
+    flops = 2 * gathered.shape[0] * cfg.dim * cfg.hidden_dim
+    out = []
+    for case, m in blocks(cases, seconds, rounds, read_mj).items():
+        row = {"config": name, "world": world, "case": case, **m, "tflop_per_joule": flops / 1e12 / m["joules"]}
+        print(f"{name:8s} {case:26s} {m['ms']:7.3f} ms {m['joules'] * 1e3:8.1f} mJ {m['watts']:5.0f} W "
+              f"{row['tflop_per_joule']:6.3f} TFLOP/J", flush=True)
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", nargs="+", default=["mixtral", "phi35"])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--block-s", type=float, default=0.5, help="seconds a block")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    read_mj = energy_counter(torch.device("cuda"))
+    if read_mj is None:
+        raise SystemExit("energy_probe: no NVML energy counter here (a CUDA GPU and nvidia-ml-py are needed)")
+    rows = [r for name in args.configs for r in probe(name, args.world, args.block_s, args.rounds, read_mj)]
+    write_json(os.path.join(os.environ.get("OUT", "."), "energy_probe.json"), {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
