@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import time
 
 import torch
 from dropless_kernels import rank_buffers  # this script's folder is on sys.path
 
 from weft.bench.layer import CONFIGS
-from weft.bench.timing import energy_counter
+from weft.bench.timing import Run, energy_counter, energy_per_step
 from weft.jsonfile import write_json
 from weft.kernels import comet as K
 from weft.kernels.grouped_wgrad import grouped_wgrad
+from weft.profiling import seconds_per_call
 
 # Comet's tiles tried beside the default (block_m stays the map's 128 rows)
 TILES = {"128x256x64 w8 s4": {}, "128x256x64 w8 s3": {"num_stages": 3},
@@ -31,31 +31,14 @@ TILES = {"128x256x64 w8 s4": {}, "128x256x64 w8 s3": {"num_stages": 3},
 
 def blocks(cases: dict, seconds: float, rounds: int, read_mj) -> dict[str, dict]:
     """Per case: ms a call and joules a call over `rounds` blocks of about `seconds` each, the
-    cases' blocks in turn within a round."""
+    cases' blocks interleaved (`weft.bench.timing.energy_per_step`, each case a run whose step is
+    one call, its blocks sized by a first timing of 10 calls)."""
     dev = torch.device("cuda")
-    calls = {}
-    for name, fn in cases.items():  # a first estimate of each call's time sizes its blocks
-        fn()
-        torch.cuda.synchronize(dev)
-        start = time.perf_counter()
-        for _ in range(10):
-            fn()
-        torch.cuda.synchronize(dev)
-        calls[name] = max(1, round(seconds / ((time.perf_counter() - start) / 10)))
-    totals = {name: [0.0, 0.0, 0] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            torch.cuda.synchronize(dev)
-            mj, start = read_mj(), time.perf_counter()
-            for _ in range(calls[name]):
-                fn()
-            torch.cuda.synchronize(dev)
-            t = totals[name]
-            t[0] += read_mj() - mj
-            t[1] += time.perf_counter() - start
-            t[2] += calls[name]
-    return {name: {"ms": s * 1e3 / n, "joules": mj / 1e3 / n, "watts": mj / 1e3 / s}
-            for name, (mj, s, n) in totals.items()}
+    runs = [Run(lambda: None, lambda s, fn=fn: fn()) for fn in cases.values()]
+    call_ms = [seconds_per_call(fn, dev, calls=10) * 1e3 for fn in cases.values()]
+    energies = energy_per_step(runs, call_ms, seconds * rounds * len(runs), dev, read_mj, rounds)
+    return {name: {"ms": e["ms_per_step"], "joules": e["joules_per_step"], "watts": e["watts"]}
+            for name, e in zip(cases, energies)}
 
 
 def probe(name: str, world: int, seconds: float, rounds: int, read_mj) -> list[dict]:

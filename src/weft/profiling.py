@@ -60,15 +60,19 @@ def seconds_per_call(fn: Callable[[], object], device: torch.device, calls: int 
     return start.elapsed_time(end) * 1e-3 / calls
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait until the device has run everything queued on it (nothing to wait for off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def wall_seconds(fn: Callable[[], object], device: torch.device) -> float:
     """Wall seconds of one fn() call with the device idle before and after: host time included,
     which is what a step that the host may not keep ahead of costs."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     begin = time.perf_counter()
     fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - begin
 
 

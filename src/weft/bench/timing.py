@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from weft.graphs import CaptureError
 from weft.launch import ReportedError
-from weft.profiling import wall_seconds
+from weft.profiling import synchronize, wall_seconds
 from weft.train.metrics import format_duration
 
 
@@ -264,11 +264,11 @@ def energy_per_step(runs: Sequence[Run], step_ms: Sequence[float], seconds: floa
             count = max(1, round(budget / max(step_ms[i] * 1e-3, 1e-6)))
             if dist.is_initialized():
                 dist.barrier()
-            _synchronize(device)
+            synchronize(device)
             start_mj, start_s = read_mj(), time.perf_counter()
             for s in range(count):
                 run.step(s)
-            _synchronize(device)
+            synchronize(device)
             totals[i] += torch.tensor([read_mj() - start_mj, time.perf_counter() - start_s, count],
                                       dtype=torch.float64)
             run.check()
@@ -286,11 +286,6 @@ def energy_per_step(runs: Sequence[Run], step_ms: Sequence[float], seconds: floa
     per_gpu /= world
     return [{"joules_per_step": float(per_gpu[i, 0]), "watts": float(per_gpu[i, 1]),
              "ms_per_step": float(seconds_each[i] * 1e3 / totals[i, 2])} for i in range(len(runs))]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def quartiles(sample: torch.Tensor) -> tuple[float, float, float]:
