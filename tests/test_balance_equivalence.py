@@ -31,10 +31,10 @@ def step_and_compare(layers, optimizers, x: torch.Tensor, grad_out: torch.Tensor
     """One SGD step of the plain layer and of the balanced one (`layers`) on the same input: their
     routed counts must be equal, their outputs, input gradients and every parameter's gradient
     equal within `tolerance` (relative): the copies' gradients are summed in another order than
-    the owner's local sum, equal to float32 rounding. After the steps every other layer takes the
-    first layer's weights, so that each step starts both from the same weights and the rounding
-    does not compound over the steps (by how much it grew depended on the CPU: up to 5e-5 after
-    six steps on one machine, under 1e-5 on another)."""
+    the owner's local sum, equal to float32 rounding. The stepped weights must agree within
+    `tolerance` too; then every other layer takes the first layer's weights, so that each step
+    starts both from the same weights and the rounding does not compound over the steps (on one
+    machine's CPU it passed 1e-5 after three to six steps)."""
     results = []
     for layer, optimizer in zip(layers, optimizers):
         xi = x.clone().requires_grad_()
@@ -45,6 +45,7 @@ def step_and_compare(layers, optimizers, x: torch.Tensor, grad_out: torch.Tensor
         optimizer.step()
         optimizer.zero_grad()
     reference = dict(layers[0].named_parameters())
+    stepped = [(f"stepped {n}", p.detach().clone(), reference[n].detach()) for n, p in layers[1].named_parameters()]
     with torch.no_grad():
         for layer in layers[1:]:
             for name, p in layer.named_parameters():
@@ -52,7 +53,7 @@ def step_and_compare(layers, optimizers, x: torch.Tensor, grad_out: torch.Tensor
     (y0, gx0, g0, c0), (y1, gx1, g1, c1) = results
     expect(torch.equal(c0, c1), f"{label}: routed counts differ")
     for name, a, b in [("output", y0, y1), ("input gradient", gx0, gx1)] + [
-            (f"gradient of {n}", g0[n], g1[n]) for n in g0]:
+            (f"gradient of {n}", g0[n], g1[n]) for n in g0] + stepped:
         error = float((a - b).norm() / b.norm().clamp_min(1e-12))
         expect(error < tolerance, f"{label}: {name} differs (relative error {error:.1e})")
 
