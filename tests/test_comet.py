@@ -318,6 +318,57 @@ def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatc
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
+def stacked_layers_worker(capacity) -> list[str]:
+    """Two `kernels="comet"` layers one after the other, rows staged (Triton interpreter): the
+    second layer's forward pushes into the buffer that holds the first's outputs before the
+    first's backward, so the first's combine must keep its own copy of them (`Staging.transient_out`)
+    and the backward's input gradients are read where they were pushed. Outputs and every
+    gradient (the routers' read the kept outputs) against the same layers with `kernels="torch"`;
+    two steps, so the second reads buffers the first left behind."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = []
+    models = []
+    for kernels in ("comet", "torch"):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(*(MoE(16, 24, 2 * world, top_k=2, capacity_factor=capacity,
+                                                kernels=kernels) for _ in range(2))))
+    comet, plain = models
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        x = torch.randn(20, 16, generator=gen)
+        dy = torch.randn(20, 16, generator=gen)
+        outputs = []
+        for model in (comet, plain):
+            model.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = model(xi)
+            (y * dy).sum().backward()
+            outputs.append((y.detach(), xi.grad))
+        (yc, gc), (yp, gp) = outputs
+        label = f"rank {rank} cf {capacity} step {step}"
+        if not torch.allclose(yc, yp, atol=1e-5):
+            failures.append(f"{label}: outputs differ by {float((yc - yp).abs().max()):.2e}")
+        if not torch.allclose(gc, gp, atol=1e-5):
+            failures.append(f"{label}: input gradients differ by {float((gc - gp).abs().max()):.2e}")
+        for (name, pc), pp in zip(comet.named_parameters(), plain.parameters()):
+            if not torch.allclose(pc.grad, pp.grad, atol=1e-5):
+                failures.append(f"{label}: {name}'s gradient differs by {float((pc.grad - pp.grad).abs().max()):.2e}")
+    names = peer_buffers(dist.group.WORLD, torch.device("cpu")).names()
+    if names != COMET_BUFFERS:
+        failures.append(f"rank {rank}: peer buffers {names}, expected {COMET_BUFFERS}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_stacked_comet_layers_keep_what_their_backward_reads(world_size, monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    flat = []
+    for capacity in (1.0, None):
+        flat += run_checks(stacked_layers_worker, world_size, args=(capacity,), timeout=300)
+    assert not flat, "\n".join(flat[:15])
+
+
 def gradient_order_worker() -> list[str]:
     """Each expert weight's gradient is accumulated before the next one is made, as the plain
     layer's separate products give them (one weight gradient alive beyond the accumulated ones at

@@ -1,7 +1,8 @@
 """The Triton row kernels of dispatch and combine (weft.kernels.rows) against their PyTorch
 references, run in Triton's CPU interpreter in a spawned process (TRITON_INTERPRET=1 must be set
 before Triton is imported), and the fused dispatch/combine against the index-op path, also
-written into given buffers (`dispatch_rows(..., into_RD)`, `combine_rows(..., grad_into_RD)`)."""
+written into given buffers (`dispatch_rows(..., into_RD)`, `combine_rows(..., grad_into_RD)`) and
+with the combine's own copy of the rows it reads (`keep_rows`)."""
 from __future__ import annotations
 
 import pytest
@@ -43,6 +44,14 @@ def kernels_worker() -> list[str]:
             want = R.weighted_row_sum_reference(src, rows, w, torch.float32)
             expect(torch.allclose(got, want, rtol=1e-5, atol=1e-5), f"weighted_row_sum {dtype} weights={w is not None}")
             expect(torch.equal(got[3], torch.zeros(700)), "a token with every slot dropped sums to zero")
+            kept = torch.full_like(src, float("nan"))
+            again = R.weighted_row_sum(src, rows, w, torch.float32, kept)
+            expect(torch.equal(again, got), f"weighted_row_sum {dtype} keeping its rows sums otherwise")
+            used = rows[rows >= 0].unique()
+            expect(torch.equal(kept[used], src[used]), f"weighted_row_sum {dtype} kept rows differ from the read ones")
+            unused = torch.ones(len(src), dtype=torch.bool)
+            unused[used] = False
+            expect(bool(kept[unused].isnan().all()), f"weighted_row_sum {dtype} wrote rows no index names")
         a = torch.randn(4, 700, generator=gen).to(dtype)
         got, want = R.row_dots(a, src, rows), R.row_dots_reference(a, src, rows)
         expect(torch.allclose(got, want, rtol=1e-4, atol=1e-3), f"row_dots {dtype}: {(got - want).abs().max()}")
@@ -62,7 +71,8 @@ def kernels_worker() -> list[str]:
     x = torch.randn(T, D, generator=gen)
     w = torch.randn(D, D, generator=gen)
     results = []
-    # staged: the rows and their gradient written into rows of bigger buffers (as into Comet's peer buffers)
+    # staged: the rows and their gradient written into rows of bigger buffers (as into Comet's peer
+    # buffers), and the experts' outputs overwritten after the combine's forward (`transient_out`)
     rows_buffer, grads_buffer = torch.full((E * C + 3, D), float("nan")), torch.full((E * C + 3, D), float("nan"))
     for fused, staged in ((False, False), (True, False), (True, True)):
         xi, gi = x.clone().requires_grad_(), gates.clone().requires_grad_()
@@ -74,7 +84,9 @@ def kernels_worker() -> list[str]:
             out = dispatched @ w
             out.register_hook(lambda grad, staged=staged: expect(
                 not staged or grad.data_ptr() == grads_buffer.data_ptr(), "combine_rows' gradient made elsewhere"))
-            y = combine_rows(out, gi.view(T, k), slot_rows, torch.float32, grad_into)
+            y = combine_rows(out, gi.view(T, k), slot_rows, torch.float32, grad_into, keep_rows=staged)
+            if staged:  # as the next call's push overwrites them, unseen by autograd
+                out.data.fill_(float("nan"))
         else:
             target = torch.where(kept_S, rows_S, E * C)
             out = dispatch_padded(xi, token_ids_S, target, E * C) @ w
@@ -92,6 +104,11 @@ def kernels_worker() -> list[str]:
         expect(False, "gather_rows into an out of the wrong shape did not raise")
     except ValueError as e:
         expect("out must be" in str(e), f"gather_rows' error: {e}")
+    try:
+        R.weighted_row_sum(src, rows, None, None, torch.empty(10, 700, dtype=torch.float64))
+        expect(False, "weighted_row_sum keeping into a tensor of another dtype did not raise")
+    except ValueError as e:
+        expect("kept_RD must be" in str(e), f"weighted_row_sum's error: {e}")
     return failures
 
 

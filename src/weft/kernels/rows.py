@@ -7,7 +7,8 @@ Three primitives cover the forward and backward of both (docs/moe.md, "Data move
   divisor k; combine backward's expert-output gradient with scale the slots' gates);
 - `weighted_row_sum(src_RD, rows_TK, weights_TK)`: out[t] = sum_j weights[t, j] * src[rows[t, j]]
   over the j with rows[t, j] >= 0, accumulated in float32 in j order (combine forward; dispatch
-  backward with weights None = 1);
+  backward with weights None = 1); with `kept_RD`, each row it reads is also written there, at
+  the same index (the combine's copy of rows whose buffer is overwritten before its backward);
 - `row_dots(a_TD, src_RD, rows_TK)`: out[t, j] = a[t] . src[rows[t, j]] in float32, 0 where
   rows[t, j] < 0 (combine backward's gate gradient).
 
@@ -101,15 +102,18 @@ if triton is not None:
         tl.store(out + r * stride_out + cols, values.to(out.dtype.element_ty), mask=inside)
 
     @triton.jit
-    def _weighted_row_sum_kernel(src, rows, weights, out, D, stride_src, stride_out,
-                                 K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr):
+    def _weighted_row_sum_kernel(src, rows, weights, out, kept, D, stride_src, stride_out, stride_kept,
+                                 K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, KEEP: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < D
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for j in tl.static_range(K):
             r = tl.load(rows + t * K + j).to(tl.int64)
-            picked = tl.load(src + r * stride_src + cols, mask=inside & (r >= 0), other=0.0).to(tl.float32)
+            read = tl.load(src + r * stride_src + cols, mask=inside & (r >= 0), other=0.0)
+            if KEEP:
+                tl.store(kept + r * stride_kept + cols, read, mask=inside & (r >= 0))
+            picked = read.to(tl.float32)
             if HAS_WEIGHTS:
                 picked = picked * tl.load(weights + t * K + j).to(tl.float32)
             acc += picked
@@ -157,17 +161,27 @@ def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tens
 
 
 def weighted_row_sum(src_RD: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(T, D): row t is sum_j weights[t, j] * src[rows[t, j]] over rows[t, j] >= 0, in float32."""
+                     out_dtype: torch.dtype | None = None, kept_RD: torch.Tensor | None = None) -> torch.Tensor:
+    """(T, D): row t is sum_j weights[t, j] * src[rows[t, j]] over rows[t, j] >= 0, in float32.
+    `kept_RD` (src's shape and dtype, unit column stride), where given: every row read is also
+    written there at its own index, in the same pass; the rows no index names are left as they
+    were."""
     num_tokens, k = rows_TK.shape
     out = torch.empty(num_tokens, src_RD.shape[1], dtype=out_dtype or src_RD.dtype, device=src_RD.device)
+    if kept_RD is not None and (kept_RD.shape != src_RD.shape or kept_RD.dtype != src_RD.dtype
+                                or kept_RD.device != src_RD.device or kept_RD.stride(1) != 1):
+        raise ValueError(f"weighted_row_sum: kept_RD must be {tuple(src_RD.shape)} {src_RD.dtype} on {src_RD.device} "
+                         f"with unit column stride, got {tuple(kept_RD.shape)} {kept_RD.dtype} on {kept_RD.device} "
+                         f"strides {kept_RD.stride()}")
     if out.numel() == 0:
         return out
     src_RD, rows_TK = _rows_ok(src_RD), rows_TK.contiguous()
     weights = weights_TK.contiguous() if weights_TK is not None else rows_TK
+    kept = kept_RD if kept_RD is not None else out
     grid = (num_tokens, triton.cdiv(src_RD.shape[1], BLOCK_D))
-    _weighted_row_sum_kernel[grid](src_RD, rows_TK, weights, out, src_RD.shape[1], src_RD.stride(0), out.stride(0),
-                                   K=k, HAS_WEIGHTS=weights_TK is not None, BLOCK=BLOCK_D)
+    _weighted_row_sum_kernel[grid](src_RD, rows_TK, weights, out, kept, src_RD.shape[1], src_RD.stride(0),
+                                   out.stride(0), kept.stride(0), K=k, HAS_WEIGHTS=weights_TK is not None,
+                                   KEEP=kept_RD is not None, BLOCK=BLOCK_D)
     return out
 
 

@@ -99,13 +99,17 @@ class _DispatchRows(torch.autograd.Function):
 
 class _CombineRows(torch.autograd.Function):
     """y[t] = sum_j gates[t, j] * out[rows[t, j]] (float32); backward: dout[r] = gate * dy[token of
-    r], dgates[t, j] = dy[t] . out[rows[t, j]]."""
+    r], dgates[t, j] = dy[t] . out[rows[t, j]]. With `keep_rows` the backward reads a copy of the
+    rows made by the forward's own reads (out_RD's buffer may be overwritten before the backward:
+    `Staging.transient_out`), else out_RD itself."""
 
     @staticmethod
-    def forward(ctx, out_RD, gates_TK, slot_rows: SlotRows, out_dtype, grad_into_RD):
-        ctx.save_for_backward(out_RD, gates_TK)
+    def forward(ctx, out_RD, gates_TK, slot_rows: SlotRows, out_dtype, grad_into_RD, keep_rows):
+        kept_RD = torch.empty(out_RD.shape, dtype=out_RD.dtype, device=out_RD.device) if keep_rows else None
+        y_TD = row_kernels.weighted_row_sum(out_RD, slot_rows.rows_TK, gates_TK, out_dtype, kept_RD)
+        ctx.save_for_backward(out_RD if kept_RD is None else kept_RD, gates_TK)
         ctx.slot_rows, ctx.grad_into_RD = slot_rows, grad_into_RD
-        return row_kernels.weighted_row_sum(out_RD, slot_rows.rows_TK, gates_TK, out_dtype)
+        return y_TD
 
     @staticmethod
     def backward(ctx, grad_TD):
@@ -117,7 +121,7 @@ class _CombineRows(torch.autograd.Function):
                                                divisor=slot_rows.top_k, out=ctx.grad_into_RD)
         if ctx.needs_input_grad[1]:
             grad_gates = row_kernels.row_dots(grad_TD, out_RD, slot_rows.rows_TK)
-        return grad_out, grad_gates, None, None, None
+        return grad_out, grad_gates, None, None, None, None
 
 
 def dispatch_rows(x_TD: torch.Tensor, slot_rows: SlotRows, into_RD: torch.Tensor | None = None) -> torch.Tensor:
@@ -127,7 +131,10 @@ def dispatch_rows(x_TD: torch.Tensor, slot_rows: SlotRows, into_RD: torch.Tensor
 
 
 def combine_rows(out_RD: torch.Tensor, gates_TK: torch.Tensor, slot_rows: SlotRows,
-                 out_dtype: torch.dtype, grad_into_RD: torch.Tensor | None = None) -> torch.Tensor:
+                 out_dtype: torch.dtype, grad_into_RD: torch.Tensor | None = None,
+                 keep_rows: bool = False) -> torch.Tensor:
     """The gate-weighted sum of each token's expert outputs by the Triton kernels, in `out_dtype`;
-    the backward writes out_RD's gradient into `grad_into_RD` where given (`Staging`)."""
-    return _CombineRows.apply(out_RD, gates_TK, slot_rows, out_dtype, grad_into_RD)
+    the backward writes out_RD's gradient into `grad_into_RD` where given (`Staging`). `keep_rows`:
+    the rows the gates' gradient reads are copied as the sum reads them, for an out_RD that is
+    overwritten before the backward (`Staging.transient_out`)."""
+    return _CombineRows.apply(out_RD, gates_TK, slot_rows, out_dtype, grad_into_RD, keep_rows)

@@ -487,7 +487,8 @@ class MoE(nn.Module):
             with stage("combine"):
                 if fused:
                     return combine_rows(out_RD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype,
-                                        None if staging is None else staging.grads_ND)
+                                        None if staging is None else staging.grads_ND,
+                                        staging is not None and staging.transient_out)
                 return combine(out_RD, rows_S.clamp(max=num_rows - 1), routing.token_ids_S, routing.gates_S,
                                tokens_TD.shape[0], routing.kept_S)
 
@@ -541,7 +542,8 @@ class MoE(nn.Module):
             with stage("combine"):
                 if fused:
                     return combine_rows(out_SD, routing.gates_S.view(-1, call.top_k), slot_rows, out_dtype,
-                                        None if staging is None else staging.grads_ND)
+                                        None if staging is None else staging.grads_ND,
+                                        staging is not None and staging.transient_out)
                 return combine(out_SD, None, token_ids_S, routing.gates_S.index_select(0, order_S),
                                tokens_TD.shape[0])
 

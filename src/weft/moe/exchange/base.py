@@ -175,10 +175,16 @@ class Staging:
     """Where an exchange wants the rows it is given (`rows_ND`) and their gradient (`grads_ND`):
     tensors of the dispatched rows' shape and dtype that the dispatch writes its rows into and the
     combine's backward its gradient, so the exchange need not copy them there (Comet's peer
-    buffers). Either may be None: anywhere."""
+    buffers). Either may be None: anywhere.
+
+    `transient_out`: where the rows it was given are in `rows_ND`, the exchange returns its
+    outputs in a buffer that its next call overwrites, before this call's backward (it copies
+    nothing out); the combine then keeps its own copy of the rows its backward reads, made as its
+    forward reads them (`weft.moe.dispatch.combine_rows`'s `keep_rows`)."""
 
     rows_ND: torch.Tensor | None
     grads_ND: torch.Tensor | None
+    transient_out: bool = False
 
 
 class Exchange(ABC):

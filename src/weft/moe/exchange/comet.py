@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.graph import increment_version
 
 from weft.comm.peers import PeerBuffer, PeerBuffers
 from weft.kernels import comet as kernels
@@ -52,10 +53,10 @@ def comet_buffer(peers: PeerBuffers, role: str, rows: int, dim: int, dtype: torc
     the same sequence of barriers (B1 after "send" is written, B2 after "out" is pushed, B3 after
     "grad_send", B4 after "grad_out") and each content is read before the next barrier on every
     reader: the other ranks pull "send" between B1 and B2, and the backward writes "grad_send"
-    after B2; each rank copies its "out" out between B2 and B3, and the backward pushes
-    "grad_out" after B3; the next call writes after B4 (B2 without a backward). This holds
-    while a group's Comet calls run one after another on one stream, as they must anyway (the
-    roles' names are the same for every call)."""
+    after B2; each rank reads its "out" (the combine's kept copy, `CometPlan.push`) before its
+    next barrier, and the backward pushes "grad_out" after B3; the next call writes after B4
+    (B2 without a backward). This holds while a group's Comet calls run one after another on
+    one stream, as they must anyway (the roles' names are the same for every call)."""
     return peers.get(f"comet.{BUFFER_OF_ROLE[role]}", (rows, dim), dtype)
 
 
@@ -64,8 +65,10 @@ class CometPlan:
     """One call's constants: the group's peer buffers and their rows per rank (`buffer_rows`, the
     same on every rank), where this rank's experts' rows are (`rows`), the tiles, whether the
     Triton kernels run (else their PyTorch references over the same buffers), and the tuning
-    dictionary that keeps layer0's copy programs per shape (None: the tiles' default), and the
-    call's `weft.BackwardSGD` (None: every weight gets its gradient)."""
+    dictionary that keeps layer0's copy programs per shape (None: the tiles' default), the
+    call's `weft.BackwardSGD` (None: every weight gets its gradient), and whether the caller's
+    combine keeps its own copy of the forward's outputs (`outputs_kept`: the rows were staged,
+    `Comet.staging`), so that layer1 returns its buffer's rows without copying them."""
 
     peers: PeerBuffers
     buffer_rows: int
@@ -75,6 +78,7 @@ class CometPlan:
     use_kernels: bool
     tuning: TuningDictionary | None = None
     expert_step: BackwardSGD | None = None
+    outputs_kept: bool = False
 
     def weight_grad(self, x_RK: torch.Tensor, dy_RN: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """`weight`'s gradient x^T dy per expert, or None where the call's `BackwardSGD` stepped the
@@ -141,15 +145,23 @@ class CometPlan:
     def push(self, a_RK: torch.Tensor, b_EKN: torch.Tensor, role: str, like: torch.Tensor,
              b2_EKN: torch.Tensor | None = None) -> torch.Tensor:
         """Layer1: a @ b's rows (with b2: a @ [b; b2], joined along K) into the ranks they came
-        from, in `role`'s buffer; returns this rank's rows (a copy: the buffer's next role
-        overwrites them)."""
+        from, in `role`'s buffer; returns this rank's rows. The buffer's next role overwrites
+        them (`comet_buffer`), so they are the buffer's own rows only where their one reader runs
+        before that: the backward's "grad_out" (the dispatch's backward reads them next, before
+        any other Comet call of the group can start: every later node of the backward waits for
+        the input gradient they make) and the forward's "out" where the combine keeps its own
+        copy (`outputs_kept`); elsewhere a copy. The buffer's version counter is bumped on every
+        push, so a forward output saved by an autograd node that kept no copy fails in the
+        backward instead of reading another call's rows."""
         dest = self.buffer(role, like)
         if self.use_kernels:
             kernels.gemm_push(a_RK.contiguous(), b_EKN, dest.table, dest.local, self.rows, self.tiles, b2_EKN)
         else:
             kernels.gemm_push_reference(a_RK, b_EKN, dest.peers, self.rows, b2_EKN)
         self.peers.barrier()
-        return dest.local[: like.shape[0]].clone()
+        increment_version(dest.local)
+        rows_ND = dest.local[: like.shape[0]]
+        return rows_ND if role == "grad_out" or self.outputs_kept else rows_ND.clone()
 
 
 class CometLayer0(torch.autograd.Function):
@@ -269,7 +281,7 @@ class Comet(Exchange):
         buffer_rows = self._buffer_rows(layout, num_rows)
         send, grad_send = (comet_buffer(self.peers, role, buffer_rows, dim, dtype).local[:num_rows]
                            for role in ("send", "grad_send"))
-        return Staging(send, grad_send)
+        return Staging(send, grad_send, transient_out=True)
 
     @staticmethod
     def _buffer_rows(layout: Layout, rows: int) -> int:
@@ -347,23 +359,28 @@ class Comet(Exchange):
         def between() -> None:
             outputs.append(slot_experts(x_MD, slot_rows, experts.activation, transfer.wait()))
 
-        out_ND = self._run(rows_ND, buffer_rows, rows, tiles, between)
+        out_ND = self._run(rows_ND, buffer_rows, rows, tiles, between, written=True)
         (y_MD, slot_weights), = outputs
         with torch.autocast(out_ND.device.type, enabled=False):
             out_ND = merge(out_ND, y_MD, slot_rows)
         return aggregate(out_ND, slots, params, dtype, slot_weights, replicas.on_device)
 
     def _run(self, rows_ND: torch.Tensor, buffer_rows: int, rows: RowMap, tiles: kernels.CometTiles,
-             between: Callable[[], None] | None = None) -> torch.Tensor:
+             between: Callable[[], None] | None = None, written: bool = False) -> torch.Tensor:
         """Layer0 and layer1 through autograd (`between`: run between the two, in forward and,
-        being created there, in backward)."""
+        being created there, in backward). The outputs are the pushed buffer's rows where the
+        caller staged the rows (its combine keeps its own copy: `Staging.transient_out`), unless
+        they are `written` in place next (Pro-Prophet's `merge`): then a tensor of their own."""
         experts = self.ctx.experts
         dtype = experts.compute_dtype(rows_ND)
         w1, w2, w3 = experts.weights()
-        plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND),
-                         self.ctx.tuning, self.ctx.expert_step)
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
             rows_ND = rows_ND.to(dtype).contiguous()
+            # rows the caller staged (`staging`, where `share` finds them): its combine keeps the outputs
+            staged = comet_buffer(self.peers, "send", buffer_rows, rows_ND.shape[1], dtype).local.data_ptr() \
+                == rows_ND.data_ptr()
+            plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND),
+                             self.ctx.tuning, self.ctx.expert_step, staged and not written)
             w3 = None if w3 is None else w3.to(dtype)
             # swiglu: layer0 reads w3's values only (its gradient comes from `CometW3Grad`, and an
             # edge to w3 would hold w3's accumulation until layer0's backward has made dW1 too)
