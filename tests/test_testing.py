@@ -139,3 +139,44 @@ def test_forked_ranks_start_with_weft_imported(start_method):
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"):
         run_distributed(rank_and_sum, 1, start_method="fork")
+
+
+def interpreter_worker() -> list[str]:
+    """Two launches of a kernel whose 3 programs each call a device function twice: the language
+    is patched once a launch (the interpreter's own patching would run 1 + 6 times a launch),
+    the result is the kernel's, and the language is restored after each launch."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from interpreted_kernel import four_x_plus_one_kernel
+
+    failures = []
+    if not getattr(interpreter._patch_lang, "weft_once", False):
+        failures.append("run_distributed's rank did not patch the interpreter (TRITON_INTERPRET=1)")
+    patched = []
+    scan = interpreter._patch_builtin
+
+    def counting_scan(pkg, *args):  # the last of each patching's scans
+        patched.append(pkg is tl.core.tensor_descriptor_base)
+        return scan(pkg, *args)
+
+    interpreter._patch_builtin = counting_scan
+    load = tl.load
+    src = torch.arange(12, dtype=torch.float32)
+    for launch in range(2):
+        out = torch.zeros(12)
+        four_x_plus_one_kernel[(3,)](src, out, BLOCK=4)
+        if not torch.equal(out, 4 * src + 1):
+            failures.append(f"launch {launch}: {out.tolist()}")
+        if tl.load is not load:
+            failures.append(f"launch {launch}: triton.language.load left patched after the launch")
+    if sum(patched) != 2:
+        failures.append(f"the language was patched {sum(patched)} times in 2 launches")
+    return failures
+
+
+def test_interpreted_ranks_patch_the_language_once_a_launch(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(interpreter_worker, 1, timeout=120)[0]
+    assert not failures, "\n".join(failures)

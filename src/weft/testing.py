@@ -6,6 +6,7 @@
 with `dist.get_rank()`. Results come back in rank order; the first failing rank's traceback is
 re-raised as `DistributedTestError`, and a run past `timeout` is killed, so tests never hang.
 """
+import functools
 import os
 
 import torch
@@ -30,7 +31,65 @@ def run_distributed(fn, world_size: int, **kwargs):
         # CPU machines only: where there is a GPU, a server that imported Triton and inductor's
         # modules might have initialised CUDA, which a forked rank could then not use
         kwargs.setdefault("preload", ("weft.cli", "torch._dynamo"))
-    return launch.run_distributed(fn, world_size, **kwargs)
+    return launch.run_distributed(functools.partial(_interpreter_patched_once, fn), world_size, **kwargs)
+
+
+def _interpreter_patched_once(fn, *args):
+    """`fn(*args)`, under TRITON_INTERPRET=1 with `patch_interpreter_once` first."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        patch_interpreter_once()
+    return fn(*args)
+
+
+class _NoPatch:
+    def restore(self) -> None:
+        pass
+
+
+def patch_interpreter_once() -> bool:
+    """Make Triton's CPU interpreter patch `triton.language` once per kernel launch instead of
+    again at every call of a `@triton.jit` device function inside it: the interpreter (3.6)
+    repeats the launch's patching there (three `inspect.getmembers` scans), about a quarter of an
+    interpreted Comet kernel's time, and never undoes it before the launch's own restore. A
+    device function whose module sees a language module the launch did not patch is patched as
+    before. Idempotent; returns whether the interpreter is patched (False: a Triton without the
+    hook, left as it is)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    original = getattr(interpreter, "_patch_lang", None)
+    if original is None:
+        return False
+    if getattr(original, "weft_once", False):
+        return True
+    launches: list[set[int]] = []  # per running launch, the language modules it patched
+
+    def languages(fn) -> set[int]:
+        return {id(value) for value in fn.__globals__.values()
+                if isinstance(value, type(os)) and value in (interpreter.tl, interpreter.tl.core)}
+
+    def patch_lang(fn):
+        langs = languages(fn)
+        if launches:  # a device function called inside a launch
+            if langs <= launches[-1]:
+                return _NoPatch()
+            launches[-1] |= langs
+            return original(fn)
+        scope = original(fn)
+        launches.append(langs)
+        restore = scope.restore
+
+        def restore_launch() -> None:
+            launches.pop()
+            restore()
+
+        scope.restore = restore_launch
+        return scope
+
+    patch_lang.weft_once = True
+    interpreter._patch_lang = patch_lang
+    return True
 
 
 def run_checks(fn, world_size: int, **kwargs) -> list[str]:
