@@ -8,6 +8,7 @@ re-raised as `DistributedTestError`, and a run past `timeout` is killed, so test
 """
 import functools
 import os
+import types
 
 import torch
 
@@ -55,6 +56,7 @@ def patch_interpreter_once() -> bool:
     before. Idempotent; returns whether the interpreter is patched (False: a Triton without the
     hook, left as it is)."""
     try:
+        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return False
@@ -67,7 +69,7 @@ def patch_interpreter_once() -> bool:
 
     def languages(fn) -> set[int]:
         return {id(value) for value in fn.__globals__.values()
-                if isinstance(value, type(os)) and value in (interpreter.tl, interpreter.tl.core)}
+                if isinstance(value, types.ModuleType) and value in (tl, tl.core)}
 
     def patch_lang(fn):
         langs = languages(fn)

@@ -60,6 +60,11 @@ def comet_buffer(peers: PeerBuffers, role: str, rows: int, dim: int, dtype: torc
     return peers.get(f"comet.{BUFFER_OF_ROLE[role]}", (rows, dim), dtype)
 
 
+def in_own_buffer(rows_ND: torch.Tensor, buffer: PeerBuffer) -> bool:
+    """Whether `rows_ND` were made in this rank's part of `buffer` (staged: `Comet.staging`)."""
+    return rows_ND.data_ptr() == buffer.local.data_ptr()
+
+
 @dataclass(frozen=True)
 class CometPlan:
     """One call's constants: the group's peer buffers and their rows per rank (`buffer_rows`, the
@@ -96,7 +101,7 @@ class CometPlan:
         """Write this rank's rows into its buffer for `role` (nothing to copy where they were made
         there: `Comet.staging`), then wait until every rank has."""
         buffer = self.buffer(role, rows_ND)
-        if rows_ND.data_ptr() != buffer.local.data_ptr():
+        if not in_own_buffer(rows_ND, buffer):
             buffer.local[: rows_ND.shape[0]].copy_(rows_ND)
         self.peers.barrier()
         return buffer
@@ -377,8 +382,7 @@ class Comet(Exchange):
         with stage("experts"), torch.autocast(rows_ND.device.type, enabled=False):
             rows_ND = rows_ND.to(dtype).contiguous()
             # rows the caller staged (`staging`, where `share` finds them): its combine keeps the outputs
-            staged = comet_buffer(self.peers, "send", buffer_rows, rows_ND.shape[1], dtype).local.data_ptr() \
-                == rows_ND.data_ptr()
+            staged = in_own_buffer(rows_ND, comet_buffer(self.peers, "send", buffer_rows, rows_ND.shape[1], dtype))
             plan = CometPlan(self.peers, buffer_rows, rows, experts.activation, tiles, triton_usable(rows_ND),
                              self.ctx.tuning, self.ctx.expert_step, staged and not written)
             w3 = None if w3 is None else w3.to(dtype)
