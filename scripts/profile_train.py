@@ -3,7 +3,7 @@ with what the host was doing in each.
 
 Run under torchrun (one process per GPU; rank 0 reports), with `weft train`'s own flags:
     torchrun --standalone --nproc_per_node=1 scripts/profile_train.py --first-step 8 --num-steps 3 -- \
-        --preset gpt2-l-moe --batch-size 8 --steps 12 --sample-tokens 0 --out /tmp/run
+        --preset gpt2-l-moe --batch-size 8 --steps 12 --sample-tokens 0 --ckpt-interval 0 --out /tmp/run
 Profiles the training steps [start, start + steps) whole (data, micro-steps, clipping,
 optimizer, metrics: everything between one step's start and the next's), writes the Chrome trace
 next to the run (trace.json) and prints: GPU window, busy and idle per step, the GPU time of the

@@ -2,7 +2,7 @@
 # `weft train` throughput on every GPU of the machine, for each RUNS entry preset:batch and each
 # KERNELS, GRAPHS (--cuda-graphs) and MASTER (--master-weights) setting, interleaved (preset by
 # preset, the settings back to back); prints the median tokens/s, MFU and peak memory over the
-# steps after WARM. Logs under $OUT. GPUS=0 limits the runs to the listed GPUs.
+# steps after WARM (no checkpoints: --ckpt-interval 0). Logs under $OUT. GPUS=0 limits the runs to the listed GPUs.
 #   RUNS="gpt2-s-moe:8 qwen2-moe-2l:2" KERNELS="torch auto" GRAPHS="off auto" MASTER="auto off" STEPS=30 OUT=$OUT bash scripts/train_mfu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -22,7 +22,8 @@ for run in ${RUNS:-gpt2-s-moe:8 qwen2-moe-2l:2}; do
     dir=/tmp/weft_mfu/$name
     rm -rf "$dir"
     python3 -m weft train --preset "$preset" --batch-size "$batch" --steps "$STEPS" --kernels "$kernels" \
-      --cuda-graphs "$graphs" --master-weights "$master" --sample-tokens 0 --out "$dir" ${TRAIN_ARGS:-} > "$OUT/$name.log" 2>&1 \
+      --cuda-graphs "$graphs" --master-weights "$master" --sample-tokens 0 --ckpt-interval 0 --out "$dir" \
+      ${TRAIN_ARGS:-} > "$OUT/$name.log" 2>&1 \
       || { echo "$name failed"; tail -5 "$OUT/$name.log"; }
     python3 - "$dir/metrics.jsonl" "$preset" "$batch" "$kernels" "$graphs" "$master" "$WARM" <<'PY'
 import json, statistics, sys
@@ -33,7 +34,6 @@ print(f"{preset:<14} batch {batch:<3} kernels {kernels:<6} graphs {graphs:<4} ma
       f"tokens/s {med('tokens_per_s'):>10,.0f}  MFU {100 * med('mfu'):5.1f}%  peak {med('peak_mem_gib'):6.1f} GiB  "
       f"dropped {med('dropped_share'):.3f}")
 PY
-    rm -rf "$dir/checkpoints"  # a gpt2-l-moe checkpoint is ~12 GB: keep the disk for the next run
   done
   done
   done

@@ -896,3 +896,14 @@ def test_an_unset_learning_rate_falls_with_the_width_past_1024():
 def test_a_learning_rate_must_be_a_positive_number(value):
     with pytest.raises(ValueError, match="train.lr must be finite and positive"):
         TrainConfig(lr=value).validate()
+
+
+def test_a_run_with_ckpt_interval_0_writes_no_checkpoint(corpus, tmp_path):
+    """`--ckpt-interval 0` (benchmark runs): no checkpoint, not even the last step's; the metrics
+    are all there. A negative interval is refused by name."""
+    out = tmp_path / "run"
+    run(config(corpus, out, steps=12, ckpt_interval=0), 2, tmp_path / "cache")
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert sorted(losses(out)) == list(range(1, 13))
+    with pytest.raises(ValueError, match="ckpt_interval must be an integer >= 0"):
+        config(corpus, out, ckpt_interval=-1).validate()

@@ -102,7 +102,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
-                "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "keep_last", "async_checkpoint",
+                "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "ckpt_interval", "keep_last",
+                "async_checkpoint",
                 "cuda_graphs",
                 "master_weights", "balance", "balance_model", "balance_n", "balance_rounds", "tp", "tp_overlap",
                 "domino_p1", "domino_p2", "grad_reduce")
@@ -230,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "lancet (dW scheduling + partitioned forward, planned at start; where the "
                          "step replays as a CUDA graph, dW scheduling + each MoE layer's pipelining degree, "
                          "each kept if its graph replays faster)")
+    tr.add_argument("--ckpt-interval", type=non_negative_int, default=None,
+                    help="a checkpoint every N steps and at the last one (default 100); 0: no checkpoints at all "
+                         "(e.g. benchmark runs of large models, whose checkpoints take minutes to write)")
     tr.add_argument("--keep-last", type=non_negative_int, default=None,
                     help="keep only the newest N checkpoints (default 0: keep all)")
     tr.add_argument("--async-checkpoint", type=on_off, default=None, metavar="{on,off}",

@@ -68,7 +68,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     eval_interval: int = 100
     eval_batches: int = 8
-    ckpt_interval: int = 100
+    ckpt_interval: int = 100  # a checkpoint every N steps and at the last one; 0: none (benchmark runs)
     log_interval: int = 20
     val_fraction: float = 0.01
     seed: int = 1337
@@ -165,7 +165,7 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be a number, got {value!r}")
         if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
             raise ValueError(f"train.betas must be two numbers in [0, 1), got {self.betas!r}")
-        positive = ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches", "ckpt_interval",
+        positive = ("steps", "batch_size", "grad_accum", "eval_interval", "eval_batches",
                     "log_interval")
         for name in positive:
             value = getattr(self, name)
@@ -180,6 +180,9 @@ class TrainConfig:
                                     or not math.isfinite(self.lr) or not self.lr > 0):
             raise ValueError(f"train.lr must be finite and positive (or unset: the default for the model's "
                              f"width), got {self.lr!r}")
+        if isinstance(self.ckpt_interval, bool) or not isinstance(self.ckpt_interval, int) or self.ckpt_interval < 0:
+            raise ValueError(f"train.ckpt_interval must be an integer >= 0 (0: no checkpoints), got "
+                             f"{self.ckpt_interval!r}")
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ValueError(f"train.keep_last must be an integer >= 0 (0 keeps all), got {self.keep_last!r}")
         if not isinstance(self.async_checkpoint, bool):

@@ -396,13 +396,14 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
             if finished is not None:
                 record(timed(finished), None)
             evaluates = step % cfg.eval_interval == 0 or step == cfg.steps
-            if late and not (evaluates or step % cfg.ckpt_interval == 0):
+            saves = cfg.ckpt_interval > 0 and (step % cfg.ckpt_interval == 0 or step == cfg.steps)
+            if late and not (evaluates or saves):
                 continue  # read while the next step runs
             # read now: on the CPU, or where an evaluation or a checkpoint needs the step (skipped or not)
             finished, pending = timed(_read_step(pending, model, optimizer, cfg)), None
             val_loss = evaluate(model, val_batches, cfg.eval_batches, device, groups) if evaluates else None
             record(finished, val_loss)
-            if step % cfg.ckpt_interval == 0 or step == cfg.steps:
+            if saves:
                 extra = {"step": step, "train": cfg.to_dict(), "model": model_cfg.to_dict(), "data": data.source}
                 with masters.full_precision():  # the state is copied (or written) inside: masters as the weights
                     checkpoints.save(step, model, optimizer, groups, extra)
@@ -421,8 +422,10 @@ def _train(cfg: TrainConfig, ctx, groups: MoEGroups, model_cfg) -> dict:
         log.close()
         if text:
             print("\n--- sample ---\n" + text + "\n--------------", flush=True)
-        print(f"weft train: done; metrics in {run_dir / 'metrics.jsonl'}, checkpoints in {run_dir / 'checkpoints'}"
-              f"; plots: weft plot {run_dir}", flush=True)
+        saved = f"checkpoints in {run_dir / 'checkpoints'}" if cfg.ckpt_interval else \
+            "no checkpoints (--ckpt-interval 0)"
+        print(f"weft train: done; metrics in {run_dir / 'metrics.jsonl'}, {saved}; plots: weft plot {run_dir}",
+              flush=True)
     return {"val_loss": val_loss, "steps": cfg.steps, "sample": text, "run_dir": str(run_dir),
             **where_reduced(model, groups, micro_steps.reduced if micro_steps is not None else None)}
 
