@@ -39,6 +39,7 @@ from test_overlapped_reduce import (
     mean_worker,
     some_ranks_worker,
 )
+from test_rotary_kernel import qkv_heads_worker
 from test_router_matmul import kernel_worker as router_matmul_worker
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
@@ -630,6 +631,14 @@ def test_dropless_training_at_auto_runs_the_faster_of_eager_and_the_fixed_size_g
     for graphs in ("auto", "on"):
         assert losses[graphs][0] == pytest.approx(losses["off"][0], abs=2e-3), losses
         assert losses[graphs] == pytest.approx(losses["off"], abs=1e-2), losses
+
+
+@needs_cuda
+def test_qkv_heads_write_the_projection_gradient_of_the_split_they_replace_on_cuda():
+    """`weft.kernels.rotary.qkv_heads` on a GPU: the outputs and the qkv projection's gradient of
+    autograd's views with the rotary kernel, bit for bit (also through attention)."""
+    failures = run_distributed(qkv_heads_worker, 1, args=("cuda",), timeout=300)[0]
+    assert not failures, "\n".join(failures)
 
 
 @needs_cuda

@@ -43,3 +43,58 @@ def test_rotary_kernel_matches_reference(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(rotary_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
+
+
+def qkv_heads_worker(device: str = "cpu") -> list[str]:
+    """`qkv_heads` with the kernel on `device`: the outputs and the projection's gradient of the
+    path it replaces (PyTorch's views of the projection, `rotary` of q and k by the same kernel)
+    bit for bit, with every head's gradient given, with v's missing, and through attention (on
+    CUDA with deterministic algorithms); and against PyTorch's reference to rounding."""
+    import torch.nn.functional as F
+
+    from weft.kernels.rotary import _heads, qkv_heads, rotary
+    from weft.models.gpt import rotary_tables
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # attention's backward the same in both runs
+    failures = []
+    gen = torch.Generator().manual_seed(1)
+    for dtype, heads, head_dim, use in ((torch.float32, 3, 16, "all"), (torch.bfloat16, 2, 16, "all"),
+                                        (torch.float32, 3, 12, "qk"), (torch.float32, 2, 16, "attention")):
+        batch, seq = 2, 37
+        cos, sin = rotary_tables(seq, head_dim, 10000.0, torch.device(device))
+        qkv = torch.randn(batch, seq, 3 * heads * head_dim, generator=gen).to(device, dtype)
+        weights = [torch.randn(batch, heads, seq, head_dim, generator=gen).to(device, dtype) for _ in range(3)]
+
+        def replaced(x):  # the split before `qkv_heads`: autograd's views, the kernel for q and k
+            q, k, v = _heads(x, heads)
+            return rotary(q, cos, sin, "triton"), rotary(k, cos, sin, "triton"), v
+
+        results = {}
+        for name, split in (("fused", lambda x: qkv_heads(x, heads, cos, sin, "triton")), ("replaced", replaced),
+                            ("torch", lambda x: qkv_heads(x, heads, cos, sin, "torch"))):
+            leaf = qkv.clone().requires_grad_()
+            q, k, v = split(leaf)
+            if use == "attention":
+                loss = (F.scaled_dot_product_attention(q, k, v, is_causal=True) * weights[0]).sum()
+            else:
+                loss = sum((t * w).sum() for t, w in zip((q, k, v) if use == "all" else (q, k), weights))
+            loss.backward()
+            results[name] = [t.detach() for t in (q, k, v)] + [leaf.grad]
+        case = f"{dtype} heads={heads} hd={head_dim} {use}"
+        for i, (a, b) in enumerate(zip(results["fused"], results["replaced"])):
+            if (i < 3 and a.stride() != b.stride()) or not torch.equal(a, b):
+                failures.append(f"{case}: output {i} differs from the replaced split's")
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        for i, (a, b) in enumerate(zip(results["fused"], results["torch"])):
+            if not torch.allclose(a.float(), b.float(), rtol=tol, atol=tol):
+                gap = (a.float() - b.float()).abs().max()
+                failures.append(f"{case}: output {i} differs from PyTorch's by {gap:.2e}")
+        if results["fused"][3].abs().sum() == 0:
+            failures.append(f"{case}: no gradient written")
+    return failures
+
+
+def test_qkv_heads_write_the_projection_gradient_in_one_pass(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(qkv_heads_worker, 1, timeout=300)[0]
+    assert not failures, "\n".join(failures)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.distributed import group_size
-from weft.kernels.rotary import rotary, rotary_reference
+from weft.kernels.rotary import qkv_heads, rotary_reference
 from weft.kernels.rows import KERNELS
 from weft.moe import ACTIVATIONS, GATES, MoE
 from weft.moe.config import check_router_settings
@@ -249,8 +249,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         batch, seq, dim = x.shape
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.n_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = rotary(q, *rope, self.kernels), rotary(k, *rope, self.kernels)
+        q, k, v = qkv_heads(self.qkv(x), self.n_head, *rope, self.kernels)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out_proj(y.transpose(1, 2).reshape(batch, seq, dim))
 

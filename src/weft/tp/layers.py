@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.distributed import group_rank, group_size
-from weft.kernels.rotary import rotary
+from weft.kernels.rotary import qkv_heads
 
 
 def check_divisible(what: str, size: int, tp: int) -> None:
@@ -62,8 +62,7 @@ class TPAttention(nn.Module):
               queue: WeightGradQueue | None = None) -> torch.Tensor:
         """Everything before `out_proj`: this rank's heads' attention output (batch, seq, dim / tp)."""
         batch, seq, _ = h.shape
-        q, k, v = linear(h, self.qkv, queue).view(batch, seq, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        q, k = rotary(q, *rope, self.kernels), rotary(k, *rope, self.kernels)
+        q, k, v = qkv_heads(linear(h, self.qkv, queue), self.local_heads, *rope, self.kernels)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).reshape(batch, seq, -1)
 
