@@ -135,6 +135,10 @@
 #            comet+sgd-in-backward+graph, comet+graph timed twice (the goals: 2.0 / 4.5 / 8.5 ms), and
 #            the plain exchange's plain+sgd-in-backward (eager: its dropless calls read counts); one
 #            process per capacity, with each mode's energy a step (~7 min)
+#   qkv      the qkv split's backward in one pass (issue: Hardware speed; one GPU is enough; run with
+#            PARTS=qkv OLD=_old/src, the tree before it, carried from `git archive df73cbe src`): its GPU
+#            test, then `weft train` on GPU 0, gpt2-l-moe and gpt2-s-moe batch 8, old / new / old / new
+#            (`scripts/train_mfu.sh`: medians after step 5; ~5 min)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -655,6 +659,15 @@ part_sgdbw() {
         --steps 20 --warmup 5 --energy-s 8 \
         --json "$1/$config-$cf.json" 2>&1 | grep -v "^weft bench layer: \(round \|.*built\)" | tail -n 11
     done
+  done
+}
+
+part_qkv() {
+  gpu_tests "$1" "qkv_heads"
+  for tree in old new old new; do
+    src=$PWD/src; [ "$tree" = old ] && src=$PWD/${OLD:?OLD: the src folder of the tree before the change}
+    SRC=$src GPUS=0 RUNS="gpt2-l-moe:8 gpt2-s-moe:8" KERNELS=auto STEPS=16 WARM=5 OUT="$1/$tree" \
+      bash scripts/train_mfu.sh | sed "s/^/$tree /"
   done
 }
 
