@@ -7,14 +7,15 @@ Run under torchrun (one process per GPU; rank 0 reports), with `weft train`'s ow
 Profiles the training steps [start, start + steps) whole (data, micro-steps, clipping,
 optimizer, metrics: everything between one step's start and the next's), writes the Chrome trace
 next to the run (trace.json) and prints: GPU window, busy and idle per step, the GPU time of the
-largest kernel families, and the largest idle gaps with the innermost host op open across each.
+largest kernel families, the same by what launched them (host op, weft stage, autograd node:
+with --cuda-graphs off, since a graph replay's kernels have no launch of their own), and the
+largest idle gaps with the innermost host op open across each.
 A diagnostic script, not part of the package: it wraps `weft.train.loop._train_step`. The run
 needs more than start + steps steps (the profiler stops at the start of the next one).
 """
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import os
 import re
@@ -22,7 +23,7 @@ from collections import Counter
 
 import torch
 
-from weft.bench.trace import length, merge
+from weft.bench.trace import Launch, launches, length, merge
 from weft.cli import main as weft_main
 from weft.train import loop
 
@@ -60,28 +61,6 @@ def _short(kernel: str) -> str:
     return re.sub(r"<.*", "", kernel)[:60] + (f" [{functor.group(1)}]" if functor else "")
 
 
-def _launching_ops(events: list[dict]) -> dict[int, str]:
-    """Correlation id of each kernel launch -> the innermost host op around the launch call."""
-    ops_by_thread: dict[int, list[dict]] = {}
-    for e in events:
-        if e.get("ph") == "X" and e.get("cat") == "cpu_op":
-            ops_by_thread.setdefault(e["tid"], []).append(e)
-    starts = {}
-    for tid, ops in ops_by_thread.items():
-        ops.sort(key=lambda e: e["ts"])
-        starts[tid] = [e["ts"] for e in ops]
-    found = {}
-    for e in events:
-        if e.get("cat") != "cuda_runtime" or "correlation" not in e.get("args", {}):
-            continue
-        ops, t = ops_by_thread.get(e["tid"], []), e["ts"]
-        i = bisect.bisect_right(starts.get(e["tid"], []), t)
-        around = [op for op in ops[max(0, i - 200):i] if op["ts"] + op["dur"] >= t]
-        if around:
-            found[e["args"]["correlation"]] = min(around, key=lambda op: op["dur"])["name"]
-    return found
-
-
 def report(trace_path: str, steps: int, top: int = 12) -> None:
     events = json.load(open(trace_path))["traceEvents"]
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
@@ -92,17 +71,20 @@ def report(trace_path: str, steps: int, top: int = 12) -> None:
     window = busy[-1][1] - busy[0][0]
     print(f"{steps} steps: GPU window {window / 1e3 / steps:.2f} ms/step, busy {length(busy) / 1e3 / steps:.2f}, "
           f"idle {(window - length(busy)) / 1e3 / steps:.2f}")
-    launcher = _launching_ops(events)
-    kernels, ops = Counter(), Counter()
+    launcher = launches({"traceEvents": events})
+    unknown = Launch("-", "-", "-")
+    kernels, sources = Counter(), Counter()
     for e in gpu:
         kernels[e["name"]] += e["dur"]
-        ops[launcher.get(e.get("args", {}).get("correlation"), "-")] += e["dur"]
+        launch = launcher.get(e.get("args", {}).get("correlation"), unknown)
+        sources[launch.op, launch.stage, launch.node, _short(e["name"])[:40]] += e["dur"]
     print("largest kernels (ms/step; name shortened):")
     for name, us in kernels.most_common(top):
         print(f"  {us / 1e3 / steps:8.2f}  {_short(name)}")
-    print("largest launching host ops (ms/step of their kernels; '-': inside a CUDA graph replay or unknown):")
-    for name, us in ops.most_common(top):
-        print(f"  {us / 1e3 / steps:8.2f}  {name}")
+    print("largest kernels by what launched them (ms/step; innermost host op | weft stage | autograd node | kernel;"
+          " '-': none, or inside a CUDA graph replay: profile with --cuda-graphs off to attribute those):")
+    for key, us in sources.most_common(2 * top):
+        print(f"  {us / 1e3 / steps:8.2f}  " + " | ".join(part[:48] for part in key))
     gaps = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])), reverse=True)[:top]
     print("largest GPU idle gaps, with the innermost host op open across the gap:")
     for dur, lo, hi in gaps:

@@ -7,11 +7,13 @@ import torch
 from weft.bench.trace import (
     CommExposed,
     CommIdle,
+    Launch,
     comm_exposed,
     comm_idle,
     decompose,
     is_comm_kernel,
     kernel_intervals,
+    launches,
     merge,
     overlap_length,
     profile_trace,
@@ -163,3 +165,30 @@ def test_the_replica_slots_trans_and_agg_are_their_peer_copies():
     d = decompose(moved, compute)
     assert d.hidden_share == pytest.approx((100 + 30) / (150 + 50))
     assert transfer_intervals(trace)[0] == []  # by their launching stage: none here
+
+
+def test_each_kernel_is_attributed_to_the_op_stage_and_autograd_node_that_launched_it():
+    """`launches`: the innermost host range open at a kernel's launch call on its thread, the
+    innermost `weft.*` stage and autograd node around it; ranges of other threads, or closed by
+    then, do not count."""
+    def op(name, ts, dur, tid=1, cat="cpu_op"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(ts, correlation, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": correlation}}
+
+    trace = {"traceEvents": [
+        op("weft.attention", 0, 100, cat="user_annotation"), op("aten::linear", 10, 30), op("aten::mm", 12, 20),
+        launch(15, 1),  # the forward's matmul, inside the attention stage
+        op("autograd::engine::evaluate_function: UnbindBackward0", 200, 50), op("UnbindBackward0", 205, 40),
+        op("aten::cat", 210, 20), launch(215, 2),  # the backward's stack
+        op("aten::add_", 246, 3), launch(247, 3),  # after UnbindBackward0 closed, in evaluate_function
+        op("aten::copy_", 300, 10, tid=2), launch(305, 4),  # thread 1 has nothing open at 305
+        launch(500, 5, tid=3),  # a thread without ranges
+    ]}
+    found = launches(trace)
+    assert found[1] == Launch("aten::mm", "weft.attention", "-")
+    assert found[2] == Launch("aten::cat", "-", "UnbindBackward0")
+    assert found[3] == Launch("aten::add_", "-", "autograd::engine::evaluate_function: UnbindBackward0")
+    assert 4 not in found and 5 not in found

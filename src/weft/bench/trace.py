@@ -92,6 +92,47 @@ def decompose(comm: Iterable[Interval], compute: Iterable[Interval], steps: int 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # a Chrome trace's GPU event categories
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What the host was running when it launched a kernel: the innermost op open around the
+    launch call, the innermost `weft.*` stage range (`weft.profiling.stage`; "-" for none), and
+    the innermost autograd node ("-" outside the backward)."""
+
+    op: str
+    stage: str
+    node: str
+
+
+def launches(trace: dict) -> dict[int, Launch]:
+    """Correlation id of each kernel launch of an eager step's Chrome trace -> its `Launch` (the
+    host ranges open on the launching thread at the launch call). A replayed CUDA graph's
+    kernels have no launch of their own: profile the step eagerly to attribute them."""
+    ranges_by_thread: dict[int, list[dict]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            ranges_by_thread.setdefault(e["tid"], []).append(e)
+    starts = {}
+    for tid, ranges in ranges_by_thread.items():
+        ranges.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in ranges]
+    found = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("cat") != "cuda_runtime" or "correlation" not in e.get("args", {}):
+            continue
+        ranges, t = ranges_by_thread.get(e["tid"], []), e["ts"]
+        i = bisect.bisect_right(starts.get(e["tid"], []), t)
+        around = sorted((r for r in ranges[max(0, i - 400):i] if r["ts"] + r["dur"] >= t), key=lambda r: -r["dur"])
+        if not around:
+            continue
+        names = [r["name"] for r in around]  # outermost first
+
+        def innermost(picks: Callable[[str], bool]) -> str:
+            return next((n for n in reversed(names) if picks(n)), "-")
+        found[e["args"]["correlation"]] = Launch(names[-1], innermost(lambda n: n.startswith("weft.")),
+                                                 innermost(lambda n: "Backward" in n))
+    return found
+
+
 def is_comm_kernel(name: str) -> bool:
     lowered = name.lower()
     return any(marker in lowered for marker in COMM_KERNEL_MARKERS)
