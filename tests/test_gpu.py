@@ -39,6 +39,7 @@ from test_overlapped_reduce import (
     mean_worker,
     some_ranks_worker,
 )
+from test_rmsnorm_kernel import rmsnorm_worker
 from test_rotary_kernel import qkv_heads_worker
 from test_router_matmul import kernel_worker as router_matmul_worker
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
@@ -631,6 +632,15 @@ def test_dropless_training_at_auto_runs_the_faster_of_eager_and_the_fixed_size_g
     for graphs in ("auto", "on"):
         assert losses[graphs][0] == pytest.approx(losses["off"][0], abs=2e-3), losses
         assert losses[graphs] == pytest.approx(losses["off"], abs=1e-2), losses
+
+
+@needs_cuda
+def test_rmsnorm_kernels_match_the_norm_and_autocasts_cast_on_cuda():
+    """`weft.kernels.rmsnorm` on a GPU: the output in autocast's dtype, rounded to nearest as
+    PyTorch's cast rounds (at most 2% of the bf16 outputs a unit apart), and the gradients of
+    PyTorch's RMSNorm to float32 rounding, the weight's bitwise from run to run."""
+    failures = run_distributed(rmsnorm_worker, 1, args=("cuda",), timeout=300)[0]
+    assert not failures, "\n".join(failures)
 
 
 @needs_cuda

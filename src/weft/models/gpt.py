@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from weft.distributed import group_size
+from weft.kernels.rmsnorm import rms_norm_cast
 from weft.kernels.rotary import qkv_heads, rotary_reference
-from weft.kernels.rows import KERNELS
+from weft.kernels.rows import KERNELS, use_triton
 from weft.moe import ACTIVATIONS, GATES, MoE
 from weft.moe.config import check_router_settings
 from weft.moe.exchange import Transfer
@@ -264,13 +265,35 @@ class MLP(nn.Module):
         return self.out_proj(F.gelu(self.fc(x)))
 
 
+class MatmulInputNorm(nn.RMSNorm):
+    """`nn.RMSNorm` (the same parameter and state) for a norm whose only reader is a matmul under
+    autocast: with weft's Triton kernels (`kernels`) and autocast on, its kernel writes the
+    output in autocast's dtype, the values autocast's cast of the float32 output would give (to
+    float32 rounding), without that cast's passes either way (`weft.kernels.rmsnorm`).
+    Otherwise, and on the CPU, `nn.RMSNorm` itself."""
+
+    def __init__(self, dim: int, eps: float | None, kernels: str = "auto"):
+        super().__init__(dim, eps=eps)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        if (self.weight is not None and x.dtype == torch.float32 and x.is_contiguous()
+                and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != torch.float32
+                and use_triton(self.kernels, x)):
+            return rms_norm_cast(x, self.weight, self.eps, torch.get_autocast_dtype(device))
+        return super().forward(x)
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, moe: bool, group: dist.ProcessGroup | None, kernels: str = "auto",
                  balance: str | None = None, balance_n: int = 1, balance_rounds: int = 1):
         super().__init__()
-        self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attn_norm = MatmulInputNorm(config.dim, config.norm_eps, kernels)  # read by the qkv projection only
         self.attn = CausalSelfAttention(config, kernels)
-        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        # a dense MLP's input norm is read by its first linear only; an MoE layer's also by its router
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps) if moe else \
+            MatmulInputNorm(config.dim, config.norm_eps, kernels)
         if moe:
             self.ffn = MoE(
                 config.dim, config.expert_hidden, config.num_experts, config.top_k, config.gate,
