@@ -135,10 +135,12 @@
 #            comet+sgd-in-backward+graph, comet+graph timed twice (the goals: 2.0 / 4.5 / 8.5 ms), and
 #            the plain exchange's plain+sgd-in-backward (eager: its dropless calls read counts); one
 #            process per capacity, with each mode's energy a step (~7 min)
-#   qkv      the qkv split's backward in one pass (issue: Hardware speed; one GPU is enough; run with
-#            PARTS=qkv OLD=_old/src, the tree before it, carried from `git archive df73cbe src`): its GPU
-#            test, then `weft train` on GPU 0, gpt2-l-moe and gpt2-s-moe batch 8, old / new / old / new
-#            (`scripts/train_mfu.sh`: medians after step 5; ~5 min)
+#   qkv      the qkv split's backward in one pass and the norms that write bf16 (issue: Hardware speed;
+#            one GPU is enough; run with PARTS=qkv OLD=_old/src MID=_mid/src, the trees before both and
+#            before the norms, carried from `git archive df73cbe src` and `git archive 7c8318a src`): their
+#            GPU tests, then `weft train` on GPU 0, QKV_RUNS (default gpt2-l-moe:8; gpt2-s-moe:8 in a
+#            second call), old / mid / new twice (`scripts/train_mfu.sh`: medians after step 5; ~6 min;
+#            without MID old / new)
 #   quality  gpt2-s-moe against its dense twin gpt2-s, 600 steps, the issue's global batch, seeds 1337,
 #            1 and 2 (issue: training quality): drops after step 200, validation losses and their
 #            means over the seeds, overlay plot (~300 s on 2 x H100)
@@ -663,10 +665,12 @@ part_sgdbw() {
 }
 
 part_qkv() {
-  gpu_tests "$1" "qkv_heads"
-  for tree in old new old new; do
-    src=$PWD/src; [ "$tree" = old ] && src=$PWD/${OLD:?OLD: the src folder of the tree before the change}
-    SRC=$src GPUS=0 RUNS="gpt2-l-moe:8 gpt2-s-moe:8" KERNELS=auto STEPS=16 WARM=5 OUT="$1/$tree" \
+  gpu_tests "$1" "qkv_heads or rmsnorm"
+  for tree in old ${MID:+mid} new old ${MID:+mid} new; do
+    src=$PWD/src
+    [ "$tree" = old ] && src=$PWD/${OLD:?OLD: the src folder of the tree before the changes}
+    [ "$tree" = mid ] && src=$PWD/$MID
+    SRC=$src GPUS=0 RUNS="${QKV_RUNS:-gpt2-l-moe:8}" KERNELS=auto STEPS=16 WARM=5 OUT="$1/$tree" \
       bash scripts/train_mfu.sh | sed "s/^/$tree /"
   done
 }
