@@ -2,7 +2,8 @@
 # `weft train` throughput on every GPU of the machine, for each RUNS entry preset:batch and each
 # KERNELS, GRAPHS (--cuda-graphs) and MASTER (--master-weights) setting, interleaved (preset by
 # preset, the settings back to back); prints the median tokens/s, MFU and peak memory over the
-# steps after WARM (no checkpoints: --ckpt-interval 0). Logs under $OUT. GPUS=0 limits the runs to the listed GPUs.
+# steps after WARM (no checkpoints: --ckpt-interval 0). Logs under $OUT. GPUS=0 limits the runs to
+# the listed GPUs.
 #   RUNS="gpt2-s-moe:8 qwen2-moe-2l:2" KERNELS="torch auto" GRAPHS="off auto" MASTER="auto off" STEPS=30 OUT=$OUT bash scripts/train_mfu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -639,7 +639,7 @@ def test_rmsnorm_kernels_match_the_norm_and_autocasts_cast_on_cuda():
     """`weft.kernels.rmsnorm` on a GPU: the output in autocast's dtype, rounded to nearest as
     PyTorch's cast rounds (at most 2% of the bf16 outputs a unit apart), and the gradients of
     PyTorch's RMSNorm to float32 rounding, the weight's bitwise from run to run."""
-    failures = run_distributed(rmsnorm_worker, 1, args=("cuda",), timeout=300)[0]
+    failures = run_checks(rmsnorm_worker, 1, args=("cuda",), timeout=300)
     assert not failures, "\n".join(failures)
 
 
@@ -647,7 +647,7 @@ def test_rmsnorm_kernels_match_the_norm_and_autocasts_cast_on_cuda():
 def test_qkv_heads_write_the_projection_gradient_of_the_split_they_replace_on_cuda():
     """`weft.kernels.rotary.qkv_heads` on a GPU: the outputs and the qkv projection's gradient of
     autograd's views with the rotary kernel, bit for bit (also through attention)."""
-    failures = run_distributed(qkv_heads_worker, 1, args=("cuda",), timeout=300)[0]
+    failures = run_checks(qkv_heads_worker, 1, args=("cuda",), timeout=300)
     assert not failures, "\n".join(failures)
 
 

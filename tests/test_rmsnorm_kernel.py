@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from weft.testing import run_distributed
+from weft.testing import run_checks
 
 pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
 
@@ -18,7 +17,7 @@ def rmsnorm_worker(device: str = "cpu") -> list[str]:
     on a GPU, where the cast rounds to nearest, at most 2% of them differ),
     x's and the weight's gradients to float32 rounding, and the weight's gradient bitwise the same
     in a second run."""
-    from weft.kernels.rmsnorm import ROWS_PER_PROGRAM, rms_norm_cast
+    from weft.kernels.rmsnorm import ROWS_PER_PROGRAM, rms_norm_cast, rms_norm_reference
 
     failures = []
     gen = torch.Generator().manual_seed(0)
@@ -31,10 +30,8 @@ def rmsnorm_worker(device: str = "cpu") -> list[str]:
         results = []
         for kernel in (True, True, False):
             xl, wl = x.clone().requires_grad_(), weight.clone().requires_grad_()
-            if kernel:
-                y = rms_norm_cast(xl, wl, eps, dtype)
-            else:  # PyTorch's norm in float32, then autocast's cast (its backward casts dy to float32)
-                y = F.rms_norm(xl, (dim,), wl, eps).to(dtype)
+            # else PyTorch's norm in float32, then autocast's cast (its backward casts dy to float32)
+            y = (rms_norm_cast if kernel else rms_norm_reference)(xl, wl, eps, dtype)
             y.backward(dy)
             results.append((y.detach(), xl.grad, wl.grad))
         (y_k, dx_k, dw_k), (_, _, dw_again), (y_r, dx_r, dw_r) = results
@@ -65,7 +62,7 @@ def rmsnorm_worker(device: str = "cpu") -> list[str]:
 
 def test_rmsnorm_kernels_match_the_norm_and_autocasts_cast(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(rmsnorm_worker, 1, timeout=300)[0]
+    failures = run_checks(rmsnorm_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)
 
 
@@ -117,5 +114,5 @@ def module_worker() -> list[str]:
 
 def test_the_matmul_input_norm_writes_autocasts_dtype_and_has_the_norms_gradients(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(module_worker, 1, timeout=300)[0]
+    failures = run_checks(module_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)

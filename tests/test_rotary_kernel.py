@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weft.testing import run_distributed
+from weft.testing import run_checks, run_distributed
 
 pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
 
@@ -98,5 +98,5 @@ def qkv_heads_worker(device: str = "cpu") -> list[str]:
 
 def test_qkv_heads_write_the_projection_gradient_in_one_pass(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(qkv_heads_worker, 1, timeout=300)[0]
+    failures = run_checks(qkv_heads_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)

@@ -125,12 +125,14 @@ def launches(trace: dict) -> dict[int, Launch]:
         if not around:
             continue
         names = [r["name"] for r in around]  # outermost first
-
-        def innermost(picks: Callable[[str], bool]) -> str:
-            return next((n for n in reversed(names) if picks(n)), "-")
-        found[e["args"]["correlation"]] = Launch(names[-1], innermost(lambda n: n.startswith("weft.")),
-                                                 innermost(lambda n: "Backward" in n))
+        found[e["args"]["correlation"]] = Launch(names[-1], _innermost(names, lambda n: n.startswith("weft.")),
+                                                 _innermost(names, lambda n: "Backward" in n))
     return found
+
+
+def _innermost(names: list[str], picks: Callable[[str], bool]) -> str:
+    """The last of `names` (outermost first) that `picks` takes, "-" if none."""
+    return next((n for n in reversed(names) if picks(n)), "-")
 
 
 def is_comm_kernel(name: str) -> bool:

@@ -86,13 +86,13 @@ class _RmsNormCast(torch.autograd.Function):
     def backward(ctx, dy_MD):
         x_MD, weight_D, rstd_M = ctx.saved_tensors
         M, D = x_MD.shape
-        dy_MD = dy_MD.contiguous()
         dx_MD = torch.empty_like(x_MD)
+        if not M:
+            return dx_MD, torch.zeros_like(weight_D), None, None
         programs = triton.cdiv(M, ROWS_PER_PROGRAM)
-        partial_PD = torch.zeros(max(programs, 1), D, dtype=torch.float32, device=x_MD.device)
-        if M:
-            _rms_norm_backward_kernel[(programs,)](x_MD, weight_D, dy_MD, rstd_M, dx_MD, partial_PD, M, D,
-                                                   ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D))
+        partial_PD = torch.empty(programs, D, dtype=torch.float32, device=x_MD.device)  # each program writes its row
+        _rms_norm_backward_kernel[(programs,)](x_MD, weight_D, dy_MD.contiguous(), rstd_M, dx_MD, partial_PD, M, D,
+                                               ROWS=ROWS_PER_PROGRAM, BLOCK_D=triton.next_power_of_2(D))
         return dx_MD, partial_PD.sum(0).to(weight_D.dtype), None, None
 
 

@@ -82,11 +82,19 @@ class _Rotary(torch.autograd.Function):
 
 def rotary(x_BHSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
     """`rotary_reference` of a (batch, heads, seq, head_dim) tensor by the Triton kernel where the
-    `kernels` setting picks it (`weft.kernels.rows.use_triton`) and by PyTorch otherwise."""
-    if (use_triton(kernels, x_BHSD) and x_BHSD.dim() == 4 and x_BHSD.stride(-1) == 1
-            and x_BHSD.shape[-1] % 2 == 0 and not cos.requires_grad and not sin.requires_grad):
+    `kernels` setting picks it (`kernel_takes`) and by PyTorch otherwise."""
+    if kernel_takes(x_BHSD, cos, sin, kernels):
         return _Rotary.apply(x_BHSD, cos.float(), sin.float())
     return rotary_reference(x_BHSD, cos, sin)
+
+
+def kernel_takes(x_BHSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str) -> bool:
+    """Whether the kernel rotates x (batch, heads, seq, head_dim): where `kernels` picks Triton
+    (`weft.kernels.rows.use_triton`), x's last dimension is contiguous and even, and the tables
+    are constants on x's device."""
+    return (use_triton(kernels, x_BHSD) and x_BHSD.dim() == 4 and x_BHSD.stride(-1) == 1
+            and x_BHSD.shape[-1] % 2 == 0 and not cos.requires_grad and not sin.requires_grad
+            and cos.device == x_BHSD.device)
 
 
 def _heads(qkv_BSX: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,11 +135,10 @@ def qkv_heads(qkv_BSX: torch.Tensor, n_head: int, cos: torch.Tensor, sin: torch.
               kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A fused qkv projection (batch, seq, 3 * n_head * head_dim) as its rotated q, its rotated k
     and its v heads, each (batch, n_head, seq, head_dim): `rotary` of the q and k views, v as
-    is. Where the Triton kernel runs (`rotary`'s rule), one autograd node whose backward writes
+    is. Where the Triton kernel runs (`kernel_takes`), one autograd node whose backward writes
     the projection's gradient in one pass; otherwise PyTorch's views and `rotary_reference`.
     The same values either way (the backward's copies are exact)."""
     q, k, v = _heads(qkv_BSX, n_head)
-    if (use_triton(kernels, qkv_BSX) and qkv_BSX.stride(-1) == 1 and q.shape[-1] % 2 == 0
-            and not cos.requires_grad and not sin.requires_grad and cos.device == qkv_BSX.device):
+    if kernel_takes(q, cos, sin, kernels):
         return _QkvHeads.apply(qkv_BSX, n_head, cos.float(), sin.float())
     return rotary(q, cos, sin, kernels), rotary(k, cos, sin, kernels), v

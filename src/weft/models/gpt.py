@@ -278,10 +278,10 @@ class MatmulInputNorm(nn.RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device = x.device.type
-        if (self.weight is not None and x.dtype == torch.float32 and x.is_contiguous()
-                and torch.is_autocast_enabled(device) and torch.get_autocast_dtype(device) != torch.float32
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else torch.float32
+        if (self.weight is not None and x.dtype == torch.float32 and dtype != torch.float32 and x.is_contiguous()
                 and use_triton(self.kernels, x)):
-            return rms_norm_cast(x, self.weight, self.eps, torch.get_autocast_dtype(device))
+            return rms_norm_cast(x, self.weight, self.eps, dtype)
         return super().forward(x)
 
 

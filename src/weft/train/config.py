@@ -180,11 +180,10 @@ class TrainConfig:
                                     or not math.isfinite(self.lr) or not self.lr > 0):
             raise ValueError(f"train.lr must be finite and positive (or unset: the default for the model's "
                              f"width), got {self.lr!r}")
-        if isinstance(self.ckpt_interval, bool) or not isinstance(self.ckpt_interval, int) or self.ckpt_interval < 0:
-            raise ValueError(f"train.ckpt_interval must be an integer >= 0 (0: no checkpoints), got "
-                             f"{self.ckpt_interval!r}")
-        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
-            raise ValueError(f"train.keep_last must be an integer >= 0 (0 keeps all), got {self.keep_last!r}")
+        for name, zero in (("ckpt_interval", "0: no checkpoints"), ("keep_last", "0 keeps all")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"train.{name} must be an integer >= 0 ({zero}), got {value!r}")
         if not isinstance(self.async_checkpoint, bool):
             raise ValueError(f"train.async_checkpoint must be true or false, got {self.async_checkpoint!r}")
         if not isinstance(self.fused_optimizer, bool):
