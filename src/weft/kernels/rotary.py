@@ -106,16 +106,27 @@ def _heads(qkv_BSX: torch.Tensor, n_head: int) -> tuple[torch.Tensor, torch.Tens
 
 
 class _QkvHeads(torch.autograd.Function):
-    """Rotated q and k (new contiguous tensors, the rotary kernel) and v (a view of the projection);
-    the backward writes the rotated-back q and k gradients and v's into one gradient of the
-    projection's layout."""
+    """Rotated q and k (new tensors, the rotary kernel) and v (a view of the projection); the
+    backward writes the rotated-back q and k gradients and v's into one gradient of the
+    projection's layout.
+
+    q and k are stored (batch, seq, n_head, head_dim), the projection's own order, and returned as
+    (batch, n_head, seq, head_dim) views of that: PyTorch's cuDNN attention allocates its output in
+    q's stride order (and flash attention in this one), so attention's output transposed back to
+    (batch, seq, dim) for the output projection is a view instead of a copy."""
 
     @staticmethod
     def forward(ctx, qkv_BSX, n_head, cos, sin):
         ctx.save_for_backward(cos, sin)
         ctx.n_head, ctx.shape, ctx.dtype = n_head, qkv_BSX.shape, qkv_BSX.dtype
         q, k, v = _heads(qkv_BSX, n_head)
-        return _rotate(q, cos, sin, 1), _rotate(k, cos, sin, 1), v
+        batch, heads, seq, dim = q.shape
+
+        def rotated(x_BHSD):
+            out_BHSD = x_BHSD.new_empty(batch, seq, heads, dim).transpose(1, 2)
+            return _rotate(x_BHSD, cos, sin, 1, out=out_BHSD)
+
+        return rotated(q), rotated(k), v
 
     @staticmethod
     def backward(ctx, dq, dk, dv):
@@ -136,8 +147,9 @@ def qkv_heads(qkv_BSX: torch.Tensor, n_head: int, cos: torch.Tensor, sin: torch.
     """A fused qkv projection (batch, seq, 3 * n_head * head_dim) as its rotated q, its rotated k
     and its v heads, each (batch, n_head, seq, head_dim): `rotary` of the q and k views, v as
     is. Where the Triton kernel runs (`kernel_takes`), one autograd node whose backward writes
-    the projection's gradient in one pass; otherwise PyTorch's views and `rotary_reference`.
-    The same values either way (the backward's copies are exact)."""
+    the projection's gradient in one pass, and q and k laid out (batch, seq, n_head, head_dim)
+    (`_QkvHeads`); otherwise PyTorch's views and `rotary_reference`. The same values either way
+    (the backward's copies are exact)."""
     q, k, v = _heads(qkv_BSX, n_head)
     if kernel_takes(q, cos, sin, kernels):
         return _QkvHeads.apply(qkv_BSX, n_head, cos.float(), sin.float())

@@ -364,7 +364,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
         self.blocks = nn.ModuleList(Block(config, config.is_moe_block(i), group, kernels, balance, balance_n,
                                           balance_rounds) for i in range(config.n_layer))
-        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.norm = MatmulInputNorm(config.dim, config.norm_eps, kernels)  # read by the head only
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied, as in GPT-2
         self.tp = None
