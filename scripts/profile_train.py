@@ -62,7 +62,8 @@ def _short(kernel: str) -> str:
 
 
 def report(trace_path: str, steps: int, top: int = 12) -> None:
-    events = json.load(open(trace_path))["traceEvents"]
+    trace = json.load(open(trace_path))
+    events = trace["traceEvents"]
     gpu = sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                  key=lambda e: e["ts"])
     host = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "cuda_runtime", "python_function",
@@ -71,7 +72,7 @@ def report(trace_path: str, steps: int, top: int = 12) -> None:
     window = busy[-1][1] - busy[0][0]
     print(f"{steps} steps: GPU window {window / 1e3 / steps:.2f} ms/step, busy {length(busy) / 1e3 / steps:.2f}, "
           f"idle {(window - length(busy)) / 1e3 / steps:.2f}")
-    launcher = launches({"traceEvents": events})
+    launcher = launches(trace)
     unknown = Launch("-", "-", "-")
     kernels, sources = Counter(), Counter()
     for e in gpu:

@@ -103,10 +103,8 @@ def _config_parser(sub, name: str, config_cls: type, module_run: Callable, help:
 
 _TRAIN_FLAGS = ("preset", "steps", "data", "out", "batch_size", "grad_accum", "lr", "ep_size", "device", "seed",
                 "overlap", "on_nonfinite", "sample_tokens", "kernels", "a2a_algo", "ckpt_interval", "keep_last",
-                "async_checkpoint",
-                "cuda_graphs",
-                "master_weights", "balance", "balance_model", "balance_n", "balance_rounds", "tp", "tp_overlap",
-                "domino_p1", "domino_p2", "grad_reduce")
+                "async_checkpoint", "cuda_graphs", "master_weights", "balance", "balance_model", "balance_n",
+                "balance_rounds", "tp", "tp_overlap", "domino_p1", "domino_p2", "grad_reduce")
 
 
 def _train_config(ns: argparse.Namespace, parser: argparse.ArgumentParser):
