@@ -85,7 +85,7 @@ def qkv_heads_worker(device: str = "cpu") -> list[str]:
             results[name] = [t.detach() for t in (q, k, v)] + [leaf.grad]
         case = f"{dtype} heads={heads} hd={head_dim} {use}"
         for i, (a, b) in enumerate(zip(results["fused"], results["replaced"])):
-            if not torch.equal(a, b):
+            if (i == 2 and a.stride() != b.stride()) or not torch.equal(a, b):  # v: the same view of the projection
                 failures.append(f"{case}: output {i} differs from the replaced split's")
         for name, t in zip("qk", results["fused"]):  # stored (batch, seq, heads, head_dim)
             if not t.transpose(1, 2).is_contiguous():
