@@ -1,6 +1,6 @@
 """The grouped weight gradient kernel (`weft.kernels.grouped_wgrad`) against its reference in
-Triton's CPU interpreter (in a spawned process: TRITON_INTERPRET=1 must be set before Triton is
-imported), also scaled into a tensor (SGD's update), and the own-apart dropless layer through it
+Triton's CPU interpreter (in ranks whose kernels were defined under TRITON_INTERPRET=1:
+`weft.testing.run_distributed`), also scaled into a tensor (SGD's update), and the own-apart dropless layer through it
 against the dense reference."""
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ def test_matches_dense_reference(world_size, gate):
                                               (2, "random")])
 def test_triton_kernels_match_dense_reference(world_size, gate, monkeypatch):
     """kernels="triton" (dispatch and combine by weft.kernels.rows, in Triton's CPU interpreter,
-    which the spawned ranks pick up from the environment when they import Triton), float32 and
+    whose switch the ranks' fork server was started under: `weft.testing.run_distributed`), float32 and
     bfloat16, on the layouts the kernels have code for (capacity 1.0 and dropless; see
     `equivalence_worker`). The kernels act on each rank's own rows, so every world size runs with
     one gate and the other gates on two ranks (the interpreter is slow: this keeps CI short)."""

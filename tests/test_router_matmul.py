@@ -1,6 +1,6 @@
 """The router's product from bf16 rows (`weft.kernels.router_matmul`) against its reference in
-Triton's CPU interpreter (in a spawned process: TRITON_INTERPRET=1 must be set before Triton is
-imported), and the routers and the layer through it: the same logits, routing and gradients as the
+Triton's CPU interpreter (in ranks whose kernels were defined under TRITON_INTERPRET=1:
+`weft.testing.run_distributed`), and the routers and the layer through it: the same logits, routing and gradients as the
 torch path."""
 from __future__ import annotations
 

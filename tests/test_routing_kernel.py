@@ -1,6 +1,6 @@
 """The fused routing kernels (weft.kernels.routing) against their PyTorch reference and the
-layer's PyTorch routing path, in Triton's CPU interpreter in a spawned process (TRITON_INTERPRET=1
-must be set before Triton is imported)."""
+layer's PyTorch routing path, in Triton's CPU interpreter (in ranks whose kernels were
+defined under TRITON_INTERPRET=1: `weft.testing.run_distributed`)."""
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,6 @@
 """The Triton row kernels of dispatch and combine (weft.kernels.rows) against their PyTorch
-references, run in Triton's CPU interpreter in a spawned process (TRITON_INTERPRET=1 must be set
-before Triton is imported), and the fused dispatch/combine against the index-op path, also
+references, run in Triton's CPU interpreter (in ranks whose kernels were defined under
+TRITON_INTERPRET=1: `weft.testing.run_distributed`), and the fused dispatch/combine against the index-op path, also
 written into given buffers (`dispatch_rows(..., into_RD)`, `combine_rows(..., grad_into_RD)`) and
 with the combine's own copy of the rows it reads (`keep_rows`)."""
 from __future__ import annotations

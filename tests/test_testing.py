@@ -136,6 +136,31 @@ def test_forked_ranks_start_with_weft_imported(start_method):
     assert run_distributed(preloaded, 2, start_method=start_method) == [[forked, forked]] * 2
 
 
+def kernel_kind_and_parent() -> tuple[str, int, bool]:
+    from weft.kernels import adamw  # a kernel module weft.cli imports
+
+    return type(adamw._adamw_kernel).__name__, os.getppid(), "weft.cli" in sys.modules
+
+
+def test_ranks_under_the_interpreter_switch_fork_with_interpreted_kernels(monkeypatch):
+    """A call under TRITON_INTERPRET=1 forks its ranks from a server started under the switch:
+    they find weft's kernels interpreted, as spawned ranks would, and imported before the fork
+    (on a machine without a GPU); a call without the switch, before and after, still forks from a
+    server whose kernels are compiled ones."""
+    pytest.importorskip("triton", reason="Triton is in the test extra")
+    preloaded = not torch.cuda.is_available()
+    for switch in (None, "1", None, "1"):
+        if switch is None:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        else:
+            monkeypatch.setenv("TRITON_INTERPRET", switch)
+        results = run_distributed(kernel_kind_and_parent, 2)
+        kind = "InterpretedFunction" if switch else "JITFunction"
+        assert [r[0] for r in results] == [kind, kind], (switch, results)
+        assert all(parent != os.getpid() for _, parent, _ in results), results  # forked from a server
+        assert [r[2] for r in results] == [preloaded, preloaded], results
+
+
 def test_an_unknown_start_method_is_refused():
     with pytest.raises(ValueError, match="start_method must be 'spawn' or 'forkserver', got 'fork'"):
         run_distributed(rank_and_sum, 1, start_method="fork")

@@ -6,9 +6,11 @@
 with `dist.get_rank()`. Results come back in rank order; the first failing rank's traceback is
 re-raised as `DistributedTestError`, and a run past `timeout` is killed, so tests never hang.
 """
+import contextlib
 import functools
 import os
 import types
+from multiprocessing import forkserver
 
 import torch
 
@@ -25,14 +27,43 @@ def run_distributed(fn, world_size: int, **kwargs):
     given; `weft.cli` imports every layer, and `torch._dynamo` is what torch's optimizers import
     when the first one is built, about two seconds): a test suite starts hundreds of short
     worlds, and a rank that imports these itself spends more time on that than on its test.
-    Under TRITON_INTERPRET the ranks are spawned: Triton reads that switch when a kernel is
-    defined, and the server defined weft's kernels before any caller's environment."""
-    kwargs.setdefault("start_method", "spawn" if os.environ.get("TRITON_INTERPRET") else "forkserver")
+    Triton reads its interpreter switch (TRITON_INTERPRET) when a kernel is defined, and a server
+    defines weft's kernels when it starts: a call under TRITON_INTERPRET forks its ranks from a
+    second server, started under that switch (`_interpreter_server`), so that they find weft's
+    kernels interpreted, as a spawned rank would, without importing torch and weft again."""
+    kwargs.setdefault("start_method", "forkserver")
     if kwargs["start_method"] == "forkserver" and not torch.cuda.is_available():
         # CPU machines only: where there is a GPU, a server that imported Triton and inductor's
         # modules might have initialised CUDA, which a forked rank could then not use
         kwargs.setdefault("preload", ("weft.cli", "torch._dynamo"))
-    return launch.run_distributed(functools.partial(_interpreter_patched_once, fn), world_size, **kwargs)
+    call = functools.partial(launch.run_distributed, functools.partial(_interpreter_patched_once, fn), world_size,
+                             **kwargs)
+    if kwargs["start_method"] != "forkserver" or not os.environ.get("TRITON_INTERPRET"):
+        return call()
+    with _forking_from(_interpreter_server(os.environ["TRITON_INTERPRET"], tuple(kwargs.get("preload", ())))):
+        return call()
+
+
+@functools.cache
+def _interpreter_server(switch: str, preload: tuple[str, ...]) -> forkserver.ForkServer:
+    """A fork server of its own for calls under TRITON_INTERPRET=`switch` (one a process, started at
+    its first fork, with the environment of that moment, the switch included: its imports define
+    weft's kernels interpreted), beside multiprocessing's, which serves every other call."""
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(["torch", "torch.distributed", *preload])
+    return server
+
+
+@contextlib.contextmanager
+def _forking_from(server: forkserver.ForkServer):
+    """Processes started with the "forkserver" method inside this block fork from `server`:
+    multiprocessing (CPython 3.11) asks its module-level `connect_to_new_process` for each."""
+    default = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = default
 
 
 def _interpreter_patched_once(fn, *args):
