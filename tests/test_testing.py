@@ -148,7 +148,7 @@ def test_ranks_under_the_interpreter_switch_fork_with_interpreted_kernels(monkey
     (on a machine without a GPU); a call without the switch, before and after, still forks from a
     server whose kernels are compiled ones."""
     pytest.importorskip("triton", reason="Triton is in the test extra")
-    preloaded = not torch.cuda.is_available()
+    weft_preloaded = not torch.cuda.is_available()
     for switch in (None, "1", None, "1"):
         if switch is None:
             monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -158,7 +158,7 @@ def test_ranks_under_the_interpreter_switch_fork_with_interpreted_kernels(monkey
         kind = "InterpretedFunction" if switch else "JITFunction"
         assert [r[0] for r in results] == [kind, kind], (switch, results)
         assert all(parent != os.getpid() for _, parent, _ in results), results  # forked from a server
-        assert [r[2] for r in results] == [preloaded, preloaded], results
+        assert [r[2] for r in results] == [weft_preloaded, weft_preloaded], results
 
 
 def test_an_unknown_start_method_is_refused():

@@ -121,6 +121,12 @@ def _worker(call: bytes, rank, world_size, port, backend, env, launcher_env, res
     results.put(("ok", rank, value))
 
 
+def server_preload(preload: tuple[str, ...] = ()) -> list[str]:
+    """The modules a fork server of `run_distributed` imports when it starts: torch, its
+    distributed package and `preload`."""
+    return ["torch", "torch.distributed", *preload]
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -152,7 +158,7 @@ def run_distributed(
     ctx = mp.get_context(start_method)
     launcher_env = None
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", *preload])
+        ctx.set_forkserver_preload(server_preload(preload))
         launcher_env = dict(os.environ)
     call = pickle.dumps((fn, args))
     results = ctx.Queue()

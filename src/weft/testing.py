@@ -36,12 +36,11 @@ def run_distributed(fn, world_size: int, **kwargs):
         # CPU machines only: where there is a GPU, a server that imported Triton and inductor's
         # modules might have initialised CUDA, which a forked rank could then not use
         kwargs.setdefault("preload", ("weft.cli", "torch._dynamo"))
-    call = functools.partial(launch.run_distributed, functools.partial(_interpreter_patched_once, fn), world_size,
-                             **kwargs)
-    if kwargs["start_method"] != "forkserver" or not os.environ.get("TRITON_INTERPRET"):
-        return call()
-    with _forking_from(_interpreter_server(os.environ["TRITON_INTERPRET"], tuple(kwargs.get("preload", ())))):
-        return call()
+    interpreted = kwargs["start_method"] == "forkserver" and os.environ.get("TRITON_INTERPRET")
+    server = _interpreter_server(os.environ["TRITON_INTERPRET"], tuple(kwargs.get("preload", ()))) \
+        if interpreted else None
+    with _forking_from(server) if server is not None else contextlib.nullcontext():
+        return launch.run_distributed(functools.partial(_interpreter_patched_once, fn), world_size, **kwargs)
 
 
 @functools.cache
@@ -50,7 +49,7 @@ def _interpreter_server(switch: str, preload: tuple[str, ...]) -> forkserver.For
     its first fork, with the environment of that moment, the switch included: its imports define
     weft's kernels interpreted), beside multiprocessing's, which serves every other call."""
     server = forkserver.ForkServer()
-    server.set_forkserver_preload(["torch", "torch.distributed", *preload])
+    server.set_forkserver_preload(launch.server_preload(preload))
     return server
 
 
