@@ -62,8 +62,9 @@ def expected_fused(stepped: str, cf, activation: str, twin: MoE, x: torch.Tensor
 
 def backward_sgd_worker(device: str = "cpu", dtype: torch.dtype = torch.float32, tol: float = 1e-5,
                         lr: float = LR, reference: str = "auto") -> list[str]:
-    """Two SGD steps, each from the same weights, of the reference layer (the plain one; "comet":
-    Comet's, so that bf16 compares the fused step alone, not the two paths' rounding) stepped by
+    """Two SGD steps, each from the same weights, of the reference layer (the plain one; "torch":
+    the PyTorch path, under Triton's interpreter too; "comet": Comet's, so that bf16 compares the
+    fused step alone, not the two paths' rounding) stepped by
     `torch.optim.SGD` and of a twin (Comet's exchange, then the plain one) with the experts stepped
     in the backward: the same outputs, input gradients and weights after each (to `tol` of the
     largest value), and no gradient on the weights whose step the backward fused."""
@@ -112,10 +113,11 @@ def test_experts_stepped_in_the_backward_match_sgd_after_the_backward(world_size
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, monkeypatch):
     """Dropless through Triton's kernels (interpreter): the step runs in the grouped
-    weight-gradient kernel's epilogue, on Comet's exchange and on the plain one."""
+    weight-gradient kernel's epilogue, on Comet's exchange and on the plain one; the reference
+    layer runs the PyTorch path, the kernels' oracle."""
     pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    flat = run_checks(backward_sgd_worker, world_size, timeout=900)
+    flat = run_checks(backward_sgd_worker, world_size, args=("cpu", torch.float32, 1e-5, LR, "torch"), timeout=900)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 

@@ -1,6 +1,7 @@
 """The multi-process test helper reports failures and never hangs."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import socket
@@ -204,4 +205,52 @@ def test_interpreted_ranks_patch_the_language_once_a_launch(monkeypatch):
     pytest.importorskip("triton", reason="Triton is in the test extra")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(interpreter_worker, 1, timeout=120)[0]
+    assert not failures, "\n".join(failures)
+
+
+def overflow_checks_worker() -> list[str]:
+    """An int32 kernel that overflows, with the interpreter's overflow checks skipped (as
+    `run_distributed` leaves a rank) and computed again: the same wrapped values, no error either
+    way, and `device_assert` reached only when they are computed (so the skip is what saves it)."""
+    from triton.language import semantic
+    from triton.runtime import interpreter
+
+    from interpreted_kernel import wrapping_int32_kernel
+
+    failures = []
+    builder = interpreter.interpreter_builder
+    if builder.options.sanitize_overflow:
+        failures.append("run_distributed's rank computes the interpreter's overflow checks (TRITON_INTERPRET=1)")
+    asserts = []
+    device_assert = semantic.TritonSemantic.device_assert
+
+    def counting_assert(self, *args):
+        asserts.append(1)
+        return device_assert(self, *args)
+
+    src = torch.arange(40_000, 40_012, dtype=torch.int32)
+    wrapped = ((src.long() * 65536 + torch.arange(12) + 2**31) % 2**32 - 2**31).int()
+    semantic.TritonSemantic.device_assert = counting_assert
+    skipped = builder.options
+    computed = dataclasses.replace(skipped, sanitize_overflow=True)
+    try:
+        for label, options in (("skipped", skipped), ("computed", computed)):
+            builder.options = options
+            asserts.clear()
+            out = torch.zeros(12, dtype=torch.int32)
+            wrapping_int32_kernel[(3,)](src, out, BLOCK=4)
+            if not torch.equal(out, wrapped):
+                failures.append(f"checks {label}: {out.tolist()}, expected {wrapped.tolist()}")
+            if bool(asserts) != (label == "computed"):
+                failures.append(f"checks {label}: device_assert reached {len(asserts)} times")
+    finally:
+        semantic.TritonSemantic.device_assert = device_assert
+        builder.options = skipped
+    return failures
+
+
+def test_interpreted_ranks_skip_the_overflow_checks_whose_verdict_is_dropped(monkeypatch):
+    pytest.importorskip("triton", reason="Triton is in the test extra")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    failures = run_distributed(overflow_checks_worker, 1, timeout=120)[0]
     assert not failures, "\n".join(failures)

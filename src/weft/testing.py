@@ -7,6 +7,7 @@ with `dist.get_rank()`. Results come back in rank order; the first failing rank'
 re-raised as `DistributedTestError`, and a run past `timeout` is killed, so tests never hang.
 """
 import contextlib
+import dataclasses
 import functools
 import os
 import types
@@ -66,10 +67,35 @@ def _forking_from(server: forkserver.ForkServer):
 
 
 def _interpreter_patched_once(fn, *args):
-    """`fn(*args)`, under TRITON_INTERPRET=1 with `patch_interpreter_once` first."""
+    """`fn(*args)`, under TRITON_INTERPRET=1 with `patch_interpreter_once` and
+    `skip_discarded_overflow_checks` first."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         patch_interpreter_once()
+        skip_discarded_overflow_checks()
     return fn(*args)
+
+
+def skip_discarded_overflow_checks() -> bool:
+    """Stop Triton's CPU interpreter from computing integer-overflow checks whose verdict it throws
+    away. With `sanitize_overflow` on, every 32-bit integer add, sub and mul of a kernel is done
+    again in int64 and compared with int32's bounds, and the comparison goes to `device_assert`,
+    which returns without asserting unless the options' `debug` is on. The interpreter (3.6) keeps
+    `debug` off and offers no way to turn it on, so an overflow goes unreported either way (an int32
+    sum past 2**31 wraps, as in a compiled kernel without debug); the checks are over a third of
+    an interpreted Comet kernel's time. Turning `sanitize_overflow` off where `debug` is off
+    changes no value and no error. Returns whether the checks are off (False: a Triton without
+    these options, or with `debug` on, left as it is)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if getattr(options, "debug", True) or not hasattr(options, "sanitize_overflow"):
+        return False
+    if options.sanitize_overflow:
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+    return True
 
 
 class _NoPatch:
