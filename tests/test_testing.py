@@ -201,10 +201,15 @@ def interpreter_worker() -> list[str]:
     return failures
 
 
-def test_interpreted_ranks_patch_the_language_once_a_launch(monkeypatch):
+def interpreted_failures(worker, monkeypatch) -> list[str]:
+    """`worker`'s failures from one rank under TRITON_INTERPRET=1."""
     pytest.importorskip("triton", reason="Triton is in the test extra")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(interpreter_worker, 1, timeout=120)[0]
+    return run_distributed(worker, 1, timeout=120)[0]
+
+
+def test_interpreted_ranks_patch_the_language_once_a_launch(monkeypatch):
+    failures = interpreted_failures(interpreter_worker, monkeypatch)
     assert not failures, "\n".join(failures)
 
 
@@ -250,7 +255,5 @@ def overflow_checks_worker() -> list[str]:
 
 
 def test_interpreted_ranks_skip_the_overflow_checks_whose_verdict_is_dropped(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    failures = run_distributed(overflow_checks_worker, 1, timeout=120)[0]
+    failures = interpreted_failures(overflow_checks_worker, monkeypatch)
     assert not failures, "\n".join(failures)

@@ -41,7 +41,7 @@ def run_distributed(fn, world_size: int, **kwargs):
     server = _interpreter_server(os.environ["TRITON_INTERPRET"], tuple(kwargs.get("preload", ()))) \
         if interpreted else None
     with _forking_from(server) if server is not None else contextlib.nullcontext():
-        return launch.run_distributed(functools.partial(_interpreter_patched_once, fn), world_size, **kwargs)
+        return launch.run_distributed(functools.partial(_with_interpreter_patches, fn), world_size, **kwargs)
 
 
 @functools.cache
@@ -66,7 +66,7 @@ def _forking_from(server: forkserver.ForkServer):
         forkserver.connect_to_new_process = default
 
 
-def _interpreter_patched_once(fn, *args):
+def _with_interpreter_patches(fn, *args):
     """`fn(*args)`, under TRITON_INTERPRET=1 with `patch_interpreter_once` and
     `skip_discarded_overflow_checks` first."""
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -81,9 +81,8 @@ def skip_discarded_overflow_checks() -> bool:
     again in int64 and compared with int32's bounds, and the comparison goes to `device_assert`,
     which returns without asserting unless the options' `debug` is on. The interpreter (3.6) keeps
     `debug` off and offers no way to turn it on, so an overflow goes unreported either way (an int32
-    sum past 2**31 wraps, as in a compiled kernel without debug); the checks are over a third of
-    an interpreted Comet kernel's time. Turning `sanitize_overflow` off where `debug` is off
-    changes no value and no error. Returns whether the checks are off (False: a Triton without
+    sum past 2**31 wraps, as in a compiled kernel without debug). Turning `sanitize_overflow` off
+    where `debug` is off changes no value and no error. Returns whether the checks are off (False: a Triton without
     these options, or with `debug` on, left as it is)."""
     try:
         from triton.runtime import interpreter
