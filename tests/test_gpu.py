@@ -43,6 +43,7 @@ from test_rmsnorm_kernel import rmsnorm_worker
 from test_rotary_kernel import qkv_heads_worker
 from test_router_matmul import kernel_worker as router_matmul_worker
 from test_routing_kernel import one_pass_worker, routing_kernels_worker
+from test_row_kernels import kernels_worker as row_kernels_worker
 from test_tp import copy_reduce_worker, tp_worker
 from test_tp_moe import tp_balance_worker, tp_moe_worker
 from weft import MoE
@@ -252,6 +253,14 @@ def test_routing_kernels_match_the_reference_and_the_torch_path_on_cuda():
     """`topk_positions` (the choose and slots kernels without the one pass's outputs) and every
     gate's fused routing on one GPU, as the CPU suite checks them under the interpreter."""
     failures = run_distributed(routing_kernels_worker, 1, args=("cuda",), timeout=600)[0]
+    assert not failures, "\n".join(failures)
+
+
+@needs_cuda
+def test_row_kernels_match_their_references_on_cuda():
+    """The dispatch and combine row kernels at their default and smaller tiles on one GPU, as the
+    CPU suite checks them under the interpreter."""
+    failures = run_distributed(row_kernels_worker, 1, args=("cuda",), timeout=600)[0]
     assert not failures, "\n".join(failures)
 
 

@@ -30,7 +30,8 @@ try:
 except ImportError:  # CPU-only installs: the PyTorch references remain
     triton = None
 
-BLOCK_D = 512
+BLOCK_D = 512  # the most columns a row kernel's program covers
+TILE_ELEMENTS = 2048  # the most elements of its tile: rows x columns (row_tile)
 KERNELS = ("auto", "torch", "triton", "comet")  # the `kernels` setting of weft.MoE, GPT and weft train
 
 
@@ -85,54 +86,72 @@ def row_dots_reference(a_TD: torch.Tensor, src_RD: torch.Tensor, rows_TK: torch.
 
 
 # -- Triton kernels ----------------------------------------------------------------------------------
+def row_tile(columns: int, rows_per_item: int = 1) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_D): the rows (tokens for `row_dots`) and columns one program covers. At most
+    512 columns, fewer where the rows are narrower; rows up to TILE_ELEMENTS elements in all, counting
+    `rows_per_item` source rows an item reads at once (`row_dots` reads its token's k rows in one
+    tile). Depends on the width alone, so a model's shapes compile one kernel each."""
+    block_d = min(BLOCK_D, triton.next_power_of_2(columns))
+    return max(1, TILE_ELEMENTS // (block_d * rows_per_item)), block_d
+
+
 if triton is not None:
 
     @triton.jit
-    def _gather_rows_kernel(src, index, scale, out, D, stride_src, stride_out, divisor,
-                            HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    def _gather_rows_kernel(src, index, scale, out, R, D, stride_src, stride_out, divisor,
+                            HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        rs = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         inside = cols < D
-        i = tl.load(index + r).to(tl.int64)
+        i = tl.load(index + rs, mask=rs < R, other=-1).to(tl.int64)
         used = i >= 0
         row = tl.where(used, i, 0) // divisor
-        values = tl.load(src + row * stride_src + cols, mask=inside & used, other=0.0).to(tl.float32)
+        values = tl.load(src + row[:, None] * stride_src + cols[None, :], mask=used[:, None] & inside[None, :],
+                         other=0.0).to(tl.float32)
         if HAS_SCALE:
-            values = values * tl.load(scale + tl.where(used, i, 0)).to(tl.float32)
-        tl.store(out + r * stride_out + cols, values.to(out.dtype.element_ty), mask=inside)
+            values = values * tl.load(scale + i, mask=used, other=0.0).to(tl.float32)[:, None]
+        tl.store(out + rs[:, None] * stride_out + cols[None, :], values.to(out.dtype.element_ty),
+                 mask=(rs < R)[:, None] & inside[None, :])
 
     @triton.jit
-    def _weighted_row_sum_kernel(src, rows, weights, out, kept, D, stride_src, stride_out, stride_kept,
-                                 K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, KEEP: tl.constexpr, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    def _weighted_row_sum_kernel(src, rows, weights, out, kept, T, D, stride_src, stride_out, stride_kept,
+                                 K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, KEEP: tl.constexpr,
+                                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        ts = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         inside = cols < D
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
         for j in tl.static_range(K):
-            r = tl.load(rows + t * K + j).to(tl.int64)
-            read = tl.load(src + r * stride_src + cols, mask=inside & (r >= 0), other=0.0)
+            r = tl.load(rows + ts * K + j, mask=ts < T, other=-1).to(tl.int64)
+            read_mask = (r >= 0)[:, None] & inside[None, :]
+            read = tl.load(src + r[:, None] * stride_src + cols[None, :], mask=read_mask, other=0.0)
             if KEEP:
-                tl.store(kept + r * stride_kept + cols, read, mask=inside & (r >= 0))
+                tl.store(kept + r[:, None] * stride_kept + cols[None, :], read, mask=read_mask)
             picked = read.to(tl.float32)
             if HAS_WEIGHTS:
-                picked = picked * tl.load(weights + t * K + j).to(tl.float32)
+                picked = picked * tl.load(weights + ts * K + j, mask=r >= 0, other=0.0).to(tl.float32)[:, None]
             acc += picked
-        tl.store(out + t * stride_out + cols, acc.to(out.dtype.element_ty), mask=inside)
+        tl.store(out + ts[:, None] * stride_out + cols[None, :], acc.to(out.dtype.element_ty),
+                 mask=(ts < T)[:, None] & inside[None, :])
 
     @triton.jit
-    def _row_dots_kernel(a, src, rows, out, D, stride_a, stride_src, blocks,
-                         K: tl.constexpr, K_POW2: tl.constexpr, BLOCK: tl.constexpr):
-        """Partial dots over one block of columns: out[t, block, j]."""
-        t = tl.program_id(0).to(tl.int64)
+    def _row_dots_kernel(a, src, rows, out, T, D, stride_a, stride_src, blocks,
+                         K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Partial dots over one block of columns: out[t, block, j], for BLOCK_R tokens' (t, j)
+        pairs laid out as the tile's rows."""
+        pairs = tl.arange(0, BLOCK_R * K_POW2)
+        ts = tl.program_id(0).to(tl.int64) * BLOCK_R + pairs // K_POW2
+        js = pairs % K_POW2
+        valid = (ts < T) & (js < K)
         block = tl.program_id(1)
-        js = tl.arange(0, K_POW2)
-        r = tl.load(rows + t * K + js, mask=js < K, other=-1).to(tl.int64)
-        cols = block * BLOCK + tl.arange(0, BLOCK)
+        r = tl.load(rows + ts * K + js, mask=valid, other=-1).to(tl.int64)
+        cols = block * BLOCK_D + tl.arange(0, BLOCK_D)
         inside = cols < D
-        a_row = tl.load(a + t * stride_a + cols, mask=inside, other=0.0).to(tl.float32)
-        picked = tl.load(src + r[:, None] * stride_src + cols[None, :],
-                         mask=(r[:, None] >= 0) & inside[None, :], other=0.0).to(tl.float32)
-        tl.store(out + (t * blocks + block) * K + js, tl.sum(picked * a_row[None, :], axis=1), mask=js < K)
+        a_rows = tl.load(a + ts[:, None] * stride_a + cols[None, :], mask=(r >= 0)[:, None] & inside[None, :],
+                         other=0.0).to(tl.float32)
+        picked = tl.load(src + r[:, None] * stride_src + cols[None, :], mask=(r >= 0)[:, None] & inside[None, :],
+                         other=0.0).to(tl.float32)
+        tl.store(out + (ts * blocks + block) * K + js, tl.sum(picked * a_rows, axis=1), mask=valid)
 
 
 def _rows_ok(x: torch.Tensor) -> torch.Tensor:
@@ -140,11 +159,12 @@ def _rows_ok(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tensor | None = None,
-                out_dtype: torch.dtype | None = None, divisor: int = 1, out: torch.Tensor | None = None
-                ) -> torch.Tensor:
+                out_dtype: torch.dtype | None = None, divisor: int = 1, out: torch.Tensor | None = None,
+                tile: tuple[int, int] | None = None) -> torch.Tensor:
     """(R, D): with i = index[r], row r is scale[i] * src[i // divisor] (float32 product, cast to
     `out_dtype`, default src's), zero where i < 0; written into `out` where given (rows of unit
-    column stride, e.g. a slice of a peer buffer), which is returned."""
+    column stride, e.g. a slice of a peer buffer), which is returned. `tile`: (BLOCK_R, BLOCK_D)
+    of a program, default `row_tile(D)`."""
     shape, dtype = (index_R.shape[0], src_ND.shape[1]), out_dtype or src_ND.dtype
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=src_ND.device)
@@ -153,19 +173,22 @@ def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tens
                          f"got {tuple(out.shape)} {out.dtype} on {out.device} strides {out.stride()}")
     if out.numel() == 0:
         return out
-    src_ND = _rows_ok(src_ND)
-    grid = (index_R.shape[0], triton.cdiv(src_ND.shape[1], BLOCK_D))
-    _gather_rows_kernel[grid](src_ND, index_R, scale_I if scale_I is not None else index_R, out, src_ND.shape[1],
-                              src_ND.stride(0), out.stride(0), divisor, HAS_SCALE=scale_I is not None, BLOCK=BLOCK_D)
+    src_ND, index_R = _rows_ok(src_ND), index_R.contiguous()
+    block_r, block_d = tile or row_tile(src_ND.shape[1])
+    grid = (triton.cdiv(index_R.shape[0], block_r), triton.cdiv(src_ND.shape[1], block_d))
+    _gather_rows_kernel[grid](src_ND, index_R, scale_I if scale_I is not None else index_R, out, index_R.shape[0],
+                              src_ND.shape[1], src_ND.stride(0), out.stride(0), divisor,
+                              HAS_SCALE=scale_I is not None, BLOCK_R=block_r, BLOCK_D=block_d)
     return out
 
 
 def weighted_row_sum(src_RD: torch.Tensor, rows_TK: torch.Tensor, weights_TK: torch.Tensor | None = None,
-                     out_dtype: torch.dtype | None = None, kept_RD: torch.Tensor | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, kept_RD: torch.Tensor | None = None,
+                     tile: tuple[int, int] | None = None) -> torch.Tensor:
     """(T, D): row t is sum_j weights[t, j] * src[rows[t, j]] over rows[t, j] >= 0, in float32.
     `kept_RD` (src's shape and dtype, unit column stride), where given: every row read is also
     written there at its own index, in the same pass; the rows no index names are left as they
-    were."""
+    were. `tile`: (BLOCK_R, BLOCK_D) of a program, default `row_tile(D)`."""
     num_tokens, k = rows_TK.shape
     out = torch.empty(num_tokens, src_RD.shape[1], dtype=out_dtype or src_RD.dtype, device=src_RD.device)
     if kept_RD is not None and (kept_RD.shape != src_RD.shape or kept_RD.dtype != src_RD.dtype
@@ -178,22 +201,28 @@ def weighted_row_sum(src_RD: torch.Tensor, rows_TK: torch.Tensor, weights_TK: to
     src_RD, rows_TK = _rows_ok(src_RD), rows_TK.contiguous()
     weights = weights_TK.contiguous() if weights_TK is not None else rows_TK
     kept = kept_RD if kept_RD is not None else out
-    grid = (num_tokens, triton.cdiv(src_RD.shape[1], BLOCK_D))
-    _weighted_row_sum_kernel[grid](src_RD, rows_TK, weights, out, kept, src_RD.shape[1], src_RD.stride(0),
-                                   out.stride(0), kept.stride(0), K=k, HAS_WEIGHTS=weights_TK is not None,
-                                   KEEP=kept_RD is not None, BLOCK=BLOCK_D)
+    block_r, block_d = tile or row_tile(src_RD.shape[1])
+    grid = (triton.cdiv(num_tokens, block_r), triton.cdiv(src_RD.shape[1], block_d))
+    _weighted_row_sum_kernel[grid](src_RD, rows_TK, weights, out, kept, num_tokens, src_RD.shape[1],
+                                   src_RD.stride(0), out.stride(0), kept.stride(0), K=k,
+                                   HAS_WEIGHTS=weights_TK is not None, KEEP=kept_RD is not None,
+                                   BLOCK_R=block_r, BLOCK_D=block_d)
     return out
 
 
-def row_dots(a_TD: torch.Tensor, src_RD: torch.Tensor, rows_TK: torch.Tensor) -> torch.Tensor:
-    """(T, K) float32: a[t] . src[rows[t, j]], 0 where rows[t, j] < 0."""
+def row_dots(a_TD: torch.Tensor, src_RD: torch.Tensor, rows_TK: torch.Tensor,
+             tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """(T, K) float32: a[t] . src[rows[t, j]], 0 where rows[t, j] < 0. `tile`: (BLOCK_R tokens,
+    BLOCK_D) of a program, default `row_tile(D, next_power_of_2(K))`."""
     num_tokens, k = rows_TK.shape
     if num_tokens * k == 0:
         return torch.zeros(num_tokens, k, dtype=torch.float32, device=a_TD.device)
     a_TD, src_RD, rows_TK = _rows_ok(a_TD), _rows_ok(src_RD), rows_TK.contiguous()
-    blocks = triton.cdiv(a_TD.shape[1], BLOCK_D)
+    k_pow2 = triton.next_power_of_2(k)
+    block_r, block_d = tile or row_tile(a_TD.shape[1], k_pow2)
+    blocks = triton.cdiv(a_TD.shape[1], block_d)
     partial = torch.empty(num_tokens, blocks, k, dtype=torch.float32, device=a_TD.device)
-    _row_dots_kernel[(num_tokens, blocks)](a_TD, src_RD, rows_TK, partial, a_TD.shape[1], a_TD.stride(0),
-                                           src_RD.stride(0), blocks, K=k, K_POW2=triton.next_power_of_2(k),
-                                           BLOCK=BLOCK_D)
+    _row_dots_kernel[(triton.cdiv(num_tokens, block_r), blocks)](
+        a_TD, src_RD, rows_TK, partial, num_tokens, a_TD.shape[1], a_TD.stride(0), src_RD.stride(0), blocks, K=k,
+        K_POW2=k_pow2, BLOCK_R=block_r, BLOCK_D=block_d)
     return partial.sum(1)  # a fixed-order reduction over the column blocks: deterministic
