@@ -105,6 +105,10 @@ def routing_kernels_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
+# (gates . weights, aux loss, z loss) weights of the loss whose gradient is compared: all, each alone
+LOSS_TERMS = ((1.0, 0.3, 0.7), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))
+
+
 def one_pass_worker(device: str = "cpu") -> list[str]:
     """route_topk (weft.kernels.token_choice) against route_topk_reference on `device` (the CPU:
     Triton's interpreter): every integer equal, gates, losses and the logits' gradient to rounding,
@@ -126,27 +130,28 @@ def one_pass_worker(device: str = "cpu") -> list[str]:
         logits = logits.to(device)
         bias = (torch.randn(E, generator=gen) * 0.05).to(device) if with_bias else None
         weights = torch.randn(T, k, generator=gen).to(device)
-        for terms in ((1.0, 0.3, 0.7), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)):
-            case = f"T={T} E={E} k={k} normalize={normalize} cap={cap} bias={with_bias} loss terms={terms}"
-            routed, grads = [], []
-            for fn in (route_topk_reference, route_topk):
-                lg = logits.clone().requires_grad_()
-                r = fn(lg, k, normalize, cap, bias)
-                parts = ((r.gates_TK * weights).sum(), r.aux_loss, r.z_loss)
-                sum(w * part for w, part in zip(terms, parts) if w).backward()
-                routed.append(r)
-                grads.append(lg.grad)
-            a, b = routed
-            for name in fields:
-                x, y = getattr(a, name), getattr(b, name)
-                if not ((x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype
-                                                      and torch.equal(x, y))):
-                    failures.append(f"{case}: {name} differs")
-            for name in ("gates_TK", "aux_loss", "z_loss"):
-                if not torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-7):
-                    failures.append(f"{case}: {name} differs beyond rounding")
-            if not close_to_rounding(grads[0], grads[1]):
-                failures.append(f"{case}: the logits' gradient differs by {(grads[0] - grads[1]).abs().max():.2e}")
+        case = f"T={T} E={E} k={k} normalize={normalize} cap={cap} bias={with_bias}"
+        routed, grads = [], []
+        for fn in (route_topk_reference, route_topk):  # one forward each, its backward for every set of terms
+            lg = logits.clone().requires_grad_()
+            r = fn(lg, k, normalize, cap, bias)
+            parts = ((r.gates_TK * weights).sum(), r.aux_loss, r.z_loss)
+            routed.append(r)
+            grads.append([torch.autograd.grad(sum(w * part for w, part in zip(terms, parts) if w), lg,
+                                              retain_graph=True)[0] for terms in LOSS_TERMS])
+        a, b = routed
+        for name in fields:
+            x, y = getattr(a, name), getattr(b, name)
+            if not ((x is None and y is None) or (x is not None and y is not None and x.dtype == y.dtype
+                                                  and torch.equal(x, y))):
+                failures.append(f"{case}: {name} differs")
+        for name in ("gates_TK", "aux_loss", "z_loss"):
+            if not torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-7):
+                failures.append(f"{case}: {name} differs beyond rounding")
+        for terms, want, got in zip(LOSS_TERMS, *grads):
+            if not close_to_rounding(want, got):
+                failures.append(f"{case} loss terms={terms}: the logits' gradient differs by "
+                                f"{(want - got).abs().max():.2e}")
     empty = route_topk(torch.zeros(0, 4, device=device), 2, True, 3)  # an empty batch: no slots, no loss
     if not (empty.experts_TK.shape == (0, 2) and empty.slot_of_row_R.tolist() == [-1] * 12
             and float(empty.aux_loss) == 0.0 and float(empty.z_loss) == 0.0 and int(empty.dropped) == 0):
