@@ -111,12 +111,10 @@ def test_experts_stepped_in_the_backward_match_sgd_after_the_backward(world_size
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, monkeypatch):
+def test_dropless_experts_stepped_in_the_grouped_kernel_match_sgd(world_size, triton_interpreter):
     """Dropless through Triton's kernels (interpreter): the step runs in the grouped
     weight-gradient kernel's epilogue, on Comet's exchange and on the plain one; the reference
     layer runs the PyTorch path, the kernels' oracle."""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(backward_sgd_worker, world_size, args=("cpu", torch.float32, 1e-5, LR, "torch"), timeout=900)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
@@ -176,9 +174,7 @@ def empty_rank_worker(device: str = "cpu", dtype: torch.dtype = torch.float32) -
     return checks.failures
 
 
-def test_a_rank_without_rows_takes_its_step(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_a_rank_without_rows_takes_its_step(triton_interpreter):
     flat = run_checks(empty_rank_worker, 1, timeout=300)
     assert not flat, "\n".join(flat)
 

@@ -231,28 +231,22 @@ def slot_rows_worker() -> list[str]:
     return checks.failures
 
 
-def test_the_slot_rows_kernel_matches_its_reference(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_slot_rows_kernel_matches_its_reference(triton_interpreter):
     failures = run_distributed(slot_rows_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures[:5])
 
 
 @pytest.mark.parametrize("worker", [write_rows_worker, activate_rows_worker], ids=["written-and-read", "activated"])
-def test_the_slot_rows_kernels_match_their_references(worker, monkeypatch):
+def test_the_slot_rows_kernels_match_their_references(worker, triton_interpreter):
     # write_rows / read_rows against the loop, index_select and the PyTorch path; activate_rows
     # against activate and its autograd
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_replica_kernels_match_their_references(world, dtype, monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_replica_kernels_match_their_references(world, dtype, triton_interpreter):
     failures = run_distributed(replica_kernels_worker, 1, args=(world, dtype), timeout=300)[0]
     assert not failures, "\n".join(failures)
 
@@ -354,9 +348,7 @@ def test_several_copies_from_one_rank_compute_the_plain_layer():
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_copies_in_slots_through_the_triton_kernels(world_size, monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_copies_in_slots_through_the_triton_kernels(world_size, triton_interpreter):
     flat = run_checks(slots_worker, world_size, args=(2 * world_size, "relu", True, 3), timeout=600)
     assert not flat, "\n".join(flat[:15])
 
@@ -428,9 +420,7 @@ def test_updated_placements_compute_the_plain_layer(world_size):
     assert not flat, "\n".join(flat[:15])
 
 
-def test_updated_placements_through_the_triton_kernels(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_updated_placements_through_the_triton_kernels(triton_interpreter):
     flat = run_checks(slots_updated_worker, 2, args=(4, True), timeout=600)
     assert not flat, "\n".join(flat[:15])
 

@@ -374,9 +374,7 @@ def comet_bench_worker(cfg: LayerBenchConfig) -> dict:
     return layer.run(cfg)
 
 
-def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_comet_rows_report_the_copy_programs_they_chose(tmp_path, triton_interpreter, capsys):
     out = tmp_path / "comet.json"
     cfg = LayerBenchConfig("tiny", 32, capacity=(1.0,), steps=1, warmup=1, json=str(out), modes=("plain", "comet"))
     run_distributed(comet_bench_worker, 2, args=(cfg,), timeout=300)

@@ -137,9 +137,7 @@ def map_kernel_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
-def test_the_map_kernel_matches_its_reference(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_map_kernel_matches_its_reference(triton_interpreter):
     failures = run_distributed(map_kernel_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures[:5])
 
@@ -249,9 +247,7 @@ def check_activation_epilogue(K, table, sends, rank_map, b, tiles, activation, u
 
 
 @pytest.mark.parametrize("tma", [True, False])
-def test_kernels_match_their_references(monkeypatch, tma):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_kernels_match_their_references(triton_interpreter, tma):
     failures = run_distributed(kernels_worker, 1, args=("cpu", tma), timeout=300)[0]
     assert not failures, "\n".join(failures)
 
@@ -306,12 +302,10 @@ def staged_comet_worker(cases) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_comet_kernels_in_the_layer_match_dense_reference(world_size, monkeypatch):
+def test_comet_kernels_in_the_layer_match_dense_reference(world_size, triton_interpreter):
     """The same through the Triton kernels (interpreter): each rank's kernels read and write the
     other processes' buffers by address (one rank: plain tensors, as `test_kernels_match_their_references`),
     with the rows and their gradient dispatched straight into the buffers."""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     cases = (CASES[0], CASES[1], ("topk", -1.0, 4, "relu", torch.float32), ("topk", None, 2, "swiglu", torch.float32),
              ("topk", None, 2, "silu", torch.bfloat16))
     flat = run_checks(staged_comet_worker, world_size, args=(cases,), timeout=600)
@@ -360,9 +354,7 @@ def stacked_layers_worker(capacity) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_stacked_comet_layers_keep_what_their_backward_reads(world_size, monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_stacked_comet_layers_keep_what_their_backward_reads(world_size, triton_interpreter):
     flat = []
     for capacity in (1.0, None):
         flat += run_checks(stacked_layers_worker, world_size, args=(capacity,), timeout=300)
@@ -507,9 +499,7 @@ def tuned_worker(path: str) -> list[str]:
     return failures
 
 
-def test_comet_times_its_copy_programs_once_per_shape(tmp_path, monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_comet_times_its_copy_programs_once_per_shape(tmp_path, triton_interpreter):
     flat = run_checks(tuned_worker, 2, args=(str(tmp_path / "tuning.json"),), timeout=300)
     assert not flat, "\n".join(flat)
 

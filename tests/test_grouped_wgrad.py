@@ -110,7 +110,6 @@ def kernel_worker(device: str = "cpu") -> list[str]:
     return checks.failures
 
 
-def test_grouped_wgrad_matches_its_reference_adds_in_place_scaled_and_refuses_bad_operands(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_grouped_wgrad_matches_its_reference_adds_in_place_scaled_and_refuses_bad_operands(triton_interpreter):
     failures = run_checks(kernel_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)

@@ -215,14 +215,12 @@ def test_matches_dense_reference(world_size, gate):
 
 @pytest.mark.parametrize("world_size, gate", [(1, "topk"), (2, "topk"), (4, "topk"), (2, "bpr"), (2, "cosine"),
                                               (2, "random")])
-def test_triton_kernels_match_dense_reference(world_size, gate, monkeypatch):
+def test_triton_kernels_match_dense_reference(world_size, gate, triton_interpreter):
     """kernels="triton" (dispatch and combine by weft.kernels.rows, in Triton's CPU interpreter,
     whose switch the ranks' fork server was started under: `weft.testing.run_distributed`), float32 and
     bfloat16, on the layouts the kernels have code for (capacity 1.0 and dropless; see
     `equivalence_worker`). The kernels act on each rank's own rows, so every world size runs with
     one gate and the other gates on two ranks (the interpreter is slow: this keeps CI short)."""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, world_size, args=(gate, DTYPES, "cpu", "triton", ("swiglu",)),
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
@@ -249,12 +247,10 @@ def test_dedup_with_its_own_pairs_last_matches_dense_reference(world_size, gate)
 
 
 @pytest.mark.parametrize("degree", [1, 2])
-def test_dedup_exchange_with_triton_kernels_matches_dense_reference(monkeypatch, degree):
+def test_dedup_exchange_with_triton_kernels_matches_dense_reference(triton_interpreter, degree):
     """The same through the row kernels in Triton's CPU interpreter, on 2 ranks (degree 2: the
     own pairs computed last, padded modes, in the first dtype: the kernels' casts run at degree 1;
     the interpreter is slow, CI time)."""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     dtypes = DTYPES if degree == 1 else DTYPES[:1]
     flat = run_checks(equivalence_worker, 2, args=("topk", dtypes, "cpu", "triton", ("swiglu",), "dedup", degree),
                       timeout=600)
@@ -303,23 +299,19 @@ def test_pipelined_dedup_with_the_own_pairs_apart_matches_dense_reference(world_
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
-def test_dedup_in_fixed_size_exchanges_with_triton_kernels_matches_dense_reference(monkeypatch):
+def test_dedup_in_fixed_size_exchanges_with_triton_kernels_matches_dense_reference(triton_interpreter):
     """The same through the row kernels in Triton's CPU interpreter, on 2 ranks."""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, 2, args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup-fixed"),
                       timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
 @pytest.mark.parametrize("world_size, degree", [(2, 1), (4, 1), (2, 2)])
-def test_own_pairs_apart_with_triton_kernels_matches_dense_reference(monkeypatch, world_size, degree):
+def test_own_pairs_apart_with_triton_kernels_matches_dense_reference(triton_interpreter, world_size, degree):
     """a2a_algo="dedup-fixed-own" through the Triton kernels in the CPU interpreter: each weight's
     gradient is the tap's product added into the own pairs' share in the product's epilogue
     (`weft.kernels.grouped_wgrad`; degree 2: the chunks' rows taken by expert first), not a
     separate add. (One rank has no own pairs apart: the plain path, tested above.)"""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the torch path")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     flat = run_checks(equivalence_worker, world_size,
                       args=("topk", DTYPES, "cpu", "triton", ("swiglu",), "dedup-fixed-own", degree), timeout=600)
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])

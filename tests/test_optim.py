@@ -207,9 +207,7 @@ def many_worker() -> list[str]:
     return failures
 
 
-def test_one_launch_over_many_tensors_updates_each_as_alone(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the reference")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_one_launch_over_many_tensors_updates_each_as_alone(triton_interpreter):
     failures = run_distributed(many_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
 
@@ -259,12 +257,10 @@ def squares_worker() -> list[str]:
     return failures
 
 
-def test_one_launch_sums_the_squares_of_many_tensors(monkeypatch):
+def test_one_launch_sums_the_squares_of_many_tensors(triton_interpreter):
     """`sum_of_squares` (gradient clipping's global norm) in Triton's interpreter: within float32
     rounding of the exact sum over mixed dtypes, partial blocks, unaligned views and a tensor the
     reference sums; the same bits twice."""
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the reference")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     failures = run_distributed(squares_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
 
@@ -283,9 +279,7 @@ def test_the_squares_reference_sums_each_tensors_norm_in_the_lists_order(device)
         assert torch.equal(sum_of_squares(ordered), in_order)
 
 
-def test_the_triton_pass_matches_the_reference(monkeypatch):
-    pytest.importorskip("triton", reason="Triton is in the test extra; CPU-only installs run the reference")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_triton_pass_matches_the_reference(triton_interpreter):
     failures = run_distributed(kernel_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
 

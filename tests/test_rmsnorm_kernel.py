@@ -60,8 +60,7 @@ def rmsnorm_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
-def test_rmsnorm_kernels_match_the_norm_and_autocasts_cast(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_rmsnorm_kernels_match_the_norm_and_autocasts_cast(triton_interpreter):
     failures = run_checks(rmsnorm_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)
 
@@ -112,7 +111,6 @@ def module_worker() -> list[str]:
     return failures
 
 
-def test_the_matmul_input_norm_writes_autocasts_dtype_and_has_the_norms_gradients(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_matmul_input_norm_writes_autocasts_dtype_and_has_the_norms_gradients(triton_interpreter):
     failures = run_checks(module_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)

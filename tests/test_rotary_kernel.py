@@ -39,8 +39,7 @@ def rotary_worker() -> list[str]:
     return failures
 
 
-def test_rotary_kernel_matches_reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_rotary_kernel_matches_reference(triton_interpreter):
     failures = run_distributed(rotary_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
 
@@ -106,7 +105,6 @@ def qkv_heads_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
-def test_qkv_heads_write_the_projection_gradient_in_one_pass(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_qkv_heads_write_the_projection_gradient_in_one_pass(triton_interpreter):
     failures = run_checks(qkv_heads_worker, 1, timeout=300)
     assert not failures, "\n".join(failures)

@@ -73,8 +73,7 @@ def kernel_worker(device: str = "cpu") -> list[str]:
     return checks.failures
 
 
-def test_router_matmul_matches_its_reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_router_matmul_matches_its_reference(triton_interpreter):
     failures = run_checks(kernel_worker, 1, timeout=600)
     assert not failures, "\n".join(failures)
 
@@ -115,7 +114,6 @@ def layer_worker() -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_the_layer_routes_through_the_kernel_as_through_the_torch_path(world_size, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_the_layer_routes_through_the_kernel_as_through_the_torch_path(world_size, triton_interpreter):
     failures = run_checks(layer_worker, world_size, timeout=600)
     assert not failures, "\n".join(failures)

@@ -166,13 +166,11 @@ def one_pass_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
-def test_one_pass_routing_matches_its_reference(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_one_pass_routing_matches_its_reference(triton_interpreter):
     failures = run_distributed(one_pass_worker, 1, timeout=600)[0]
     assert not failures, "\n".join(failures)
 
 
-def test_routing_kernels_match_the_reference_and_the_torch_path(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_routing_kernels_match_the_reference_and_the_torch_path(triton_interpreter):
     failures = run_distributed(routing_kernels_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)

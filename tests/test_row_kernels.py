@@ -123,7 +123,6 @@ def kernels_worker(device: str = "cpu") -> list[str]:
     return failures
 
 
-def test_row_kernels_match_their_references(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_row_kernels_match_their_references(triton_interpreter):
     failures = run_distributed(kernels_worker, 1, timeout=300)[0]
     assert not failures, "\n".join(failures)
