@@ -120,6 +120,14 @@ def kernels_worker(device: str = "cpu") -> list[str]:
         expect(False, "weighted_row_sum keeping into a tensor of another dtype did not raise")
     except ValueError as e:
         expect("kept_RD must be" in str(e), f"weighted_row_sum's error: {e}")
+    for call in (lambda: R.gather_rows(src, index[:-1], tile=(3, 512)),
+                 lambda: R.weighted_row_sum(src, rows, tile=(4, 0)),
+                 lambda: R.row_dots(a, src, rows, tile=(4,))):
+        try:
+            call()
+            expect(False, "a tile of other than two powers of two did not raise")
+        except ValueError as e:
+            expect("tile must be (BLOCK_R, BLOCK_D), two powers of two" in str(e), f"the tile's error: {e}")
     return failures
 
 
