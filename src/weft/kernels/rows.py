@@ -12,13 +12,13 @@ Three primitives cover the forward and backward of both (docs/moe.md, "Data move
 - `row_dots(a_TD, src_RD, rows_TK)`: out[t, j] = a[t] . src[rows[t, j]] in float32, 0 where
   rows[t, j] < 0 (combine backward's gate gradient).
 
-A program covers a tile of several rows by up to 512 columns (`row_tile`; docs/benchmarks.md
-has the tiles timed). Every output element is written by exactly one program, with no atomics: two runs on the same
-input give bitwise equal results (the index_add path accumulates with atomics on GPUs and does
-not). Rows skipped by a negative index are never read, nor their slot's weight or scale nor,
-for the dots, the token's row, so an inf or NaN there stays out, as the reference's masking
-keeps it out. The Triton kernels run on CUDA tensors, and on CPU
-tensors under Triton's interpreter (TRITON_INTERPRET=1), which is how the CPU suite tests them.
+A program covers a tile of several rows by up to 512 columns (`row_tile`; docs/benchmarks.md has
+the tiles timed). Every output element is written by exactly one program, with no atomics: two runs
+on the same input give bitwise equal results (the index_add path accumulates with atomics on GPUs
+and does not). Rows skipped by a negative index are never read, nor their slot's weight or scale
+nor, for the dots, the token's row, so an inf or NaN there stays out, as the reference's masking
+keeps it out. The Triton kernels run on CUDA tensors, and on CPU tensors under Triton's interpreter
+(TRITON_INTERPRET=1), which is how the CPU suite tests them.
 """
 from __future__ import annotations
 
