@@ -3,8 +3,9 @@ tiles (BLOCK_R, BLOCK_D), for the layer configs' shapes: the dispatch's gather (
 token), the combine's gate-weighted sum (also keeping the rows it reads), the combine backward's
 scaled gather and gate-gradient dots, and the dispatch backward's plain sum. Each call is timed by
 `triton.testing.do_bench` (median, L2 flushed between calls), the tiles interleaved and the whole
-round run twice (the noise; --rounds). Every tile's output is checked equal to the first tile's. Prints a
-table of microseconds and GB/s and writes rows to $OUT/row_tiles.json when OUT is set.
+round run twice (the noise; --rounds). Every tile's output is checked equal to the first tile's
+(the dots' to rounding). Prints a table of microseconds and GB/s and writes rows to
+$OUT/row_tiles.json when OUT is set.
     python3 scripts/row_tiles.py [--tiles 1,512 4,512 ...]
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ DEFAULT_TILES = ("1,512", "2,512", "4,512", "8,512", "2,1024", "4,1024", "8,256"
 
 
 def cases(T: int, D: int, k: int, gen: torch.Generator) -> dict:
-    """The five calls of one layer's dispatch and combine, each a (bytes moved, fn(tile)) pair."""
+    """The six calls of one layer's dispatch and combine, each a (bytes moved, fn(tile)) pair."""
     dev, bf16 = "cuda", torch.bfloat16
     x_TD = torch.randn(T, D, device=dev, dtype=bf16, generator=gen)
     slot_of_row_R = torch.randperm(T * k, device=dev, generator=gen)  # the experts' rows in slot order

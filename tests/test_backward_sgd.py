@@ -64,10 +64,10 @@ def backward_sgd_worker(device: str = "cpu", dtype: torch.dtype = torch.float32,
                         lr: float = LR, reference: str = "auto") -> list[str]:
     """Two SGD steps, each from the same weights, of the reference layer (the plain one; "torch":
     the PyTorch path, under Triton's interpreter too; "comet": Comet's, so that bf16 compares the
-    fused step alone, not the two paths' rounding) stepped by
-    `torch.optim.SGD` and of a twin (Comet's exchange, then the plain one) with the experts stepped
-    in the backward: the same outputs, input gradients and weights after each (to `tol` of the
-    largest value), and no gradient on the weights whose step the backward fused."""
+    fused step alone, not the two paths' rounding) stepped by `torch.optim.SGD` and of a twin
+    (Comet's exchange, then the plain one) with the experts stepped in the backward: the same
+    outputs, input gradients and weights after each (to `tol` of the largest value), and no
+    gradient on the weights whose step the backward fused."""
     rank, world = dist.get_rank(), dist.get_world_size()
     checks = Checks(f"rank {rank} {device} {dtype}")
     gen = torch.Generator().manual_seed(10 + rank)

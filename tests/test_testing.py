@@ -201,15 +201,8 @@ def interpreter_worker() -> list[str]:
     return failures
 
 
-def interpreted_failures(worker, monkeypatch) -> list[str]:
-    """`worker`'s failures from one rank under TRITON_INTERPRET=1."""
-    pytest.importorskip("triton", reason="Triton is in the test extra")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    return run_distributed(worker, 1, timeout=120)[0]
-
-
-def test_interpreted_ranks_patch_the_language_once_a_launch(monkeypatch):
-    failures = interpreted_failures(interpreter_worker, monkeypatch)
+def test_interpreted_ranks_patch_the_language_once_a_launch(triton_interpreter):
+    failures = run_distributed(interpreter_worker, 1, timeout=120)[0]
     assert not failures, "\n".join(failures)
 
 
@@ -254,6 +247,6 @@ def overflow_checks_worker() -> list[str]:
     return failures
 
 
-def test_interpreted_ranks_skip_the_overflow_checks_whose_verdict_is_dropped(monkeypatch):
-    failures = interpreted_failures(overflow_checks_worker, monkeypatch)
+def test_interpreted_ranks_skip_the_overflow_checks_whose_verdict_is_dropped(triton_interpreter):
+    failures = run_distributed(overflow_checks_worker, 1, timeout=120)[0]
     assert not failures, "\n".join(failures)

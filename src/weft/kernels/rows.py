@@ -156,9 +156,12 @@ if triton is not None:
         tl.store(out + (ts * blocks + block) * K + js, tl.sum(picked * a_rows, axis=1), mask=valid)
 
 
-def _checked_tile(tile: tuple[int, int] | None, name: str) -> tuple[int, int] | None:
-    """`tile` where it is two powers of two (Triton's block sizes), else ValueError."""
-    if tile is not None and (len(tile) != 2 or any(not isinstance(n, int) or n < 1 or n & (n - 1) for n in tile)):
+def _program_tile(tile: tuple[int, int] | None, name: str, columns: int, rows_per_item: int = 1) -> tuple[int, int]:
+    """`tile` where given and two powers of two (Triton's block sizes; else ValueError naming the
+    call `name`), `row_tile(columns, rows_per_item)` where not."""
+    if tile is None:
+        return row_tile(columns, rows_per_item)
+    if len(tile) != 2 or any(not isinstance(n, int) or n < 1 or n & (n - 1) for n in tile):
         raise ValueError(f"{name}: tile must be (BLOCK_R, BLOCK_D), two powers of two, got {tile}")
     return tile
 
@@ -183,7 +186,7 @@ def gather_rows(src_ND: torch.Tensor, index_R: torch.Tensor, scale_I: torch.Tens
     if out.numel() == 0:
         return out
     src_ND, index_R = _rows_ok(src_ND), index_R.contiguous()
-    block_r, block_d = _checked_tile(tile, "gather_rows") or row_tile(src_ND.shape[1])
+    block_r, block_d = _program_tile(tile, "gather_rows", src_ND.shape[1])
     grid = (triton.cdiv(index_R.shape[0], block_r), triton.cdiv(src_ND.shape[1], block_d))
     _gather_rows_kernel[grid](src_ND, index_R, scale_I if scale_I is not None else index_R, out, index_R.shape[0],
                               src_ND.shape[1], src_ND.stride(0), out.stride(0), divisor,
@@ -210,7 +213,7 @@ def weighted_row_sum(src_RD: torch.Tensor, rows_TK: torch.Tensor, weights_TK: to
     src_RD, rows_TK = _rows_ok(src_RD), rows_TK.contiguous()
     weights = weights_TK.contiguous() if weights_TK is not None else rows_TK
     kept = kept_RD if kept_RD is not None else out
-    block_r, block_d = _checked_tile(tile, "weighted_row_sum") or row_tile(src_RD.shape[1])
+    block_r, block_d = _program_tile(tile, "weighted_row_sum", src_RD.shape[1])
     grid = (triton.cdiv(num_tokens, block_r), triton.cdiv(src_RD.shape[1], block_d))
     _weighted_row_sum_kernel[grid](src_RD, rows_TK, weights, out, kept, num_tokens, src_RD.shape[1],
                                    src_RD.stride(0), out.stride(0), kept.stride(0), K=k,
@@ -228,7 +231,7 @@ def row_dots(a_TD: torch.Tensor, src_RD: torch.Tensor, rows_TK: torch.Tensor,
         return torch.zeros(num_tokens, k, dtype=torch.float32, device=a_TD.device)
     a_TD, src_RD, rows_TK = _rows_ok(a_TD), _rows_ok(src_RD), rows_TK.contiguous()
     k_pow2 = triton.next_power_of_2(k)
-    block_r, block_d = _checked_tile(tile, "row_dots") or row_tile(a_TD.shape[1], k_pow2)
+    block_r, block_d = _program_tile(tile, "row_dots", a_TD.shape[1], k_pow2)
     blocks = triton.cdiv(a_TD.shape[1], block_d)
     partial = torch.empty(num_tokens, blocks, k, dtype=torch.float32, device=a_TD.device)
     _row_dots_kernel[(triton.cdiv(num_tokens, block_r), blocks)](
