@@ -83,9 +83,11 @@ def exact_ceil(k, cf, T, E):
 
 
 def capacity(cf, k, T, E, group_no_drop):
+    """docs/moe.md's C per expert per source rank. cf > 0: at most T (a token routes to an expert
+    once, so a slot's position is always below T)."""
     bound = exact_ceil(k, cf, T, E)
     if cf > 0:
-        return max(1, bound)
+        return max(1, min(T, bound))
     if cf == 0:
         return group_no_drop
     return max(1, min(group_no_drop, bound))

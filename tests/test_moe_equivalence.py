@@ -317,6 +317,29 @@ def test_own_pairs_apart_with_triton_kernels_matches_dense_reference(triton_inte
     assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
 
 
+def capacity_above_the_tokens_worker() -> list[str]:
+    """Capacity factors whose ceil(k * cf * T / E) is T or more (docs/moe.md: C is at most T),
+    through the plain exchange, its pipelined chunks and the deduplicating one."""
+    failures = []
+    for (k, cf), gate, (a2a_algo, degree) in itertools.product(
+            [(4, 2.5), (2, 4.0), (1, 8.0)], ("topk", "bpr", "cosine", "random"),
+            [("linear", 1), ("linear", 2), ("dedup", 1), ("dedup", 2)]):
+        failures += check_case(gate, cf, k, "gelu", torch.float32, a2a_algo=a2a_algo, overlap_degree=degree)
+    return failures + check_case("topk", 2.5, 4, "swiglu", torch.bfloat16)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_capacity_above_the_tokens_is_cut_to_them(world_size):
+    """No case of the matrix above reaches k * cf >= E, and the reference did not cut C at T
+    until a random search of the options (scripts/fuzz_equivalence.py) drew one. The cases have
+    power: for the padded calls' 16 tokens the formula reaches T for every (k, cf) here, and
+    passes it for one."""
+    formula = [ref.exact_ceil(k, cf, 16, EXPERTS) for k, cf in [(4, 2.5), (2, 4.0), (1, 8.0)]]
+    assert min(formula) >= 16 and max(formula) > 16, formula
+    flat = run_checks(capacity_above_the_tokens_worker, world_size, timeout=600)
+    assert not flat, f"{len(flat)} mismatches, first ones:\n" + "\n".join(flat[:15])
+
+
 @pytest.mark.parametrize("world_size", [1, 4])
 def test_skewed_routing_forces_drops(world_size):
     assert all(d > 0 for d in run_distributed(drops_worker, world_size))
