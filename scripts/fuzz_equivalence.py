@@ -11,6 +11,9 @@ drops, capacity and every gradient. Every rank draws the same cases
 expert-choice gate) is counted by its message, not as a failure; so is a case whose router option
 happens to route like none at that seed (the check's own power test). Exits 1 on any failure.
     PYTHONPATH=src:tests python3 scripts/fuzz_equivalence.py --worlds 1 2 4 --cases 250
+Pro-Prophet's balanced layer against the plain one (`balance_worker` of
+tests/test_balance_equivalence.py at a drawn shape, k, activation and n):
+    PYTHONPATH=src:tests python3 scripts/fuzz_equivalence.py --layer pro-prophet --worlds 2 4 --cases 150
 Triton's kernels and Comet's through the interpreter (slower: 1-5 cases a second on 2 cores):
     TRITON_INTERPRET=1 PYTHONPATH=src:tests python3 scripts/fuzz_equivalence.py --kernels triton --cases 100
     TRITON_INTERPRET=1 PYTHONPATH=src:tests python3 scripts/fuzz_equivalence.py --kernels comet --algos linear 2dh
@@ -25,7 +28,9 @@ import warnings
 from collections import Counter
 
 import torch
+import torch.distributed as dist
 
+import test_balance_equivalence as be
 import test_moe_equivalence as eq
 from weft.testing import run_distributed
 
@@ -33,7 +38,9 @@ ALGOS = ("linear", "dedup", "dedup-fixed", "dedup-fixed-own", "2dh")
 TOKEN_CHOICE_CAPACITIES = eq.TOKEN_CHOICE_CAPACITIES + (1.25, 0.5, -2.0)
 SHAPE_DIMS = (8, 16, 24, 40, 72)  # model and hidden dims: multiples of 8, some not of 16
 EXPERT_COUNTS = (4, 8, 12, 16)  # whole experts on 1, 2 and 4 ranks
-NO_POWER = "routes like"  # check_case's message when the case's router option changed no choice
+# The checks' own power tests: check_case's when the case's router option changed no choice;
+# balance_worker's when the planner copied nothing, or not the expert its router makes hot.
+NO_POWER = ("routes like", "the test exercised nothing", "was not among the copies")
 
 
 def draw(rng: random.Random, gen: torch.Generator, algos: tuple[str, ...]) -> tuple[dict, dict]:
@@ -75,11 +82,31 @@ def worker(seed: int, cases: int, kernels: str, algos: tuple[str, ...]) -> list[
     return found
 
 
+def balance_worker(seed: int, cases: int) -> list[tuple[str, list[str], str | None]]:
+    """Pro-Prophet's replicated experts (`balance="pro-prophet"`): `balance_worker` of
+    tests/test_balance_equivalence.py (five SGD steps of the balanced and the plain dropless
+    layer under a growing skew) at a drawn shape, k, activation and n."""
+    warnings.filterwarnings("ignore")
+    world, rng, found = dist.get_world_size(), random.Random(seed), []
+    for _ in range(cases):
+        be.DIM, be.HIDDEN = rng.choice(SHAPE_DIMS), rng.choice(SHAPE_DIMS)  # read by balance_worker
+        experts, activation = world * rng.choice((1, 2, 3, 4)), rng.choice(eq.ACTIVATIONS)
+        be.TOP_K, n = min(rng.choice((1, 2, 3, 4)), experts), rng.randint(1, world - 1)
+        label = describe(dict(dim=be.DIM, hidden=be.HIDDEN, experts=experts, k=be.TOP_K, activation=activation, n=n))
+        try:
+            found.append((label, be.balance_worker(experts, activation, "cpu", 1e-5, n), None))
+        except ValueError as e:
+            found.append((label, [], str(e)))
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--cases", type=int, default=100, help="cases drawn per world size")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layer", default="moe", choices=("moe", "pro-prophet"),
+                        help="pro-prophet: the balanced layer against the plain one (2 or more ranks)")
     parser.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton", "comet"))
     parser.add_argument("--algos", nargs="+", default=list(ALGOS), choices=ALGOS,
                         help="the a2a_algo values drawn (Comet refuses the dedup ones: --algos linear 2dh)")
@@ -88,20 +115,25 @@ def main() -> int:
     failed = 0
     for world in ns.worlds:
         start = time.monotonic()
-        ranks = run_distributed(worker, world, args=(ns.seed + world, ns.cases, ns.kernels, tuple(ns.algos)),
-                                timeout=ns.timeout)
+        if ns.layer == "pro-prophet" and world < 2:
+            print(f"world {world}: skipped, one rank has nothing to copy")
+            continue
+        call = (balance_worker, (ns.seed + world, ns.cases)) if ns.layer == "pro-prophet" else \
+            (worker, (ns.seed + world, ns.cases, ns.kernels, tuple(ns.algos)))
+        ranks = run_distributed(call[0], world, args=call[1], timeout=ns.timeout)
         refusals = [refusal for _, _, refusal in ranks[0] if refusal is not None]  # every rank refuses alike
         refused, no_power, checked = Counter(r.split(";")[0][:100] for r in refusals), 0, len(ranks[0]) - len(refusals)
         for rank in ranks:
             for case, failures, _ in rank:
-                real = [f for f in failures if NO_POWER not in f]
+                real = [f for f in failures if not any(p in f for p in NO_POWER)]
                 no_power += len(failures) - len(real)
                 failed += len(real)
                 for message in real[:3]:
                     print(f"FAIL world {world}: {case}: {message}")
         seconds = time.monotonic() - start
         print(f"world {world}: {checked} combinations checked on every rank, {len(ranks[0]) - checked} refused, "
-              f"{no_power} rank-cases whose router option changed no choice; {seconds:.0f} s "
+              f"{no_power} rank-cases without power (a router option that changed no choice, no copy); "
+              f"{seconds:.0f} s "
               f"({ns.cases / seconds:.1f} cases/s)", flush=True)
         for message, count in refused.most_common():
             print(f"  refused x{count}: {message}")
