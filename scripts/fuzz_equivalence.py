@@ -118,11 +118,11 @@ def main() -> int:
         if ns.layer == "pro-prophet" and world < 2:
             print(f"world {world}: skipped, one rank has nothing to copy")
             continue
-        call = (balance_worker, (ns.seed + world, ns.cases)) if ns.layer == "pro-prophet" else \
+        fn, args = (balance_worker, (ns.seed + world, ns.cases)) if ns.layer == "pro-prophet" else \
             (worker, (ns.seed + world, ns.cases, ns.kernels, tuple(ns.algos)))
-        ranks = run_distributed(call[0], world, args=call[1], timeout=ns.timeout)
+        ranks = run_distributed(fn, world, args=args, timeout=ns.timeout)
         refusals = [refusal for _, _, refusal in ranks[0] if refusal is not None]  # every rank refuses alike
-        refused, no_power, checked = Counter(r.split(";")[0][:100] for r in refusals), 0, len(ranks[0]) - len(refusals)
+        refused, no_power = Counter(r.split(";")[0][:100] for r in refusals), 0
         for rank in ranks:
             for case, failures, _ in rank:
                 real = [f for f in failures if not any(p in f for p in NO_POWER)]
@@ -131,7 +131,8 @@ def main() -> int:
                 for message in real[:3]:
                     print(f"FAIL world {world}: {case}: {message}")
         seconds = time.monotonic() - start
-        print(f"world {world}: {checked} combinations checked on every rank, {len(ranks[0]) - checked} refused, "
+        print(f"world {world}: {len(ranks[0]) - len(refusals)} combinations checked on every rank, "
+              f"{len(refusals)} refused, "
               f"{no_power} rank-cases without power (a router option that changed no choice, no copy); "
               f"{seconds:.0f} s "
               f"({ns.cases / seconds:.1f} cases/s)", flush=True)
