@@ -48,9 +48,9 @@ import test_moe_adaptive as ad
 import test_moe_equivalence as eq
 import test_overlap_passes as lp
 from weft.distributed import build_moe_groups
-from weft.models import GPT, GPTConfig
+from weft.models import GPTConfig
+from weft.moe.routing import Router
 from weft.overlap.forward import Range
-from weft.overlap.moe_partition import can_route_in_parts
 from weft.testing import run_distributed
 
 ALGOS = ("linear", "dedup", "dedup-fixed", "dedup-fixed-own", "2dh")
@@ -155,14 +155,14 @@ def draw_ranges(rng: random.Random, config: GPTConfig) -> list[Range]:
     """A range for most MoE units of `config`'s model (unit 2i: block i's attention, 2i + 1 its
     FFN): its start drawn from the units after the MoE unit before it (the MoE unit itself where its
     gate cannot route a partition alone), its end from the units before the next, 1-4 partitions."""
-    probe = GPT(config, group=dist.group.WORLD)
-    routable = [can_route_in_parts(moe) for moe in probe.moe_layers()]
+    routable = Router(config.gate, config.num_experts, True, None).can_route_in_parts(config.top_k,
+                                                                                      config.capacity_factor)
     moe_units = [2 * i + 1 for i in range(config.n_layer) if config.is_moe_block(i)]
     ranges, after = [], 0  # the first unit the next range may hold
     for j, m in enumerate(moe_units):
         end = rng.randint(m, moe_units[j + 1] - 1 if j + 1 < len(moe_units) else 2 * config.n_layer - 1)
         if rng.random() < 0.85:
-            ranges.append(Range(rng.randint(after, m) if routable[j] else m, end, rng.randint(1, 4), m))
+            ranges.append(Range(rng.randint(after, m) if routable else m, end, rng.randint(1, 4), m))
             after = end + 1
         else:
             after = m + 1

@@ -57,10 +57,9 @@ def check_lancet_case(config: GPTConfig, ranges: list[Range], budget: float, bat
     """Both Lancet passes (the forward `ranges` partitioned and pipelined around their MoE layers,
     sec. 5; dW items under the all-to-alls with `budget` seconds of each, sec. 4) against the plain
     model, each MoE layer at overlap `degree` and both models on `kernels`: three SGD steps' losses,
-    drops and weights (the
-    gradients summed over `groups`, built once: each build makes new process groups), and no
-    deferred dW item lost (with a budget for every item on several ranks, some run under an
-    exchange). (failures, the plain model's drops a step)."""
+    drops and weights (the gradients summed over `groups`, built once: each build makes new
+    process groups), and no deferred dW item lost (with a budget for every item on several ranks,
+    some run under an exchange). (failures, the plain model's drops a step)."""
     rank, failures = dist.get_rank(), []
     tol = 1 if device == "cpu" else 20  # GPU matmuls round differently at different partition sizes
     results = []
